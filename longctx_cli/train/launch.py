@@ -1,0 +1,120 @@
+"""`longctx train`: validate, then run torchrun with ourselves as the entry point.
+
+Outside a torchrun environment the command checks the config and plan, makes sure the
+output directory may be written, builds the data cache once, and starts
+`python -m torch.distributed.run ... -m longctx_cli train CONFIG`. Inside one (RANK and
+WORLD_SIZE set: our own launch, a user's torchrun or a SLURM script) it trains directly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from longctx_cli.config import Config, load_config
+from longctx_cli.config.plan import build_plan, read_model_config, resolve_world_size
+from longctx_cli.errors import UserError
+
+# Things a finished or running job leaves in output_dir; their presence means "another run".
+RUN_ARTIFACTS = ("metrics.jsonl", "final")
+
+
+def in_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def previous_run_artifacts(output_dir: Path) -> list[Path]:
+    if not output_dir.is_dir():
+        return []
+    found = [output_dir / name for name in RUN_ARTIFACTS if (output_dir / name).exists()]
+    found += sorted(output_dir.glob("checkpoint-*"))
+    return found
+
+
+def check_output_dir(config: Config, overwrite: bool) -> None:
+    """Refuse to train over another run's results unless told to resume or overwrite."""
+    output_dir = Path(config.output_dir)
+    found = previous_run_artifacts(output_dir)
+    if not found or config.resume_from_checkpoint is not None:
+        return
+    if overwrite:
+        for path in found:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        return
+    names = ", ".join(p.name for p in found[:4]) + (" ..." if len(found) > 4 else "")
+    raise UserError(
+        f"output_dir {str(output_dir)!r} already holds another run's results ({names}).",
+        where="output_dir",
+        fix="set `resume_from_checkpoint: auto` to continue it, pass --overwrite to replace it, "
+        "or choose a new `output_dir`.",
+    )
+
+
+def torchrun_args(
+    nproc_per_node: int,
+    nnodes: int,
+    node_rank: int,
+    rdzv_endpoint: str | None,
+) -> list[str]:
+    if nnodes == 1 and rdzv_endpoint is None:
+        return ["--standalone", f"--nproc-per-node={nproc_per_node}"]
+    if rdzv_endpoint is None:
+        raise UserError(
+            f"--nnodes {nnodes} needs a rendezvous address.",
+            where="--rdzv-endpoint",
+            fix="pass --rdzv-endpoint HOST:PORT (the same on every node) and --node-rank.",
+        )
+    return [
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc_per_node}",
+        f"--node-rank={node_rank}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv_endpoint}",
+    ]
+
+
+def run_train(
+    config_path: Path,
+    nproc_per_node: int | None,
+    nnodes: int,
+    node_rank: int,
+    rdzv_endpoint: str | None,
+    overwrite: bool,
+) -> int:
+    """Entry of `longctx train`; returns the process exit code."""
+    config = load_config(config_path)
+    if in_torchrun():
+        from longctx_cli.train.loop import train
+
+        train(config)
+        return 0
+
+    world_size = resolve_world_size(config, nproc_per_node, nnodes)
+    build_plan(config, world_size, read_model_config(config))
+    check_output_dir(config, overwrite)
+    if node_rank == 0:
+        # Build (or reuse) the data cache once here, with progress bars, before any rank starts.
+        from longctx_cli.data.prepare import prepare
+
+        prepare(config)
+    per_node = nproc_per_node or max(1, world_size // nnodes)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *torchrun_args(per_node, nnodes, node_rank, rdzv_endpoint),
+        "-m",
+        "longctx_cli",
+        "train",
+        str(config_path),
+    ]
+    env = dict(os.environ)
+    # One compute thread per rank unless the user chose otherwise: ranks share the cores.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_node)))
+    try:
+        return subprocess.run(command, env=env, check=False).returncode
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,438 @@
+"""The training loop, top to bottom: setup, loop, step, log, save.
+
+Runs inside every rank of a torchrun job. The loss of an optimizer step is the single-device
+mean over every valid target token of the step: each rank sums CE over its own shard, the
+divisor is the exact valid-token count over the SP group, the DP group and the accumulation
+window, and gradients are summed over the world.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from longctx_cli.config import Config
+from longctx_cli.data.prepare import prepare
+from longctx_cli.data.tokenizer import load_tokenizer
+from longctx_cli.errors import UserError
+from longctx_cli.parallel.mesh import SPContext, build_parallel_groups
+from longctx_cli.parallel.sharding import ShardedBatch, shard_batch
+from longctx_cli.train.checkpoint import (
+    export_final,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
+from longctx_cli.train.loss import IGNORE_INDEX, lm_loss_sum, valid_token_count
+from longctx_cli.train.model import build_model, decoder_and_head, load_base_model
+
+
+@dataclass
+class Parallel:
+    sp_ctx: SPContext
+    dp_rank: int
+    dp_size: int
+    world_mesh: object | None  # 1-D DeviceMesh over the world, for FSDP2
+
+
+@dataclass
+class StepResult:
+    loss: float
+    tokens: int
+    grad_norm: float
+    skipped: bool
+
+
+# ---------------------------------------------------------------------------------------
+# setup helpers
+
+
+def init_distributed(config: Config) -> torch.device:
+    """Join the torchrun job; bounded collective timeouts turn a dead peer into an error."""
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if use_cuda else "gloo",
+            timeout=timedelta(seconds=config.collective_timeout_s),
+        )
+    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+
+
+def init_parallel(config: Config, device: torch.device) -> Parallel:
+    world, sp = dist.get_world_size(), config.sequence_parallel_degree
+    _, ctx = build_parallel_groups(
+        sp=sp,
+        mode=config.sequence_parallel_mode,
+        ulysses_degree=config.ulysses_degree,
+        layout=config.sp_sharding,
+        heads_k_stride=config.heads_k_stride,
+        kernel=config.attention_kernel,
+    )
+    mesh = None
+    if config.fsdp and world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (world,))
+    return Parallel(ctx, dist.get_rank() // sp, world // sp, mesh)
+
+
+def load_rows(config: Config, tokenizer):
+    """Rank 0 builds (or reuses) the cache first; the others then read it."""
+    if dist.get_rank() == 0:
+        prepared = prepare(config, tokenizer, progress=True)
+    dist.barrier()
+    if dist.get_rank() != 0:
+        prepared = prepare(config, tokenizer, progress=False)
+    return prepared.train, prepared.eval
+
+
+def make_optimizer(config: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.learning_rate, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(
+        params,
+        lr=config.learning_rate,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_epsilon,
+        weight_decay=config.weight_decay,
+    )
+
+
+def rows_per_step(config: Config, dp_size: int) -> int:
+    return dp_size * config.micro_batch_size * config.gradient_accumulation_steps
+
+
+def total_steps(config: Config, num_rows: int, dp_size: int) -> tuple[int, int]:
+    """(steps per epoch, total optimizer steps); the last partial step of an epoch is dropped."""
+    per_step = rows_per_step(config, dp_size)
+    steps_per_epoch = num_rows // per_step
+    if steps_per_epoch == 0:
+        raise UserError(
+            f"the training set has {num_rows} packed rows but one optimizer step needs "
+            f"{per_step} (dp {dp_size} x micro_batch_size {config.micro_batch_size} x "
+            f"gradient_accumulation_steps {config.gradient_accumulation_steps}).",
+            where="datasets",
+            fix="add data, or lower micro_batch_size / gradient_accumulation_steps.",
+        )
+    if config.max_steps is not None:
+        return steps_per_epoch, config.max_steps
+    return steps_per_epoch, max(1, math.ceil(config.num_epochs * steps_per_epoch))
+
+
+def step_row_indices(
+    step: int, steps_per_epoch: int, per_step: int, num_rows: int, seed: int
+) -> list[int]:
+    """Global row indices of one optimizer step: a seeded shuffle per epoch, then a slice.
+
+    The set of rows in a step depends only on the step, never on how it is split across DP
+    ranks and accumulation, so runs with different parallel layouts see the same data.
+    """
+    epoch, offset = divmod(step, steps_per_epoch)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
+    return order[offset * per_step : (offset + 1) * per_step].tolist()
+
+
+def collate(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Concatenate micro-batch rows into one row: every row boundary is a document boundary."""
+    def cat(key: str) -> torch.Tensor:
+        return torch.tensor([t for row in rows for t in row[key]], dtype=torch.long)
+
+    return cat("input_ids"), cat("position_ids"), cat("labels")
+
+
+def micro_batches(
+    rows, indices: list[int], dp_rank: int, config: Config, ctx: SPContext, pad_id: int, device
+) -> list[ShardedBatch]:
+    """This DP rank's micro-batches of one step, sharded for this SP rank."""
+    mbs, ga = config.micro_batch_size, config.gradient_accumulation_steps
+    mine = indices[dp_rank * mbs * ga : (dp_rank + 1) * mbs * ga]
+    batches = []
+    for i in range(ga):
+        input_ids, position_ids, labels = collate(rows.select(mine[i * mbs : (i + 1) * mbs]))
+        batches.append(shard_batch(input_ids, position_ids, labels, ctx, pad_id).to(device))
+    return batches
+
+
+# ---------------------------------------------------------------------------------------
+# the step
+
+
+def forward_loss_sum(decoder, lm_head, batch: ShardedBatch, config: Config) -> torch.Tensor:
+    hidden = decoder(
+        input_ids=batch.input_ids, position_ids=batch.position_ids, sp_meta=batch.sp_meta
+    ).last_hidden_state
+    chunk = config.loss_chunk_size if config.chunked_loss else None
+    return lm_loss_sum(lm_head, hidden, batch.shift_labels, chunk)
+
+
+def all_reduce_sum(values: list[float], device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def reduce_gradients(params: list[torch.nn.Parameter]) -> None:
+    """Sum gradients over the world in one flat buffer per dtype (the loss is pre-divided)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def nonfinite_ranks(local_value: float, device) -> list[int]:
+    """Ranks whose local value is NaN/inf (a collective: every rank calls it)."""
+    flags = torch.zeros(dist.get_world_size(), device=device)
+    flags[dist.get_rank()] = float(not math.isfinite(local_value))
+    dist.all_reduce(flags)
+    return [r for r, bad in enumerate(flags.tolist()) if bad]
+
+
+def train_step(
+    model, decoder, lm_head, params, optimizer, batches: list[ShardedBatch], config: Config,
+    device, use_fsdp: bool,
+) -> StepResult:
+    local_count = sum(valid_token_count(b.shift_labels) for b in batches)
+    (global_count,) = all_reduce_sum([local_count], device)
+    divisor = max(global_count, 1.0)
+    local_loss = 0.0
+    for i, batch in enumerate(batches):
+        if use_fsdp:
+            # Reduce-scatter only after the last micro-batch of the window.
+            model.set_requires_gradient_sync(i == len(batches) - 1)
+        loss_sum = forward_loss_sum(decoder, lm_head, batch, config)
+        (loss_sum / divisor).backward()
+        local_loss += loss_sum.item()
+    if not use_fsdp and dist.get_world_size() > 1:
+        reduce_gradients(params)
+    bad = nonfinite_ranks(local_loss, device)
+    (loss_sum_global,) = all_reduce_sum([local_loss], device)
+    max_norm = config.max_grad_norm if config.max_grad_norm is not None else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    skipped = bool(bad) or not math.isfinite(grad_norm)
+    if skipped and config.on_nonfinite == "stop":
+        what = f"the loss on rank(s) {bad}" if bad else "the gradient norm"
+        raise NonFiniteError(what)
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_sum_global / divisor, int(global_count), grad_norm, skipped)
+
+
+class NonFiniteError(Exception):
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
+
+
+@torch.no_grad()
+def evaluate_loss(decoder, lm_head, rows, dp_rank: int, dp_size: int, config: Config,
+                  ctx: SPContext, pad_id: int, device) -> float:
+    """Token-weighted eval loss over all ranks; every rank runs the same number of forwards."""
+    per_rank = math.ceil(len(rows) / dp_size)
+    loss_sum, count = 0.0, 0
+    for i in range(per_rank):
+        index = dp_rank + i * dp_size
+        real = index < len(rows)
+        batch = shard_batch(*collate(rows.select([index if real else 0])), ctx, pad_id).to(device)
+        if not real:  # keep collectives in step, contribute nothing
+            batch.shift_labels.fill_(IGNORE_INDEX)
+        loss_sum += forward_loss_sum(decoder, lm_head, batch, config).item()
+        count += valid_token_count(batch.shift_labels)
+    total_loss, total_count = all_reduce_sum([loss_sum, count], device)
+    return total_loss / total_count if total_count else float("nan")
+
+
+# ---------------------------------------------------------------------------------------
+# logging
+
+
+class MetricsLog:
+    """metrics.jsonl (+ TensorBoard) on rank 0; appends so a resumed run continues the file."""
+
+    def __init__(self, output_dir: Path, enabled: bool, tensorboard: bool, start_step: int):
+        self.enabled = enabled
+        self.path = output_dir / "metrics.jsonl"
+        self.writer = None
+        if not enabled:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self._truncate_after(start_step)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(output_dir / "tensorboard"))
+
+    def _truncate_after(self, step: int) -> None:
+        """Drop lines from steps after a resumed checkpoint: they will be recomputed."""
+        if not self.path.exists():
+            return
+        kept = [
+            line for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step
+        ]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.writer.add_scalar(f"train/{key}", value, record["step"])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+# ---------------------------------------------------------------------------------------
+# the run
+
+
+def train(config: Config) -> None:
+    # ---- setup ------------------------------------------------------------------------
+    device = init_distributed(config)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    parallel = init_parallel(config, device)
+    ctx, dp_rank, dp_size = parallel.sp_ctx, parallel.dp_rank, parallel.dp_size
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+    output_dir = Path(config.output_dir)
+
+    tokenizer = load_tokenizer(config)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    train_rows, eval_rows = load_rows(config, tokenizer)
+
+    model = build_model(config, fsdp_mesh=parallel.world_mesh if config.fsdp else None)
+    model.to(device)
+    use_fsdp = config.fsdp and world > 1
+    if use_fsdp:
+        # We divide the loss by the global token count ourselves: sum, do not average.
+        model.set_gradient_divide_factor(1.0)
+    decoder, lm_head = decoder_and_head(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(config, params)
+    steps_per_epoch, num_steps = total_steps(config, len(train_rows), dp_size)
+    scheduler = get_scheduler(
+        config.lr_scheduler,
+        optimizer,
+        num_warmup_steps=config.warmup_steps,
+        num_training_steps=num_steps,
+    )
+
+    start_step = 0
+    resume_path = resolve_resume(config.resume_from_checkpoint, output_dir)
+    if resume_path is not None:
+        start_step = load_checkpoint(resume_path, model, optimizer, scheduler)["step"]
+    metrics = MetricsLog(output_dir, rank == 0, config.use_tensorboard, start_step)
+    progress = tqdm(
+        total=num_steps, initial=start_step, disable=rank != 0, desc="train", unit="step",
+        dynamic_ncols=True,
+    )
+    if rank == 0 and resume_path is not None:
+        progress.write(f"resumed from {resume_path} at step {start_step}")
+
+    # ---- loop -------------------------------------------------------------------------
+    per_step = rows_per_step(config, dp_size)
+    last_checkpoint = resume_path
+    for step in range(start_step, num_steps):
+        indices = step_row_indices(step, steps_per_epoch, per_step, len(train_rows), config.seed)
+        batches = micro_batches(train_rows, indices, dp_rank, config, ctx, pad_id, device)
+        lr = scheduler.get_last_lr()[0]
+        started = time.perf_counter()
+        try:
+            result = train_step(
+                model, decoder, lm_head, params, optimizer, batches, config, device, use_fsdp
+            )
+        except NonFiniteError as e:
+            kept = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else (
+                "no checkpoint was written yet")
+            raise UserError(
+                f"step {step + 1}: {e.what} is NaN or infinite; training stopped and {kept}.",
+                where="on_nonfinite",
+                fix="lower learning_rate, raise warmup_steps, check the data, or set "
+                "`on_nonfinite: skip` to drop such steps.",
+            ) from None
+        scheduler.step()
+        seconds = time.perf_counter() - started
+
+        # ---- log ----------------------------------------------------------------------
+        record = {
+            "step": step + 1,
+            "loss": result.loss,
+            "lr": lr,
+            "grad_norm": result.grad_norm,
+            "tokens": result.tokens,
+            "tokens_per_sec": result.tokens / seconds if seconds > 0 else 0.0,
+        }
+        if result.skipped:
+            record["skipped"] = True
+        if config.eval_steps and eval_rows is not None and (step + 1) % config.eval_steps == 0:
+            record["eval_loss"] = evaluate_loss(
+                decoder, lm_head, eval_rows, dp_rank, dp_size, config, ctx, pad_id, device
+            )
+        metrics.write(record)
+        progress.update(1)
+        progress.set_postfix(
+            loss=f"{result.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_sec']:.0f}"
+        )
+        if rank == 0 and ((step + 1) % config.logging_steps == 0 or step + 1 == num_steps):
+            extra = f" eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""
+            progress.write(
+                f"step {step + 1}/{num_steps} loss {result.loss:.4f} lr {lr:.2e} "
+                f"grad_norm {result.grad_norm:.3f} tokens/s {record['tokens_per_sec']:.0f}{extra}"
+            )
+
+        # ---- save ---------------------------------------------------------------------
+        if config.save_steps and (step + 1) % config.save_steps == 0 and step + 1 < num_steps:
+            last_checkpoint = save_checkpoint(
+                output_dir, step + 1, model, optimizer, scheduler,
+                {"step": step + 1, "epoch": (step + 1) / steps_per_epoch},
+                keep=config.save_total_limit,
+            )
+
+    # ---- finish -----------------------------------------------------------------------
+    progress.close()
+    metrics.close()
+    if config.save_steps:
+        save_checkpoint(
+            output_dir, num_steps, model, optimizer, scheduler,
+            {"step": num_steps, "epoch": num_steps / steps_per_epoch},
+            keep=config.save_total_limit,
+        )
+    base_saver = None
+    if config.adapter == "lora" and config.model_config_dict is not None:
+        # A random-init base exists nowhere else: ship it beside the adapter.
+        def base_saver(path: Path) -> None:
+            load_base_model(config, "sdpa").save_pretrained(path, safe_serialization=True)
+    final = export_final(model, tokenizer, output_dir / "final", config.adapter == "lora",
+                         base_saver)
+    if rank == 0:
+        print(f"done: metrics in {output_dir / 'metrics.jsonl'}, model in {final}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+
