@@ -13,7 +13,7 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -162,8 +162,20 @@ def micro_batches(
     batches = []
     for i in range(ga):
         input_ids, position_ids, labels = collate(rows.select(mine[i * mbs : (i + 1) * mbs]))
-        batches.append(shard_batch(input_ids, position_ids, labels, ctx, pad_id).to(device))
+        batches.append(to_device(shard_batch(input_ids, position_ids, labels, ctx, pad_id), device))
     return batches
+
+
+def to_device(batch: ShardedBatch, device: torch.device) -> ShardedBatch:
+    if device.type == "cpu":
+        return batch
+    batch.sp_meta.cu_seqlens = batch.sp_meta.cu_seqlens.to(device)
+    return replace(
+        batch,
+        input_ids=batch.input_ids.to(device),
+        position_ids=batch.position_ids.to(device),
+        shift_labels=batch.shift_labels.to(device),
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -174,6 +186,14 @@ def forward_loss_sum(decoder, lm_head, batch: ShardedBatch, config: Config) -> t
     hidden = decoder(
         input_ids=batch.input_ids, position_ids=batch.position_ids, sp_meta=batch.sp_meta
     ).last_hidden_state
+    if batch.sp_meta.attention_calls == 0:
+        raise UserError(
+            "the model's attention layers did not call the sequence-parallel attention, so "
+            "each rank would attend only to its own slice of the sequence.",
+            where="base_model",
+            fix="use a model whose attention dispatches through transformers' "
+            "AttentionInterface (Llama, Qwen2/3, Mistral, Gemma, ...).",
+        )
     chunk = config.loss_chunk_size if config.chunked_loss else None
     return lm_loss_sum(lm_head, hidden, batch.shift_labels, chunk)
 
@@ -253,7 +273,8 @@ def evaluate_loss(decoder, lm_head, rows, dp_rank: int, dp_size: int, config: Co
     for i in range(per_rank):
         index = dp_rank + i * dp_size
         real = index < len(rows)
-        batch = shard_batch(*collate(rows.select([index if real else 0])), ctx, pad_id).to(device)
+        row = collate(rows.select([index if real else 0]))
+        batch = to_device(shard_batch(*row, ctx, pad_id), device)
         if not real:  # keep collectives in step, contribute nothing
             batch.shift_labels.fill_(IGNORE_INDEX)
         loss_sum += forward_loss_sum(decoder, lm_head, batch, config).item()
