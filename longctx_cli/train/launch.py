@@ -100,6 +100,20 @@ def run_train(
         from longctx_cli.data.prepare import prepare
 
         prepare(config)
+    return launch_torchrun(
+        ["train", str(config_path)], world_size, nproc_per_node, nnodes, node_rank, rdzv_endpoint
+    )
+
+
+def launch_torchrun(
+    command_args: list[str],
+    world_size: int,
+    nproc_per_node: int | None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+) -> int:
+    """Run `python -m torch.distributed.run ... -m longctx_cli <command_args>`; its exit code."""
     per_node = nproc_per_node or max(1, world_size // nnodes)
     command = [
         sys.executable,
@@ -108,13 +122,13 @@ def run_train(
         *torchrun_args(per_node, nnodes, node_rank, rdzv_endpoint),
         "-m",
         "longctx_cli",
-        "train",
-        str(config_path),
+        *command_args,
     ]
     env = dict(os.environ)
     # One compute thread per rank unless the user chose otherwise: ranks share the cores.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_node)))
     try:
+        # An argument list, never a shell: paths from the user are passed verbatim.
         return subprocess.run(command, env=env, check=False).returncode
     except KeyboardInterrupt:
         return 130
