@@ -1,0 +1,103 @@
+"""Hybrid (USP) sequence parallelism: Ulysses inside groups of ``U`` ranks, a ring across them.
+
+The SP group of size ``N`` is ``R = N / U`` Ulysses groups of ``U`` consecutive ranks; rank
+``u`` of every Ulysses group belongs to ring ``u`` (see :mod:`.mesh`). SP rank ``s`` is
+member ``u = s % U`` of Ulysses group ``g = s // U``.
+
+After the Ulysses all-to-all, rank ``(g, u)`` holds heads ``[u*H/U, (u+1)*H/U)`` for every
+token of Ulysses group ``g``, sorted by global position. That token set is exactly what
+rank ``g`` of an ``R``-rank SP group with the *same layout* would own:
+
+* contiguous: ranks ``gU .. gU+U-1`` own the consecutive block ``g`` of ``R``;
+* zigzag (``2N`` chunks, rank ``s`` owns chunks ``s`` and ``2N-1-s``): the group owns chunks
+  ``[gU, (g+1)U)`` and ``[2N-(g+1)U, 2N-gU)``, i.e. super-chunks ``g`` and ``2R-1-g`` of a
+  ``2R``-chunk zigzag, first one first once sorted.
+
+So the ring runs unchanged on a derived ``R``-rank context over ``ring_group``, on the
+heads this rank holds; every ring member holds the same head slice ``u``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from math import gcd
+
+import torch
+
+from .ring import ring_attention
+from .sharding import SPMeta, local_ranges, segments_for
+from .ulysses import build_exchange, heads_to_ranks, heads_to_seq
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent ranges joined, for comparing two descriptions of the same token set."""
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def ring_meta(meta: SPMeta, local_kv_heads: int) -> SPMeta:
+    """Metadata of the ring across Ulysses groups, as if it were an ``R``-rank SP group.
+
+    ``heads_k_stride`` is reduced to a divisor of the KV heads left on this rank.
+    """
+    key = f"hybrid_ring_{local_kv_heads}"
+    if key in meta.cache:
+        return meta.cache[key]
+    ctx = meta.ctx
+    u = ctx.ulysses_degree
+    ring_ctx = replace(
+        ctx,
+        sp_group=ctx.ring_group,
+        sp_rank=ctx.sp_rank // u,
+        sp_size=ctx.sp_size // u,
+        mode="ring",
+        heads_k_stride=gcd(ctx.heads_k_stride, local_kv_heads),
+        ulysses_group=None,
+        ring_group=None,
+        ulysses_degree=1,
+    )
+    ranges = local_ranges(meta.total_len, ring_ctx)
+    ex = build_exchange(meta, ctx.ulysses_group, u)
+    held = [(s, s + ex.piece_len) for s in ex.starts]
+    if _merged(held) != _merged(list(ranges)):  # the layout argument in the module docstring
+        raise AssertionError(f"Ulysses group holds {held}, the ring expects {ranges}")
+    derived = SPMeta(
+        ctx=ring_ctx,
+        cu_seqlens=meta.cu_seqlens,
+        total_len=meta.total_len,
+        local_ranges=ranges,
+        segments=segments_for(meta.cu_seqlens.tolist(), ranges),
+    )
+    meta.cache[key] = derived
+    return derived
+
+
+def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SPMeta, scale: float):
+    if meta.ctx.kernel == "flash":
+        from .ring_flash import flash_ring_attention
+
+        return flash_ring_attention(q, k, v, meta, scale)
+    return ring_attention(q, k, v, meta, scale)
+
+
+def hybrid_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SPMeta, scale: float
+) -> torch.Tensor:
+    """Exact document-causal attention of this rank's tokens, Ulysses x ring.
+
+    q: ``[local_tokens, H, D]``, k/v: ``[local_tokens, H_kv, D]``; returns ``[local_tokens, H, D]``.
+    Needs ``H % U == 0`` and ``H_kv`` and ``U`` dividing one another.
+    """
+    ctx = meta.ctx
+    u = ctx.ulysses_degree
+    if u < 1 or ctx.sp_size % u != 0:
+        raise ValueError(f"ulysses_degree {u} must divide the SP size {ctx.sp_size}")
+    ex = build_exchange(meta, ctx.ulysses_group, u)
+    qh, kh, vh = heads_to_ranks(q, k, v, ex)
+    out = _ring(qh, kh, vh, ring_meta(meta, kh.shape[1]), scale)
+    return heads_to_seq(out, ex)

@@ -1,0 +1,132 @@
+"""Llama3-style ring attention in pure PyTorch (the ``torch`` kernel).
+
+Forward, for each group of ``heads_k_stride`` KV heads: all-gather this group's K,V over the
+SP group (the next group's gather runs while the current one is computed), put the chunks
+in global token order (zigzag), and let every local query segment attend to the keys of its
+document (:mod:`.kernels`). Only local tensors are saved for backward.
+
+Backward re-gathers K,V per head group, computes dq locally and dK,dV for the whole row,
+then reduce-scatters dK,dV back to their owners.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .kernels import doc_causal_backward, doc_causal_forward
+from .sharding import SPMeta
+
+# torch >= 2.13 renamed the tensor-in/tensor-out collectives; keep older releases working.
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_sum = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+class _Gather:
+    """An in-flight all-gather of one head group's K and V."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, meta: SPMeta):
+        self.meta = meta
+        group, n = meta.ctx.sp_group, meta.ctx.sp_size
+        if n == 1:
+            self.k, self.v, self.handles = k, v, []
+            return
+        self.k = k.new_empty((k.shape[0] * n, *k.shape[1:]))
+        self.v = v.new_empty((v.shape[0] * n, *v.shape[1:]))
+        self.handles = [
+            _all_gather(self.k, k.contiguous(), group=group, async_op=True),
+            _all_gather(self.v, v.contiguous(), group=group, async_op=True),
+        ]
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        for h in self.handles:
+            h.wait()
+        return to_global_order(self.k, self.meta), to_global_order(self.v, self.meta)
+
+
+def to_global_order(gathered: torch.Tensor, meta: SPMeta) -> torch.Tensor:
+    """Rank-ordered all-gather output -> global token order (a no-op unless zigzag)."""
+    ctx = meta.ctx
+    if ctx.layout == "contiguous" or ctx.sp_size == 1:
+        return gathered
+    n = ctx.sp_size
+    halves = gathered.chunk(2 * n)  # rank r holds chunks 2r (global r), 2r+1 (global 2n-1-r)
+    order = [2 * j if j < n else 2 * (2 * n - 1 - j) + 1 for j in range(2 * n)]
+    return torch.cat([halves[i] for i in order])
+
+
+def to_rank_order(full: torch.Tensor, meta: SPMeta) -> torch.Tensor:
+    """Inverse of :func:`to_global_order`: the layout reduce_scatter expects."""
+    ctx = meta.ctx
+    if ctx.layout == "contiguous" or ctx.sp_size == 1:
+        return full
+    n = ctx.sp_size
+    chunks = full.chunk(2 * n)
+    return torch.cat([c for r in range(n) for c in (chunks[r], chunks[2 * n - 1 - r])])
+
+
+def _reduce_scatter(full: torch.Tensor, meta: SPMeta) -> torch.Tensor:
+    if meta.ctx.sp_size == 1:
+        return full
+    src = to_rank_order(full, meta).contiguous()
+    out = src.new_empty((src.shape[0] // meta.ctx.sp_size, *src.shape[1:]))
+    _reduce_scatter_sum(out, src, group=meta.ctx.sp_group)
+    return out
+
+
+def _head_groups(q: torch.Tensor, k: torch.Tensor, stride: int) -> list[tuple[slice, slice]]:
+    hq, hk = q.shape[1], k.shape[1]
+    if hq % hk != 0:
+        raise ValueError(f"query heads {hq} must be a multiple of key/value heads {hk}")
+    if stride < 1 or hk % stride != 0:
+        raise ValueError(f"heads_k_stride {stride} must divide the {hk} key/value heads")
+    g = hq // hk
+    return [(slice(i * g, (i + stride) * g), slice(i, i + stride)) for i in range(0, hk, stride)]
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, meta, scale):  # type: ignore[override]
+        groups = _head_groups(q, k, meta.ctx.heads_k_stride)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+        pending = _Gather(k[:, groups[0][1]], v[:, groups[0][1]], meta)
+        for i, (qh, _) in enumerate(groups):
+            kf, vf = pending.wait()
+            if i + 1 < len(groups):  # overlap the next gather with this group's compute
+                nxt = groups[i + 1][1]
+                pending = _Gather(k[:, nxt], v[:, nxt], meta)
+            o, lo = doc_causal_forward(q[:, qh], kf, vf, meta.segments, scale)
+            out[:, qh] = o
+            lse[qh] = lo
+        # Local tensors only: full-length K,V are re-gathered in backward.
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.meta, ctx.scale, ctx.groups = meta, scale, groups
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        meta, groups = ctx.meta, ctx.groups
+        dout = dout.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        pending = _Gather(k[:, groups[0][1]], v[:, groups[0][1]], meta)
+        for i, (qh, kh) in enumerate(groups):
+            kf, vf = pending.wait()
+            if i + 1 < len(groups):
+                nxt = groups[i + 1][1]
+                pending = _Gather(k[:, nxt], v[:, nxt], meta)
+            dqi, dkf, dvf = doc_causal_backward(
+                dout[:, qh], q[:, qh], kf, vf, out[:, qh], lse[qh], meta.segments, ctx.scale
+            )
+            dq[:, qh] = dqi
+            dk[:, kh] = _reduce_scatter(dkf, meta)
+            dv[:, kh] = _reduce_scatter(dvf, meta)
+        return dq, dk, dv, None, None
+
+
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SPMeta, scale: float
+) -> torch.Tensor:
+    """Exact document-causal attention of local ``q`` over the whole row's K,V."""
+    return RingAttention.apply(q, k, v, meta, scale)

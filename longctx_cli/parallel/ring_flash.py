@@ -1,0 +1,98 @@
+"""The ``flash`` kernel: ring-flash-attn's llama3 varlen attention (GPU, contiguous layout).
+
+``ring_flash_attn`` imports ``flash_attn`` at import time, so it is loaded lazily, only when
+this kernel runs. Its package ``__init__`` also imports an adapter for transformers 4
+internals that transformers 5 removed; when that is the only failure we load just the
+llama3 module, which is all we use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .sharding import SPMeta
+
+_MODULE = "ring_flash_attn.llama3_flash_attn_varlen"
+
+
+def _import_llama3_module() -> types.ModuleType:
+    try:
+        return importlib.import_module(_MODULE)
+    except ImportError as err:
+        if (err.name or "").startswith(("flash_attn", "ring_flash_attn")) and err.name != _MODULE:
+            raise ImportError(
+                "attention_kernel: flash needs the `flash-attn` and `ring-flash-attn` packages "
+                "(pip install 'longctx[gpu]'); use attention_kernel: torch otherwise"
+            ) from err
+        if _MODULE in sys.modules:  # the module itself loaded; only the package __init__ failed
+            return sys.modules[_MODULE]
+    # Register the package without running its __init__, then import the one module we need.
+    spec = importlib.util.find_spec("ring_flash_attn")
+    if spec is None or spec.submodule_search_locations is None:
+        raise ImportError("ring-flash-attn is not installed")
+    package = types.ModuleType("ring_flash_attn")
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules["ring_flash_attn"] = package
+    return importlib.import_module(_MODULE)
+
+
+def load_ring_flash_attn() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``(llama3_flash_attn_varlen_func, llama3_flash_attn_prepare_cu_seqlens)``."""
+    mod = _import_llama3_module()
+    return mod.llama3_flash_attn_varlen_func, mod.llama3_flash_attn_prepare_cu_seqlens
+
+
+def _flash_params(meta: SPMeta, prepare: Callable[..., Any]) -> tuple[Any, ...]:
+    """This rank's cu_seqlens_q/k, max lengths and key slice; computed once per row."""
+    if "flash" not in meta.cache:
+        ctx = meta.ctx
+        meta.cache["flash"] = prepare(meta.cu_seqlens, True, ctx.sp_rank, ctx.sp_size)
+    return meta.cache["flash"]
+
+
+def flash_ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SPMeta, scale: float
+) -> torch.Tensor:
+    """Document-causal SP attention through ring-flash-attn (``[local_tokens, heads, dim]``)."""
+    ctx = meta.ctx
+    if ctx.layout != "contiguous":
+        raise ValueError("the flash kernel supports sp_sharding: contiguous only")
+    if ctx.sp_size == 1:
+        return _flash_single(q, k, v, meta, scale)
+    func, prepare = load_ring_flash_attn()
+    cu_q, cu_k, max_q, max_k, k_slice = _flash_params(meta, prepare)
+    return func(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        ctx.heads_k_stride,
+        k_slice,
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=True,
+        group=ctx.sp_group,
+    )
+
+
+def _flash_single(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SPMeta, scale: float
+) -> torch.Tensor:
+    """sp == 1: no ring, plain flash-attn varlen over the row's documents."""
+    from flash_attn import flash_attn_varlen_func
+
+    cu = meta.cu_seqlens
+    max_len = int((cu[1:] - cu[:-1]).max())
+    return flash_attn_varlen_func(
+        q, k, v, cu, cu, max_len, max_len, dropout_p=0.0, softmax_scale=scale, causal=True
+    )

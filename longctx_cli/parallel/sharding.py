@@ -1,0 +1,175 @@
+"""Split one packed row across an SP group, with global label shift and attention metadata.
+
+Layouts for an SP group of size ``N`` and a padded row of ``T`` tokens:
+
+* ``contiguous``: rank ``r`` owns ``[r*T/N, (r+1)*T/N)`` (what ring-flash-attn expects);
+* ``zigzag``: the row is cut into ``2N`` chunks and rank ``r`` owns chunks ``r`` and
+  ``2N-1-r``, which gives every rank the same amount of causal attention work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .kernels import Segment
+from .mesh import SPContext
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class SPMeta:
+    """Per-row attention metadata shared by every layer of one forward/backward pass."""
+
+    ctx: SPContext
+    cu_seqlens: torch.Tensor  # int32 [num_segments + 1], global, from the padded full row
+    total_len: int  # padded full row length
+    local_ranges: tuple[tuple[int, int], ...]  # global [start, end) runs owned, in local order
+    segments: tuple[Segment, ...]  # local queries -> global keys, for the torch kernels
+    cache: dict[str, Any] = field(default_factory=dict)  # per-kernel derived values
+    attention_calls: int = 0  # incremented by the transformers entry point
+
+    @property
+    def local_len(self) -> int:
+        return self.total_len // self.ctx.sp_size
+
+
+@dataclass
+class ShardedBatch:
+    input_ids: torch.Tensor  # [1, L]
+    position_ids: torch.Tensor  # [1, L], global positions (restart at 0 per document)
+    shift_labels: torch.Tensor  # [1, L], target of each local token, -100 = no loss
+    sp_meta: SPMeta
+
+
+def pad_multiple(ctx: SPContext) -> int:
+    return ctx.sp_size * (2 if ctx.layout == "zigzag" else 1)
+
+
+def local_ranges(total_len: int, ctx: SPContext) -> tuple[tuple[int, int], ...]:
+    """Global token ranges this rank owns, in the order they are stored locally."""
+    n, r = ctx.sp_size, ctx.sp_rank
+    if total_len % pad_multiple(ctx) != 0:
+        raise ValueError(f"row length {total_len} is not a multiple of {pad_multiple(ctx)}")
+    if ctx.layout == "contiguous":
+        size = total_len // n
+        return ((r * size, (r + 1) * size),)
+    if ctx.layout == "zigzag":
+        c = total_len // (2 * n)
+        return ((r * c, (r + 1) * c), ((2 * n - 1 - r) * c, (2 * n - r) * c))
+    raise ValueError(f"unknown layout {ctx.layout!r}")
+
+
+def segments_for(cu_seqlens: list[int], ranges: tuple[tuple[int, int], ...]) -> tuple[Segment, ...]:
+    """Split the owned ranges at document boundaries: one segment per (range, document) piece.
+
+    Query indices are local rows; key indices are global, so a segment's keys start at the
+    start of its document, which may live on another rank.
+    """
+    out: list[Segment] = []
+    offset = 0
+    for g0, g1 in ranges:
+        for ds, de in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
+            a, b = max(g0, ds), min(g1, de)
+            if a < b:
+                out.append(Segment(offset + a - g0, offset + b - g0, ds, b))
+        offset += g1 - g0
+    return tuple(out)
+
+
+def slice_sequence(full: torch.Tensor, ctx: SPContext, dim: int = 0) -> torch.Tensor:
+    """This rank's part of a full-row tensor (inverse of :func:`gather_sequence`)."""
+    parts = [full.narrow(dim, a, b - a) for a, b in local_ranges(full.shape[dim], ctx)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def gather_sequence(local: torch.Tensor, ctx: SPContext, dim: int = 0) -> torch.Tensor:
+    """All-gather every rank's part and return the full row in global token order.
+
+    Not differentiable; meant for evaluation and tests.
+    """
+    if ctx.sp_size == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(ctx.sp_size)]
+    dist.all_gather(parts, local.contiguous(), group=ctx.sp_group)
+    if ctx.layout == "contiguous":
+        return torch.cat(parts, dim=dim)
+    n = ctx.sp_size
+    halves = [p.chunk(2, dim=dim) for p in parts]
+    chunks = [halves[j][0] if j < n else halves[2 * n - 1 - j][1] for j in range(2 * n)]
+    return torch.cat(chunks, dim=dim)
+
+
+def document_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
+    """Segment boundaries of a 1-D row: a segment starts at 0 and wherever position_ids == 0."""
+    starts = (position_ids == 0).nonzero().flatten()
+    if starts.numel() == 0 or starts[0] != 0:
+        starts = torch.cat([starts.new_zeros(1), starts])
+    end = starts.new_tensor([position_ids.numel()])
+    return torch.cat([starts, end]).to(torch.int32)
+
+
+def shift_labels_globally(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``shift[t] = labels[t+1]``, with -100 at the row end and before every document start.
+
+    Done once on the full row: shifting per rank would lose each rank's boundary target.
+    """
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    shifted[:-1] = labels[1:]
+    starts = cu_seqlens[1:-1].long()
+    shifted[starts - 1] = IGNORE_INDEX
+    return shifted
+
+
+def _pad(x: torch.Tensor, extra: int, value: int) -> torch.Tensor:
+    return torch.cat([x, x.new_full((extra,), value)]) if extra else x
+
+
+def shard_batch(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    labels: torch.Tensor,
+    ctx: SPContext,
+    pad_token_id: int = 0,
+) -> ShardedBatch:
+    """Pad, shift labels globally and slice one packed row for this rank (see module doc)."""
+    input_ids, position_ids, labels = (t.reshape(-1) for t in (input_ids, position_ids, labels))
+    if not input_ids.numel() == position_ids.numel() == labels.numel():
+        raise ValueError("input_ids, position_ids and labels must have the same length")
+    length = input_ids.numel()
+    multiple = pad_multiple(ctx)
+    extra = -length % multiple
+    input_ids = _pad(input_ids, extra, pad_token_id)
+    labels = _pad(labels, extra, IGNORE_INDEX)
+    # The padding tail is a document of its own: positions restart at 0 there.
+    tail = torch.arange(extra, dtype=position_ids.dtype, device=position_ids.device)
+    position_ids = torch.cat([position_ids, tail]) if extra else position_ids
+    cu_seqlens = document_cu_seqlens(position_ids)
+    shifted = shift_labels_globally(labels, cu_seqlens)
+    total = input_ids.numel()
+    ranges = local_ranges(total, ctx)
+    meta = SPMeta(
+        ctx=ctx,
+        cu_seqlens=cu_seqlens,
+        total_len=total,
+        local_ranges=ranges,
+        segments=segments_for(cu_seqlens.tolist(), ranges),
+    )
+    return ShardedBatch(
+        input_ids=slice_sequence(input_ids, ctx).unsqueeze(0),
+        position_ids=slice_sequence(position_ids, ctx).unsqueeze(0),
+        shift_labels=slice_sequence(shifted, ctx).unsqueeze(0),
+        sp_meta=meta,
+    )
+
+
+def make_sp_meta(position_ids: torch.Tensor, ctx: SPContext) -> SPMeta:
+    """Metadata for a full (already padded) 1-D position row, without touching tokens."""
+    cu_seqlens = document_cu_seqlens(position_ids.reshape(-1))
+    total = int(cu_seqlens[-1])
+    ranges = local_ranges(total, ctx)
+    return SPMeta(ctx, cu_seqlens, total, ranges, segments_for(cu_seqlens.tolist(), ranges))

@@ -1,0 +1,220 @@
+"""Ulysses (all-to-all) sequence parallelism.
+
+Each rank of a group of ``N`` holds ``[local_tokens, H, D]``. An all-to-all trades tokens for
+heads: afterwards every rank holds the whole group's tokens for ``H / N`` heads, attends over
+them with ordinary document-causal attention (no communication inside attention), and a
+second all-to-all gives every rank its own tokens back for all heads.
+
+The gathered tokens are put in ascending global order. For a plain Ulysses group that is
+the whole row in true order (zigzag chunks are reordered); for a Ulysses group inside a
+hybrid SP group it is the group's share of the row, which :mod:`.hybrid` feeds to a ring.
+
+Both all-to-alls are linear maps that are each other's transpose, so each one's backward
+is the other one's forward: gradients are exact.
+
+GQA: when the group is larger than the number of KV heads, every KV head is replicated so
+that each rank receives one whole KV head; autograd sums the replicas' gradients back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from .kernels import doc_causal_attention
+from .sharding import SPMeta, local_ranges
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """How one all-to-all group moves a row between the token and the head layout.
+
+    ``order[i]`` is the index, in the rank-ordered all-to-all buffer, of the ``i``-th piece of
+    the head layout (pieces sorted by global position). ``starts`` are those sorted pieces'
+    global start offsets.
+    """
+
+    group: ProcessGroup | None
+    size: int
+    piece_len: int
+    order: tuple[int, ...]
+    starts: tuple[int, ...]
+
+    @property
+    def identity(self) -> bool:
+        return self.order == tuple(range(len(self.order)))
+
+
+def build_exchange(meta: SPMeta, group: ProcessGroup | None, size: int) -> Exchange:
+    """The exchange of the all-to-all group of ``size`` consecutive SP ranks holding this rank.
+
+    Cached in ``meta.cache`` because every layer of the row uses the same one.
+    """
+    key = f"ulysses_exchange_{size}"
+    if key not in meta.cache:
+        ctx = meta.ctx
+        first = ctx.sp_rank // size * size  # groups are consecutive SP ranks (see mesh.py)
+        pieces = [
+            rng
+            for member in range(first, first + size)
+            for rng in local_ranges(meta.total_len, replace(ctx, sp_rank=member))
+        ]
+        lengths = {b - a for a, b in pieces}
+        if len(lengths) != 1:
+            raise ValueError(f"unequal sequence pieces {pieces}; cannot exchange them")
+        order = tuple(sorted(range(len(pieces)), key=lambda i: pieces[i][0]))
+        meta.cache[key] = Exchange(
+            group=group,
+            size=size,
+            piece_len=lengths.pop(),
+            order=order,
+            starts=tuple(pieces[i][0] for i in order),
+        )
+    return meta.cache[key]
+
+
+def _permute(x: torch.Tensor, order: tuple[int, ...], piece_len: int) -> torch.Tensor:
+    """Pieces of ``x`` (along dim 0) taken in ``order``."""
+    pieces = x.split(piece_len)
+    return torch.cat([pieces[i] for i in order])
+
+
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    inv = [0] * len(order)
+    for pos, src in enumerate(order):
+        inv[src] = pos
+    return tuple(inv)
+
+
+def _all_to_all(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """All-to-all along dim 0 (split into equal blocks, block ``j`` goes to group rank ``j``)."""
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _seq_to_heads(x: torch.Tensor, ex: Exchange) -> torch.Tensor:
+    """``[L, H, D]`` (own tokens, all heads) -> ``[size*L, H/size, D]`` (group tokens)."""
+    n = ex.size
+    length, heads, dim = x.shape
+    # Block j of the send buffer holds head slice j, which is what group rank j keeps.
+    send = x.reshape(length, n, heads // n, dim).transpose(0, 1).contiguous()
+    recv = _all_to_all(send, ex.group).reshape(n * length, heads // n, dim)
+    return recv if ex.identity else _permute(recv, ex.order, ex.piece_len)
+
+
+def _heads_to_seq(y: torch.Tensor, ex: Exchange) -> torch.Tensor:
+    """Inverse of :func:`_seq_to_heads`."""
+    n = ex.size
+    total, heads, dim = y.shape
+    if not ex.identity:
+        y = _permute(y, _inverse(ex.order), ex.piece_len)
+    recv = _all_to_all(y.reshape(n, total // n, heads, dim).contiguous(), ex.group)
+    # recv[j] is this rank's tokens for group rank j's heads: put heads back in order.
+    return recv.transpose(0, 1).reshape(total // n, n * heads, dim)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ex):  # type: ignore[override]
+        ctx.ex = ex
+        return _seq_to_heads(x, ex)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _heads_to_seq(grad.contiguous(), ctx.ex), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, ex):  # type: ignore[override]
+        ctx.ex = ex
+        return _heads_to_seq(y, ex)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _seq_to_heads(grad.contiguous(), ctx.ex), None
+
+
+def seq_to_heads(x: torch.Tensor, ex: Exchange) -> torch.Tensor:
+    """Differentiable ``[L, H, D] -> [size*L, H/size, D]``, tokens in ascending global order."""
+    if ex.size == 1:
+        return x
+    return _SeqToHeads.apply(x, ex)
+
+
+def heads_to_seq(y: torch.Tensor, ex: Exchange) -> torch.Tensor:
+    """Differentiable inverse of :func:`seq_to_heads`."""
+    if ex.size == 1:
+        return y
+    return _HeadsToSeq.apply(y, ex)
+
+
+def kv_replication(q_heads: int, kv_heads: int, size: int) -> int:
+    """How many copies of each KV head the all-to-all needs so every rank gets whole heads.
+
+    Raises ``ValueError`` for head counts the group cannot split.
+    """
+    if q_heads % kv_heads != 0:
+        raise ValueError(f"query heads {q_heads} must be a multiple of key/value heads {kv_heads}")
+    if q_heads % size != 0:
+        raise ValueError(
+            f"Ulysses needs the {q_heads} attention heads to be divisible by its group size {size}"
+        )
+    if kv_heads % size == 0:
+        return 1
+    if size % kv_heads == 0:
+        return size // kv_heads
+    raise ValueError(
+        f"Ulysses cannot split {kv_heads} key/value heads over a group of {size}: one of the two "
+        "must divide the other"
+    )
+
+
+def heads_to_ranks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ex: Exchange
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All-to-all q, k, v to the head layout, replicating KV heads when there are too few.
+
+    Replica ``c`` of KV head ``j`` sits at index ``j*copies + c``, so the rank that receives it
+    also receives exactly the query heads of KV head ``j`` (query head ``h`` uses KV head
+    ``h // (H / H_kv)``); ``repeat_interleave`` sums the replicas' gradients in backward.
+    """
+    copies = kv_replication(q.shape[1], k.shape[1], ex.size)
+    if copies > 1:
+        k = k.repeat_interleave(copies, dim=1)
+        v = v.repeat_interleave(copies, dim=1)
+    return seq_to_heads(q, ex), seq_to_heads(k, ex), seq_to_heads(v, ex)
+
+
+def _flash_full_row(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """flash-attn varlen over the whole row (CUDA); imported lazily, it is a GPU extra."""
+    from flash_attn import flash_attn_varlen_func
+
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    return flash_attn_varlen_func(
+        q, k, v, cu, cu, max_len, max_len, dropout_p=0.0, softmax_scale=scale, causal=True
+    )
+
+
+def ulysses_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SPMeta, scale: float
+) -> torch.Tensor:
+    """Exact document-causal attention of this rank's tokens by head-parallel all-to-all.
+
+    q: ``[local_tokens, H, D]``, k/v: ``[local_tokens, H_kv, D]``; returns ``[local_tokens, H, D]``.
+    """
+    ctx = meta.ctx
+    ex = build_exchange(meta, ctx.sp_group, ctx.sp_size)
+    qh, kh, vh = heads_to_ranks(q, k, v, ex)
+    if ctx.kernel == "flash":
+        out = _flash_full_row(qh, kh, vh, meta.cu_seqlens, scale)
+    else:
+        out = doc_causal_attention(qh, kh, vh, meta.cu_seqlens, scale)
+    return heads_to_seq(out, ex)
