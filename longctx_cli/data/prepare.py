@@ -1,0 +1,579 @@
+"""Tokenize, pack and cache the datasets of a config: `prepare(config) -> Prepared`.
+
+The cache at `config.prepared_path` holds `train/` (and `eval/`) saved with `datasets`, the
+fingerprint of every input that determines them, the report, and a `COMPLETE` marker. It is
+built in a temporary folder next to the target and renamed into place, so a failed or
+interrupted run never leaves a cache that a later run would accept, nor damages a good one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from longctx_cli.data import formats, load, pack, passkey
+from longctx_cli.data.report import DatasetStats, PrepareReport, RowStats, length_histogram
+from longctx_cli.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+from longctx_cli.errors import UserError
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerBase
+
+    from longctx_cli.config.schema import Config, DatasetConfig
+
+__all__ = ["PIPELINE_VERSION", "Prepared", "PrepareReport", "fingerprint_parts", "prepare"]
+
+log = logging.getLogger("longctx.data")
+
+# Bump when the meaning of a cached row changes, so old caches are rebuilt, not misread.
+PIPELINE_VERSION = 1
+MARKER = "COMPLETE"
+FINGERPRINT_FILE = "fingerprint.json"
+REPORT_FILE = "report.json"
+_CHUNK_BINS = 512  # rows assembled per read of the samples table
+
+
+@dataclass
+class Prepared:
+    """The result of `prepare`: rows ready for the trainer, and what was done."""
+
+    train: Dataset
+    eval: Dataset | None
+    report: PrepareReport
+    reused: bool
+    path: str
+
+
+def prepare(
+    config: Config,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    *,
+    progress: bool = True,
+    force: bool = False,
+) -> Prepared:
+    """The prepared rows of `config`: from the cache when its fingerprint matches, else built.
+
+    Run it on one process (e.g. rank 0, then a barrier): concurrent builders each write their
+    own temporary folder, and only one of them ends up in place.
+    """
+    if not config.datasets:
+        raise UserError(
+            "no training datasets: `datasets` is empty.",
+            where="config",
+            fix="add an entry, e.g. `datasets: [{path: data.jsonl, type: completion}]`.",
+        )
+    tok = tokenizer if tokenizer is not None else load_tokenizer(config)
+    target = Path(config.prepared_path)
+    train_sources = [_resolve(e) for e in config.datasets]
+    eval_sources = [_resolve(e) for e in config.eval_datasets]
+    parts = fingerprint_parts(config, tok, train_sources, eval_sources)
+    fp = _digest(parts)
+    reason = "rebuild forced"
+    if not force:
+        cached, reason = _load_cache(target, fp, parts)
+        if cached is not None:
+            log.info("reusing prepared data at %s (fingerprint %s)", target, fp)
+            return cached
+    log.info("preparing data into %s: %s", target, reason)
+    return _build_and_swap(config, tok, target, fp, parts, reason, progress,
+                           train_sources, eval_sources)
+
+
+# ---- fingerprint -------------------------------------------------------------------------
+
+
+def _resolve(entry: DatasetConfig) -> load.Source | None:
+    """The entry's Source (None for generated passkey data)."""
+    if entry.type == "passkey":
+        return None
+    if not entry.path:
+        raise UserError(
+            f"a `{entry.type}` dataset needs a `path`.",
+            where="datasets",
+            fix="set `path:` to a local file or folder, or a hub dataset id.",
+        )
+    return load.resolve(entry)
+
+
+def fingerprint_parts(
+    config: Config,
+    tok: PreTrainedTokenizerBase,
+    train_sources: list[load.Source | None],
+    eval_sources: list[load.Source | None],
+) -> dict[str, Any]:
+    """Everything that determines the prepared rows, as a JSON-able dict."""
+    return {
+        "pipeline": PIPELINE_VERSION,
+        "tokenizer": tokenizer_fingerprint(tok),
+        "sequence_len": config.sequence_len,
+        "sample_packing": config.sample_packing,
+        "excess_length_strategy": config.excess_length_strategy,
+        "seed": config.seed,
+        "val_set_size": config.val_set_size,
+        "datasets": [_entry_part(e, s) for e, s in zip(config.datasets, train_sources,
+                                                       strict=True)],
+        "eval_datasets": [_entry_part(e, s) for e, s in zip(config.eval_datasets, eval_sources,
+                                                            strict=True)],
+    }
+
+
+def _entry_part(entry: DatasetConfig, source: load.Source | None) -> dict[str, Any]:
+    part = entry.model_dump(mode="json")
+    if source is not None:
+        part["content"] = load.content_hash(source, entry)
+    return part
+
+
+def _digest(parts: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Names of the inputs that differ, e.g. `sequence_len`, `datasets[0].content`."""
+    diffs: list[str] = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if a == b:
+            continue
+        if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                if isinstance(x, dict) and isinstance(y, dict):
+                    diffs += [f"{key}[{i}].{k}" for k in sorted(set(x) | set(y))
+                              if x.get(k) != y.get(k)]
+        else:
+            diffs.append(key)
+    return diffs
+
+
+# ---- the cache ---------------------------------------------------------------------------
+
+
+def _load_cache(target: Path, fp: str, parts: dict[str, Any]) -> tuple[Prepared | None, str]:
+    """(Prepared, "") when `target` is a complete cache with fingerprint `fp`, else (None, why)."""
+    if not target.exists():
+        return None, "no cache yet"
+    marker = target / MARKER
+    if not marker.is_file():
+        return None, "the existing cache is incomplete (no completion marker)"
+    try:
+        recorded = json.loads((target / FINGERPRINT_FILE).read_text())
+    except (OSError, ValueError):
+        return None, "the existing cache has no readable fingerprint"
+    if marker.read_text().strip() != fp or recorded.get("fingerprint") != fp:
+        changed = _differences(recorded.get("parts", {}), parts)
+        return None, "inputs changed since the cache was built: " + (
+            ", ".join(changed) or "fingerprint")
+    try:
+        import datasets
+
+        train = datasets.load_from_disk(str(target / "train"))
+        eval_ds = (datasets.load_from_disk(str(target / "eval"))
+                   if (target / "eval").is_dir() else None)
+        report = PrepareReport.from_dict(json.loads((target / REPORT_FILE).read_text()))
+    except Exception as exc:  # noqa: BLE001 - any unreadable cache is simply rebuilt
+        return None, f"the existing cache is unreadable ({type(exc).__name__})"
+    report.reused = True
+    report.reason = "fingerprint matches"
+    report.path = str(target)
+    return Prepared(train, eval_ds, report, True, str(target)), ""
+
+
+def _build_and_swap(
+    config: Config, tok: PreTrainedTokenizerBase, target: Path, fp: str, parts: dict[str, Any],
+    reason: str, progress: bool, train_sources: list, eval_sources: list,
+) -> Prepared:
+    _check_replaceable(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(target)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        started = time.monotonic()
+        with _progress_bars(progress):
+            report = _build(config, tok, tmp, train_sources, eval_sources, progress)
+        report.fingerprint, report.reason = fp, reason
+        report.path = str(target)
+        report.seconds = time.monotonic() - started
+        shutil.rmtree(tmp / "work", ignore_errors=True)
+        (tmp / FINGERPRINT_FILE).write_text(json.dumps({"fingerprint": fp, "parts": parts},
+                                                       indent=1, sort_keys=True))
+        (tmp / REPORT_FILE).write_text(json.dumps(report.to_dict(), indent=1))
+        _fsync_tree(tmp)
+        (tmp / MARKER).write_text(fp)  # last: only a finished cache carries it
+        _swap_into_place(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    prepared, why = _load_cache(target, fp, parts)
+    if prepared is None:  # another process replaced it between our rename and this read
+        raise UserError(f"the cache at {target} changed while it was being written ({why}).",
+                        fix="run one `preprocess` at a time for a given dataset_prepared_path.")
+    prepared.report.reused = False
+    prepared.report.reason = reason
+    prepared.reused = False
+    return prepared
+
+
+def _check_replaceable(target: Path) -> None:
+    """Refuse to replace anything that is not a cache of ours (or an empty folder)."""
+    if not target.exists():
+        return
+    ours = any((target / name).exists() for name in (MARKER, FINGERPRINT_FILE, "train"))
+    if target.is_dir() and (ours or not any(target.iterdir())):
+        return
+    raise UserError(
+        f"dataset_prepared_path {str(target)!r} exists and is not a longctx data cache; "
+        "it will not be overwritten.",
+        where="dataset_prepared_path",
+        fix="point `dataset_prepared_path` at a new folder, or remove that one.",
+    )
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    """Delete temp folders of builds whose process is gone (crashed or killed runs)."""
+    for stale in target.parent.glob(f".{target.name}.tmp-*"):
+        pid = stale.name.split("-")[-2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    for old in target.parent.glob(f".{target.name}.old-*"):
+        if target.exists():
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _swap_into_place(tmp: Path, target: Path) -> None:
+    """Rename `tmp` to `target`; an existing target is moved aside first and removed after."""
+    old = None
+    if target.exists():
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(target, old)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if old is not None and not target.exists():
+            os.rename(old, target)  # put the previous cache back
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush the written files, so the marker can never reach the disk before the data."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+
+
+@contextlib.contextmanager
+def _progress_bars(enabled: bool) -> Iterator[None]:
+    import datasets
+
+    was = not datasets.are_progress_bars_disabled()
+    (datasets.enable_progress_bars if enabled else datasets.disable_progress_bars)()
+    try:
+        yield
+    finally:
+        (datasets.enable_progress_bars if was else datasets.disable_progress_bars)()
+
+
+# ---- building ----------------------------------------------------------------------------
+
+
+def _row_features() -> Any:
+    from datasets import Features, List, Value
+
+    return Features({name: List(Value("int32"))
+                     for name in ("input_ids", "labels", "position_ids")})
+
+
+def _build(
+    config: Config, tok: PreTrainedTokenizerBase, tmp: Path, train_sources: list,
+    eval_sources: list, progress: bool,
+) -> PrepareReport:
+    """Write `train/` (and `eval/`) into `tmp`; intermediate files go to `tmp/work`."""
+    work = tmp / "work"
+    work.mkdir()
+    report = PrepareReport(config.sequence_len, config.sample_packing,
+                           config.excess_length_strategy)
+    train_rows, hist = _split_rows("train", config.datasets, train_sources, config, tok, work,
+                                   progress, report)
+    report.length_histogram = hist
+    eval_rows = None
+    if config.eval_datasets:
+        eval_rows, _ = _split_rows("eval", config.eval_datasets, eval_sources, config, tok,
+                                   work, progress, report)
+        if config.val_set_size:
+            report.notes.append("val_set_size is ignored because eval_datasets is set.")
+    elif config.val_set_size:
+        train_rows, eval_rows = _hold_out(train_rows, config)
+    else:
+        train_rows = train_rows.shuffle(seed=config.seed)
+    report.train = _row_stats(train_rows, config.sequence_len)
+    train_rows.save_to_disk(str(tmp / "train"))
+    if eval_rows is not None:
+        report.eval = _row_stats(eval_rows, config.sequence_len)
+        eval_rows.save_to_disk(str(tmp / "eval"))
+    return report
+
+
+def _hold_out(rows: Dataset, config: Config) -> tuple[Dataset, Dataset]:
+    size = config.val_set_size
+    n_eval = int(size) if size >= 1 else max(1, round(size * len(rows)))
+    if n_eval >= len(rows):
+        raise UserError(
+            f"val_set_size {size:g} holds out {n_eval} of {len(rows)} rows, leaving none to "
+            "train on.",
+            where="val_set_size",
+            fix="lower val_set_size, or add data.",
+        )
+    split = rows.train_test_split(test_size=n_eval, seed=config.seed, shuffle=True)
+    return split["train"], split["test"]
+
+
+def _row_stats(rows: Dataset, sequence_len: int) -> RowStats:
+    import pyarrow.compute as pc
+
+    table = rows.with_format("arrow")[:]
+    tokens = int(pc.sum(pc.list_value_length(table.column("input_ids"))).as_py() or 0)
+    labels = pc.list_flatten(table.column("labels"))
+    targets = int(pc.sum(pc.not_equal(labels, -100)).as_py() or 0)
+    return RowStats(len(rows), tokens, targets,
+                    pack.packing_efficiency(tokens, len(rows), sequence_len))
+
+
+def _split_rows(
+    split: str, entries: list[DatasetConfig], sources: list, config: Config,
+    tok: PreTrainedTokenizerBase, work: Path, progress: bool, report: PrepareReport,
+) -> tuple[Dataset, list[tuple]]:
+    """Rows of one split (unshuffled) and the length histogram of its samples."""
+    from datasets import concatenate_datasets
+
+    all_samples: list[Dataset] = []
+    all_lengths: list[np.ndarray] = []
+    raw_lengths: list[np.ndarray] = []
+    for n, (entry, source) in enumerate(zip(entries, sources, strict=True)):
+        stats = DatasetStats(entry.path or "passkey", entry.type, split)
+        samples, lengths, raw = _entry_samples(entry, source, config, tok,
+                                               work / f"{split}-{n}", stats, progress)
+        report.datasets.append(stats)
+        all_samples.append(samples)
+        all_lengths.append(lengths)
+        raw_lengths.append(raw)
+    lengths = np.concatenate(all_lengths)
+    if len(lengths) == 0:
+        raise UserError(
+            f"no {split} samples are left to train on: "
+            + "; ".join(_loss_summary(s) for s in report.datasets if s.split == split) + ".",
+            where="datasets" if split == "train" else "eval_datasets",
+            fix="check the data, raise `sequence_len`, or use "
+            "`excess_length_strategy: truncate`.",
+        )
+    samples = all_samples[0] if len(all_samples) == 1 else concatenate_datasets(all_samples)
+    rows = _write_rows(samples, lengths, config, work / f"{split}-rows.arrow", progress)
+    return rows, length_histogram(np.concatenate(raw_lengths), config.sequence_len)
+
+
+def _loss_summary(s: DatasetStats) -> str:
+    return (f"{s.label}: {s.records} records, {s.skipped} skipped ({s.skip_reason}), "
+            f"{s.dropped} longer than sequence_len dropped")
+
+
+def _entry_samples(
+    entry: DatasetConfig, source: load.Source | None, config: Config,
+    tok: PreTrainedTokenizerBase, work: Path, stats: DatasetStats, progress: bool,
+) -> tuple[Dataset, np.ndarray, np.ndarray]:
+    """(samples, their lengths, lengths before the excess-length rule) of one entry."""
+    work.mkdir(parents=True)
+    if entry.type == "passkey":
+        samples = _passkey_samples(entry, config, tok, work)
+        stats.records = len(samples)
+    else:
+        assert source is not None
+        samples = _tokenized(entry, source, config, tok, work, stats, progress)
+    lengths = _lengths(samples)
+    raw = lengths[lengths > 0]
+    samples, lengths = _apply_length_rules(samples, lengths, entry, source, config, stats)
+    stats.samples, stats.tokens = len(lengths), int(lengths.sum())
+    return samples, lengths, raw
+
+
+def _lengths(samples: Dataset) -> np.ndarray:
+    import pyarrow.compute as pc
+
+    column = samples.data.column("input_ids")
+    return np.asarray(pc.list_value_length(column).to_numpy(zero_copy_only=False),
+                      dtype=np.int64)
+
+
+def _passkey_samples(
+    entry: DatasetConfig, config: Config, tok: PreTrainedTokenizerBase, work: Path
+) -> Dataset:
+    lengths = entry.context_lengths or [config.sequence_len]
+    seed = entry.seed if entry.seed is not None else config.seed
+    try:
+        generated = passkey.generate_passkey_samples(
+            tok, entry.num_samples, lengths, entry.depths, entry.key_length, seed)
+    except ValueError as exc:
+        raise UserError(f"{exc}.", where="datasets (type: passkey)",
+                        fix="use longer `context_lengths`.") from None
+    rows = ((s.input_ids, passkey.training_labels(s), list(range(len(s)))) for s in generated)
+    return _write_samples(rows, work / "samples.arrow")
+
+
+def _write_samples(rows: Any, path: Path) -> Dataset:
+    """Write (input_ids, labels, position_ids) tuples to an Arrow file, memory-mapped back."""
+    from datasets import Dataset
+    from datasets.arrow_writer import ArrowWriter
+
+    batch: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
+    with ArrowWriter(features=_row_features(), path=str(path)) as writer:
+        for ids, labels, pos in rows:
+            batch["input_ids"].append(ids)
+            batch["labels"].append(labels)
+            batch["position_ids"].append(pos)
+            if len(batch["input_ids"]) >= 256:
+                writer.write_batch(batch)
+                batch = {k: [] for k in batch}
+        if batch["input_ids"]:
+            writer.write_batch(batch)
+        writer.finalize()
+    return Dataset.from_file(str(path))
+
+
+def _tokenized(
+    entry: DatasetConfig, source: load.Source, config: Config, tok: PreTrainedTokenizerBase,
+    work: Path, stats: DatasetStats, progress: bool,
+) -> Dataset:
+    load.prescan(source)
+    records = load.load_records(source, entry, cache_dir=str(work / "hf"))
+    stats.records = len(records)
+    if len(records) == 0:
+        raise UserError("the dataset is empty (no records).", where=source.label,
+                        fix="check the file, `split` and the dataset id.")
+    column = entry.messages_field if entry.type == "chat_template" else entry.field
+    if column not in records.column_names:
+        key = "messages_field" if entry.type == "chat_template" else "field"
+        raise UserError(
+            f"has no field {column!r} (fields: {', '.join(records.column_names)}).",
+            where=source.label,
+            fix=f"set `{key}:` in this dataset entry to the column that holds the "
+            + ("conversation." if key == "messages_field" else "text."),
+        )
+    fn = {"completion": formats.completion_batch, "chat_template": formats.chat_batch,
+          "pretrain": formats.pretrain_batch}[entry.type]
+    if entry.type == "chat_template":
+        stats.skip_reason = "no assistant turn"
+    tokenized = records.map(
+        fn, batched=True, with_indices=True, remove_columns=records.column_names,
+        fn_kwargs={"tok": tok, "field": column, "where": source.where},
+        num_proc=_num_proc(config, len(records)), desc=f"Tokenizing {_short(source.label)}",
+        new_fingerprint=f"tokenize-{uuid.uuid4().hex}",
+    )
+    if entry.type != "pretrain":
+        return tokenized
+    docs = (ids for batch in tokenized.iter(batch_size=256) for ids in batch["input_ids"])
+    stats.skipped = int((_lengths(tokenized) == 0).sum())
+    pieces = ((ids, list(ids), pos) for ids, pos in formats.pretrain_pieces(docs,
+                                                                           config.sequence_len))
+    return _write_samples(pieces, work / "pieces.arrow")
+
+
+def _short(label: str) -> str:
+    return label if len(label) <= 30 else "..." + label[-27:]
+
+
+def _num_proc(config: Config, n_records: int) -> int | None:
+    """Worker processes for tokenization: `num_proc` (default all cores), but no more than
+    one per 1,000 records (a process pool costs more than it saves on small data)."""
+    wanted = config.num_proc or os.cpu_count() or 1
+    n = max(1, min(wanted, n_records // 1000))
+    return n if n > 1 else None
+
+
+def _apply_length_rules(
+    samples: Dataset, lengths: np.ndarray, entry: DatasetConfig, source: load.Source | None,
+    config: Config, stats: DatasetStats,
+) -> tuple[Dataset, np.ndarray]:
+    """Skip empty samples and apply `excess_length_strategy` to those over sequence_len."""
+    limit = config.sequence_len
+    empty = lengths == 0
+    if entry.type != "pretrain":
+        stats.skipped = int(empty.sum())
+    too_long = lengths > limit
+    stats.too_long = int(too_long.sum())
+    if stats.too_long and config.excess_length_strategy == "error":
+        first = int(np.argmax(too_long))
+        where = source.where(first) if source else f"passkey sample {first + 1}"
+        raise UserError(
+            f"a sample is {int(lengths[first]):,} tokens long, more than sequence_len "
+            f"({limit:,}); {stats.too_long} samples of this dataset are.",
+            where=where,
+            fix="raise `sequence_len`, or set `excess_length_strategy: drop` or `truncate`.",
+        )
+    keep = ~empty
+    if stats.too_long and config.excess_length_strategy == "drop":
+        keep &= ~too_long
+        stats.dropped = stats.too_long
+    elif stats.too_long:
+        samples = samples.map(_truncate, batched=True, fn_kwargs={"limit": limit},
+                              desc="Truncating", new_fingerprint=f"trunc-{uuid.uuid4().hex}")
+        lengths = np.minimum(lengths, limit)
+        stats.truncated = stats.too_long
+    if not keep.all():
+        index = np.flatnonzero(keep)
+        samples, lengths = samples.select(index), lengths[index]
+    return samples, lengths
+
+
+def _truncate(batch: dict[str, list], *, limit: int) -> dict[str, list]:
+    return {k: [v[:limit] for v in values] for k, values in batch.items()}
+
+
+def _write_rows(
+    samples: Dataset, lengths: np.ndarray, config: Config, path: Path, progress: bool
+) -> Dataset:
+    """Pack (or not) the samples into rows and write them to an Arrow file."""
+    if config.sample_packing:
+        bins = pack.ffd_bins(lengths.tolist(), config.sequence_len)
+    else:
+        bins = [[i] for i in range(len(lengths))]
+    chunks = pack.iter_chunks(bins, _CHUNK_BINS)
+    if progress and len(bins) > 20 * _CHUNK_BINS:
+        from tqdm.auto import tqdm
+
+        chunks = tqdm(chunks, total=-(-len(bins) // _CHUNK_BINS), desc="Packing", unit="chunk")
+    return _write_samples(_rows_of(samples, chunks), path)
+
+
+def _rows_of(samples: Dataset, chunks: Any) -> Iterator[tuple[list[int], list[int], list[int]]]:
+    for chunk in chunks:
+        wanted = sorted({i for b in chunk for i in b})
+        got = samples[wanted]  # one read per chunk: random single-row reads are slow
+        at = {i: k for k, i in enumerate(wanted)}
+        for b in chunk:
+            row = pack.make_row((got["input_ids"][at[i]], got["labels"][at[i]],
+                                 got["position_ids"][at[i]]) for i in b)
+            yield row["input_ids"], row["labels"], row["position_ids"]

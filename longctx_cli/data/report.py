@@ -1,0 +1,164 @@
+"""What `prepare` did, for the `preprocess` summary and for the cache's `report.json`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class DatasetStats:
+    """One `datasets:`/`eval_datasets:` entry: what went in and what became of it."""
+
+    label: str  # path or "passkey"
+    type: str
+    split: str  # "train" or "eval"
+    records: int = 0  # raw records read (pretrain: documents; passkey: samples generated)
+    skipped: int = 0  # nothing to train on (empty text, or a conversation without reply)
+    skip_reason: str = "empty text"
+    too_long: int = 0  # longer than sequence_len before dropping/truncating
+    dropped: int = 0
+    truncated: int = 0
+    samples: int = 0  # samples that reached packing (pretrain: pieces)
+    tokens: int = 0  # tokens in those samples
+
+
+@dataclass
+class RowStats:
+    rows: int = 0
+    tokens: int = 0
+    target_tokens: int = 0  # labels != -100
+    efficiency: float = 0.0  # tokens / (rows * sequence_len)
+
+
+@dataclass
+class PrepareReport:
+    sequence_len: int
+    sample_packing: bool
+    excess_length_strategy: str
+    datasets: list[DatasetStats] = field(default_factory=list)
+    train: RowStats = field(default_factory=RowStats)
+    eval: RowStats | None = None
+    # (low, high, count) with high exclusive; the last bucket holds everything > sequence_len.
+    length_histogram: list[tuple[int, int, int]] = field(default_factory=list)
+    fingerprint: str = ""
+    path: str = ""
+    reused: bool = False
+    reason: str = ""  # why the cache was (re)built, or "fingerprint matches"
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    # ---- serialisation (the cache keeps its report so a reuse can print it) -------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PrepareReport:
+        data = dict(data)
+        data["datasets"] = [DatasetStats(**d) for d in data.get("datasets", [])]
+        data["train"] = RowStats(**data.get("train", {}))
+        data["eval"] = RowStats(**data["eval"]) if data.get("eval") else None
+        data["length_histogram"] = [tuple(b) for b in data.get("length_histogram", [])]
+        return cls(**data)
+
+    # ---- rendering -----------------------------------------------------------------------
+    def render(self) -> Any:
+        """A rich renderable: per-dataset table, rows table, length histogram, cache line."""
+        from rich.console import Group
+        from rich.text import Text
+
+        parts: list[Any] = [self._datasets_table(), self._rows_table()]
+        if self.length_histogram:
+            parts.append(Text(self.histogram_text()))
+        for note in self.notes:
+            parts.append(Text(f"note: {note}", style="yellow"))
+        parts.append(Text(self.cache_line(), style="bold"))
+        return Group(*parts)
+
+    def cache_line(self) -> str:
+        if self.reused:
+            return f"Reused cache {self.path} (fingerprint {self.fingerprint})."
+        return (
+            f"Built cache {self.path} (fingerprint {self.fingerprint}) in {self.seconds:.1f}s: "
+            f"{self.reason}."
+        )
+
+    def _datasets_table(self) -> Any:
+        from rich.table import Table
+
+        table = Table(title="Datasets", title_justify="left")
+        for name in ("split", "dataset", "type", "records", "skipped", "too long", "samples",
+                     "tokens"):
+            table.add_column(name, justify="left" if name in ("split", "dataset", "type")
+                             else "right")
+        for d in self.datasets:
+            skipped = f"{d.skipped:,} ({d.skip_reason})" if d.skipped else "0"
+            too_long = "0"
+            if d.too_long:
+                what = "dropped" if d.dropped else "truncated" if d.truncated else "error"
+                too_long = f"{d.too_long:,} {what}"
+            table.add_row(d.split, _short(d.label), d.type, f"{d.records:,}", skipped,
+                          too_long, f"{d.samples:,}", f"{d.tokens:,}")
+        return table
+
+    def _rows_table(self) -> Any:
+        from rich.table import Table
+
+        mode = "packed (FFD)" if self.sample_packing else "one sample per row"
+        table = Table(title=f"Rows of {self.sequence_len:,} tokens, {mode}", title_justify="left")
+        for name in ("split", "rows", "tokens", "target tokens", "packing efficiency"):
+            table.add_column(name, justify="left" if name == "split" else "right")
+        for split, s in (("train", self.train), ("eval", self.eval)):
+            if s is not None:
+                table.add_row(split, f"{s.rows:,}", f"{s.tokens:,}", f"{s.target_tokens:,}",
+                              f"{s.efficiency:.1%}")
+        return table
+
+    def histogram_text(self, width: int = 40) -> str:
+        """Sample lengths in tokens (train), one bar per bucket."""
+        peak = max((c for _, _, c in self.length_histogram), default=0) or 1
+        lines = ["Sample length (tokens, train)"]
+        for low, high, count in self.length_histogram:
+            label = f"> {low - 1:,}" if high < 0 else f"{low:,}-{high - 1:,}"
+            bar = "█" * max(1 if count else 0, round(width * count / peak))
+            lines.append(f"  {label:>17} | {bar} {count:,}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        console = Console(width=110, no_color=True, record=True, file=_Null())
+        console.print(self.render())
+        return console.export_text()
+
+
+class _Null:
+    def write(self, _: str) -> int:
+        return 0
+
+    def flush(self) -> None:
+        pass
+
+
+def _short(label: str, width: int = 40) -> str:
+    return label if len(label) <= width else "..." + label[-(width - 3):]
+
+
+def length_histogram(lengths: Any, sequence_len: int, buckets: int = 8) -> list[tuple]:
+    """Counts of lengths in `buckets` equal ranges of [1, sequence_len], plus "> sequence_len".
+
+    The overflow bucket is written as (sequence_len + 1, -1, count).
+    """
+    import numpy as np
+
+    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths = lengths[lengths > 0]
+    step = max(1, -(-sequence_len // buckets))
+    out: list[tuple] = []
+    for low in range(1, sequence_len + 1, step):
+        high = min(low + step, sequence_len + 1)
+        out.append((low, high, int(((lengths >= low) & (lengths < high)).sum())))
+    over = int((lengths > sequence_len).sum())
+    if over:
+        out.append((sequence_len + 1, -1, over))
+    return out

@@ -1,0 +1,112 @@
+"""Tokenizer loading: a Hugging Face tokenizer by path/hub id, or the built-in `byte` one."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import TYPE_CHECKING
+
+from longctx_cli.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from longctx_cli.config.schema import Config
+
+BYTE = "byte"
+
+# A minimal chat format for the byte tokenizer, so `chat_template` datasets work offline.
+# An assistant turn ends with the eos token (the model learns to stop); other turns end with
+# a newline. Nothing follows eos inside a turn because the byte tokenizer strips whitespace
+# right after special tokens, which would break the text <-> token correspondence.
+BYTE_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] }}"
+    "{%- if message['role'] == 'assistant' -%}{{ eos_token }}{%- else -%}{{ '\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>\n' }}{%- endif -%}"
+)
+
+
+def byte_tokenizer() -> PreTrainedTokenizerBase:
+    """The built-in byte-level tokenizer: 256 bytes + 3 specials (+125 unused ids), no files.
+
+    ids: pad 0, eos 1, unk 2, byte b -> b + 3; vocabulary size 384. It saves with
+    `save_pretrained` and loads back with `AutoTokenizer.from_pretrained` like any other.
+    """
+    from transformers import ByT5Tokenizer
+
+    tok = ByT5Tokenizer()
+    tok.chat_template = BYTE_CHAT_TEMPLATE
+    return tok
+
+
+def load_tokenizer(config: Config) -> PreTrainedTokenizerBase:
+    """The tokenizer named by `config.tokenizer_source`, with a pad token guaranteed."""
+    source = config.tokenizer_source
+    if source is None:
+        raise UserError(
+            "no tokenizer to use: `model_config` builds a model but names no tokenizer.",
+            where="config",
+            fix="set `tokenizer: byte` (built-in, no files) or a tokenizer path / hub id.",
+        )
+    if source == BYTE:
+        tok = byte_tokenizer()
+    else:
+        tok = _from_pretrained(source, config.trust_remote_code)
+    ensure_pad_token(tok)
+    return tok
+
+
+def _from_pretrained(source: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        # transformers raises OSError for missing files / unknown hub ids and ValueError for
+        # remote code that was not allowed; both are the user's to fix.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"could not load the tokenizer {source!r}: {first}",
+            where="tokenizer",
+            fix="check the path or hub id (and network access), set `trust_remote_code: true` "
+            "if the tokenizer needs its own code, or use `tokenizer: byte`.",
+        ) from exc
+
+
+def ensure_pad_token(tok: PreTrainedTokenizerBase) -> None:
+    """Give the tokenizer a pad token (the trainer pads rows); reuse eos, as most recipes do."""
+    if tok.pad_token_id is not None:
+        return
+    if tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
+    elif tok.unk_token is not None:
+        tok.pad_token = tok.unk_token
+    else:
+        raise UserError(
+            "the tokenizer has no pad, eos or unk token to pad rows with.",
+            where="tokenizer",
+            fix="use a tokenizer that defines an eos token.",
+        )
+
+
+def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
+    """A hash of everything about a tokenizer that changes the token ids it produces."""
+    h = hashlib.sha256()
+    h.update(type(tok).__name__.encode())
+    for token, idx in sorted(tok.get_vocab().items()):
+        h.update(f"{token}\x00{idx}\x01".encode("utf-8", "surrogatepass"))
+    specials = {
+        "bos": tok.bos_token_id,
+        "eos": tok.eos_token_id,
+        "pad": tok.pad_token_id,
+        "unk": tok.unk_token_id,
+        "template": tok.chat_template if isinstance(tok.chat_template, str) else
+        json.dumps(tok.chat_template, sort_keys=True),
+    }
+    h.update(json.dumps(specials, sort_keys=True, default=str).encode())
+    # A probe catches normaliser / pre-tokeniser differences the vocabulary does not show.
+    probe = "Hello, World!  12345 \u00e9t\u00e9\n\tThe pass key is 0."
+    h.update(json.dumps(tok(probe)["input_ids"]).encode())
+    return h.hexdigest()[:16]
