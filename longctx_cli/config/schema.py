@@ -29,9 +29,10 @@ class DatasetConfig(_Strict):
     )
     type: DatasetType = Field(
         "completion",
-        description="completion: train on all tokens of `field`; chat_template: render `messages_field` "
-        "with the tokenizer's chat template, train on assistant turns; pretrain: concatenate `field` "
-        "and cut into `sequence_len` pieces; passkey: synthetic long-context retrieval samples.",
+        description="completion: train on all tokens of `field`; chat_template: render "
+        "`messages_field` with the tokenizer's chat template, train on assistant turns; "
+        "pretrain: concatenate `field` and cut into `sequence_len` pieces; passkey: synthetic "
+        "long-context retrieval samples.",
     )
     field: str = Field("text", description="Column holding the text (completion, pretrain).")
     messages_field: str = Field(
@@ -78,7 +79,8 @@ class Config(_Strict):
         "built-in byte-level tokenizer that needs no files.",
     )
     trust_remote_code: bool = Field(
-        False, description="Allow model/tokenizer code from the hub to run. Off unless you trust it."
+        False,
+        description="Allow model/tokenizer code from the hub to run. Off unless you trust it.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="Dtype of the model weights and compute."

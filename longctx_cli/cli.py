@@ -1,0 +1,250 @@
+"""The `longctx` command line: parse arguments, call one function, print its result.
+
+Everything heavy (transformers, the data pipeline, the trainer) is imported inside the
+command that needs it, so `longctx --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from longctx_cli import __version__
+from longctx_cli.errors import UserError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+app = typer.Typer(
+    name="longctx",
+    help="Fine-tune Hugging Face causal LMs on very long sequences with sequence "
+    "parallelism, from one YAML config.\n\n"
+    "Start with [bold]validate[/] to see the resolved plan and memory estimate, then "
+    "[bold]preprocess[/], [bold]train[/] and [bold]eval[/].",
+    epilog="Example: [bold]longctx validate examples/tiny_passkey.yaml --nproc-per-node 2[/]  "
+    "Config keys: docs/config.md. Commands: docs/cli.md.",
+    rich_markup_mode="rich",
+    no_args_is_help=True,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+ConfigArg = Annotated[
+    Path,
+    typer.Argument(
+        metavar="CONFIG",
+        help="YAML config file (see examples/ and docs/config.md).",
+        show_default=False,
+    ),
+]
+NprocOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--nproc-per-node",
+        min=1,
+        help="Ranks (processes) per node. Default: torchrun's WORLD_SIZE, else `world_size` "
+        "in the config, else 1.",
+        show_default=False,
+    ),
+]
+NnodesOpt = Annotated[
+    int | None,
+    typer.Option("--nnodes", min=1, help="Number of nodes (default 1).", show_default=False),
+]
+
+
+def print_error(error: BaseException) -> None:
+    """One wrapped paragraph on stderr with a red `error:` prefix, no traceback."""
+    message = Text("error: ", style="bold red")
+    message.append(str(error))  # plain text: brackets in messages are not rich markup
+    Console(stderr=True).print(message)
+
+
+def _interrupted() -> None:
+    Console(stderr=True).print("\n[yellow]interrupted[/]")
+    sys.exit(130)
+
+
+def _user_errors(command: F) -> F:
+    """Print a UserError as one paragraph and exit 2 (also under Typer's test runner);
+    Ctrl-C exits 130 with one line instead of a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except UserError as e:
+            print_error(e)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            _interrupted()
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"longctx {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Sequence-parallel long-context fine-tuning."""
+
+
+@app.command(
+    help="Check a config against the world size and the model, and print the resolved plan."
+    "\n\nThe plan shows the data x sequence parallel layout, tokens per rank, the attention "
+    "kernel and a rough per-rank memory estimate. Only the model's config is read (a few "
+    "well-known models work offline).",
+    epilog="Examples:\n\n"
+    "  longctx validate examples/tiny_passkey.yaml --nproc-per-node 2\n\n"
+    "  longctx validate examples/qwen2.5-7b-128k-2nodes.yaml --nproc-per-node 8 --nnodes 2\n\n"
+    "Exit status: 0 valid, 2 invalid (the message names the key and how to fix it).",
+)
+@_user_errors
+def validate(config: ConfigArg, nproc_per_node: NprocOpt = None, nnodes: NnodesOpt = None) -> None:
+    """Print the plan, or a UserError naming the key to fix."""
+    from longctx_cli.config import load_config
+    from longctx_cli.config.plan import plan_for
+
+    plan = plan_for(load_config(config), nproc_per_node=nproc_per_node, nnodes=nnodes)
+    Console().print(plan.to_table())
+    Console().print("[green]valid[/]")
+
+
+@app.command(
+    help="Tokenize and pack the datasets once, and cache them for `train`.\n\n"
+    "The cache goes to `dataset_prepared_path` (default `<output_dir>/prepared`) and is "
+    "reused by `train` while the data, tokenizer and packing options are unchanged.",
+    epilog="Examples:\n\n"
+    "  longctx preprocess examples/tiny_passkey.yaml\n\n"
+    "  longctx preprocess my.yaml --force   # rebuild even if the cache matches",
+)
+@_user_errors
+def preprocess(
+    config: ConfigArg,
+    force: Annotated[
+        bool, typer.Option("--force", help="Rebuild the cache even when its fingerprint matches.")
+    ] = False,
+) -> None:
+    """Build (or reuse) the prepared dataset and print its report."""
+    from longctx_cli.config import load_config
+    from longctx_cli.data.prepare import prepare
+
+    cfg = load_config(config)
+    prepared = prepare(cfg, force=force)
+    console = Console()
+    console.print(prepared.report.render())
+    console.print(f"cache: {getattr(prepared, 'path', None) or cfg.prepared_path}")
+
+
+@app.command(
+    help="Train with torchrun: one process per rank, Hugging Face checkpoints in output_dir."
+    "\n\nWrites output_dir/metrics.jsonl (one line per optimizer step), resumable "
+    "output_dir/checkpoint-<step>/ folders and the final model in output_dir/final/. For "
+    "several nodes, run the same command on every node with its own --node-rank.",
+    epilog="Examples:\n\n"
+    "  longctx train examples/tiny_passkey.yaml --nproc-per-node 2\n\n"
+    "  longctx train my.yaml --nproc-per-node 8 --nnodes 2 --node-rank 0 "
+    "--rdzv-endpoint node0:29500   # run on every node with its --node-rank",
+)
+@_user_errors
+def train(
+    config: ConfigArg,
+    nproc_per_node: NprocOpt = None,
+    nnodes: Annotated[int, typer.Option("--nnodes", min=1, help="Number of nodes.")] = 1,
+    node_rank: Annotated[
+        int, typer.Option("--node-rank", min=0, help="This node's rank (0 .. nnodes-1).")
+    ] = 0,
+    rdzv_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            "--rdzv-endpoint",
+            metavar="HOST:PORT",
+            help="Rendezvous address shared by all nodes (multi-node).",
+            show_default=False,
+        ),
+    ] = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option("--overwrite", help="Start afresh even if output_dir has a previous run."),
+    ] = False,
+) -> None:
+    """Hand over to the launcher; its return value is the exit status."""
+    from longctx_cli.train.launch import run_train
+
+    raise typer.Exit(
+        run_train(
+            config_path=config,
+            nproc_per_node=nproc_per_node,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            rdzv_endpoint=rdzv_endpoint,
+            overwrite=overwrite,
+        )
+    )
+
+
+@app.command(
+    name="eval",
+    help="Long-context evaluation: passkey retrieval grid and loss by position.\n\n"
+    "Optionally evaluates a second checkpoint (--compare) the same way, side by side.",
+    epilog="Examples:\n\n"
+    "  longctx eval examples/tiny_passkey.yaml --checkpoint outputs/tiny_passkey/final\n\n"
+    "  longctx eval my.yaml --checkpoint out/final --compare base_model_dir",
+)
+@_user_errors
+def eval_(
+    config: ConfigArg,
+    checkpoint: Annotated[
+        Path,
+        typer.Option("--checkpoint", help="Checkpoint folder to evaluate.", show_default=False),
+    ],
+    compare: Annotated[
+        Path | None,
+        typer.Option("--compare", help="A second checkpoint to evaluate side by side.",
+                     show_default=False),
+    ] = None,
+    nproc_per_node: NprocOpt = None,
+) -> None:
+    """Hand over to the evaluator; its return value is the exit status."""
+    from longctx_cli.eval.run import run_eval
+
+    raise typer.Exit(
+        run_eval(
+            config_path=config,
+            checkpoint=checkpoint,
+            compare=compare,
+            nproc_per_node=nproc_per_node,
+        )
+    )
+
+
+def main() -> None:
+    """Console entry point: run the app; a UserError is one paragraph on stderr, exit 2."""
+    try:
+        app()  # standalone mode: Typer prints usage errors and exits with their status
+    except UserError as e:  # raised outside a command body, e.g. while parsing
+        print_error(e)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        _interrupted()
+
+
+if __name__ == "__main__":
+    main()
