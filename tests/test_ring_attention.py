@@ -10,7 +10,6 @@ import dataclasses
 
 import pytest
 import torch
-from distributed import run_distributed
 
 from longctx_cli.parallel import (
     SPContext,
@@ -21,6 +20,7 @@ from longctx_cli.parallel import (
     slice_sequence,
     sp_attention,
 )
+from tests.distributed import run_distributed
 
 TOL = 1e-5
 DIM = 16
