@@ -11,12 +11,12 @@ import dataclasses
 
 import pytest
 import torch
-from distributed import run_distributed
-from test_ring_attention import CASES, assert_all_close, run_case
 
 from longctx_cli.parallel import SPContext, build_parallel_groups, make_sp_meta
 from longctx_cli.parallel.hybrid import ring_meta
 from longctx_cli.parallel.ulysses import build_exchange
+from tests.distributed import run_distributed
+from tests.test_ring_attention import CASES, assert_all_close, run_case
 
 LAYOUTS = ("contiguous", "zigzag")
 

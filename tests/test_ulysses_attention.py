@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_distributed
-from test_ring_attention import CASES, DIM, assert_all_close, run_case
 
 from longctx_cli.parallel import (
     SPContext,
@@ -21,6 +19,8 @@ from longctx_cli.parallel import (
     sp_attention,
 )
 from longctx_cli.parallel.ulysses import build_exchange, kv_replication
+from tests.distributed import run_distributed
+from tests.test_ring_attention import CASES, DIM, assert_all_close, run_case
 
 LAYOUTS = ("contiguous", "zigzag")
 
