@@ -151,9 +151,7 @@ def _from_table(model_id: str, reason: str) -> ModelShape | None:
     if fields is None:
         return None
     hf = _build_from_dict(fields, "base_model")
-    return ModelShape.from_hf_config(
-        hf, source=f"built-in table of known models ({reason}; `{model_id}` not downloaded)"
-    )
+    return ModelShape.from_hf_config(hf, source=f"{model_id} (built-in table; {reason})")
 
 
 def read_model_config(config: Config) -> ModelShape:
@@ -391,9 +389,11 @@ def estimate_memory(
     else:
         trainable, param_bytes, train_bytes = base, base * b, b
     shard = world_size if config.fsdp else 1  # FSDP2 shards weights, grads and state over ranks
+    # FSDP2 all-gathers one layer at a time and prefetches the next: two full layers live.
+    gathered = 2 * (base // max(1, shape.num_hidden_layers)) * b if config.fsdp else 0
     moments = 0 if config.optimizer == "sgd" else 2  # AdamW: exp_avg and exp_avg_sq
     estimate = MemoryEstimate(
-        parameters=param_bytes // shard,
+        parameters=param_bytes // shard + gathered,
         gradients=trainable * train_bytes // shard,
         optimizer=moments * trainable * train_bytes // shard,
         activations=_activation_bytes(config, shape, local_tokens),
@@ -709,7 +709,12 @@ def build_plan(
     dp = world_size // sp
     row_tokens = config.micro_batch_size * config.sequence_len
     sequences = config.micro_batch_size * config.gradient_accumulation_steps * dp
-    notes = [f"model shape from {shape.source}"] if "built-in" in shape.source else []
+    notes = []
+    if "built-in table" in shape.source:
+        notes.append(
+            "the model's config was not downloaded: its shape comes from longctx's built-in "
+            "table of known models."
+        )
     notes += _advice(config, shape, sp, ulysses, nproc_per_node) + memory_notes
     return Plan(
         world_size=world_size,

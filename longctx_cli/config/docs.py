@@ -1,0 +1,152 @@
+"""Generate docs/config.md from the schema: every key with its type, default and meaning.
+
+    python -m longctx_cli.config.docs > docs/config.md
+
+Keys are grouped as in schema.py, whose `# ---- group ----` comments mark the groups, so a
+new field lands in the right section without touching this file.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+import types
+import typing
+from typing import Any, Literal
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from longctx_cli.config.schema import Config, DatasetConfig
+
+_GROUP = re.compile(r"^\s*#\s*-+\s*([\w ]+?)\s*-+\s*$")
+_FIELD = re.compile(r"^    (\w+)\s*:")
+
+HEADER = """\
+# Configuration reference
+
+<!-- Generated from longctx_cli/config/schema.py by
+     `python -m longctx_cli.config.docs > docs/config.md`; do not edit by hand. -->
+
+A config is one flat YAML mapping. Unknown keys are an error (with a "did you mean"
+suggestion). `longctx validate CONFIG` checks a config against the world size and the model
+and prints the resolved plan; see [cli.md](cli.md).
+"""
+
+
+def _groups(model: type[BaseModel]) -> dict[str, list[str]]:
+    """Field names by the `# ---- group ----` comment above them in the class source."""
+    groups: dict[str, list[str]] = {}
+    current = "general"
+    for line in inspect.getsource(model).splitlines():
+        if match := _GROUP.match(line):
+            current = match.group(1).strip()
+        elif (match := _FIELD.match(line)) and match.group(1) in model.model_fields:
+            groups.setdefault(current, []).append(match.group(1))
+    missing = [n for n in model.model_fields if not any(n in g for g in groups.values())]
+    if missing:
+        groups.setdefault("other", []).extend(missing)
+    return groups
+
+
+def type_name(annotation: Any) -> str:
+    """A YAML reader's name for a Python annotation: `int`, `list of int`, `a | b`, `null`."""
+    if annotation is type(None):
+        return "null"
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is Literal:
+        return " \\| ".join(f"`{a}`" for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " \\| ".join(type_name(a) for a in args)
+    if origin is list:
+        inner = type_name(args[0]) if args else "any"
+        if isinstance(args[0], type) and issubclass(args[0], BaseModel):
+            inner = "dataset entry"
+        return f"list of {inner}"
+    if origin is dict:
+        return "mapping"
+    if annotation is Any:
+        return "any"
+    return {"str": "string", "bool": "boolean", "int": "integer", "float": "number"}.get(
+        getattr(annotation, "__name__", str(annotation)), str(annotation)
+    )
+
+
+def default_text(info: FieldInfo) -> str:
+    """The default as it would be written in YAML."""
+    if info.default_factory is not None:
+        value = info.default_factory()  # type: ignore[call-arg]
+    elif info.default is PydanticUndefined:
+        return "required"
+    else:
+        value = info.default
+    return f"`{_yaml(value)}`"
+
+
+def _yaml(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_yaml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{}" if not value else str(value)
+    return str(value)
+
+
+def bounds_text(info: FieldInfo) -> str:
+    """Numeric limits from the field's constraints, e.g. `>= 1, < 1`."""
+    ops = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    parts = []
+    for item in info.metadata:
+        for attr, op in ops.items():
+            if getattr(item, attr, None) is not None:
+                parts.append(f"{op} {getattr(item, attr)}")
+    return ", ".join(parts)
+
+
+def _key(name: str, info: FieldInfo) -> str:
+    key = f"`{info.alias or name}`"
+    choices = [c for c in getattr(info.validation_alias, "choices", None) or [] if c != name]
+    if choices:
+        key += " (alias " + ", ".join(f"`{c}`" for c in choices) + ")"
+    return key
+
+
+def _table(model: type[BaseModel], names: list[str]) -> list[str]:
+    lines = ["| key | type | default | description |", "|---|---|---|---|"]
+    for name in names:
+        info = model.model_fields[name]
+        description = (info.description or "").replace("|", "\\|")
+        bounds = bounds_text(info)
+        kind = type_name(info.annotation) + (f" ({bounds})" if bounds else "")
+        lines.append(f"| {_key(name, info)} | {kind} | {default_text(info)} | {description} |")
+    return lines
+
+
+def render() -> str:
+    """The whole of docs/config.md."""
+    out = [HEADER]
+    for group, names in _groups(Config).items():
+        out += [f"## {group.capitalize()}", "", *_table(Config, names), ""]
+    out += [
+        "## Dataset entries",
+        "",
+        "Each item of `datasets:` and `eval_datasets:` is a mapping with these keys.",
+        "",
+        *_table(DatasetConfig, list(DatasetConfig.model_fields)),
+        "",
+    ]
+    return "\n".join(out)
+
+
+def main() -> None:
+    sys.stdout.write(render())
+
+
+if __name__ == "__main__":
+    main()
