@@ -233,7 +233,16 @@ def load_records(source: Source, entry: DatasetConfig, cache_dir: str | None) ->
             where=source.label,
             fix="check that every record has the same fields with the same types.",
         ) from None
+    except ValueError as exc:
+        if "corresponds to no data" not in str(exc):
+            raise
+        raise empty_error(source) from None
     return ds
+
+
+def empty_error(source: Source) -> UserError:
+    return UserError("the dataset is empty (no records).", where=source.label,
+                     fix="check the file, `split` and the dataset id.")
 
 
 def _from_disk(source: Source) -> Dataset:

@@ -34,7 +34,10 @@ if TYPE_CHECKING:
 
     from longctx_cli.config.schema import Config, DatasetConfig
 
-__all__ = ["PIPELINE_VERSION", "Prepared", "PrepareReport", "fingerprint_parts", "prepare"]
+__all__ = [
+    "PIPELINE_VERSION", "Prepared", "PrepareReport", "compute_fingerprint", "fingerprint_parts",
+    "prepare",
+]
 
 log = logging.getLogger("longctx.data")
 
@@ -93,6 +96,13 @@ def prepare(
 
 
 # ---- fingerprint -------------------------------------------------------------------------
+
+
+def compute_fingerprint(config: Config, tokenizer: PreTrainedTokenizerBase) -> str:
+    """The fingerprint `prepare` would give the cache of `config` (reads the data files)."""
+    train = [_resolve(e) for e in config.datasets]
+    evals = [_resolve(e) for e in config.eval_datasets]
+    return _digest(fingerprint_parts(config, tokenizer, train, evals))
 
 
 def _resolve(entry: DatasetConfig) -> load.Source | None:
@@ -471,8 +481,7 @@ def _tokenized(
     records = load.load_records(source, entry, cache_dir=str(work / "hf"))
     stats.records = len(records)
     if len(records) == 0:
-        raise UserError("the dataset is empty (no records).", where=source.label,
-                        fix="check the file, `split` and the dataset id.")
+        raise load.empty_error(source)
     column = entry.messages_field if entry.type == "chat_template" else entry.field
     if column not in records.column_names:
         key = "messages_field" if entry.type == "chat_template" else "field"
