@@ -1,0 +1,171 @@
+"""flash-attn 2.7 kernel entry points (varlen and batched), as dense per-sequence math.
+
+Conventions kept from flash-attn: tensors are ``[tokens, heads, dim]`` (varlen) or
+``[batch, seqlen, heads, dim]``; GQA maps query head ``h`` to KV head ``h // (Hq // Hk)``;
+``causal`` with ``seqlen_q != seqlen_k`` is aligned to the bottom right; the varlen
+log-sum-exp is ``[heads, total_q]`` float32; backward writes ``dq, dk, dv`` in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _dense(q, k, v, scale: float, causal: bool):
+    """One sequence: q ``[Lq, Hq, D]``, k/v ``[Lk, Hk, D]`` -> (out, lse ``[Hq, Lq]``)."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1).float()
+    v = v.repeat_interleave(groups, dim=1).float()
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    lq, lk = q.shape[0], k.shape[0]
+    if causal:
+        allowed = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("hqk,khd->qhd", torch.exp(scores - lse[..., None]), v)
+    return out.to(q.dtype), lse
+
+
+def _pairs(cu_q, cu_k):
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    return [(bq[i], bq[i + 1], bk[i], bk[i + 1]) for i in range(len(bq) - 1)]
+
+
+def _flash_attn_varlen_forward(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left=-1,
+    window_size_right=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    return_softmax=False,
+    block_table=None,
+    leftpad_k=None,
+    seqused_k=None,
+    zero_tensors=False,
+):
+    assert dropout_p == 0 and softcap == 0.0 and alibi_slopes is None
+    assert (window_size_left, window_size_right) == (-1, -1)
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
+    for qa, qb, ka, kb in _pairs(cu_seqlens_q, cu_seqlens_k):
+        if qb > qa:
+            o, lo = _dense(q[qa:qb], k[ka:kb], v[ka:kb], softmax_scale, causal)
+            out[qa:qb], lse[:, qa:qb] = o, lo
+    return out, lse, None, torch.zeros(2, dtype=torch.int64)
+
+
+def _flash_attn_varlen_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left=-1,
+    window_size_right=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    rng_state=None,
+    zero_tensors=False,
+):
+    assert dropout_p == 0 and softcap == 0.0 and alibi_slopes is None
+    gq, gk, gv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for qa, qb, ka, kb in _pairs(cu_seqlens_q, cu_seqlens_k):
+        if qb == qa:
+            continue
+        leaves = [t.detach().requires_grad_() for t in (q[qa:qb], k[ka:kb], v[ka:kb])]
+        with torch.enable_grad():
+            o, _ = _dense(*leaves, softmax_scale, causal)
+            grads = torch.autograd.grad(o, leaves, dout[qa:qb])
+        gq[qa:qb] += grads[0]
+        gk[ka:kb] += grads[1]
+        gv[ka:kb] += grads[2]
+    dq.copy_(gq)
+    dk.copy_(gk)
+    dv.copy_(gv)
+    return (dout.float() * out.float()).sum(-1).transpose(0, 1).contiguous()
+
+
+def _flatten(x):
+    return x.reshape(-1, *x.shape[2:])
+
+
+def _batch_cu(batch: int, seqlen: int):
+    return torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32)
+
+
+def _flash_attn_forward(
+    q,
+    k,
+    v,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left=-1,
+    window_size_right=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    return_softmax=False,
+):
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    out, lse, _, rng = _flash_attn_varlen_forward(
+        _flatten(q), _flatten(k), _flatten(v), _batch_cu(b, sq), _batch_cu(b, sk), sq, sk,
+        dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+        alibi_slopes,
+    )
+    lse = lse.view(lse.shape[0], b, sq).transpose(0, 1).contiguous()  # [batch, heads, seqlen]
+    return out.view_as(q), lse, None, rng
+
+
+def _flash_attn_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left=-1,
+    window_size_right=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    rng_state=None,
+):
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    gq, gk, gv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    d = _flash_attn_varlen_backward(
+        _flatten(dout), _flatten(q), _flatten(k), _flatten(v), _flatten(out), None,
+        _flatten(gq), _flatten(gk), _flatten(gv), _batch_cu(b, sq), _batch_cu(b, sk), sq, sk,
+        dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+        alibi_slopes, deterministic,
+    )
+    dq.copy_(gq)
+    dk.copy_(gk)
+    dv.copy_(gv)
+    return d.view(d.shape[0], b, sq).transpose(0, 1)

@@ -1,0 +1,66 @@
+"""The flash kernel adapter runs ring-flash-attn's real llama3 code and equals the torch kernel.
+
+flash-attn itself needs a GPU, so the workers put a test-only stand-in for its kernel entry
+points (``tests/flash_attn_standin``, plain PyTorch) on ``sys.path``. Everything between our
+metadata and those kernels - ``llama3_flash_attn_prepare_cu_seqlens``, ``local_k_slice``,
+the head-stride loop, all-gather and reduce-scatter - is ring-flash-attn's own code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from longctx_cli.parallel import build_parallel_groups, slice_sequence, sp_attention
+from tests.distributed import run_distributed
+from tests.test_ring_attention import CASES, gather_sequence, make_inputs, rel_err
+
+STANDIN = str(Path(__file__).parent / "flash_attn_standin")
+TOL = 1e-5
+
+
+def attention_and_grads(ctx, q, k, v, dout, meta) -> list[torch.Tensor]:
+    local = [slice_sequence(x, ctx).clone().requires_grad_() for x in (q, k, v)]
+    out = sp_attention(*local, meta, q.shape[-1] ** -0.5)
+    out.backward(slice_sequence(dout, ctx))
+    return [gather_sequence(x, ctx) for x in (out.detach(), *(t.grad for t in local))]
+
+
+def flash_worker(rank: int, world_size: int) -> dict[str, float]:
+    sys.path.insert(0, STANDIN)  # this process only
+    from longctx_cli.parallel import shard_batch
+    from longctx_cli.parallel.ring_flash import load_ring_flash_attn
+
+    load_ring_flash_attn()  # fails here, not silently later, if the import path breaks
+    _, torch_ctx = build_parallel_groups(sp=world_size, layout="contiguous", kernel="torch")
+    flash_ctx = dataclasses.replace(torch_ctx, kernel="flash")
+    errors = {}
+    for i, (name, (lengths, hq, hkv)) in enumerate(CASES.items()):
+        for stride in [s for s in range(1, hkv + 1) if hkv % s == 0]:
+            pos, _, q, k, v, dout = make_inputs(lengths, hq, hkv, world_size, seed=i)
+            ids = torch.zeros_like(pos)
+            results = []
+            for ctx in (torch_ctx, flash_ctx):
+                ctx = dataclasses.replace(ctx, heads_k_stride=stride)
+                meta = shard_batch(ids, pos, ids, ctx).sp_meta
+                results.append(attention_and_grads(ctx, q, k, v, dout, meta))
+            for what, a, b in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+                errors[f"{name}/stride{stride}/{what}"] = rel_err(b, a)
+    errors["loaded_module"] = float("flash_attn.flash_attn_interface" in sys.modules)
+    return errors
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_flash_adapter_matches_torch_kernel(sp: int) -> None:
+    for errors in run_distributed(flash_worker, sp, timeout_s=180):
+        assert errors.pop("loaded_module") == 1.0  # the stand-in, i.e. ring_flash_attn ran
+        bad = {k: e for k, e in errors.items() if not e < TOL}
+        assert not bad, bad
+
+
+def test_standin_is_not_visible_outside_the_workers() -> None:
+    assert STANDIN not in sys.path
