@@ -1,0 +1,154 @@
+"""Load what `longctx eval --checkpoint` points at, always with the SP attention.
+
+Accepted folders:
+
+* the trainer's `final/` with a full model (`config.json` + weights), or any Hugging Face
+  model folder of that shape (e.g. a base model to `--compare` with);
+* the trainer's `final/` with a LoRA adapter (`adapter_config.json`); the base model is
+  `final/base_model/` when present, else the adapter's `base_model_name_or_path`;
+* a resumable `checkpoint-<step>/` (DCP state under `state/`): the model is built from the
+  config, exactly as the trainer built it, and the `model` entry of the state is loaded.
+
+LoRA weights are merged into the base for evaluation (one plain forward, same function).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torch import nn
+
+from longctx_cli.config import Config
+from longctx_cli.errors import UserError
+from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
+
+FULL, LORA, DCP = "full", "lora", "dcp"
+_WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
+_FIX = "pass the trainer's `<output_dir>/final` or a `<output_dir>/checkpoint-<step>` folder."
+
+
+def checkpoint_kind(path: Path) -> str:
+    """`full`, `lora` or `dcp`; a UserError naming the problem for anything else."""
+    if not path.exists():
+        raise UserError(f"checkpoint {str(path)!r} does not exist.", where="--checkpoint", fix=_FIX)
+    if not path.is_dir():
+        raise UserError(f"checkpoint {str(path)!r} is a file, not a folder.",
+                        where="--checkpoint", fix=_FIX)
+    if (path / "state").is_dir():
+        from longctx_cli.train.checkpoint import COMPLETE_MARKER
+
+        if not (path / COMPLETE_MARKER).is_file():
+            raise UserError(
+                f"{str(path)!r} is an incomplete checkpoint (no {COMPLETE_MARKER} marker: its "
+                "write was interrupted).",
+                where="--checkpoint",
+                fix="use an older complete checkpoint-<step> or the final/ folder.",
+            )
+        return DCP
+    if (path / "adapter_config.json").is_file():
+        return LORA
+    if (path / "config.json").is_file():
+        if any(any(path.glob(p)) for p in _WEIGHT_PATTERNS):
+            return FULL
+        raise UserError(f"{str(path)!r} has a config.json but no model weights.",
+                        where="--checkpoint", fix=_FIX)
+    raise UserError(f"{str(path)!r} is not a model checkpoint{_hint(path)}.",
+                    where="--checkpoint", fix=_FIX)
+
+
+def _hint(path: Path) -> str:
+    """Point at a checkpoint inside a run's output_dir, the usual mistake."""
+    inner = [path / "final", *sorted(path.glob("checkpoint-*"))]
+    found = [p for p in inner if p.is_dir()]
+    return f" (did you mean {str(found[0])!r}?)" if found else ""
+
+
+def lora_base_path(adapter_dir: Path) -> str:
+    """The base model of an adapter: the bundled `base_model/`, else the adapter's own record."""
+    bundled = adapter_dir / "base_model"
+    if bundled.is_dir():
+        return str(bundled)
+    data = json.loads((adapter_dir / "adapter_config.json").read_text())
+    base = data.get("base_model_name_or_path")
+    if not base:
+        raise UserError(
+            f"the adapter in {str(adapter_dir)!r} names no base model and has no base_model/.",
+            where="--checkpoint",
+            fix="set `base_model_name_or_path` in its adapter_config.json.",
+        )
+    return base
+
+
+def _from_pretrained(source: str, config: Config) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from longctx_cli.train.model import DTYPES
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            attn_implementation=ATTN_IMPLEMENTATION,
+            dtype=DTYPES[config.dtype],
+            trust_remote_code=config.trust_remote_code,
+        )
+    except (OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"could not load the model {source!r}: {first}",
+                        where="--checkpoint", fix=_FIX) from None
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise UserError(
+            f"model type `{model.config.model_type}` did not accept the sequence-parallel "
+            "attention.",
+            where="--checkpoint",
+            fix="use a model whose attention dispatches through transformers' "
+            "AttentionInterface (Llama, Qwen2/3, Mistral, Gemma, ...).",
+        )
+    return model
+
+
+def _load_lora(path: Path, config: Config) -> nn.Module:
+    from peft import PeftModel
+
+    base = _from_pretrained(lora_base_path(path), config)
+    return PeftModel.from_pretrained(base, str(path)).merge_and_unload()
+
+
+def _load_dcp(path: Path, config: Config) -> nn.Module:
+    """Build the model as the trainer did and load the `model` entry of its DCP state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from longctx_cli.train.model import build_model
+
+    model = build_model(config)
+    state = {"model": get_model_state_dict(model)}
+    try:
+        dcp.load(state, checkpoint_id=str(path / "state"))
+    except Exception as e:  # noqa: BLE001 - DCP raises several types for a mismatched state
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(
+            f"the state in {str(path)!r} does not fit the model this config builds: {first}",
+            where="--checkpoint",
+            fix="evaluate a checkpoint with the config of the run that wrote it.",
+        ) from None
+    set_model_state_dict(model, state["model"])
+    return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+
+
+def load_for_eval(config: Config, path: Path) -> nn.Module:
+    """The model in `path`, SP attention on, in eval mode, with gradients off."""
+    register_sp_attention()
+    kind = checkpoint_kind(path)
+    if kind == DCP:
+        model = _load_dcp(path, config)
+    elif kind == LORA:
+        model = _load_lora(path, config)
+    else:
+        model = _from_pretrained(str(path), config)
+    model.eval()
+    model.requires_grad_(False)
+    if getattr(model.config, "use_cache", False):
+        model.config.use_cache = False  # one forward per row: a KV cache is wasted memory
+    return model
+

@@ -1,0 +1,73 @@
+"""PNG plots of the eval results; matplotlib is optional (`pip install 'longctx[plots]'`).
+
+The figures are drawn on `matplotlib.figure.Figure` directly, without pyplot, so no GUI
+backend and no global figure state are involved.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+from longctx_cli.eval.passkey_grid import GridResult
+from longctx_cli.eval.position_loss import PositionLoss
+
+SKIPPED_NOTE = "matplotlib is not installed: PNG plots skipped (pip install 'longctx[plots]')."
+
+
+def have_matplotlib() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _figure(width: float, height: float):  # -> Figure; matplotlib is optional
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def passkey_heatmap(results: list[tuple[str, GridResult]], path: Path) -> bool:
+    """Accuracy per (context length, depth), one panel per model; False when skipped."""
+    if not have_matplotlib():
+        return False
+    fig = _figure(4.5 * len(results) + 1.0, 4.0)
+    axes = fig.subplots(1, len(results), squeeze=False)[0]
+    image = None
+    for ax, (label, grid) in zip(axes, results, strict=True):
+        lengths, depths = grid.spec.context_lengths, grid.spec.depths
+        matrix = [[_cell_accuracy(grid, n, d) for n in lengths] for d in depths]
+        image = ax.imshow(matrix, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+        for row, depth_values in enumerate(matrix):
+            for col, value in enumerate(depth_values):
+                text = "-" if math.isnan(value) else f"{value:.0%}"
+                ax.text(col, row, text, ha="center", va="center", fontsize=9)
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("needle depth")
+        ax.set_title(f"{label}: {grid.accuracy:.0%}")
+    fig.colorbar(image, ax=list(axes), label="passkey accuracy")
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def _cell_accuracy(grid: GridResult, context_len: int, depth: float) -> float:
+    correct, total = grid.cell(context_len, depth)
+    return correct / total if total else math.nan
+
+
+def position_loss_plot(results: list[tuple[str, PositionLoss]], path: Path) -> bool:
+    """Mean loss per position bucket, one line per model; False when skipped."""
+    if not have_matplotlib():
+        return False
+    fig = _figure(7.0, 4.0)
+    ax = fig.subplots()
+    for label, losses in results:
+        centres = [(a + b - 1) / 2 for a, b in zip(losses.starts, losses.ends, strict=True)]
+        ax.plot(centres, losses.mean, marker="o", markersize=3, label=label)
+    ax.set_xlabel("position in document (tokens)")
+    ax.set_ylabel("mean next-token loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=120)
+    return True
