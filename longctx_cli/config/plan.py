@@ -514,12 +514,6 @@ def _resolve_kernel(config: Config, sp: int, platform: Platform) -> tuple[str, s
     """The attention kernel that will run, and why."""
     kernel, zigzag = config.attention_kernel, config.sp_sharding == "zigzag"
     if kernel == "flash":
-        if zigzag:
-            raise UserError(
-                "`sp_sharding` = 'zigzag' is not supported by `attention_kernel: flash` "
-                "(ring-flash-attn's llama3 varlen kernel expects contiguous slices).",
-                fix="set `sp_sharding: contiguous`, or `attention_kernel: torch` to keep zigzag.",
-            )
         if not platform.cuda:
             raise UserError(
                 "`attention_kernel` = 'flash' needs a CUDA GPU, and torch sees none here.",
@@ -540,6 +534,15 @@ def _resolve_kernel(config: Config, sp: int, platform: Platform) -> tuple[str, s
     if platform.cuda and platform.ring_flash_attn:
         return "flash", "auto: CUDA and ring_flash_attn available"
     return "torch", "auto: " + ("ring_flash_attn not importable" if platform.cuda else "no CUDA")
+
+
+def _check_zigzag_kernel(config: Config) -> None:
+    if config.attention_kernel == "flash" and config.sp_sharding == "zigzag":
+        raise UserError(
+            "`sp_sharding` = 'zigzag' is not supported by `attention_kernel: flash` "
+            "(ring-flash-attn's llama3 varlen kernel expects contiguous slices).",
+            fix="set `sp_sharding: contiguous`, or `attention_kernel: torch` to keep zigzag.",
+        )
 
 
 def _check_adapter(config: Config) -> None:
@@ -677,6 +680,22 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def check_without_model(config: Config, world_size: int, world_source: str = "given") -> int:
+    """The rules that need neither the model nor the machine (cheap: run them first).
+
+    Returns the Ulysses group size.
+    """
+    sp = config.sequence_parallel_degree
+    _check_world(sp, world_size, world_source)
+    ulysses = _ulysses_size(config, sp)
+    _check_sequence_len(config, sp)
+    # No micro_batch_size rule: varlen_llama3 takes packed rows, and micro-batch rows are
+    # concatenated into one row whose documents never attend across a row boundary.
+    _check_zigzag_kernel(config)
+    _check_adapter(config)
+    return ulysses
+
+
 def build_plan(
     config: Config,
     world_size: int,
@@ -696,13 +715,8 @@ def build_plan(
         else ModelShape.from_hf_config(model_config)
     )
     sp = config.sequence_parallel_degree
-    _check_world(sp, world_size, world_source)
-    ulysses = _ulysses_size(config, sp)
+    ulysses = check_without_model(config, world_size, world_source)
     _check_heads(config, shape, sp, ulysses)
-    _check_sequence_len(config, sp)
-    # No micro_batch_size rule: varlen_llama3 takes packed rows, and micro-batch rows are
-    # concatenated into one row whose documents never attend across a row boundary.
-    _check_adapter(config)
     kernel, reason = _resolve_kernel(config, sp, platform or Platform.detect())
     memory, memory_notes = estimate_memory(config, shape, world_size, sp, ulysses)
 
@@ -750,5 +764,6 @@ def plan_for(
 ) -> Plan:
     """What `longctx validate` does: resolve the world, read the model, build the plan."""
     world, source = resolve_world(config, nproc_per_node, nnodes)
+    check_without_model(config, world, source)  # fail fast, before transformers is imported
     shape = read_model_config(config)
     return build_plan(config, world, shape, nproc_per_node=nproc_per_node, world_source=source)

@@ -1,0 +1,173 @@
+"""The `longctx` command line, through Typer's test runner and as a real subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from longctx_cli import __version__
+from longctx_cli.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "tiny_passkey.yaml"
+runner = CliRunner()
+
+
+def flat(text: str) -> str:
+    """Rich wraps at the terminal width; compare text with whitespace collapsed."""
+    return " ".join(text.split())
+
+
+def tiny_with(tmp_path: Path, **overrides) -> Path:
+    data = yaml.safe_load(TINY.read_text())
+    data.update(overrides)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def longctx(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "100"}
+    return subprocess.run(
+        [sys.executable, "-c", "from longctx_cli.cli import main; main()", *args],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
+    )
+
+
+# ---- CliRunner --------------------------------------------------------------------------
+
+
+def test_validate_prints_the_plan():
+    result = runner.invoke(app, ["validate", str(TINY), "--nproc-per-node", "4"])
+    assert result.exit_code == 0, result.output
+    out = flat(result.output)
+    assert "longctx plan" in out
+    assert "4 (--nproc-per-node 4 x --nnodes 1)" in out
+    assert "data parallel │ 2" in out
+    assert "2 (ring: 1 ulysses x 2 ring)" in out
+    assert "valid" in out
+
+
+def test_validate_uses_world_size_from_config(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    result = runner.invoke(app, ["validate", str(TINY)])
+    assert result.exit_code == 0, result.output
+    assert "`world_size` in the config" in flat(result.output)
+
+
+def test_validate_invalid_plan_exits_2(tmp_path):
+    path = tiny_with(tmp_path, sequence_parallel_degree=3)
+    result = runner.invoke(app, ["validate", str(path), "--nproc-per-node", "4"])
+    assert result.exit_code == 2
+    out = flat(result.output)
+    assert "error: `sequence_parallel_degree` = 3 does not divide the world size 4" in out
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["examples/llama3-8b-lora-64k.yaml", "--nproc-per-node", "8"],
+        ["examples/qwen2.5-7b-128k-2nodes.yaml", "--nproc-per-node", "8", "--nnodes", "2"],
+    ],
+)
+def test_gpu_examples_validate_offline(args, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the built-in shapes, whatever the network
+    result = runner.invoke(app, ["validate", *args])
+    assert result.exit_code == 0, result.output
+    assert "built-in table" in flat(result.output)
+
+
+def test_validate_bad_yaml_exits_2(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("sequence_len: 4096\nseed: [1\n")
+    result = runner.invoke(app, ["validate", str(path)])
+    assert result.exit_code == 2
+    assert f"{path}:3:1" in flat(result.output)
+
+
+def test_validate_missing_file_exits_2():
+    result = runner.invoke(app, ["validate", "no/such.yaml"])
+    assert result.exit_code == 2
+    assert "'no/such.yaml' does not exist" in flat(result.output)
+
+
+def test_validate_rejects_zero_ranks():
+    result = runner.invoke(app, ["validate", str(TINY), "--nproc-per-node", "0"])
+    assert result.exit_code == 2
+
+
+def test_version():
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert result.output.strip() == f"longctx {__version__}"
+
+
+@pytest.mark.parametrize("command", [[], ["validate"], ["preprocess"], ["train"], ["eval"]])
+def test_help_reads_well(command):
+    result = runner.invoke(app, [*command, "--help"])
+    assert result.exit_code == 0, result.output
+    out = flat(result.output)
+    assert "Usage: longctx" in out
+    assert "Example" in out
+
+
+def test_no_arguments_shows_help():
+    result = runner.invoke(app, [])
+    assert "validate" in result.output and "train" in result.output
+
+
+def test_eval_requires_checkpoint():
+    result = runner.invoke(app, ["eval", str(TINY)])
+    assert result.exit_code == 2
+    assert "--checkpoint" in result.output
+
+
+def test_preprocess_builds_then_reuses_the_cache(tmp_path):
+    path = tiny_with(
+        tmp_path,
+        output_dir=str(tmp_path / "out"),
+        datasets=[{"type": "passkey", "num_samples": 8, "context_lengths": [256]}],
+        val_set_size=0.0,
+    )
+    first = runner.invoke(app, ["preprocess", str(path)])
+    assert first.exit_code == 0, first.output
+    assert f"cache: {tmp_path / 'out' / 'prepared'}" in flat(first.output)
+    second = runner.invoke(app, ["preprocess", str(path)])
+    assert second.exit_code == 0, second.output
+    assert "Reused" in second.output
+
+
+# ---- subprocess (the console entry point) ------------------------------------------------
+
+
+def test_subprocess_validate_ok():
+    result = longctx("validate", "examples/tiny_passkey.yaml", "--nproc-per-node", "4")
+    assert result.returncode == 0, result.stderr
+    assert "longctx plan" in result.stdout
+    assert "sequence parallel" in result.stdout
+    assert "memory per rank" in result.stdout
+
+
+def test_subprocess_validate_bad_sp(tmp_path):
+    path = tiny_with(tmp_path, sequence_parallel_degree=3)
+    result = longctx("validate", str(path), "--nproc-per-node", "4")
+    assert result.returncode == 2
+    assert "sequence_parallel_degree" in result.stderr
+    assert flat(result.stderr).startswith("error: `sequence_parallel_degree` = 3")
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+
+
+def test_subprocess_usage_error_has_no_traceback():
+    result = longctx("validate")
+    assert result.returncode == 2
+    assert "Missing argument" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,403 @@
+"""Every validation rule of the plan (one test each), the resolved plan and its memory estimate."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import replace
+
+import pytest
+from rich.console import Console
+
+from longctx_cli.config import config_from_dict
+from longctx_cli.config.plan import (
+    ModelShape,
+    Plan,
+    Platform,
+    build_plan,
+    estimate_memory,
+    lora_parameter_count,
+    read_model_config,
+    resolve_world,
+    resolve_world_size,
+)
+from longctx_cli.errors import UserError
+
+CPU = Platform(cuda=False, ring_flash_attn=False)
+GPU = Platform(cuda=True, ring_flash_attn=True)
+GPU_NO_FLASH = Platform(cuda=True, ring_flash_attn=False)
+
+# A Llama-like model with 8 heads and 2 KV heads (the bundled example's shape).
+SMALL = ModelShape(
+    model_type="llama",
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=384,
+    max_position_embeddings=8192,
+)
+# Llama-3-8B's published shape.
+LLAMA3_8B = ModelShape(
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+)
+
+
+def cfg(**overrides):
+    base = {"model_config": {"model_type": "llama"}, "sequence_len": 4096}
+    return config_from_dict({**base, **overrides})
+
+
+def plan(world=4, shape=SMALL, platform=CPU, **overrides) -> Plan:
+    return build_plan(cfg(**overrides), world, shape, platform=platform)
+
+
+def rule_error(world=4, shape=SMALL, platform=CPU, **overrides) -> str:
+    with pytest.raises(UserError) as exc:
+        plan(world, shape, platform, **overrides)
+    return " ".join(str(exc.value).split())
+
+
+# ---- one test per rule ------------------------------------------------------------------
+
+
+def test_rule_sp_not_larger_than_world():
+    msg = rule_error(world=4, sequence_parallel_degree=8)
+    assert "`sequence_parallel_degree` = 8 is larger than the world size 4" in msg
+    assert "Fix:" in msg and "1, 2 or 4" in msg
+
+
+def test_rule_sp_divides_world():
+    msg = rule_error(world=4, sequence_parallel_degree=3)
+    assert "`sequence_parallel_degree` = 3 does not divide the world size 4" in msg
+    assert "1, 2 or 4" in msg
+
+
+def test_rule_ulysses_degree_only_for_hybrid():
+    msg = rule_error(sequence_parallel_degree=2, ulysses_degree=2)
+    assert "`ulysses_degree` = 2 is only used by `sequence_parallel_mode: hybrid`" in msg
+    assert "'ring'" in msg
+
+
+def test_rule_hybrid_needs_ulysses_degree():
+    msg = rule_error(sequence_parallel_degree=4, sequence_parallel_mode="hybrid")
+    assert "`sequence_parallel_mode: hybrid` needs `ulysses_degree`" in msg
+    assert "`sequence_parallel_degree` = 4" in msg
+
+
+def test_rule_ulysses_degree_divides_sp():
+    msg = rule_error(
+        world=8, sequence_parallel_degree=8, sequence_parallel_mode="hybrid", ulysses_degree=3
+    )
+    assert "`ulysses_degree` = 3 does not divide `sequence_parallel_degree` = 8" in msg
+
+
+def test_rule_heads_k_stride_divides_kv_heads():
+    msg = rule_error(sequence_parallel_degree=2, heads_k_stride=3)
+    assert "`heads_k_stride` = 3 does not divide the model's num_key_value_heads = 2" in msg
+    assert "set `heads_k_stride` to 1 or 2" in msg
+
+
+def test_rule_heads_k_stride_against_kv_heads_left_after_ulysses():
+    # 8 KV heads over Ulysses groups of 4: each rank's ring sees 2 KV heads, so stride 4 fails.
+    msg = rule_error(
+        world=8, shape=LLAMA3_8B, sequence_parallel_degree=8, sequence_parallel_mode="hybrid",
+        ulysses_degree=4, heads_k_stride=4,
+    )
+    assert "`heads_k_stride` = 4" in msg
+    assert "num_key_value_heads = 8 (2 per rank after the all-to-all)" in msg
+
+
+def test_rule_heads_k_stride_ignored_without_a_ring():
+    p = plan(sequence_parallel_degree=2, sequence_parallel_mode="ulysses", heads_k_stride=3)
+    assert p.ring == 1
+
+
+def test_rule_ulysses_heads_divisible():
+    shape = replace(SMALL, num_attention_heads=6, num_key_value_heads=2)
+    msg = rule_error(shape=shape, sequence_parallel_degree=4, sequence_parallel_mode="ulysses")
+    assert "`sequence_parallel_degree` = 4" in msg
+    assert "num_attention_heads = 6 is not divisible by the Ulysses group size 4" in msg
+
+
+def test_rule_ulysses_heads_divisible_names_ulysses_degree_in_hybrid():
+    shape = replace(SMALL, num_attention_heads=6, num_key_value_heads=2)
+    msg = rule_error(
+        world=8, shape=shape, sequence_parallel_degree=8, sequence_parallel_mode="hybrid",
+        ulysses_degree=4,
+    )
+    assert "`ulysses_degree` = 4" in msg
+
+
+def test_rule_ulysses_kv_heads_split_or_replicated():
+    shape = replace(SMALL, num_attention_heads=12, num_key_value_heads=3)
+    msg = rule_error(shape=shape, sequence_parallel_degree=4, sequence_parallel_mode="ulysses")
+    assert "`sequence_parallel_degree` = 4" in msg
+    assert "num_key_value_heads = 3 can neither be split" in msg
+
+
+def test_rule_ulysses_replicates_fewer_kv_heads():
+    p = plan(sequence_parallel_degree=4, sequence_parallel_mode="ulysses")  # 2 KV heads, 4 ranks
+    assert p.ulysses == 4
+    assert any("replicated" in n for n in p.notes)
+
+
+def test_rule_sequence_len_multiple_of_sp():
+    msg = rule_error(world=4, sequence_parallel_degree=4, sequence_len=4098)
+    assert "`sequence_len` = 4098 is not a multiple of 4" in msg
+    assert "4096 or 4100" in msg
+
+
+def test_rule_sequence_len_multiple_of_twice_sp_for_zigzag():
+    msg = rule_error(sequence_parallel_degree=4, sp_sharding="zigzag", sequence_len=4100)
+    assert "`sequence_len` = 4100 is not a multiple of 8" in msg
+    assert "zigzag" in msg
+    assert plan(sequence_parallel_degree=4, sequence_len=4100).sp == 4  # contiguous is fine
+
+
+def test_rule_zigzag_not_with_flash_kernel():
+    msg = rule_error(
+        platform=GPU, sequence_parallel_degree=2, sp_sharding="zigzag", attention_kernel="flash"
+    )
+    assert "`sp_sharding` = 'zigzag' is not supported by `attention_kernel: flash`" in msg
+
+
+def test_rule_flash_needs_cuda():
+    msg = rule_error(platform=CPU, sequence_parallel_degree=2, attention_kernel="flash")
+    assert "`attention_kernel` = 'flash' needs a CUDA GPU" in msg
+
+
+def test_rule_flash_needs_cuda_on_this_machine():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(UserError, match="`attention_kernel` = 'flash'"):
+        build_plan(cfg(attention_kernel="flash"), 1, SMALL)  # platform detected
+
+
+def test_rule_flash_needs_ring_flash_attn():
+    msg = rule_error(platform=GPU_NO_FLASH, sequence_parallel_degree=2, attention_kernel="flash")
+    assert "`attention_kernel` = 'flash' needs the `ring_flash_attn`" in msg
+    assert "longctx[gpu]" in msg
+
+
+def test_rule_lora_targets_not_empty():
+    msg = rule_error(adapter="lora", lora_target_modules=[])
+    assert "`lora_target_modules` = [] is empty" in msg
+    msg = rule_error(adapter="lora", lora_target_modules=" ")
+    assert "`lora_target_modules` = ' ' is empty" in msg
+
+
+def test_rule_nnodes_needs_nproc_per_node():
+    with pytest.raises(UserError) as exc:
+        resolve_world(cfg(), None, 2)
+    assert "--nnodes 2 was given without --nproc-per-node" in str(exc.value)
+
+
+def test_rule_world_size_env_must_be_an_integer(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "four")
+    with pytest.raises(UserError, match="WORLD_SIZE = 'four'"):
+        resolve_world_size(cfg())
+
+
+def test_rule_unknown_model_type():
+    with pytest.raises(UserError) as exc:
+        read_model_config(cfg(model_config={"model_type": "no_such_model"}))
+    assert "`model_config.model_type` = 'no_such_model'" in str(exc.value)
+
+
+def test_rule_model_config_bad_field():
+    with pytest.raises(UserError, match="`model_config` is invalid"):
+        read_model_config(cfg(model_config={"model_type": "llama", "hidden_size": "big"}))
+
+
+# ---- kernel resolution ------------------------------------------------------------------
+
+
+def test_auto_kernel_is_torch_without_cuda():
+    p = plan(platform=CPU, sequence_parallel_degree=2)
+    assert (p.kernel, p.kernel_reason) == ("torch", "auto: no CUDA")
+
+
+def test_auto_kernel_is_flash_with_cuda_and_ring_flash_attn():
+    assert plan(platform=GPU, sequence_parallel_degree=2).kernel == "flash"
+    assert plan(platform=GPU_NO_FLASH, sequence_parallel_degree=2).kernel == "torch"
+
+
+def test_auto_kernel_with_zigzag_is_torch():
+    p = plan(platform=GPU, sequence_parallel_degree=2, sp_sharding="zigzag")
+    assert p.kernel == "torch"
+    assert "zigzag" in p.kernel_reason
+
+
+# ---- world size -------------------------------------------------------------------------
+
+
+def test_world_size_precedence(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert resolve_world_size(cfg()) == 1
+    assert resolve_world_size(cfg(world_size=6)) == 6
+    monkeypatch.setenv("WORLD_SIZE", "12")
+    assert resolve_world_size(cfg(world_size=6)) == 12
+    assert resolve_world_size(cfg(world_size=6), nproc_per_node=4) == 4
+    assert resolve_world_size(cfg(world_size=6), nproc_per_node=8, nnodes=2) == 16
+
+
+# ---- the plan ---------------------------------------------------------------------------
+
+
+def test_plan_fields():
+    p = plan(world=8, sequence_parallel_degree=4, micro_batch_size=2,
+             gradient_accumulation_steps=3, sequence_len=8192)
+    assert (p.world_size, p.dp, p.sp, p.ulysses, p.ring) == (8, 2, 4, 1, 4)
+    assert p.micro_batch_tokens == 2 * 8192
+    assert p.global_batch_sequences == 2 * 3 * 2
+    assert p.global_batch_tokens == 12 * 8192
+    assert p.tokens_per_rank_per_forward == 2 * 8192 // 4
+    assert p.tokens_per_rank_per_step == 3 * 2 * 8192 // 4
+    assert p.kernel in ("torch", "flash")
+
+
+def test_plan_hybrid_split():
+    p = plan(world=16, shape=LLAMA3_8B, sequence_parallel_degree=16,
+             sequence_parallel_mode="hybrid", ulysses_degree=4, heads_k_stride=2)
+    assert (p.ulysses, p.ring, p.dp) == (4, 4, 1)
+
+
+def test_plan_notes_long_sequence_and_cross_node_all_to_all():
+    shape = replace(LLAMA3_8B, max_position_embeddings=8192)
+    config = cfg(sequence_len=65536, sequence_parallel_degree=16, sequence_parallel_mode="ulysses")
+    p = build_plan(config, 16, shape, platform=CPU, nproc_per_node=8)
+    assert any("max_position_embeddings 8192" in n for n in p.notes)
+    assert any("span nodes" in n for n in p.notes)
+
+
+def test_plan_table_renders_every_section():
+    p = plan(world=4, sequence_parallel_degree=2, sp_sharding="zigzag")
+    out = io.StringIO()
+    Console(file=out, width=100).print(p.to_table())
+    text = out.getvalue()
+    for needle in ("data parallel", "sequence parallel", "2 (ring: 1 ulysses x 2 ring)",
+                   "tokens per rank", "attention kernel", "optimizer state", "total"):
+        assert needle in text
+
+
+# ---- model shape ------------------------------------------------------------------------
+
+
+def test_parameter_count_matches_published_llama3_8b():
+    assert LLAMA3_8B.parameter_count() == 8_030_261_248
+
+
+def test_read_inline_model_config_defaults_kv_heads():
+    shape = read_model_config(cfg(model_config={
+        "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+        "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100,
+    }))
+    assert (shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim) == (4, 4, 16)
+    assert shape.source == "inline `model_config`"
+
+
+def test_read_local_model_folder(tmp_path):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("qwen2", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, intermediate_size=96).save_pretrained(tmp_path)
+    shape = read_model_config(cfg(model_config=None, base_model=str(tmp_path)))
+    assert (shape.model_type, shape.num_key_value_heads, shape.hidden_size) == ("qwen2", 2, 64)
+
+
+def test_known_model_offline_uses_builtin_table(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    shape = read_model_config(cfg(model_config=None, base_model="Qwen/Qwen2.5-7B"))
+    heads = (shape.num_attention_heads, shape.num_key_value_heads, shape.hidden_size)
+    assert heads == (28, 4, 3584)
+    assert "built-in table" in shape.source
+    p = build_plan(cfg(model_config=None, base_model="Qwen/Qwen2.5-7B"), 1, shape, platform=CPU)
+    assert any("built-in table" in n for n in p.notes)
+
+
+def test_unknown_model_offline_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError) as exc:
+        read_model_config(cfg(model_config=None, base_model="someone/unknown-model"))
+    msg = str(exc.value)
+    assert "`base_model` = 'someone/unknown-model'" in msg
+    assert "unreachable" in msg and "model_config" in msg
+
+
+# ---- memory estimate --------------------------------------------------------------------
+
+
+def _memory(world=8, sp=8, ulysses=1, shape=LLAMA3_8B, **overrides):
+    base = {"sequence_len": 65536, "sequence_parallel_degree": sp}
+    return estimate_memory(cfg(**{**base, **overrides}), shape, world, sp, ulysses)[0]
+
+
+def test_memory_full_finetune_bf16_adamw():
+    m = _memory()
+    n = LLAMA3_8B.parameter_count()
+    assert (m.parameters, m.gradients, m.optimizer) == (2 * n, 2 * n, 4 * n)
+    assert m.trainable_params == n
+    assert m.total == sum(v for _, v in m.parts())
+
+
+def test_memory_sgd_has_no_optimizer_state():
+    assert _memory(optimizer="sgd").optimizer == 0
+
+
+def test_memory_lora_trains_only_adapters():
+    m = _memory(adapter="lora", lora_r=16, lora_target_modules="all-linear")
+    lora, unmatched = lora_parameter_count(
+        cfg(adapter="lora", lora_r=16, lora_target_modules="all-linear"), LLAMA3_8B
+    )
+    assert unmatched == []
+    assert lora == 16 * 32 * (4096 + 4096 + 2 * (4096 + 1024) + 4096 + 4096
+                             + 3 * (4096 + 14336))
+    assert m.trainable_params == lora
+    assert (m.gradients, m.optimizer) == (4 * lora, 8 * lora)  # fp32 adapters
+    assert m.parameters == 2 * LLAMA3_8B.parameter_count() + 4 * lora
+
+
+def test_memory_lora_unknown_module_is_noted():
+    config = cfg(adapter="lora", lora_target_modules=["q_proj", "qkv"])
+    _, notes = estimate_memory(config, LLAMA3_8B, 1, 1, 1)
+    assert any("'qkv'" in n for n in notes)
+
+
+def test_memory_fsdp_divides_by_world():
+    plain, sharded = _memory(), _memory(fsdp=True)
+    assert sharded.gradients == plain.gradients // 8
+    assert sharded.optimizer == plain.optimizer // 8
+    assert plain.parameters // 8 < sharded.parameters < plain.parameters // 4
+
+
+def test_memory_gradient_checkpointing_lowers_activations():
+    assert _memory(gradient_checkpointing=True).activations < _memory().activations / 8
+
+
+def test_memory_activations_scale_with_tokens_per_rank():
+    assert _memory(sp=4, world=4).activations == 2 * _memory(sp=8).activations
+
+
+def test_memory_chunked_loss_lowers_logits():
+    full, chunked = _memory(), _memory(chunked_loss=True, loss_chunk_size=1024)
+    assert chunked.logits * 8 == full.logits  # 8192 local tokens vs chunks of 1024
+
+
+def test_memory_ring_buffers_scale_with_heads_k_stride():
+    one, four = _memory(heads_k_stride=1), _memory(heads_k_stride=4)
+    assert four.attention_buffers == 4 * one.attention_buffers
+    # K,V double-buffered + dK,dV for one KV head of 128 dims over 65536 tokens, bf16.
+    assert one.attention_buffers == 6 * 128 * 65536 * 2
+    assert _memory(sp=1, world=1).attention_buffers == 0
