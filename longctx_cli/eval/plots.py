@@ -6,7 +6,6 @@ backend and no global figure state are involved.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -17,7 +16,11 @@ SKIPPED_NOTE = "matplotlib is not installed: PNG plots skipped (pip install 'lon
 
 
 def have_matplotlib() -> bool:
-    return importlib.util.find_spec("matplotlib") is not None
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _figure(width: float, height: float):  # -> Figure; matplotlib is optional
