@@ -369,7 +369,9 @@ def train(config: Config) -> None:
         start_step = load_checkpoint(resume_path, model, optimizer, scheduler)["step"]
     metrics = MetricsLog(output_dir, rank == 0, config.use_tensorboard, start_step)
     progress = tqdm(
-        total=num_steps, initial=start_step, disable=rank != 0, desc="train", unit="step",
+        # disable=None: a bar on a terminal only; logs and pipes get the log lines below.
+        total=num_steps, initial=start_step, disable=True if rank != 0 else None,
+        desc="train", unit="step",
         dynamic_ncols=True,
     )
     if rank == 0 and resume_path is not None:

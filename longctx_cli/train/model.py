@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from longctx_cli.config import Config
 from longctx_cli.errors import UserError
-from longctx_cli.parallel.attention import SP_ATTENTION_NAME, register_sp_attention
+from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def unwrap(model: nn.Module) -> PreTrainedModel:
 def build_model(config: Config, fsdp_mesh=None) -> nn.Module:
     """The model a run trains, with SP attention registered and every option applied."""
     register_sp_attention()
-    model = load_base_model(config, SP_ATTENTION_NAME)
+    model = load_base_model(config, ATTN_IMPLEMENTATION)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
