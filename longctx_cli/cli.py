@@ -30,6 +30,7 @@ app = typer.Typer(
     epilog="Example: [bold]longctx validate examples/tiny_passkey.yaml --nproc-per-node 2[/]  "
     "Config keys: docs/config.md. Commands: docs/cli.md.",
     rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
     no_args_is_help=True,
     add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
