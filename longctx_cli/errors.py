@@ -8,7 +8,7 @@ from __future__ import annotations
 
 
 class UserError(Exception):
-    """A problem in the user's config, data or command line, with a message that says how to fix it."""
+    """A problem in the user's config, data or command line; the message says how to fix it."""
 
     exit_code = 2
 

@@ -51,7 +51,8 @@ final, adapter = sys.argv[1], sys.argv[2] == "1"
 ids = torch.tensor([json.loads(sys.argv[3])])
 if adapter:
     from peft import PeftConfig, PeftModel
-    base = AutoModelForCausalLM.from_pretrained(PeftConfig.from_pretrained(final).base_model_name_or_path)
+    base_path = PeftConfig.from_pretrained(final).base_model_name_or_path
+    base = AutoModelForCausalLM.from_pretrained(base_path)
     model = PeftModel.from_pretrained(base, final)
 else:
     model = AutoModelForCausalLM.from_pretrained(final)
@@ -81,7 +82,8 @@ def _longctx_logits(config_path: Path, final: Path, adapter: bool, ids: list[int
 
     config = load_config(config_path)
     model = build_model(config)
-    state = load_file(str(final / ("adapter_model.safetensors" if adapter else "model.safetensors")))
+    weights = "adapter_model.safetensors" if adapter else "model.safetensors"
+    state = load_file(str(final / weights))
     if adapter:
         from peft import set_peft_model_state_dict
 

@@ -82,7 +82,8 @@ def run_longctx(
 
 def train(config_path: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
     result = run_longctx("train", str(config_path), "--nproc-per-node", str(nproc), *extra)
-    assert result.returncode == 0, f"train failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    output = f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, f"train failed:\n{output}"
     return result
 
 
