@@ -24,8 +24,3 @@ def local_hidden(decoder: nn.Module, batch: ShardedBatch) -> torch.Tensor:
         )
     return hidden.reshape(-1, hidden.shape[-1])
 
-
-def global_indices(batch: ShardedBatch) -> torch.Tensor:
-    """Index in the padded full row of each local token, in local order."""
-    ranges = batch.sp_meta.local_ranges
-    return torch.cat([torch.arange(start, end) for start, end in ranges])
