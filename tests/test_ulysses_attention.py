@@ -20,7 +20,7 @@ from longctx_cli.parallel import (
 )
 from longctx_cli.parallel.ulysses import build_exchange, kv_replication
 from tests.distributed import run_distributed
-from tests.test_ring_attention import CASES, DIM, assert_all_close, run_case
+from tests.test_ring_attention import CASES, DIM, assert_all_close, rel_err, run_case
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -96,3 +96,80 @@ def test_exchange_puts_tokens_in_global_order(layout: str) -> None:
         ex = build_exchange(make_sp_meta(torch.arange(total), ctx), None, 4)
         assert ex.starts == tuple(range(0, total, ex.piece_len))
         assert ex.identity == (layout == "contiguous")
+
+
+def llama_worker(rank: int, world_size: int) -> dict[str, dict]:
+    """A tiny GQA Llama (4 heads, 2 KV heads) through ``longctx_sp`` vs the same model per document.
+
+    Ulysses at sp=4 needs KV replication; hybrid 2x2 runs both halves. Weights are shared by
+    seed; gradients are summed over the SP group, which is what the trainer's all-reduce does.
+    """
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from longctx_cli.parallel import gather_sequence, register_sp_attention
+
+    register_sp_attention()
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(config)
+    pos = torch.cat([torch.arange(n) for n in (20, 1, 45, 9)])  # 75 tokens: padded to 80
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (pos.numel(),), generator=g)
+    errors: dict[str, dict] = {}
+    for mode, u, layout in (("ulysses", 1, "zigzag"), ("hybrid", 2, "zigzag")):
+        _, ctx = build_parallel_groups(
+            sp=4, mode=mode, ulysses_degree=u, layout=layout, kernel="torch"
+        )
+        batch = shard_batch(ids, pos, ids, ctx)
+        meta = batch.sp_meta
+        weights = torch.randn(meta.total_len, 64, generator=g)
+
+        model = copy.deepcopy(reference)
+        model.config._attn_implementation = "longctx_sp"
+        logits = model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, sp_meta=meta
+        ).logits[0]
+        (logits * slice_sequence(weights, ctx)).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        for grad in grads:
+            torch.distributed.all_reduce(grad, group=ctx.sp_group)
+
+        reference.zero_grad()
+        full_ids, full_pos = (
+            x.reshape(-1)
+            for x in (
+                gather_sequence(batch.input_ids[0], ctx),
+                gather_sequence(batch.position_ids[0], ctx),
+            )
+        )
+        bounds = meta.cu_seqlens.tolist()
+        ref_logits = torch.cat(
+            [
+                reference(input_ids=full_ids[a:b][None], position_ids=full_pos[a:b][None]).logits[0]
+                for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+            ]
+        )
+        (ref_logits * weights).sum().backward()
+        ref_grads = [p.grad for p in reference.parameters()]
+        errors[f"{mode}{u}/{layout}"] = {
+            "logits": rel_err(gather_sequence(logits.detach(), ctx), ref_logits.detach()),
+            "grads": max(rel_err(a, b) for a, b in zip(grads, ref_grads, strict=True)),
+        }
+    return errors
+
+
+def test_inside_a_hugging_face_model() -> None:
+    results = run_distributed(llama_worker, 4, timeout_s=300)
+    for errors in results:
+        assert len(errors) == 2
+        assert_all_close(errors)
