@@ -42,6 +42,9 @@ def test_reference_learns_and_logs(full_reference):
         assert set(m) >= {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_sec"}
         assert m["tokens"] > 0
     assert metrics[-1]["loss"] < metrics[0]["loss"]
+    # eval_steps 5: held-out loss, token-weighted over every rank, logged at the last step.
+    assert "eval_loss" not in metrics[0]
+    assert 0 < metrics[-1]["eval_loss"] < 100
 
 
 @pytest.mark.parametrize(

@@ -57,6 +57,8 @@ def write_config(tmp_path: Path, name: str, data_file: Path, **overrides) -> Pat
         "seed": 7,
         "output_dir": str(tmp_path / name),
         "logging_steps": 1,
+        "val_set_size": 4,
+        "eval_steps": 5,
         "collective_timeout_s": 60,
     }
     config.update(overrides)
@@ -108,6 +110,9 @@ def assert_same_run(run: Path, reference: Path, adapter: bool = False, tol: floa
     for g, w in zip(got, want, strict=True):
         assert g["tokens"] == w["tokens"], (g, w)
         assert abs(g["loss"] - w["loss"]) <= tol * abs(w["loss"]), (g, w)
+        assert ("eval_loss" in g) == ("eval_loss" in w), (g, w)
+        if "eval_loss" in w:
+            assert abs(g["eval_loss"] - w["eval_loss"]) <= tol * abs(w["eval_loss"]), (g, w)
     got_w, want_w = final_tensors(run, adapter), final_tensors(reference, adapter)
     assert got_w.keys() == want_w.keys()
     for key in want_w:
