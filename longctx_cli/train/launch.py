@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -113,12 +114,13 @@ def launch_torchrun(
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
 ) -> int:
-    """Run `python -m torch.distributed.run ... -m longctx_cli <command_args>`; its exit code."""
+    """Run torchrun (`torch.distributed.run`, through `torchrun_main`) with
+    `-m longctx_cli <command_args>` as the entry point; its exit code."""
     per_node = nproc_per_node or max(1, world_size // nnodes)
     command = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "longctx_cli.train.launch",  # torchrun itself, with a one-line summary on failure
         *torchrun_args(per_node, nnodes, node_rank, rdzv_endpoint),
         "-m",
         "longctx_cli",
@@ -132,3 +134,41 @@ def launch_torchrun(
         return subprocess.run(command, env=env, check=False).returncode
     except KeyboardInterrupt:
         return 130
+
+
+def describe_failure(failures: dict) -> str:
+    """One line naming the rank that failed first and how, from torchrun's `ProcessFailure`s."""
+    # torchrun stops the surviving ranks with SIGTERM: those deaths are not the cause.
+    causes = {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
+    rank = min(causes, key=lambda r: (causes[r].timestamp, r))
+    failure = causes[rank]
+    if failure.exitcode < 0:
+        how = f"was killed by {failure.signal_name()} (exit code {failure.exitcode})"
+    else:
+        how = f"exited with status {failure.exitcode}"
+    return (
+        f"training failed: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
+        f"{how}; torchrun stopped the other ranks. To continue from the last complete "
+        "checkpoint, set `resume_from_checkpoint: auto` and run the same command again."
+    )
+
+
+def torchrun_main(argv: list[str]) -> int:
+    """Run torchrun with `argv` in this process; its exit status.
+
+    torchrun reports a failed job as a traceback of its own with the dead rank deep inside;
+    this ends such a job with one line that names the rank instead.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+
+    try:
+        main(argv)
+    except ChildFailedError as e:
+        print(f"error: {describe_failure(e.failures)}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(torchrun_main(sys.argv[1:]))
