@@ -49,11 +49,14 @@ def load_ring_flash_attn() -> tuple[Callable[..., Any], Callable[..., Any]]:
     return mod.llama3_flash_attn_varlen_func, mod.llama3_flash_attn_prepare_cu_seqlens
 
 
-def _flash_params(meta: SPMeta, prepare: Callable[..., Any]) -> tuple[Any, ...]:
+def _flash_params(
+    meta: SPMeta, prepare: Callable[..., Any], device: torch.device
+) -> tuple[Any, ...]:
     """This rank's cu_seqlens_q/k, max lengths and key slice; computed once per row."""
     if "flash" not in meta.cache:
         ctx = meta.ctx
-        meta.cache["flash"] = prepare(meta.cu_seqlens, True, ctx.sp_rank, ctx.sp_size)
+        cu = meta.cu_seqlens.to(device=device, dtype=torch.int32)  # the kernels read it there
+        meta.cache["flash"] = prepare(cu, True, ctx.sp_rank, ctx.sp_size)
     return meta.cache["flash"]
 
 
@@ -67,7 +70,7 @@ def flash_ring_attention(
     if ctx.sp_size == 1:
         return _flash_single(q, k, v, meta, scale)
     func, prepare = load_ring_flash_attn()
-    cu_q, cu_k, max_q, max_k, k_slice = _flash_params(meta, prepare)
+    cu_q, cu_k, max_q, max_k, k_slice = _flash_params(meta, prepare, q.device)
     return func(
         q,
         k,
@@ -91,7 +94,7 @@ def _flash_single(
     """sp == 1: no ring, plain flash-attn varlen over the row's documents."""
     from flash_attn import flash_attn_varlen_func
 
-    cu = meta.cu_seqlens
+    cu = meta.cu_seqlens.to(device=q.device, dtype=torch.int32)
     max_len = int((cu[1:] - cu[:-1]).max())
     return flash_attn_varlen_func(
         q, k, v, cu, cu, max_len, max_len, dropout_p=0.0, softmax_scale=scale, causal=True
