@@ -118,13 +118,30 @@ def _root(
     "Exit status: 0 valid, 2 invalid (the message names the key and how to fix it).",
 )
 @_user_errors
-def validate(config: ConfigArg, nproc_per_node: NprocOpt = None, nnodes: NnodesOpt = None) -> None:
+def validate(
+    config: ConfigArg,
+    nproc_per_node: NprocOpt = None,
+    nnodes: NnodesOpt = None,
+    memory_per_rank: Annotated[
+        str | None,
+        typer.Option(
+            "--memory-per-rank",
+            help="Also answer: the smallest sequence_parallel_degree whose estimate fits in "
+            "this much memory per rank (e.g. 80GiB, 24GB).",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
     """Print the plan, or a UserError naming the key to fix."""
     from longctx_cli.config import load_config
-    from longctx_cli.config.plan import plan_for
+    from longctx_cli.config.plan import fit_report, parse_memory_size, plan_for
 
-    plan = plan_for(load_config(config), nproc_per_node=nproc_per_node, nnodes=nnodes)
+    limit = parse_memory_size(memory_per_rank) if memory_per_rank is not None else None
+    cfg = load_config(config)
+    plan = plan_for(cfg, nproc_per_node=nproc_per_node, nnodes=nnodes)
     Console().print(plan.to_table())
+    if limit is not None:
+        Console().print("\n".join(fit_report(cfg, plan, limit)), markup=False)
     Console().print("[green]valid[/]")
 
 

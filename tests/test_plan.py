@@ -16,9 +16,11 @@ from longctx_cli.config.plan import (
     build_plan,
     estimate_memory,
     lora_parameter_count,
+    parse_memory_size,
     read_model_config,
     resolve_world,
     resolve_world_size,
+    smallest_fitting_sp,
 )
 from longctx_cli.errors import UserError
 
@@ -401,3 +403,71 @@ def test_memory_ring_buffers_scale_with_heads_k_stride():
     # K,V double-buffered + dK,dV for one KV head of 128 dims over 65536 tokens, bf16.
     assert one.attention_buffers == 6 * 128 * 65536 * 2
     assert _memory(sp=1, world=1).attention_buffers == 0
+
+
+def test_memory_checkpointing_counts_the_larger_of_logits_and_recompute():
+    m = _memory(gradient_checkpointing=True)
+    static = m.parameters + m.gradients + m.optimizer + m.attention_buffers
+    assert m.recompute > 0
+    assert m.total == static + m.activations + max(m.logits, m.recompute)
+    # Kept: each layer's input, [tokens, hidden] per layer (8192 local tokens, bf16).
+    assert m.activations == 32 * 4096 * 8192 * 2
+
+
+def test_memory_tiled_mlp_drops_four_intermediates_per_layer():
+    plain, tiled = _memory(), _memory(tiled_mlp=True, tiled_mlp_tiles=8192)
+    # 8192 tiles of one token: one token's intermediates stay live per layer.
+    drop = 32 * 4 * 14336 * 8192 * 2 - 32 * 4 * 14336 * 2
+    assert plain.activations - tiled.activations == drop
+
+
+def test_memory_offload_frees_device_memory_but_not_host_memory():
+    gc = _memory(gradient_checkpointing=True)
+    offload = _memory(gradient_checkpointing=True, activation_offloading=True)
+    assert offload.activations == 0 and offload.total < gc.total
+    config = cfg(sequence_len=65536, sequence_parallel_degree=8, gradient_checkpointing=True,
+                 activation_offloading=True)
+    on_cpu, notes = estimate_memory(config, LLAMA3_8B, 8, 8, 1, host_is_device=True)
+    assert on_cpu.total == gc.total
+    assert any("frees nothing" in n for n in notes)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("80GiB", 80 * 1024**3), ("80G", 80 * 1024**3), ("24GB", 24 * 10**9),
+     ("512 MiB", 512 * 1024**2), ("1.5GiB", int(1.5 * 1024**3)), ("4096", 4096)],
+)
+def test_parse_memory_size(text, expected):
+    assert parse_memory_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "-3GiB", "80 parsecs", "0"])
+def test_parse_memory_size_rejects(text):
+    with pytest.raises(UserError, match="--memory-per-rank"):
+        parse_memory_size(text)
+
+
+def test_smallest_fitting_sp_is_the_first_legal_degree_under_the_limit():
+    config = cfg(sequence_len=131072, sequence_parallel_degree=1)
+    totals = {
+        sp: estimate_memory(config.model_copy(update={"sequence_parallel_degree": sp}),
+                            LLAMA3_8B, 8, sp, 1)[0].total
+        for sp in (1, 2, 4, 8)
+    }
+    limit = (totals[4] + totals[2]) // 2
+    best, tried = smallest_fitting_sp(config, LLAMA3_8B, 8, limit)
+    assert best is not None and best.sp == 4 and best.total == totals[4]
+    assert [f.sp for f in tried] == [1, 2, 4]
+    # Beyond the world: an 8-rank launch learns that 16 ranks would be needed.
+    best, tried = smallest_fitting_sp(config, LLAMA3_8B, 8, totals[8] - 1)
+    assert best is not None and best.sp == 16
+
+
+def test_smallest_fitting_sp_skips_illegal_degrees():
+    config = cfg(sequence_len=4096 * 3, sequence_parallel_mode="ulysses")
+    best, tried = smallest_fitting_sp(config, LLAMA3_8B, 8, 10**15)
+    assert best is not None and best.sp == 1
+    best, tried = smallest_fitting_sp(config, LLAMA3_8B, 8, 1)
+    assert best is None
+    by_sp = {f.sp: f for f in tried}
+    assert by_sp[64].total is None  # 32 heads cannot be split over 64 Ulysses ranks

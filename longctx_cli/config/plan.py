@@ -268,17 +268,25 @@ def _importable(module: str) -> bool:
 
 
 # ---- memory estimate --------------------------------------------------------------------
+#
+# Calibrated against benchmarks/train_step.py (CPU, fp32, peak resident set per rank over a
+# full step with AdamW's moments already allocated); docs/memory.md has the measurements.
+# The peak of a step is the static state (weights, gradients, optimizer moments, SP buffers)
+# plus what is saved for backward (`activations`) plus the larger of two working sets that
+# never coexist: the logits + loss of the shard (computed after the decoder, freed before
+# its backward) and, under gradient checkpointing, the one layer recomputed in backward.
 
 # Saved activations per token of one decoder layer, in elements of the compute dtype:
-# 2 RMSNorm in/out pairs (4*hidden); q (projection, after RoPE, attention output) 3*q_dim;
-# k and v (projections, k after RoPE) ~3*kv_dim; SwiGLU gate, silu(gate), up, product 4*inter.
+# 2 RMSNorm in/out pairs (4*hidden; the MLP's input is the second norm's output); q
+# (projection, after RoPE, attention output) 3*q_dim; k and v (projections, k after RoPE)
+# ~3*kv_dim; SwiGLU gate, silu(gate), up and their product 4*intermediate.
 # Attention never stores T x T scores (flash / LSE-based kernels), so nothing grows with T^2.
 NORM_FACTOR = 4
 Q_FACTOR = 3
 KV_FACTOR = 3
 MLP_FACTOR = 4
 # Logits bytes per token per vocab entry: the logits in the compute dtype, their float32 copy
-# for cross-entropy, and the float32 log-softmax kept for backward.
+# for cross-entropy (the log-softmax kept for backward), and the float32 gradient in backward.
 LOGITS_FP32_COPIES = 2
 # Ring buffers: gathered K and V, double-buffered (4 tensors), plus dK and dV partials
 # before the reduce-scatter in backward (2 tensors).
@@ -287,7 +295,11 @@ RING_KV_TENSORS = 6
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Rough bytes per rank at peak; each part is a separate field so it can be calibrated."""
+    """Bytes per rank at peak, by part, so each part can be calibrated on its own.
+
+    `total` is not the plain sum: `logits` and `recompute` are working sets of different
+    moments of the step, and only the larger of them counts.
+    """
 
     parameters: int
     gradients: int
@@ -297,12 +309,13 @@ class MemoryEstimate:
     attention_buffers: int
     total_params: int
     trainable_params: int
+    recompute: int = 0
 
     @property
     def total(self) -> int:
         return (
-            self.parameters + self.gradients + self.optimizer
-            + self.activations + self.logits + self.attention_buffers
+            self.parameters + self.gradients + self.optimizer + self.activations
+            + self.attention_buffers + max(self.logits, self.recompute)
         )
 
     def parts(self) -> list[tuple[str, int]]:
@@ -310,8 +323,9 @@ class MemoryEstimate:
             ("parameters", self.parameters),
             ("gradients", self.gradients),
             ("optimizer state", self.optimizer),
-            ("activations", self.activations),
+            ("activations (saved)", self.activations),
             ("logits + loss", self.logits),
+            ("layer recomputed in backward", self.recompute),
             ("SP attention buffers", self.attention_buffers),
         ]
 
@@ -327,21 +341,32 @@ def lora_parameter_count(config: Config, shape: ModelShape) -> tuple[int, list[s
     return count * shape.num_hidden_layers, [n for n in names if n not in shapes]
 
 
-def _activation_bytes(config: Config, shape: ModelShape, local_tokens: int) -> int:
-    b = DTYPE_BYTES[config.dtype]
+def layer_activation_elements(config: Config, shape: ModelShape, local_tokens: int) -> int:
+    """Elements saved per token by one decoder layer (see the factors above)."""
     h, inter = shape.hidden_size, shape.intermediate_size
-    mlp = h if config.tiled_mlp else MLP_FACTOR * inter  # a tiled MLP saves only its input
-    per_layer = NORM_FACTOR * h + Q_FACTOR * shape.q_dim + KV_FACTOR * shape.kv_dim + mlp
-    if config.tiled_mlp:
-        tiles = config.tiled_mlp_tiles or max(1, local_tokens // h)
-        per_layer += MLP_FACTOR * inter // tiles  # one tile's intermediates, live in backward
+    attention = NORM_FACTOR * h + Q_FACTOR * shape.q_dim + KV_FACTOR * shape.kv_dim
+    if not config.tiled_mlp:
+        return attention + MLP_FACTOR * inter
+    # A tiled MLP saves only its input (already counted as the norm's output); one tile's
+    # intermediates are live while that tile is recomputed in backward.
+    tiles = config.tiled_mlp_tiles or max(1, -(-local_tokens // h))
+    return attention + MLP_FACTOR * inter // min(tiles, max(1, local_tokens))
+
+
+def _activation_bytes(
+    config: Config, shape: ModelShape, local_tokens: int, offload_frees_device: bool
+) -> tuple[int, int]:
+    """(bytes saved for backward over the whole step, bytes of one layer recomputed)."""
+    b = DTYPE_BYTES[config.dtype]
+    layer = layer_activation_elements(config, shape, local_tokens) * local_tokens * b
+    offloaded = config.activation_offloading and offload_frees_device
     if config.gradient_checkpointing:
-        # Each layer keeps only its input; one layer at a time is recomputed in full.
-        kept = 0 if config.activation_offloading else shape.num_hidden_layers * h
-        return (kept + per_layer) * local_tokens * b
-    if config.activation_offloading:
-        return per_layer * local_tokens * b  # saved tensors live in host memory; one layer here
-    return shape.num_hidden_layers * per_layer * local_tokens * b
+        # Each layer keeps only its input [tokens, hidden] (in host memory when offloaded).
+        kept = 0 if offloaded else shape.num_hidden_layers * shape.hidden_size * local_tokens * b
+        return kept, layer
+    if offloaded:
+        return 0, layer  # saved tensors live in host memory; one layer's are back at a time
+    return shape.num_hidden_layers * layer, 0
 
 
 def _logits_bytes(config: Config, shape: ModelShape, local_tokens: int) -> int:
@@ -371,9 +396,18 @@ def _attention_buffer_bytes(
 
 
 def estimate_memory(
-    config: Config, shape: ModelShape, world_size: int, sp: int, ulysses: int
+    config: Config,
+    shape: ModelShape,
+    world_size: int,
+    sp: int,
+    ulysses: int,
+    *,
+    host_is_device: bool = False,
 ) -> tuple[MemoryEstimate, list[str]]:
-    """Per-rank peak bytes by part (see the factors above), and notes about the estimate."""
+    """Per-rank peak bytes by part (see the factors above), and notes about the estimate.
+
+    `host_is_device`: the run computes in host memory (CPU), so offloading frees nothing.
+    """
     notes: list[str] = []
     b = DTYPE_BYTES[config.dtype]
     base = shape.parameter_count()
@@ -388,19 +422,24 @@ def estimate_memory(
         param_bytes, train_bytes = base * b + trainable * LORA_BYTES, LORA_BYTES
     else:
         trainable, param_bytes, train_bytes = base, base * b, b
+    if config.activation_offloading and host_is_device:
+        notes.append("activation_offloading frees nothing on a CPU run: host memory is the "
+                     "memory the run computes in.")
     shard = world_size if config.fsdp else 1  # FSDP2 shards weights, grads and state over ranks
     # FSDP2 all-gathers one layer at a time and prefetches the next: two full layers live.
     gathered = 2 * (base // max(1, shape.num_hidden_layers)) * b if config.fsdp else 0
     moments = 0 if config.optimizer == "sgd" else 2  # AdamW: exp_avg and exp_avg_sq
+    saved, recompute = _activation_bytes(config, shape, local_tokens, not host_is_device)
     estimate = MemoryEstimate(
         parameters=param_bytes // shard + gathered,
         gradients=trainable * train_bytes // shard,
         optimizer=moments * trainable * train_bytes // shard,
-        activations=_activation_bytes(config, shape, local_tokens),
+        activations=saved,
         logits=_logits_bytes(config, shape, local_tokens),
         attention_buffers=_attention_buffer_bytes(config, shape, sp, ulysses, local_tokens),
         total_params=base + (trainable if config.adapter == "lora" else 0),
         trainable_params=trainable,
+        recompute=recompute,
     )
     return estimate, notes
 
@@ -614,6 +653,7 @@ class Plan:
     model: ModelShape
     memory: MemoryEstimate
     notes: tuple[str, ...] = field(default_factory=tuple)
+    host_is_device: bool = False  # a CPU run: offloading activations frees nothing
 
     def to_table(self) -> Table:
         """The plan as a rich Table (what `longctx validate` prints)."""
@@ -717,8 +757,11 @@ def build_plan(
     sp = config.sequence_parallel_degree
     ulysses = check_without_model(config, world_size, world_source)
     _check_heads(config, shape, sp, ulysses)
-    kernel, reason = _resolve_kernel(config, sp, platform or Platform.detect())
-    memory, memory_notes = estimate_memory(config, shape, world_size, sp, ulysses)
+    platform = platform or Platform.detect()
+    kernel, reason = _resolve_kernel(config, sp, platform)
+    memory, memory_notes = estimate_memory(
+        config, shape, world_size, sp, ulysses, host_is_device=not platform.cuda
+    )
 
     dp = world_size // sp
     row_tokens = config.micro_batch_size * config.sequence_len
@@ -756,6 +799,7 @@ def build_plan(
         model=shape,
         memory=memory,
         notes=tuple(notes),
+        host_is_device=not platform.cuda,
     )
 
 
@@ -767,3 +811,105 @@ def plan_for(
     check_without_model(config, world, source)  # fail fast, before transformers is imported
     shape = read_model_config(config)
     return build_plan(config, world, shape, nproc_per_node=nproc_per_node, world_source=source)
+
+
+# ---- smallest sp that fits --------------------------------------------------------------
+
+_SIZE_UNITS = {
+    "b": 1, "kib": 1024, "mib": 1024**2, "gib": GIB, "tib": 1024**4,
+    "k": 1024, "m": 1024**2, "g": GIB, "t": 1024**4,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}
+
+
+def parse_memory_size(text: str) -> int:
+    """Bytes in "80GiB", "80G" (binary), "80GB" (decimal), "512MiB" or a plain byte count."""
+    raw = text.strip().lower().replace(" ", "")
+    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(number):] or "b"
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _SIZE_UNITS or value <= 0:
+        raise UserError(
+            f"--memory-per-rank {text!r} is not a memory size.",
+            fix="write a number and a unit, e.g. `80GiB`, `24GB` or `512MiB`.",
+        )
+    return int(value * _SIZE_UNITS[unit])
+
+
+@dataclass(frozen=True)
+class SpFit:
+    """The estimate at one sequence-parallel degree, or why that degree is not legal."""
+
+    sp: int
+    total: int | None
+    reason: str = ""
+
+    def fits(self, limit: int) -> bool:
+        return self.total is not None and self.total <= limit
+
+
+def _sp_candidates(world_size: int, limit: int = 1024) -> list[int]:
+    """Divisors of the world size, then powers of two beyond it (runs that need more ranks)."""
+    divisors = {d for d in range(1, world_size + 1) if world_size % d == 0}
+    powers = {2**k for k in range(11) if world_size < 2**k <= limit}
+    return sorted(divisors | powers)
+
+
+def _fit_at(
+    config: Config, shape: ModelShape, world_size: int, sp: int, host_is_device: bool
+) -> SpFit:
+    trial = config.model_copy(update={"sequence_parallel_degree": sp})
+    world = max(world_size, sp)
+    try:
+        ulysses = _ulysses_size(trial, sp)
+        _check_sequence_len(trial, sp)
+        _check_heads(trial, shape, sp, ulysses)
+    except UserError as e:
+        return SpFit(sp, None, str(e).split(":")[0])
+    estimate = estimate_memory(trial, shape, world, sp, ulysses, host_is_device=host_is_device)
+    return SpFit(sp, estimate[0].total)
+
+
+def smallest_fitting_sp(
+    config: Config,
+    shape: ModelShape,
+    world_size: int,
+    memory_per_rank: int,
+    host_is_device: bool = False,
+) -> tuple[SpFit | None, list[SpFit]]:
+    """The smallest legal sp whose per-rank estimate fits, and every degree tried up to it.
+
+    Degrees beyond the world size are tried too (they answer "how many ranks would it
+    take"); with `fsdp` the weights are then sharded over that many ranks.
+    """
+    tried = []
+    for sp in _sp_candidates(world_size):
+        fit = _fit_at(config, shape, world_size, sp, host_is_device)
+        tried.append(fit)
+        if fit.fits(memory_per_rank):
+            return fit, tried
+    return None, tried
+
+
+def fit_report(config: Config, plan: Plan, memory_per_rank: int) -> list[str]:
+    """Lines answering `--memory-per-rank`: the smallest sp that fits, and the degrees tried."""
+    best, tried = smallest_fitting_sp(
+        config, plan.model, plan.world_size, memory_per_rank, plan.host_is_device
+    )
+    lines = [f"memory per rank {_gib(memory_per_rank)}:"]
+    for fit in tried:
+        what = _gib(fit.total) if fit.total is not None else f"not legal ({fit.reason})"
+        lines.append(f"  sp {fit.sp:>4}: {what}")
+    if best is None:
+        lines.append(f"no sequence-parallel degree up to {tried[-1].sp} fits; lower sequence_len "
+                     "or turn on gradient_checkpointing / chunked_loss / tiled_mlp / fsdp.")
+    elif best.sp > plan.world_size:
+        lines.append(f"smallest sp that fits: {best.sp} ({_gib(best.total or 0)} per rank), "
+                     f"more than the {plan.world_size} ranks of this launch.")
+    else:
+        lines.append(f"smallest sp that fits: {best.sp} ({_gib(best.total or 0)} per rank)"
+                     + ("" if best.sp == plan.sp else f"; the config uses sp {plan.sp}."))
+    return lines

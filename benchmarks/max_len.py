@@ -1,0 +1,98 @@
+"""The longest row that trains under a fixed memory cap per rank, for sp in {1, 2, 4}.
+
+    python benchmarks/max_len.py --cap-mib 384 --option plain
+
+Same model, processes and step as benchmarks/train_step.py. For each sp the peak memory per
+rank (VmHWM growth over build + one full step) is measured at a few row lengths; memory per
+rank is linear in the row length (attention keeps no T x T state), so a least-squares line
+gives the longest row under the cap. That row (rounded down to a multiple of 2 x sp x 64) is
+then trained for real; if its measured peak is over the cap the row shrinks by 5% until it
+fits, so every reported length was trained and measured under the cap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from train_step import OPTIONS, STRATEGIES, WORLD, Variant, build_contexts, measure
+
+SP_STRATEGY = {1: "sp1", 2: "sp2_zigzag", 4: "sp4_zigzag"}
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope)."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    covariance = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    slope = covariance / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, slope
+
+
+def longest_row(sp: int, option: str, cap_mib: float, local: list[int], log: bool) -> dict:
+    strategy = SP_STRATEGY[sp]
+    points = [(sp * t, measure(Variant(strategy, option, sp * t))[1]) for t in local]
+    intercept, slope = fit_line([float(t) for t, _ in points], [m for _, m in points])
+    step = 2 * sp * 64
+    row = int((cap_mib - intercept) / slope) // step * step
+    checks = []
+    while row >= step:
+        peak = measure(Variant(strategy, option, row))[1]
+        checks.append((row, peak))
+        if log:
+            print(f"  sp {sp}: row {row} -> {peak:.0f} MiB (cap {cap_mib:.0f})", flush=True)
+        if peak <= cap_mib:
+            break
+        row = int(row * 0.95) // step * step
+    return {"sp": sp, "option": option, "points": points, "intercept_mib": intercept,
+            "mib_per_token": slope, "checks": checks, "longest_row": checks[-1][0]}
+
+
+def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(store_dir, "store"), WORLD)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+    build_contexts(list(STRATEGIES))
+    measure(Variant("sp2_zigzag", args.option, 512))  # warm-up
+    results = [longest_row(sp, args.option, args.cap_mib, args.local_tokens, rank == 0)
+               for sp in args.sp]
+    if rank == 0:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        payload = {"cap_mib": args.cap_mib, "option": args.option, "results": results}
+        Path(args.out).write_text(json.dumps(payload, indent=1))
+        print(table(results))
+    dist.destroy_process_group()
+
+
+def table(results: list[dict]) -> str:
+    sp1 = next((r for r in results if r["sp"] == 1), None)
+    lines = ["| sp | fixed (MiB) | MiB per 1K row tokens | longest row under cap | vs sp=1 |",
+             "|---|---|---|---|---|"]
+    for r in results:
+        ratio = f"{r['longest_row'] / sp1['longest_row']:.2f}x" if sp1 else "-"
+        lines.append(f"| {r['sp']} | {r['intercept_mib']:.0f} | {1024 * r['mib_per_token']:.1f} "
+                     f"| {r['longest_row']} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cap-mib", type=float, default=384.0)
+    parser.add_argument("--option", default="plain", choices=list(OPTIONS))
+    parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], choices=[1, 2, 4])
+    parser.add_argument("--local-tokens", type=int, nargs="+", default=[512, 1024, 2048],
+                        help="tokens per rank of the rows measured for the fit")
+    parser.add_argument("--out", default="benchmarks/results/max_len.json")
+    args = parser.parse_args()
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    with tempfile.TemporaryDirectory(prefix="longctx-bench-") as tmp:
+        mp.start_processes(worker, args=(tmp, args), nprocs=WORLD, start_method="spawn")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+"""One full training step (forward, backward, gradient sum, AdamW) per variant, on CPU + gloo.
+
+    python benchmarks/train_step.py --tokens 8192 16384 --repeats 3
+
+A small Llama (4 layers, hidden 256, 4 heads of 64, 2 KV heads, vocab 4096, fp32) trains on
+one packed synthetic row. Four gloo processes with one compute thread each start once; a
+variant with sp ranks runs on ranks 0..sp-1 while the others wait in a barrier, so sp=1 and
+sp=2 are timed side by side on the same loaded machine. Variants run in a rotated order in
+every round; time is the median over rounds of the slowest rank.
+
+Each step drives the trainer's own code: `build_model`, `apply_tiled_mlp`, `shard_batch`,
+`forward_loss_sum` (decoder + `lm_loss_sum`) and `activation_offload`, then sums gradients
+over the SP group and steps AdamW. Memory is the rank's resident-set high-water mark during
+build + step (the kernel's VmHWM, reset through /proc/self/clear_refs) minus its resident set
+just before the model is built: parameters, gradients, optimizer state and activations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from longctx_cli.config import Config, config_from_dict
+from longctx_cli.config.plan import ModelShape, estimate_memory
+from longctx_cli.parallel import build_parallel_groups, shard_batch
+from longctx_cli.train.loop import forward_loss_sum
+from longctx_cli.train.loss import valid_token_count
+from longctx_cli.train.memory import activation_offload, apply_tiled_mlp
+from longctx_cli.train.model import build_model, decoder_and_head, model_config_of
+
+MODEL = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 4096,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+}
+WORLD = 4
+OPTIONS = {  # option name -> config keys
+    "plain": {},
+    "chunked": {"chunked_loss": True},
+    "tiled": {"tiled_mlp": True},
+    "gc": {"gradient_checkpointing": True},
+    "gc_offload": {"gradient_checkpointing": True, "activation_offloading": True},
+    "all": {"gradient_checkpointing": True, "chunked_loss": True, "tiled_mlp": True},
+}
+STRATEGIES = {  # name -> (sp, mode, layout)
+    "sp1": (1, "ring", "contiguous"),
+    "sp2_contiguous": (2, "ring", "contiguous"),
+    "sp2_zigzag": (2, "ring", "zigzag"),
+    "sp2_ulysses": (2, "ulysses", "contiguous"),
+    "sp4_zigzag": (4, "ring", "zigzag"),
+}
+CONTEXTS: dict = {}
+
+
+@dataclass(frozen=True)
+class Variant:
+    strategy: str
+    option: str
+    tokens: int
+
+    @property
+    def sp(self) -> int:
+        return STRATEGIES[self.strategy][0]
+
+    @property
+    def name(self) -> str:
+        return f"{self.strategy}/{self.option}"
+
+
+@dataclass
+class Measured:
+    times_s: list[float] = field(default_factory=list)
+    peaks_mib: list[float] = field(default_factory=list)
+
+
+def variant_config(v: Variant, loss_chunk_size: int = 1024) -> Config:
+    sp, mode, layout = STRATEGIES[v.strategy]
+    return config_from_dict({
+        "model_config": MODEL,
+        "dtype": "float32",
+        "attention_kernel": "torch",
+        "sequence_len": v.tokens,
+        "sequence_parallel_degree": sp,
+        "sequence_parallel_mode": mode,
+        "sp_sharding": layout,
+        "loss_chunk_size": loss_chunk_size,
+        "optimizer": "adamw",
+        **OPTIONS[v.option],
+    })
+
+
+def predicted_mib(v: Variant) -> float:
+    """What `longctx validate` estimates for this variant, per rank."""
+    config = variant_config(v)
+    shape = ModelShape.from_hf_config(model_config_of(config))
+    sp = STRATEGIES[v.strategy][0]
+    ulysses = sp if STRATEGIES[v.strategy][1] == "ulysses" else 1
+    estimate = estimate_memory(config, shape, sp, sp, ulysses, host_is_device=True)[0]
+    return estimate.total / 2**20
+
+
+# ---- measuring a rank ------------------------------------------------------------------
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident set
+
+
+def peak_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def synthetic_row(tokens: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One packed row of documents of 1/8 .. 1/2 of the row; labels -100 at document starts."""
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(1, vocab, (tokens,), generator=g)
+    lengths, left = [], tokens
+    while left > 0:
+        n = min(left, int(torch.randint(tokens // 8, tokens // 2 + 1, (1,), generator=g)))
+        lengths.append(n)
+        left -= n
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    labels = ids.clone()
+    labels[positions == 0] = -100
+    return ids, positions, labels
+
+
+def init_optimizer_state(params: list[torch.nn.Parameter], optimizer) -> None:
+    """Create AdamW's moments before the measured step, so it sees the steady state (every
+    step after the first holds the moments through forward and backward)."""
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def run_step(v: Variant) -> tuple[float, float] | None:
+    """Build, step once; (seconds, peak growth in bytes) on active ranks, None on idle ones."""
+    if dist.get_rank() >= v.sp:
+        return None
+    config = variant_config(v)
+    ctx = CONTEXTS[STRATEGIES[v.strategy]]
+    gc.collect()
+    base = rss_bytes()
+    reset_peak()
+    model = build_model(config)
+    if config.tiled_mlp:
+        apply_tiled_mlp(model, config.tiled_mlp_tiles)
+    decoder, head = decoder_and_head(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    init_optimizer_state(params, optimizer)
+    batch = shard_batch(*synthetic_row(v.tokens, MODEL["vocab_size"]), ctx, 0)
+    count = torch.tensor([float(valid_token_count(batch.shift_labels))])
+    if ctx.sp_group is not None:
+        dist.all_reduce(count, group=ctx.sp_group)
+    start = time.perf_counter()
+    with activation_offload(config.activation_offloading):
+        loss = forward_loss_sum(decoder, head, batch, config)
+        (loss / count).backward()
+    if ctx.sp_group is not None:
+        for p in params:
+            dist.all_reduce(p.grad, group=ctx.sp_group)
+    optimizer.step()
+    elapsed = time.perf_counter() - start
+    grown = peak_bytes() - base
+    del model, decoder, head, params, optimizer, batch, loss
+    return elapsed, float(grown)
+
+
+def measure(v: Variant) -> tuple[float, float]:
+    """(slowest active rank's seconds, largest active rank's peak growth in MiB)."""
+    got = run_step(v) or (0.0, 0.0)
+    stats = torch.tensor(got, dtype=torch.float64)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    return float(stats[0]), float(stats[1]) / 2**20
+
+
+def build_contexts(strategies: list[str]) -> None:
+    for s in strategies:  # new_group is collective: every rank builds every context
+        sp, mode, layout = STRATEGIES[s]
+        if (sp, mode, layout) not in CONTEXTS:
+            _, CONTEXTS[(sp, mode, layout)] = build_parallel_groups(
+                sp=sp, mode=mode, layout=layout, kernel="torch"
+            )
+
+
+def run_rounds(variants: list[Variant], repeats: int, log: bool) -> dict[Variant, Measured]:
+    """Every variant once per round, the order rotated each round."""
+    runs = {v: Measured() for v in variants}
+    for r in range(repeats):
+        shift = (r * 3) % len(variants)
+        for v in variants[shift:] + variants[:shift]:
+            t, mib = measure(v)
+            runs[v].times_s.append(t)
+            runs[v].peaks_mib.append(mib)
+            if log:
+                print(f"  {v.tokens:>6} {v.name:<26} round {r}: {t:6.2f}s {mib:7.0f} MiB",
+                      flush=True)
+    return runs
+
+
+# ---- the benchmark ---------------------------------------------------------------------
+
+
+def plan_variants(args: argparse.Namespace) -> list[tuple[list[Variant], int]]:
+    """Groups of variants compared side by side (each group interleaved on its own)."""
+    groups = []
+    for tokens in args.tokens:
+        strategies = [s for s in args.strategies if s != "sp4_zigzag"]
+        groups.append(([Variant(s, "plain", tokens) for s in strategies], args.repeats))
+    for tokens in args.option_tokens:
+        options = [Variant(s, o, tokens) for s in ("sp1", "sp2_zigzag") for o in args.options]
+        groups.append((options, args.option_repeats))
+    for tokens in args.sp4_tokens:
+        sp4 = [Variant(s, "plain", tokens) for s in ("sp1", "sp2_zigzag", "sp4_zigzag")]
+        groups.append((sp4, args.option_repeats))
+    return [g for g in groups if g[0]]
+
+
+def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(store_dir, "store"), WORLD)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+    build_contexts(list(STRATEGIES))
+    measure(Variant("sp2_zigzag", "all", 512))  # warm-up: one-off allocations and imports
+    results = []
+    for group, repeats in plan_variants(args):
+        for v, m in run_rounds(group, repeats, rank == 0).items():
+            results.append({
+                "tokens": v.tokens, "strategy": v.strategy, "option": v.option, "sp": v.sp,
+                "times_s": m.times_s, "median_s": statistics.median(m.times_s),
+                "peak_mib": statistics.median(m.peaks_mib),
+                "predicted_mib": predicted_mib(v),
+            })
+    if rank == 0:
+        payload = {"model": MODEL, "threads_per_rank": 1, "world": WORLD, "results": results}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(payload, indent=1))
+        print(table(results))
+        plot(results, Path(args.out).with_suffix(".png"))
+    dist.destroy_process_group()
+
+
+def table(results: list[dict]) -> str:
+    by: dict = {}
+    for r in results:  # the first group measuring a variant is its reference
+        by.setdefault((r["tokens"], r["strategy"], r["option"]), r)
+    lines = [
+        "| tokens | strategy | option | median step (s) | vs sp1 plain | peak/rank (MiB) "
+        "| vs sp1 plain | vs sp2_zigzag plain | validate (MiB) | est/meas |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        sp1 = by.get((r["tokens"], "sp1", "plain"))
+        zz = by.get((r["tokens"], "sp2_zigzag", "plain"))
+        t_ratio = f"{r['median_s'] / sp1['median_s']:.2f}x" if sp1 else "-"
+        m_ratio = f"{r['peak_mib'] / sp1['peak_mib']:.2f}x" if sp1 else "-"
+        z_ratio = f"{r['peak_mib'] / zz['peak_mib']:.2f}x" if zz else "-"
+        lines.append(
+            f"| {r['tokens']} | {r['strategy']} | {r['option']} | {r['median_s']:.2f} "
+            f"| {t_ratio} | {r['peak_mib']:.0f} | {m_ratio} | {z_ratio} "
+            f"| {r['predicted_mib']:.0f} | {r['predicted_mib'] / r['peak_mib']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = [f"{r['tokens'] // 1024}K {r['strategy']}/{r['option']}" for r in results]
+    ax.barh(names, [r["peak_mib"] for r in results], label="measured")
+    ax.scatter([r["predicted_mib"] for r in results], names, color="k", s=10, label="validate")
+    ax.set_xlabel("peak memory per rank (MiB)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="*", default=[16384],
+                        help="rows for the strategy timing (sp1 vs sp2)")
+    parser.add_argument("--option-tokens", type=int, nargs="*", default=[8192],
+                        help="rows for the memory options at sp1 and sp2 zigzag")
+    parser.add_argument("--sp4-tokens", type=int, nargs="*", default=[8192])
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES),
+                        choices=list(STRATEGIES))
+    parser.add_argument("--options", nargs="+", default=list(OPTIONS), choices=list(OPTIONS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--option-repeats", type=int, default=1)
+    parser.add_argument("--out", default="benchmarks/results/train_step.json")
+    args = parser.parse_args()
+    # Return freed large buffers to the OS at once, so the high-water mark is live memory.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    with tempfile.TemporaryDirectory(prefix="longctx-bench-") as tmp:
+        mp.start_processes(worker, args=(tmp, args), nprocs=WORLD, start_method="spawn")
+
+
+if __name__ == "__main__":
+    main()
