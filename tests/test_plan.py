@@ -471,3 +471,10 @@ def test_smallest_fitting_sp_skips_illegal_degrees():
     assert best is None
     by_sp = {f.sp: f for f in tried}
     assert by_sp[64].total is None  # 32 heads cannot be split over 64 Ulysses ranks
+
+
+def test_offload_without_checkpointing_is_noted():
+    notes = plan(activation_offloading=True).notes
+    assert any("without gradient_checkpointing" in n for n in notes)
+    assert not any("without gradient_checkpointing" in n for n in
+                   plan(activation_offloading=True, gradient_checkpointing=True).notes)

@@ -614,6 +614,11 @@ def _advice(
     if config.sequence_parallel_mode == "hybrid" and ulysses in (1, sp):
         same = "ring" if ulysses == 1 else "ulysses"
         notes.append(f"hybrid with ulysses_degree {ulysses} is the same as `{same}`.")
+    if config.activation_offloading and not config.gradient_checkpointing:
+        notes.append(
+            "activation_offloading without gradient_checkpointing copies every saved tensor "
+            "to host memory and back; with checkpointing only each layer's input moves."
+        )
     if ulysses > shape.num_key_value_heads:
         notes.append(
             f"KV heads ({shape.num_key_value_heads}) are replicated to {ulysses} Ulysses ranks."
