@@ -114,6 +114,13 @@ def load_config(path: str | Path) -> Config:
             where=at,
             fix="check indentation and quoting on that line.",
         ) from None
+    except RecursionError:
+        # The YAML parser recurses once per nesting level; no config nests more than a few.
+        raise UserError(
+            "is nested too deeply to be a config (hundreds of levels of lists or mappings).",
+            where=str(path),
+            fix="check for unbalanced brackets; see examples/ for a config.",
+        ) from None
     if data is None:
         raise UserError("the file is empty.", where=str(path), fix="see examples/ for a config.")
     return config_from_dict(data, where=str(path))
