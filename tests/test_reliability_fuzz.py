@@ -9,7 +9,9 @@ truncated JSON lines, wrong field types, empty and enormous samples go through `
 from __future__ import annotations
 
 import copy
+import json
 import os
+import shutil
 import subprocess
 import sys
 from functools import cache
@@ -206,3 +208,125 @@ def test_cli_validate_names_the_key(tmp_path):
         assert result.returncode == 2, (change, result.stdout, result.stderr)
         assert "Traceback" not in result.stderr, result.stderr
         assert key in result.stderr, (change, result.stderr)
+
+
+# ---- data -----------------------------------------------------------------------------------
+
+GOOD_LINES = [json.dumps({"text": f"{i}: alpha beta gamma delta"}) for i in range(12)]
+SEQUENCE_LEN = 128
+
+
+def _data_config(data_file: Path, prepared: Path, strategy: str = "drop") -> Any:
+    return config_from_dict({
+        "model_config": {"model_type": "llama"}, "tokenizer": "byte",
+        "datasets": [{"path": str(data_file), "type": "completion", "field": "text"}],
+        "sequence_len": SEQUENCE_LEN, "dataset_prepared_path": str(prepared),
+        "val_set_size": 0, "excess_length_strategy": strategy,
+    })
+
+
+def _truncated(line: str, cut: float) -> str:
+    return line[: max(1, int(len(line) * cut))]
+
+
+bad_lines = st.one_of(
+    st.sampled_from(GOOD_LINES),
+    st.just(""),  # blank lines are skipped
+    st.builds(_truncated, st.sampled_from(GOOD_LINES), st.floats(0.05, 0.95)),
+    st.sampled_from([
+        '{"text": ""}', '{"text": "   "}', '{"text": null}', '{"text": 5}', '{"text": ["a"]}',
+        '{"text": {"a": 1}}', '{"other": "x"}', "5", '"just a string"', "[1, 2]", "{}",
+    ]),
+    st.integers(SEQUENCE_LEN, 20 * SEQUENCE_LEN).map(lambda n: json.dumps({"text": "a" * n})),
+    st.text(max_size=30),
+)
+bad_files = st.one_of(
+    st.lists(bad_lines, max_size=12).map(lambda lines: "\n".join(lines).encode()),
+    st.binary(max_size=200),
+    st.lists(st.sampled_from(GOOD_LINES), min_size=1, max_size=6).flatmap(
+        lambda lines: st.binary(min_size=1, max_size=8).map(
+            lambda junk: "\n".join(lines).encode() + b"\n" + b"\xff" + junk)
+    ),
+)
+
+
+def _first_invalid_line(raw: bytes) -> int | None:
+    """The 1-based line whose bytes the pre-scan rejects (bad UTF-8, JSON, non-object)."""
+    for lineno, line in enumerate(raw.split(b"\n"), start=1):
+        try:
+            text = line.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            return lineno
+        if not text:
+            continue
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError:
+            return lineno
+        if not isinstance(record, dict):
+            return lineno
+    return None
+
+
+@pytest.fixture(scope="module")
+def good_cache(tmp_path_factory) -> tuple[Path, Path]:
+    """(good data file, a cache built from it)."""
+    from longctx_cli.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("data_fuzz")
+    good = root / "good.jsonl"
+    good.write_text("\n".join(GOOD_LINES) + "\n")
+    prepare(_data_config(good, root / "cache"), progress=False)
+    return good, root / "cache"
+
+
+@fuzz(60)
+@given(raw=bad_files, strategy=st.sampled_from(["drop", "truncate", "error"]))
+def test_bad_data_is_explained_or_counted_and_never_damages_the_cache(
+    good_cache, tmp_path_factory, raw, strategy
+):
+    from longctx_cli.data.prepare import FINGERPRINT_FILE, MARKER, prepare
+
+    good, cache = good_cache
+    work = tmp_path_factory.mktemp("case")
+    prepared = work / "cache"
+    shutil.copytree(cache, prepared)  # a good cache from an earlier run (location-free)
+    before = (prepared / FINGERPRINT_FILE).read_text()
+    data_file = work / "data.jsonl"
+    data_file.write_bytes(raw)
+    try:
+        result = prepare(_data_config(data_file, prepared, strategy), progress=False)
+    except UserError as e:
+        message = str(e)
+        assert "Traceback" not in message
+        assert str(data_file) in message or "no train samples" in message, message
+        bad_line = _first_invalid_line(raw)
+        if bad_line is not None:
+            assert f"{data_file}:{bad_line}" in message, message
+        # The earlier cache is untouched and still reused for its own data.
+        assert (prepared / MARKER).is_file()
+        assert (prepared / FINGERPRINT_FILE).read_text() == before
+        assert prepare(_data_config(good, prepared), progress=False).reused
+    else:
+        (stats,) = result.report.datasets
+        assert stats.records == stats.skipped + stats.dropped + stats.samples
+        assert stats.too_long == stats.dropped + stats.truncated
+        assert len(result.train) >= 1 and not result.reused
+        assert all(len(row) <= SEQUENCE_LEN for row in result.train["input_ids"])
+    assert not list(work.glob(".cache.tmp-*"))  # no half-written build left behind
+
+
+def test_enormous_sample_follows_the_length_policy(tmp_path):
+    from longctx_cli.data.prepare import prepare
+
+    data_file = tmp_path / "big.jsonl"
+    data_file.write_text("\n".join(GOOD_LINES[:3] + [json.dumps({"text": "z" * 2_000_000})]))
+    dropped = prepare(_data_config(data_file, tmp_path / "a"), progress=False)
+    (stats,) = dropped.report.datasets
+    assert (stats.records, stats.too_long, stats.dropped, stats.samples) == (4, 1, 1, 3)
+    truncated = prepare(_data_config(data_file, tmp_path / "b", "truncate"), progress=False)
+    (stats,) = truncated.report.datasets
+    assert (stats.too_long, stats.truncated, stats.samples) == (1, 1, 4)
+    with pytest.raises(UserError) as err:
+        prepare(_data_config(data_file, tmp_path / "c", "error"), progress=False)
+    assert f"{data_file}:4" in str(err.value)

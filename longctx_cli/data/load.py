@@ -237,6 +237,8 @@ def load_records(source: Source, entry: DatasetConfig, cache_dir: str | None) ->
         if "corresponds to no data" not in str(exc):
             raise
         raise empty_error(source) from None
+    except StopIteration:  # `datasets`' json builder on a 0-byte file
+        raise empty_error(source) from None
     return ds
 
 
