@@ -142,22 +142,32 @@ def describe_failure(failures: dict) -> str:
     causes = {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
     rank = min(causes, key=lambda r: (causes[r].timestamp, r))
     failure = causes[rank]
+    who = f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
+    if failure.exitcode == UserError.exit_code:
+        return f"training stopped: {who} reported the error above; torchrun stopped the others."
     if failure.exitcode < 0:
         how = f"was killed by {failure.signal_name()} (exit code {failure.exitcode})"
     else:
         how = f"exited with status {failure.exitcode}"
     return (
-        f"training failed: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
-        f"{how}; torchrun stopped the other ranks. To continue from the last complete "
-        "checkpoint, set `resume_from_checkpoint: auto` and run the same command again."
+        f"training failed: {who} {how}; torchrun stopped the other ranks. To continue from "
+        "the last complete checkpoint, set `resume_from_checkpoint: auto` and run the same "
+        "command again."
     )
+
+
+def failure_exit_code(failures: dict) -> int:
+    """2 when a rank stopped on a UserError (bad config or data, NaN loss), else 1."""
+    codes = {f.exitcode for f in failures.values()}
+    return UserError.exit_code if UserError.exit_code in codes else 1
 
 
 def torchrun_main(argv: list[str]) -> int:
     """Run torchrun with `argv` in this process; its exit status.
 
     torchrun reports a failed job as a traceback of its own with the dead rank deep inside;
-    this ends such a job with one line that names the rank instead.
+    this ends such a job with one line that names the rank instead, and keeps the CLI's exit
+    status 2 when a rank stopped on a UserError.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
@@ -166,7 +176,7 @@ def torchrun_main(argv: list[str]) -> int:
         main(argv)
     except ChildFailedError as e:
         print(f"error: {describe_failure(e.failures)}", file=sys.stderr, flush=True)
-        return 1
+        return failure_exit_code(e.failures)
     return 0
 
 
