@@ -415,10 +415,11 @@ def test_memory_checkpointing_counts_the_larger_of_logits_and_recompute():
 
 
 def test_memory_tiled_mlp_drops_four_intermediates_per_layer():
-    plain, tiled = _memory(), _memory(tiled_mlp=True, tiled_mlp_tiles=8192)
-    # 8192 tiles of one token: one token's intermediates stay live per layer.
-    drop = 32 * 4 * 14336 * 8192 * 2 - 32 * 4 * 14336 * 2
-    assert plain.activations - tiled.activations == drop
+    plain, tiled = _memory(), _memory(tiled_mlp=True)
+    assert plain.activations - tiled.activations == 32 * 4 * 14336 * 8192 * 2
+    # Default tiles of ~hidden tokens: one tile (4096 tokens of 8192) is live in backward.
+    assert tiled.recompute == 4 * 14336 * 4096 * 2
+    assert _memory(tiled_mlp=True, tiled_mlp_tiles=8192).recompute == 4 * 14336 * 2
 
 
 def test_memory_offload_frees_device_memory_but_not_host_memory():

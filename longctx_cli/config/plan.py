@@ -341,32 +341,40 @@ def lora_parameter_count(config: Config, shape: ModelShape) -> tuple[int, list[s
     return count * shape.num_hidden_layers, [n for n in names if n not in shapes]
 
 
-def layer_activation_elements(config: Config, shape: ModelShape, local_tokens: int) -> int:
-    """Elements saved per token by one decoder layer (see the factors above)."""
-    h, inter = shape.hidden_size, shape.intermediate_size
+def layer_activation_elements(config: Config, shape: ModelShape) -> int:
+    """Elements saved per token by one decoder layer (see the factors above).
+
+    A tiled MLP saves only its input, already counted as the second norm's output.
+    """
+    h = shape.hidden_size
     attention = NORM_FACTOR * h + Q_FACTOR * shape.q_dim + KV_FACTOR * shape.kv_dim
+    return attention + (0 if config.tiled_mlp else MLP_FACTOR * shape.intermediate_size)
+
+
+def _mlp_tile_bytes(config: Config, shape: ModelShape, local_tokens: int) -> int:
+    """One MLP tile's intermediates, live while that tile is recomputed in backward."""
     if not config.tiled_mlp:
-        return attention + MLP_FACTOR * inter
-    # A tiled MLP saves only its input (already counted as the norm's output); one tile's
-    # intermediates are live while that tile is recomputed in backward.
-    tiles = config.tiled_mlp_tiles or max(1, -(-local_tokens // h))
-    return attention + MLP_FACTOR * inter // min(tiles, max(1, local_tokens))
+        return 0
+    tiles = config.tiled_mlp_tiles or -(-local_tokens // shape.hidden_size)
+    tile_tokens = -(-local_tokens // max(1, min(tiles, local_tokens)))
+    return MLP_FACTOR * shape.intermediate_size * tile_tokens * DTYPE_BYTES[config.dtype]
 
 
 def _activation_bytes(
     config: Config, shape: ModelShape, local_tokens: int, offload_frees_device: bool
 ) -> tuple[int, int]:
-    """(bytes saved for backward over the whole step, bytes of one layer recomputed)."""
+    """(bytes saved for backward over the whole step, working set of one layer in backward)."""
     b = DTYPE_BYTES[config.dtype]
-    layer = layer_activation_elements(config, shape, local_tokens) * local_tokens * b
+    layer = layer_activation_elements(config, shape) * local_tokens * b
+    tile = _mlp_tile_bytes(config, shape, local_tokens)
     offloaded = config.activation_offloading and offload_frees_device
     if config.gradient_checkpointing:
         # Each layer keeps only its input [tokens, hidden] (in host memory when offloaded).
         kept = 0 if offloaded else shape.num_hidden_layers * shape.hidden_size * local_tokens * b
-        return kept, layer
+        return kept, layer + tile
     if offloaded:
-        return 0, layer  # saved tensors live in host memory; one layer's are back at a time
-    return shape.num_hidden_layers * layer, 0
+        return 0, layer + tile  # saved tensors live in host memory; one layer's come back
+    return shape.num_hidden_layers * layer, tile
 
 
 def _logits_bytes(config: Config, shape: ModelShape, local_tokens: int) -> int:
