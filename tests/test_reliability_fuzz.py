@@ -320,7 +320,7 @@ def test_enormous_sample_follows_the_length_policy(tmp_path):
     from longctx_cli.data.prepare import prepare
 
     data_file = tmp_path / "big.jsonl"
-    data_file.write_text("\n".join(GOOD_LINES[:3] + [json.dumps({"text": "z" * 2_000_000})]))
+    data_file.write_text("\n".join(GOOD_LINES[:3] + [json.dumps({"text": "z" * 300_000})]))
     dropped = prepare(_data_config(data_file, tmp_path / "a"), progress=False)
     (stats,) = dropped.report.datasets
     assert (stats.records, stats.too_long, stats.dropped, stats.samples) == (4, 1, 1, 3)

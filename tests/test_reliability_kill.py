@@ -151,7 +151,7 @@ def test_killed_rank_ends_job_and_resume_matches_uninterrupted(runs):
     code, out = _finish(proc, timeout=90)
     assert time.monotonic() - killed_at < 60
     assert code != 0
-    assert f"training failed: rank {victim} " in out and "SIGKILL" in out, out[-3000:]
+    assert f"train failed: rank {victim} " in out and "SIGKILL" in out, out[-3000:]
     assert not (output_dir / "final").exists()
     logged = len(read_metrics(output_dir))
     assert kill_after <= logged < MAX_STEPS
@@ -190,3 +190,23 @@ def test_kill_during_save_never_yields_that_checkpoint(runs):
     result = train(resumed, 2)
     assert f"at step {SAVE_STEPS}" in result.stdout + result.stderr
     assert_same_run(output_dir, straight, tol=1e-6)
+
+
+def test_failure_summary_names_the_rank_that_died_first():
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from longctx_cli.train.launch import describe_failure, failure_exit_code
+
+    # Rank 1 was killed; torchrun then stopped rank 0 with SIGTERM.
+    killed = {
+        0: ProcessFailure(local_rank=0, pid=100, exitcode=-signal.SIGTERM, error_file="<N/A>"),
+        1: ProcessFailure(local_rank=1, pid=101, exitcode=-signal.SIGKILL, error_file="<N/A>"),
+    }
+    line = describe_failure(killed)
+    assert line.startswith("train failed: rank 1 (local rank 1, pid 101) was killed by SIGKILL")
+    assert "resume_from_checkpoint: auto" in line
+    assert failure_exit_code(killed) == 1
+    # A rank that stopped on a UserError already printed it: keep its exit status 2.
+    user_error = {0: ProcessFailure(local_rank=0, pid=100, exitcode=2, error_file="<N/A>")}
+    assert "reported the error above" in describe_failure(user_error, "eval")
+    assert failure_exit_code(user_error) == 2

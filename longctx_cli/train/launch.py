@@ -136,7 +136,7 @@ def launch_torchrun(
         return 130
 
 
-def describe_failure(failures: dict) -> str:
+def describe_failure(failures: dict, command: str = "train") -> str:
     """One line naming the rank that failed first and how, from torchrun's `ProcessFailure`s."""
     # torchrun stops the surviving ranks with SIGTERM: those deaths are not the cause.
     causes = {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
@@ -144,16 +144,18 @@ def describe_failure(failures: dict) -> str:
     failure = causes[rank]
     who = f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
     if failure.exitcode == UserError.exit_code:
-        return f"training stopped: {who} reported the error above; torchrun stopped the others."
+        return f"{command} stopped: {who} reported the error above; torchrun stopped the others."
     if failure.exitcode < 0:
         how = f"was killed by {failure.signal_name()} (exit code {failure.exitcode})"
     else:
         how = f"exited with status {failure.exitcode}"
-    return (
-        f"training failed: {who} {how}; torchrun stopped the other ranks. To continue from "
-        "the last complete checkpoint, set `resume_from_checkpoint: auto` and run the same "
-        "command again."
-    )
+    message = f"{command} failed: {who} {how}; torchrun stopped the other ranks."
+    if command == "train":
+        message += (
+            " To continue from the last complete checkpoint, set "
+            "`resume_from_checkpoint: auto` and run the same command again."
+        )
+    return message
 
 
 def failure_exit_code(failures: dict) -> int:
@@ -175,7 +177,9 @@ def torchrun_main(argv: list[str]) -> int:
     try:
         main(argv)
     except ChildFailedError as e:
-        print(f"error: {describe_failure(e.failures)}", file=sys.stderr, flush=True)
+        # The longctx command the ranks run: the word after `-m longctx_cli`.
+        command = argv[argv.index("longctx_cli") + 1] if "longctx_cli" in argv[:-1] else "job"
+        print(f"error: {describe_failure(e.failures, command)}", file=sys.stderr, flush=True)
         return failure_exit_code(e.failures)
     return 0
 
