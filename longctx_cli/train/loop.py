@@ -35,6 +35,7 @@ from longctx_cli.train.checkpoint import (
     save_checkpoint,
 )
 from longctx_cli.train.loss import IGNORE_INDEX, lm_loss_sum, valid_token_count
+from longctx_cli.train.memory import activation_offload
 from longctx_cli.train.model import build_model, decoder_and_head, load_base_model
 
 
@@ -239,8 +240,9 @@ def train_step(
         if use_fsdp:
             # Reduce-scatter only after the last micro-batch of the window.
             model.set_requires_gradient_sync(i == len(batches) - 1)
-        loss_sum = forward_loss_sum(decoder, lm_head, batch, config)
-        (loss_sum / divisor).backward()
+        with activation_offload(config.activation_offloading):
+            loss_sum = forward_loss_sum(decoder, lm_head, batch, config)
+            (loss_sum / divisor).backward()
         local_loss += loss_sum.item()
     if not use_fsdp and dist.get_world_size() > 1:
         reduce_gradients(params)

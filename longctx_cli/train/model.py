@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from longctx_cli.config import Config
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
+from longctx_cli.train.memory import apply_tiled_mlp
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,8 @@ def build_model(config: Config, fsdp_mesh=None) -> nn.Module:
         model.config.use_cache = False
     if config.adapter == "lora":
         model = apply_lora(model, config)
+    if config.tiled_mlp:
+        apply_tiled_mlp(model, config.tiled_mlp_tiles)
     if config.fsdp and fsdp_mesh is not None:
         apply_fsdp(model, fsdp_mesh)
     model.train()
