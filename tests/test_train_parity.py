@@ -58,6 +58,19 @@ def test_reference_learns_and_logs(full_reference):
             {"sequence_parallel_degree": 2, "gradient_accumulation_steps": 2},
         ),
         (
+            "ring_sp2_memory_options",
+            2,
+            {
+                "sequence_parallel_degree": 2,
+                "chunked_loss": True,
+                "loss_chunk_size": 16,
+                "tiled_mlp": True,
+                "tiled_mlp_tiles": 3,
+                "gradient_checkpointing": True,
+                "activation_offloading": True,
+            },
+        ),
+        (
             "ulysses_sp2",
             2,
             {"sequence_parallel_degree": 2, "sequence_parallel_mode": "ulysses"},
