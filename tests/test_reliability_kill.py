@@ -66,20 +66,26 @@ def _env(fault_dir: Path, **faults: str) -> dict[str, str]:
 
 
 def _start(config: Path, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "longctx_cli", "train", str(config), "--nproc-per-node", "2"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
+    # Output goes to a file: a pipe nobody reads while we wait could fill up and stall the run.
+    with config.with_suffix(".log").open("w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "longctx_cli", "train", str(config), "--nproc-per-node", "2"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+
+def _output(proc: subprocess.Popen) -> str:
+    """Everything the run printed so far (its config path is the 5th argument)."""
+    return Path(proc.args[4]).with_suffix(".log").read_text(errors="replace")
 
 
 def _wait_for(condition, proc: subprocess.Popen, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if proc.poll() is not None:
-            pytest.fail(f"the run ended before {what}:\n{proc.stdout.read()[-4000:]}")
+            pytest.fail(f"the run ended before {what}:\n{_output(proc)[-4000:]}")
         if time.monotonic() > deadline:
             _kill_tree(proc)
             pytest.fail(f"timed out waiting for {what}")
@@ -109,11 +115,11 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         _kill_tree(proc)
         pytest.fail(f"the job did not end within {timeout} s of a rank's death")
-    return proc.returncode, out
+    return proc.returncode, _output(proc)
 
 
 def _metric_lines(output_dir: Path) -> int:
