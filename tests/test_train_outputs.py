@@ -157,5 +157,6 @@ def test_failing_rank_ends_the_job_quickly(workdir, tmp_path):
     assert result.returncode != 0
     assert "injected failure on rank 1" in result.stdout + result.stderr
     assert elapsed < 120
+    # Rank 0 may log step 3 before the agent stops it: its collectives precede the step.
     metrics = read_metrics(path / "failing")
-    assert len(metrics) == 2
+    assert len(metrics) in (2, 3)

@@ -252,12 +252,26 @@ def train_step(
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
     skipped = bool(bad) or not math.isfinite(grad_norm)
     if skipped and config.on_nonfinite == "stop":
-        what = f"the loss on rank(s) {bad}" if bad else "the gradient norm"
-        raise NonFiniteError(what)
+        if bad:
+            raise NonFiniteError(f"the loss on rank(s) {bad}")
+        name = first_nonfinite_grad(model)
+        raise NonFiniteError(f"the gradient of `{name}`" if name else "the gradient norm")
     if not skipped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_sum_global / divisor, int(global_count), grad_norm, skipped)
+
+
+def first_nonfinite_grad(model: torch.nn.Module) -> str | None:
+    """Name of the first parameter whose (local part of the) gradient is NaN or infinite."""
+    for name, param in model.named_parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        local = grad.to_local() if hasattr(grad, "to_local") else grad  # FSDP2 shards
+        if not bool(torch.isfinite(local).all()):
+            return name
+    return None
 
 
 class NonFiniteError(Exception):
@@ -309,10 +323,14 @@ class MetricsLog:
         """Drop lines from steps after a resumed checkpoint: they will be recomputed."""
         if not self.path.exists():
             return
-        kept = [
-            line for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
-        ]
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a kill mid-write
+            if isinstance(record, dict) and record.get("step", 0) <= step:
+                kept.append(line)
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
