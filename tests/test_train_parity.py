@@ -32,7 +32,9 @@ def full_reference(workdir):
 
 @pytest.fixture(scope="module")
 def lora_reference(workdir):
-    return _reference(workdir, "ref_lora", adapter="lora", lora_r=4, learning_rate=0.05)
+    # Adam's first updates are sign-like: a high learning rate would turn float noise in
+    # near-zero LoRA gradients into visible weight differences between exact runs.
+    return _reference(workdir, "ref_lora", adapter="lora", lora_r=4, learning_rate=0.01)
 
 
 def test_reference_learns_and_logs(full_reference):
@@ -120,7 +122,7 @@ def test_full_finetune_matches_sp1(workdir, full_reference, name, nproc, overrid
 def test_lora_matches_sp1(workdir, lora_reference, name, nproc, overrides):
     path, data = workdir
     cfg = write_config(
-        path, name, data, adapter="lora", lora_r=4, learning_rate=0.05, **overrides
+        path, name, data, adapter="lora", lora_r=4, learning_rate=0.01, **overrides
     )
     train(cfg, nproc)
     assert_same_run(path / name, lora_reference, adapter=True)
