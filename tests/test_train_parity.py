@@ -53,7 +53,10 @@ def test_reference_learns_and_logs(full_reference):
     ("name", "nproc", "overrides"),
     [
         ("ring_sp2_zigzag", 2, {"sequence_parallel_degree": 2, "sp_sharding": "zigzag"}),
-        ("ring_sp4", 4, {"sequence_parallel_degree": 4, "heads_k_stride": 2}),
+        pytest.param(
+            "ring_sp4", 4, {"sequence_parallel_degree": 4, "heads_k_stride": 2},
+            marks=pytest.mark.slow,
+        ),
         (
             "ring_dp2_sp2",
             4,
@@ -72,10 +75,11 @@ def test_reference_learns_and_logs(full_reference):
                 "activation_offloading": True,
             },
         ),
-        (
+        pytest.param(
             "ulysses_sp2",
             2,
             {"sequence_parallel_degree": 2, "sequence_parallel_mode": "ulysses"},
+            marks=pytest.mark.slow,
         ),
         (
             "ulysses_sp4_zigzag",
@@ -107,7 +111,7 @@ def test_full_finetune_matches_sp1(workdir, full_reference, name, nproc, overrid
 @pytest.mark.parametrize(
     ("name", "nproc", "overrides"),
     [
-        ("lora_sp2", 2, {"sequence_parallel_degree": 2}),
+        pytest.param("lora_sp2", 2, {"sequence_parallel_degree": 2}, marks=pytest.mark.slow),
         (
             "lora_dp2_sp2_zigzag",
             4,
