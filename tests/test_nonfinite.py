@@ -55,12 +55,16 @@ def setup(tmp_path: Path) -> tuple[Path, Path, Path]:
     return tmp_path, data, faults
 
 
-@pytest.mark.slow  # a 2-rank run
 def test_nan_loss_stops_with_step_rank_and_keeps_last_checkpoint(setup):
     path, data, faults = setup
     config = write_config(
-        path, "stop", data, sequence_parallel_degree=2, gradient_accumulation_steps=1,
-        max_steps=6, save_steps=2,
+        path,
+        "stop",
+        data,
+        sequence_parallel_degree=2,
+        gradient_accumulation_steps=1,
+        max_steps=6,
+        save_steps=2,
     )
     env = {
         "PYTHONPATH": str(faults),

@@ -139,7 +139,6 @@ def runs(tmp_path_factory) -> tuple[Path, Path, Path]:
     return path, data, path / "straight"
 
 
-@pytest.mark.slow  # five 2-rank runs
 def test_killed_rank_ends_job_and_resume_matches_uninterrupted(runs):
     path, data, straight = runs
     rng = random.Random(20240611)
@@ -172,7 +171,6 @@ def test_killed_rank_ends_job_and_resume_matches_uninterrupted(runs):
     assert_same_run(output_dir, straight, tol=1e-6)
 
 
-@pytest.mark.slow
 def test_kill_during_save_never_yields_that_checkpoint(runs):
     path, data, straight = runs
     config = write_config(path, "killed_saving", data, **COMMON)
