@@ -138,6 +138,17 @@ def _merge(
     return out.to(o1.dtype), lse
 
 
+def _whole_block(segments: Sequence[Segment], q: torch.Tensor, k: torch.Tensor) -> slice | None:
+    """The key slice when one segment is a plain causal square over every query row."""
+    if len(segments) != 1:
+        return None
+    seg = segments[0]
+    n = q.shape[0]
+    if seg.q_start != 0 or seg.q_end != n or seg.k_end - seg.k_start != n:
+        return None
+    return slice(seg.k_start, seg.k_end)
+
+
 def doc_causal_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -151,6 +162,12 @@ def doc_causal_forward(
     uses KV head ``h // (Hq // Hkv)``). Segments must cover every query row exactly once.
     Returns ``out [Lq, Hq, D]`` and ``lse [Hq, Lq]`` (float32).
     """
+    whole = _whole_block(segments, q, k)
+    if whole is not None:
+        # One causal block covers everything: hand back the kernel's own tensors instead of
+        # copying them into preallocated ones (which would briefly hold both).
+        o, lo = _block_fwd(_bhld(q), _bhld(k[whole]), _bhld(v[whole]), True, scale)
+        return _lhd(o), lo[0].float()
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
     for seg in segments:
@@ -184,6 +201,13 @@ def doc_causal_backward(
 
     Keys no segment reads get a zero gradient; keys read by several segments accumulate.
     """
+    if _whole_block(segments, q, k) == slice(0, k.shape[0]):
+        # Every key is read by the one causal block: its gradients are the whole dk, dv.
+        dq1, dk1, dv1 = _block_bwd(
+            _bhld(dout), _bhld(q), _bhld(k), _bhld(v), _bhld(out),
+            lse.unsqueeze(0).contiguous(), True, scale,
+        )
+        return _lhd(dq1), _lhd(dk1), _lhd(dv1)
     dq = torch.empty_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
