@@ -82,6 +82,11 @@ def test_reference_learns_and_logs(full_reference):
             marks=pytest.mark.slow,
         ),
         (
+            "ring_sp2_fsdp",
+            2,
+            {"sequence_parallel_degree": 2, "fsdp": True},
+        ),
+        (
             "ulysses_sp4_zigzag",
             4,
             {

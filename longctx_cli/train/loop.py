@@ -235,6 +235,9 @@ def train_step(
     local_count = sum(valid_token_count(b.shift_labels) for b in batches)
     (global_count,) = all_reduce_sum([local_count], device)
     divisor = max(global_count, 1.0)
+    # FSDP2 averages gradients over the world; the loss is already normalised by the global
+    # token count, so scale it up to turn that average into the sum we need.
+    backward_divisor = divisor / dist.get_world_size() if use_fsdp else divisor
     local_loss = 0.0
     for i, batch in enumerate(batches):
         if use_fsdp:
@@ -242,7 +245,7 @@ def train_step(
             model.set_requires_gradient_sync(i == len(batches) - 1)
         with activation_offload(config.activation_offloading):
             loss_sum = forward_loss_sum(decoder, lm_head, batch, config)
-            (loss_sum / divisor).backward()
+            (loss_sum / backward_divisor).backward()
         local_loss += loss_sum.item()
     if not use_fsdp and dist.get_world_size() > 1:
         reduce_gradients(params)
@@ -369,9 +372,6 @@ def train(config: Config) -> None:
     model = build_model(config, fsdp_mesh=parallel.world_mesh if config.fsdp else None)
     model.to(device)
     use_fsdp = config.fsdp and world > 1
-    if use_fsdp:
-        # We divide the loss by the global token count ourselves: sum, do not average.
-        model.set_gradient_divide_factor(1.0)
     decoder, lm_head = decoder_and_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(config, params)
