@@ -25,10 +25,10 @@ from tqdm.auto import tqdm
 
 from longctx_cli.data.passkey import PasskeySample, make_passkey_sample
 from longctx_cli.errors import UserError
-from longctx_cli.eval.forward import local_hidden
 from longctx_cli.parallel.mesh import SPContext
 from longctx_cli.parallel.sharding import IGNORE_INDEX, gather_sequence, shard_batch
 from longctx_cli.train.loop import to_device
+from longctx_cli.train.model import sp_hidden_states
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -180,7 +180,7 @@ def predict_at_labels(
         shard_batch(row, positions, torch.tensor(list(labels), dtype=torch.long), ctx, pad_id),
         device,
     )
-    hidden = local_hidden(decoder, batch)
+    hidden = sp_hidden_states(decoder, batch, where="--checkpoint")
     targets = batch.shift_labels.reshape(-1)
     scored = targets != IGNORE_INDEX
     predictions = torch.full_like(targets, IGNORE_INDEX)

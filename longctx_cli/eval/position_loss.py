@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from longctx_cli.eval.forward import local_hidden
 from longctx_cli.parallel.mesh import SPContext
 from longctx_cli.parallel.sharding import IGNORE_INDEX, shard_batch
 from longctx_cli.train.loop import collate, to_device
+from longctx_cli.train.model import sp_hidden_states
 
 
 @dataclass
@@ -106,7 +106,7 @@ def position_loss(
     for index in tqdm(mine, desc=f"position loss {label}".strip(), unit="row",
                       disable=not show_progress, dynamic_ncols=True):
         batch = to_device(shard_batch(*collate(rows.select([index])), ctx, pad_id), device)
-        hidden = local_hidden(decoder, batch)
+        hidden = sp_hidden_states(decoder, batch, where="--checkpoint")
         labels = batch.shift_labels.reshape(-1)
         valid = labels != IGNORE_INDEX
         if not bool(valid.any()):

@@ -36,7 +36,12 @@ from longctx_cli.train.checkpoint import (
 )
 from longctx_cli.train.loss import IGNORE_INDEX, lm_loss_sum, valid_token_count
 from longctx_cli.train.memory import activation_offload
-from longctx_cli.train.model import build_model, decoder_and_head, load_base_model
+from longctx_cli.train.model import (
+    build_model,
+    decoder_and_head,
+    load_base_model,
+    sp_hidden_states,
+)
 
 
 @dataclass
@@ -184,17 +189,7 @@ def to_device(batch: ShardedBatch, device: torch.device) -> ShardedBatch:
 
 
 def forward_loss_sum(decoder, lm_head, batch: ShardedBatch, config: Config) -> torch.Tensor:
-    hidden = decoder(
-        input_ids=batch.input_ids, position_ids=batch.position_ids, sp_meta=batch.sp_meta
-    ).last_hidden_state
-    if batch.sp_meta.attention_calls == 0:
-        raise UserError(
-            "the model's attention layers did not call the sequence-parallel attention, so "
-            "each rank would attend only to its own slice of the sequence.",
-            where="base_model",
-            fix="use a model whose attention dispatches through transformers' "
-            "AttentionInterface (Llama, Qwen2/3, Mistral, Gemma, ...).",
-        )
+    hidden = sp_hidden_states(decoder, batch)
     chunk = config.loss_chunk_size if config.chunked_loss else None
     return lm_loss_sum(lm_head, hidden, batch.shift_labels, chunk)
 

@@ -125,3 +125,23 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The decoder stack (returns hidden states) and the lm_head of a (peft-wrapped) model."""
     base = unwrap(model)
     return base.get_decoder(), base.get_output_embeddings()
+
+
+def sp_hidden_states(decoder: nn.Module, batch, where: str = "base_model") -> torch.Tensor:
+    """Hidden states `[local_tokens, hidden]` of this rank's slice of a sharded row.
+
+    Fails loudly when no attention layer went through the SP attention: each rank would
+    then attend only to its own slice, silently. `where` names what the user should change.
+    """
+    hidden = decoder(
+        input_ids=batch.input_ids, position_ids=batch.position_ids, sp_meta=batch.sp_meta
+    ).last_hidden_state
+    if batch.sp_meta.attention_calls == 0:
+        raise UserError(
+            "the model's attention layers did not call the sequence-parallel attention, so "
+            "each rank would attend only to its own slice of the sequence.",
+            where=where,
+            fix="use a model whose attention dispatches through transformers' "
+            "AttentionInterface (Llama, Qwen2/3, Mistral, Gemma, ...).",
+        )
+    return hidden.reshape(-1, hidden.shape[-1])
