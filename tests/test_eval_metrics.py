@@ -152,14 +152,13 @@ def _tiny_config(tmp_path: Path, **extra):
 
 
 def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    from longctx_cli.eval.forward import local_hidden
     from longctx_cli.parallel.sharding import shard_batch
-    from longctx_cli.train.model import decoder_and_head
+    from longctx_cli.train.model import decoder_and_head, sp_hidden_states
 
     decoder, head = decoder_and_head(model)
     batch = shard_batch(ids, torch.arange(ids.numel()), ids, single_process_context())
     with torch.no_grad():
-        return head(local_hidden(decoder, batch))
+        return head(sp_hidden_states(decoder, batch))
 
 
 def _perturb(model: nn.Module, only: str = "") -> None:
