@@ -41,8 +41,9 @@ class NextTokenOracle(nn.Module):
         ids = input_ids.reshape(-1)
         nxt = torch.cat([ids[1:], ids.new_zeros(1)])
         if self.break_last_key_token:
-            # The row ends with key tokens + eos: position T-3 predicts the last key token.
-            nxt[-3] = (nxt[-3] + 1) % VOCAB
+            # The row ends with the key tokens, "]" and eos: position T-4 predicts the last
+            # key token.
+            nxt[-4] = (nxt[-4] + 1) % VOCAB
         hidden = F.one_hot(nxt, VOCAB).float()
         if self.scale_by_position:
             # Confidence grows with the position, so the loss differs from bucket to bucket.
@@ -228,3 +229,16 @@ def test_outputs_with_matplotlib_include_pngs(tmp_path: Path):
     assert not any("not installed" in line for line in lines)
     for name in ("passkey_heatmap.png", "position_loss.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_position_table_stops_at_the_last_bucket_with_tokens():
+    from rich.console import Console
+
+    from longctx_cli.eval.report import position_table
+
+    console = Console(width=100, record=True)
+    console.print(position_table(_results()))
+    text = console.export_text()
+    assert "0-3" in text and "2.0000" in text
+    assert "4-7" not in text  # empty trailing bucket: in the files, not the table
+    assert "no tokens at positions 4 and beyond" in " ".join(text.split())

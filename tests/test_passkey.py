@@ -8,6 +8,8 @@ import pytest
 
 from longctx_cli.data.passkey import (
     IGNORE,
+    INTRO,
+    QUESTION,
     generate_passkey_samples,
     make_passkey_sample,
     passkey_grid,
@@ -28,18 +30,27 @@ def test_key_is_where_it_says(tok, depth, context_len):
     assert len(s) == len(s.input_ids) == context_len
     assert len(s.key) == 5 and s.key.isdigit()
     start, end = s.key_span
-    assert tok.decode(s.prompt_ids[start:end]).strip() == s.key
+    assert tok.decode(s.prompt_ids[start:end]) == s.key
     needle = tok.decode(s.prompt_ids[s.needle_pos:end])
-    assert needle == f" The pass key is {s.key}"
-    assert s.answer_ids == s.prompt_ids[start:end] + [tok.eos_token_id]
-    assert tok.decode(s.prompt_ids).endswith("What is the pass key? The pass key is")
+    assert needle == f" The pass key is [{s.key}"
+    close = tok("]", add_special_tokens=False)["input_ids"]
+    assert s.answer_ids == s.prompt_ids[start:end] + close + [tok.eos_token_id]
+    assert tok.decode(s.prompt_ids).endswith(QUESTION)
     # The needle sits within one filler sentence (about 90 bytes) of the requested depth.
-    intro = len(tok("There is an important piece of information hidden inside a lot of "
-                    "irrelevant text. Find it and memorize it. I will quiz you about it.",
-                    add_special_tokens=False)["input_ids"])
-    filler_len = context_len - len(s.answer_ids) - 38 - (end - s.needle_pos) - intro
-    filler_len -= len(". Remember it. 00000 is the pass key.")
+    intro = len(tok(INTRO, add_special_tokens=False)["input_ids"])
+    needle_len = len(f" The pass key is [{s.key}]. Remember it. [{s.key}] is the pass key.")
+    filler_len = context_len - len(s.answer_ids) - len(QUESTION) - needle_len - intro
     assert abs((s.needle_pos - intro) - depth * filler_len) <= 92
+
+
+def test_key_opener_occurs_only_in_the_needle_and_at_the_question_end(tok):
+    # What makes retrieval a single unambiguous copy: the prompt's last token marks the key.
+    s = make_passkey_sample(tok, 600, 0.5, 5, random.Random(1))
+    opener = s.prompt_ids[-1]
+    where = [i for i, t in enumerate(s.prompt_ids) if t == opener]
+    start, end = s.key_span
+    assert where[0] == start - 1 and where[-1] == len(s.prompt_ids) - 1
+    assert len(where) == 3  # the key's two mentions in the needle, and the question
 
 
 def test_same_seed_same_samples_other_seed_other_keys(tok):

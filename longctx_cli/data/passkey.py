@@ -4,11 +4,16 @@ One generator serves training data (`type: passkey`) and `longctx eval`. A sampl
 
     [bos] INTRO  filler ... NEEDLE ... filler  QUESTION | ANSWER eos
 
-where NEEDLE is " The pass key is 12345. Remember it. 12345 is the pass key.", QUESTION is
-" What is the pass key? The pass key is" and ANSWER is " 12345". Every piece is tokenized
-on its own and the ids concatenated, so the needle's and the key's token positions are
-exact for any tokenizer. The filler is a few repeated sentences (the usual choice: cheap,
+where NEEDLE is " The pass key is [12345]. Remember it. [12345] is the pass key.", QUESTION
+is " What is the pass key? The pass key is [" and ANSWER is "12345]". Every piece is
+tokenized on its own and the ids concatenated, so the needle's and the key's token positions
+are exact for any tokenizer. The filler is a few repeated sentences (the usual choice: cheap,
 and it makes the key the only surprising thing in the context).
+
+Why the brackets: the question ends with the token that opens the key, and that token occurs
+nowhere else but in the needle, so retrieval is one unambiguous copy for every tokenizer.
+Without them the key follows " is", which the filler repeats every few words: a byte-level
+model would have to match the whole "pass key is" phrase before it could find the key.
 """
 
 from __future__ import annotations
@@ -20,27 +25,24 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-INTRO = (
-    "There is an important piece of information hidden inside a lot of irrelevant text. "
-    "Find it and memorize it. I will quiz you about it."
-)
+INTRO = "A pass key is hidden in this text. Find it and remember it."
 FILLER = (
     " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 )
-QUESTION = " What is the pass key? The pass key is"
+QUESTION = " What is the pass key? The pass key is ["
 IGNORE = -100
 
 
 @dataclass(frozen=True)
 class PasskeySample:
-    """One sample. `prompt_ids` ends right before the answer; `answer_ids` = key tokens + eos."""
+    """One sample. `prompt_ids` ends right before the key; `answer_ids` = key, "]", eos."""
 
     prompt_ids: list[int]
     answer_ids: list[int]
     key: str
     depth: float  # requested relative depth, 0 = start of the filler, 1 = its end
     needle_pos: int  # index in prompt_ids of the needle's first token
-    key_span: tuple[int, int]  # [start, end) of the key's tokens (" 12345") in prompt_ids
+    key_span: tuple[int, int]  # [start, end) of the key's tokens ("12345") in prompt_ids
 
     @property
     def input_ids(self) -> list[int]:
@@ -86,11 +88,14 @@ def make_passkey_sample(
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     key = make_key(key_length, rng)
     head = _bos(tokenizer) + _ids(tokenizer, INTRO)
-    before_key = _ids(tokenizer, " The pass key is")
-    key_ids = _ids(tokenizer, " " + key)  # the same tokens as the answer, so copying works
-    after_key = _ids(tokenizer, f". Remember it. {key} is the pass key.")
+    before_key = _ids(tokenizer, " The pass key is [")
+    key_ids = _ids(tokenizer, key)  # the same tokens in the needle and the answer
+    close = _ids(tokenizer, "]")
+    after_key = close + _ids(tokenizer, ". Remember it. [") + key_ids + _ids(
+        tokenizer, "] is the pass key."
+    )
     question = _ids(tokenizer, QUESTION)
-    answer = key_ids + _eos(tokenizer)
+    answer = key_ids + close + _eos(tokenizer)
     needle = before_key + key_ids + after_key
     budget = context_len - len(head) - len(needle) - len(question) - len(answer)
     if budget < 0:
@@ -131,9 +136,9 @@ def _filler(tok: PreTrainedTokenizerBase, n: int) -> tuple[list[int], list[int]]
 def training_labels(sample: PasskeySample) -> list[int]:
     """Labels for a training sample: every token is a target except the key's first mention.
 
-    Why not the answer alone: the repeated filler teaches the model to copy what it has seen
-    (the induction mechanism retrieval needs) within a few dozen steps, and afterwards it is
-    predicted almost perfectly, so the remaining gradient comes from the answer. The key's
+    Why not the answer alone: the key's second mention in the needle is a short-range copy of
+    the first, and learning it builds the same copy mechanism the long-range answer needs; the
+    fixed text around it is learnt within a few dozen steps and then costs nothing. The key's
     first mention is random digits that nothing predicts; training on it is pure noise.
     """
     labels = list(sample.input_ids)

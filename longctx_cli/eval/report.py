@@ -73,12 +73,16 @@ def position_table(results: list[ModelResult]) -> Table:
     if len(results) == 2:
         table.add_column("difference", justify="right")
     first = results[0].positions
-    for i, (start, end) in enumerate(zip(first.starts, first.ends, strict=True)):
+    # Buckets past the longest held-out document hold nothing: leave them to the files.
+    shown = max((i + 1 for i, n in enumerate(first.tokens) if n), default=len(first.tokens))
+    for i, (start, end) in enumerate(zip(first.starts[:shown], first.ends[:shown], strict=True)):
         means = [r.positions.mean[i] for r in results]
         extra = [_fmt(means[1] - means[0])] if len(results) == 2 else []
         table.add_row(f"{start}-{end - 1}", str(first.tokens[i]), *map(_fmt, means), *extra)
     table.caption = "overall: " + ", ".join(
         f"{r.label} {_fmt(r.positions.overall)}" for r in results)
+    if shown < len(first.tokens):
+        table.caption += f"; no tokens at positions {first.starts[shown]} and beyond"
     return table
 
 
