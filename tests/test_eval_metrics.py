@@ -55,8 +55,8 @@ SPEC = GridSpec(context_lengths=[300, 400], depths=[0.0, 0.5, 1.0], samples_per_
                 key_length=5)
 
 
-def _grid(decoder: nn.Module) -> GridResult:
-    return run_passkey_grid(decoder, nn.Identity(), byte_tokenizer(), SPEC,
+def _grid(decoder: nn.Module, lm_head: nn.Module | None = None) -> GridResult:
+    return run_passkey_grid(decoder, lm_head or nn.Identity(), byte_tokenizer(), SPEC,
                             single_process_context(), 0, 1, CPU)
 
 
@@ -66,6 +66,22 @@ def test_oracle_retrieves_every_key():
     assert result.accuracy == 1.0
     assert all(s.correct and s.predicted == s.key for s in result.samples)
     assert len({s.key for s in result.samples}) > 1  # keys differ between samples
+
+
+def test_random_model_scores_zero():
+    # The real decoder with random weights: the metric must be able to fail.
+    from longctx_cli.config.load import config_from_dict
+    from longctx_cli.train.model import build_model, decoder_and_head
+    from tests.train_helpers import TINY_LLAMA
+
+    config = config_from_dict({"model_config": TINY_LLAMA, "tokenizer": "byte",
+                               "datasets": [{"type": "passkey"}], "sequence_len": 512,
+                               "seed": 3})
+    decoder, head = decoder_and_head(build_model(config))
+    result = _grid(decoder, head)
+    assert len(result.samples) == 12
+    assert result.accuracy == 0.0
+    assert all(len(s.predicted) > 0 for s in result.samples)  # it did predict something
 
 
 def test_one_wrong_key_token_fails_the_sample():

@@ -24,7 +24,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from longctx_cli.config.load import config_from_dict, load_config
-from longctx_cli.config.plan import ModelShape, Platform, build_plan, read_model_config
+from longctx_cli.config.plan import (
+    ModelShape,
+    Platform,
+    build_plan,
+    read_model_config,
+    resolve_world,
+)
 from longctx_cli.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +66,8 @@ def validate(data: Any) -> tuple[int, str]:
             example_shape() if config.model_config_dict == example()["model_config"]
             else read_model_config(config)
         )
-        build_plan(config, config.world_size or 1, shape, platform=CPU)
+        world, source = resolve_world(config)  # as `validate` without flags does
+        build_plan(config, world, shape, platform=CPU, world_source=source)
     except UserError as e:
         return 2, str(e)
     return 0, ""
