@@ -15,9 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from longctx_cli.parallel import build_parallel_groups, slice_sequence, sp_attention
+from longctx_cli.parallel import (
+    build_parallel_groups,
+    gather_sequence,
+    slice_sequence,
+    sp_attention,
+)
+from tests.attention_cases import CASES, make_inputs, rel_err
 from tests.distributed import run_distributed
-from tests.test_ring_attention import CASES, gather_sequence, make_inputs, rel_err
 
 STANDIN = str(Path(__file__).parent / "flash_attn_standin")
 TOL = 1e-5

@@ -15,8 +15,8 @@ import torch
 from longctx_cli.parallel import SPContext, build_parallel_groups, make_sp_meta
 from longctx_cli.parallel.hybrid import ring_meta
 from longctx_cli.parallel.ulysses import build_exchange
+from tests.attention_cases import CASES, assert_all_close, run_case
 from tests.distributed import run_distributed
-from tests.test_ring_attention import CASES, assert_all_close, run_case
 
 LAYOUTS = ("contiguous", "zigzag")
 

@@ -19,8 +19,8 @@ from longctx_cli.parallel import (
     sp_attention,
 )
 from longctx_cli.parallel.ulysses import build_exchange, kv_replication
+from tests.attention_cases import CASES, DIM, assert_all_close, rel_err, run_case
 from tests.distributed import run_distributed
-from tests.test_ring_attention import CASES, DIM, assert_all_close, rel_err, run_case
 
 LAYOUTS = ("contiguous", "zigzag")
 
