@@ -42,7 +42,8 @@ __all__ = [
 log = logging.getLogger("longctx.data")
 
 # Bump when the meaning of a cached row changes, so old caches are rebuilt, not misread.
-PIPELINE_VERSION = 1
+# 2: the passkey key is bracketed.
+PIPELINE_VERSION = 2
 MARKER = "COMPLETE"
 FINGERPRINT_FILE = "fingerprint.json"
 REPORT_FILE = "report.json"
