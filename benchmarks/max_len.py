@@ -14,14 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from train_step import OPTIONS, STRATEGIES, WORLD, Variant, build_contexts, measure
+from train_step import OPTIONS, Variant, init_rank, measure, spawn_ranks
 
 SP_STRATEGY = {1: "sp1", 2: "sp2_zigzag", 4: "sp4_zigzag"}
 
@@ -54,11 +50,7 @@ def longest_row(sp: int, option: str, cap_mib: float, local: list[int], log: boo
 
 
 def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(store_dir, "store"), WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
-    build_contexts(list(STRATEGIES))
-    measure(Variant("sp2_zigzag", args.option, 512))  # warm-up
+    init_rank(rank, store_dir, args.option)
     results = [longest_row(sp, args.option, args.cap_mib, args.local_tokens, rank == 0)
                for sp in args.sp]
     if rank == 0:
@@ -88,10 +80,7 @@ def main() -> None:
     parser.add_argument("--local-tokens", type=int, nargs="+", default=[512, 1024, 2048],
                         help="tokens per rank of the rows measured for the fit")
     parser.add_argument("--out", default="benchmarks/results/max_len.json")
-    args = parser.parse_args()
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    with tempfile.TemporaryDirectory(prefix="longctx-bench-") as tmp:
-        mp.start_processes(worker, args=(tmp, args), nprocs=WORLD, start_method="spawn")
+    spawn_ranks(worker, parser.parse_args())
 
 
 if __name__ == "__main__":

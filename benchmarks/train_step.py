@@ -251,12 +251,25 @@ def plan_variants(args: argparse.Namespace) -> list[tuple[list[Variant], int]]:
     return [g for g in groups if g[0]]
 
 
-def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
+def init_rank(rank: int, store_dir: str, warmup_option: str) -> None:
+    """One benchmark rank: one thread, the gloo group, every strategy's context, a warm-up."""
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(store_dir, "store"), WORLD)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
     build_contexts(list(STRATEGIES))
-    measure(Variant("sp2_zigzag", "all", 512))  # warm-up: one-off allocations and imports
+    measure(Variant("sp2_zigzag", warmup_option, 512))  # one-off allocations and imports
+
+
+def spawn_ranks(worker, args: argparse.Namespace) -> None:
+    """Run `worker(rank, store_dir, args)` on WORLD spawned processes."""
+    # Return freed large buffers to the OS at once, so the high-water mark is live memory.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    with tempfile.TemporaryDirectory(prefix="longctx-bench-") as tmp:
+        mp.start_processes(worker, args=(tmp, args), nprocs=WORLD, start_method="spawn")
+
+
+def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
+    init_rank(rank, store_dir, "all")
     results = []
     for group, repeats in plan_variants(args):
         for v, m in run_rounds(group, repeats, rank == 0).items():
@@ -332,11 +345,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--option-repeats", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/train_step.json")
-    args = parser.parse_args()
-    # Return freed large buffers to the OS at once, so the high-water mark is live memory.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    with tempfile.TemporaryDirectory(prefix="longctx-bench-") as tmp:
-        mp.start_processes(worker, args=(tmp, args), nprocs=WORLD, start_method="spawn")
+    spawn_ranks(worker, parser.parse_args())
 
 
 if __name__ == "__main__":

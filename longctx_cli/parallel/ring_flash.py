@@ -94,8 +94,10 @@ def _flash_single(
     """sp == 1: no ring, plain flash-attn varlen over the row's documents."""
     from flash_attn import flash_attn_varlen_func
 
-    cu = meta.cu_seqlens.to(device=q.device, dtype=torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max())
+    if "flash_single" not in meta.cache:  # once per row, not per layer (`int` syncs the GPU)
+        cu = meta.cu_seqlens.to(device=q.device, dtype=torch.int32)
+        meta.cache["flash_single"] = (cu, int((cu[1:] - cu[:-1]).max()))
+    cu, max_len = meta.cache["flash_single"]
     return flash_attn_varlen_func(
         q, k, v, cu, cu, max_len, max_len, dropout_p=0.0, softmax_scale=scale, causal=True
     )
