@@ -1,11 +1,18 @@
 """The SP attention cases every strategy's tests share, and the dense reference they are
-checked against (float64, a full T x T same-document causal mask: rows are small)."""
+checked against (float64, a full T x T same-document causal mask: rows are small).
+
+``FEATURES`` adds what model layers ask for: a sliding window shorter and longer than the
+documents, logit softcapping, attention sinks, and all of them at once. The reference
+writes each from the math (explicit window mask, ``cap * tanh(s / cap)``, an extra
+value-less logit per head in the softmax), sharing no code with the kernels.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from longctx_cli.parallel import (
+    AttentionFeatures,
     SPContext,
     gather_sequence,
     shard_batch,
@@ -34,17 +41,53 @@ def doc_lengths_to_positions(lengths: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(n) for n in lengths])
 
 
+# name -> (window, softcap, with sinks). Windows: 5 is shorter than most documents (and than
+# every rank's share), 40 cuts only the longest ones.
+FEATURES: dict[str, tuple[int | None, float | None, bool]] = {
+    "plain": (None, None, False),
+    "window5": (5, None, False),
+    "window40": (40, None, False),
+    "softcap": (None, 1.5, False),
+    "sinks": (None, None, True),
+    "all": (7, 1.5, True),
+}
+
+# The feature cases run over these cases only (every layout and boundary kind, GQA).
+FEATURE_CASES = ("packed_inside", "one_token_docs", "spans_all_ranks", "gqa_8q_2kv")
+
+
 def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    position_ids: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dense attention with a same-document causal mask; q/k/v ``[T, H, D]``."""
+    """Dense attention with a same-document causal mask; q/k/v ``[T, H, D]``, sinks ``[H]``.
+
+    window: query ``i`` sees keys ``j`` with ``i - window < j <= i`` (transformers'
+    sliding-window mask), never before its document start.
+    """
     doc = torch.cumsum((position_ids == 0).long(), 0)
     t = position_ids.numel()
-    allowed = (doc[:, None] == doc[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    allowed = (doc[:, None] == doc[None, :]) & (j <= i)
+    if window is not None:
+        allowed &= j > i - window
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:  # one more logit per (head, query), whose value is zero
+        sink_col = sinks.to(scores.dtype)[:, None, None].expand(-1, t, 1)
+        probs = torch.cat([scores, sink_col], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
@@ -64,23 +107,58 @@ def make_inputs(lengths: list[int], hq: int, hkv: int, multiple: int, seed: int)
     return pos, pos_padded, q, k, v, dout
 
 
-def run_case(ctx: SPContext, lengths: list[int], hq: int, hkv: int, seed: int) -> dict:
-    """SP attention for one case; returns relative errors of out, dq, dk, dv vs reference."""
+def run_case(
+    ctx: SPContext,
+    lengths: list[int],
+    hq: int,
+    hkv: int,
+    seed: int,
+    window: int | None = None,
+    softcap: float | None = None,
+    with_sinks: bool = False,
+) -> dict:
+    """SP attention for one case; relative errors of out, dq, dk, dv (and dsinks) vs reference."""
     multiple = ctx.sp_size * (2 if ctx.layout == "zigzag" else 1)
     pos, pos_padded, q, k, v, dout = make_inputs(lengths, hq, hkv, multiple, seed)
+    sink_gen = torch.Generator().manual_seed(seed + 1000)
+    sinks = 1 + torch.randn(hq, generator=sink_gen) if with_sinks else None
     ids = torch.zeros_like(pos)
     meta = shard_batch(ids, pos, ids, ctx).sp_meta
     scale = DIM**-0.5
+    feats = AttentionFeatures(scale=scale, window=window, softcap=softcap)
     local = [slice_sequence(x, ctx).clone().requires_grad_() for x in (q, k, v)]
-    out = sp_attention(*local, meta, scale)
+    sink_leaf = None if sinks is None else sinks.clone().requires_grad_()
+    out = sp_attention(*local, meta, feats, sink_leaf)
     out.backward(slice_sequence(dout, ctx))
     got = [gather_sequence(x, ctx) for x in (out.detach(), *(t.grad for t in local))]
+    if sink_leaf is not None:  # each rank holds its tokens' share, as for any parameter
+        dsinks = sink_leaf.grad.clone()
+        if ctx.sp_size > 1:
+            torch.distributed.all_reduce(dsinks, group=ctx.sp_group)
+        got.append(dsinks)
 
     full = [x.double().requires_grad_() for x in (q, k, v)]
-    ref_out = reference_attention(*full, pos_padded, scale)
+    ref_sinks = None if sinks is None else sinks.double().requires_grad_()
+    ref_out = reference_attention(*full, pos_padded, scale, window, softcap, ref_sinks)
     ref_out.backward(dout.double())
     want = [ref_out.detach(), *(t.grad for t in full)]
-    return {n: rel_err(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True)}
+    names = ["out", "dq", "dk", "dv"]
+    if ref_sinks is not None:
+        want.append(ref_sinks.grad)
+        names.append("dsinks")
+    return {n: rel_err(a, b) for n, a, b in zip(names, got, want, strict=True)}
+
+
+def feature_runs(ctx: SPContext, prefix: str) -> dict[str, dict]:
+    """Every feature combination over ``FEATURE_CASES`` for one context."""
+    errors = {}
+    for f, (window, softcap, sinks) in FEATURES.items():
+        for i, name in enumerate(FEATURE_CASES):
+            lengths, hq, hkv = CASES[name]
+            errors[f"{prefix}/{f}/{name}"] = run_case(
+                ctx, lengths, hq, hkv, 200 + i, window, softcap, sinks
+            )
+    return errors
 
 
 def assert_all_close(errors: dict[str, dict]) -> None:

@@ -1,7 +1,8 @@
 """Ring attention (torch kernel) at sp=2 and sp=4 equals single-process attention, exactly.
 
 Every case compares the gathered output and dq/dk/dv with the dense per-document causal
-reference of `tests/attention_cases.py`.
+reference of `tests/attention_cases.py`; the feature cases (sliding windows, softcap,
+sinks, all combined) compare d sinks too.
 """
 
 from __future__ import annotations
@@ -12,7 +13,17 @@ import pytest
 import torch
 
 from longctx_cli.parallel import SPContext, build_parallel_groups, single_process_context
-from tests.attention_cases import CASES, DIM, TOL, assert_all_close, rel_err, run_case
+from tests.attention_cases import (
+    CASES,
+    DIM,
+    FEATURE_CASES,
+    FEATURES,
+    TOL,
+    assert_all_close,
+    feature_runs,
+    rel_err,
+    run_case,
+)
 from tests.distributed import run_distributed
 
 
@@ -31,6 +42,7 @@ def ring_worker(rank: int, world_size: int) -> dict[str, dict]:
     for layout in ("contiguous", "zigzag"):
         _, ctx = build_parallel_groups(sp=world_size, layout=layout, kernel="torch")
         errors.update(all_runs(ctx))
+        errors.update(feature_runs(ctx, f"{layout}/features"))
     return errors
 
 
@@ -39,7 +51,7 @@ def test_ring_attention_matches_single_process(sp: int) -> None:
     results = run_distributed(ring_worker, sp, timeout_s=180)
     assert len(results[0]) == 2 * sum(
         len([s for s in range(1, h + 1) if h % s == 0]) for _, _, h in CASES.values()
-    )
+    ) + 2 * len(FEATURES) * len(FEATURE_CASES)
     for errors in results:  # every rank gathered the same full tensors
         assert_all_close(errors)
 
@@ -54,20 +66,46 @@ def test_single_process_path_matches_reference(layout: str) -> None:
         assert max(errors.values()) < TOL, errors
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_generic_block_math_matches_cpu_kernel(causal: bool) -> None:
-    """The matmul path used on devices without the CPU flash op gives the same blocks."""
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_single_process_features_match_reference(layout: str) -> None:
+    ctx = single_process_context(layout=layout, heads_k_stride=1)
+    assert_all_close(feature_runs(ctx, layout))
+
+
+def test_small_blocks_and_tiles_match_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row blocks and score tiles far smaller than the documents: every merge path runs."""
     from longctx_cli.parallel import kernels
 
+    monkeypatch.setattr(kernels, "_MAX_ROWS", 3)
+    monkeypatch.setattr(kernels, "_TILE", 4)
+    ctx = single_process_context(layout="contiguous", heads_k_stride=1)
+    assert_all_close(feature_runs(ctx, "small"))
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("shape", ["diagonal", "prefix", "edge"])
+def test_matmul_path_matches_cpu_kernel(shape: str, window: int | None) -> None:
+    """The matmul path (CUDA, softcap) gives the CPU op's blocks, masks included."""
+    from longctx_cli.parallel import AttentionFeatures, kernels
+
     g = torch.Generator().manual_seed(7)
-    n_k = 24 if not causal else 16  # causal blocks are square (the diagonal)
-    q = torch.randn(1, 8, 16, DIM, generator=g)
-    k, v = (torch.randn(1, 2, n_k, DIM, generator=g) for _ in range(2))
-    dout = torch.randn(1, 8, 16, DIM, generator=g)
-    out, lse = kernels._FWD(q, k, v, 0.0, causal, scale=0.3)
-    out_g, lse_g = kernels._block_fwd_generic(q, k, v, causal, 0.3)
+    # rows 0..7 sit at key positions 10..17; keys start at 10 (diagonal), 0 (prefix), 6 (edge)
+    blk = {
+        "diagonal": kernels._Block(0, 8, 10, 18, 10, True),
+        "prefix": kernels._Block(0, 8, 0, 10, 10, False),
+        "edge": kernels._Block(0, 7, 10 - 3 + 1, 10 + 8 - 3, 10, True),
+    }[shape]
+    if shape == "edge" and window is None:
+        pytest.skip("edge blocks exist only under a window")
+    feats = AttentionFeatures(scale=0.3, window=window)
+    rows, keys = blk.q1 - blk.q0, blk.k1 - blk.k0
+    q = torch.randn(1, 8, rows, DIM, generator=g)
+    k, v = (torch.randn(1, 2, keys, DIM, generator=g) for _ in range(2))
+    dout = torch.randn(1, 8, rows, DIM, generator=g)
+    out, lse = kernels._block_fwd(q, k, v, blk, feats)
+    out_g, lse_g = kernels._block_fwd_generic(q, k, v, blk, feats)
     assert rel_err(out_g, out) < TOL and rel_err(lse_g, lse) < TOL
-    grads = kernels._BWD(dout, q, k, v, out, lse, 0.0, causal, scale=0.3)
-    grads_g = kernels._block_bwd_generic(dout, q, k, v, out, lse, causal, 0.3)
+    grads = kernels._block_bwd(dout, q, k, v, out, lse, blk, feats)
+    grads_g = kernels._block_bwd_generic(dout, q, k, v, out, lse, blk, feats)
     for a, b in zip(grads_g, grads, strict=True):
         assert a.shape == b.shape and rel_err(a, b) < TOL

@@ -1,7 +1,13 @@
 """Sequence parallelism: process groups, row sharding and exact SP attention."""
 
 from .attention import ATTN_IMPLEMENTATION, register_sp_attention, sp_attention
-from .kernels import Segment, doc_causal_attention, doc_causal_backward, doc_causal_forward
+from .kernels import (
+    AttentionFeatures,
+    Segment,
+    doc_causal_attention,
+    doc_causal_backward,
+    doc_causal_forward,
+)
 from .mesh import SPContext, build_parallel_groups, resolve_kernel, single_process_context
 from .sharding import (
     ShardedBatch,
@@ -14,6 +20,7 @@ from .sharding import (
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "AttentionFeatures",
     "SPContext",
     "SPMeta",
     "Segment",

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .kernels import AttentionFeatures, as_features
 from .ring import ring_attention
 from .sharding import SPMeta
 
@@ -33,26 +34,88 @@ def _strategy(mode: str) -> Any:
 
 
 def sp_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SPMeta, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: SPMeta,
+    features: AttentionFeatures | float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Document-causal attention of this rank's tokens.
 
-    q/k/v/out are ``[local_tokens, heads, dim]``.
+    q/k/v/out are ``[local_tokens, heads, dim]``. ``features`` is the layer's
+    :class:`AttentionFeatures` (a bare number means a plain scale); ``sinks`` ``[heads]``
+    (optional, differentiable) adds one value-less logit per head to every softmax.
 
     Query heads must be a multiple of key/value heads (GQA). Gradients are exact.
     """
     ctx = meta.ctx
+    feats = as_features(features)
     if q.shape[0] != meta.local_len:
         raise ValueError(f"got {q.shape[0]} local tokens, the SP metadata expects {meta.local_len}")
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(
+            f"attention sinks must be one per query head ({q.shape[1]}), got {tuple(sinks.shape)}"
+        )
     if ctx.mode == "ring":
         if ctx.kernel == "flash":
             from .ring_flash import flash_ring_attention
 
-            return flash_ring_attention(q, k, v, meta, scale)
-        return ring_attention(q, k, v, meta, scale)
+            return flash_ring_attention(q, k, v, meta, feats, sinks)
+        return ring_attention(q, k, v, meta, feats, sinks)
     if ctx.mode in ("ulysses", "hybrid"):
-        return _strategy(ctx.mode)(q, k, v, meta, scale)
+        return _strategy(ctx.mode)(q, k, v, meta, feats, sinks)
     raise ValueError(f"unknown sequence_parallel_mode {ctx.mode!r}")
+
+
+# kwargs transformers' attention layers pass that do not change what attention computes
+# (positions are already in q/k through RoPE; there is no KV cache in training).
+_NEUTRAL_KWARGS = frozenset(
+    {
+        "position_ids",
+        "cache_position",
+        "use_cache",
+        "past_key_values",
+        "past_key_value",
+        "output_attentions",
+        "output_hidden_states",
+        "output_router_logits",
+        "return_dict",
+        "sp_meta",
+    }
+)
+
+
+def attention_features(module: torch.nn.Module, scaling: float | None, kwargs: dict) -> tuple[
+    AttentionFeatures, torch.Tensor | None
+]:
+    """The layer's features from the kwargs transformers passes; refuses any it cannot honour."""
+    unknown = sorted(
+        k for k in kwargs if k not in _NEUTRAL_KWARGS | {"sliding_window", "softcap", "s_aux"}
+    )
+    if kwargs.get("is_causal", True) is not True:
+        raise ValueError("SP attention is causal; the layer asked for is_causal=False")
+    unknown = [k for k in unknown if k != "is_causal"]
+    if unknown:
+        raise ValueError(
+            f"{type(module).__name__} passes attention arguments longctx does not implement: "
+            f"{', '.join(unknown)}. They may change what attention computes, so training would "
+            "not be exact; refusing instead of ignoring them."
+        )
+    scale = scaling if scaling is not None else getattr(module, "scaling", None)
+    if scale is None:
+        raise ValueError(f"{type(module).__name__} passes no attention scaling")
+    window = kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and not isinstance(sinks, torch.Tensor):
+        raise ValueError(f"s_aux (attention sinks) must be a tensor, got {type(sinks).__name__}")
+    feats = AttentionFeatures(
+        scale=float(scale),
+        window=None if window is None else int(window),
+        softcap=None if softcap is None else float(softcap),
+    )
+    return feats, sinks
 
 
 def longctx_attention_forward(
@@ -67,7 +130,9 @@ def longctx_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention signature.
 
-    q/k/v ``[1, heads, S, dim]`` -> ``([1, S, heads, dim], None)``.
+    q/k/v ``[1, heads, S, dim]`` -> ``([1, S, heads, dim], None)``. Honours the layer's
+    ``scaling``, ``sliding_window``, ``softcap`` and ``s_aux`` (sinks); refuses other
+    arguments that would change the math.
     """
     meta = kwargs.get("sp_meta")
     if not isinstance(meta, SPMeta):
@@ -81,15 +146,64 @@ def longctx_attention_forward(
         raise ValueError("attention dropout is not supported with SP attention; set it to 0")
     if attention_mask is not None:
         raise ValueError("SP attention builds document masks itself; attention_mask must be None")
-    scale = scaling if scaling is not None else module.scaling
+    feats, sinks = attention_features(module, scaling, kwargs)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    out = sp_attention(q, k, v, meta, scale)
+    out = sp_attention(q, k, v, meta, feats, sinks)
     meta.attention_calls += 1
     return out.unsqueeze(0), None
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """Mask builder for our implementation: documents are handled inside the kernel."""
+def _mask_pattern(mask_function: Any, q_offset: int, kv_offset: int, n: int) -> torch.Tensor:
+    """``[n, n]`` bool: what the model's mask function allows on its first ``n`` positions."""
+    zero = torch.zeros(1, dtype=torch.long)
+    qi = torch.arange(n)[None, None, :, None] + q_offset
+    ki = torch.arange(n)[None, None, None, :] + kv_offset
+    try:
+        allowed = mask_function(zero[:, None, None, None], zero[None, :, None, None], qi, ki)
+        return torch.as_tensor(allowed, dtype=torch.bool).expand(1, 1, n, n)[0, 0]
+    except Exception:  # some overlays only run under vmap, as transformers runs them
+        from transformers.masking_utils import TransformGetItemToIndex, _vmap_expansion_sdpa
+
+        with TransformGetItemToIndex():
+            allowed = _vmap_expansion_sdpa(mask_function)(
+                torch.arange(1), torch.arange(1), torch.arange(n) + q_offset,
+                torch.arange(n) + kv_offset,
+            )
+        return allowed[0, 0].bool()
+
+
+def _no_mask(
+    *args: Any,
+    mask_function: Any = None,
+    q_length: int = 0,
+    kv_length: int = 0,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    **kwargs: Any,
+) -> None:
+    """Mask builder for our implementation: documents and windows are handled in the kernel.
+
+    The model's mask is not built, but it is checked on its first positions: every query
+    must see a run of keys ending at itself (causal, possibly windowed or cut at a document
+    start, both of which we reproduce). A mask that lets a query see later keys (bidirectional
+    or blockwise overlays) is refused rather than silently replaced by a causal one.
+    """
+    n = min(q_length, kv_length, 64)
+    if mask_function is None or n == 0:
+        return None
+    allowed = _mask_pattern(mask_function, q_offset, kv_offset, n)
+    idx = torch.arange(n)
+    causal = idx[None, :] <= idx[:, None]
+    # A run ending at the diagonal: allowed keys are contiguous and include the query itself.
+    first = torch.where(allowed.any(-1), allowed.float().argmax(-1), idx)
+    run = (idx[None, :] >= first[:, None]) & causal
+    if q_offset != kv_offset or not torch.equal(allowed, run):
+        raise ValueError(
+            "the model's attention mask is not causal (a query may see later keys, or keys "
+            "with gaps, e.g. a bidirectional or blockwise overlay); longctx's SP attention "
+            "computes document-causal (optionally sliding-window) attention only, so this "
+            "model would train on a different mask. Refusing."
+        )
     return None
 
 

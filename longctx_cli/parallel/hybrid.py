@@ -24,9 +24,10 @@ from math import gcd
 
 import torch
 
+from .kernels import AttentionFeatures, as_features
 from .ring import ring_attention
 from .sharding import SPMeta, local_ranges, segments_for
-from .ulysses import build_exchange, heads_to_ranks, heads_to_seq
+from .ulysses import build_exchange, heads_to_ranks, heads_to_seq, local_head_slice
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -77,21 +78,33 @@ def ring_meta(meta: SPMeta, local_kv_heads: int) -> SPMeta:
     return derived
 
 
-def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SPMeta, scale: float):
+def _ring(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: SPMeta,
+    feats: AttentionFeatures,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
     if meta.ctx.kernel == "flash":
         from .ring_flash import flash_ring_attention
 
-        return flash_ring_attention(q, k, v, meta, scale)
-    return ring_attention(q, k, v, meta, scale)
+        return flash_ring_attention(q, k, v, meta, feats, sinks)
+    return ring_attention(q, k, v, meta, feats, sinks)
 
 
 def hybrid_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SPMeta, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: SPMeta,
+    features: AttentionFeatures | float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact document-causal attention of this rank's tokens, Ulysses x ring.
 
     q: ``[local_tokens, H, D]``, k/v: ``[local_tokens, H_kv, D]``; returns ``[local_tokens, H, D]``.
-    Needs ``H % U == 0`` and ``H_kv`` and ``U`` dividing one another.
+    Needs ``H % U == 0`` and ``H_kv`` and ``U`` dividing one another. ``sinks`` ``[H]`` optional.
     """
     ctx = meta.ctx
     u = ctx.ulysses_degree
@@ -99,5 +112,6 @@ def hybrid_attention(
         raise ValueError(f"ulysses_degree {u} must divide the SP size {ctx.sp_size}")
     ex = build_exchange(meta, ctx.ulysses_group, u)
     qh, kh, vh = heads_to_ranks(q, k, v, ex)
-    out = _ring(qh, kh, vh, ring_meta(meta, kh.shape[1]), scale)
+    local_sinks = None if sinks is None else sinks[local_head_slice(q.shape[1], ex, meta)]
+    out = _ring(qh, kh, vh, ring_meta(meta, kh.shape[1]), as_features(features), local_sinks)
     return heads_to_seq(out, ex)

@@ -6,25 +6,69 @@ own document. Strategies (ring, Ulysses) reduce their work to calls of these fun
 
 Work is split into *segments*: a run of consecutive query rows of one document. A segment
 with queries ``q[q_start:q_end]`` whose last key is ``k_end`` attends to ``k[k_start:k_end]``
-with bottom-right causal alignment (query ``q_end - 1`` sees key ``k_end - 1``). Each segment
-is computed as two blocks so that no mask tensor is ever built:
+with bottom-right causal alignment (query ``q_end - 1`` sees key ``k_end - 1``): a query sits
+at *key position* ``k_end - (q_end - row)``. Each segment is cut into *blocks* so that no
+``T x T`` mask is ever built:
 
-* the *prefix* ``k[k_start : k_end - n]`` (``n`` = number of queries), fully visible;
-* the *diagonal* ``k[k_end - n : k_end]``, a square causal block.
+* no window (or one the segment never reaches past): the *prefix* ``k[k_start : k_end - n]``
+  (``n`` = number of queries), fully visible, and the *diagonal* ``k[k_end - n : k_end]``, a
+  square causal block;
+* a sliding window ``W`` (query at key position ``p`` sees keys ``p - W + 1 .. p``, never
+  before its document start): query rows in blocks of ``b <= W`` rows; each has a causal
+  diagonal, a fully visible middle, and a left *edge* of at most ``b - 1`` keys whose
+  ``b x b`` band mask is the only mask built.
 
-The two partial results are merged exactly through their log-sum-exp. The backward of each
+The partial results are merged exactly through their log-sum-exp. The backward of each
 block is computed with the merged output and log-sum-exp, which gives exact gradients.
+
+:class:`AttentionFeatures` carries what a layer computes beyond ``softmax(q k^T * scale) v``:
+the window and logit softcapping. Attention sinks (a per-head logit with no value) join after
+all keys are merged: ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')``; the
+block backward run with ``(out', lse')`` is then exact, and :func:`sink_grad` gives d sink.
+Softcapping needs the scores themselves, so it (and every device without the CPU flash op)
+takes the tiled matmul path, ``_TILE x _TILE`` scores at a time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+_MAX_ROWS = 512  # query rows per block under a window: bounds the edge mask to 512 x 512
+_TILE = 1024  # query rows and keys per score tile of the matmul path
+
+
+@dataclass(frozen=True)
+class AttentionFeatures:
+    """How one layer's attention scores keys, beyond the document-causal mask.
+
+    ``scale`` multiplies ``q . k``; ``window`` (a query at position ``p`` sees keys
+    ``p - window + 1 .. p``, as transformers' sliding-window masks do) or ``None``;
+    ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the softmax.
+    """
+
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"sliding window must be at least 1 token, got {self.window}")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"attention softcap must be positive, got {self.softcap}")
+
+
+def as_features(features: AttentionFeatures | float) -> AttentionFeatures:
+    """A bare number is a plain scale (the pre-features call signature)."""
+    if isinstance(features, AttentionFeatures):
+        return features
+    return AttentionFeatures(scale=float(features))
 
 
 class Segment(NamedTuple):
@@ -36,10 +80,55 @@ class Segment(NamedTuple):
     k_end: int
 
 
+class _Block(NamedTuple):
+    """Query rows ``[q0, q1)`` against keys ``[k0, k1)``; row ``q0`` sits at key position ``pos``.
+
+    ``masked`` is False when every (row, key) pair is visible.
+    """
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    pos: int
+    masked: bool
+
+
 def full_row_segments(cu_seqlens: Sequence[int] | torch.Tensor) -> tuple[Segment, ...]:
     """Segments for a full row where queries and keys are the same tokens (one per document)."""
     bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
     return tuple(Segment(a, b, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a)
+
+
+def _segment_blocks(seg: Segment, window: int | None) -> list[list[_Block]]:
+    """The blocks of one segment, grouped by the query rows they cover (see module doc).
+
+    In every block each row sees at least one key, so no block has an empty softmax.
+    """
+    n = seg.q_end - seg.q_start
+    if n == 0:
+        return []
+    diag = seg.k_end - n
+    if window is None or window >= seg.k_end - seg.k_start:  # the window clips nothing here
+        blocks = [_Block(seg.q_start, seg.q_end, diag, seg.k_end, diag, True)]
+        if diag > seg.k_start:
+            blocks.append(_Block(seg.q_start, seg.q_end, seg.k_start, diag, diag, False))
+        return [blocks]
+    rows = min(window, _MAX_ROWS)  # <= window: the diagonal stays plain causal
+    groups = []
+    for r0 in range(seg.q_start, seg.q_end, rows):
+        r1 = min(r0 + rows, seg.q_end)
+        p0 = diag + r0 - seg.q_start
+        p1 = p0 + r1 - r0
+        blocks = [_Block(r0, r1, p0, p1, p0, True)]
+        full0 = max(seg.k_start, p1 - window)  # the last row's first key
+        if full0 < p0:
+            blocks.append(_Block(r0, r1, full0, p0, p0, False))
+        edge0 = max(seg.k_start, p0 - window + 1)  # the first row's first key
+        if edge0 < full0:  # the last row sees none of the edge, every other row some
+            blocks.append(_Block(r0, r1 - 1, edge0, full0, p0, True))
+        groups.append(blocks)
+    return groups
 
 
 def _bhld(x: torch.Tensor) -> torch.Tensor:
@@ -51,53 +140,89 @@ def _lhd(x: torch.Tensor) -> torch.Tensor:
     return x.squeeze(0).transpose(0, 1)
 
 
-def _block_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if q.is_cuda:
-        return _block_fwd_generic(q, k, v, causal, scale)
-    out, lse = _FWD(q, k, v, 0.0, causal, scale=scale)
-    return out, lse
+def _visible(
+    pos: int, rows: int, k0: int, keys: int, window: int | None, device: torch.device
+) -> torch.Tensor:
+    """``[rows, keys]`` bool: key ``k0 + j`` visible to the row at key position ``pos + i``."""
+    qp = torch.arange(pos, pos + rows, device=device)[:, None]
+    kp = torch.arange(k0, k0 + keys, device=device)[None, :]
+    keep = kp <= qp
+    if window is not None:
+        keep &= kp > qp - window
+    return keep
 
 
-def _block_bwd(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    causal: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if q.is_cuda:
-        return _block_bwd_generic(dout, q, k, v, out, lse, causal, scale)
-    return _BWD(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+def _is_plain_causal(blk: _Block, feats: AttentionFeatures) -> bool:
+    """A square block whose rows sit on its keys, within the window: the causal flag covers it."""
+    rows = blk.q1 - blk.q0
+    in_window = feats.window is None or feats.window >= rows
+    return blk.pos == blk.k0 and rows == blk.k1 - blk.k0 and in_window
+
+
+def _cpu_mask(blk: _Block, feats: AttentionFeatures, like: torch.Tensor) -> torch.Tensor:
+    """Additive mask for the CPU op (it wants the query's dtype); only edge blocks need one."""
+    keep = _visible(
+        blk.pos, blk.q1 - blk.q0, blk.k0, blk.k1 - blk.k0, feats.window, like.device
+    )
+    return torch.zeros(keep.shape, dtype=like.dtype, device=like.device).masked_fill_(
+        ~keep, float("-inf")
+    )
+
+
+def _use_matmul_path(q: torch.Tensor, feats: AttentionFeatures) -> bool:
+    return q.is_cuda or feats.softcap is not None
 
 
 def _expand_kv(k: torch.Tensor, groups: int) -> torch.Tensor:
     return k if groups == 1 else k.repeat_interleave(groups, dim=1)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if causal:
-        n = s.shape[-1]
-        keep = torch.ones(n, n, dtype=torch.bool, device=s.device).tril()
+def _tile_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    pos: int,
+    k0: int,
+    masked: bool,
+    feats: AttentionFeatures,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 scores ``[1, H, rows, keys]`` of one tile (masked: -inf) and ``tanh`` if capped."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * feats.scale
+    t = None
+    if feats.softcap is not None:
+        t = torch.tanh(s / feats.softcap)
+        s = t * feats.softcap
+    if masked:
+        keep = _visible(pos, s.shape[-2], k0, s.shape[-1], feats.window, s.device)
         s = s.masked_fill(~keep, float("-inf"))
-    return s
+    return s, t
 
 
 def _block_fwd_generic(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blk: _Block, feats: AttentionFeatures
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference math for devices without the CPU flash op (block-sized, never T x T)."""
+    """Matmul path for one block (``[1, H, L, D]`` tensors), tile by tile: never T x T."""
     groups = q.shape[1] // k.shape[1]
-    s = _scores(q, _expand_kv(k, groups), causal, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
-    out = torch.matmul(p, _expand_kv(v, groups).float()).to(q.dtype)
-    return out, lse
+    rows, keys = q.shape[2], k.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    for i in range(0, rows, _TILE):
+        qi = q[:, :, i : i + _TILE]
+        acc, acc_lse = None, None
+        for j in range(0, keys, _TILE):
+            kj = _expand_kv(k[:, :, j : j + _TILE], groups)
+            vj = _expand_kv(v[:, :, j : j + _TILE], groups)
+            s, _ = _tile_scores(qi, kj, blk.pos + i, blk.k0 + j, blk.masked, feats)
+            lj = torch.logsumexp(s, dim=-1)
+            # A tile can hide a whole row (lj = -inf); such a row gets weight 0, not NaN.
+            p = torch.exp(s - torch.where(lj.isinf(), 0.0, lj).unsqueeze(-1))
+            oj = torch.matmul(p, vj.float())
+            if acc is None:
+                acc, acc_lse = oj, lj
+            else:
+                acc, acc_lse = _merge_f32(acc, acc_lse, oj, lj)
+        out[:, :, i : i + _TILE] = acc
+        lse[:, :, i : i + _TILE] = acc_lse
+    return out.to(q.dtype), lse
 
 
 def _block_bwd_generic(
@@ -107,19 +232,31 @@ def _block_bwd_generic(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    causal: bool,
-    scale: float,
+    blk: _Block,
+    feats: AttentionFeatures,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block given the row's merged ``out`` and ``lse`` (matmul path)."""
     groups = q.shape[1] // k.shape[1]
-    ke, ve = _expand_kv(k, groups).float(), _expand_kv(v, groups).float()
-    p = torch.exp(_scores(q, ke, causal, scale) - lse.unsqueeze(-1))
-    do = dout.float()
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    dp = torch.matmul(do, ve.transpose(-1, -2))
-    delta = (do * out.float()).sum(-1, keepdim=True)
-    ds = p * (dp - delta) * scale
-    dq = torch.matmul(ds, ke)
-    dk = torch.matmul(ds.transpose(-1, -2), q.float())
+    rows, keys = q.shape[2], k.shape[2]
+    delta = (dout.float() * out.float()).sum(-1, keepdim=True)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(*k.shape[:1], q.shape[1], *k.shape[2:], dtype=torch.float32, device=q.device)
+    dv = torch.zeros_like(dk)
+    for i in range(0, rows, _TILE):
+        qi, doi = q[:, :, i : i + _TILE], dout[:, :, i : i + _TILE].float()
+        li, di = lse[:, :, i : i + _TILE].unsqueeze(-1), delta[:, :, i : i + _TILE]
+        for j in range(0, keys, _TILE):
+            kj = _expand_kv(k[:, :, j : j + _TILE], groups).float()
+            vj = _expand_kv(v[:, :, j : j + _TILE], groups).float()
+            s, t = _tile_scores(qi, kj, blk.pos + i, blk.k0 + j, blk.masked, feats)
+            p = torch.exp(s - li)
+            dv[:, :, j : j + _TILE] += torch.matmul(p.transpose(-1, -2), doi)
+            ds = p * (torch.matmul(doi, vj.transpose(-1, -2)) - di)
+            if t is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
+                ds = ds * (1 - t * t)
+            ds = ds * feats.scale
+            dq[:, :, i : i + _TILE] += torch.matmul(ds, kj)
+            dk[:, :, j : j + _TILE] += torch.matmul(ds.transpose(-1, -2), qi.float())
     if groups > 1:
         b, h, n, d = dk.shape
         dk = dk.view(b, h // groups, groups, n, d).sum(2)
@@ -127,26 +264,82 @@ def _block_bwd_generic(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _merge(
+def _block_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blk: _Block, feats: AttentionFeatures
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _use_matmul_path(q, feats):
+        return _block_fwd_generic(q, k, v, blk, feats)
+    if not blk.masked:
+        return _FWD(q, k, v, 0.0, False, scale=feats.scale)
+    if _is_plain_causal(blk, feats):
+        return _FWD(q, k, v, 0.0, True, scale=feats.scale)
+    return _FWD(q, k, v, 0.0, False, attn_mask=_cpu_mask(blk, feats, q), scale=feats.scale)
+
+
+def _block_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    blk: _Block,
+    feats: AttentionFeatures,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _use_matmul_path(q, feats):
+        return _block_bwd_generic(dout, q, k, v, out, lse, blk, feats)
+    if not blk.masked:
+        return _BWD(dout, q, k, v, out, lse, 0.0, False, scale=feats.scale)
+    if _is_plain_causal(blk, feats):
+        return _BWD(dout, q, k, v, out, lse, 0.0, True, scale=feats.scale)
+    mask = _cpu_mask(blk, feats, q)
+    return _BWD(dout, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=feats.scale)
+
+
+def _merge_f32(
     o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine two softmax-normalised partial results over disjoint key sets."""
+    """Combine two softmax-normalised partial results over disjoint key sets (float32)."""
     lse = torch.logaddexp(l1, l2)
-    w1 = torch.exp(l1 - lse).unsqueeze(-1)
-    w2 = torch.exp(l2 - lse).unsqueeze(-1)
-    out = o1.float() * w1 + o2.float() * w2
-    return out.to(o1.dtype), lse
+    safe = torch.where(lse.isinf(), 0.0, lse)  # rows no key reached so far stay at 0
+    out = o1 * torch.exp(l1 - safe).unsqueeze(-1) + o2 * torch.exp(l2 - safe).unsqueeze(-1)
+    return out, lse
 
 
-def _whole_block(segments: Sequence[Segment], q: torch.Tensor, k: torch.Tensor) -> slice | None:
-    """The key slice when one segment is a plain causal square over every query row."""
-    if len(segments) != 1:
+def _whole_block(
+    segments: Sequence[Segment], q: torch.Tensor, feats: AttentionFeatures
+) -> slice | None:
+    """The key slice when one unwindowed causal square covers every query row (fast path)."""
+    if len(segments) != 1 or _use_matmul_path(q, feats):
         return None
     seg = segments[0]
     n = q.shape[0]
     if seg.q_start != 0 or seg.q_end != n or seg.k_end - seg.k_start != n:
         return None
+    if feats.window is not None and feats.window < n:
+        return None
     return slice(seg.k_start, seg.k_end)
+
+
+def apply_sinks(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add one value-less key of logit ``sinks[h]`` to every row's softmax.
+
+    out ``[L, H, D]``, lse ``[H, L]`` float32, sinks ``[H]`` -> the same shapes, renormalised.
+    """
+    new_lse = torch.logaddexp(lse, sinks.detach().float()[:, None])
+    weight = torch.exp(lse - new_lse).transpose(0, 1).unsqueeze(-1)
+    return (out.float() * weight).to(out.dtype), new_lse
+
+
+def sink_grad(
+    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
+) -> torch.Tensor:
+    """d loss / d sinks, from the renormalised ``out``/``lse``: ``-sum_t P(sink) (dout . out)``."""
+    rowdot = (dout.float() * out.float()).sum(-1).transpose(0, 1)  # [H, L]
+    p_sink = torch.exp(sinks.detach().float()[:, None] - lse)
+    return (-(p_sink * rowdot).sum(-1)).to(sinks.dtype)
 
 
 def doc_causal_forward(
@@ -154,37 +347,54 @@ def doc_causal_forward(
     k: torch.Tensor,
     v: torch.Tensor,
     segments: Sequence[Segment],
-    scale: float,
+    features: AttentionFeatures | float,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every segment's queries to its keys.
 
     q: ``[Lq, Hq, D]``; k, v: ``[Lk, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA: query head ``h``
-    uses KV head ``h // (Hq // Hkv)``). Segments must cover every query row exactly once.
+    uses KV head ``h // (Hq // Hkv)``). Segments must cover every query row exactly once and
+    name every key the rows may see (sinks join last, so pass them only with the whole set).
     Returns ``out [Lq, Hq, D]`` and ``lse [Hq, Lq]`` (float32).
     """
-    whole = _whole_block(segments, q, k)
+    feats = as_features(features)
+    whole = _whole_block(segments, q, feats)
     if whole is not None:
         # One causal block covers everything: hand back the kernel's own tensors instead of
         # copying them into preallocated ones (which would briefly hold both).
-        o, lo = _block_fwd(_bhld(q), _bhld(k[whole]), _bhld(v[whole]), True, scale)
-        return _lhd(o), lo[0].float()
+        o, lo = _FWD(_bhld(q), _bhld(k[whole]), _bhld(v[whole]), 0.0, True, scale=feats.scale)
+        out, lse = _lhd(o), lo[0].float()
+        return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
     for seg in segments:
-        n = seg.q_end - seg.q_start
-        if n == 0:
-            continue
-        qs = _bhld(q[seg.q_start : seg.q_end])
-        diag = seg.k_end - n
-        o, lo = _block_fwd(qs, _bhld(k[diag : seg.k_end]), _bhld(v[diag : seg.k_end]), True, scale)
-        if diag > seg.k_start:
-            o2, l2 = _block_fwd(
-                qs, _bhld(k[seg.k_start : diag]), _bhld(v[seg.k_start : diag]), False, scale
-            )
-            o, lo = _merge(o, lo.float(), o2, l2.float())
-        out[seg.q_start : seg.q_end] = _lhd(o)
-        lse[:, seg.q_start : seg.q_end] = lo[0]
-    return out, lse
+        for blocks in _segment_blocks(seg, feats.window):
+            r0, r1 = blocks[0].q0, blocks[0].q1
+            qs = _bhld(q[r0:r1])
+            if len(blocks) == 1:  # nothing to merge: keep the kernel's dtype, no fp32 copy
+                blk = blocks[0]
+                o, lo = _block_fwd(
+                    qs, _bhld(k[blk.k0 : blk.k1]), _bhld(v[blk.k0 : blk.k1]), blk, feats
+                )
+                out[r0:r1] = _lhd(o)
+                lse[:, r0:r1] = lo[0]
+                continue
+            acc, acc_lse = None, None
+            for blk in blocks:
+                o, lo = _block_fwd(
+                    qs[:, :, : blk.q1 - r0], _bhld(k[blk.k0 : blk.k1]),
+                    _bhld(v[blk.k0 : blk.k1]), blk, feats,
+                )
+                o, lo = o.float(), lo.float()
+                if acc is None:
+                    acc, acc_lse = o, lo
+                else:  # later blocks may cover a prefix of the rows (the edge)
+                    rows = slice(0, blk.q1 - r0)
+                    m_o, m_l = _merge_f32(acc[:, :, rows], acc_lse[:, :, rows], o, lo)
+                    acc[:, :, rows], acc_lse[:, :, rows] = m_o, m_l
+            out[r0:r1] = _lhd(acc)
+            lse[:, r0:r1] = acc_lse[0]
+    return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
 
 
 def doc_causal_backward(
@@ -195,63 +405,55 @@ def doc_causal_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     segments: Sequence[Segment],
-    scale: float,
+    features: AttentionFeatures | float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`doc_causal_forward`: ``dq`` like ``q``, ``dk``/``dv`` like ``k``/``v``.
 
-    Keys no segment reads get a zero gradient; keys read by several segments accumulate.
+    ``out``/``lse`` are what the forward returned (after sinks, if any). Keys no segment reads
+    get a zero gradient; keys read by several segments accumulate.
     """
-    if _whole_block(segments, q, k) == slice(0, k.shape[0]):
+    feats = as_features(features)
+    if _whole_block(segments, q, feats) == slice(0, k.shape[0]):
         # Every key is read by the one causal block: its gradients are the whole dk, dv.
-        dq1, dk1, dv1 = _block_bwd(
+        dq1, dk1, dv1 = _BWD(
             _bhld(dout), _bhld(q), _bhld(k), _bhld(v), _bhld(out),
-            lse.unsqueeze(0).contiguous(), True, scale,
+            lse.unsqueeze(0).contiguous(), 0.0, True, scale=feats.scale,
         )
         return _lhd(dq1), _lhd(dk1), _lhd(dv1)
-    dq = torch.empty_like(q)
+    dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
     for seg in segments:
-        n = seg.q_end - seg.q_start
-        if n == 0:
-            continue
-        rows = slice(seg.q_start, seg.q_end)
-        qs, dos, os_ = _bhld(q[rows]), _bhld(dout[rows]), _bhld(out[rows])
-        ls = lse[:, rows].unsqueeze(0).contiguous()
-        diag = seg.k_end - n
-        dq1, dk1, dv1 = _block_bwd(
-            dos, qs, _bhld(k[diag : seg.k_end]), _bhld(v[diag : seg.k_end]), os_, ls, True, scale
-        )
-        dk[diag : seg.k_end] += _lhd(dk1)
-        dv[diag : seg.k_end] += _lhd(dv1)
-        if diag > seg.k_start:
-            keys = slice(seg.k_start, diag)
-            dq2, dk2, dv2 = _block_bwd(
-                dos, qs, _bhld(k[keys]), _bhld(v[keys]), os_, ls, False, scale
-            )
-            dq1 = dq1 + dq2
-            dk[keys] += _lhd(dk2)
-            dv[keys] += _lhd(dv2)
-        dq[rows] = _lhd(dq1)
+        for blocks in _segment_blocks(seg, feats.window):
+            for blk in blocks:
+                rows = slice(blk.q0, blk.q1)
+                keys = slice(blk.k0, blk.k1)
+                dq1, dk1, dv1 = _block_bwd(
+                    _bhld(dout[rows]), _bhld(q[rows]), _bhld(k[keys]), _bhld(v[keys]),
+                    _bhld(out[rows]), lse[:, rows].unsqueeze(0).contiguous(), blk, feats,
+                )
+                dq[rows] += _lhd(dq1)
+                dk[keys] += _lhd(dk1)
+                dv[keys] += _lhd(dv1)
     return dq, dk, dv
 
 
 class _DocCausalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, segments, scale):  # type: ignore[override]
-        out, lse = doc_causal_forward(q, k, v, segments, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, sinks, segments, feats):  # type: ignore[override]
+        out, lse = doc_causal_forward(q, k, v, segments, feats, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.segments = segments
-        ctx.scale = scale
+        ctx.feats = feats
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = doc_causal_backward(
-            dout.contiguous(), q, k, v, out, lse, ctx.segments, ctx.scale
-        )
-        return dq, dk, dv, None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = doc_causal_backward(dout, q, k, v, out, lse, ctx.segments, ctx.feats)
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        return dq, dk, dv, dsinks, None, None
 
 
 def doc_causal_attention(
@@ -259,10 +461,13 @@ def doc_causal_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     cu_seqlens: Sequence[int] | torch.Tensor,
-    scale: float,
+    features: AttentionFeatures | float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Differentiable document-causal attention over a full packed row.
 
-    q: ``[T, Hq, D]``, k/v: ``[T, Hkv, D]``; documents are ``cu_seqlens[i]:cu_seqlens[i+1]``.
+    q: ``[T, Hq, D]``, k/v: ``[T, Hkv, D]``; documents are ``cu_seqlens[i]:cu_seqlens[i+1]``;
+    ``sinks`` ``[Hq]`` (optional) gets a gradient too.
     """
-    return _DocCausalAttention.apply(q, k, v, full_row_segments(cu_seqlens), scale)
+    feats = as_features(features)
+    return _DocCausalAttention.apply(q, k, v, sinks, full_row_segments(cu_seqlens), feats)

@@ -14,7 +14,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .kernels import doc_causal_backward, doc_causal_forward
+from .kernels import (
+    AttentionFeatures,
+    as_features,
+    doc_causal_backward,
+    doc_causal_forward,
+    sink_grad,
+)
 from .sharding import SPMeta
 
 # torch >= 2.13 renamed the tensor-in/tensor-out collectives; keep older releases working.
@@ -86,7 +92,7 @@ def _head_groups(q: torch.Tensor, k: torch.Tensor, stride: int) -> list[tuple[sl
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, meta, scale):  # type: ignore[override]
+    def forward(ctx, q, k, v, sinks, meta, feats):  # type: ignore[override]
         groups = _head_groups(q, k, meta.ctx.heads_k_stride)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
@@ -96,17 +102,20 @@ class RingAttention(torch.autograd.Function):
             if i + 1 < len(groups):  # overlap the next gather with this group's compute
                 nxt = groups[i + 1][1]
                 pending = _Gather(k[:, nxt], v[:, nxt], meta)
-            o, lo = doc_causal_forward(q[:, qh], kf, vf, meta.segments, scale)
+            # Each local query sees every key it may attend to here, so sinks join now.
+            o, lo = doc_causal_forward(
+                q[:, qh], kf, vf, meta.segments, feats, None if sinks is None else sinks[qh]
+            )
             out[:, qh] = o
             lse[qh] = lo
         # Local tensors only: full-length K,V are re-gathered in backward.
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta, ctx.scale, ctx.groups = meta, scale, groups
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.meta, ctx.feats, ctx.groups = meta, feats, groups
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         meta, groups = ctx.meta, ctx.groups
         dout = dout.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -117,16 +126,26 @@ class RingAttention(torch.autograd.Function):
                 nxt = groups[i + 1][1]
                 pending = _Gather(k[:, nxt], v[:, nxt], meta)
             dqi, dkf, dvf = doc_causal_backward(
-                dout[:, qh], q[:, qh], kf, vf, out[:, qh], lse[qh], meta.segments, ctx.scale
+                dout[:, qh], q[:, qh], kf, vf, out[:, qh], lse[qh], meta.segments, ctx.feats
             )
             dq[:, qh] = dqi
             dk[:, kh] = _reduce_scatter(dkf, meta)
             dv[:, kh] = _reduce_scatter(dvf, meta)
-        return dq, dk, dv, None, None
+        # This rank's tokens' share; the trainer sums parameter gradients over ranks.
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        return dq, dk, dv, dsinks, None, None
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SPMeta, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: SPMeta,
+    features: AttentionFeatures | float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Exact document-causal attention of local ``q`` over the whole row's K,V."""
-    return RingAttention.apply(q, k, v, meta, scale)
+    """Exact document-causal attention of local ``q`` over the whole row's K,V.
+
+    ``sinks`` (``[Hq]``, optional) is differentiable like q, k, v.
+    """
+    return RingAttention.apply(q, k, v, sinks, meta, as_features(features))

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .kernels import AttentionFeatures, as_features
 from .sharding import SPMeta
 
 _MODULE = "ring_flash_attn.llama3_flash_attn_varlen"
@@ -43,6 +44,21 @@ def _import_llama3_module() -> types.ModuleType:
     return importlib.import_module(_MODULE)
 
 
+def flash_window(feats: AttentionFeatures) -> tuple[int, int]:
+    """flash-attn's ``window_size``: with ``causal`` it sees keys ``p - left .. p``."""
+    return (-1, -1) if feats.window is None else (feats.window - 1, feats.window - 1)
+
+
+def refuse_flash_sinks(sinks: torch.Tensor | None) -> None:
+    if sinks is not None:
+        raise NotImplementedError(
+            "attention sinks (s_aux) are not supported by attention_kernel: flash: flash-attn 2's "
+            "varlen kernel has no sink argument, so the model would silently train without "
+            "them. Use attention_kernel: torch, which adds the sinks exactly through the "
+            "log-sum-exp merge."
+        )
+
+
 def load_ring_flash_attn() -> tuple[Callable[..., Any], Callable[..., Any]]:
     """``(llama3_flash_attn_varlen_func, llama3_flash_attn_prepare_cu_seqlens)``."""
     mod = _import_llama3_module()
@@ -61,16 +77,38 @@ def _flash_params(
 
 
 def flash_ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SPMeta, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: SPMeta,
+    features: AttentionFeatures | float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Document-causal SP attention through ring-flash-attn (``[local_tokens, heads, dim]``)."""
+    """Document-causal SP attention through ring-flash-attn (``[local_tokens, heads, dim]``).
+
+    Sliding windows are passed to the kernel (``window_size``); softcapping only at sp=1
+    (ring-flash-attn 0.1.8's llama3 path has no softcap argument); sinks never.
+    """
     ctx = meta.ctx
+    feats = as_features(features)
     if ctx.layout != "contiguous":
         raise ValueError("the flash kernel supports sp_sharding: contiguous only")
+    refuse_flash_sinks(sinks)
     if ctx.sp_size == 1:
-        return _flash_single(q, k, v, meta, scale)
+        return _flash_single(q, k, v, meta, feats)
+    if feats.softcap is not None:
+        raise NotImplementedError(
+            f"attention logit softcapping (softcap={feats.softcap}) is not supported by "
+            "attention_kernel: flash with sequence_parallel_mode: ring at sp > 1: "
+            "ring-flash-attn 0.1.8's llama3 function passes no softcap to flash-attn, so the "
+            "model would silently train uncapped. Use sequence_parallel_mode: ulysses (flash-attn "
+            "applies the cap itself) or attention_kernel: torch."
+        )
     func, prepare = load_ring_flash_attn()
     cu_q, cu_k, max_q, max_k, k_slice = _flash_params(meta, prepare, q.device)
+    # Bottom-right causal alignment makes flash's window relative to each query's own key
+    # position, and cu_seqlens_k starts every document's keys at its start: the window is
+    # clipped at the document start, as the model's mask clips it.
     return func(
         q,
         k,
@@ -82,14 +120,15 @@ def flash_ring_attention(
         ctx.heads_k_stride,
         k_slice,
         dropout_p=0.0,
-        softmax_scale=scale,
+        softmax_scale=feats.scale,
         causal=True,
+        window_size=flash_window(feats),
         group=ctx.sp_group,
     )
 
 
 def _flash_single(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SPMeta, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SPMeta, feats: AttentionFeatures
 ) -> torch.Tensor:
     """sp == 1: no ring, plain flash-attn varlen over the row's documents."""
     from flash_attn import flash_attn_varlen_func
@@ -99,5 +138,6 @@ def _flash_single(
         meta.cache["flash_single"] = (cu, int((cu[1:] - cu[:-1]).max()))
     cu, max_len = meta.cache["flash_single"]
     return flash_attn_varlen_func(
-        q, k, v, cu, cu, max_len, max_len, dropout_p=0.0, softmax_scale=scale, causal=True
+        q, k, v, cu, cu, max_len, max_len, dropout_p=0.0, softmax_scale=feats.scale,
+        causal=True, window_size=flash_window(feats), softcap=feats.softcap or 0.0,
     )

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .kernels import doc_causal_attention
+from .kernels import AttentionFeatures, as_features, doc_causal_attention
+from .ring_flash import flash_window, refuse_flash_sinks
 from .sharding import SPMeta, local_ranges
 
 
@@ -190,8 +191,19 @@ def heads_to_ranks(
     return seq_to_heads(q, ex), seq_to_heads(k, ex), seq_to_heads(v, ex)
 
 
+def local_head_slice(heads: int, ex: Exchange, meta: SPMeta) -> slice:
+    """Query heads this rank holds after :func:`seq_to_heads`: group rank ``j`` keeps slice j."""
+    per_rank = heads // ex.size
+    j = meta.ctx.sp_rank % ex.size  # all-to-all groups are consecutive SP ranks (see mesh.py)
+    return slice(j * per_rank, (j + 1) * per_rank)
+
+
 def _flash_full_row(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    feats: AttentionFeatures,
 ) -> torch.Tensor:
     """flash-attn varlen over the whole row (CUDA); imported lazily, it is a GPU extra."""
     from flash_attn import flash_attn_varlen_func
@@ -199,22 +211,32 @@ def _flash_full_row(
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     max_len = int((cu[1:] - cu[:-1]).max())
     return flash_attn_varlen_func(
-        q, k, v, cu, cu, max_len, max_len, dropout_p=0.0, softmax_scale=scale, causal=True
+        q, k, v, cu, cu, max_len, max_len, dropout_p=0.0, softmax_scale=feats.scale,
+        causal=True, window_size=flash_window(feats), softcap=feats.softcap or 0.0,
     )
 
 
 def ulysses_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SPMeta, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: SPMeta,
+    features: AttentionFeatures | float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact document-causal attention of this rank's tokens by head-parallel all-to-all.
 
     q: ``[local_tokens, H, D]``, k/v: ``[local_tokens, H_kv, D]``; returns ``[local_tokens, H, D]``.
+    ``sinks`` ``[H]`` (optional): this rank applies the slice of the heads it holds.
     """
     ctx = meta.ctx
+    feats = as_features(features)
     ex = build_exchange(meta, ctx.sp_group, ctx.sp_size)
     qh, kh, vh = heads_to_ranks(q, k, v, ex)
     if ctx.kernel == "flash":
-        out = _flash_full_row(qh, kh, vh, meta.cu_seqlens, scale)
+        refuse_flash_sinks(sinks)
+        out = _flash_full_row(qh, kh, vh, meta.cu_seqlens, feats)
     else:
-        out = doc_causal_attention(qh, kh, vh, meta.cu_seqlens, scale)
+        local_sinks = None if sinks is None else sinks[local_head_slice(q.shape[1], ex, meta)]
+        out = doc_causal_attention(qh, kh, vh, meta.cu_seqlens, feats, local_sinks)
     return heads_to_seq(out, ex)
