@@ -21,7 +21,14 @@ from longctx_cli.parallel import (
     slice_sequence,
     sp_attention,
 )
-from tests.attention_cases import CASES, make_inputs, rel_err
+from tests.attention_cases import (
+    CASES,
+    FEATURE_CASES,
+    FEATURES,
+    make_inputs,
+    rel_err,
+    run_case,
+)
 from tests.distributed import run_distributed
 
 STANDIN = str(Path(__file__).parent / "flash_attn_standin")
@@ -65,6 +72,55 @@ def test_flash_adapter_matches_torch_kernel(sp: int) -> None:
         assert errors.pop("loaded_module") == 1.0  # the stand-in, i.e. ring_flash_attn ran
         bad = {k: e for k, e in errors.items() if not e < TOL}
         assert not bad, bad
+
+
+def _refusal(ctx, window, softcap, sinks) -> str:
+    """The error message of one refused feature combination ('' if it ran)."""
+    try:
+        run_case(ctx, [30, 34], 4, 2, 0, window, softcap, sinks)
+    except NotImplementedError as err:
+        return str(err)
+    return ""
+
+
+def flash_features_worker(rank: int, world_size: int) -> dict:
+    """The flash kernel against the dense reference: what it supports is exact, the rest refused.
+
+    Ring (ring-flash-attn's llama3 code): sliding windows. Ulysses (flash-attn varlen on the
+    whole row): windows and softcap. Sinks: refused by both; softcap refused by the ring.
+    """
+    sys.path.insert(0, STANDIN)
+    errors: dict = {}
+    supported = {"ring": ("plain", "window5", "window40"), "ulysses": ("plain", "window5",
+                 "window40", "softcap")}
+    for mode, names in supported.items():
+        _, ctx = build_parallel_groups(sp=world_size, mode=mode, layout="contiguous",
+                                       kernel="flash")
+        for f in names:
+            window, softcap, sinks = FEATURES[f]
+            for i, case in enumerate(FEATURE_CASES):
+                lengths, hq, hkv = CASES[case]
+                errors[f"{mode}/{f}/{case}"] = run_case(
+                    ctx, lengths, hq, hkv, 300 + i, window, softcap, sinks
+                )
+    _, ring = build_parallel_groups(sp=world_size, layout="contiguous", kernel="flash")
+    _, uly = build_parallel_groups(sp=world_size, mode="ulysses", kernel="flash")
+    refused = {
+        "ring/softcap": _refusal(ring, None, 1.5, False),
+        "ring/sinks": _refusal(ring, None, None, True),
+        "ulysses/sinks": _refusal(uly, 4, None, True),
+    }
+    return {"errors": errors, "refused": refused}
+
+
+def test_flash_kernel_features_exact_or_refused() -> None:
+    for result in run_distributed(flash_features_worker, 2, timeout_s=180):
+        bad = {k: e for k, e in result["errors"].items() if not max(e.values()) < TOL}
+        assert not bad, bad
+        assert len(result["errors"]) == 7 * len(FEATURE_CASES)
+        refused = result["refused"]
+        assert "softcap" in refused["ring/softcap"] and "ulysses" in refused["ring/softcap"]
+        assert "sinks" in refused["ring/sinks"] and "sinks" in refused["ulysses/sinks"]
 
 
 def test_standin_is_not_visible_outside_the_workers() -> None:

@@ -15,7 +15,14 @@ import torch
 from longctx_cli.parallel import SPContext, build_parallel_groups, make_sp_meta
 from longctx_cli.parallel.hybrid import ring_meta
 from longctx_cli.parallel.ulysses import build_exchange
-from tests.attention_cases import CASES, assert_all_close, run_case
+from tests.attention_cases import (
+    CASES,
+    FEATURE_CASES,
+    FEATURES,
+    assert_all_close,
+    feature_runs,
+    run_case,
+)
 from tests.distributed import run_distributed
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -38,12 +45,14 @@ def hybrid_worker(rank: int, world_size: int) -> dict[str, dict]:
                     sub = dataclasses.replace(ctx, heads_k_stride=stride)
                     key = f"u{u}/{layout}/{name}/stride{stride}"
                     errors[key] = run_case(sub, lengths, hq, hkv, seed=i)
+            if u == 2:  # the real 2x2 split: windows, softcap and sinks through both halves
+                errors.update(feature_runs(ctx, f"u{u}/{layout}/features"))
     return errors
 
 
 def expected_count() -> int:
     per_layout = sum(len(divisors(h)) for _, _, h in CASES.values()) + 2 * len(CASES)
-    return len(LAYOUTS) * per_layout
+    return len(LAYOUTS) * (per_layout + len(FEATURES) * len(FEATURE_CASES))
 
 
 def test_hybrid_attention_matches_single_process() -> None:

@@ -19,7 +19,16 @@ from longctx_cli.parallel import (
     sp_attention,
 )
 from longctx_cli.parallel.ulysses import build_exchange, kv_replication
-from tests.attention_cases import CASES, DIM, assert_all_close, rel_err, run_case
+from tests.attention_cases import (
+    CASES,
+    DIM,
+    FEATURE_CASES,
+    FEATURES,
+    assert_all_close,
+    feature_runs,
+    rel_err,
+    run_case,
+)
 from tests.distributed import run_distributed
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -51,6 +60,7 @@ def ulysses_worker(rank: int, world_size: int) -> dict[str, dict]:
             _, ctx = build_parallel_groups(sp=sp, mode="ulysses", layout=layout, kernel="torch")
             for i, (name, (lengths, hq, hkv)) in enumerate(CASES.items()):
                 errors[f"sp{sp}/{layout}/{name}"] = run_case(ctx, lengths, hq, hkv, seed=i)
+            errors.update(feature_runs(ctx, f"sp{sp}/{layout}/features"))
             diff = strided_input_matches(ctx)
             errors[f"sp{sp}/{layout}/strided_input"] = {"max_abs_diff": diff}
     return errors
@@ -58,7 +68,8 @@ def ulysses_worker(rank: int, world_size: int) -> dict[str, dict]:
 
 def test_ulysses_attention_matches_single_process() -> None:
     results = run_distributed(ulysses_worker, 4, timeout_s=240)
-    assert len(results[0]) == 2 * len(LAYOUTS) * (len(CASES) + 1)
+    per_run = len(CASES) + 1 + len(FEATURES) * len(FEATURE_CASES)
+    assert len(results[0]) == 2 * len(LAYOUTS) * per_run
     for errors in results:  # every rank gathered the full tensors of its SP group
         assert_all_close(errors)
 

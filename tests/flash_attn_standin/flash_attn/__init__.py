@@ -6,3 +6,7 @@ code can run on CPU. Only tests put this directory on ``sys.path``.
 """
 
 __version__ = "0.0.0+standin"
+
+from .flash_attn_interface import flash_attn_varlen_func
+
+__all__ = ["flash_attn_varlen_func"]

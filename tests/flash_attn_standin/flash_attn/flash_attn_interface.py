@@ -2,8 +2,11 @@
 
 Conventions kept from flash-attn: tensors are ``[tokens, heads, dim]`` (varlen) or
 ``[batch, seqlen, heads, dim]``; GQA maps query head ``h`` to KV head ``h // (Hq // Hk)``;
-``causal`` with ``seqlen_q != seqlen_k`` is aligned to the bottom right; the varlen
-log-sum-exp is ``[heads, total_q]`` float32; backward writes ``dq, dk, dv`` in place.
+``causal`` with ``seqlen_q != seqlen_k`` is aligned to the bottom right; ``window_size``
+``(left, right)`` lets query ``i`` (at key position ``i'`` under that alignment) see keys
+``i' - left .. i' + right`` (-1: unbounded); ``softcap > 0`` maps scaled scores to
+``softcap * tanh(s / softcap)``; the varlen log-sum-exp is ``[heads, total_q]`` float32;
+backward writes ``dq, dk, dv`` in place.
 """
 
 from __future__ import annotations
@@ -11,15 +14,25 @@ from __future__ import annotations
 import torch
 
 
-def _dense(q, k, v, scale: float, causal: bool):
+def _dense(q, k, v, scale: float, causal: bool, window=(-1, -1), softcap: float = 0.0):
     """One sequence: q ``[Lq, Hq, D]``, k/v ``[Lk, Hk, D]`` -> (out, lse ``[Hq, Lq]``)."""
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1).float()
     v = v.repeat_interleave(groups, dim=1).float()
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     lq, lk = q.shape[0], k.shape[0]
+    at = torch.arange(lq)[:, None] + (lk - lq)  # each query's key position, bottom-right
+    j = torch.arange(lk)[None, :]
+    allowed = torch.ones(lq, lk, dtype=torch.bool)
     if causal:
-        allowed = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
+        allowed &= j <= at
+    if window[0] >= 0:
+        allowed &= j >= at - window[0]
+    if window[1] >= 0:
+        allowed &= j <= at + window[1]
+    if not allowed.all():
         scores = scores.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.einsum("hqk,khd->qhd", torch.exp(scores - lse[..., None]), v)
@@ -52,13 +65,13 @@ def _flash_attn_varlen_forward(
     seqused_k=None,
     zero_tensors=False,
 ):
-    assert dropout_p == 0 and softcap == 0.0 and alibi_slopes is None
-    assert (window_size_left, window_size_right) == (-1, -1)
+    assert dropout_p == 0 and alibi_slopes is None
+    window = (window_size_left, window_size_right)
     out = torch.zeros_like(q)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
     for qa, qb, ka, kb in _pairs(cu_seqlens_q, cu_seqlens_k):
         if qb > qa:
-            o, lo = _dense(q[qa:qb], k[ka:kb], v[ka:kb], softmax_scale, causal)
+            o, lo = _dense(q[qa:qb], k[ka:kb], v[ka:kb], softmax_scale, causal, window, softcap)
             out[qa:qb], lse[:, qa:qb] = o, lo
     return out, lse, None, torch.zeros(2, dtype=torch.int64)
 
@@ -88,14 +101,15 @@ def _flash_attn_varlen_backward(
     rng_state=None,
     zero_tensors=False,
 ):
-    assert dropout_p == 0 and softcap == 0.0 and alibi_slopes is None
+    assert dropout_p == 0 and alibi_slopes is None
+    window = (window_size_left, window_size_right)
     gq, gk, gv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for qa, qb, ka, kb in _pairs(cu_seqlens_q, cu_seqlens_k):
         if qb == qa:
             continue
         leaves = [t.detach().requires_grad_() for t in (q[qa:qb], k[ka:kb], v[ka:kb])]
         with torch.enable_grad():
-            o, _ = _dense(*leaves, softmax_scale, causal)
+            o, _ = _dense(*leaves, softmax_scale, causal, window, softcap)
             grads = torch.autograd.grad(o, leaves, dout[qa:qb])
         gq[qa:qb] += grads[0]
         gk[ka:kb] += grads[1]
@@ -169,3 +183,32 @@ def _flash_attn_backward(
     dk.copy_(gk)
     dv.copy_(gv)
     return d.view(d.shape[0], b, sq).transpose(0, 1)
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
+    """The public varlen entry point; differentiable through autograd of the dense math."""
+    assert dropout_p == 0 and alibi_slopes is None and not return_attn_probs
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    outs = [
+        _dense(q[qa:qb], k[ka:kb], v[ka:kb], scale, causal, tuple(window_size), softcap)[0]
+        for qa, qb, ka, kb in _pairs(cu_seqlens_q, cu_seqlens_k)
+        if qb > qa
+    ]
+    return torch.cat(outs)
