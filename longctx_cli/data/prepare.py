@@ -561,7 +561,7 @@ def _tokenized(
     tokenized = records.map(
         formats.tokenize_batch, batched=True, with_indices=True,
         remove_columns=records.column_names,
-        fn_kwargs={"tok": tok, "spec": spec, "where": where},
+        fn_kwargs={"tok": tok, "spec": spec, "where": where}, features=_map_features(spec),
         num_proc=_num_proc(config, len(records)), desc=f"Tokenizing {_short(source.label)}",
         new_fingerprint=f"tokenize-{uuid.uuid4().hex}",
     )
@@ -573,6 +573,16 @@ def _tokenized(
     pieces = ((ids, list(ids), pos) for ids, pos in formats.pretrain_pieces(docs,
                                                                            config.sequence_len))
     return _write_samples(pieces, work / "pieces.arrow")
+
+
+def _map_features(spec: formats.FormatSpec) -> Any:
+    """The tokenize map's columns, typed as in the rows (so entries concatenate)."""
+    from datasets import Features, Value
+
+    features = dict(_row_features())
+    if spec.type == "pretrain":
+        features = {"input_ids": features["input_ids"]}
+    return Features({**features, "skip": Value("string")})
 
 
 def format_spec(
