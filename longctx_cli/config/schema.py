@@ -410,6 +410,10 @@ class Config(_Strict):
                              "set `max_steps`")
         if self.datasets:
             raise ValueError("use either `datasets` or `pretraining_dataset`, not both")
+        if self.eval_datasets or self.val_set_size:
+            # Not silently ignored: a streamed run has no prepared eval rows yet.
+            raise ValueError("eval data (`eval_datasets`, `val_set_size`) is not supported "
+                             "with `pretraining_dataset` yet")
         return self
 
     @model_validator(mode="after")
