@@ -105,7 +105,7 @@ def test_chat_template_trains_only_on_replies(tmp_path):
     targets = [TOK.decode([t for t in r["labels"] if t != -100]) for r in p.train]
     assert sorted("".join(targets).split("</s>")[:-1]) == [f"answer {i}" for i in range(4)]
     assert p.report.datasets[0].skipped == 1
-    assert p.report.datasets[0].skip_reason == "no assistant turn"
+    assert p.report.datasets[0].skip_reason == "no target tokens"
 
 
 def test_pretrain_concatenates_and_cuts(tmp_path):

@@ -9,38 +9,104 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_default=True)
 
 
-DatasetType = Literal["completion", "chat_template", "pretrain", "passkey"]
+DatasetType = Literal[
+    "completion", "chat_template", "pretrain", "passkey", "input_output",
+    "alpaca", "alpaca:chat", "alpaca:chatml", "alpaca:phi", "alpaca_chat", "alpaca_instruct",
+    "alpaca_instruct.load_no_prompt", "alpaca_w_system", "alpaca_w_system.load_instruct",
+    "alpaca_w_system.load_chat",
+]
+TrainOnEos = Literal["turn", "last", "all", "none"]
 
 
 class DatasetConfig(_Strict):
-    """One entry of `datasets:` (or `eval_datasets:`)."""
+    """One entry of `datasets:` (or `eval_datasets:`, `pretraining_dataset:`)."""
 
     path: str | None = Field(
         None,
-        description="Local file (.jsonl/.json/.parquet/.txt), folder, or hub dataset id. "
-        "Not needed for `type: passkey`.",
+        description="Local file (.jsonl/.json/.csv/.parquet/.arrow/.txt), folder, or hub "
+        "dataset id. Not needed for `type: passkey`.",
     )
     type: DatasetType = Field(
         "completion",
-        description="completion: train on all tokens of `field`; chat_template: render "
-        "`messages_field` with the tokenizer's chat template, train on assistant turns; "
+        description="completion: train on all tokens of `field`; alpaca (and the variants "
+        "`alpaca:chat`, `alpaca:chatml`, `alpaca:phi`, `alpaca_chat`, `alpaca_instruct`, "
+        "`alpaca_instruct.load_no_prompt`, `alpaca_w_system[.load_instruct|.load_chat]`): "
+        "instruction/input/output records in Axolotl's prompt wording, train on the output; "
+        "chat_template: render `field_messages` with the chat template, train on the turns of "
+        "`roles_to_train`; input_output: `segments` of text with `label` true/false; "
         "pretrain: concatenate `field` and cut into `sequence_len` pieces; passkey: synthetic "
-        "long-context retrieval samples.",
+        "long-context retrieval samples. See docs/data.md.",
     )
-    field: str = Field("text", description="Column holding the text (completion, pretrain).")
+    field: str = Field(
+        "text",
+        validation_alias=AliasChoices("field", "text_column"),
+        description="Column holding the text (completion, pretrain).",
+    )
     messages_field: str = Field(
-        "messages", description="Column holding the chat turns (chat_template)."
+        "messages",
+        validation_alias=AliasChoices("field_messages", "messages_field"),
+        description="Column holding the conversation (chat_template).",
+    )
+    message_property_mappings: dict[str, str] | None = Field(
+        None,
+        description="chat_template: message key -> key in your data, e.g. "
+        "`{role: from, content: value}` for ShareGPT (default role/content).",
+    )
+    message_field_role: str | None = Field(
+        None, description="chat_template (legacy): key of a turn's role; prefer "
+        "`message_property_mappings`."
+    )
+    message_field_content: str | None = Field(
+        None, description="chat_template (legacy): key of a turn's text; prefer "
+        "`message_property_mappings`."
+    )
+    message_field_training: str | None = Field(
+        None,
+        description="chat_template: key of a per-turn boolean that overrides "
+        "`roles_to_train` (default: `training`, else `train`).",
+    )
+    roles: dict[str, list[str]] | None = Field(
+        None,
+        description="chat_template: role -> the names your data uses for it, e.g. "
+        "`{user: [human], assistant: [gpt]}` (default: human/user, gpt/assistant, system, "
+        "tool). Replaces the default when given.",
+    )
+    roles_to_train: list[str] = Field(
+        default_factory=lambda: ["assistant"],
+        description="chat_template: roles whose turns are targets (top-level "
+        "`train_on_inputs: true` makes every turn a target).",
+    )
+    train_on_eos: TrainOnEos = Field(
+        "turn",
+        description="chat_template: which end-of-turn markers are targets: turn (after "
+        "trained turns), last (only the last), all, none.",
+    )
+    chat_template: str | None = Field(
+        None, description="chat_template: this entry's template (default: the top-level one)."
+    )
+    data_files: str | list[str] | None = Field(
+        None,
+        description="Files to read: relative to a local `path` folder (or the current "
+        "directory without `path`), or inside a hub dataset.",
+    )
+    ds_type: Literal["json", "csv", "parquet", "text", "arrow"] | None = Field(
+        None, description="File format when the file name does not say (e.g. `.data`)."
     )
     split: str = Field("train", description="Dataset split to load.")
     name: str | None = Field(None, description="Hub dataset configuration name.")
     revision: str | None = Field(None, description="Hub dataset revision (branch, tag or commit).")
+    shards: int | None = Field(
+        None, ge=1, description="Keep only one of this many shards of the records (after a "
+        "seeded shuffle), e.g. to try a config on a slice."
+    )
+    shards_idx: int = Field(0, ge=0, description="Which shard `shards` keeps.")
     num_samples: int = Field(
         256, ge=1, description="passkey: number of samples to generate."
     )
@@ -58,6 +124,29 @@ class DatasetConfig(_Strict):
     seed: int | None = Field(
         None, description="passkey: generator seed (default: the top-level `seed`)."
     )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DatasetConfig:
+        if self.shards is not None and self.shards_idx >= self.shards:
+            raise ValueError(f"`shards_idx` {self.shards_idx} must be below `shards` "
+                             f"({self.shards})")
+        if self.path is None and self.data_files is None and self.type != "passkey":
+            raise ValueError(f"a `{self.type}` dataset needs a `path` or `data_files`")
+        return self
+
+
+def _as_entries(value: Any) -> Any:
+    """`pretraining_dataset` as Axolotl users write it: a path, one mapping, or a list."""
+    if value is None:
+        return None
+    items = value if isinstance(value, list) else [value]
+    out = []
+    for item in items:
+        item = {"path": item} if isinstance(item, str) else item
+        if isinstance(item, dict):
+            item = {"type": "pretrain", **item}
+        out.append(item)
+    return out
 
 
 class Config(_Strict):
@@ -118,6 +207,37 @@ class Config(_Strict):
     )
     num_proc: int | None = Field(
         None, ge=1, description="Processes for tokenization (default: all cores)."
+    )
+    chat_template: str = Field(
+        "tokenizer_default",
+        description="Chat template for `chat_template` datasets: tokenizer_default (the "
+        "tokenizer's own), chatml, llama3, qwen3, gemma3, phi_3 (shipped with longctx), "
+        "jinja (`chat_template_jinja`), or tokenizer_default_fallback_<name>.",
+    )
+    chat_template_jinja: str | None = Field(
+        None, description="Jinja text of the template, or a path to a .jinja file, for "
+        "`chat_template: jinja`."
+    )
+    train_on_inputs: bool = Field(
+        False,
+        description="Also train on prompts: alpaca instructions/inputs, every chat turn, "
+        "input_output segments labelled false.",
+    )
+    shuffle_merged_datasets: bool = Field(
+        True,
+        description="Shuffle the samples of all datasets together before packing and the "
+        "packed rows after (false: keep file order in the cache; the trainer still draws "
+        "rows in a seeded order).",
+    )
+    pretraining_dataset: list[DatasetConfig] | None = Field(
+        None,
+        description="Datasets streamed during training instead of `datasets` (type "
+        "`pretrain`, column `text_column`), packed on the fly into `sequence_len` rows; "
+        "needs `max_steps`. A path, one mapping or a list.",
+    )
+    streaming: bool | None = Field(
+        None, description="Stream `pretraining_dataset` (the only way it is read; "
+        "`false` is refused)."
     )
 
     # ---- parallelism ---------------------------------------------------------------------
@@ -270,6 +390,31 @@ class Config(_Strict):
     resume_from_checkpoint: str | None = Field(
         None, description="`auto` (newest complete checkpoint in output_dir) or a checkpoint path."
     )
+
+    @field_validator("pretraining_dataset", mode="before")
+    @classmethod
+    def _pretraining_entries(cls, value: Any) -> Any:
+        return _as_entries(value)
+
+    @model_validator(mode="after")
+    def _streamed_data(self) -> Config:
+        if not self.pretraining_dataset:
+            return self
+        if any(e.type != "pretrain" for e in self.pretraining_dataset):
+            raise ValueError("`pretraining_dataset` entries must be `type: pretrain`")
+        if self.streaming is False:
+            raise ValueError("`pretraining_dataset` is always streamed; drop `streaming: false` "
+                             "or list the files under `datasets` with `type: pretrain`")
+        if self.max_steps is None:
+            raise ValueError("`pretraining_dataset` is streamed, so its length is unknown: "
+                             "set `max_steps`")
+        if self.datasets:
+            raise ValueError("use either `datasets` or `pretraining_dataset`, not both")
+        if self.eval_datasets or self.val_set_size:
+            # Not silently ignored: a streamed run has no prepared eval rows yet.
+            raise ValueError("eval data (`eval_datasets`, `val_set_size`) is not supported "
+                             "with `pretraining_dataset` yet")
+        return self
 
     @model_validator(mode="after")
     def _model_source(self) -> Config:

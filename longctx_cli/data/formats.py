@@ -9,6 +9,8 @@ token of every document is applied later, when rows are built (`pack.py`), in on
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from dataclasses import field as dc_field
 from typing import TYPE_CHECKING, Any
 
 from longctx_cli.errors import UserError
@@ -17,7 +19,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 IGNORE = -100
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 Where = Callable[[int], str]
 
 
@@ -96,123 +97,417 @@ def pretrain_pieces(
         yield ids, pos
 
 
-def chat_batch(
-    batch: dict[str, list], indices: list[int], *, tok: PreTrainedTokenizerBase, field: str,
-    where: Where,
+# ---- one entry point for the tokenize map ------------------------------------------------
+
+
+@dataclass
+class FormatSpec:
+    """What a dataset entry needs to turn its records into samples (picklable for workers)."""
+
+    type: str
+    field: str = "text"
+    train_on_inputs: bool = False
+    # chat_template
+    messages_field: str = "messages"
+    mappings: dict[str, str] = dc_field(default_factory=lambda: {"role": "role",
+                                                                 "content": "content"})
+    training_keys: tuple[str, ...] = ("training", "train")
+    roles: dict[str, str] = dc_field(default_factory=lambda: dict(DEFAULT_ROLES))
+    roles_to_train: tuple[str, ...] = ("assistant",)
+    train_on_eos: str = "turn"
+    template: str = ""
+    end_markers: tuple[str, ...] = ()
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """Columns every record must have."""
+        if self.type == "chat_template":
+            return (self.messages_field,)
+        if self.type in ("completion", "pretrain"):
+            return (self.field,)
+        if self.type == "input_output":
+            return ("segments",)
+        return ("instruction", "output")  # alpaca family
+
+
+# Source role names -> template roles when `roles:` is not given (Axolotl's defaults).
+DEFAULT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                 "system": "system", "tool": "tool"}
+
+
+def tokenize_batch(
+    batch: dict[str, list], indices: list[int], *, spec: FormatSpec,
+    tok: PreTrainedTokenizerBase, where: Where,
 ) -> dict[str, list]:
-    """`chat_template`: render with the tokenizer's template; only assistant turns are targets."""
-    out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
-    for value, i in zip(batch[field], indices, strict=True):
-        messages = _check_messages(value, field, where(i))
-        ids, labels = render_chat(tok, messages, where(i))
-        if all(label == IGNORE for label in labels):
-            ids, labels = [], []  # nothing to learn from: skipped like an empty text
+    """Samples of a batch of records: `input_ids`, `labels`, `position_ids` and `skip` (why a
+    record gave no sample, else ""); `pretrain` gives `input_ids` and `skip` only."""
+    if spec.type == "pretrain":
+        docs = pretrain_batch(batch, indices, tok=tok, field=spec.field, where=where)
+        docs["skip"] = ["" if ids else "empty text" for ids in docs["input_ids"]]
+        return docs
+    out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": [], "skip": []}
+    records = [{k: batch[k][n] for k in batch} for n in range(len(indices))]
+    for record, i in zip(records, indices, strict=True):
+        ids, labels, skip = _one_record(record, spec, tok, where(i))
+        if skip:
+            ids, labels = [], []
+        elif all(label == IGNORE for label in labels):
+            ids, labels, skip = [], [], "no target tokens"
         _append(out, ids, labels)
+        out["skip"].append(skip)
     return out
 
 
-def _check_messages(value: Any, field: str, where: str) -> list[dict[str, str]]:
-    if not isinstance(value, list) or not value:
+def _one_record(
+    record: dict[str, Any], spec: FormatSpec, tok: PreTrainedTokenizerBase, where: str
+) -> tuple[list[int], list[int], str]:
+    if spec.type == "completion":
+        text = _text(record[spec.field], spec.field, where)
+        if not text.strip():
+            return [], [], "empty text"
+        ids = encode_document(tok, text)
+        return ids, list(ids), ""
+    if spec.type == "input_output":
+        return input_output(record, spec, tok, where)
+    if spec.type == "chat_template":
+        return chat(record, spec, tok, where)
+    return alpaca(record, spec, tok, where)
+
+
+def _required_text(record: dict[str, Any], key: str, where: str, optional: bool = False) -> str:
+    value = record.get(key)
+    if value is None:
+        if optional:
+            return ""
+        raise UserError(f"record has no `{key}` (null or missing).", where=where,
+                        fix=f"give every record a string `{key}`, or drop the record.")
+    return _text(value, key, where)
+
+
+def _bos(tok: PreTrainedTokenizerBase) -> list[int]:
+    """The bos id when the tokenizer puts one in front of a text by itself, else nothing."""
+    bos = tok.bos_token_id
+    if bos is None:
+        return []
+    ids = tok("a")["input_ids"]
+    return [bos] if ids and ids[0] == bos else []
+
+
+def _piece(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+# ---- alpaca ------------------------------------------------------------------------------
+
+# Axolotl's alpaca prompt wording (users' checkpoints were trained on exactly these strings):
+# per style, (turn with input, turn without input, system wrapper).
+ALPACA_STYLES = {
+    "instruct": ("### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
+                 "### Instruction:\n{instruction}\n\n### Response:\n", "{system}\n\n"),
+    "chat": ("USER: {instruction}\n{input}\nASSISTANT:", "USER: {instruction}\nASSISTANT:",
+             "SYSTEM: {system}\n"),
+    "chatml": ("<|im_start|>user\n{instruction}\n{input}<|im_end|>\n<|im_start|>assistant\n",
+               "<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n",
+               "<|im_start|>system\n{system}<|im_end|>\n"),
+    "phi": ("<|user|>\n{instruction}<|end|>{input}<|assistant|>",
+            "<|user|>\n{instruction}<|end|>\n<|assistant|>\n", "<|system|>\n{system}<|end|>\n"),
+}
+ALPACA_SYSTEM = (
+    "Below is an instruction that describes a task, paired with an input that provides "
+    "further context. Write a response that appropriately completes the request.",
+    "Below is an instruction that describes a task. Write a response that appropriately "
+    "completes the request.",
+)
+# type -> (style, system prompt source: "default", "none" or "record")
+ALPACA_TYPES = {
+    "alpaca": ("instruct", "default"), "alpaca_instruct": ("instruct", "default"),
+    "alpaca:chat": ("chat", "default"), "alpaca_chat": ("chat", "default"),
+    "alpaca:chatml": ("chatml", "default"), "alpaca:phi": ("phi", "default"),
+    "alpaca_instruct.load_no_prompt": ("instruct", "none"),
+    "alpaca_w_system": ("chat", "record"), "alpaca_w_system.load_chat": ("chat", "record"),
+    "alpaca_w_system.load_instruct": ("instruct", "record"),
+}
+
+
+def alpaca_prompt(type_: str, instruction: str, input_: str, system: str = "") -> str:
+    """The prompt text (everything before the response) of one alpaca record."""
+    style, system_source = ALPACA_TYPES[type_]
+    with_input, without_input, system_format = ALPACA_STYLES[style]
+    if system_source == "default":
+        system = ALPACA_SYSTEM[0] if input_ else ALPACA_SYSTEM[1]
+    elif system_source == "none":
+        system = ""
+    head = system_format.format(system=system) if system else ""
+    if input_:
+        return head + with_input.format(instruction=instruction, input=input_)
+    return head + without_input.format(instruction=instruction)
+
+
+def alpaca(
+    record: dict[str, Any], spec: FormatSpec, tok: PreTrainedTokenizerBase, where: str
+) -> tuple[list[int], list[int], str]:
+    """bos + prompt, then the output + eos; only the output and eos are targets unless
+    `train_on_inputs`. A record with an empty output has nothing to learn: skipped."""
+    instruction = _required_text(record, "instruction", where)
+    output = _required_text(record, "output", where)
+    input_ = _required_text(record, "input", where, optional=True)
+    system = _required_text(record, "system", where, optional=True)
+    if not output.strip():
+        return [], [], "empty output"
+    prompt = _bos(tok) + _piece(tok, alpaca_prompt(spec.type, instruction, input_, system))
+    reply = _piece(tok, output)
+    if tok.eos_token_id is not None:
+        reply.append(tok.eos_token_id)
+    prompt_labels = list(prompt) if spec.train_on_inputs else [IGNORE] * len(prompt)
+    return prompt + reply, prompt_labels + reply, ""
+
+
+# ---- input_output ------------------------------------------------------------------------
+
+
+def input_output(
+    record: dict[str, Any], spec: FormatSpec, tok: PreTrainedTokenizerBase, where: str
+) -> tuple[list[int], list[int], str]:
+    """`segments`: each `text` tokenized on its own (no special tokens added, as in Axolotl:
+    put bos/eos in the text where you want them); `label: true` segments are targets."""
+    segments = record.get("segments")
+    if not isinstance(segments, list):
         raise UserError(
-            f"field `{field}` must be a non-empty list of turns, found "
-            f"{type(value).__name__ if value is not None else 'null'}.",
-            where=where,
-            fix='write it as [{"role": "user", "content": "..."}, '
-            '{"role": "assistant", "content": "..."}].',
-        )
-    for n, turn in enumerate(value):
-        if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
-            raise UserError(
-                f"turn {n} of `{field}` must have `role` and `content`, found {turn!r:.80}.",
-                where=where,
-                fix='write each turn as {"role": "user", "content": "..."}.',
-            )
-        if turn["role"] not in CHAT_ROLES:
-            raise UserError(
-                f"turn {n} of `{field}` has unknown role {turn['role']!r}.",
-                where=where,
-                fix=f"use one of {', '.join(CHAT_ROLES)}.",
-            )
-        if not isinstance(turn["content"], str):
-            raise UserError(
-                f"turn {n} of `{field}` has non-string content ({type(turn['content']).__name__}).",
-                where=where,
-                fix="give every turn's `content` as a string.",
-            )
-    return [{"role": t["role"], "content": t["content"]} for t in value]
-
-
-def render_chat(
-    tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], where: str
-) -> tuple[list[int], list[int]]:
-    """Token ids and labels of a conversation; assistant replies (and their end marker) are targets.
-
-    The conversation is rendered as text once per assistant turn: the text up to the reply
-    (with the generation prompt) and the text including it. Their difference is the reply.
-    The text is cut at those offsets and each piece tokenized on its own, so labels line up
-    with tokens exactly for any template that renders a conversation's prefix as a prefix.
-    """
-    full = _render(tok, messages, where, add_generation_prompt=False)
-    spans: list[tuple[int, int]] = []
-    for n, turn in enumerate(messages):
-        if turn["role"] != "assistant":
-            continue
-        before = _render(tok, messages[:n], where, add_generation_prompt=True) if n else None
-        if before is None:
-            before = _render(tok, [], where, add_generation_prompt=True)
-        upto = _render(tok, messages[: n + 1], where, add_generation_prompt=False)
-        if not (full.startswith(upto) and upto.startswith(before)):
-            raise UserError(
-                "the tokenizer's chat template does not render a conversation's start as the "
-                "start of the whole conversation, so assistant turns cannot be located.",
-                where=where,
-                fix="use a tokenizer whose chat template is prefix-stable, or the `completion` "
-                "type on pre-rendered text.",
-            )
-        spans.append((len(before), len(upto)))
+            f"`segments` must be a list of {{text, label}}, found {_kind(segments)}.",
+            where=where, fix='write {"segments": [{"label": false, "text": "..."}, ...]}.')
     ids: list[int] = []
     labels: list[int] = []
-    cursor = 0
-    for start, end in spans:
-        piece = _encode_piece(tok, full[cursor:start])
+    for n, seg in enumerate(segments):
+        if not isinstance(seg, dict) or not isinstance(seg.get("text"), str) or not isinstance(
+                seg.get("label"), bool):
+            raise UserError(
+                f"segment {n} must have a string `text` and a boolean `label`, found "
+                f"{seg!r:.80}.", where=where,
+                fix='write each segment as {"label": true, "text": "..."}.')
+        piece = _piece(tok, seg["text"])
         ids += piece
-        labels += [IGNORE] * len(piece)
-        reply = _encode_piece(tok, full[start:end])
-        ids += reply
-        labels += reply
-        cursor = end
-    rest = _encode_piece(tok, full[cursor:])
-    return ids + rest, labels + [IGNORE] * len(rest)
+        labels += piece if seg["label"] or spec.train_on_inputs else [IGNORE] * len(piece)
+    if not ids:
+        return [], [], "empty text"
+    return ids, labels, ""
 
 
-def _render(
-    tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], where: str,
-    *, add_generation_prompt: bool,
-) -> str:
-    if not tok.chat_template:
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+# ---- chat_template -----------------------------------------------------------------------
+
+
+@dataclass
+class Turn:
+    role: str
+    content: str
+    train: bool
+    extra: dict[str, Any] = dc_field(default_factory=dict)
+
+    def message(self, content: str | None = None) -> dict[str, Any]:
+        return {**self.extra, "role": self.role,
+                "content": self.content if content is None else content}
+
+
+def chat(
+    record: dict[str, Any], spec: FormatSpec, tok: PreTrainedTokenizerBase, where: str
+) -> tuple[list[int], list[int], str]:
+    """Render the conversation once; targets are located on that text by offsets (below)."""
+    turns = conversation(record, spec, where)
+    if any(not t.content.strip() for t in turns):
+        return [], [], "empty turn"
+    first = next((t for t in turns if t.role != "system"), None)
+    if first is None:
+        return [], [], "no target tokens"
+    if first.role == "assistant":
+        return [], [], "starts with an assistant turn"
+    text, spans = chat_target_spans(tok, spec, turns, where)
+    return encode_spans(tok, text, spans)
+
+
+def conversation(record: dict[str, Any], spec: FormatSpec, where: str) -> list[Turn]:
+    """The record's turns with roles mapped and the per-turn training decision made."""
+    value = record.get(spec.messages_field)
+    if not isinstance(value, list) or not value:
         raise UserError(
-            "the tokenizer has no chat template, so `type: chat_template` cannot render turns.",
+            f"field `{spec.messages_field}` must be a non-empty list of turns, found "
+            f"{_kind(value) if value != [] else 'an empty list'}.",
             where=where,
-            fix="use a tokenizer with a chat template (or `tokenizer: byte`), "
-            "or `type: completion`.",
-        )
+            fix='write it as [{"role": "user", "content": "..."}, {"role": "assistant", '
+            '"content": "..."}] (or map your keys with `message_property_mappings`).')
+    known = set(spec.roles.values()) | {"system", "user", "assistant", "tool"}
+    role_key, content_key = spec.mappings["role"], spec.mappings["content"]
+    turns = []
+    for n, raw in enumerate(value):
+        if not isinstance(raw, dict):
+            raise UserError(f"turn {n} of `{spec.messages_field}` is {_kind(raw)}, not a "
+                            "mapping.", where=where, fix="write each turn as a JSON object.")
+        for key in (role_key, content_key):
+            if raw.get(key) is None:
+                raise UserError(
+                    f"turn {n} of `{spec.messages_field}` has no `{key}` (keys: "
+                    f"{', '.join(k for k, v in raw.items() if v is not None)}).",
+                    where=where,
+                    fix="map your keys, e.g. `message_property_mappings: {role: from, content: "
+                    "value}` for ShareGPT data.")
+        source_role, content = raw[role_key], raw[content_key]
+        if not isinstance(source_role, str) or not isinstance(content, str):
+            bad = role_key if not isinstance(source_role, str) else content_key
+            raise UserError(f"turn {n} of `{spec.messages_field}`: `{bad}` must be a string, "
+                            f"found {_kind(raw[bad])}.", where=where,
+                            fix="give every turn's role and text as strings.")
+        role = spec.roles.get(source_role, source_role)
+        if role not in known:
+            raise UserError(
+                f"turn {n} of `{spec.messages_field}` has unknown role {source_role!r}.",
+                where=where,
+                fix=f"use one of {', '.join(sorted(known | set(spec.roles)))}, or map it with "
+                "`roles:` (e.g. `roles: {assistant: [bot]}`).")
+        flag = next((raw[k] for k in spec.training_keys if raw.get(k) is not None), None)
+        if flag is not None and not isinstance(flag, bool):
+            raise UserError(f"turn {n}: the training flag must be true/false, found "
+                            f"{flag!r:.40}.", where=where, fix="write true or false.")
+        train = flag if flag is not None else (
+            spec.train_on_inputs or role in spec.roles_to_train)
+        extra = {k: raw[v] for k, v in spec.mappings.items()
+                 if k not in ("role", "content") and raw.get(v) is not None}
+        turns.append(Turn(role, content, train, extra))
+    return turns
+
+
+# Stand-ins for a turn's content while locating it: private-use characters no template
+# trims, escapes or branches on, and that differ from each other in exactly one character.
+_PROBES = ("\ue000", "\ue001")
+
+
+def chat_target_spans(
+    tok: PreTrainedTokenizerBase, spec: FormatSpec, turns: list[Turn], where: str,
+) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of its targets.
+
+    A turn's content is located by rendering the whole conversation twice more with that
+    content replaced by two different one-character probes: the text before and after the
+    probe is the template's own text around the content, whatever the template is (it need
+    not render a conversation's start as the start of the whole, as Qwen3's does not). The
+    end-of-turn marker is the template's marker when it directly follows the content.
+    """
+    messages = [t.message() for t in turns]
+    full = _render(tok, spec.template, messages, where)
+    trained = [n for n, t in enumerate(turns) if t.train]
+    marker_turns = {"turn": trained, "last": trained[-1:], "all": range(len(turns)),
+                    "none": []}[spec.train_on_eos]
+    spans: list[tuple[int, int]] = []
+    for n in sorted(set(trained) | set(marker_turns)):
+        start, end = _locate(tok, spec.template, messages, n, full, where)
+        if n in trained:
+            spans.append((start, end))
+        if n in marker_turns:
+            rest = full[end:]
+            gap = len(rest) - len(rest.lstrip(" \t\n"))
+            marker = next((m for m in spec.end_markers if rest[gap:].startswith(m)), None)
+            if marker:
+                spans.append((end + gap, end + gap + len(marker)))
+    return full, _merge(spans)
+
+
+def _locate(
+    tok: PreTrainedTokenizerBase, template: str, messages: list[dict], n: int, full: str,
+    where: str,
+) -> tuple[int, int]:
+    a, b = (_render(tok, template, [*messages[:n], {**messages[n], "content": p},
+                                    *messages[n + 1:]], where) for p in _PROBES)
+    head = _common_prefix(a, b)
+    tail = len(a) - head - 1
+    ok = (len(a) == len(b) and a[head + 1:] == b[head + 1:] and full.startswith(a[:head])
+          and full.endswith(a[head + 1:]) and len(full) >= head + tail)
+    if not ok:
+        raise UserError(
+            f"cannot locate turn {n} in the rendered conversation: the chat template changes "
+            "its text around the turn depending on the content.",
+            where=where,
+            fix="use a template that inserts each turn's content as is (e.g. `chat_template: "
+            "chatml`), or pre-render the text and use `type: input_output`.")
+    return head, len(full) - tail
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(s for s in spans if s[1] > s[0]):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(end, out[-1][1]))
+        else:
+            out.append((start, end))
+    return out
+
+
+def encode_spans(
+    tok: PreTrainedTokenizerBase, text: str, spans: list[tuple[int, int]]
+) -> tuple[list[int], list[int], str]:
+    """Token ids of `text` and labels: a token is a target when its characters overlap a span.
+
+    Fast tokenizers tokenize the whole text once and give each token's character offsets;
+    others (the byte tokenizer) tokenize the pieces between span boundaries one by one, so
+    every token lies wholly inside or outside a span.
+    """
+    if getattr(tok, "is_fast", False):
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        labels = [t if _overlaps(s, e, spans) else IGNORE
+                  for t, (s, e) in zip(ids, enc["offset_mapping"], strict=True)]
+        return ids, labels, ""
+    ids, labels, cursor = [], [], 0
+    for start, end in spans:
+        before = _piece(tok, text[cursor:start])
+        inside = _piece(tok, text[start:end])
+        ids += before + inside
+        labels += [IGNORE] * len(before) + inside
+        cursor = end
+    rest = _piece(tok, text[cursor:])
+    return ids + rest, labels + [IGNORE] * len(rest), ""
+
+
+def _overlaps(start: int, end: int, spans: list[tuple[int, int]]) -> bool:
+    return any(start < e and end > s for s, e in spans)
+
+
+def _render(tok: PreTrainedTokenizerBase, template: str, messages: list[dict],
+            where: str) -> str:
     try:
-        return tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        return tok.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                       add_generation_prompt=False)
     except Exception as exc:  # noqa: BLE001 - jinja templates raise anything; it is the data's fault
         raise UserError(
             f"the chat template rejected this conversation: {exc}",
             where=where,
-            fix="check the roles and turn order the model's template expects.",
+            fix="check the roles and turn order the chat template expects.",
         ) from None
-
-
-def _encode_piece(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
-    return list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
 def _append(out: dict[str, list], ids: list[int], labels: list[int]) -> None:
     out["input_ids"].append(ids)
     out["labels"].append(labels)
     out["position_ids"].append(list(range(len(ids))))
+
+
+def render_chat(
+    tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], where: str
+) -> tuple[list[int], list[int]]:
+    """Ids and labels of a conversation in the tokenizer's own template, assistant replies and
+    the eos right after them as targets (the defaults of a `chat_template` entry)."""
+    spec = FormatSpec("chat_template", template=tok.chat_template or "",
+                      end_markers=(tok.eos_token,) if tok.eos_token else ())
+    turns = [Turn(m["role"], m["content"], m["role"] == "assistant") for m in messages]
+    text, spans = chat_target_spans(tok, spec, turns, where)
+    ids, labels, _ = encode_spans(tok, text, spans)
+    return ids, labels

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from longctx_cli.config.schema import DatasetConfig
 
 # File suffix -> `datasets` packaged builder.
-BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text",
+            ".csv": "csv", ".arrow": "arrow"}
 _LOCAL_HINTS = ("/", "./", "../", "~")
 
 
@@ -49,15 +50,22 @@ class Source:
 
 
 def resolve(entry: DatasetConfig) -> Source:
-    """Decide where `entry.path` points: local file, local folder, or hub dataset id."""
+    """Decide where an entry points: local file(s), local folder, or hub dataset id.
+
+    `data_files` name files inside a local `path` folder (or, without `path`, relative to
+    the current directory), or files of a hub dataset. `ds_type` overrides the builder a
+    file's suffix implies.
+    """
+    if entry.data_files is not None:
+        return _resolve_data_files(entry)
     assert entry.path is not None
     raw = entry.path
     path = Path(raw).expanduser()
     if path.is_file():
-        builder = _builder_for(path)
+        builder = entry.ds_type or _builder_for(path)
         return Source("files", str(path), [path], builder)
     if path.is_dir():
-        return _resolve_folder(path)
+        return _resolve_folder(path, entry.ds_type)
     if raw.startswith(_LOCAL_HINTS) or path.suffix in BUILDERS or raw.count("/") > 1:
         raise UserError(
             f"dataset file {raw!r} does not exist.",
@@ -66,6 +74,28 @@ def resolve(entry: DatasetConfig) -> Source:
             "or give a hub dataset id such as `org/name`.",
         )
     return Source("hub", raw)
+
+
+def _resolve_data_files(entry: DatasetConfig) -> Source:
+    names = [entry.data_files] if isinstance(entry.data_files, str) else list(entry.data_files)
+    base = Path(entry.path).expanduser() if entry.path else Path(".")
+    if entry.path and not base.is_dir():
+        if base.exists():
+            raise UserError(
+                f"`data_files` needs `path` to be a folder or a hub id; {entry.path!r} is a "
+                "file.", where="datasets", fix="drop `data_files`, or point `path` at a folder.")
+        return Source("hub", entry.path, builder=entry.ds_type)
+    files = [base / n for n in names]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise UserError(f"data file {missing[0]!r} does not exist.", where="datasets",
+                        fix="check `data_files` (relative to `path`, or to the current "
+                        "directory without `path`).")
+    builders = {entry.ds_type or _builder_for(f) for f in files}
+    if len(builders) > 1:
+        raise UserError(f"`data_files` mix file types ({', '.join(sorted(builders))}).",
+                        where="datasets", fix="list files of one type per dataset entry.")
+    return Source("files", str(entry.path or files[0]), files, builders.pop())
 
 
 def _builder_for(path: Path) -> str:
@@ -79,7 +109,7 @@ def _builder_for(path: Path) -> str:
     return builder
 
 
-def _resolve_folder(path: Path) -> Source:
+def _resolve_folder(path: Path, ds_type: str | None = None) -> Source:
     if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
         return Source("disk", str(path), sorted(p for p in path.rglob("*") if p.is_file()))
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in BUILDERS)
@@ -90,7 +120,7 @@ def _resolve_folder(path: Path) -> Source:
             where="datasets",
             fix=f"put {', '.join(BUILDERS)} files in it, or point `path` at a file.",
         )
-    builders = {BUILDERS[p.suffix.lower()] for p in files}
+    builders = {ds_type or BUILDERS[p.suffix.lower()] for p in files}
     if len(builders) > 1:
         raise UserError(
             f"folder {str(path)!r} mixes file types "
@@ -120,9 +150,10 @@ def prescan(source: Source) -> None:
     if source.kind != "files":
         return
     for f in source.files:
-        if f.suffix.lower() == ".parquet":
+        if source.builder in ("parquet", "arrow") or f.suffix.lower() in (".parquet", ".arrow"):
             continue
-        if f.suffix.lower() == ".jsonl":
+        if f.suffix.lower() == ".jsonl" or (source.builder == "json"
+                                            and f.suffix.lower() != ".json"):
             source.line_numbers[f] = _scan_jsonl(f)
         elif f.suffix.lower() == ".json":
             _scan_json(f)
@@ -265,7 +296,8 @@ def _from_hub(source: Source, entry: DatasetConfig) -> Dataset:
 
     try:
         return datasets.load_dataset(
-            source.label, name=entry.name, split=entry.split, revision=entry.revision
+            source.label, name=entry.name, split=entry.split, revision=entry.revision,
+            data_files=entry.data_files,
         )
     except Exception as exc:  # noqa: BLE001 - the hub raises many types; all are "cannot load"
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

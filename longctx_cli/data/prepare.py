@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from longctx_cli.data import formats, load, pack, passkey
+from longctx_cli.data import chat_templates, formats, load, pack, passkey
 from longctx_cli.data.report import DatasetStats, PrepareReport, RowStats, length_histogram
 from longctx_cli.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from longctx_cli.errors import UserError
@@ -43,7 +43,9 @@ log = logging.getLogger("longctx.data")
 
 # Bump when the meaning of a cached row changes, so old caches are rebuilt, not misread.
 # 2: the passkey key is bracketed.
-PIPELINE_VERSION = 2
+# 3: chat targets located by offsets (with train_on_eos), alpaca/input_output, samples
+#    shuffled before packing (shuffle_merged_datasets).
+PIPELINE_VERSION = 3
 MARKER = "COMPLETE"
 FINGERPRINT_FILE = "fingerprint.json"
 REPORT_FILE = "report.json"
@@ -73,6 +75,13 @@ def prepare(
     Run it on one process (e.g. rank 0, then a barrier): concurrent builders each write their
     own temporary folder, and only one of them ends up in place.
     """
+    if not config.datasets and config.pretraining_dataset:
+        raise UserError(
+            "`pretraining_dataset` is streamed while training; there is nothing to preprocess.",
+            where="pretraining_dataset",
+            fix="run `longctx train` directly (or list the files under `datasets` with "
+            "`type: pretrain` to tokenize and cache them).",
+        )
     if not config.datasets:
         raise UserError(
             "no training datasets: `datasets` is empty.",
@@ -110,7 +119,7 @@ def _resolve(entry: DatasetConfig) -> load.Source | None:
     """The entry's Source (None for generated passkey data)."""
     if entry.type == "passkey":
         return None
-    if not entry.path:
+    if not entry.path and not entry.data_files:
         raise UserError(
             f"a `{entry.type}` dataset needs a `path`.",
             where="datasets",
@@ -134,6 +143,12 @@ def fingerprint_parts(
         "excess_length_strategy": config.excess_length_strategy,
         "seed": config.seed,
         "val_set_size": config.val_set_size,
+        "train_on_inputs": config.train_on_inputs,
+        "shuffle_merged_datasets": config.shuffle_merged_datasets,
+        "chat_template": config.chat_template,
+        "chat_template_jinja": _jinja_part(config),
+        "named_templates": hashlib.sha256(json.dumps(chat_templates.TEMPLATES, sort_keys=True)
+                                          .encode()).hexdigest()[:16],
         "datasets": [_entry_part(e, s) for e, s in zip(config.datasets, train_sources,
                                                        strict=True)],
         "eval_datasets": [_entry_part(e, s) for e, s in zip(config.eval_datasets, eval_sources,
@@ -146,6 +161,17 @@ def _entry_part(entry: DatasetConfig, source: load.Source | None) -> dict[str, A
     if source is not None:
         part["content"] = load.content_hash(source, entry)
     return part
+
+
+def _jinja_part(config: Config) -> str | None:
+    """The custom template's text (hashed), so editing a .jinja file rebuilds the cache."""
+    if config.chat_template_jinja is None:
+        return None
+    try:
+        text = chat_templates._jinja_text(config.chat_template_jinja)
+    except UserError:
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _digest(parts: dict[str, Any]) -> str:
@@ -340,7 +366,7 @@ def _build(
             report.notes.append("val_set_size is ignored because eval_datasets is set.")
     elif config.val_set_size:
         train_rows, eval_rows = _hold_out(train_rows, config)
-    else:
+    elif config.shuffle_merged_datasets:
         train_rows = train_rows.shuffle(seed=config.seed)
     report.train = _row_stats(train_rows, config.sequence_len)
     train_rows.save_to_disk(str(tmp / "train"))
@@ -403,6 +429,10 @@ def _split_rows(
             "`excess_length_strategy: truncate`.",
         )
     samples = all_samples[0] if len(all_samples) == 1 else concatenate_datasets(all_samples)
+    if config.shuffle_merged_datasets and split == "train":
+        # Mix the datasets before packing (FFD keeps input order among equal lengths).
+        order = np.random.default_rng(config.seed).permutation(len(lengths))
+        samples, lengths = samples.select(order), lengths[order]
     rows = _write_rows(samples, lengths, config, work / f"{split}-rows.arrow", progress)
     return rows, length_histogram(np.concatenate(raw_lengths), config.sequence_len)
 
@@ -428,7 +458,32 @@ def _entry_samples(
     raw = lengths[lengths > 0]
     samples, lengths = _apply_length_rules(samples, lengths, entry, source, config, stats)
     stats.samples, stats.tokens = len(lengths), int(lengths.sum())
+    stats.target_tokens = _target_tokens(samples)
+    if len(samples):
+        first = samples[0]
+        stats.sample = sample_segments(tok, first["input_ids"], first["labels"])
     return samples, lengths, raw
+
+
+def _target_tokens(samples: Dataset) -> int:
+    import pyarrow.compute as pc
+
+    labels = pc.list_flatten(samples.data.column("labels"))
+    return int(pc.sum(pc.not_equal(labels, -100)).as_py() or 0)
+
+
+def sample_segments(
+    tok: PreTrainedTokenizerBase, ids: list[int], labels: list[int], limit: int = 2000
+) -> list[tuple[str, bool]]:
+    """A sample as (text, is_target) runs for the report, cut after `limit` tokens."""
+    runs: list[tuple[str, bool]] = []
+    start = 0
+    ids, labels = ids[:limit], labels[:limit]
+    for t in range(1, len(ids) + 1):
+        if t == len(ids) or (labels[t] != -100) != (labels[start] != -100):
+            runs.append((tok.decode(ids[start:t]), labels[start] != -100))
+            start = t
+    return runs
 
 
 def _lengths(samples: Dataset) -> np.ndarray:
@@ -483,32 +538,102 @@ def _tokenized(
     stats.records = len(records)
     if len(records) == 0:
         raise load.empty_error(source)
-    column = entry.messages_field if entry.type == "chat_template" else entry.field
-    if column not in records.column_names:
-        key = "messages_field" if entry.type == "chat_template" else "field"
+    spec = format_spec(entry, config, tok)
+    missing = [c for c in spec.columns if c not in records.column_names]
+    if missing:
+        key = {"chat_template": "field_messages", "completion": "field",
+               "pretrain": "field"}.get(entry.type)
         raise UserError(
-            f"has no field {column!r} (fields: {', '.join(records.column_names)}).",
+            f"has no field {missing[0]!r} (fields: {', '.join(records.column_names)}).",
             where=source.label,
-            fix=f"set `{key}:` in this dataset entry to the column that holds the "
-            + ("conversation." if key == "messages_field" else "text."),
+            fix=(f"set `{key}:` in this dataset entry to the column that holds the "
+                 + ("conversation." if key == "field_messages" else "text.")) if key else
+            f"a `{entry.type}` dataset needs the columns {', '.join(spec.columns)}.",
         )
-    fn = {"completion": formats.completion_batch, "chat_template": formats.chat_batch,
-          "pretrain": formats.pretrain_batch}[entry.type]
-    if entry.type == "chat_template":
-        stats.skip_reason = "no assistant turn"
+    where = RecordWhere(source, None)
+    if entry.shards is not None:
+        # A seeded shuffle, then one contiguous shard, kept in file order.
+        order = np.random.default_rng(config.seed).permutation(len(records))
+        keep = np.sort(np.array_split(order, entry.shards)[entry.shards_idx])
+        records = records.select(keep)
+        where = RecordWhere(source, keep.tolist())
+        stats.records = len(records)
     tokenized = records.map(
-        fn, batched=True, with_indices=True, remove_columns=records.column_names,
-        fn_kwargs={"tok": tok, "field": column, "where": source.where},
+        formats.tokenize_batch, batched=True, with_indices=True,
+        remove_columns=records.column_names,
+        fn_kwargs={"tok": tok, "spec": spec, "where": where}, features=_map_features(spec),
         num_proc=_num_proc(config, len(records)), desc=f"Tokenizing {_short(source.label)}",
         new_fingerprint=f"tokenize-{uuid.uuid4().hex}",
     )
+    _count_skips(tokenized, stats)
+    tokenized = tokenized.remove_columns("skip")
     if entry.type != "pretrain":
         return tokenized
     docs = (ids for batch in tokenized.iter(batch_size=256) for ids in batch["input_ids"])
-    stats.skipped = int((_lengths(tokenized) == 0).sum())
     pieces = ((ids, list(ids), pos) for ids, pos in formats.pretrain_pieces(docs,
                                                                            config.sequence_len))
     return _write_samples(pieces, work / "pieces.arrow")
+
+
+def _map_features(spec: formats.FormatSpec) -> Any:
+    """The tokenize map's columns, typed as in the rows (so entries concatenate)."""
+    from datasets import Features, Value
+
+    features = dict(_row_features())
+    if spec.type == "pretrain":
+        features = {"input_ids": features["input_ids"]}
+    return Features({**features, "skip": Value("string")})
+
+
+def format_spec(
+    entry: DatasetConfig, config: Config, tok: PreTrainedTokenizerBase
+) -> formats.FormatSpec:
+    """The entry's options in the form the tokenize workers take."""
+    spec = formats.FormatSpec(entry.type, field=entry.field,
+                              train_on_inputs=config.train_on_inputs,
+                              messages_field=entry.messages_field,
+                              train_on_eos=entry.train_on_eos)
+    if entry.type != "chat_template":
+        return spec
+    mappings = dict(entry.message_property_mappings or {"role": "role", "content": "content"})
+    mappings.setdefault("role", "role")
+    mappings.setdefault("content", "content")
+    if entry.message_field_role:
+        mappings["role"] = entry.message_field_role
+    if entry.message_field_content:
+        mappings["content"] = entry.message_field_content
+    spec.mappings = mappings
+    if entry.message_field_training:
+        spec.training_keys = (entry.message_field_training,)
+    if entry.roles is not None:
+        spec.roles = {src: role for role, sources in entry.roles.items() for src in sources}
+    spec.roles_to_train = tuple(spec.roles.get(r, r) for r in entry.roles_to_train)
+    template, markers = chat_templates.resolve_template(config, entry, tok)
+    spec.template, spec.end_markers = template, tuple(markers)
+    return spec
+
+
+@dataclass
+class RecordWhere:
+    """`file:line` of the i-th record the tokenizer sees (through a shard's selection)."""
+
+    source: load.Source
+    origin: list[int] | None
+
+    def __call__(self, i: int) -> str:
+        return self.source.where(self.origin[i] if self.origin is not None else i)
+
+
+def _count_skips(tokenized: Dataset, stats: DatasetStats) -> None:
+    from collections import Counter
+
+    counts = Counter(r for r in tokenized["skip"] if r)
+    stats.skip_reasons = dict(sorted(counts.items()))
+    stats.skipped = sum(counts.values())
+    if len(counts) == 1:
+        stats.skip_reason = next(iter(counts))
+    elif counts:
+        stats.skip_reason = ", ".join(f"{why}: {n}" for why, n in sorted(counts.items()))
 
 
 def _short(label: str) -> str:

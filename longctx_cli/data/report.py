@@ -15,12 +15,16 @@ class DatasetStats:
     split: str  # "train" or "eval"
     records: int = 0  # raw records read (pretrain: documents; passkey: samples generated)
     skipped: int = 0  # nothing to train on (empty text, or a conversation without reply)
-    skip_reason: str = "empty text"
+    skip_reason: str = "empty text"  # summary of skip_reasons
+    skip_reasons: dict[str, int] = field(default_factory=dict)  # reason -> records
     too_long: int = 0  # longer than sequence_len before dropping/truncating
     dropped: int = 0
     truncated: int = 0
     samples: int = 0  # samples that reached packing (pretrain: pieces)
     tokens: int = 0  # tokens in those samples
+    target_tokens: int = 0  # labels != -100 in those samples (before packing)
+    # The first sample as (text, is_target) runs, to show what the model learns from.
+    sample: list[tuple[str, bool]] = field(default_factory=list)
 
 
 @dataclass
@@ -55,7 +59,8 @@ class PrepareReport:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PrepareReport:
         data = dict(data)
-        data["datasets"] = [DatasetStats(**d) for d in data.get("datasets", [])]
+        data["datasets"] = [DatasetStats(**{**d, "sample": [tuple(p) for p in d.get("sample", [])]})
+                            for d in data.get("datasets", [])]
         data["train"] = RowStats(**data.get("train", {}))
         data["eval"] = RowStats(**data["eval"]) if data.get("eval") else None
         data["length_histogram"] = [tuple(b) for b in data.get("length_histogram", [])]
@@ -67,7 +72,7 @@ class PrepareReport:
         from rich.console import Group
         from rich.text import Text
 
-        parts: list[Any] = [self._datasets_table(), self._rows_table()]
+        parts: list[Any] = [self._datasets_table(), *self._samples(), self._rows_table()]
         if self.length_histogram:
             parts.append(Text(self.histogram_text()))
         for note in self.notes:
@@ -88,7 +93,7 @@ class PrepareReport:
 
         table = Table(title="Datasets", title_justify="left")
         for name in ("split", "dataset", "type", "records", "skipped", "too long", "samples",
-                     "tokens"):
+                     "tokens", "target tokens"):
             table.add_column(name, justify="left" if name in ("split", "dataset", "type")
                              else "right")
         for d in self.datasets:
@@ -98,8 +103,23 @@ class PrepareReport:
                 what = "dropped" if d.dropped else "truncated" if d.truncated else "error"
                 too_long = f"{d.too_long:,} {what}"
             table.add_row(d.split, _short(d.label), d.type, f"{d.records:,}", skipped,
-                          too_long, f"{d.samples:,}", f"{d.tokens:,}")
+                          too_long, f"{d.samples:,}", f"{d.tokens:,}", f"{d.target_tokens:,}")
         return table
+
+    def _samples(self) -> list[Any]:
+        """One sample per dataset, targets in green and between ⟦ ⟧ (visible without colour)."""
+        from rich.text import Text
+
+        out = []
+        for d in self.datasets:
+            if not d.sample:
+                continue
+            text = Text(f"Sample of {_short(d.label)} ({d.type}); ⟦targets⟧:\n", style="bold")
+            for piece, target in d.sample:
+                text.append(f"⟦{piece}⟧" if target else piece,
+                            style="green" if target else "dim")
+            out.append(text)
+        return out
 
     def _rows_table(self) -> Any:
         from rich.table import Table

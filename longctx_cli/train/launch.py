@@ -96,7 +96,7 @@ def run_train(
     world_size = resolve_world_size(config, nproc_per_node, nnodes)
     build_plan(config, world_size, read_model_config(config))
     check_output_dir(config, overwrite)
-    if node_rank == 0:
+    if node_rank == 0 and not config.pretraining_dataset:  # streamed data has no cache
         # Build (or reuse) the data cache once here, with progress bars, before any rank starts.
         from longctx_cli.data.prepare import prepare
 

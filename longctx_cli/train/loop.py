@@ -24,6 +24,7 @@ from transformers import get_scheduler
 
 from longctx_cli.config import Config
 from longctx_cli.data.prepare import prepare
+from longctx_cli.data.stream import PackedStream
 from longctx_cli.data.tokenizer import load_tokenizer
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.mesh import SPContext, build_parallel_groups
@@ -182,6 +183,33 @@ def to_device(batch: ShardedBatch, device: torch.device) -> ShardedBatch:
         position_ids=batch.position_ids.to(device),
         shift_labels=batch.shift_labels.to(device),
     )
+
+
+# ---------------------------------------------------------------------------------------
+# streamed data (pretraining_dataset): the stream position travels in the trainer state
+
+
+def stream_step_rows(stream: PackedStream, per_step: int):
+    """The next step's rows; every rank reads the same stream and keeps its own slice."""
+    from datasets import Dataset
+
+    return Dataset.from_list(stream.next_rows(per_step)), list(range(per_step))
+
+
+def data_state(stream: PackedStream | None) -> dict:
+    return {"data": {"stream": stream.state_dict()}} if stream is not None else {}
+
+
+def restore_stream(stream: PackedStream, trainer_state: dict, path: Path) -> None:
+    saved = trainer_state.get("data", {}).get("stream")
+    if saved is None:
+        raise UserError(
+            f"{path} has no stream position, so the streamed data cannot resume where it "
+            "stopped.",
+            where="resume_from_checkpoint",
+            fix="resume from a checkpoint of a `pretraining_dataset` run, or start afresh.",
+        )
+    stream.load_state_dict(saved)
 
 
 # ---------------------------------------------------------------------------------------
@@ -362,7 +390,9 @@ def train(config: Config) -> None:
 
     tokenizer = load_tokenizer(config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    train_rows, eval_rows = load_rows(config, tokenizer)
+    # pretraining_dataset: rows come from a stream packed on the fly, not from the cache.
+    stream = PackedStream(config, tokenizer) if config.pretraining_dataset else None
+    train_rows, eval_rows = (None, None) if stream else load_rows(config, tokenizer)
 
     model = build_model(config, fsdp_mesh=parallel.world_mesh if config.fsdp else None)
     model.to(device)
@@ -370,7 +400,10 @@ def train(config: Config) -> None:
     decoder, lm_head = decoder_and_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(config, params)
-    steps_per_epoch, num_steps = total_steps(config, len(train_rows), dp_size)
+    if stream is not None:
+        steps_per_epoch = num_steps = config.max_steps
+    else:
+        steps_per_epoch, num_steps = total_steps(config, len(train_rows), dp_size)
     scheduler = get_scheduler(
         config.lr_scheduler,
         optimizer,
@@ -381,7 +414,10 @@ def train(config: Config) -> None:
     start_step = 0
     resume_path = resolve_resume(config.resume_from_checkpoint, output_dir)
     if resume_path is not None:
-        start_step = load_checkpoint(resume_path, model, optimizer, scheduler)["step"]
+        trainer_state = load_checkpoint(resume_path, model, optimizer, scheduler)
+        start_step = trainer_state["step"]
+        if stream is not None:
+            restore_stream(stream, trainer_state, resume_path)
     metrics = MetricsLog(output_dir, rank == 0, config.use_tensorboard, start_step)
     progress = tqdm(
         # disable=None: a bar on a terminal only; logs and pipes get the log lines below.
@@ -396,8 +432,13 @@ def train(config: Config) -> None:
     per_step = rows_per_step(config, dp_size)
     last_checkpoint = resume_path
     for step in range(start_step, num_steps):
-        indices = step_row_indices(step, steps_per_epoch, per_step, len(train_rows), config.seed)
-        batches = micro_batches(train_rows, indices, dp_rank, config, ctx, pad_id, device)
+        if stream is not None:
+            rows, indices = stream_step_rows(stream, per_step)
+        else:
+            rows = train_rows
+            indices = step_row_indices(step, steps_per_epoch, per_step, len(train_rows),
+                                       config.seed)
+        batches = micro_batches(rows, indices, dp_rank, config, ctx, pad_id, device)
         lr = scheduler.get_last_lr()[0]
         started = time.perf_counter()
         try:
@@ -447,7 +488,8 @@ def train(config: Config) -> None:
         if config.save_steps and (step + 1) % config.save_steps == 0 and step + 1 < num_steps:
             last_checkpoint = save_checkpoint(
                 output_dir, step + 1, model, optimizer, scheduler,
-                {"step": step + 1, "epoch": (step + 1) / steps_per_epoch},
+                {"step": step + 1, "epoch": (step + 1) / steps_per_epoch,
+                 **data_state(stream)},
                 keep=config.save_total_limit,
             )
 
@@ -457,7 +499,7 @@ def train(config: Config) -> None:
     if config.save_steps:
         save_checkpoint(
             output_dir, num_steps, model, optimizer, scheduler,
-            {"step": num_steps, "epoch": num_steps / steps_per_epoch},
+            {"step": num_steps, "epoch": num_steps / steps_per_epoch, **data_state(stream)},
             keep=config.save_total_limit,
         )
     base_saver = None
