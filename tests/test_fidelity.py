@@ -252,3 +252,34 @@ def test_validate_refuses_an_altered_family(tmp_path) -> None:
                                    "attention_temperature": 0.5}, fidelity_probe=False)
     assert skipped.exit_code == 0, skipped.output
     assert "skipped" in skipped.output
+
+
+def test_eval_position_loss_applies_the_head() -> None:
+    from datasets import Dataset
+
+    from longctx_cli.eval.position_loss import position_loss
+    from longctx_cli.parallel.attention import register_sp_attention
+    from longctx_cli.parallel.mesh import single_process_context
+
+    config = AutoConfig.for_model("granite", **TINY, logits_scaling=4.0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    ours = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("granite", **TINY, logits_scaling=4.0),
+        attn_implementation=register_sp_attention())
+    ours.load_state_dict(model.state_dict())
+    ours.eval()
+    docs = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n))
+            for n in (9, 14, 7)]
+    ids = torch.cat(docs)
+    pos = torch.cat([torch.arange(d.numel()) for d in docs])
+    labels = torch.where(pos == 0, -100, ids)
+    rows = Dataset.from_dict({"input_ids": [ids.tolist()], "position_ids": [pos.tolist()],
+                              "labels": [labels.tolist()]})
+    decoder, head = decoder_and_head(ours)
+    result = position_loss(decoder, head, rows, 32, 1, single_process_context(), 0, 1, 0,
+                           torch.device("cpu"))
+    with torch.no_grad():
+        want = sum(float(model(input_ids=d[None], labels=d[None]).loss) * (d.numel() - 1)
+                   for d in docs) / sum(d.numel() - 1 for d in docs)
+    assert abs(result.overall - want) <= 1e-5 * want, (result.overall, want)

@@ -21,6 +21,7 @@ exact or refused.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -284,8 +285,10 @@ def _build(tiny: Any, attn: str, trust_remote_code: bool) -> Any:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
+    # A copy each: from_config records the attention implementation on the config object.
     model = AutoModelForCausalLM.from_config(
-        tiny, attn_implementation=attn, dtype=torch.float32, trust_remote_code=trust_remote_code
+        copy.deepcopy(tiny), attn_implementation=attn, dtype=torch.float32,
+        trust_remote_code=trust_remote_code,
     )
     return model.train()
 
