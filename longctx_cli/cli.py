@@ -6,6 +6,7 @@ command that needs it, so `longctx --help` answers at once.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from collections.abc import Callable
@@ -139,10 +140,22 @@ def validate(
     limit = parse_memory_size(memory_per_rank) if memory_per_rank is not None else None
     cfg = load_config(config)
     plan = plan_for(cfg, nproc_per_node=nproc_per_node, nnodes=nnodes)
+    plan = dataclasses.replace(plan, fidelity=_fidelity(cfg, plan.model.hf_config))
     Console().print(plan.to_table())
     if limit is not None:
         Console().print("\n".join(fit_report(cfg, plan, limit)), markup=False)
     Console().print("[green]valid[/]")
+
+
+def _fidelity(cfg: Any, hf_config: Any) -> str:
+    """The fidelity probe's verdict for the plan (raises UserError when it refuses)."""
+    if not cfg.fidelity_probe:
+        return "skipped (`fidelity_probe: false`)"
+    if hf_config is None:
+        return "not run: the model's config is not at hand"
+    from longctx_cli.train.fidelity import run_probe
+
+    return run_probe(hf_config, cfg.trust_remote_code).summary()
 
 
 @app.command(

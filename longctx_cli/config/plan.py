@@ -49,6 +49,8 @@ class ModelShape:
     tie_word_embeddings: bool = False
     max_position_embeddings: int | None = None
     source: str = "model config"
+    # The transformers config it was read from, for the fidelity probe (None when unknown).
+    hf_config: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, source: str = "model config") -> ModelShape:
@@ -74,6 +76,7 @@ class ModelShape:
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             max_position_embeddings=getattr(text, "max_position_embeddings", None),
             source=source,
+            hf_config=hf_config,
         )
 
     @property
@@ -667,6 +670,7 @@ class Plan:
     memory: MemoryEstimate
     notes: tuple[str, ...] = field(default_factory=tuple)
     host_is_device: bool = False  # a CPU run: offloading activations frees nothing
+    fidelity: str | None = None  # the fidelity probe's verdict, once `validate` has run it
 
     def to_table(self) -> Table:
         """The plan as a rich Table (what `longctx validate` prints)."""
@@ -695,6 +699,7 @@ class Plan:
                 ("parameters", f"{_count(mem.total_params)} ({_count(mem.trainable_params)} "
                                f"trainable{', LoRA' if self.adapter else ''}), {self.dtype}"),
                 ("shape from", m.source),
+                *([("fidelity probe", self.fidelity)] if self.fidelity else []),
             ]),
             ("parallelism", [
                 ("world size", f"{self.world_size} ({self.world_source})"),

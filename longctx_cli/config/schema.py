@@ -390,6 +390,12 @@ class Config(_Strict):
     resume_from_checkpoint: str | None = Field(
         None, description="`auto` (newest complete checkpoint in output_dir) or a checkpoint path."
     )
+    fidelity_probe: bool = Field(
+        True,
+        description="Before training (and in `validate`), check on a tiny random model of the "
+        "same family that longctx computes exactly the model's own loss and gradients; refuse "
+        "to train on any difference. `false` skips the check (docs/families.md).",
+    )
 
     @field_validator("pretraining_dataset", mode="before")
     @classmethod

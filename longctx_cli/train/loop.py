@@ -35,12 +35,14 @@ from longctx_cli.train.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
+from longctx_cli.train.fidelity import run_probe
 from longctx_cli.train.loss import IGNORE_INDEX, lm_loss_sum, valid_token_count
 from longctx_cli.train.memory import activation_offload
 from longctx_cli.train.model import (
     build_model,
     decoder_and_head,
     load_base_model,
+    model_config_of,
     sp_hidden_states,
 )
 
@@ -222,6 +224,14 @@ def forward_loss_sum(decoder, lm_head, batch: ShardedBatch, config: Config) -> t
     return lm_loss_sum(lm_head, hidden, batch.shift_labels, chunk)
 
 
+def check_fidelity(config: Config) -> str:
+    """Run the fidelity probe on the run's model config (UserError on a difference);
+    returns the line the start-up log prints."""
+    if not config.fidelity_probe:
+        return "skipped (`fidelity_probe: false`): exactness against the model is not checked"
+    return run_probe(model_config_of(config), config.trust_remote_code).summary()
+
+
 def all_reduce_sum(values: list[float], device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
@@ -387,6 +397,12 @@ def train(config: Config) -> None:
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     output_dir = Path(config.output_dir)
+
+    # Before any data or weights: refuse a family longctx would not train exactly. Every
+    # rank runs the (cheap, deterministic) probe, so all of them stop together on a refusal.
+    probe = check_fidelity(config)
+    if rank == 0:
+        print(f"fidelity probe: {probe}", flush=True)
 
     tokenizer = load_tokenizer(config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

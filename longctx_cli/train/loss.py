@@ -14,8 +14,9 @@ from torch.utils.checkpoint import checkpoint
 IGNORE_INDEX = -100
 
 
-def _ce_sum(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = lm_head(hidden).float()
+def _ce_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    # `head` is the model's head (train/head.py: lm_head + the family's logit transform).
+    logits = head(hidden).float()
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 

@@ -1,0 +1,364 @@
+"""The fidelity probe: does longctx train exactly the model the user loads?
+
+An attention implementation receives many per-family features (sliding windows per layer,
+softcapping, sinks, scalings), and `XForCausalLM.forward` may transform logits after
+`lm_head`. A family that longctx reproduces incompletely would train silently as a different
+model, and SP parity tests cannot see it (sp=1 is wrong in the same way). So, before the first
+step and in `longctx validate`, we build a tiny random model of the *same family* from the
+user's model config -- same attention and logit features, shrunk sizes, windows shorter than
+the probe row -- and compute one packed row both ways:
+
+- the model's own Hugging Face forward (`attn_implementation="eager"`), one document at a
+  time with `labels=` (its own loss), token-weighted over the documents;
+- longctx's path at sp=1 (the `longctx_sp` attention, our head and summed loss), exactly as
+  the trainer computes it.
+
+Loss and every parameter gradient must agree to `TOLERANCE` (fp32, relative). Any difference
+-- or a family that cannot be shrunk and run generically -- is a `UserError` naming the model
+type and what differs. Nothing here names a family: a family transformers adds later is either
+exact or refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from longctx_cli.errors import UserError
+
+TOLERANCE = 1e-4
+PROBE_DOCS = (13, 24, 1, 26)  # 64 tokens; the one-token document has no target
+PROBE_VOCAB = 128
+PROBE_HEAD_DIM = 16
+PROBE_WINDOW = 6  # shorter than every multi-token probe document
+PROBE_CAP = 1.0  # softcaps above this barely bend a tiny model's values: shrink to stay active
+PROBE_INIT_RANGE = 0.2  # weights large enough that logits and scores are O(1), features visible
+PROBE_EXPERTS = 4
+PROBE_INTERMEDIATE = 64
+_EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_EXPERT_TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token")
+_DROP_KEYS = (
+    "quantization_config", "_name_or_path", "dtype", "torch_dtype", "transformers_version"
+)
+_FIX = (
+    "train this model where it is computed exactly (plain Hugging Face training without "
+    "sequence parallelism), pick a family that docs/families.md lists as exact, or -- if you "
+    "accept training a different model than the one you load -- set `fidelity_probe: false`."
+)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What the probe checked and how close longctx came to the model's own training."""
+
+    model_type: str
+    layers: int
+    features: tuple[str, ...]
+    loss_rel_error: float
+    worst_gradient: str
+    worst_gradient_rel_error: float
+    gradients_checked: int
+    seconds: float
+
+    def summary(self) -> str:
+        features = ", ".join(self.features) or "no attention/logit features"
+        return (
+            f"passed: tiny random `{self.model_type}` ({self.layers} layers; {features}), "
+            f"packed {sum(PROBE_DOCS)}-token row of {len(PROBE_DOCS)} documents: loss rel. err "
+            f"{self.loss_rel_error:.1e}, {self.gradients_checked} parameter gradients worst "
+            f"{self.worst_gradient_rel_error:.1e} (tolerance {TOLERANCE:g}) against the model's "
+            f"own eager forward(labels=) ({self.seconds:.1f}s)"
+        )
+
+
+# ---- shrinking ----------------------------------------------------------------------------
+
+
+def _shrink_rope_lists(value: Any, old_half: int, new_half: int) -> Any:
+    """Per-frequency rope lists (e.g. longrope factors) have rotary_dim / 2 entries."""
+    if isinstance(value, dict):
+        return {k: _shrink_rope_lists(v, old_half, new_half) for k, v in value.items()}
+    if isinstance(value, list) and len(value) == old_half and old_half != new_half:
+        return value[:new_half]
+    return value
+
+
+def _layer_count(fields: dict[str, Any], layers: int) -> int:
+    """Enough leading layers to include every layer type (at least two)."""
+    types = fields.get("layer_types")
+    if not isinstance(types, list) or not types:
+        return min(layers, 2)
+    distinct = set(types)
+    for n in range(1, len(types) + 1):
+        if set(types[:n]) == distinct:
+            return min(layers, max(n, 2))
+    return min(layers, 2)
+
+
+def shrink_config(model_config: Any) -> Any:
+    """A tiny config of the same class with the same attention and logit features.
+
+    Sizes shrink (hidden, heads keeping GQA, layers keeping each layer type, vocab, experts);
+    windows shrink below the probe's documents and softcaps to values a tiny model reaches, so
+    each feature is active; scalings, multipliers and sinks stay as they are.
+    """
+    fields = model_config.to_dict()
+    for key in _DROP_KEYS:
+        fields.pop(key, None)
+    heads = int(fields.get("num_attention_heads") or 0)
+    hidden = int(fields.get("hidden_size") or 0)
+    layers = int(fields.get("num_hidden_layers") or 0)
+    if not heads or not hidden or not layers:
+        raise ValueError("the config has no num_attention_heads / hidden_size / num_hidden_layers")
+    kv = int(fields.get("num_key_value_heads") or heads)
+    groups = max(1, heads // kv)
+    new_kv = min(kv, 2)
+    new_heads = new_kv * min(groups, 4)  # GQA stays GQA (ratio kept up to 4)
+    old_head_dim = int(fields.get("head_dim") or hidden // heads)
+    rotary = float(fields.get("partial_rotary_factor") or 1.0)
+    old_half, new_half = int(old_head_dim * rotary) // 2, int(PROBE_HEAD_DIM * rotary) // 2
+    fields.update(
+        num_attention_heads=new_heads,
+        num_key_value_heads=new_kv,
+        hidden_size=new_heads * PROBE_HEAD_DIM,
+        vocab_size=PROBE_VOCAB,
+        initializer_range=PROBE_INIT_RANGE,
+    )
+    if "head_dim" in fields:
+        fields["head_dim"] = PROBE_HEAD_DIM
+    new_layers = _layer_count(fields, layers)
+    for key, value in list(fields.items()):
+        if isinstance(value, bool):
+            continue
+        if key == "num_hidden_layers":
+            fields[key] = new_layers
+        elif isinstance(value, list) and len(value) == layers:
+            fields[key] = value[:new_layers]  # per-layer lists: layer_types and the like
+        elif key.endswith("intermediate_size") and isinstance(value, int):
+            fields[key] = PROBE_INTERMEDIATE
+        elif key in _EXPERT_COUNT_KEYS and isinstance(value, int):
+            fields[key] = min(value, PROBE_EXPERTS)
+        elif key in _EXPERT_TOPK_KEYS and isinstance(value, int):
+            fields[key] = min(value, 2)
+        elif key.endswith("_token_id") and isinstance(value, int) and value >= PROBE_VOCAB:
+            fields[key] = PROBE_VOCAB - 1
+        elif key.endswith("_token_id") and isinstance(value, list):
+            fields[key] = [t if t < PROBE_VOCAB else PROBE_VOCAB - 1 for t in value]
+        elif ("window" in key or key == "attention_chunk_size") and isinstance(value, int) and (
+            "layers" not in key and "pattern" not in key
+        ):
+            fields[key] = min(value, PROBE_WINDOW)
+        elif ("softcap" in key or "soft_cap" in key) and isinstance(value, (int, float)):
+            fields[key] = min(float(value), PROBE_CAP) if value else value
+        elif ("dropout" in key or "jitter" in key) and isinstance(value, float):
+            fields[key] = 0.0  # randomness would make the two sides differ for no fault of ours
+        elif key.startswith("rope") and isinstance(value, dict):
+            fields[key] = _shrink_rope_lists(value, old_half, new_half)
+    return type(model_config).from_dict(fields)
+
+
+def active_features(tiny: Any) -> tuple[str, ...]:
+    """The attention/logit features switched on in a (tiny) config, for the report."""
+    from longctx_cli.train.head import LogitTransform
+
+    text = tiny.get_text_config() if hasattr(tiny, "get_text_config") else tiny
+    found = []
+    types = getattr(text, "layer_types", None)
+    window = getattr(text, "sliding_window", None)
+    if window and (types is None or any("sliding" in t for t in types)):
+        where = ""
+        if types:
+            where = f" on {sum('sliding' in t for t in types)}/{len(types)} layers"
+        found.append(f"sliding window {window}{where}")
+    cap = getattr(text, "attn_logit_softcapping", None)
+    if cap:
+        found.append(f"attention softcap {cap:g}")
+    head = LogitTransform.from_config(tiny)
+    if not head.is_identity:
+        found.append(f"head: {head.describe()}")
+    experts = next((getattr(text, k) for k in _EXPERT_COUNT_KEYS if getattr(text, k, None)), None)
+    if experts:
+        found.append(f"MoE {experts} experts")
+    return tuple(found)
+
+
+# ---- the two computations -----------------------------------------------------------------
+
+
+def _probe_row() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from longctx_cli.train.loss import IGNORE_INDEX
+
+    g = torch.Generator().manual_seed(1234)
+    ids = torch.randint(3, PROBE_VOCAB, (sum(PROBE_DOCS),), generator=g)
+    pos = torch.cat([torch.arange(n) for n in PROBE_DOCS])
+    labels = ids.clone()
+    labels[pos == 0] = IGNORE_INDEX  # the trainer's data convention
+    return ids, pos, labels
+
+
+def _documents(ids: torch.Tensor) -> list[tuple[int, int]]:
+    bounds, start = [], 0
+    for n in PROBE_DOCS:
+        bounds.append((start, start + n))
+        start += n
+    return bounds
+
+
+def _reference(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's own training loss: its forward(labels=) per document, token-weighted.
+
+    Returns (loss, final hidden states, logits), hidden/logits concatenated over documents.
+    """
+    total, count, hidden, logits = ids.new_zeros((), dtype=torch.float32), 0, [], []
+    decoder = model.get_decoder()
+    for start, end in _documents(ids):
+        doc = ids[start:end][None]
+        with torch.no_grad():
+            hidden.append(decoder(input_ids=doc).last_hidden_state[0])
+        if end - start < 2:  # no target: the model's mean loss would be 0/0
+            logits.append(model(input_ids=doc).logits[0].detach().float())
+            continue
+        out = model(input_ids=doc, labels=doc)
+        logits.append(out.logits[0].detach().float())
+        total = total + out.loss.float() * (end - start - 1)
+        count += end - start - 1
+    return total / count, torch.cat(hidden), torch.cat(logits)
+
+
+def _longctx(model: Any, ids: torch.Tensor, pos: torch.Tensor, labels: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """longctx's sp=1 path, as the trainer computes it: (loss, hidden, logits)."""
+    from longctx_cli.parallel.mesh import single_process_context
+    from longctx_cli.parallel.sharding import shard_batch
+    from longctx_cli.train.loss import lm_loss_sum, valid_token_count
+    from longctx_cli.train.model import decoder_and_head, sp_hidden_states
+
+    batch = shard_batch(ids, pos, labels, single_process_context(kernel="torch"))
+    decoder, head = decoder_and_head(model)
+    hidden = sp_hidden_states(decoder, batch)
+    loss = lm_loss_sum(head, hidden, batch.shift_labels) / valid_token_count(batch.shift_labels)
+    with torch.no_grad():
+        logits = head(hidden)
+    return loss, hidden.detach(), logits
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30)) if b.norm() > 0 else float(a.norm())
+
+
+def _refuse(model_type: str, what: str) -> UserError:
+    return UserError(
+        f"the fidelity probe refuses model type `{model_type}`: {what} longctx would train a "
+        "different model than the one you load, so training is refused.",
+        where="base_model",
+        fix=_FIX,
+    )
+
+
+def run_probe(model_config: Any, trust_remote_code: bool = False) -> ProbeResult:
+    """Compare longctx's sp=1 training computation with the model's own; raise UserError on
+    any difference. Leaves the global RNG state as it found it."""
+    started = time.perf_counter()
+    model_type = str(getattr(model_config, "model_type", "") or type(model_config).__name__)
+    with torch.random.fork_rng(devices=[]):
+        try:
+            tiny = shrink_config(model_config)
+        except Exception as e:  # any config class may reject our shrunk fields
+            raise _refuse(model_type, f"it cannot build a tiny model from this config "
+                          f"({type(e).__name__}: {_first_line(e)}), so it cannot check that "
+                          "longctx computes what the model computes;") from None
+        return _compare(model_type, tiny, trust_remote_code, started)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _build(tiny: Any, attn: str, trust_remote_code: bool) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    # A copy each: from_config records the attention implementation on the config object.
+    model = AutoModelForCausalLM.from_config(
+        copy.deepcopy(tiny), attn_implementation=attn, dtype=torch.float32,
+        trust_remote_code=trust_remote_code,
+    )
+    return model.train()
+
+
+def _compare(model_type: str, tiny: Any, trust_remote_code: bool, started: float) -> ProbeResult:
+    from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
+
+    features = active_features(tiny)
+    described = f"a tiny `{model_type}` ({', '.join(features) or 'no special features'})"
+    ids, pos, labels = _probe_row()
+    try:
+        reference = _build(tiny, "eager", trust_remote_code)
+        ref_loss, ref_hidden, ref_logits = _reference(reference, ids)
+        ref_loss.backward()
+    except Exception as e:
+        raise _refuse(model_type, f"the model's own eager forward failed on {described} "
+                      f"({type(e).__name__}: {_first_line(e)}), so nothing can be compared;"
+                      ) from None
+    register_sp_attention()
+    try:
+        ours = _build(tiny, ATTN_IMPLEMENTATION, trust_remote_code)
+        if ours.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise RuntimeError(f"the model did not accept attn_implementation "
+                               f"{ATTN_IMPLEMENTATION!r}")
+        ours.load_state_dict(reference.state_dict())
+        loss, hidden, logits = _longctx(ours, ids, pos, labels)
+        loss.backward()
+    except Exception as e:
+        raise _refuse(model_type, f"longctx's path failed on {described} "
+                      f"({type(e).__name__}: {_first_line(e)});") from None
+
+    loss, ref_loss = float(loss.detach()), float(ref_loss.detach())
+    loss_err = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    grads = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
+    if grads.keys() != ref_grads.keys():
+        only_ref = sorted(ref_grads.keys() - grads.keys())
+        only_ours = sorted(grads.keys() - ref_grads.keys())
+        side = (f"the model's own forward uses {', '.join(only_ref[:4])} but longctx's "
+                "computation never does" if only_ref else
+                f"longctx's computation uses {', '.join(only_ours[:4])} but the model's own "
+                "forward does not")
+        raise _refuse(model_type, f"on {described}, {side} (no gradient on one side).")
+    grad_errs = {n: _rel(grads[n], ref_grads[n]) for n in ref_grads}
+    worst = max(grad_errs, key=grad_errs.__getitem__)
+    bad = not math.isfinite(loss_err) or loss_err > TOLERANCE or not (
+        grad_errs[worst] <= TOLERANCE)
+    if bad:
+        hidden_err, logits_err = _rel(hidden, ref_hidden), _rel(logits, ref_logits)
+        if hidden_err > TOLERANCE:
+            where = (f"the decoder's hidden states already differ (rel. err {hidden_err:.1e}): "
+                     "an attention or layer feature longctx does not reproduce")
+        elif logits_err > TOLERANCE:
+            where = (f"the hidden states agree but the logits differ (rel. err "
+                     f"{logits_err:.1e}): a transform after lm_head that longctx's head does "
+                     "not apply")
+        else:
+            where = "forward outputs agree but the loss or gradients differ"
+        raise _refuse(model_type, (
+            f"on {described}, a packed {sum(PROBE_DOCS)}-token row through longctx (sp=1) gives "
+            f"a loss {loss_err:.1e} relative away from the model's own forward(labels=), and "
+            f"the gradient of `{worst}` differs by {grad_errs[worst]:.1e} (tolerance "
+            f"{TOLERANCE:g}); {where}."))
+    return ProbeResult(
+        model_type=model_type,
+        layers=int(getattr(tiny.get_text_config(), "num_hidden_layers", 0)),
+        features=features,
+        loss_rel_error=loss_err,
+        worst_gradient=worst,
+        worst_gradient_rel_error=grad_errs[worst],
+        gradients_checked=len(grad_errs),
+        seconds=time.perf_counter() - started,
+    )

@@ -1,0 +1,285 @@
+"""The model's head and the fidelity probe.
+
+The head must equal what each family's own `forward` returns as logits; the probe must pass
+a family longctx computes exactly and refuse, naming the model type and what differs, a family
+whose head or attention does something longctx does not reproduce. The altered families below
+are defined here, so no list inside longctx can know them: only the probe's comparison can.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.llama import modeling_llama
+
+from longctx_cli.config import Config
+from longctx_cli.errors import UserError
+from longctx_cli.train.fidelity import TOLERANCE, run_probe, shrink_config
+from longctx_cli.train.head import LogitTransform
+from longctx_cli.train.loop import check_fidelity
+from longctx_cli.train.model import decoder_and_head
+
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": 128,
+    "initializer_range": 0.2,
+}
+
+
+# ---- altered families, unknown to longctx -------------------------------------------------
+
+
+class GainHeadConfig(LlamaConfig):
+    model_type = "probe_gain_head"
+
+
+class GainHeadForCausalLM(LlamaForCausalLM):
+    """Llama whose forward multiplies the logits by `config.output_gain` after lm_head."""
+
+    config_class = GainHeadConfig
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+        logits = self.lm_head(hidden) * self.config.output_gain
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.config.vocab_size)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class TemperatureAttnConfig(LlamaConfig):
+    model_type = "probe_temperature_attn"
+
+
+def temperature_eager(module, query, key, value, attention_mask, scaling, dropout=0.0,
+                      attention_temperature=1.0, **kwargs):
+    """The family's own eager attention: scores divided by a temperature."""
+    return modeling_llama.eager_attention_forward(
+        module, query, key, value, attention_mask, scaling=scaling / attention_temperature,
+        dropout=dropout,
+    )
+
+
+class TemperatureAttention(modeling_llama.LlamaAttention):
+    """Passes `attention_temperature=` to the attention function, as a new family's feature
+    would: an implementation that ignores the keyword computes a different model."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                past_key_values=None, **kwargs):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        q, k = modeling_llama.apply_rotary_pos_emb(q, k, *position_embeddings)
+        impl = self.config._attn_implementation
+        fn = temperature_eager if impl == "eager" else modeling_llama.ALL_ATTENTION_FUNCTIONS[impl]
+        out, weights = fn(self, q, k, v, attention_mask, scaling=self.scaling, dropout=0.0,
+                          attention_temperature=self.config.attention_temperature, **kwargs)
+        out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()
+        return self.o_proj(out), weights
+
+
+class TemperatureAttnForCausalLM(LlamaForCausalLM):
+    config_class = TemperatureAttnConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn = TemperatureAttention(config, i)
+        self.post_init()
+
+
+AutoConfig.register(GainHeadConfig.model_type, GainHeadConfig)
+AutoModelForCausalLM.register(GainHeadConfig, GainHeadForCausalLM)
+AutoConfig.register(TemperatureAttnConfig.model_type, TemperatureAttnConfig)
+AutoModelForCausalLM.register(TemperatureAttnConfig, TemperatureAttnForCausalLM)
+
+
+# ---- the head -----------------------------------------------------------------------------
+
+HEAD_CASES = {
+    "granite": {"logits_scaling": 4.0},
+    "cohere": {"logit_scale": 0.25},
+    "gemma2": {"final_logit_softcapping": 0.5, "attn_logit_softcapping": None,
+               "layer_types": ["full_attention"] * 2},
+    "llama": {},
+}
+
+
+@pytest.mark.parametrize("model_type", list(HEAD_CASES))
+def test_head_equals_the_models_own_logits(model_type: str) -> None:
+    config = AutoConfig.for_model(model_type, **TINY, **HEAD_CASES[model_type])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+    ids = torch.randint(0, 128, (1, 24))
+    decoder, head = decoder_and_head(model)
+    ours = head(decoder(input_ids=ids).last_hidden_state[0])
+    theirs = model(input_ids=ids).logits[0].float()
+    plain = model.lm_head(decoder(input_ids=ids).last_hidden_state[0])
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    transform = LogitTransform.from_config(config)
+    # The transform is active here: lm_head alone would be a different model.
+    assert transform.is_identity == (model_type == "llama")
+    if not transform.is_identity:
+        assert (plain - theirs).abs().max() > 1e-3
+
+
+# ---- the probe ----------------------------------------------------------------------------
+
+
+def test_llama_passes_and_leaves_the_rng_alone() -> None:
+    state = torch.get_rng_state()
+    result = run_probe(AutoConfig.for_model("llama"))
+    assert torch.equal(state, torch.get_rng_state())
+    assert result.model_type == "llama"
+    assert result.loss_rel_error < 1e-5 and result.worst_gradient_rel_error < TOLERANCE
+    assert result.gradients_checked >= 10
+    assert result.summary().startswith("passed: tiny random `llama`")
+
+
+@pytest.mark.parametrize("model_type", ["granite", "cohere"])
+def test_head_transforms_pass(model_type: str) -> None:
+    overrides = {"logits_scaling": 8.0} if model_type == "granite" else {}
+    result = run_probe(AutoConfig.for_model(model_type, **overrides))
+    assert any(f.startswith("head:") for f in result.features), result.features
+    assert result.loss_rel_error < 1e-5
+
+
+def test_gemma2_final_softcap_alone_passes() -> None:
+    config = AutoConfig.for_model("gemma2", attn_logit_softcapping=None, num_hidden_layers=2,
+                                  layer_types=["full_attention"] * 2)
+    result = run_probe(config)
+    assert "head: final softcap 1" in result.features
+
+
+def test_an_unknown_logit_transform_is_refused() -> None:
+    config = GainHeadConfig(**TINY, output_gain=3.0)
+    with pytest.raises(UserError) as err:
+        run_probe(config)
+    message = str(err.value)
+    assert "`probe_gain_head`" in message
+    assert "the logits differ" in message and "after lm_head" in message
+    assert "Fix:" in message and "fidelity_probe: false" in message
+
+
+def test_an_unknown_attention_feature_is_refused() -> None:
+    config = TemperatureAttnConfig(**TINY, attention_temperature=0.5)
+    with pytest.raises(UserError) as err:
+        run_probe(config)
+    message = str(err.value)
+    assert "`probe_temperature_attn`" in message
+    assert "hidden states already differ" in message
+    assert "gradient of `model." in message
+
+
+def test_the_same_families_without_the_alteration_pass() -> None:
+    # The refusals above come from the alterations, not from the custom classes themselves.
+    run_probe(GainHeadConfig(**TINY, output_gain=1.0))
+    run_probe(TemperatureAttnConfig(**TINY, attention_temperature=1.0))
+
+
+def test_a_config_that_cannot_be_shrunk_is_refused_not_passed() -> None:
+    config = AutoConfig.for_model("gpt2")  # n_head / n_embd: no generic size fields
+    with pytest.raises(UserError, match=r"`gpt2`.*cannot build a tiny model"):
+        run_probe(config)
+
+
+def test_shrink_keeps_layer_types_gqa_and_makes_windows_active() -> None:
+    config = AutoConfig.for_model("gemma3_text")
+    tiny = shrink_config(config)
+    assert tiny.layer_types == config.layer_types[:6]  # the first full layer is the sixth
+    assert tiny.num_hidden_layers == 6
+    assert tiny.sliding_window < 13  # shorter than the probe's documents
+    assert tiny.num_attention_heads % tiny.num_key_value_heads == 0
+    assert tiny.vocab_size == 128 and tiny.hidden_size <= 128
+    qwen = shrink_config(AutoConfig.for_model("qwen2", num_attention_heads=28,
+                                              num_key_value_heads=4, hidden_size=3584))
+    assert (qwen.num_attention_heads, qwen.num_key_value_heads) == (8, 2)
+
+
+def test_trainer_check_respects_the_switch() -> None:
+    base = {"model_config": {"model_type": "llama", **TINY}, "datasets": [{"path": "x"}]}
+    assert check_fidelity(Config(**base)).startswith("passed")
+    off = check_fidelity(Config(**base, fidelity_probe=False))
+    assert off.startswith("skipped")
+    altered = {"model_type": "probe_gain_head", **TINY, "output_gain": 2.0}
+    with pytest.raises(UserError, match="probe_gain_head"):
+        check_fidelity(Config(model_config=altered, datasets=[{"path": "x"}]))
+
+
+# ---- validate -----------------------------------------------------------------------------
+
+
+def _validate(tmp_path, model_config: dict, **extra):
+    import yaml
+    from typer.testing import CliRunner
+
+    from longctx_cli.cli import app
+
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"model_config": model_config, "tokenizer": "byte",
+                                    "datasets": [{"type": "passkey"}], "sequence_len": 256,
+                                    **extra}))
+    return CliRunner().invoke(app, ["validate", str(path), "--nproc-per-node", "1"])
+
+
+def test_validate_says_the_probe_passed(tmp_path) -> None:
+    result = _validate(tmp_path, {"model_type": "llama", **TINY})
+    out = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert "fidelity probe" in out and "passed: tiny random `llama`" in out
+
+
+def test_validate_refuses_an_altered_family(tmp_path) -> None:
+    result = _validate(tmp_path, {"model_type": "probe_temperature_attn", **TINY,
+                                  "attention_temperature": 0.5})
+    out = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert "`probe_temperature_attn`" in out and "valid" not in out.replace("invalid", "")
+    skipped = _validate(tmp_path, {"model_type": "probe_temperature_attn", **TINY,
+                                   "attention_temperature": 0.5}, fidelity_probe=False)
+    assert skipped.exit_code == 0, skipped.output
+    assert "skipped" in skipped.output
+
+
+def test_eval_position_loss_applies_the_head() -> None:
+    from datasets import Dataset
+
+    from longctx_cli.eval.position_loss import position_loss
+    from longctx_cli.parallel.attention import register_sp_attention
+    from longctx_cli.parallel.mesh import single_process_context
+
+    config = AutoConfig.for_model("granite", **TINY, logits_scaling=4.0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    ours = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("granite", **TINY, logits_scaling=4.0),
+        attn_implementation=register_sp_attention())
+    ours.load_state_dict(model.state_dict())
+    ours.eval()
+    docs = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n))
+            for n in (9, 14, 7)]
+    ids = torch.cat(docs)
+    pos = torch.cat([torch.arange(d.numel()) for d in docs])
+    labels = torch.where(pos == 0, -100, ids)
+    rows = Dataset.from_dict({"input_ids": [ids.tolist()], "position_ids": [pos.tolist()],
+                              "labels": [labels.tolist()]})
+    decoder, head = decoder_and_head(ours)
+    result = position_loss(decoder, head, rows, 32, 1, single_process_context(), 0, 1, 0,
+                           torch.device("cpu"))
+    with torch.no_grad():
+        want = sum(float(model(input_ids=d[None], labels=d[None]).loss) * (d.numel() - 1)
+                   for d in docs) / sum(d.numel() - 1 for d in docs)
+    assert abs(result.overall - want) <= 1e-5 * want, (result.overall, want)
