@@ -64,17 +64,19 @@ class TemperatureAttnConfig(LlamaConfig):
 
 
 def temperature_eager(module, query, key, value, attention_mask, scaling, dropout=0.0,
-                      attention_temperature=1.0, **kwargs):
-    """The family's own eager attention: scores divided by a temperature."""
+                      **kwargs):
+    """The family's own eager attention: scores divided by a temperature it reads from the
+    module, not from an argument, so no other attention implementation is told about it."""
     return modeling_llama.eager_attention_forward(
-        module, query, key, value, attention_mask, scaling=scaling / attention_temperature,
-        dropout=dropout,
+        module, query, key, value, attention_mask,
+        scaling=scaling / module.config.attention_temperature, dropout=dropout,
     )
 
 
 class TemperatureAttention(modeling_llama.LlamaAttention):
-    """Passes `attention_temperature=` to the attention function, as a new family's feature
-    would: an implementation that ignores the keyword computes a different model."""
+    """Only the family's own eager attention knows the temperature: an implementation that
+    follows the standard signature computes a different model, and nothing says so.
+    (A feature passed as an unknown keyword is refused by the attention entry point itself.)"""
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
@@ -86,7 +88,7 @@ class TemperatureAttention(modeling_llama.LlamaAttention):
         impl = self.config._attn_implementation
         fn = temperature_eager if impl == "eager" else modeling_llama.ALL_ATTENTION_FUNCTIONS[impl]
         out, weights = fn(self, q, k, v, attention_mask, scaling=self.scaling, dropout=0.0,
-                          attention_temperature=self.config.attention_temperature, **kwargs)
+                          **kwargs)
         out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()
         return self.o_proj(out), weights
 
