@@ -70,6 +70,8 @@ def type_name(annotation: Any) -> str:
         return "mapping"
     if annotation is Any:
         return "any"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "mapping"
     return {"str": "string", "bool": "boolean", "int": "integer", "float": "number"}.get(
         getattr(annotation, "__name__", str(annotation)), str(annotation)
     )
