@@ -25,7 +25,8 @@ def model_config_of(config: Config) -> PretrainedConfig:
         fields = dict(config.model_config_dict)
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
     return AutoConfig.from_pretrained(
-        config.base_model, trust_remote_code=config.trust_remote_code
+        config.base_model_config or config.base_model,
+        trust_remote_code=config.trust_remote_code,
     )
 
 
