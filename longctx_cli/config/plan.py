@@ -643,6 +643,13 @@ def hsdp_replicas(config: Config) -> int:
 def _check_adapter(config: Config) -> None:
     if config.adapter is None:
         return
+    if config.fsdp and (config.load_in_4bit or config.load_in_8bit):
+        raise UserError(
+            "FSDP with a bitsandbytes-quantized base (qlora / load_in_4bit / load_in_8bit) is "
+            "not supported yet.",
+            fix="turn FSDP off (fsdp, fsdp_config, deepspeed, dp_shard_size) for QLoRA: the "
+            "4-bit base is small, and sequence parallelism still splits the sequence.",
+        )
     targets = config.lora_target_modules
     if not targets or (isinstance(targets, str) and not targets.strip()):
         raise UserError(

@@ -1,0 +1,47 @@
+"""Axolotl training keys really act: QLoRA (4-bit base) parity across SP layouts, the issue's
+sequence-parallel example at sp=4 through overrides, wandb offline files, the loss watchdog."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.train_helpers import (
+    TINY_LLAMA,
+    assert_same_run,
+    read_metrics,
+    run_longctx,
+    train,
+    write_config,
+    write_documents,
+)
+
+pytest.importorskip("bitsandbytes")
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    return write_documents(tmp_path_factory.mktemp("data") / "docs.jsonl")
+
+
+def test_qlora_4bit_base_parity_sp1_sp2_ulysses(tmp_path, data_file):
+    common = {"adapter": "qlora", "load_in_4bit": True, "lora_r": 4, "lora_alpha": 8,
+              "lora_target_linear": True, "max_steps": 3, "eval_steps": 3,
+              "bnb_config_kwargs": {"bnb_4bit_use_double_quant": False}}
+    ref = write_config(tmp_path, "sp1", data_file, **common)
+    sp2 = write_config(tmp_path, "sp2", data_file, **common, sequence_parallel_degree=2)
+    uly = write_config(tmp_path, "uly", data_file, **common, sequence_parallel_degree=2,
+                       sequence_parallel_mode="ulysses")
+    train(ref, 1)
+    train(sp2, 2)
+    train(uly, 2)
+    for run in ("sp2", "uly"):
+        assert_same_run(tmp_path / run, tmp_path / "sp1", adapter=True, tol=1e-4)
+    adapter = json.loads((tmp_path / "sp1" / "final" / "adapter_config.json").read_text())
+    targets = adapter["target_modules"]  # lora_target_linear: every linear layer
+    assert any(t.endswith("q_proj") for t in targets)
+    assert any(t.endswith("down_proj") for t in targets)
