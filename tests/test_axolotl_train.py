@@ -45,3 +45,33 @@ def test_qlora_4bit_base_parity_sp1_sp2_ulysses(tmp_path, data_file):
     targets = adapter["target_modules"]  # lora_target_linear: every linear layer
     assert any(t.endswith("q_proj") for t in targets)
     assert any(t.endswith("down_proj") for t in targets)
+
+
+AXOLOTL_CONFIGS = Path(__file__).resolve().parent / "axolotl_configs"
+
+
+def test_issue_example_trains_at_sp4_with_a_tiny_model_override(tmp_path):
+    """The Axolotl SP example, unchanged, with a tiny local model swapped in by overrides."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tiny = tmp_path / "tiny"
+    fields = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(**fields)).save_pretrained(tiny)
+    out = tmp_path / "out"
+    result = run_longctx(
+        "train", str(AXOLOTL_CONFIGS / "issue_sp4.yaml"), "--nproc-per-node", "4",
+        "--base-model", str(tiny), "--tokenizer", "byte", "--dtype", "float32",
+        "--sequence-len", "256", "--max-steps", "2", "--learning-rate", "1e-3",
+        "--datasets", "[{type: passkey, num_samples: 8}]",
+        "--output-dir", str(out), "--dataset-prepared-path", str(tmp_path / "prepared"),
+        "--collective-timeout-s", "120",
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["loss"] > 0 and m["tokens"] > 0 for m in metrics)
+    assert (out / "final" / "model.safetensors").is_file()
+    saved = yaml.safe_load((AXOLOTL_CONFIGS / "issue_sp4.yaml").read_text())
+    assert saved["sequence_parallel_degree"] == 4  # the file itself is unchanged

@@ -447,6 +447,10 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "dataset_processes": Rule("mapped", "tokenization processes", "num_proc", _to("num_proc")),
     "dataset_num_proc": Rule("mapped", "tokenization processes", "num_proc", _to("num_proc")),
     "test_datasets": Rule("mapped", "held-out datasets", "eval_datasets", _to("eval_datasets")),
+    "min_sample_len": Rule(
+        "ignored", "shorter samples are kept and packed into full sequence_len rows, so "
+        "every row is still as long as configured"
+    ),
     "pad_to_sequence_len": Rule(
         "ignored", "packed rows are padded for sharding only; padding is never a target"
     ),
@@ -494,6 +498,27 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "trainer_cls": Rule("refused", "longctx has one trainer"),
     "use_eaft": Rule("refused", "a modified loss is not supported"),
 }
+
+# Axolotl keys that longctx's schema has under the same name and with the same meaning.
+SAME: tuple[str, ...] = (
+    "base_model", "base_model_config", "trust_remote_code", "special_tokens", "tf32",
+    "datasets", "dataset_prepared_path", "val_set_size", "sequence_len", "sample_packing",
+    "sequence_parallel_degree", "context_parallel_size", "heads_k_stride", "ring_attn_func",
+    "fsdp", "fsdp_version", "fsdp_config", "deepspeed", "dp_shard_size", "dp_replicate_size",
+    "tensor_parallel_size", "world_size", "micro_batch_size", "gradient_accumulation_steps",
+    "num_epochs", "max_steps", "learning_rate", "lr_scheduler", "lr_scheduler_kwargs",
+    "cosine_min_lr_ratio", "warmup_steps", "warmup_ratio", "optimizer", "weight_decay",
+    "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "gradient_checkpointing",
+    "gradient_checkpointing_kwargs", "activation_offloading", "tiled_mlp",
+    "early_stopping_patience", "loss_watchdog_threshold", "loss_watchdog_patience", "seed",
+    "strict", "adapter", "load_in_4bit", "load_in_8bit", "bnb_config_kwargs", "lora_model_dir",
+    "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear",
+    "lora_modules_to_save", "peft_use_dora", "peft_use_rslora", "eval_steps", "evals_per_epoch",
+    "eval_strategy", "output_dir", "save_steps", "saves_per_epoch", "save_strategy",
+    "save_total_limit", "logging_steps", "use_tensorboard", "use_wandb", "wandb_project",
+    "wandb_entity", "wandb_name", "wandb_run_id", "wandb_mode", "wandb_watch",
+    "wandb_log_model", "resume_from_checkpoint",
+)
 
 # Names an Axolotl (or HF Trainer / LLaMA-Factory / TRL) user may write that mean one of
 # ours; offered as "did you mean" before spelling distance, which misleads on these.

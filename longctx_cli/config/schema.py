@@ -261,8 +261,10 @@ class Config(_Strict):
         description="ring: KV heads gathered per communication step; must divide the model's "
         "`num_key_value_heads`. Larger = fewer, bigger messages and more memory.",
     )
-    ring_attn_func: Literal["varlen_llama3"] = Field(
-        "varlen_llama3", description="Ring algorithm (llama3-style all-gather)."
+    ring_attn_func: Literal["varlen_llama3", "batch_ring"] = Field(
+        "varlen_llama3",
+        description="Ring algorithm: llama3-style all-gather. Axolotl's `batch_ring` is "
+        "accepted and runs the same exact ring, which keeps packed documents apart.",
     )
     sp_sharding: Literal["contiguous", "zigzag"] = Field(
         "contiguous",
