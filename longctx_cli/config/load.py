@@ -9,6 +9,7 @@ translated here, through the table in axolotl.py, and remembered for the plan.
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -230,7 +231,10 @@ def _explain(
                                     f"add `{key}: ...`."))
             continue
         if not loc:
-            problems.append(Problem(locations.source, f"{msg}."))
+            # A cross-key rule: point at the first key it names that the file has.
+            named = [k for k in re.findall(r"`(\w+)`", msg) if (k,) in locations.keys]
+            where = locations.of((named[0],)) if named else locations.source
+            problems.append(Problem(where, f"{msg}."))
             continue
         origin = produced.get(str(loc[0]))
         where = locations.of((origin,) if origin else loc, value=True)
