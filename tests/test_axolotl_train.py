@@ -75,3 +75,41 @@ def test_issue_example_trains_at_sp4_with_a_tiny_model_override(tmp_path):
     assert (out / "final" / "model.safetensors").is_file()
     saved = yaml.safe_load((AXOLOTL_CONFIGS / "issue_sp4.yaml").read_text())
     assert saved["sequence_parallel_degree"] == 4  # the file itself is unchanged
+
+
+def test_wandb_offline_cadence_and_8bit_optimizer(tmp_path, data_file):
+    """wandb (the real library, offline) gets the run; fractional save/eval steps, warmup_ratio
+    and a bitsandbytes optimizer act."""
+    pytest.importorskip("wandb")
+    path = write_config(
+        tmp_path, "wb", data_file, max_steps=4, save_steps=0.5, eval_steps=0.5,
+        warmup_steps=None, warmup_ratio=0.25, lr_scheduler="linear", optimizer="adamw_8bit",
+        wandb_project="longctx-test", wandb_name="axo", wandb_log_model="end",
+        loss_watchdog_threshold=1000.0,
+    )
+    result = run_longctx("train", str(path), "--nproc-per-node", "1",
+                         env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = tmp_path / "wb"
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [("eval_loss" in m) for m in metrics] == [False, True, False, True]
+    assert metrics[0]["lr"] == 0.0 and metrics[1]["lr"] == pytest.approx(0.01)  # 1 warm-up step
+    assert (out / "checkpoint-2").is_dir() and (out / "checkpoint-4").is_dir()
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    (log,) = runs[0].glob("run-*.wandb")  # the run's record log (protobuf records)
+    records = log.read_bytes()
+    for text in (b"longctx-test", b"axo", b"eval_loss", b"grad_norm", b"tokens_per_sec"):
+        assert text in records, text  # project, run name, the logged metrics
+    assert b"final" in records  # wandb_log_model: end -> the final model as an artifact
+
+
+def test_loss_watchdog_stops_the_run(tmp_path, data_file):
+    path = write_config(tmp_path, "dog", data_file, max_steps=5,
+                        loss_watchdog_threshold=0.01, loss_watchdog_patience=2)
+    result = run_longctx("train", str(path), "--nproc-per-node", "1")
+    assert result.returncode == 2
+    assert "loss_watchdog_threshold" in result.stderr and "Traceback" not in result.stderr
+    metrics = read_metrics(tmp_path / "dog")
+    assert [m["step"] for m in metrics] == [1, 2] and metrics[-1]["stopped"] == "loss_watchdog"
