@@ -55,6 +55,14 @@ NprocOpt = Annotated[
         show_default=False,
     ),
 ]
+# Any top-level config key can follow the config file as `--key value` (Axolotl's way):
+# Click leaves unknown options in ctx.args, and load_config validates them like the file.
+OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
+OVERRIDES_HELP = (
+    "\n\nAny top-level config key can be overridden after CONFIG, e.g. "
+    "[bold]--learning-rate 2e-5 --micro-batch-size 2[/] (dashes or underscores)."
+)
+
 NnodesOpt = Annotated[
     int | None,
     typer.Option("--nnodes", min=1, help="Number of nodes (default 1).", show_default=False),
@@ -112,7 +120,8 @@ def _root(
     help="Check a config against the world size and the model, and print the resolved plan."
     "\n\nThe plan shows the data x sequence parallel layout, tokens per rank, the attention "
     "kernel and a rough per-rank memory estimate. Only the model's config is read (a few "
-    "well-known models work offline).",
+    "well-known models work offline)." + OVERRIDES_HELP,
+    context_settings=OVERRIDES,
     epilog="Examples:\n\n"
     "  longctx validate examples/tiny_passkey.yaml --nproc-per-node 2\n\n"
     "  longctx validate examples/qwen2.5-7b-128k-2nodes.yaml --nproc-per-node 8 --nnodes 2\n\n"
@@ -120,6 +129,7 @@ def _root(
 )
 @_user_errors
 def validate(
+    ctx: typer.Context,
     config: ConfigArg,
     nproc_per_node: NprocOpt = None,
     nnodes: NnodesOpt = None,
@@ -138,7 +148,7 @@ def validate(
     from longctx_cli.config.plan import fit_report, parse_memory_size, plan_for
 
     limit = parse_memory_size(memory_per_rank) if memory_per_rank is not None else None
-    cfg = load_config(config)
+    cfg = load_config(config, ctx.args)
     plan = plan_for(cfg, nproc_per_node=nproc_per_node, nnodes=nnodes)
     plan = dataclasses.replace(plan, fidelity=_fidelity(cfg, plan.model.hf_config))
     Console().print(plan.to_table())
@@ -161,13 +171,16 @@ def _fidelity(cfg: Any, hf_config: Any) -> str:
 @app.command(
     help="Tokenize and pack the datasets once, and cache them for `train`.\n\n"
     "The cache goes to `dataset_prepared_path` (default `<output_dir>/prepared`) and is "
-    "reused by `train` while the data, tokenizer and packing options are unchanged.",
+    "reused by `train` while the data, tokenizer and packing options are unchanged."
+    + OVERRIDES_HELP,
+    context_settings=OVERRIDES,
     epilog="Examples:\n\n"
     "  longctx preprocess examples/tiny_passkey.yaml\n\n"
     "  longctx preprocess my.yaml --force   # rebuild even if the cache matches",
 )
 @_user_errors
 def preprocess(
+    ctx: typer.Context,
     config: ConfigArg,
     force: Annotated[
         bool, typer.Option("--force", help="Rebuild the cache even when its fingerprint matches.")
@@ -177,7 +190,7 @@ def preprocess(
     from longctx_cli.config import load_config
     from longctx_cli.data.prepare import prepare
 
-    cfg = load_config(config)
+    cfg = load_config(config, ctx.args)
     prepared = prepare(cfg, force=force)
     console = Console()
     console.print(prepared.report.render())
@@ -188,7 +201,9 @@ def preprocess(
     help="Train with torchrun: one process per rank, Hugging Face checkpoints in output_dir."
     "\n\nWrites output_dir/metrics.jsonl (one line per optimizer step), resumable "
     "output_dir/checkpoint-<step>/ folders and the final model in output_dir/final/. For "
-    "several nodes, run the same command on every node with its own --node-rank.",
+    "several nodes, run the same command on every node with its own --node-rank."
+    + OVERRIDES_HELP,
+    context_settings=OVERRIDES,
     epilog="Examples:\n\n"
     "  longctx train examples/tiny_passkey.yaml --nproc-per-node 2\n\n"
     "  longctx train my.yaml --nproc-per-node 8 --nnodes 2 --node-rank 0 "
@@ -196,6 +211,7 @@ def preprocess(
 )
 @_user_errors
 def train(
+    ctx: typer.Context,
     config: ConfigArg,
     nproc_per_node: NprocOpt = None,
     nnodes: Annotated[int, typer.Option("--nnodes", min=1, help="Number of nodes.")] = 1,
@@ -227,6 +243,7 @@ def train(
             node_rank=node_rank,
             rdzv_endpoint=rdzv_endpoint,
             overwrite=overwrite,
+            overrides=list(ctx.args),
         )
     )
 

@@ -1,6 +1,7 @@
 """Generate docs/config.md from the schema: every key with its type, default and meaning.
 
     python -m longctx_cli.config.docs > docs/config.md
+    python -m longctx_cli.config.docs axolotl > docs/axolotl.md
 
 Keys are grouped as in schema.py, whose `# ---- group ----` comments mark the groups, so a
 new field lands in the right section without touching this file.
@@ -70,6 +71,8 @@ def type_name(annotation: Any) -> str:
         return "mapping"
     if annotation is Any:
         return "any"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "mapping"
     return {"str": "string", "bool": "boolean", "int": "integer", "float": "number"}.get(
         getattr(annotation, "__name__", str(annotation)), str(annotation)
     )
@@ -144,8 +147,68 @@ def render() -> str:
     return "\n".join(out)
 
 
+AXOLOTL_HEADER = """\
+# Axolotl configs in longctx
+
+<!-- Generated from longctx_cli/config/axolotl.py and schema.py by
+     `python -m longctx_cli.config.docs axolotl > docs/axolotl.md`; do not edit by hand. -->
+
+An Axolotl config is read as it is. Each Axolotl key is one of:
+
+- **same**: a longctx key with the same name and meaning (see [config.md](config.md));
+- **mapped**: translated onto longctx's keys; `longctx validate` lists what it became;
+- **ignored**: accepted and listed in the plan; it changes nothing longctx computes;
+- **refused**: it would change the math or the task and longctx cannot honour it; an error
+  unless it is off (null, false, empty).
+
+Any other key is an error; a known rename (older Axolotl or other trainers' names) is
+suggested first. Every problem of a file is reported at once, each at `file:line:col`.
+Dataset keys (`type: alpaca`, `chat_template`, ...) are described in [data.md](data.md).
+"""
+
+
+def render_axolotl() -> str:
+    """The whole of docs/axolotl.md: every Axolotl key longctx knows, and what it does."""
+    from longctx_cli.config.axolotl import AXOLOTL_KEYS, RENAMES, SAME
+
+    rows = []
+    for key in SAME:
+        info = _field_by_key(key)
+        ours = info.alias or _name_of(key)
+        what = f"`{ours}`" if ours != key else "same key"
+        rows.append((key, "same", what, (info.description or "").replace("|", "\\|")))
+    for key, rule in AXOLOTL_KEYS.items():
+        target = f"`{rule.target}`" if rule.kind == "mapped" and rule.target != "-" else "-"
+        note = rule.reason
+        if rule.values:
+            note += " (values: " + ", ".join(f"`{v}`" for v in rule.values) + ")"
+        status = rule.kind if key not in SAME else "same; other forms mapped"
+        rows.append((key, status, target, note.replace("|", "\\|")))
+    out = [AXOLOTL_HEADER, "## Keys", "", "| Axolotl key | status | longctx | note |",
+           "|---|---|---|---|"]
+    out += [f"| `{k}` | {s} | {t} | {n} |" for k, s, t, n in sorted(rows)]
+    out += ["", "## Renames suggested for unknown keys", "", "| written | did you mean |",
+            "|---|---|"]
+    out += [f"| `{k}` | `{v}` |" for k, v in sorted(RENAMES.items())]
+    return "\n".join(out) + "\n"
+
+
+def _name_of(key: str) -> str:
+    for name, info in Config.model_fields.items():
+        choices = getattr(info.validation_alias, "choices", None) or []
+        if key in (name, info.alias, *choices):
+            return name
+    raise KeyError(key)
+
+
+def _field_by_key(key: str) -> FieldInfo:
+    if key in DatasetConfig.model_fields and key not in Config.model_fields:
+        return DatasetConfig.model_fields[key]
+    return Config.model_fields[_name_of(key)]
+
+
 def main() -> None:
-    sys.stdout.write(render())
+    sys.stdout.write(render_axolotl() if sys.argv[1:] == ["axolotl"] else render())
 
 
 if __name__ == "__main__":

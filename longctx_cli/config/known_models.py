@@ -76,11 +76,43 @@ _MISTRAL_7B: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+_LLAMA32_1B: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": True,
+}
+
+_QWEN3_8B: dict[str, Any] = {
+    "model_type": "qwen3",
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+}
+
 # Keys are lower-case hub ids; instruct variants share the base model's shape.
 KNOWN_MODELS: dict[str, dict[str, Any]] = {
     "meta-llama/meta-llama-3-8b": _LLAMA3_8B,
     "meta-llama/meta-llama-3-8b-instruct": _LLAMA3_8B,
+    "meta-llama/llama-3-8b": _LLAMA3_8B,
+    "meta-llama/llama-3-8b-instruct": _LLAMA3_8B,
     "meta-llama/llama-3.1-8b": _LLAMA31_8B,
+    "nousresearch/meta-llama-3.1-8b": _LLAMA31_8B,
+    "meta-llama/llama-3.2-1b": _LLAMA32_1B,
+    "nousresearch/llama-3.2-1b": _LLAMA32_1B,
+    "qwen/qwen3-8b": _QWEN3_8B,
     "meta-llama/llama-3.1-8b-instruct": _LLAMA31_8B,
     "meta-llama/meta-llama-3.1-8b": _LLAMA31_8B,
     "meta-llama/meta-llama-3.1-8b-instruct": _LLAMA31_8B,

@@ -1,19 +1,99 @@
-"""Read a YAML file into a `Config`, turning every mistake into a one-paragraph `UserError`."""
+"""Read a YAML file (plus command-line overrides) into a `Config`.
+
+Every problem of a file is reported at once, each at its `file:line:col`: unknown keys
+(with the Axolotl rename before spelling distance), duplicate keys, wrong types and values,
+and Axolotl keys that longctx refuses. Axolotl keys that longctx maps or ignores are
+translated here, through the table in axolotl.py, and remembered for the plan.
+"""
 
 from __future__ import annotations
 
 import difflib
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from longctx_cli.config import axolotl
 from longctx_cli.config.schema import Config, DatasetConfig
 from longctx_cli.errors import UserError
 
+Path_ = tuple[str | int, ...]
 
-def _known_keys(model: type[BaseModel]) -> list[str]:
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with the config, where it is, and how to fix it."""
+
+    where: str
+    message: str
+    fix: str = ""
+
+
+class _Locations:
+    """`file:line:col` of every key (and value) of the YAML, and of command-line overrides."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self.keys: dict[Path_, str] = {}
+        self.values: dict[Path_, str] = {}
+
+    def add_node(self, node: yaml.Node, path: Path_ = ()) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                if not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key: str | int = key_node.value
+                self.keys[(*path, key)] = self._at(key_node.start_mark)
+                self.values[(*path, key)] = self._at(value_node.start_mark)
+                self.add_node(value_node, (*path, key))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self.keys[(*path, i)] = self.values[(*path, i)] = self._at(item.start_mark)
+                self.add_node(item, (*path, i))
+
+    def _at(self, mark: yaml.Mark) -> str:
+        return f"{self.source}:{mark.line + 1}:{mark.column + 1}"
+
+    def set_override(self, key: str, where: str) -> None:
+        for table in (self.keys, self.values):
+            for path in [p for p in table if p and p[0] == key]:
+                del table[path]
+            table[(key,)] = where
+
+    def of(self, path: Path_, value: bool = False) -> str:
+        """The closest known location of `path` (its own, else its parent's)."""
+        table = self.values if value else self.keys
+        for end in range(len(path), 0, -1):
+            if path[:end] in table:
+                return table[path[:end]]
+        return self.source
+
+
+class _DuplicateKeyLoader(yaml.SafeLoader):
+    """SafeLoader that records duplicate mapping keys instead of keeping the last silently."""
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self.duplicates: list[tuple[Any, yaml.Mark, yaml.Mark]] = []
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue
+            key = self.construct_object(key_node)
+            if key in seen:
+                self.duplicates.append((key, key_node.start_mark, seen[key]))
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+def known_keys(model: type[BaseModel]) -> list[str]:
+    """Every key a model accepts, aliases included."""
     keys = []
     for name, field in model.model_fields.items():
         keys.append(field.alias or name)
@@ -22,23 +102,103 @@ def _known_keys(model: type[BaseModel]) -> list[str]:
     return sorted(set(keys))
 
 
-def _check_unknown_keys(data: dict, model: type[BaseModel], where: str, path: str) -> None:
-    known = _known_keys(model)
-    for key in data:
+def _unknown(key: str, known: list[str], path: str, where: str) -> Problem:
+    rename = axolotl.suggestion(key)
+    if rename is not None:
+        hint = f"did you mean `{rename}`?"
+    else:
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        hint = f"did you mean `{close[0]}`?" if close else "see docs/config.md for the keys."
+    return Problem(where, f"unknown key `{path}{key}`; {hint}", "rename or remove it.")
+
+
+# ---- Axolotl translation ------------------------------------------------------------------
+
+
+def _translate(
+    data: dict[Any, Any], locations: _Locations, problems: list[Problem]
+) -> tuple[dict[str, Any], list[tuple[str, str]], dict[str, str]]:
+    """Our keys, the plan's notes on Axolotl keys, and `our key -> the Axolotl key it came from`."""
+    known = known_keys(Config)
+    everything = sorted(set(known) | set(axolotl.AXOLOTL_KEYS))
+    out: dict[str, Any] = {}
+    notes: list[tuple[str, str]] = []
+    produced: dict[str, str] = {}
+    for key, value in data.items():
+        where = locations.of((key,))
         if not isinstance(key, str):
-            raise UserError(
-                f"key {key!r} is not a string.",
-                where=where,
-                fix="write every key as a plain name, e.g. `sequence_len: 8192`.",
-            )
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-            hint = f"did you mean `{close[0]}`?" if close else "see docs/config.md for the keys."
-            raise UserError(
-                f"unknown key `{path}{key}`; {hint}",
-                where=where,
-                fix="rename or remove it.",
-            )
+            problems.append(Problem(where, f"key {key!r} is not a string.",
+                                    "write every key as a plain name, e.g. `sequence_len: 8192`."))
+            continue
+        rule = axolotl.AXOLOTL_KEYS.get(key)
+        # A key of ours keeps its meaning; the table speaks only for Axolotl's other forms of
+        # it (`fsdp: [full_shard, auto_wrap]` where ours is a boolean).
+        if key in known and (rule is None or isinstance(value, bool)):
+            out[key] = value
+            continue
+        if rule is None:
+            problems.append(_unknown(key, everything, "", where))
+        elif rule.kind == "ignored":
+            notes.append((key, f"ignored: {rule.reason}"))
+        elif rule.kind == "refused":
+            if axolotl.is_active(value):
+                problems.append(Problem(
+                    where, f"`{key}` is not supported: {rule.reason}.",
+                    f"remove `{key}` (or set it to null/false).",
+                ))
+            else:
+                notes.append((key, "ignored: off"))
+        else:
+            assert rule.apply is not None
+            try:
+                mapped, note = rule.apply(value, data)
+            except axolotl.MappingProblem as e:
+                problems.append(Problem(where, f"{e}.", f"correct `{key}` (docs/axolotl.md)."))
+                continue
+            notes.append((key, f"mapped to {note}" if mapped else note))
+            for ours, ours_value in mapped.items():
+                if ours in data and ours != key and data[ours] != ours_value and (
+                    ours != "fsdp_config"
+                ):
+                    problems.append(Problem(
+                        where, f"`{key}` = {value!r} means `{ours}: {ours_value}`, but the "
+                        f"config also sets `{ours}: {data[ours]!r}`.", "keep one of the two.",
+                    ))
+                elif ours in produced and out.get(ours) != ours_value:
+                    problems.append(Problem(
+                        where, f"`{key}` = {value!r} means `{ours}: {ours_value}`, but "
+                        f"`{produced[ours]}` means `{ours}: {out[ours]!r}`.", "keep one of them.",
+                    ))
+                else:
+                    out[ours] = ours_value
+                    produced[ours] = key
+    # Both generations of the SP degree's name: the same number twice is fine.
+    if "sequence_parallel_degree" in out and "context_parallel_size" in out:
+        a, b = out["sequence_parallel_degree"], out.pop("context_parallel_size")
+        if a != b:
+            problems.append(Problem(
+                locations.of(("context_parallel_size",)),
+                f"`context_parallel_size` = {b!r} and `sequence_parallel_degree` = {a!r} are "
+                "two names of one setting and disagree.", "keep one of them.",
+            ))
+    return out, notes, produced
+
+
+def _dataset_keys(data: dict[str, Any], locations: _Locations, problems: list[Problem]) -> None:
+    known = known_keys(DatasetConfig)
+    for list_key in ("datasets", "eval_datasets"):
+        entries = data.get(list_key)
+        if not isinstance(entries, list):
+            continue
+        for i, entry in enumerate(entries):
+            if isinstance(entry, dict):
+                for key in entry:
+                    if isinstance(key, str) and key not in known:
+                        where = locations.of((list_key, i, key))
+                        problems.append(_unknown(key, known, f"{list_key}[{i}].", where))
+
+
+# ---- pydantic errors ----------------------------------------------------------------------
 
 
 def _location(loc: tuple) -> str:
@@ -51,26 +211,92 @@ def _location(loc: tuple) -> str:
     return "".join(parts) or "(top level)"
 
 
-def _explain(error: ValidationError, where: str) -> UserError:
-    first = error.errors()[0]
-    key = _location(tuple(x for x in first["loc"] if not str(x).startswith("function-")))
-    value = first.get("input")
-    shown = repr(value)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "missing":
-        return UserError(f"required key `{key}` is missing.", where=where, fix=f"add `{key}: ...`.")
-    if key == "(top level)":
-        return UserError(f"{msg}.", where=where)
-    return UserError(
-        f"`{key}` = {shown} is invalid: {msg}.",
-        where=where,
-        fix=f"change `{key}` (see docs/config.md for its type and allowed values).",
-    )
+def _explain(
+    error: ValidationError, locations: _Locations, produced: dict[str, str]
+) -> list[Problem]:
+    problems = []
+    for item in error.errors():
+        loc = tuple(x for x in item["loc"] if not str(x).startswith("function-"))
+        key = _location(loc)
+        msg = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden" and loc:
+            parent = _location(loc[:-1])
+            problems.append(Problem(
+                locations.of(loc), f"unknown key `{key}`.",
+                f"remove it or see docs/config.md for the keys of `{parent}`.",
+            ))
+            continue
+        if item["type"] == "missing":
+            problems.append(Problem(locations.of(loc[:-1]), f"required key `{key}` is missing.",
+                                    f"add `{key}: ...`."))
+            continue
+        if not loc:
+            # A cross-key rule: point at the first key it names that the file has.
+            named = [k for k in re.findall(r"`(\w+)`", msg) if (k,) in locations.keys]
+            where = locations.of((named[0],)) if named else locations.source
+            problems.append(Problem(where, f"{msg}."))
+            continue
+        origin = produced.get(str(loc[0]))
+        where = locations.of((origin,) if origin else loc, value=True)
+        via = f" (from `{origin}`)" if origin else ""
+        shown = repr(item.get("input"))
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        problems.append(Problem(
+            where, f"`{key}`{via} = {shown} is invalid: {msg}.",
+            f"change `{origin or key}` (see docs/config.md for its type and allowed values).",
+        ))
+    return problems
 
 
-def config_from_dict(data: Any, where: str = "config") -> Config:
+def _raise(problems: list[Problem], source: str) -> None:
+    if len(problems) == 1:
+        p = problems[0]
+        raise UserError(p.message, where=p.where, fix=p.fix or None)
+    lines = [f"{len(problems)} problems in the config:"]
+    for p in problems:
+        lines.append(f"  {p.where}: {p.message}" + (f" Fix: {p.fix}" if p.fix else ""))
+    raise UserError("\n".join(lines))
+
+
+# ---- entry points -------------------------------------------------------------------------
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any, str]]:
+    """`--learning-rate 2e-5 --micro-batch-size=2 --gradient-checkpointing` ->
+    (key, YAML-typed value, how it was written) per override."""
+    out = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise UserError(
+                f"unexpected argument {arg!r}.",
+                fix="write overrides as `--key value` after the config, e.g. "
+                "`--learning-rate 2e-5 --micro-batch-size 2`.",
+            )
+        name, eq, text = arg[2:].partition("=")
+        if not eq:
+            if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                text, i = args[i + 1], i + 1
+            else:
+                text = "true"  # a bare flag switches a boolean key on
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            value = text
+        out.append((name.replace("-", "_"), value, f"--{name} (command line)"))
+        i += 1
+    return out
+
+
+def config_from_dict(
+    data: Any,
+    where: str = "config",
+    *,
+    _locations: _Locations | None = None,
+    _problems: list[Problem] | None = None,
+) -> Config:
     """Validate an already-parsed mapping; `where` names its origin in error messages."""
     if not isinstance(data, dict):
         raise UserError(
@@ -78,21 +304,25 @@ def config_from_dict(data: Any, where: str = "config") -> Config:
             where=where,
             fix="write `key: value` lines, e.g. `base_model: ...` and `sequence_len: 8192`.",
         )
-    _check_unknown_keys(data, Config, where, "")
-    for list_key in ("datasets", "eval_datasets"):
-        entries = data.get(list_key)
-        if isinstance(entries, list):
-            for i, entry in enumerate(entries):
-                if isinstance(entry, dict):
-                    _check_unknown_keys(entry, DatasetConfig, where, f"{list_key}[{i}].")
+    locations = _locations or _Locations(where)
+    problems = list(_problems or [])
+    translated, notes, produced = _translate(data, locations, problems)
+    _dataset_keys(translated, locations, problems)
+    config = None
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(translated)
     except ValidationError as e:
-        raise _explain(e, where) from None
+        problems += _explain(e, locations, produced)
+    if problems:
+        _raise(problems, locations.source)
+    assert config is not None
+    config.axolotl_notes[:0] = notes
+    return config
 
 
-def load_config(path: str | Path) -> Config:
-    """Load and validate a YAML config file (safe_load only)."""
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Load and validate a YAML config file (safe_load only), then apply command-line
+    overrides (`--key value`), validated like the file."""
     path = Path(path)
     if not path.is_file():
         raise UserError(
@@ -103,8 +333,14 @@ def load_config(path: str | Path) -> Config:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise UserError("is not UTF-8 text.", where=str(path), fix="save it as UTF-8.") from None
+    locations = _Locations(str(path))
     try:
-        data = yaml.safe_load(text)
+        loader = _DuplicateKeyLoader(text)
+        try:
+            data = loader.get_single_data()
+        finally:
+            loader.dispose()
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -121,6 +357,28 @@ def load_config(path: str | Path) -> Config:
             where=str(path),
             fix="check for unbalanced brackets; see examples/ for a config.",
         ) from None
-    if data is None:
+    if data is None and not overrides:
         raise UserError("the file is empty.", where=str(path), fix="see examples/ for a config.")
-    return config_from_dict(data, where=str(path))
+    if node is not None:
+        locations.add_node(node)
+    problems = [
+        Problem(locations._at(mark), f"duplicate key `{key}` (first at line {first.line + 1}).",
+                "keep one of them: YAML would silently use the last.")
+        for key, mark, first in loader.duplicates
+    ]
+    data = {} if data is None else data
+    if isinstance(data, dict) and overrides:
+        data = dict(data)
+        in_file = set(data)
+        strict = data.get("strict") is True
+        for key, value, where in parse_overrides(overrides):
+            if key == "strict":
+                strict = value is True
+            if strict and key not in in_file and key != "strict":
+                problems.append(Problem(
+                    where, f"`strict: true` allows overrides only of keys in the file, and "
+                    f"`{key}` is not there.", f"add `{key}` to the file, or set `strict: false`.",
+                ))
+            data[key] = value
+            locations.set_override(key, where)
+    return config_from_dict(data, where=str(path), _locations=locations, _problems=problems)

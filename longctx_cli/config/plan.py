@@ -165,7 +165,7 @@ def read_model_config(config: Config) -> ModelShape:
         return ModelShape.from_hf_config(hf, source="inline `model_config`")
     from transformers import AutoConfig
 
-    model_id = str(config.base_model)
+    model_id = str(config.base_model_config or config.base_model)
     trust = config.trust_remote_code
     local = Path(model_id).expanduser()
     if local.exists():
@@ -423,7 +423,7 @@ def estimate_memory(
     b = DTYPE_BYTES[config.dtype]
     base = shape.parameter_count()
     local_tokens = config.micro_batch_size * config.sequence_len // sp
-    if config.adapter == "lora":
+    if config.adapter is not None:
         trainable, unmatched = lora_parameter_count(config, shape)
         if unmatched:
             notes.append(
@@ -431,6 +431,12 @@ def estimate_memory(
                 "they are left out of the estimate."
             )
         param_bytes, train_bytes = base * b + trainable * LORA_BYTES, LORA_BYTES
+        if config.load_in_4bit or config.load_in_8bit:
+            # bitsandbytes stores the decoder's linear weights in 4 or 8 bits (plus ~3% of
+            # block scales); embeddings, norms and lm_head keep the dtype.
+            linear = shape.num_hidden_layers * sum(a * o for a, o in shape.linear_shapes().values())
+            quant = 0.53 if config.load_in_4bit else 1.03
+            param_bytes -= linear * b - int(linear * quant)
     else:
         trainable, param_bytes, train_bytes = base, base * b, b
     if config.activation_offloading and host_is_device:
@@ -440,19 +446,33 @@ def estimate_memory(
     # FSDP2 all-gathers one layer at a time and prefetches the next: two full layers live.
     gathered = 2 * (base // max(1, shape.num_hidden_layers)) * b if config.fsdp else 0
     moments = 0 if config.optimizer == "sgd" else 2  # AdamW: exp_avg and exp_avg_sq
+    if config.optimizer.startswith("lion") or config.optimizer.startswith("paged_lion"):
+        moments = 1
+    state_scale = _optimizer_state_scale(config.optimizer, train_bytes)
     saved, recompute = _activation_bytes(config, shape, local_tokens, not host_is_device)
     estimate = MemoryEstimate(
         parameters=param_bytes // shard + gathered,
         gradients=trainable * train_bytes // shard,
-        optimizer=moments * trainable * train_bytes // shard,
+        optimizer=int(moments * trainable * train_bytes * state_scale) // shard,
         activations=saved,
         logits=_logits_bytes(config, shape, local_tokens),
         attention_buffers=_attention_buffer_bytes(config, shape, sp, ulysses, local_tokens),
-        total_params=base + (trainable if config.adapter == "lora" else 0),
+        total_params=base + (trainable if config.adapter is not None else 0),
         trainable_params=trainable,
         recompute=recompute,
     )
     return estimate, notes
+
+
+def _optimizer_state_scale(optimizer: str, train_bytes: int) -> float:
+    """Bytes of one optimizer moment relative to one trainable weight's bytes."""
+    if optimizer.endswith("4bit"):
+        return 0.5 / train_bytes
+    if optimizer.endswith("8bit") or optimizer.endswith("fp8"):
+        return 1.0 / train_bytes
+    if optimizer.endswith("32bit") or optimizer == "paged_adamw":
+        return 4.0 / train_bytes
+    return 1.0
 
 
 # ---- the rules --------------------------------------------------------------------------
@@ -595,9 +615,44 @@ def _check_zigzag_kernel(config: Config) -> None:
         )
 
 
-def _check_adapter(config: Config) -> None:
-    if config.adapter != "lora":
+def _check_data_parallel(config: Config, world: int, sp: int) -> None:
+    """Axolotl's rule: dp_replicate_size x dp_shard_size x sp = world (given ones only)."""
+    dp = world // sp
+    rep_, shard = config.dp_replicate_size, config.dp_shard_size
+    if rep_ is None and shard is None:
         return
+    product = (rep_ or 1) * (shard or 1)
+    if (rep_ is not None and shard is not None and product != dp) or dp % product:
+        given = " x ".join(f"{k} {v}" for k, v in (("dp_replicate_size", rep_),
+                                                     ("dp_shard_size", shard)) if v is not None)
+        raise UserError(
+            f"{given} does not fit the {dp} data-parallel ranks (world {world} / "
+            f"sequence_parallel_degree {sp}).",
+            fix="make dp_replicate_size x dp_shard_size equal world / sequence_parallel_degree, "
+            "or leave one of them out.",
+        )
+    if rep_ is not None and rep_ > 1 and not config.fsdp:
+        raise UserError(
+            f"`dp_replicate_size` = {rep_} replicates sharded weights, but FSDP is off.",
+            fix="set `dp_shard_size` > 1 or `fsdp: true` (HSDP), or drop dp_replicate_size.",
+        )
+
+
+def hsdp_replicas(config: Config) -> int:
+    """Replica groups of an HSDP mesh (1: plain FSDP over the whole world)."""
+    return config.dp_replicate_size or 1 if config.fsdp else 1
+
+
+def _check_adapter(config: Config) -> None:
+    if config.adapter is None:
+        return
+    if config.fsdp and (config.load_in_4bit or config.load_in_8bit):
+        raise UserError(
+            "FSDP with a bitsandbytes-quantized base (qlora / load_in_4bit / load_in_8bit) is "
+            "not supported yet.",
+            fix="turn FSDP off (fsdp, fsdp_config, deepspeed, dp_shard_size) for QLoRA: the "
+            "4-bit base is small, and sequence parallelism still splits the sequence.",
+        )
     targets = config.lora_target_modules
     if not targets or (isinstance(targets, str) and not targets.strip()):
         raise UserError(
@@ -671,6 +726,10 @@ class Plan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     host_is_device: bool = False  # a CPU run: offloading activations frees nothing
     fidelity: str | None = None  # the fidelity probe's verdict, once `validate` has run it
+    training: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    fsdp_detail: str = ""
+    axolotl: tuple[tuple[str, str], ...] = field(default_factory=tuple)  # key -> what we did
+    assumed: tuple[str, ...] = field(default_factory=tuple)  # what validate assumed
 
     def to_table(self) -> Table:
         """The plan as a rich Table (what `longctx validate` prints)."""
@@ -685,6 +744,13 @@ class Plan:
             for name, value in rows:
                 t.add_row(f"  {name}", value)
             t.add_section()
+        if self.axolotl:
+            t.add_row("[cyan]axolotl keys[/]", "")
+            for key, what in self.axolotl:
+                t.add_row(f"  {key}", what)
+            t.add_section()
+        for text in self.assumed:
+            t.add_row("  assumed", text)
         for note in self.notes:
             t.add_row("  note", note)
         return t
@@ -708,8 +774,9 @@ class Plan:
                 ("heads_k_stride", str(self.heads_k_stride) if self.ring > 1 else "-"),
                 ("sharding", self.sharding),
                 ("attention kernel", f"{self.kernel} ({self.kernel_reason})"),
-                ("fsdp", "yes" if self.fsdp else "no"),
+                ("fsdp", _fsdp_text(self)),
             ]),
+            ("training", list(self.training)),
             ("batch", [
                 ("micro batch", f"{self.micro_batch_size} x {self.sequence_len:,} = "
                                 f"{self.micro_batch_tokens:,} tokens per SP group"),
@@ -723,6 +790,69 @@ class Plan:
                 ("total", f"[bold]{_gib(mem.total)}[/]"),
             ]),
         ]
+
+
+def _fsdp_text(plan: Plan) -> str:
+    return plan.fsdp_detail if plan.fsdp else "no"
+
+
+def _training_rows(config: Config) -> tuple[tuple[str, str], ...]:
+    """Optimizer, schedule, precision and cadence as the run will use them."""
+    warmup = (f"{config.warmup_ratio:g} of the steps" if config.warmup_ratio is not None
+              else f"{config.warmup_steps or 0} steps")
+    rows = [
+        ("optimizer", f"{config.optimizer}, lr {config.learning_rate:g}, "
+                      f"weight decay {config.weight_decay:g}"),
+        ("schedule", f"{config.lr_scheduler}, warm-up {warmup}"),
+        ("precision", config.dtype + (", tf32 matmuls" if config.tf32 else "")),
+    ]
+    if config.adapter is not None:
+        base = "4-bit" if config.load_in_4bit else "8-bit" if config.load_in_8bit else config.dtype
+        extras = [n for n, on in (("DoRA", config.peft_use_dora),
+                                   ("rsLoRA", config.peft_use_rslora)) if on]
+        rows.append(("adapter", f"{config.adapter}, r {config.lora_r}, {base} base"
+                     + (f", {', '.join(extras)}" if extras else "")
+                     + (f", from {config.lora_model_dir}" if config.lora_model_dir else "")))
+    save = ("never" if config.save_strategy == "no" else "every epoch"
+            if config.save_strategy == "epoch" else f"{config.saves_per_epoch} per epoch"
+            if config.saves_per_epoch else f"every {config.save_steps:g} steps"
+            if config.save_steps else "final model only")
+    evals = ("never" if config.eval_strategy == "no" else "every epoch"
+             if config.eval_strategy == "epoch" else f"{config.evals_per_epoch} per epoch"
+             if config.evals_per_epoch else f"every {config.eval_steps:g} steps"
+             if config.eval_steps else "none")
+    rows += [("checkpoints", save), ("eval loss", evals)]
+    stops = []
+    if config.early_stopping_patience:
+        stops.append(f"early stopping after {config.early_stopping_patience} evals without "
+                     "improvement")
+    if config.loss_watchdog_threshold:
+        stops.append(f"loss > {config.loss_watchdog_threshold:g} for "
+                     f"{config.loss_watchdog_patience} steps")
+    if stops:
+        rows.append(("stops", "; ".join(stops)))
+    trackers = ["metrics.jsonl"] + (["TensorBoard"] if config.use_tensorboard else []) + (
+        [f"wandb ({config.wandb_project})"] if wandb_enabled(config) else [])
+    rows.append(("logging", ", ".join(trackers)))
+    return tuple(rows)
+
+
+def wandb_enabled(config: Config) -> bool:
+    """Axolotl's rule: wandb logs when a project is named, unless use_wandb says no."""
+    if config.use_wandb is not None:
+        return config.use_wandb
+    return bool(config.wandb_project)
+
+
+def fsdp_detail(config: Config) -> str:
+    fc = config.fsdp_config
+    parts = ["FSDP2", "full shard" if fc is None or fc.reshard_after_forward
+             else "no parameter resharding (ZeRO-2)"]
+    if fc is not None and fc.offload_params:
+        parts.append("params offloaded to CPU")
+    if hsdp_replicas(config) > 1:
+        parts.append(f"HSDP: {hsdp_replicas(config)} replicas")
+    return ", ".join(parts)
 
 
 def _gib(n: int) -> str:
@@ -751,6 +881,7 @@ def check_without_model(config: Config, world_size: int, world_source: str = "gi
     # concatenated into one row whose documents never attend across a row boundary.
     _check_zigzag_kernel(config)
     _check_adapter(config)
+    _check_data_parallel(config, world_size, sp)
     return ulysses
 
 
@@ -762,8 +893,12 @@ def build_plan(
     platform: Platform | None = None,
     nproc_per_node: int | None = None,
     world_source: str = "given",
+    assume_gpu: bool = False,
 ) -> Plan:
     """Apply every rule (the first broken one raises UserError) and resolve the plan.
+
+    `assume_gpu` (what `validate` passes): a config that asks for the flash kernel is planned
+    for a CUDA machine even where this one has none, and the plan says so.
 
     `model_config` is a `ModelShape` or a transformers `PretrainedConfig`; `platform`
     defaults to what this machine offers.
@@ -776,6 +911,19 @@ def build_plan(
     ulysses = check_without_model(config, world_size, world_source)
     _check_heads(config, shape, sp, ulysses)
     platform = platform or Platform.detect()
+    assumed: list[str] = []
+    if assume_gpu and not platform.cuda and config.attention_kernel == "flash":
+        # A login node plans a GPU job: plan it for the GPU machine and say so.
+        assumed.append(
+            "this machine has no CUDA GPU; the plan assumes the run's machines have CUDA GPUs "
+            "with ring-flash-attn and flash-attn installed (`pip install 'longctx[gpu]'`)."
+        )
+        platform = Platform(cuda=True, ring_flash_attn=True)
+    elif not platform.cuda and config.attention_kernel == "auto":
+        assumed.append(
+            "no CUDA here, so `attention_kernel: auto` resolves to torch; on CUDA machines "
+            "with ring-flash-attn it resolves to flash (same attention)."
+        )
     kernel, reason = _resolve_kernel(config, sp, platform)
     memory, memory_notes = estimate_memory(
         config, shape, world_size, sp, ulysses, host_is_device=not platform.cuda
@@ -818,6 +966,10 @@ def build_plan(
         memory=memory,
         notes=tuple(notes),
         host_is_device=not platform.cuda,
+        training=_training_rows(config),
+        fsdp_detail=fsdp_detail(config),
+        axolotl=tuple(config.axolotl_notes),
+        assumed=tuple(assumed),
     )
 
 
@@ -828,7 +980,8 @@ def plan_for(
     world, source = resolve_world(config, nproc_per_node, nnodes)
     check_without_model(config, world, source)  # fail fast, before transformers is imported
     shape = read_model_config(config)
-    return build_plan(config, world, shape, nproc_per_node=nproc_per_node, world_source=source)
+    return build_plan(config, world, shape, nproc_per_node=nproc_per_node, world_source=source,
+                      assume_gpu=True)
 
 
 # ---- smallest sp that fits --------------------------------------------------------------

@@ -7,13 +7,44 @@ is the same.
 
 from __future__ import annotations
 
+import types
+import typing
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+
+def _admits(annotation: Any, kinds: tuple[type, ...]) -> bool:
+    """Whether a field's annotation accepts any of `kinds` (looking inside unions)."""
+    if annotation in kinds:
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_admits(a, kinds) for a in typing.get_args(annotation))
+    return False
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_default=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic reads `true` as 1 for an int field; `sequence_parallel_degree: true` is a
+        # mistake (Axolotl's boolean switches look alike), never a number.
+        if isinstance(value, bool) and info.field_name:
+            annotation = cls.model_fields[info.field_name].annotation
+            if _admits(annotation, (int, float)) and not _admits(annotation, (bool,)):
+                raise ValueError("a number is needed, not true/false")
+        return value
 
 
 DatasetType = Literal[
@@ -149,6 +180,79 @@ def _as_entries(value: Any) -> Any:
     return out
 
 
+class SpecialTokens(_Strict):
+    """Axolotl's `special_tokens:` mapping; each token must already be in the vocabulary."""
+
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    additional_special_tokens: list[str] | None = None
+
+
+class FsdpConfig(_Strict):
+    """Axolotl's `fsdp_config:` (keys with or without the older `fsdp_` prefix)."""
+
+    offload_params: bool = Field(False, description="Keep sharded parameters in host memory.")
+    reshard_after_forward: bool = Field(
+        True, description="Free gathered parameters after forward (ZeRO-3); false = ZeRO-2."
+    )
+    activation_checkpointing: bool = Field(False, description="Same as gradient_checkpointing.")
+    state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"] | None = (
+        None
+    )
+    final_state_dict_type: (
+        Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"] | None
+    ) = None
+    auto_wrap_policy: Literal["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP"] | None = None
+    transformer_layer_cls_to_wrap: str | None = None
+    min_num_params: int | None = None
+    fsdp_version: int | None = None
+    sync_module_states: bool | None = None
+    cpu_ram_efficient_loading: bool | None = None
+    cpu_offload_pin_memory: bool | None = None
+    use_orig_params: bool | None = None
+    mixed_precision_policy: str | None = None
+    limit_all_gathers: bool | None = None
+    backward_prefetch: str | None = None
+    forward_prefetch: bool | None = None
+    sharding_strategy: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strip_prefix(cls, data: Any) -> Any:
+        # Axolotl's first generation wrote `fsdp_offload_params`, the second `offload_params`.
+        if isinstance(data, dict):
+            return {
+                (k[5:] if isinstance(k, str) and k.startswith("fsdp_") and k != "fsdp_version"
+                 else k): v
+                for k, v in data.items()
+            }
+        return data
+
+
+OPTIMIZERS = (
+    # torch.optim
+    "adamw", "adamw_torch", "adamw_torch_fused", "sgd",
+    # bitsandbytes (runs on CPU too)
+    "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "paged_adamw",
+    "lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit",
+    # torchao low-bit states
+    "adamw_torch_8bit", "adamw_torch_4bit", "ao_adamw_8bit", "ao_adamw_4bit", "ao_adamw_fp8",
+)
+Optimizer = Literal[
+    "adamw", "adamw_torch", "adamw_torch_fused", "sgd",
+    "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "paged_adamw",
+    "lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit",
+    "adamw_torch_8bit", "adamw_torch_4bit", "ao_adamw_8bit", "ao_adamw_4bit", "ao_adamw_fp8",
+]
+Scheduler = Literal[
+    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+    "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr",
+    "cosine_warmup_with_min_lr", "warmup_stable_decay",
+]
+
+
 class Config(_Strict):
     """A longctx run. Groups below are only for reading; the YAML is flat."""
 
@@ -172,7 +276,20 @@ class Config(_Strict):
         description="Allow model/tokenizer code from the hub to run. Off unless you trust it.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "bfloat16", description="Dtype of the model weights and compute."
+        "bfloat16",
+        description="Dtype of the model weights and compute (Axolotl's `bf16`/`fp16` map here).",
+    )
+    base_model_config: str | None = Field(
+        None,
+        description="Where to read the model's config.json if not beside `base_model`.",
+    )
+    special_tokens: SpecialTokens | None = Field(
+        None,
+        description="Tokenizer special tokens to set (bos_token, eos_token, pad_token, "
+        "unk_token); each must already be one token of the vocabulary.",
+    )
+    tf32: bool | Literal["auto"] = Field(
+        False, description="Allow TF32 matmuls on Ampere+ GPUs (`auto`: same as true)."
     )
 
     # ---- data ----------------------------------------------------------------------------
@@ -264,8 +381,10 @@ class Config(_Strict):
         description="ring: KV heads gathered per communication step; must divide the model's "
         "`num_key_value_heads`. Larger = fewer, bigger messages and more memory.",
     )
-    ring_attn_func: Literal["varlen_llama3"] = Field(
-        "varlen_llama3", description="Ring algorithm (llama3-style all-gather)."
+    ring_attn_func: Literal["varlen_llama3", "batch_ring"] = Field(
+        "varlen_llama3",
+        description="Ring algorithm: llama3-style all-gather. Axolotl's `batch_ring` is "
+        "accepted and runs the same exact ring, which keeps packed documents apart.",
     )
     sp_sharding: Literal["contiguous", "zigzag"] = Field(
         "contiguous",
@@ -278,7 +397,31 @@ class Config(_Strict):
         "(CPU or CUDA); auto: flash when available, else torch.",
     )
     fsdp: bool = Field(
-        False, description="Shard parameters, gradients and optimizer state with FSDP2."
+        False,
+        description="Shard parameters, gradients and optimizer state with FSDP2 (also turned "
+        "on by `fsdp_version`/`fsdp_config`, `deepspeed` ZeRO >= 1 or `dp_shard_size` > 1).",
+    )
+    fsdp_version: int | None = Field(
+        None, ge=1, le=2, description="Axolotl's FSDP generation; both run as FSDP2 here."
+    )
+    fsdp_config: FsdpConfig | None = Field(
+        None,
+        description="FSDP options: offload_params, reshard_after_forward, "
+        "activation_checkpointing (others accepted, see docs/axolotl.md).",
+    )
+    deepspeed: str | dict[str, Any] | None = Field(
+        None,
+        description="A DeepSpeed JSON (path or mapping), mapped onto FSDP2: ZeRO-3 -> full "
+        "shard, ZeRO-1/2 -> no parameter resharding, CPU offload -> offload_params.",
+    )
+    dp_shard_size: int | None = Field(
+        None, ge=1, description="Ranks that shard the weights (FSDP); checked against the world."
+    )
+    dp_replicate_size: int | None = Field(
+        None, ge=1, description="Replicas of the sharded weights (HSDP when > 1 with FSDP)."
+    )
+    tensor_parallel_size: int | None = Field(
+        None, ge=1, description="Tensor parallelism; only 1 is supported for now."
     )
     world_size: int | None = Field(
         None,
@@ -297,18 +440,28 @@ class Config(_Strict):
         None, ge=1, description="Stop after this many optimizer steps (overrides num_epochs)."
     )
     learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate.")
-    lr_scheduler: Literal[
-        "linear",
-        "cosine",
-        "cosine_with_restarts",
-        "polynomial",
-        "constant",
-        "constant_with_warmup",
-        "inverse_sqrt",
-    ] = Field("cosine", description="Schedule (transformers.get_scheduler name).")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
-    optimizer: Literal["adamw", "adamw_torch", "sgd"] = Field(
-        "adamw", description="Optimizer (adamw and adamw_torch are torch.optim.AdamW)."
+    lr_scheduler: Scheduler = Field(
+        "cosine", description="Schedule (any transformers.get_scheduler name)."
+    )
+    lr_scheduler_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra arguments of the schedule, e.g. `{num_cycles: 2}`."
+    )
+    cosine_min_lr_ratio: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="cosine: decay to this fraction of learning_rate (cosine_with_min_lr).",
+    )
+    warmup_steps: int | None = Field(None, ge=0, description="Linear warm-up steps (default 0).")
+    warmup_ratio: float | None = Field(
+        None, ge=0, lt=1, description="Warm-up as a fraction of the total steps."
+    )
+    optimizer: Optimizer = Field(
+        "adamw",
+        description="adamw/adamw_torch/adamw_torch_fused: torch AdamW; sgd; bitsandbytes "
+        "adamw_8bit, adamw_bnb_8bit, paged_adamw_8bit/32bit, lion_8bit/32bit (`pip install "
+        "'longctx[bnb]'`); torchao adamw_torch_8bit/4bit, ao_adamw_8bit/4bit/fp8 "
+        "(`pip install 'longctx[torchao]'`).",
     )
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
@@ -318,7 +471,12 @@ class Config(_Strict):
         1.0, description="Clip the global gradient norm to this (null: no clipping)."
     )
     gradient_checkpointing: bool = Field(
-        False, description="Recompute each decoder layer in backward to save activation memory."
+        False,
+        description="Recompute each decoder layer in backward to save activation memory "
+        "(Axolotl's `offload` also turns on activation_offloading).",
+    )
+    gradient_checkpointing_kwargs: dict[str, Any] | None = Field(
+        None, description="Passed to transformers (default `{use_reentrant: false}`)."
     )
     chunked_loss: bool = Field(
         False,
@@ -329,7 +487,9 @@ class Config(_Strict):
         4096, ge=1, description="Tokens per chunk when `chunked_loss` is on."
     )
     activation_offloading: bool = Field(
-        False, description="Keep activations saved for backward in host memory."
+        False,
+        description="Keep activations saved for backward in host memory (Axolotl's `legacy`, "
+        "`disk` and `hidden_states` all mean true here).",
     )
     tiled_mlp: bool = Field(
         False, description="Run each MLP over the local tokens in tiles, recomputed in backward."
@@ -342,7 +502,21 @@ class Config(_Strict):
         description="stop: a NaN/inf loss or gradient ends the run (the last checkpoint is "
         "kept); skip: drop that optimizer step and continue.",
     )
+    early_stopping_patience: int | None = Field(
+        None, ge=1, description="Stop after this many evaluations in a row without a new best "
+        "eval loss."
+    )
+    loss_watchdog_threshold: float | None = Field(
+        None, gt=0, description="Stop when the training loss stays above this (see patience)."
+    )
+    loss_watchdog_patience: int = Field(
+        3, ge=1, description="Steps in a row above loss_watchdog_threshold before stopping."
+    )
     seed: int = Field(42, description="Seed for initialisation, data order and dropout.")
+    strict: bool = Field(
+        False,
+        description="Command-line overrides may only replace keys the file already has.",
+    )
     collective_timeout_s: int = Field(
         300,
         ge=10,
@@ -350,18 +524,50 @@ class Config(_Strict):
     )
 
     # ---- adapter -------------------------------------------------------------------------
-    adapter: Literal["lora"] | None = Field(None, description="lora, or null for full fine-tuning.")
+    adapter: Literal["lora", "qlora"] | None = Field(
+        None, description="lora, qlora (LoRA on a 4-bit base), or null for full fine-tuning."
+    )
+    load_in_4bit: bool = Field(
+        False, description="Quantize the base weights to 4 bits (bitsandbytes NF4); needs an "
+        "adapter."
+    )
+    load_in_8bit: bool = Field(
+        False, description="Quantize the base weights to 8 bits (bitsandbytes); needs an adapter."
+    )
+    bnb_config_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra BitsAndBytesConfig arguments, e.g. `{bnb_4bit_quant_type: fp4}`."
+    )
+    lora_model_dir: str | None = Field(
+        None, description="Continue training this saved LoRA adapter instead of a new one."
+    )
     lora_r: int = Field(8, ge=1, description="LoRA rank.")
     lora_alpha: float = Field(16, gt=0, description="LoRA scaling numerator.")
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
-    lora_target_modules: list[str] | str = Field(
+    lora_target_modules: list[str] | str | None = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         description="Module names to adapt, or `all-linear`.",
     )
+    lora_target_linear: bool = Field(
+        False, description="Adapt every linear layer (same as `lora_target_modules: all-linear`)."
+    )
+    lora_modules_to_save: list[str] | None = Field(
+        None, description="Modules trained in full beside the adapter, e.g. [lm_head]."
+    )
+    peft_use_dora: bool = Field(False, description="DoRA: weight-decomposed LoRA.")
+    peft_use_rslora: bool = Field(False, description="rsLoRA: scale by alpha / sqrt(r).")
 
     # ---- evaluation ----------------------------------------------------------------------
-    eval_steps: int | None = Field(
-        None, ge=1, description="Compute eval loss every this many optimizer steps."
+    eval_steps: int | float | None = Field(
+        None,
+        gt=0,
+        description="Compute eval loss every this many optimizer steps (< 1: that fraction "
+        "of the total steps).",
+    )
+    evals_per_epoch: int | None = Field(
+        None, ge=1, description="Compute eval loss this many times per epoch."
+    )
+    eval_strategy: Literal["no", "steps", "epoch"] | None = Field(
+        None, description="no: never; epoch: once per epoch; steps (or null): per eval_steps."
     )
     eval_context_lengths: list[int] | None = Field(
         None,
@@ -379,14 +585,39 @@ class Config(_Strict):
 
     # ---- output --------------------------------------------------------------------------
     output_dir: str = Field("./outputs", description="Where metrics, checkpoints and final/ go.")
-    save_steps: int | None = Field(
-        None, ge=1, description="Write a resumable checkpoint every this many optimizer steps."
+    save_steps: int | float | None = Field(
+        None,
+        gt=0,
+        description="Write a resumable checkpoint every this many optimizer steps (< 1: that "
+        "fraction of the total steps).",
+    )
+    saves_per_epoch: int | None = Field(
+        None, ge=1, description="Write this many checkpoints per epoch."
+    )
+    save_strategy: Literal["no", "steps", "epoch"] | None = Field(
+        None, description="no: never; epoch: once per epoch; steps (or null): per save_steps."
     )
     save_total_limit: int | None = Field(
         None, ge=1, description="Keep only the newest this many checkpoints."
     )
     logging_steps: int = Field(1, ge=1, description="Print a log line every this many steps.")
     use_tensorboard: bool = Field(False, description="Also log metrics to TensorBoard.")
+    use_wandb: bool | None = Field(
+        None, description="Log to Weights & Biases (default: on when wandb_project is set)."
+    )
+    wandb_project: str | None = Field(None, description="Weights & Biases project.")
+    wandb_entity: str | None = Field(None, description="Weights & Biases team or user.")
+    wandb_name: str | None = Field(None, description="Weights & Biases run name.")
+    wandb_run_id: str | None = Field(None, description="Weights & Biases run id (to resume one).")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="Weights & Biases mode (default: WANDB_MODE, else online)."
+    )
+    wandb_watch: Literal["gradients", "parameters", "all", "false"] | None = Field(
+        None, description="wandb.watch the model's gradients and/or parameters."
+    )
+    wandb_log_model: Literal["checkpoint", "end", "false"] | None = Field(
+        None, description="Upload the final model (`end`) or every checkpoint as an artifact."
+    )
     resume_from_checkpoint: str | None = Field(
         None, description="`auto` (newest complete checkpoint in output_dir) or a checkpoint path."
     )
@@ -420,6 +651,86 @@ class Config(_Strict):
             # Not silently ignored: a streamed run has no prepared eval rows yet.
             raise ValueError("eval data (`eval_datasets`, `val_set_size`) is not supported "
                              "with `pretraining_dataset` yet")
+        return self
+
+    # (key, how it was handled) for every Axolotl key the loader mapped or ignored, and the
+    # DeepSpeed mapping; the plan prints them.
+    _axolotl_notes: list[tuple[str, str]] = PrivateAttr(default_factory=list)
+
+    @field_validator("activation_offloading", mode="before")
+    @classmethod
+    def _offload_modes(cls, value: Any) -> Any:
+        # Axolotl's offload flavours all keep saved activations off the GPU.
+        return True if value in ("legacy", "disk", "hidden_states") else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _checkpointing_offload(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("gradient_checkpointing") in (
+            "offload", "offload_disk"
+        ):
+            data = {**data, "gradient_checkpointing": True}
+            data.setdefault("activation_offloading", True)
+        return data
+
+    @property
+    def axolotl_notes(self) -> list[tuple[str, str]]:
+        return self._axolotl_notes
+
+    @model_validator(mode="after")
+    def _axolotl_rules(self) -> Config:
+        """Cross-key rules of the Axolotl keys, and the distribution keys folded into fsdp."""
+        pairs = (("warmup_steps", "warmup_ratio"), ("save_steps", "saves_per_epoch"),
+                 ("eval_steps", "evals_per_epoch"))
+        for a, b in pairs:
+            if getattr(self, a) is not None and getattr(self, b) is not None:
+                raise ValueError(f"`{a}` and `{b}` say the same thing twice; keep one")
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ValueError("`load_in_4bit` and `load_in_8bit` are both on; choose one")
+        if self.adapter == "qlora" and not self.load_in_4bit:
+            if self.load_in_8bit:
+                raise ValueError("`adapter: qlora` is LoRA on a 4-bit base; set "
+                                 "`load_in_4bit: true` instead of load_in_8bit")
+            self.load_in_4bit = True  # what qlora means
+        if (self.load_in_4bit or self.load_in_8bit) and self.adapter is None:
+            raise ValueError("a quantized base (`load_in_4bit`/`load_in_8bit`) cannot be "
+                             "trained in full; set `adapter: lora` (or qlora)")
+        if self.lora_model_dir and self.adapter is None:
+            raise ValueError("`lora_model_dir` continues an adapter; set `adapter: lora`")
+        if self.lora_target_linear:
+            self.lora_target_modules = "all-linear"
+        if self.tensor_parallel_size is not None and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"`tensor_parallel_size` = {self.tensor_parallel_size}: tensor parallelism is "
+                "not supported yet; set it to 1 and use sequence_parallel_degree / fsdp"
+            )
+        if self.deepspeed is not None and (self.fsdp_config is not None or self.fsdp_version):
+            raise ValueError("`deepspeed` and `fsdp_config`/`fsdp_version` both choose the "
+                             "sharding; keep one")
+        if self.deepspeed is not None:
+            from longctx_cli.config.axolotl import map_deepspeed
+
+            ds = map_deepspeed(self.deepspeed)  # MappingProblem is a ValueError
+            self._axolotl_notes.append(("deepspeed", ds.note()))
+            if ds.fsdp:
+                self.fsdp = True
+                self.fsdp_config = FsdpConfig(
+                    reshard_after_forward=ds.reshard_after_forward,
+                    offload_params=ds.offload_params or ds.offload_optimizer,
+                )
+        elif self.fsdp_config is not None or self.fsdp_version:
+            self.fsdp = True
+            if self.fsdp_version == 1 or (self.fsdp_config and self.fsdp_config.fsdp_version == 1):
+                self._axolotl_notes.append(("fsdp_version", "1 runs as FSDP2 (same sharding)"))
+        if self.fsdp_config is not None and self.fsdp_config.activation_checkpointing:
+            self.gradient_checkpointing = True
+        if self.dp_shard_size is not None and self.dp_shard_size > 1:
+            self.fsdp = True
+        if self.early_stopping_patience is not None and not (
+            self.eval_steps or self.evals_per_epoch or self.eval_strategy == "epoch"
+        ):
+            raise ValueError("`early_stopping_patience` needs evaluations: set `eval_steps`, "
+                             "`evals_per_epoch` or `eval_strategy: epoch`")
         return self
 
     @model_validator(mode="after")

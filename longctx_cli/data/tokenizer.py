@@ -54,8 +54,31 @@ def load_tokenizer(config: Config) -> PreTrainedTokenizerBase:
         tok = byte_tokenizer()
     else:
         tok = _from_pretrained(source, config.trust_remote_code)
+    apply_special_tokens(tok, config)
     ensure_pad_token(tok)
     return tok
+
+
+def apply_special_tokens(tok: PreTrainedTokenizerBase, config: Config) -> None:
+    """Axolotl's `special_tokens:`; each must already be one token of the vocabulary, since
+    adding tokens would need resized embeddings."""
+    special = config.special_tokens
+    if special is None:
+        return
+    for name, text in special.model_dump(exclude_none=True).items():
+        for token in text if isinstance(text, list) else [text]:
+            ids = tok.convert_tokens_to_ids(token)
+            if ids is None or ids == tok.unk_token_id and token != tok.unk_token:
+                raise UserError(
+                    f"special_tokens.{name} = {token!r} is not a token of the tokenizer's "
+                    "vocabulary; adding tokens (and resizing embeddings) is not supported.",
+                    where="special_tokens",
+                    fix="use a token the tokenizer already has (e.g. its eos token), or remove it.",
+                )
+        if name == "additional_special_tokens":
+            tok.add_special_tokens({name: text}, replace_additional_special_tokens=False)
+        else:
+            setattr(tok, name, text)
 
 
 def _from_pretrained(source: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:

@@ -84,9 +84,12 @@ def run_train(
     node_rank: int,
     rdzv_endpoint: str | None,
     overwrite: bool,
+    overrides: list[str] | None = None,
 ) -> int:
-    """Entry of `longctx train`; returns the process exit code."""
-    config = load_config(config_path)
+    """Entry of `longctx train`; returns the process exit code. `overrides` are `--key value`
+    arguments after the config; every rank receives them too."""
+    overrides = list(overrides or [])
+    config = load_config(config_path, overrides)
     if in_torchrun():
         from longctx_cli.train.loop import train
 
@@ -102,7 +105,8 @@ def run_train(
 
         prepare(config)
     return launch_torchrun(
-        ["train", str(config_path)], world_size, nproc_per_node, nnodes, node_rank, rdzv_endpoint
+        ["train", str(config_path), *overrides],
+        world_size, nproc_per_node, nnodes, node_rank, rdzv_endpoint,
     )
 
 

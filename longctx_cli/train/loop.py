@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
-from transformers import get_scheduler
 
 from longctx_cli.config import Config
+from longctx_cli.config.plan import hsdp_replicas, wandb_enabled
 from longctx_cli.data.prepare import prepare
 from longctx_cli.data.stream import PackedStream
 from longctx_cli.data.tokenizer import load_tokenizer
@@ -44,6 +44,16 @@ from longctx_cli.train.model import (
     load_base_model,
     model_config_of,
     sp_hidden_states,
+)
+from longctx_cli.train.optim import (
+    EarlyStopping,
+    LossWatchdog,
+    WandbLog,
+    eval_interval,
+    is_plateau,
+    make_optimizer,
+    make_scheduler,
+    save_interval,
 )
 
 
@@ -72,6 +82,7 @@ def init_distributed(config: Config) -> torch.device:
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.backends.cuda.matmul.allow_tf32 = bool(config.tf32)  # Axolotl's `tf32`
     if not dist.is_initialized():
         dist.init_process_group(
             backend="nccl" if use_cuda else "gloo",
@@ -94,7 +105,10 @@ def init_parallel(config: Config, device: torch.device) -> Parallel:
     if config.fsdp and world > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device.type, (world,))
+        replicas = hsdp_replicas(config)
+        # HSDP (dp_replicate_size > 1): shard within groups, replicate across them.
+        mesh = (init_device_mesh(device.type, (replicas, world // replicas))
+                if replicas > 1 else init_device_mesh(device.type, (world,)))
     return Parallel(ctx, dist.get_rank() // sp, world // sp, mesh)
 
 
@@ -106,18 +120,6 @@ def load_rows(config: Config, tokenizer):
     if dist.get_rank() != 0:
         prepared = prepare(config, tokenizer, progress=False)
     return prepared.train, prepared.eval
-
-
-def make_optimizer(config: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.learning_rate, weight_decay=config.weight_decay)
-    return torch.optim.AdamW(
-        params,
-        lr=config.learning_rate,
-        betas=(config.adam_beta1, config.adam_beta2),
-        eps=config.adam_epsilon,
-        weight_decay=config.weight_decay,
-    )
 
 
 def rows_per_step(config: Config, dp_size: int) -> int:
@@ -411,7 +413,8 @@ def train(config: Config) -> None:
     train_rows, eval_rows = (None, None) if stream else load_rows(config, tokenizer)
 
     model = build_model(config, fsdp_mesh=parallel.world_mesh if config.fsdp else None)
-    model.to(device)
+    if not (config.load_in_4bit or config.load_in_8bit):  # bitsandbytes placed those already
+        model.to(device)
     use_fsdp = config.fsdp and world > 1
     decoder, lm_head = decoder_and_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -420,12 +423,11 @@ def train(config: Config) -> None:
         steps_per_epoch = num_steps = config.max_steps
     else:
         steps_per_epoch, num_steps = total_steps(config, len(train_rows), dp_size)
-    scheduler = get_scheduler(
-        config.lr_scheduler,
-        optimizer,
-        num_warmup_steps=config.warmup_steps,
-        num_training_steps=num_steps,
-    )
+    scheduler = make_scheduler(config, optimizer, num_steps)
+    save_every = save_interval(config, steps_per_epoch, num_steps)
+    eval_every = eval_interval(config, steps_per_epoch, num_steps)
+    early_stop = EarlyStopping(config.early_stopping_patience)
+    watchdog = LossWatchdog(config.loss_watchdog_threshold, config.loss_watchdog_patience)
 
     start_step = 0
     resume_path = resolve_resume(config.resume_from_checkpoint, output_dir)
@@ -435,6 +437,7 @@ def train(config: Config) -> None:
         if stream is not None:
             restore_stream(stream, trainer_state, resume_path)
     metrics = MetricsLog(output_dir, rank == 0, config.use_tensorboard, start_step)
+    tracker = WandbLog(config, rank == 0 and wandb_enabled(config), output_dir, model)
     progress = tqdm(
         # disable=None: a bar on a terminal only; logs and pipes get the log lines below.
         total=num_steps, initial=start_step, disable=True if rank != 0 else None,
@@ -455,7 +458,7 @@ def train(config: Config) -> None:
             indices = step_row_indices(step, steps_per_epoch, per_step, len(train_rows),
                                        config.seed)
         batches = micro_batches(rows, indices, dp_rank, config, ctx, pad_id, device)
-        lr = scheduler.get_last_lr()[0]
+        lr = optimizer.param_groups[0]["lr"]
         started = time.perf_counter()
         try:
             result = train_step(
@@ -470,7 +473,8 @@ def train(config: Config) -> None:
                 fix="lower learning_rate, raise warmup_steps, check the data, or set "
                 "`on_nonfinite: skip` to drop such steps.",
             ) from None
-        scheduler.step()
+        if not is_plateau(config):
+            scheduler.step()
         seconds = time.perf_counter() - started
 
         # ---- log ----------------------------------------------------------------------
@@ -484,11 +488,19 @@ def train(config: Config) -> None:
         }
         if result.skipped:
             record["skipped"] = True
-        if config.eval_steps and eval_rows is not None and (step + 1) % config.eval_steps == 0:
+        stop = None
+        if eval_every and eval_rows is not None and (step + 1) % eval_every == 0:
             record["eval_loss"] = evaluate_loss(
                 decoder, lm_head, eval_rows, dp_rank, dp_size, config, ctx, pad_id, device
             )
+            if is_plateau(config):
+                scheduler.step(record["eval_loss"])
+            if early_stop.should_stop(record["eval_loss"]):
+                stop = record["stopped"] = "early_stopping"
+        if watchdog.tripped(result.loss):
+            stop = record["stopped"] = "loss_watchdog"
         metrics.write(record)
+        tracker.log(record)
         progress.update(1)
         progress.set_postfix(
             loss=f"{result.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_sec']:.0f}"
@@ -501,30 +513,55 @@ def train(config: Config) -> None:
             )
 
         # ---- save ---------------------------------------------------------------------
-        if config.save_steps and (step + 1) % config.save_steps == 0 and step + 1 < num_steps:
+        if save_every and (step + 1) % save_every == 0 and step + 1 < num_steps:
             last_checkpoint = save_checkpoint(
                 output_dir, step + 1, model, optimizer, scheduler,
                 {"step": step + 1, "epoch": (step + 1) / steps_per_epoch,
                  **data_state(stream)},
                 keep=config.save_total_limit,
             )
+            if rank == 0:
+                tracker.artifact(last_checkpoint, f"checkpoint-{step + 1}")
+        if stop == "loss_watchdog":
+            progress.close()
+            metrics.close()
+            tracker.finish()
+            raise UserError(
+                f"step {step + 1}: the training loss stayed above {config.loss_watchdog_threshold}"
+                f" for {config.loss_watchdog_patience} steps in a row; training stopped "
+                f"(last checkpoint: {last_checkpoint or 'none'}).",
+                where="loss_watchdog_threshold",
+                fix="lower learning_rate or raise warmup, check the data, or raise/remove "
+                "loss_watchdog_threshold.",
+            )
+        if stop == "early_stopping":
+            if rank == 0:
+                progress.write(f"early stopping at step {step + 1}: eval loss did not improve "
+                               f"for {config.early_stopping_patience} evaluations")
+            num_steps = step + 1
+            break
 
     # ---- finish -----------------------------------------------------------------------
     progress.close()
     metrics.close()
-    if config.save_steps:
+    if save_every:
         save_checkpoint(
             output_dir, num_steps, model, optimizer, scheduler,
             {"step": num_steps, "epoch": num_steps / steps_per_epoch, **data_state(stream)},
             keep=config.save_total_limit,
         )
     base_saver = None
-    if config.adapter == "lora" and config.model_config_dict is not None:
-        # A random-init base exists nowhere else: ship it beside the adapter.
+    if config.adapter is not None and config.model_config_dict is not None:
+        # A random-init base exists nowhere else: ship it beside the adapter (unquantized).
         def base_saver(path: Path) -> None:
-            load_base_model(config, "sdpa").save_pretrained(path, safe_serialization=True)
-    final = export_final(model, tokenizer, output_dir / "final", config.adapter == "lora",
+            load_base_model(config, "sdpa", quantize=False).save_pretrained(
+                path, safe_serialization=True
+            )
+    final = export_final(model, tokenizer, output_dir / "final", config.adapter is not None,
                          base_saver)
+    if rank == 0:
+        tracker.artifact(final, "final")
+    tracker.finish()
     if rank == 0:
         print(f"done: metrics in {output_dir / 'metrics.jsonl'}, model in {final}", flush=True)
     dist.barrier()

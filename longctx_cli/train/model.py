@@ -26,22 +26,81 @@ def model_config_of(config: Config) -> PretrainedConfig:
         fields = dict(config.model_config_dict)
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
     return AutoConfig.from_pretrained(
-        config.base_model, trust_remote_code=config.trust_remote_code
+        config.base_model_config or config.base_model,
+        trust_remote_code=config.trust_remote_code,
     )
 
 
-def load_base_model(config: Config, attn_implementation: str) -> PreTrainedModel:
-    """Load `base_model`, or build `model_config` with weights drawn from `config.seed`."""
+def _quantization(config: Config, dtype: torch.dtype):
+    """bitsandbytes settings of `load_in_4bit` / `load_in_8bit` (None: full precision)."""
+    if not (config.load_in_4bit or config.load_in_8bit):
+        return None
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except ImportError:
+        raise UserError(
+            "`load_in_4bit`/`load_in_8bit` (and `adapter: qlora`) need the `bitsandbytes` "
+            "package, which is not installed.",
+            where="load_in_4bit" if config.load_in_4bit else "load_in_8bit",
+            fix="`pip install 'longctx[bnb]'`.",
+        ) from None
+    kwargs = dict(config.bnb_config_kwargs or {})
+    if config.load_in_4bit:
+        # Axolotl's QLoRA defaults: NF4 with double quantization, compute in the run's dtype.
+        kwargs = {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+                  "bnb_4bit_compute_dtype": dtype, **kwargs}
+        return BitsAndBytesConfig(load_in_4bit=True, **kwargs)
+    return BitsAndBytesConfig(load_in_8bit=True, **kwargs)
+
+
+def _device_map() -> dict[str, object]:
+    if torch.cuda.is_available():
+        return {"": torch.cuda.current_device()}
+    return {"": "cpu"}
+
+
+def load_base_model(
+    config: Config, attn_implementation: str, quantize: bool = True
+) -> PreTrainedModel:
+    """Load `base_model`, or build `model_config` with weights drawn from `config.seed`;
+    quantized by bitsandbytes when `load_in_4bit`/`load_in_8bit` (and `quantize`) say so."""
     dtype = DTYPES[config.dtype]
+    quantization = _quantization(config, dtype) if quantize else None
     if config.trust_remote_code:
         warnings.warn(
             "trust_remote_code is on: code from the model repository will run.", stacklevel=2
         )
-    if config.model_config_dict is not None:
+    if config.model_config_dict is not None and quantization is not None:
+        # bitsandbytes quantizes while loading: write the seeded random init, load it back.
+        import tempfile
+
+        from safetensors.torch import save_model
+
+        with tempfile.TemporaryDirectory(prefix="longctx-base-") as tmp:
+            # Every rank writes its own copy: save_pretrained would write on rank 0 only.
+            full = load_base_model(config, attn_implementation, quantize=False)
+            full.config.save_pretrained(tmp)
+            save_model(full, f"{tmp}/model.safetensors", metadata={"format": "pt"})
+            del full
+            model = AutoModelForCausalLM.from_pretrained(
+                tmp, attn_implementation=attn_implementation, dtype=dtype,
+                quantization_config=quantization, device_map=_device_map(),
+            )
+    elif config.model_config_dict is not None:
         # Same seed on every rank -> identical initial weights without a broadcast.
         torch.manual_seed(config.seed)
         model = AutoModelForCausalLM.from_config(
             model_config_of(config), attn_implementation=attn_implementation, dtype=dtype
+        )
+    elif quantization is not None:
+        model = AutoModelForCausalLM.from_pretrained(
+            config.base_model,
+            attn_implementation=attn_implementation,
+            dtype=dtype,
+            trust_remote_code=config.trust_remote_code,
+            quantization_config=quantization,
+            device_map=_device_map(),
         )
     else:
         model = AutoModelForCausalLM.from_pretrained(
@@ -62,13 +121,28 @@ def load_base_model(config: Config, attn_implementation: str) -> PreTrainedModel
 
 
 def apply_lora(model: PreTrainedModel, config: Config) -> nn.Module:
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, PeftModel, get_peft_model
 
+    if config.lora_model_dir:
+        # Continue a saved adapter (Axolotl's lora_model_dir): its own LoRA settings apply.
+        try:
+            return PeftModel.from_pretrained(model, config.lora_model_dir, is_trainable=True)
+        except (OSError, ValueError) as e:
+            raise UserError(
+                f"the adapter in `lora_model_dir` = {config.lora_model_dir!r} could not be "
+                f"loaded: {str(e).splitlines()[0]}",
+                where="lora_model_dir",
+                fix="point it at a folder with adapter_config.json (e.g. a previous run's "
+                "final/), or remove it to start a new adapter.",
+            ) from None
     lora = LoraConfig(
         r=config.lora_r,
         lora_alpha=config.lora_alpha,
         lora_dropout=config.lora_dropout,
         target_modules=config.lora_target_modules,
+        modules_to_save=config.lora_modules_to_save,
+        use_dora=config.peft_use_dora,
+        use_rslora=config.peft_use_rslora,
         task_type="CAUSAL_LM",
     )
     try:
@@ -81,9 +155,18 @@ def apply_lora(model: PreTrainedModel, config: Config) -> nn.Module:
         ) from None
 
 
-def apply_fsdp(model: nn.Module, mesh) -> None:
-    """Shard every decoder layer, the decoder's remaining parameters and lm_head with FSDP2."""
-    from torch.distributed.fsdp import fully_shard
+def apply_fsdp(model: nn.Module, mesh, config: Config | None = None) -> None:
+    """Shard every decoder layer, the decoder's remaining parameters and lm_head with FSDP2
+    (`fsdp_config`: reshard_after_forward, offload_params)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    options: dict = {}
+    fc = config.fsdp_config if config is not None else None
+    if fc is not None:
+        options["reshard_after_forward"] = fc.reshard_after_forward
+        if fc.offload_params and torch.cuda.is_available():
+            # On a CPU run the parameters already live in host memory.
+            options["offload_policy"] = CPUOffloadPolicy()
 
     base = unwrap(model)
     if base.config.tie_word_embeddings:
@@ -94,10 +177,10 @@ def apply_fsdp(model: nn.Module, mesh) -> None:
         )
     decoder = base.get_decoder()
     for layer in decoder.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(decoder, mesh=mesh)
-    fully_shard(base.get_output_embeddings(), mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **options)
+    fully_shard(decoder, mesh=mesh, **options)
+    fully_shard(base.get_output_embeddings(), mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
 
 
 def unwrap(model: nn.Module) -> PreTrainedModel:
@@ -110,14 +193,15 @@ def build_model(config: Config, fsdp_mesh=None) -> nn.Module:
     register_sp_attention()
     model = load_base_model(config, ATTN_IMPLEMENTATION)
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False, **(config.gradient_checkpointing_kwargs or {})}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.config.use_cache = False
-    if config.adapter == "lora":
+    if config.adapter is not None:
         model = apply_lora(model, config)
     if config.tiled_mlp:
         apply_tiled_mlp(model, config.tiled_mlp_tiles)
     if config.fsdp and fsdp_mesh is not None:
-        apply_fsdp(model, fsdp_mesh)
+        apply_fsdp(model, fsdp_mesh, config)
     model.train()
     return model
 
