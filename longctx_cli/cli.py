@@ -139,6 +139,9 @@ def validate(
     limit = parse_memory_size(memory_per_rank) if memory_per_rank is not None else None
     cfg = load_config(config)
     plan = plan_for(cfg, nproc_per_node=nproc_per_node, nnodes=nnodes)
+    from longctx_cli.preflight import preflight
+
+    preflight(cfg)  # the world around the config: data files, output_dir, LoRA targets
     Console().print(plan.to_table())
     if limit is not None:
         Console().print("\n".join(fit_report(cfg, plan, limit)), markup=False)
