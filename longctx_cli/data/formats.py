@@ -19,6 +19,30 @@ if TYPE_CHECKING:
 IGNORE = -100
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 Where = Callable[[int], str]
+# Characters per token, generously: byte tokenizers give 1, BPE about 4 on prose, more on
+# long runs of whitespace. A record with more characters than this per token of
+# sequence_len cannot fit; it is cut to that size *before* tokenizing, so one 30 MB line
+# costs a bounded slice of tokenizer time and memory instead of minutes and gigabytes.
+MAX_CHARS_PER_TOKEN = 32
+
+
+def max_record_chars(sequence_len: int) -> int:
+    """Characters of one record that are tokenized at most (see MAX_CHARS_PER_TOKEN)."""
+    return sequence_len * MAX_CHARS_PER_TOKEN
+
+
+def _check_cut(ids: list[int], chars: int, max_chars: int, where: str) -> None:
+    """A record cut to `max_chars` must still be over sequence_len tokens, so that
+    `excess_length_strategy` treats it as too long; if not, its text is pathological."""
+    if len(ids) <= max_chars // MAX_CHARS_PER_TOKEN:
+        raise UserError(
+            f"a record of {chars:,} characters averages more than {MAX_CHARS_PER_TOKEN} "
+            "characters per token, so its length cannot be judged without tokenizing all of "
+            "it; records this long are cut before tokenizing.",
+            where=where,
+            fix="split or shorten that record (or remove it); raising `sequence_len` raises "
+            "the cut too.",
+        )
 
 
 def encode_document(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -48,22 +72,32 @@ def _text(record_value: Any, field: str, where: str) -> str:
 
 def completion_batch(
     batch: dict[str, list], indices: list[int], *, tok: PreTrainedTokenizerBase, field: str,
-    where: Where,
+    where: Where, max_chars: int | None = None,
 ) -> dict[str, list]:
-    """`completion`: the whole text is a target. Empty texts give empty samples (skipped)."""
+    """`completion`: the whole text is a target. Empty texts give empty samples (skipped).
+
+    Texts over `max_chars` are cut before tokenizing (the sample is still too long, and
+    `excess_length_strategy` drops, truncates or reports it as usual).
+    """
     out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
     for value, i in zip(batch[field], indices, strict=True):
         text = _text(value, field, where(i))
-        ids = encode_document(tok, text) if text.strip() else []
+        cut = max_chars is not None and len(text) > max_chars
+        ids = encode_document(tok, text[:max_chars] if cut else text) if text.strip() else []
+        if cut:
+            _check_cut(ids, len(text), max_chars, where(i))
         _append(out, ids, list(ids))
     return out
 
 
 def pretrain_batch(
     batch: dict[str, list], indices: list[int], *, tok: PreTrainedTokenizerBase, field: str,
-    where: Where,
+    where: Where, max_chars: int | None = None,
 ) -> dict[str, list]:
-    """`pretrain`, step 1: each document's ids; `pretrain_pieces` then cuts the stream."""
+    """`pretrain`, step 1: each document's ids; `pretrain_pieces` then cuts the stream.
+
+    `max_chars` is unused: a long document is never too long here, it spans several pieces.
+    """
     out: dict[str, list] = {"input_ids": []}
     for value, i in zip(batch[field], indices, strict=True):
         text = _text(value, field, where(i))
@@ -98,17 +132,38 @@ def pretrain_pieces(
 
 def chat_batch(
     batch: dict[str, list], indices: list[int], *, tok: PreTrainedTokenizerBase, field: str,
-    where: Where,
+    where: Where, max_chars: int | None = None,
 ) -> dict[str, list]:
-    """`chat_template`: render with the tokenizer's template; only assistant turns are targets."""
+    """`chat_template`: render with the tokenizer's template; only assistant turns are targets.
+
+    A conversation whose turns hold more than `max_chars` characters is cut there (later
+    turns dropped) before rendering; the sample is still too long, see `completion_batch`.
+    """
     out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
     for value, i in zip(batch[field], indices, strict=True):
         messages = _check_messages(value, field, where(i))
+        chars = sum(len(m["content"]) for m in messages)
+        cut = max_chars is not None and chars > max_chars
+        if cut:
+            messages = _cut_turns(messages, max_chars)
         ids, labels = render_chat(tok, messages, where(i))
+        if cut:
+            _check_cut(ids, chars, max_chars, where(i))
         if all(label == IGNORE for label in labels):
             ids, labels = [], []  # nothing to learn from: skipped like an empty text
         _append(out, ids, labels)
     return out
+
+
+def _cut_turns(messages: list[dict[str, str]], max_chars: int) -> list[dict[str, str]]:
+    """The turns up to `max_chars` characters of content, the last one cut."""
+    kept, left = [], max_chars
+    for turn in messages:
+        if left <= 0:
+            break
+        kept.append({"role": turn["role"], "content": turn["content"][:left]})
+        left -= len(turn["content"])
+    return kept
 
 
 def _check_messages(value: Any, field: str, where: str) -> list[dict[str, str]]:
