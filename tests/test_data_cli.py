@@ -28,4 +28,4 @@ def test_preprocess_builds_then_reuses_and_reports_bad_lines(tmp_path, monkeypat
     bad = runner.invoke(app, ["preprocess", "c.yaml"])
     assert bad.exit_code == 2
     assert "d.jsonl:2" in bad.output and "Traceback" not in bad.output
-    assert len(list((tmp_path / "prep").glob("*/COMPLETE"))) == 1  # prep/<fingerprint>/  # the good cache is still there
+    assert len(list((tmp_path / "prep").glob("*/COMPLETE"))) == 1  # the good cache is still there
