@@ -150,6 +150,9 @@ def validate(
     limit = parse_memory_size(memory_per_rank) if memory_per_rank is not None else None
     cfg = load_config(config, ctx.args)
     plan = plan_for(cfg, nproc_per_node=nproc_per_node, nnodes=nnodes)
+    from longctx_cli.preflight import preflight
+
+    preflight(cfg)  # the world around the config: data files, output_dir, LoRA targets
     plan = dataclasses.replace(plan, fidelity=_fidelity(cfg, plan.model.hf_config))
     Console().print(plan.to_table())
     if limit is not None:

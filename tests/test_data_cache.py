@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -85,23 +86,24 @@ def test_failure_mid_write_keeps_the_old_cache(tmp_path, data, monkeypatch):
     assert calls["n"] == 3
     after = {p: p.read_bytes() for p in (tmp_path / "prepared").rglob("*") if p.is_file()}
     assert after == files_before
-    assert not list(tmp_path.glob(".prepared.*"))  # the temporary folder is gone
+    assert not list((tmp_path / "prepared").glob(".*"))  # the temporary folder is gone
     monkeypatch.undo()
     reused = prepare(config(tmp_path, data), progress=False)
     assert reused.reused and reused.train.to_dict() == good.train.to_dict()
 
 
 def test_a_cache_without_its_marker_is_never_accepted(tmp_path, data):
-    prepare(config(tmp_path, data), progress=False)
-    os.remove(tmp_path / "prepared" / MARKER)
+    entry = Path(prepare(config(tmp_path, data), progress=False).path)
+    os.remove(entry / MARKER)
     p = prepare(config(tmp_path, data), progress=False)
     assert not p.reused and "incomplete" in p.report.reason
-    assert (tmp_path / "prepared" / MARKER).is_file()
+    assert (entry / MARKER).is_file()
 
 
 def test_a_damaged_cache_is_rebuilt(tmp_path, data):
-    rows = prepare(config(tmp_path, data), progress=False).train.to_dict()
-    for arrow in (tmp_path / "prepared" / "train").glob("*.arrow"):
+    first = prepare(config(tmp_path, data), progress=False)
+    rows = first.train.to_dict()
+    for arrow in (Path(first.path) / "train").glob("*.arrow"):
         arrow.write_bytes(b"garbage")
     p = prepare(config(tmp_path, data), progress=False)
     assert not p.reused and "unreadable" in p.report.reason
@@ -109,7 +111,8 @@ def test_a_damaged_cache_is_rebuilt(tmp_path, data):
 
 
 def test_leftovers_of_a_killed_build_are_removed_and_ignored(tmp_path, data):
-    dead = tmp_path / ".prepared.tmp-999999999-deadbeef"
+    fp = compute_fingerprint(config(tmp_path, data), byte_tokenizer())
+    dead = tmp_path / "prepared" / f".{fp}.tmp-999999999-deadbeef"
     (dead / "train").mkdir(parents=True)
     (dead / MARKER).write_text("whatever")
     p = prepare(config(tmp_path, data), progress=False)

@@ -20,7 +20,7 @@ def test_preprocess_builds_then_reuses_and_reports_bad_lines(tmp_path, monkeypat
     first = runner.invoke(app, ["preprocess", "c.yaml"])
     assert first.exit_code == 0, first.output
     assert "Built cache prep" in first.output and "packing efficiency" in first.output
-    assert (tmp_path / "prep" / "COMPLETE").is_file()
+    assert len(list((tmp_path / "prep").glob("*/COMPLETE"))) == 1  # prep/<fingerprint>/
     second = runner.invoke(app, ["preprocess", "c.yaml"])
     assert second.exit_code == 0 and "Reused cache prep" in second.output
 
@@ -28,4 +28,4 @@ def test_preprocess_builds_then_reuses_and_reports_bad_lines(tmp_path, monkeypat
     bad = runner.invoke(app, ["preprocess", "c.yaml"])
     assert bad.exit_code == 2
     assert "d.jsonl:2" in bad.output and "Traceback" not in bad.output
-    assert (tmp_path / "prep" / "COMPLETE").is_file()  # the good cache is still there
+    assert len(list((tmp_path / "prep").glob("*/COMPLETE"))) == 1  # the good cache is still there

@@ -23,7 +23,7 @@ def error_of(tmp_path, datasets, **kw) -> str:
     message = str(err.value)
     assert "\n" not in message.strip() and "Traceback" not in message
     assert not (tmp_path / "prepared").exists()  # nothing half-written is left behind
-    assert not list(tmp_path.glob(".prepared.tmp-*"))
+    assert not list(tmp_path.glob("**/.*.tmp-*"))
     return message
 
 

@@ -298,7 +298,8 @@ def test_bad_data_is_explained_or_counted_and_never_damages_the_cache(
     work = tmp_path_factory.mktemp("case")
     prepared = work / "cache"
     shutil.copytree(cache, prepared)  # a good cache from an earlier run (location-free)
-    before = (prepared / FINGERPRINT_FILE).read_text()
+    (entry,) = [p for p in prepared.iterdir() if not p.name.startswith(".")]  # <fingerprint>/
+    before = (entry / FINGERPRINT_FILE).read_text()
     data_file = work / "data.jsonl"
     data_file.write_bytes(raw)
     try:
@@ -311,8 +312,8 @@ def test_bad_data_is_explained_or_counted_and_never_damages_the_cache(
         if bad_line is not None:
             assert f"{data_file}:{bad_line}" in message, message
         # The earlier cache is untouched and still reused for its own data.
-        assert (prepared / MARKER).is_file()
-        assert (prepared / FINGERPRINT_FILE).read_text() == before
+        assert (entry / MARKER).is_file()
+        assert (entry / FINGERPRINT_FILE).read_text() == before
         assert prepare(_data_config(good, prepared), progress=False).reused
     else:
         (stats,) = result.report.datasets

@@ -20,6 +20,30 @@ if TYPE_CHECKING:
 
 IGNORE = -100
 Where = Callable[[int], str]
+# Characters per token, generously: byte tokenizers give 1, BPE about 4 on prose, more on
+# long runs of whitespace. A record with more characters than this per token of
+# sequence_len cannot fit; it is cut to that size *before* tokenizing, so one 30 MB line
+# costs a bounded slice of tokenizer time and memory instead of minutes and gigabytes.
+MAX_CHARS_PER_TOKEN = 32
+
+
+def max_record_chars(sequence_len: int) -> int:
+    """Characters of one record that are tokenized at most (see MAX_CHARS_PER_TOKEN)."""
+    return sequence_len * MAX_CHARS_PER_TOKEN
+
+
+def _check_cut(ids: list[int], chars: int, max_chars: int, where: str) -> None:
+    """A record cut to `max_chars` must still be over sequence_len tokens, so that
+    `excess_length_strategy` treats it as too long; if not, its text is pathological."""
+    if len(ids) <= max_chars // MAX_CHARS_PER_TOKEN:
+        raise UserError(
+            f"a record of {chars:,} characters averages more than {MAX_CHARS_PER_TOKEN} "
+            "characters per token, so its length cannot be judged without tokenizing all of "
+            "it; records this long are cut before tokenizing.",
+            where=where,
+            fix="split or shorten that record (or remove it); raising `sequence_len` raises "
+            "the cut too.",
+        )
 
 
 def encode_document(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -47,24 +71,14 @@ def _text(record_value: Any, field: str, where: str) -> str:
     return record_value
 
 
-def completion_batch(
-    batch: dict[str, list], indices: list[int], *, tok: PreTrainedTokenizerBase, field: str,
-    where: Where,
-) -> dict[str, list]:
-    """`completion`: the whole text is a target. Empty texts give empty samples (skipped)."""
-    out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
-    for value, i in zip(batch[field], indices, strict=True):
-        text = _text(value, field, where(i))
-        ids = encode_document(tok, text) if text.strip() else []
-        _append(out, ids, list(ids))
-    return out
-
-
 def pretrain_batch(
     batch: dict[str, list], indices: list[int], *, tok: PreTrainedTokenizerBase, field: str,
     where: Where,
 ) -> dict[str, list]:
-    """`pretrain`, step 1: each document's ids; `pretrain_pieces` then cuts the stream."""
+    """`pretrain`, step 1: each document's ids; `pretrain_pieces` then cuts the stream.
+
+    A long document is never cut: it is never too long here, it spans several pieces.
+    """
     out: dict[str, list] = {"input_ids": []}
     for value, i in zip(batch[field], indices, strict=True):
         text = _text(value, field, where(i))
@@ -137,10 +151,15 @@ DEFAULT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant
 
 def tokenize_batch(
     batch: dict[str, list], indices: list[int], *, spec: FormatSpec,
-    tok: PreTrainedTokenizerBase, where: Where,
+    tok: PreTrainedTokenizerBase, where: Where, max_chars: int | None = None,
 ) -> dict[str, list]:
     """Samples of a batch of records: `input_ids`, `labels`, `position_ids` and `skip` (why a
-    record gave no sample, else ""); `pretrain` gives `input_ids` and `skip` only."""
+    record gave no sample, else ""); `pretrain` gives `input_ids` and `skip` only.
+
+    A record whose texts hold more than `max_chars` characters is cut to that size before
+    tokenizing (`cut_record`); its sample is still over sequence_len, so
+    `excess_length_strategy` drops, truncates or reports it as usual.
+    """
     if spec.type == "pretrain":
         docs = pretrain_batch(batch, indices, tok=tok, field=spec.field, where=where)
         docs["skip"] = ["" if ids else "empty text" for ids in docs["input_ids"]]
@@ -148,7 +167,13 @@ def tokenize_batch(
     out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": [], "skip": []}
     records = [{k: batch[k][n] for k in batch} for n in range(len(indices))]
     for record, i in zip(records, indices, strict=True):
+        chars = record_chars(record, spec)
+        cut = max_chars is not None and chars > max_chars
+        if cut:
+            record = cut_record(record, spec, max_chars)
         ids, labels, skip = _one_record(record, spec, tok, where(i))
+        if cut and not skip:
+            _check_cut(ids, chars, max_chars, where(i))
         if skip:
             ids, labels = [], []
         elif all(label == IGNORE for label in labels):
@@ -156,6 +181,45 @@ def tokenize_batch(
         _append(out, ids, labels)
         out["skip"].append(skip)
     return out
+
+
+def _texts(record: dict[str, Any], spec: FormatSpec) -> list[tuple[Any, Any]]:
+    """(container, key) of every text a record renders, in rendering order."""
+    if spec.type == "completion":
+        return [(record, spec.field)]
+    if spec.type == "input_output":
+        segments = record.get("segments")
+        return [(s, "text") for s in segments if isinstance(s, dict)] if isinstance(
+            segments, list) else []
+    if spec.type == "chat_template":
+        turns = record.get(spec.messages_field)
+        content = spec.mappings.get("content", "content")
+        return [(t, content) for t in turns if isinstance(t, dict)] if isinstance(
+            turns, list) else []
+    return [(record, k) for k in ("system", "instruction", "input", "output") if k in record]
+
+
+def record_chars(record: dict[str, Any], spec: FormatSpec) -> int:
+    """Characters of text in one record (what tokenizing it costs, roughly)."""
+    return sum(len(c[k]) for c, k in _texts(record, spec) if isinstance(c.get(k), str))
+
+
+def cut_record(record: dict[str, Any], spec: FormatSpec, max_chars: int) -> dict[str, Any]:
+    """A copy of the record whose texts hold at most `max_chars` characters in rendering order.
+
+    Every non-empty text keeps at least one character, so the cut never turns a record into
+    an "empty turn" or "empty output" one: it stays a record that is too long.
+    """
+    import copy
+
+    record = copy.deepcopy(record)
+    left = max_chars
+    for container, key in _texts(record, spec):
+        text = container.get(key)
+        if isinstance(text, str) and text:
+            container[key] = text[: max(left, 1)]
+            left -= len(container[key])
+    return record
 
 
 def _one_record(

@@ -294,6 +294,19 @@ def _from_disk(source: Source) -> Dataset:
 def _from_hub(source: Source, entry: DatasetConfig) -> Dataset:
     import datasets
 
+    from longctx_cli.hub import hub_reachable, offline_error
+
+    if not hub_reachable():
+        # No network: `datasets` in offline mode reads its cache only and fails at once.
+        was = datasets.config.HF_HUB_OFFLINE
+        datasets.config.HF_HUB_OFFLINE = True
+        try:
+            return datasets.load_dataset(
+                source.label, name=entry.name, split=entry.split, revision=entry.revision)
+        except Exception:  # noqa: BLE001 - any failure here means "not in the cache"
+            raise offline_error("dataset", source.label, "datasets") from None
+        finally:
+            datasets.config.HF_HUB_OFFLINE = was
     try:
         return datasets.load_dataset(
             source.label, name=entry.name, split=entry.split, revision=entry.revision,

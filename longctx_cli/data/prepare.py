@@ -1,9 +1,11 @@
 """Tokenize, pack and cache the datasets of a config: `prepare(config) -> Prepared`.
 
-The cache at `config.prepared_path` holds `train/` (and `eval/`) saved with `datasets`, the
-fingerprint of every input that determines them, the report, and a `COMPLETE` marker. It is
-built in a temporary folder next to the target and renamed into place, so a failed or
-interrupted run never leaves a cache that a later run would accept, nor damages a good one.
+The cache of one set of inputs is `<config.prepared_path>/<fingerprint>/`: configs that share
+a `dataset_prepared_path` each keep their own entry and never evict one another. An entry
+holds `train/` (and `eval/`) saved with `datasets`, the fingerprint of every input that
+determines them, the report, and a `COMPLETE` marker. It is built in a temporary folder next
+to the target and renamed into place, so a failed or interrupted run never leaves a cache
+that a later run would accept, nor damages a good one.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -50,6 +54,8 @@ MARKER = "COMPLETE"
 FINGERPRINT_FILE = "fingerprint.json"
 REPORT_FILE = "report.json"
 _CHUNK_BINS = 512  # rows assembled per read of the samples table
+_FINGERPRINT_NAME = re.compile(r"^[0-9a-f]{16}$")
+_TEMPORARY_NAME = re.compile(r"^\.[0-9a-f]{16}\.(tmp|old)-")
 
 
 @dataclass
@@ -89,14 +95,16 @@ def prepare(
             fix="add an entry, e.g. `datasets: [{path: data.jsonl, type: completion}]`.",
         )
     tok = tokenizer if tokenizer is not None else load_tokenizer(config)
-    target = Path(config.prepared_path)
     train_sources = [_resolve(e) for e in config.datasets]
     eval_sources = [_resolve(e) for e in config.eval_datasets]
     parts = fingerprint_parts(config, tok, train_sources, eval_sources)
     fp = _digest(parts)
+    target = Path(config.prepared_path) / fp
     reason = "rebuild forced"
     if not force:
         cached, reason = _load_cache(target, fp, parts)
+        if not target.exists():
+            reason = _compared_with_siblings(target, parts)
         if cached is not None:
             log.info("reusing prepared data at %s (fingerprint %s)", target, fp)
             return cached
@@ -228,11 +236,31 @@ def _load_cache(target: Path, fp: str, parts: dict[str, Any]) -> tuple[Prepared 
     return Prepared(train, eval_ds, report, True, str(target)), ""
 
 
+def _compared_with_siblings(target: Path, parts: dict[str, Any]) -> str:
+    """Why there is no cache for these inputs: none at all, or what differs from the newest
+    cache of other inputs in the same `dataset_prepared_path`."""
+    newest = None
+    if target.parent.is_dir():
+        found = [d for d in target.parent.iterdir()
+                 if _FINGERPRINT_NAME.match(d.name) and (d / MARKER).is_file()]
+        newest = max(found, key=lambda d: (d / MARKER).stat().st_mtime, default=None)
+    if newest is None:
+        return "no cache yet"
+    try:
+        recorded = json.loads((newest / FINGERPRINT_FILE).read_text()).get("parts", {})
+    except (OSError, ValueError):
+        return "no cache yet for these inputs"
+    changed = _differences(recorded, parts)
+    return (f"no cache yet for these inputs (the newest cache there, {newest.name}, differs "
+            f"in: {', '.join(changed) or 'fingerprint'})")
+
+
 def _build_and_swap(
     config: Config, tok: PreTrainedTokenizerBase, target: Path, fp: str, parts: dict[str, Any],
     reason: str, progress: bool, train_sources: list, eval_sources: list,
 ) -> Prepared:
-    _check_replaceable(target)
+    _check_replaceable(target.parent)
+    created_root = not target.parent.exists()
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(target)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -253,6 +281,9 @@ def _build_and_swap(
         _swap_into_place(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if created_root:
+            with contextlib.suppress(OSError):
+                target.parent.rmdir()  # only when empty: leave nothing of a failed first build
         raise
     prepared, why = _load_cache(target, fp, parts)
     if prepared is None:  # another process replaced it between our rename and this read
@@ -264,19 +295,26 @@ def _build_and_swap(
     return prepared
 
 
-def _check_replaceable(target: Path) -> None:
-    """Refuse to replace anything that is not a cache of ours (or an empty folder)."""
-    if not target.exists():
+def _check_replaceable(root: Path) -> None:
+    """Refuse to write into a `dataset_prepared_path` that holds anything but our caches
+    (entries named by fingerprint, their temporaries, or a cache of the older one-entry
+    layout) or is not a folder."""
+    if not root.exists():
         return
-    ours = any((target / name).exists() for name in (MARKER, FINGERPRINT_FILE, "train"))
-    if target.is_dir() and (ours or not any(target.iterdir())):
+    if root.is_dir() and all(_is_ours(child) for child in root.iterdir()):
         return
     raise UserError(
-        f"dataset_prepared_path {str(target)!r} exists and is not a longctx data cache; "
+        f"dataset_prepared_path {str(root)!r} exists and is not a longctx data cache; "
         "it will not be overwritten.",
         where="dataset_prepared_path",
         fix="point `dataset_prepared_path` at a new folder, or remove that one.",
     )
+
+
+def _is_ours(child: Path) -> bool:
+    name = child.name
+    return (bool(_FINGERPRINT_NAME.match(name)) or bool(_TEMPORARY_NAME.match(name))
+            or name in (MARKER, FINGERPRINT_FILE, REPORT_FILE, "train", "eval"))
 
 
 def _remove_stale_temporaries(target: Path) -> None:
@@ -324,11 +362,23 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(fh.fileno())
 
 
+def _on_terminal() -> bool:
+    """Progress bars only for a person watching: a log file would fill with redraws."""
+    return sys.stderr.isatty()
+
+
+def _say(progress: bool, message: str) -> None:
+    """A plain progress line where there are no bars (output redirected to a file)."""
+    if progress and not _on_terminal():
+        print(message, file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
 def _progress_bars(enabled: bool) -> Iterator[None]:
     import datasets
 
     was = not datasets.are_progress_bars_disabled()
+    enabled = enabled and _on_terminal()
     (datasets.enable_progress_bars if enabled else datasets.disable_progress_bars)()
     try:
         yield
@@ -558,10 +608,13 @@ def _tokenized(
         records = records.select(keep)
         where = RecordWhere(source, keep.tolist())
         stats.records = len(records)
+    _say(progress, f"Tokenizing {source.label}: {len(records):,} records")
     tokenized = records.map(
         formats.tokenize_batch, batched=True, with_indices=True,
         remove_columns=records.column_names,
-        fn_kwargs={"tok": tok, "spec": spec, "where": where}, features=_map_features(spec),
+        fn_kwargs={"tok": tok, "spec": spec, "where": where,
+                   "max_chars": formats.max_record_chars(config.sequence_len)},
+        features=_map_features(spec),
         num_proc=_num_proc(config, len(records)), desc=f"Tokenizing {_short(source.label)}",
         new_fingerprint=f"tokenize-{uuid.uuid4().hex}",
     )
@@ -696,7 +749,8 @@ def _write_rows(
     else:
         bins = [[i] for i in range(len(lengths))]
     chunks = pack.iter_chunks(bins, _CHUNK_BINS)
-    if progress and len(bins) > 20 * _CHUNK_BINS:
+    _say(progress, f"Packing {len(lengths):,} samples into {len(bins):,} rows")
+    if progress and len(bins) > 20 * _CHUNK_BINS and _on_terminal():
         from tqdm.auto import tqdm
 
         chunks = tqdm(chunks, total=-(-len(bins) // _CHUNK_BINS), desc="Packing", unit="chunk")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from longctx_cli.errors import UserError
@@ -84,6 +85,14 @@ def apply_special_tokens(tok: PreTrainedTokenizerBase, config: Config) -> None:
 def _from_pretrained(source: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
+    from longctx_cli.hub import hub_reachable, offline_error
+
+    if not Path(source).expanduser().exists() and not hub_reachable():
+        try:  # no network: the local cache only, so a miss fails at once, not after retries
+            return AutoTokenizer.from_pretrained(
+                source, trust_remote_code=trust_remote_code, local_files_only=True)
+        except (OSError, ValueError):
+            raise offline_error("tokenizer", source, "tokenizer") from None
     try:
         return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:

@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from safetensors import SafetensorError
 from torch import nn
 
 from longctx_cli.config import Config
 from longctx_cli.errors import UserError
+from longctx_cli.integrity import COMPLETE_MARKER, verify_files
 from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
 
 FULL, LORA, DCP = "full", "lora", "dcp"
@@ -36,8 +38,6 @@ def checkpoint_kind(path: Path) -> str:
         raise UserError(f"checkpoint {str(path)!r} is a file, not a folder.",
                         where="--checkpoint", fix=_FIX)
     if (path / "state").is_dir():
-        from longctx_cli.train.checkpoint import COMPLETE_MARKER
-
         if not (path / COMPLETE_MARKER).is_file():
             raise UserError(
                 f"{str(path)!r} is an incomplete checkpoint (no {COMPLETE_MARKER} marker: its "
@@ -62,6 +62,18 @@ def _hint(path: Path) -> str:
     inner = [path / "final", *sorted(path.glob("checkpoint-*"))]
     found = [p for p in inner if p.is_dir()]
     return f" (did you mean {str(found[0])!r}?)" if found else ""
+
+
+def check_intact(path: Path) -> None:
+    """Refuse a folder whose files differ from its manifest (truncated, corrupted)."""
+    problems = verify_files(path)
+    if problems:
+        raise UserError(
+            f"checkpoint {str(path)!r} is damaged: {'; '.join(problems[:3])}.",
+            where="--checkpoint",
+            fix="evaluate an intact copy: an earlier `checkpoint-<step>` of the run, or "
+            "export final/ again by resuming the run (`resume_from_checkpoint: auto`).",
+        )
 
 
 def lora_base_path(adapter_dir: Path) -> str:
@@ -92,7 +104,8 @@ def _from_pretrained(source: str, config: Config) -> nn.Module:
             dtype=DTYPES[config.dtype],
             trust_remote_code=config.trust_remote_code,
         )
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:
+        # SafetensorError: a weights file without a manifest that is truncated or corrupt.
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"could not load the model {source!r}: {first}",
                         where="--checkpoint", fix=_FIX) from None
@@ -140,6 +153,7 @@ def load_for_eval(config: Config, path: Path) -> nn.Module:
     """The model in `path`, SP attention on, in eval mode, with gradients off."""
     register_sp_attention()
     kind = checkpoint_kind(path)
+    check_intact(path)
     if kind == DCP:
         model = _load_dcp(path, config)
     elif kind == LORA:

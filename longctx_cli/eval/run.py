@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from longctx_cli.config import Config, load_config
 from longctx_cli.errors import UserError
-from longctx_cli.eval.checkpoint_loading import checkpoint_kind
+from longctx_cli.eval.checkpoint_loading import check_intact, checkpoint_kind
 
 if TYPE_CHECKING:
     import torch
@@ -46,16 +46,18 @@ def run_eval(
     nproc_per_node: int | None,
 ) -> int:
     """Entry of `longctx eval`; returns the process exit code."""
-    from longctx_cli.train.launch import in_torchrun, launch_torchrun
+    from longctx_cli.train.launch import in_torchrun, launch_torchrun, rank_errors
 
     config = load_config(config_path)
     if in_torchrun():
-        evaluate(config, checkpoint, compare)
+        with rank_errors():
+            evaluate(config, checkpoint, compare)
         return 0
 
     for path in (checkpoint, compare):
         if path is not None:
             checkpoint_kind(path)
+            check_intact(path)  # a damaged folder fails here, once, before any rank starts
     if not config.val_set_size and not config.eval_datasets:
         raise _no_held_out()
     # Forward only: SP so long rows fit; by default one SP group, more ranks add DP groups.

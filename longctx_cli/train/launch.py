@@ -8,11 +8,16 @@ WORLD_SIZE set: our own launch, a user's torchrun or a SLURM script) it trains d
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from longctx_cli.config import Config, load_config
@@ -21,6 +26,10 @@ from longctx_cli.errors import UserError
 
 # Things a finished or running job leaves in output_dir; their presence means "another run".
 RUN_ARTIFACTS = ("metrics.jsonl", "final")
+# Set for the ranks we launch: they hand a UserError to us instead of each printing it.
+LAUNCHED_ENV = "LONGCTX_LAUNCHED"
+# A full, over-quota or read-only disk: the user's to fix, never a reason for a traceback.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS})
 
 
 def in_torchrun() -> bool:
@@ -93,11 +102,15 @@ def run_train(
     if in_torchrun():
         from longctx_cli.train.loop import train
 
-        train(config)
+        with rank_errors():
+            train(config)
         return 0
 
     world_size = resolve_world_size(config, nproc_per_node, nnodes)
     build_plan(config, world_size, read_model_config(config))
+    from longctx_cli.preflight import preflight
+
+    preflight(config)
     check_output_dir(config, overwrite)
     if node_rank == 0 and not config.pretraining_dataset:  # streamed data has no cache
         # Build (or reuse) the data cache once here, with progress bars, before any rank starts.
@@ -131,6 +144,7 @@ def launch_torchrun(
         *command_args,
     ]
     env = dict(os.environ)
+    env[LAUNCHED_ENV] = "1"
     # One compute thread per rank unless the user chose otherwise: ranks share the cores.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_node)))
     try:
@@ -140,8 +154,63 @@ def launch_torchrun(
         return 130
 
 
+@contextlib.contextmanager
+def rank_errors() -> Iterator[None]:
+    """Inside a rank: a UserError (or a full / read-only disk) ends this rank with status 2.
+
+    Under our launcher the message goes to torchrun's per-rank error file
+    (TORCHELASTIC_ERROR_FILE) and is not printed: the launcher prints the first one once,
+    with its rank, instead of once per rank. Under a user's own torchrun it is raised as usual.
+    """
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in DISK_ERRNOS:
+            raise
+        error = UserError(
+            f"could not write {e.filename or 'a file'}: {e.strerror} (errno {e.errno}).",
+            where="output_dir",
+            fix="free space on that disk (or choose an output_dir with room that can be "
+            "written), then run the same command with `resume_from_checkpoint: auto`.",
+        )
+        _hand_over(error)
+        raise error from None
+    except UserError as e:
+        _hand_over(e)
+        raise
+
+
+def _hand_over(error: UserError) -> None:
+    """Write `error` to torchrun's error file and exit 2, when the launcher will print it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if os.environ.get(LAUNCHED_ENV) != "1" or not path:
+        return
+    now = time.time()
+    record = {"message": str(error), "timestamp": int(now),
+              "longctx": {"user_error": True, "time": now}}
+    Path(path).write_text(json.dumps(record))
+    sys.exit(UserError.exit_code)
+
+
+def _user_error(failure) -> tuple[str, float] | None:
+    """(message, time) of a rank that handed over a UserError, else None."""
+    data = getattr(failure, "error_file_data", None) or {}
+    extra = data.get("longctx") if isinstance(data, dict) else None
+    if isinstance(extra, dict) and extra.get("user_error"):
+        return str(data.get("message", "")), float(extra.get("time", failure.timestamp))
+    return None
+
+
 def describe_failure(failures: dict, command: str = "train") -> str:
-    """One line naming the rank that failed first and how, from torchrun's `ProcessFailure`s."""
+    """One line naming the rank that failed first and how, from torchrun's `ProcessFailure`s.
+
+    A rank that stopped on a UserError is the cause when there is one (the earliest, if
+    several ranks raised one): its message is shown once, with its rank.
+    """
+    reported = {r: e for r, f in failures.items() if (e := _user_error(f)) is not None}
+    if reported:
+        rank = min(reported, key=lambda r: (reported[r][1], r))
+        return f"rank {rank}: {reported[rank][0]}"
     # torchrun stops the surviving ranks with SIGTERM: those deaths are not the cause.
     causes = {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
     rank = min(causes, key=lambda r: (causes[r].timestamp, r))

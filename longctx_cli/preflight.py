@@ -1,0 +1,183 @@
+"""Checks `validate` (and `train`, before any rank starts) can make without training.
+
+The schema and the plan check the config's shape; these look at the world around it: the
+output folder can be written, local dataset files exist, can be read and are not empty, eval
+settings have eval data, and LoRA targets name modules the model has (read from a skeleton
+of the model on the meta device: no weights are loaded or downloaded).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from longctx_cli.errors import UserError
+
+if TYPE_CHECKING:
+    from longctx_cli.config.schema import Config, DatasetConfig
+
+_TEXT_SUFFIXES = (".jsonl", ".json", ".txt")
+
+
+def preflight(config: Config) -> None:
+    """Run every check; the first problem raises a UserError."""
+    check_output_dir_writable(Path(config.output_dir))
+    check_datasets(config)
+    check_eval_data(config)
+    check_lora_targets(config)
+
+
+# ---- output_dir ------------------------------------------------------------------------
+
+
+def check_output_dir_writable(output_dir: Path) -> None:
+    """output_dir is a folder (or can become one) in which files can be created.
+
+    Nothing is left behind: a probe file is created in the nearest existing folder and
+    removed. Permission bits alone would say nothing when running as root, so we write.
+    """
+    where = "output_dir"
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UserError(
+            f"{str(output_dir)!r} is an existing file, not a folder.",
+            where=where,
+            fix="choose another `output_dir`, or move that file away.",
+        )
+    existing = output_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(
+            f"{str(output_dir)!r} cannot be created: {str(existing)!r} is a file, not a folder.",
+            where=where,
+            fix="choose an `output_dir` whose parent folders are folders.",
+        )
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".longctx-write-probe-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(
+            f"{str(output_dir)!r} cannot be written: creating a file in {str(existing)!r} "
+            f"failed ({e.strerror}, errno {e.errno}).",
+            where=where,
+            fix="choose an `output_dir` on a writable disk with free space (a read-only "
+            "mount, a full disk or missing permissions cause this).",
+        ) from None
+
+
+# ---- datasets ----------------------------------------------------------------------------
+
+
+def check_datasets(config: Config) -> None:
+    """Every local dataset path exists, is readable and holds at least one record."""
+    from longctx_cli.data.load import resolve
+
+    for key, entries in (("datasets", config.datasets), ("eval_datasets", config.eval_datasets)):
+        for entry in entries:
+            if entry.type == "passkey" or not entry.path:
+                continue
+            source = resolve(entry)  # a UserError for a missing local path
+            if source.kind == "files":
+                for f in source.files:
+                    _check_readable_nonempty(f, key, entry)
+
+
+def _check_readable_nonempty(f: Path, key: str, entry: DatasetConfig) -> None:
+    try:
+        with open(f, "rb") as fh:
+            has_data = _has_content(fh, f.suffix.lower())
+    except OSError as e:
+        raise UserError(f"dataset file {str(f)!r} cannot be read ({e.strerror}).", where=key,
+                        fix="check the file's permissions and that the disk is mounted.") from None
+    if not has_data:
+        raise UserError(f"dataset file {str(f)!r} is empty (no records).", where=key,
+                        fix=f"check the file, or remove the entry with path {entry.path!r}.")
+
+
+def _has_content(fh: Any, suffix: str) -> bool:
+    """Whether a file holds anything besides whitespace (reads only up to the first byte of
+    content, so a large file costs one block)."""
+    if suffix not in _TEXT_SUFFIXES:
+        return bool(fh.read(1))
+    for block in iter(lambda: fh.read(1 << 16), b""):
+        stripped = block.strip()
+        if stripped and stripped not in (b"[]",):
+            return True
+    return False
+
+
+def check_eval_data(config: Config) -> None:
+    """`eval_steps` needs eval data: `eval_datasets` or a `val_set_size` hold-out."""
+    if config.eval_steps and not config.eval_datasets and not config.val_set_size:
+        raise UserError(
+            f"eval_steps is {config.eval_steps} but there is no eval data.",
+            where="eval_steps",
+            fix="add `eval_datasets`, set `val_set_size` (e.g. 0.05) to hold out part of "
+            "`datasets`, or remove `eval_steps`.",
+        )
+
+
+# ---- LoRA targets ------------------------------------------------------------------------
+
+
+def check_lora_targets(config: Config) -> None:
+    """Every name in `lora_target_modules` matches a module of the model (peft's rules: a
+    list entry matches a module name or its last dotted parts; a string is a regex)."""
+    targets = config.lora_target_modules
+    if config.adapter != "lora" or targets == "all-linear":
+        return
+    names = _module_names(config)
+    if names is None:
+        return  # the model's config is not available offline: nothing to check against
+    linear = sorted({n.rsplit(".", 1)[-1] for n, kind in names.items()
+                     if kind == "Linear" and not n.endswith("lm_head")})
+    if isinstance(targets, str):
+        missing = [] if any(re.fullmatch(targets, n) for n in names) else [targets]
+    else:
+        missing = [t for t in targets
+                   if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        raise UserError(
+            f"the model has no module named {', '.join(map(repr, missing))}; its linear "
+            f"layers are {', '.join(linear)}.",
+            where="lora_target_modules",
+            fix="list names from that set, or use `all-linear`.",
+        )
+
+
+def _module_names(config: Config) -> dict[str, str] | None:
+    """{module name: class name} of the model, built on the meta device from its config."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = _hf_config(config)
+    if hf is None:
+        return None
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                hf, trust_remote_code=config.trust_remote_code)
+    except Exception:  # noqa: BLE001 - a model transformers cannot skeletonise: not our check
+        return None
+    return {name: type(m).__name__ for name, m in model.named_modules() if name}
+
+
+def _hf_config(config: Config) -> Any:
+    """The model's transformers config without a download (validate fetched it if it could)."""
+    from transformers import AutoConfig
+
+    from longctx_cli.config import known_models
+    from longctx_cli.config.plan import _build_from_dict
+
+    if config.model_config_dict is not None:
+        return _build_from_dict(config.model_config_dict, "model_config")
+    try:
+        return AutoConfig.from_pretrained(str(config.base_model), local_files_only=True,
+                                          trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError):
+        fields = known_models.lookup(str(config.base_model))
+        return _build_from_dict(fields, "base_model") if fields is not None else None
