@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from typer.testing import CliRunner
 
 from longctx_cli.cli import app
@@ -45,18 +46,32 @@ def offline(monkeypatch):
 # ---- real Axolotl configs ---------------------------------------------------------------
 
 
+def _local_data(name: str, tmp_path: Path, monkeypatch) -> None:
+    """The configs name local data files the way users do (relative to where they run);
+    validate checks they exist, so run in a folder that has them, one record each."""
+    monkeypatch.chdir(tmp_path)
+    for entry in yaml.safe_load((CONFIGS / name).read_text()).get("datasets") or []:
+        local = Path(entry["path"])
+        if local.suffix in (".jsonl", ".json"):
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_text(json.dumps({"text": "one record"}) + "\n")
+
+
 @pytest.mark.parametrize("name", sorted(
     p.name for p in CONFIGS.iterdir() if p.name != "qwen3_fsdp_tp_cp.yaml"
 ))
-def test_axolotl_configs_validate_unchanged(name, offline):
+def test_axolotl_configs_validate_unchanged(name, offline, tmp_path, monkeypatch):
     nproc = "4" if name == "issue_sp4.yaml" else "8"
+    _local_data(name, tmp_path, monkeypatch)
     result = CliRunner().invoke(app, ["validate", str(CONFIGS / name), "--nproc-per-node", nproc])
     assert result.exit_code == 0, result.output
     assert "valid" in result.output and "axolotl keys" in result.output
 
 
-def test_tensor_parallel_is_refused_clearly_and_the_rest_validates(offline):
+def test_tensor_parallel_is_refused_clearly_and_the_rest_validates(offline, tmp_path,
+                                                                   monkeypatch):
     path = CONFIGS / "qwen3_fsdp_tp_cp.yaml"
+    _local_data(path.name, tmp_path, monkeypatch)
     message = _error(load_config, path)
     assert "tensor_parallel_size" in message and "not supported yet" in message
     assert f"{path}:10:" in message  # the line of `tensor_parallel_size: 2`
@@ -339,3 +354,19 @@ def test_axolotl_table_is_consistent():
         assert f"| `{key}` |" in text, key
     for rule in axolotl.AXOLOTL_KEYS.values():
         assert rule.reason and (rule.kind != "mapped" or rule.apply is not None)
+
+
+def test_an_empty_key_is_not_set(tmp_path):
+    """Axolotl templates leave many keys empty (`fp16:`, `fsdp:`, `xformers_attention:`): an
+    empty key takes its default, in datasets too; `max_grad_norm:` empty keeps its own
+    meaning (no clipping)."""
+    path = tmp_path / "c.yml"
+    path.write_text(
+        "model_config: {model_type: llama}\nfp16:\nfsdp:\nxformers_attention:\n"
+        "lora_target_modules:\nwarmup_steps:\nmax_grad_norm:\nseed:\n"
+        "datasets:\n  - path: d.jsonl\n    type: alpaca\n    split:\n"
+    )
+    cfg = load_config(path)
+    assert cfg.fsdp is False and cfg.seed == 42 and cfg.dtype == "bfloat16"
+    assert cfg.max_grad_norm is None
+    assert cfg.datasets[0].split == "train"

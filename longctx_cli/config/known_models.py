@@ -108,6 +108,8 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
     "meta-llama/meta-llama-3-8b-instruct": _LLAMA3_8B,
     "meta-llama/llama-3-8b": _LLAMA3_8B,
     "meta-llama/llama-3-8b-instruct": _LLAMA3_8B,
+    "nousresearch/meta-llama-3-8b": _LLAMA3_8B,
+    "nousresearch/meta-llama-3-8b-instruct": _LLAMA3_8B,
     "meta-llama/llama-3.1-8b": _LLAMA31_8B,
     "nousresearch/meta-llama-3.1-8b": _LLAMA31_8B,
     "meta-llama/llama-3.2-1b": _LLAMA32_1B,

@@ -114,6 +114,9 @@ def _unknown(key: str, known: list[str], path: str, where: str) -> Problem:
 
 # ---- Axolotl translation ------------------------------------------------------------------
 
+# Keys whose `null` is a value of its own rather than "not set": no gradient clipping.
+NULL_MEANS_SOMETHING = frozenset({"max_grad_norm"})
+
 
 def _translate(
     data: dict[Any, Any], locations: _Locations, problems: list[Problem]
@@ -129,6 +132,10 @@ def _translate(
         if not isinstance(key, str):
             problems.append(Problem(where, f"key {key!r} is not a string.",
                                     "write every key as a plain name, e.g. `sequence_len: 8192`."))
+            continue
+        if value is None and key not in NULL_MEANS_SOMETHING:
+            # Axolotl configs list many keys with no value (`fp16:`, `deepspeed:`): an empty
+            # key is not set, and its default applies.
             continue
         rule = axolotl.AXOLOTL_KEYS.get(key)
         # A key of ours keeps its meaning; the table speaks only for Axolotl's other forms of
@@ -185,6 +192,7 @@ def _translate(
 
 
 def _dataset_keys(data: dict[str, Any], locations: _Locations, problems: list[Problem]) -> None:
+    """Report unknown keys of dataset entries; drop their empty keys (not set, as above)."""
     known = known_keys(DatasetConfig)
     for list_key in ("datasets", "eval_datasets"):
         entries = data.get(list_key)
@@ -192,6 +200,8 @@ def _dataset_keys(data: dict[str, Any], locations: _Locations, problems: list[Pr
             continue
         for i, entry in enumerate(entries):
             if isinstance(entry, dict):
+                for key in [k for k, v in entry.items() if v is None]:
+                    del entry[key]
                 for key in entry:
                     if isinstance(key, str) and key not in known:
                         where = locations.of((list_key, i, key))
