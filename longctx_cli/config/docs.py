@@ -164,6 +164,9 @@ An Axolotl config is read as it is. Each Axolotl key is one of:
 Any other key is an error; a known rename (older Axolotl or other trainers' names) is
 suggested first. Every problem of a file is reported at once, each at `file:line:col`.
 Dataset keys (`type: alpaca`, `chat_template`, ...) are described in [data.md](data.md).
+A key written with no value (`fp16:`, `deepspeed:`, as Axolotl's templates leave many) is not
+set: its default applies. The one exception is `max_grad_norm:`, whose empty value means no
+clipping.
 """
 
 
