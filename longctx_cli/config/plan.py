@@ -473,6 +473,11 @@ def estimate_memory(
                 "they are left out of the estimate."
             )
         param_bytes, train_bytes = base * b + trainable * LORA_BYTES, LORA_BYTES
+    elif config.dtype == "float16":
+        # fp16 full fine-tuning keeps float32 master weights (train/precision.py); autocast
+        # holds an fp16 copy of each weight it casts during the forward.
+        trainable, param_bytes, train_bytes = base, base * (4 + b), 4
+        notes.append("float16: float32 master weights, fp16 autocast copies, loss scaling.")
     else:
         trainable, param_bytes, train_bytes = base, base * b, b
     if config.activation_offloading and host_is_device:
