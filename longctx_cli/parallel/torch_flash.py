@@ -8,7 +8,8 @@ of :mod:`.kernels` needs:
 * packed ``[tokens, heads, dim]`` tensors, sequences given by ``cu_seqlens_q/k`` (int32);
 * causal masking aligned to the *bottom right* of each sequence (query ``i`` of ``n`` sees
   keys up to ``seqlen_k - n + i``), which is a :class:`~.kernels.Segment`'s rule;
-* ``window_size_left/right`` relative to that diagonal: a sliding window ``W`` is ``(W-1, 0)``;
+* ``window_size_left/right`` relative to that diagonal: a sliding window ``W`` is ``(W-1, 0)``
+  (passed with ``is_causal=False``, as ``varlen_attn`` does);
 * GQA (``Hq`` a multiple of ``Hkv``, query head ``h`` reads KV head ``h // (Hq / Hkv)``);
 * the log-sum-exp ``[heads, total_q]`` in float32, and a backward that takes the *merged*
   ``out``/``lse``, so a block's gradients are exact whatever else the rows attended to;
@@ -135,9 +136,13 @@ def _device_cu(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
-def _window(feats: AttentionFeatures) -> tuple[int, int]:
-    """The op's ``(window_size_left, window_size_right)`` under causal alignment."""
-    return (-1 if feats.window is None else feats.window - 1), 0
+def _mask_args(feats: AttentionFeatures) -> tuple[bool, int, int]:
+    """``(is_causal, window_size_left, window_size_right)`` as ``varlen_attn`` passes them:
+    causal is ``(-1, 0)``; a sliding window ``W`` is the local window ``(W - 1, 0)``, which the
+    kernel aligns bottom-right like its causal mask."""
+    if feats.window is None:
+        return True, -1, 0
+    return False, feats.window - 1, 0
 
 
 def _rows_dense(x: torch.Tensor) -> torch.Tensor:
@@ -154,13 +159,13 @@ def varlen_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``out [Lq, Hq, D]`` and ``lse [Hq, Lq]`` (float32) of every segment, one op call per run."""
     runs = _runs(tuple(segments))
-    left, right = _window(feats)
+    causal, left, right = _mask_args(feats)
     results = []
     for run in runs:
         cu_q, cu_k = _device_cu(run.cu_q, q.device), _device_cu(run.cu_k, q.device)
         out, lse, *_ = _ops.forward(
             _rows_dense(q[run.q0 : run.q1]), _rows_dense(k[run.k0 : run.k1]),
-            _rows_dense(v[run.k0 : run.k1]), cu_q, cu_k, run.max_q, run.max_k, 0.0, True,
+            _rows_dense(v[run.k0 : run.k1]), cu_q, cu_k, run.max_q, run.max_k, 0.0, causal,
             False, scale=feats.scale, window_size_left=left, window_size_right=right,
         )
         results.append((run, out, lse))
@@ -187,7 +192,7 @@ def varlen_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients given the rows' merged ``out``/``lse``: ``dq`` like q, ``dk``/``dv`` like k/v."""
     runs = _runs(tuple(segments))
-    left, right = _window(feats)
+    causal, left, right = _mask_args(feats)
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout 0: never read
     unused = torch.empty(0, device=q.device)
     single = len(runs) == 1 and (runs[0].q0, runs[0].q1, runs[0].k0, runs[0].k1) == (
@@ -202,7 +207,7 @@ def varlen_backward(
             _rows_dense(dout[rows]), _rows_dense(q[rows]), _rows_dense(k[keys]),
             _rows_dense(v[keys]), _rows_dense(out[rows]), lse[:, rows].contiguous(),
             _device_cu(run.cu_q, q.device), _device_cu(run.cu_k, q.device), run.max_q,
-            run.max_k, 0.0, True, rng, unused, scale=feats.scale, window_size_left=left,
+            run.max_k, 0.0, causal, rng, unused, scale=feats.scale, window_size_left=left,
             window_size_right=right,
         )
         if single:
