@@ -233,13 +233,45 @@ def test_auto_kernel_is_torch_without_cuda():
 
 def test_auto_kernel_is_flash_with_cuda_and_ring_flash_attn():
     assert plan(platform=GPU, sequence_parallel_degree=2).kernel == "flash"
-    assert plan(platform=GPU_NO_FLASH, sequence_parallel_degree=2).kernel == "torch"
+    assert plan(platform=GPU_NO_FLASH, sequence_parallel_degree=2).kernel == "torch_flash"
 
 
-def test_auto_kernel_with_zigzag_is_torch():
+def test_auto_kernel_with_zigzag_on_cuda_is_torch_flash():
     p = plan(platform=GPU, sequence_parallel_degree=2, sp_sharding="zigzag")
-    assert p.kernel == "torch"
+    assert p.kernel == "torch_flash"
     assert "zigzag" in p.kernel_reason
+
+
+def test_auto_kernel_float32_on_cuda_is_the_tiled_torch_path():
+    p = plan(platform=GPU_NO_FLASH, sequence_parallel_degree=2, dtype="float32")
+    assert p.kernel == "torch" and "tiled" in p.kernel_reason
+    assert p.memory.score_tiles > 0  # the estimate budgets the tiles that path holds
+
+
+def test_rule_torch_flash_needs_cuda_and_half_precision():
+    msg = rule_error(platform=CPU, attention_kernel="torch_flash")
+    assert "`attention_kernel` = 'torch_flash' needs a CUDA GPU" in msg
+    msg = rule_error(platform=GPU_NO_FLASH, attention_kernel="torch_flash", dtype="float32")
+    assert "bf16/fp16" in msg and "dtype" in msg
+
+
+def test_flash_kernels_hold_no_score_tiles_but_softcap_does():
+    for kernel in ("torch_flash", "flash"):
+        p = plan(platform=GPU, attention_kernel=kernel)
+        assert p.memory.score_tiles == 0
+    assert plan(platform=CPU).memory.score_tiles == 0  # the CPU flash op, no tiles
+    assert plan(platform=GPU, attention_kernel="torch").memory.score_tiles > 0
+    from transformers import AutoConfig
+
+    gemma2 = ModelShape.from_hf_config(AutoConfig.for_model(
+        "gemma2", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=384,
+    ))
+    p = build_plan(cfg(attention_kernel="torch_flash"), 1, gemma2, platform=GPU)
+    assert p.kernel == "torch_flash" and "softcap" in p.kernel_reason
+    # 5 float32 tiles of [4 heads, 1024, 1024]: the ring (also at sp 1) computes one head
+    # group at a time, heads_k_stride = 1 KV head = 4 query heads here.
+    assert p.memory.score_tiles == 5 * 4 * 1024 * 1024 * 4
 
 
 # ---- world size -------------------------------------------------------------------------
@@ -267,7 +299,7 @@ def test_plan_fields():
     assert p.global_batch_tokens == 12 * 8192
     assert p.tokens_per_rank_per_forward == 2 * 8192 // 4
     assert p.tokens_per_rank_per_step == 3 * 2 * 8192 // 4
-    assert p.kernel in ("torch", "flash")
+    assert p.kernel in ("torch", "flash", "torch_flash")
 
 
 def test_plan_hybrid_split():

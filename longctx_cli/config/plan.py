@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 from longctx_cli.config import known_models
 from longctx_cli.config.schema import Config
 from longctx_cli.errors import UserError
+from longctx_cli.kernel_choice import HALF_DTYPES, TILE, KernelChoice, KernelError, choose_kernel
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -294,6 +295,10 @@ LOGITS_FP32_COPIES = 2
 # Ring buffers: gathered K and V, double-buffered (4 tensors), plus dK and dV partials
 # before the reduce-scatter in backward (2 tensors).
 RING_KV_TENSORS = 6
+# The tiled matmul path (kernel `torch` on CUDA; any softcapped layer, which no flash op
+# computes) holds float32 score tiles [heads of one call, TILE, TILE] at a time: scores,
+# tanh, probabilities, dP and dS in backward. Flash kernels hold no score tiles.
+SCORE_TILE_TENSORS = 5
 
 
 @dataclass(frozen=True)
@@ -313,12 +318,13 @@ class MemoryEstimate:
     total_params: int
     trainable_params: int
     recompute: int = 0
+    score_tiles: int = 0
 
     @property
     def total(self) -> int:
         return (
             self.parameters + self.gradients + self.optimizer + self.activations
-            + self.attention_buffers + max(self.logits, self.recompute)
+            + self.attention_buffers + self.score_tiles + max(self.logits, self.recompute)
         )
 
     def parts(self) -> list[tuple[str, int]]:
@@ -330,6 +336,7 @@ class MemoryEstimate:
             ("logits + loss", self.logits),
             ("layer recomputed in backward", self.recompute),
             ("SP attention buffers", self.attention_buffers),
+            ("attention score tiles", self.score_tiles),
         ]
 
 
@@ -406,6 +413,39 @@ def _attention_buffer_bytes(
     return total
 
 
+def _score_tile_bytes(
+    config: Config, shape: ModelShape, sp: int, ulysses: int, local_tokens: int
+) -> int:
+    """Live score tiles of the tiled matmul path (see SCORE_TILE_TENSORS)."""
+    hq, hkv = shape.num_attention_heads, shape.num_key_value_heads
+    if config.sequence_parallel_mode != "ulysses":  # ring (also at sp 1) and hybrid's ring:
+        # one call per head group of heads_k_stride KV heads
+        kv_here = max(1, hkv // ulysses)
+        heads = min(config.heads_k_stride, kv_here) * max(1, hq // hkv)
+    else:  # the whole row for the heads this rank holds
+        heads = max(1, hq // ulysses)
+    rows = min(TILE, local_tokens * ulysses)
+    keys = min(TILE, local_tokens * sp)
+    return SCORE_TILE_TENSORS * heads * rows * keys * 4
+
+
+def tiled_scores_run(kernel: str, cuda: bool, shape: ModelShape) -> bool:
+    """Does the kernel that runs take the tiled matmul path (whose tiles the estimate adds)?
+
+    `torch` on CUDA always; on CPU, and under `torch_flash`, only for softcapped layers.
+    """
+    capped = attention_softcap(shape) is not None
+    return (kernel == "torch" and (cuda or capped)) or (kernel == "torch_flash" and capped)
+
+
+def attention_softcap(shape: ModelShape) -> float | None:
+    """The model's attention logit softcap (Gemma 2 style), if its config has one."""
+    hf = shape.hf_config
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    cap = getattr(text, "attn_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
 def estimate_memory(
     config: Config,
     shape: ModelShape,
@@ -414,10 +454,12 @@ def estimate_memory(
     ulysses: int,
     *,
     host_is_device: bool = False,
+    tiled_scores: bool = False,
 ) -> tuple[MemoryEstimate, list[str]]:
     """Per-rank peak bytes by part (see the factors above), and notes about the estimate.
 
     `host_is_device`: the run computes in host memory (CPU), so offloading frees nothing.
+    `tiled_scores`: attention takes the tiled matmul path (`tiled_scores_run`).
     """
     notes: list[str] = []
     b = DTYPE_BYTES[config.dtype]
@@ -437,6 +479,11 @@ def estimate_memory(
             linear = shape.num_hidden_layers * sum(a * o for a, o in shape.linear_shapes().values())
             quant = 0.53 if config.load_in_4bit else 1.03
             param_bytes -= linear * b - int(linear * quant)
+    elif config.dtype == "float16":
+        # fp16 full fine-tuning keeps float32 master weights (train/precision.py); autocast
+        # holds an fp16 copy of each weight it casts during the forward.
+        trainable, param_bytes, train_bytes = base, base * (4 + b), 4
+        notes.append("float16: float32 master weights, fp16 autocast copies, loss scaling.")
     else:
         trainable, param_bytes, train_bytes = base, base * b, b
     if config.activation_offloading and host_is_device:
@@ -460,6 +507,9 @@ def estimate_memory(
         total_params=base + (trainable if config.adapter is not None else 0),
         trainable_params=trainable,
         recompute=recompute,
+        score_tiles=(
+            _score_tile_bytes(config, shape, sp, ulysses, local_tokens) if tiled_scores else 0
+        ),
     )
     return estimate, notes
 
@@ -581,38 +631,44 @@ def _check_sequence_len(config: Config, sp: int) -> None:
 
 
 def _resolve_kernel(config: Config, sp: int, platform: Platform) -> tuple[str, str]:
-    """The attention kernel that will run, and why."""
-    kernel, zigzag = config.attention_kernel, config.sp_sharding == "zigzag"
-    if kernel == "flash":
-        if not platform.cuda:
-            raise UserError(
-                "`attention_kernel` = 'flash' needs a CUDA GPU, and torch sees none here.",
-                fix="use `attention_kernel: auto` (picks torch here) or `torch`, or run on a "
-                "machine with CUDA.",
-            )
-        if not platform.ring_flash_attn:
-            raise UserError(
-                "`attention_kernel` = 'flash' needs the `ring_flash_attn` and `flash_attn` "
-                "packages, and they cannot be imported here.",
-                fix="`pip install 'longctx[gpu]'`, or use `attention_kernel: torch`.",
-            )
-        return "flash", "requested"
-    if kernel == "torch":
-        return "torch", "requested"
-    if zigzag:
-        return "torch", "auto: zigzag sharding runs on the torch kernel"
-    if platform.cuda and platform.ring_flash_attn:
-        return "flash", "auto: CUDA and ring_flash_attn available"
-    return "torch", "auto: " + ("ring_flash_attn not importable" if platform.cuda else "no CUDA")
+    """The attention kernel that will run, and why (`kernel_choice.choose_kernel` decides)."""
+    kernel = config.attention_kernel
+    if kernel in ("flash", "torch_flash") and not platform.cuda:
+        raise UserError(
+            f"`attention_kernel` = {kernel!r} needs a CUDA GPU, and torch sees none here.",
+            fix="use `attention_kernel: auto` (picks torch here) or `torch`, or run on a "
+            "machine with CUDA.",
+        )
+    if kernel == "flash" and not platform.ring_flash_attn:
+        raise UserError(
+            "`attention_kernel` = 'flash' needs the `ring_flash_attn` and `flash_attn` "
+            "packages, and they cannot be imported here.",
+            fix="`pip install 'longctx[gpu]'`, or use `attention_kernel: torch_flash` "
+            "(PyTorch's own flash-attention op, no extra package).",
+        )
+    if kernel in ("flash", "torch_flash") and config.dtype not in HALF_DTYPES:
+        raise UserError(
+            f"`attention_kernel` = {kernel!r} computes in bf16/fp16 only, and `dtype` is "
+            f"{config.dtype!r}.",
+            fix="set `dtype: bfloat16`, or `attention_kernel: auto` / `torch` for float32.",
+        )
+    choice = _choose(config, platform)
+    return choice.kernel, choice.reason
+
+
+def _choose(config: Config, platform: Platform) -> KernelChoice:
+    try:
+        return choose_kernel(
+            config.attention_kernel, config.sp_sharding, cuda=platform.cuda,
+            flash_attn=platform.ring_flash_attn, dtype=config.dtype,
+        )
+    except KernelError as err:
+        raise UserError(err.message, fix=err.fix) from None
 
 
 def _check_zigzag_kernel(config: Config) -> None:
-    if config.attention_kernel == "flash" and config.sp_sharding == "zigzag":
-        raise UserError(
-            "`sp_sharding` = 'zigzag' is not supported by `attention_kernel: flash` "
-            "(ring-flash-attn's llama3 varlen kernel expects contiguous slices).",
-            fix="set `sp_sharding: contiguous`, or `attention_kernel: torch` to keep zigzag.",
-        )
+    # Only the layout rule: it needs no machine (`choose_kernel` raises before looking).
+    _choose(config, Platform(cuda=False, ring_flash_attn=False))
 
 
 def _check_data_parallel(config: Config, world: int, sp: int) -> None:
@@ -708,7 +764,7 @@ class Plan:
     ring: int  # ranks per ring (1 for ulysses)
     heads_k_stride: int
     sharding: str
-    kernel: str  # resolved: "flash" or "torch", never "auto"
+    kernel: str  # resolved: "flash", "torch_flash" or "torch", never "auto"
     kernel_reason: str
     fsdp: bool
     dtype: str
@@ -925,8 +981,15 @@ def build_plan(
             "with ring-flash-attn it resolves to flash (same attention)."
         )
     kernel, reason = _resolve_kernel(config, sp, platform)
+    tiled = tiled_scores_run(kernel, platform.cuda, shape)
+    if tiled and kernel == "torch_flash":
+        reason += (
+            f"; softcapped attention (softcap {attention_softcap(shape)}) takes the tiled "
+            "matmul path: PyTorch's flash op has no softcap"
+        )
     memory, memory_notes = estimate_memory(
-        config, shape, world_size, sp, ulysses, host_is_device=not platform.cuda
+        config, shape, world_size, sp, ulysses, host_is_device=not platform.cuda,
+        tiled_scores=tiled,
     )
 
     dp = world_size // sp
@@ -1030,7 +1093,8 @@ def _sp_candidates(world_size: int, limit: int = 1024) -> list[int]:
 
 
 def _fit_at(
-    config: Config, shape: ModelShape, world_size: int, sp: int, host_is_device: bool
+    config: Config, shape: ModelShape, world_size: int, sp: int, host_is_device: bool,
+    tiled_scores: bool = False,
 ) -> SpFit:
     trial = config.model_copy(update={"sequence_parallel_degree": sp})
     world = max(world_size, sp)
@@ -1040,7 +1104,10 @@ def _fit_at(
         _check_heads(trial, shape, sp, ulysses)
     except UserError as e:
         return SpFit(sp, None, str(e).split(":")[0])
-    estimate = estimate_memory(trial, shape, world, sp, ulysses, host_is_device=host_is_device)
+    estimate = estimate_memory(
+        trial, shape, world, sp, ulysses, host_is_device=host_is_device,
+        tiled_scores=tiled_scores,
+    )
     return SpFit(sp, estimate[0].total)
 
 
@@ -1050,6 +1117,7 @@ def smallest_fitting_sp(
     world_size: int,
     memory_per_rank: int,
     host_is_device: bool = False,
+    tiled_scores: bool = False,
 ) -> tuple[SpFit | None, list[SpFit]]:
     """The smallest legal sp whose per-rank estimate fits, and every degree tried up to it.
 
@@ -1058,7 +1126,7 @@ def smallest_fitting_sp(
     """
     tried = []
     for sp in _sp_candidates(world_size):
-        fit = _fit_at(config, shape, world_size, sp, host_is_device)
+        fit = _fit_at(config, shape, world_size, sp, host_is_device, tiled_scores)
         tried.append(fit)
         if fit.fits(memory_per_rank):
             return fit, tried
@@ -1068,7 +1136,8 @@ def smallest_fitting_sp(
 def fit_report(config: Config, plan: Plan, memory_per_rank: int) -> list[str]:
     """Lines answering `--memory-per-rank`: the smallest sp that fits, and the degrees tried."""
     best, tried = smallest_fitting_sp(
-        config, plan.model, plan.world_size, memory_per_rank, plan.host_is_device
+        config, plan.model, plan.world_size, memory_per_rank, plan.host_is_device,
+        plan.memory.score_tiles > 0,
     )
     lines = [f"memory per rank {_gib(memory_per_rank)}:"]
     for fit in tried:

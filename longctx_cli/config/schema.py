@@ -389,12 +389,14 @@ class Config(_Strict):
     sp_sharding: Literal["contiguous", "zigzag"] = Field(
         "contiguous",
         description="How a row is split across the SP group. zigzag balances causal work "
-        "(torch kernel only); contiguous is what the flash kernel expects.",
+        "(torch and torch_flash kernels); contiguous is what the flash kernel expects.",
     )
-    attention_kernel: Literal["auto", "flash", "torch"] = Field(
+    attention_kernel: Literal["auto", "flash", "torch_flash", "torch"] = Field(
         "auto",
-        description="flash: ring-flash-attn + flash-attn (CUDA); torch: pure PyTorch "
-        "(CPU or CUDA); auto: flash when available, else torch.",
+        description="flash: ring-flash-attn + flash-attn (CUDA, bf16/fp16, contiguous); "
+        "torch_flash: PyTorch's own flash-attention op (CUDA, bf16/fp16, every sharding, no "
+        "extra package); torch: pure PyTorch (CPU, or CUDA through tiled score matmuls); "
+        "auto: flash when installed and applicable, else torch_flash on CUDA, else torch.",
     )
     fsdp: bool = Field(
         False,

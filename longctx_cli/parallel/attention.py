@@ -148,6 +148,12 @@ def longctx_attention_forward(
         raise ValueError("SP attention builds document masks itself; attention_mask must be None")
     feats, sinks = attention_features(module, scaling, kwargs)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # fp16 training (fp32 master weights): RoPE's float32 cos/sin promote q and k while
+        # v stays half. Attention computes in the autocast dtype, as SDPA does under autocast.
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
     out = sp_attention(q, k, v, meta, feats, sinks)
     meta.attention_calls += 1
     return out.unsqueeze(0), None

@@ -27,6 +27,10 @@ all keys are merged: ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - l
 block backward run with ``(out', lse')`` is then exact, and :func:`sink_grad` gives d sink.
 Softcapping needs the scores themselves, so it (and every device without the CPU flash op)
 takes the tiled matmul path, ``_TILE x _TILE`` scores at a time.
+
+On CUDA the ``torch_flash`` kernel (:mod:`.torch_flash`) replaces the block loop with
+PyTorch's own flash-attention op over all segments at once; strategies select it by passing
+``kernel=`` to the functions below, and only what that op cannot compute comes back here.
 """
 
 from __future__ import annotations
@@ -37,11 +41,13 @@ from typing import NamedTuple
 
 import torch
 
+from longctx_cli.kernel_choice import TILE
+
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 _MAX_ROWS = 512  # query rows per block under a window: bounds the edge mask to 512 x 512
-_TILE = 1024  # query rows and keys per score tile of the matmul path
+_TILE = TILE  # query rows and keys per score tile of the matmul path (validate budgets it)
 
 
 @dataclass(frozen=True)
@@ -349,15 +355,24 @@ def doc_causal_forward(
     segments: Sequence[Segment],
     features: AttentionFeatures | float,
     sinks: torch.Tensor | None = None,
+    kernel: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every segment's queries to its keys.
 
     q: ``[Lq, Hq, D]``; k, v: ``[Lk, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA: query head ``h``
     uses KV head ``h // (Hq // Hkv)``). Segments must cover every query row exactly once and
     name every key the rows may see (sinks join last, so pass them only with the whole set).
-    Returns ``out [Lq, Hq, D]`` and ``lse [Hq, Lq]`` (float32).
+    Returns ``out [Lq, Hq, D]`` and ``lse [Hq, Lq]`` (float32). ``kernel``: ``torch`` (the
+    block paths below) or ``torch_flash`` (PyTorch's flash op, :mod:`.torch_flash`, wherever
+    it applies; the block paths otherwise).
     """
     feats = as_features(features)
+    if kernel == "torch_flash":
+        from .torch_flash import flash_applies, varlen_forward
+
+        if flash_applies(q, feats):
+            out, lse = varlen_forward(q, k, v, segments, feats)
+            return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
     whole = _whole_block(segments, q, feats)
     if whole is not None:
         # One causal block covers everything: hand back the kernel's own tensors instead of
@@ -406,13 +421,19 @@ def doc_causal_backward(
     lse: torch.Tensor,
     segments: Sequence[Segment],
     features: AttentionFeatures | float,
+    kernel: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`doc_causal_forward`: ``dq`` like ``q``, ``dk``/``dv`` like ``k``/``v``.
 
     ``out``/``lse`` are what the forward returned (after sinks, if any). Keys no segment reads
-    get a zero gradient; keys read by several segments accumulate.
+    get a zero gradient; keys read by several segments accumulate. ``kernel`` as in forward.
     """
     feats = as_features(features)
+    if kernel == "torch_flash":
+        from .torch_flash import flash_applies, varlen_backward
+
+        if flash_applies(q, feats):
+            return varlen_backward(dout, q, k, v, out, lse, segments, feats)
     if _whole_block(segments, q, feats) == slice(0, k.shape[0]):
         # Every key is read by the one causal block: its gradients are the whole dk, dv.
         dq1, dk1, dv1 = _BWD(
@@ -440,20 +461,23 @@ def doc_causal_backward(
 
 class _DocCausalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, segments, feats):  # type: ignore[override]
-        out, lse = doc_causal_forward(q, k, v, segments, feats, sinks)
+    def forward(ctx, q, k, v, sinks, segments, feats, kernel):  # type: ignore[override]
+        out, lse = doc_causal_forward(q, k, v, segments, feats, sinks, kernel)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.segments = segments
         ctx.feats = feats
+        ctx.kernel = kernel
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse, sinks = ctx.saved_tensors
         dout = dout.contiguous()
-        dq, dk, dv = doc_causal_backward(dout, q, k, v, out, lse, ctx.segments, ctx.feats)
+        dq, dk, dv = doc_causal_backward(
+            dout, q, k, v, out, lse, ctx.segments, ctx.feats, ctx.kernel
+        )
         dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
-        return dq, dk, dv, dsinks, None, None
+        return dq, dk, dv, dsinks, None, None, None
 
 
 def doc_causal_attention(
@@ -463,11 +487,13 @@ def doc_causal_attention(
     cu_seqlens: Sequence[int] | torch.Tensor,
     features: AttentionFeatures | float,
     sinks: torch.Tensor | None = None,
+    kernel: str = "torch",
 ) -> torch.Tensor:
     """Differentiable document-causal attention over a full packed row.
 
     q: ``[T, Hq, D]``, k/v: ``[T, Hkv, D]``; documents are ``cu_seqlens[i]:cu_seqlens[i+1]``;
-    ``sinks`` ``[Hq]`` (optional) gets a gradient too.
+    ``sinks`` ``[Hq]`` (optional) gets a gradient too; ``kernel``: ``torch`` or ``torch_flash``.
     """
     feats = as_features(features)
-    return _DocCausalAttention.apply(q, k, v, sinks, full_row_segments(cu_seqlens), feats)
+    segments = full_row_segments(cu_seqlens)
+    return _DocCausalAttention.apply(q, k, v, sinks, segments, feats, kernel)

@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from longctx_cli.kernel_choice import KernelError, choose_kernel
+
 log = logging.getLogger(__name__)
 
 MODES = ("ring", "ulysses", "hybrid")
 LAYOUTS = ("contiguous", "zigzag")
-KERNELS = ("auto", "torch", "flash")
 
 
 @dataclass
@@ -34,7 +35,7 @@ class SPContext:
     mode: str = "ring"
     layout: str = "contiguous"
     heads_k_stride: int = 1
-    kernel: str = "torch"  # resolved: torch | flash, never auto
+    kernel: str = "torch"  # resolved: torch | flash | torch_flash, never auto
     ulysses_group: ProcessGroup | None = None  # hybrid only
     ring_group: ProcessGroup | None = None  # hybrid only
     ulysses_degree: int = 1
@@ -47,18 +48,21 @@ def flash_available() -> bool:
     return all(importlib.util.find_spec(m) is not None for m in ("flash_attn", "ring_flash_attn"))
 
 
-def resolve_kernel(kernel: str, layout: str = "contiguous") -> str:
-    """Turn ``auto`` into a concrete kernel and reject impossible combinations."""
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown attention kernel {kernel!r}; expected one of {KERNELS}")
+def resolve_kernel(kernel: str, layout: str = "contiguous", dtype: str | None = None) -> str:
+    """Turn ``auto`` into a concrete kernel and reject impossible combinations.
+
+    The decision is :func:`longctx_cli.kernel_choice.choose_kernel`'s, as in ``validate``.
+    """
+    try:
+        choice = choose_kernel(
+            kernel, layout, cuda=torch.cuda.is_available(), flash_attn=flash_available(),
+            dtype=dtype,
+        )
+    except KernelError as err:
+        raise ValueError(str(err)) from None
     if kernel == "auto":
-        # The flash adapter only supports the contiguous layout ring-flash-attn expects.
-        chosen = "flash" if layout == "contiguous" and flash_available() else "torch"
-        log.info("attention_kernel auto -> %s", chosen)
-        return chosen
-    if kernel == "flash" and layout != "contiguous":
-        raise ValueError("the flash kernel needs sp_sharding: contiguous (zigzag is torch only)")
-    return kernel
+        log.info("attention_kernel auto -> %s (%s)", choice.kernel, choice.reason)
+    return choice.kernel
 
 
 def _validate(world_size: int, sp: int, mode: str, ulysses_degree: int | None) -> int:
@@ -92,12 +96,13 @@ def build_parallel_groups(
     heads_k_stride: int = 1,
     kernel: str = "auto",
     world_size: int | None = None,
+    dtype: str | None = None,
 ) -> tuple[ProcessGroup | None, SPContext]:
     """Build the dp x sp groups; return ``(dp_group, sp_context)``.
 
     Works without ``torch.distributed`` initialised (a single process: world 1, no groups).
     A group of size one is returned as ``None``. ``world_size`` defaults to the initialised
-    world (or 1).
+    world (or 1). ``dtype`` (the compute dtype's name) lets ``auto`` pick what really runs.
     """
     initialised = dist.is_available() and dist.is_initialized()
     world = world_size or (dist.get_world_size() if initialised else 1)
@@ -116,7 +121,7 @@ def build_parallel_groups(
         mode=mode,
         layout=layout,
         heads_k_stride=heads_k_stride,
-        kernel=resolve_kernel(kernel, layout),
+        kernel=resolve_kernel(kernel, layout, dtype),
         ulysses_degree=u,
     )
     if not initialised:

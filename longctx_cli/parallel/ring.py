@@ -1,4 +1,4 @@
-"""Llama3-style ring attention in pure PyTorch (the ``torch`` kernel).
+"""Llama3-style ring attention in PyTorch (the ``torch`` and ``torch_flash`` kernels).
 
 Forward, for each group of ``heads_k_stride`` KV heads: all-gather this group's K,V over the
 SP group (the next group's gather runs while the current one is computed), put the chunks
@@ -104,7 +104,8 @@ class RingAttention(torch.autograd.Function):
                 pending = _Gather(k[:, nxt], v[:, nxt], meta)
             # Each local query sees every key it may attend to here, so sinks join now.
             o, lo = doc_causal_forward(
-                q[:, qh], kf, vf, meta.segments, feats, None if sinks is None else sinks[qh]
+                q[:, qh], kf, vf, meta.segments, feats, None if sinks is None else sinks[qh],
+                kernel=meta.ctx.kernel,
             )
             out[:, qh] = o
             lse[qh] = lo
@@ -126,7 +127,8 @@ class RingAttention(torch.autograd.Function):
                 nxt = groups[i + 1][1]
                 pending = _Gather(k[:, nxt], v[:, nxt], meta)
             dqi, dkf, dvf = doc_causal_backward(
-                dout[:, qh], q[:, qh], kf, vf, out[:, qh], lse[qh], meta.segments, ctx.feats
+                dout[:, qh], q[:, qh], kf, vf, out[:, qh], lse[qh], meta.segments, ctx.feats,
+                kernel=meta.ctx.kernel,
             )
             dq[:, qh] = dqi
             dk[:, kh] = _reduce_scatter(dkf, meta)

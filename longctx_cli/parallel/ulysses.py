@@ -238,5 +238,7 @@ def ulysses_attention(
         out = _flash_full_row(qh, kh, vh, meta.cu_seqlens, feats)
     else:
         local_sinks = None if sinks is None else sinks[local_head_slice(q.shape[1], ex, meta)]
-        out = doc_causal_attention(qh, kh, vh, meta.cu_seqlens, feats, local_sinks)
+        out = doc_causal_attention(
+            qh, kh, vh, meta.cu_seqlens, feats, local_sinks, kernel=ctx.kernel
+        )
     return heads_to_seq(out, ex)

@@ -55,6 +55,7 @@ from longctx_cli.train.optim import (
     make_scheduler,
     save_interval,
 )
+from longctx_cli.train.precision import Precision, setup_precision
 
 
 @dataclass
@@ -100,6 +101,7 @@ def init_parallel(config: Config, device: torch.device) -> Parallel:
         layout=config.sp_sharding,
         heads_k_stride=config.heads_k_stride,
         kernel=config.attention_kernel,
+        dtype=config.dtype,
     )
     mesh = None
     if config.fsdp and world > 1:
@@ -265,8 +267,9 @@ def nonfinite_ranks(local_value: float, device) -> list[int]:
 
 def train_step(
     model, decoder, lm_head, params, optimizer, batches: list[ShardedBatch], config: Config,
-    device, use_fsdp: bool,
+    device, use_fsdp: bool, precision: Precision | None = None,
 ) -> StepResult:
+    precision = precision or Precision(device.type)
     local_count = sum(valid_token_count(b.shift_labels) for b in batches)
     (global_count,) = all_reduce_sum([local_count], device)
     divisor = max(global_count, 1.0)
@@ -279,23 +282,28 @@ def train_step(
             # Reduce-scatter only after the last micro-batch of the window.
             model.set_requires_gradient_sync(i == len(batches) - 1)
         with activation_offload(config.activation_offloading):
-            loss_sum = forward_loss_sum(decoder, lm_head, batch, config)
-            (loss_sum / backward_divisor).backward()
+            with precision.autocast():
+                loss_sum = forward_loss_sum(decoder, lm_head, batch, config)
+            precision.scale(loss_sum / backward_divisor).backward()
         local_loss += loss_sum.item()
     if not use_fsdp and dist.get_world_size() > 1:
         reduce_gradients(params)
     bad = nonfinite_ranks(local_loss, device)
     (loss_sum_global,) = all_reduce_sum([local_loss], device)
     max_norm = config.max_grad_norm if config.max_grad_norm is not None else float("inf")
+    precision.unscale(optimizer)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
     skipped = bool(bad) or not math.isfinite(grad_norm)
-    if skipped and config.on_nonfinite == "stop":
+    if skipped and config.on_nonfinite == "stop" and not (
+        not bad and precision.overflowed(grad_norm)  # fp16 loss scaling backs off instead
+    ):
         if bad:
             raise NonFiniteError(f"the loss on rank(s) {bad}")
         name = first_nonfinite_grad(model)
         raise NonFiniteError(f"the gradient of `{name}`" if name else "the gradient norm")
     if not skipped:
-        optimizer.step()
+        precision.step(optimizer)
+    precision.update()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_sum_global / divisor, int(global_count), grad_norm, skipped)
 
@@ -415,6 +423,7 @@ def train(config: Config) -> None:
     model = build_model(config, fsdp_mesh=parallel.world_mesh if config.fsdp else None)
     if not (config.load_in_4bit or config.load_in_8bit):  # bitsandbytes placed those already
         model.to(device)
+    precision = setup_precision(model, config.dtype, device)  # before the optimizer sees params
     use_fsdp = config.fsdp and world > 1
     decoder, lm_head = decoder_and_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -462,7 +471,8 @@ def train(config: Config) -> None:
         started = time.perf_counter()
         try:
             result = train_step(
-                model, decoder, lm_head, params, optimizer, batches, config, device, use_fsdp
+                model, decoder, lm_head, params, optimizer, batches, config, device, use_fsdp,
+                precision,
             )
         except NonFiniteError as e:
             kept = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else (

@@ -1,0 +1,467 @@
+"""The GPU path, measured: kernel parity, training throughput, the longest row, the estimate.
+
+    python benchmarks/gpu.py                      # on a CUDA machine: every part
+    python benchmarks/gpu.py --dry-run            # CPU, tiny sizes, same code path (< 60 s)
+    python benchmarks/gpu.py --parts parity throughput
+
+Parts (each writes into one JSON, ``benchmarks/results/gpu-<device>.json``):
+
+* ``parity``: every attention kernel (``torch``: tiled matmul path on CUDA; ``torch_flash``:
+  PyTorch's flash op; ``flash`` when flash-attn is installed, world 1 only) in bf16 and fp32,
+  output and dq/dk/dv against per-document SDPA computed in float32, next to SDPA's own error
+  in the same dtype (the floor). World 1 and every strategy emulated on one device: each
+  rank's share (its query rows and the key range the ring gathers, its heads under
+  Ulysses, both under hybrid) computed serially with the block functions the strategies
+  call, key gradients summed as the reduce-scatter sums them. Communication itself is
+  covered by the multi-process CPU tests.
+* ``throughput``: tokens/s of one training step (bf16, gradient checkpointing, AdamW) of a
+  1B-class random Llama at 8K-128K tokens, longctx (sp=1, each kernel) against plain
+  Hugging Face training with ``sdpa`` and ``flash_attention_2`` (when flash-attn is
+  installed). Out of memory is recorded as such.
+* ``longest``: the longest row that trains on this GPU for a Llama-3-8B-shaped random model
+  with LoRA + gradient checkpointing + activation offload + chunked loss + tiled MLP
+  (doubling, then bisection), with ``validate``'s estimate against the measured peak
+  (``torch.cuda.max_memory_allocated``) at every length tried.
+
+``--dry-run`` runs all of it on CPU with tiny shapes; the ``torch_flash`` kernel then calls
+the CPU stand-in of PyTorch's flash op (``tests/torch_flash_standin.py``), and memory is
+not measured (no CUDA allocator). Its numbers mean nothing; it proves the script runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from longctx_cli.config import config_from_dict  # noqa: E402
+from longctx_cli.config.plan import (  # noqa: E402
+    ModelShape,
+    attention_softcap,
+    estimate_memory,
+    tiled_scores_run,
+)
+from longctx_cli.kernel_choice import choose_kernel  # noqa: E402
+from longctx_cli.parallel import AttentionFeatures, SPContext, shard_batch  # noqa: E402
+from longctx_cli.parallel.kernels import (  # noqa: E402
+    doc_causal_backward,
+    doc_causal_forward,
+    full_row_segments,
+)
+from longctx_cli.parallel.mesh import flash_available, single_process_context  # noqa: E402
+from longctx_cli.parallel.sharding import local_ranges, segments_for  # noqa: E402
+from longctx_cli.parallel.torch_flash import flash_applies  # noqa: E402
+from longctx_cli.train.loop import forward_loss_sum, to_device  # noqa: E402
+from longctx_cli.train.memory import activation_offload  # noqa: E402
+from longctx_cli.train.model import build_model, decoder_and_head, model_config_of  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+LLAMA_1B = {  # TinyLlama-1.1B's shape
+    "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
+    "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "vocab_size": 32000, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+}
+LLAMA3_8B = {  # Llama-3-8B's published shape
+    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "vocab_size": 128256, "max_position_embeddings": 1048576, "rope_theta": 500000.0,
+}
+TINY = {
+    "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "vocab_size": 384, "max_position_embeddings": 4096,
+}
+
+
+# ---- parity --------------------------------------------------------------------------------
+
+
+def strategy_shares(name: str, total: int, cu: list[int], hq: int, hkv: int) -> list[tuple]:
+    """Each rank's share as (query rows [(start, end)], segments, q-head slice, kv-head slice).
+
+    ``name``: ``world1``, ``ring<sp>_<layout>``, ``ulysses<sp>``, ``hybrid<sp>u<u>_<layout>``.
+    """
+    everything = [(0, total)]
+    if name == "world1":
+        return [(everything, full_row_segments(cu), slice(0, hq), slice(0, hkv))]
+    kind, _, layout = name.partition("_")
+    layout = layout or "contiguous"
+    if kind.startswith("ulysses"):
+        n = int(kind[len("ulysses"):])
+        return [(everything, full_row_segments(cu), *head_slices(j, n, hq, hkv))
+                for j in range(n)]
+    if kind.startswith("ring"):
+        n, u = int(kind[len("ring"):]), 1
+    else:
+        n, u = (int(x) for x in kind[len("hybrid"):].split("u"))
+    r = n // u  # ranks of the ring; under hybrid each holds a Ulysses group's tokens
+    shares = []
+    for rank in range(r):
+        ranges = local_ranges(total, SPContext(sp_rank=rank, sp_size=r, layout=layout))
+        segs = segments_for(cu, ranges)
+        shares += [(list(ranges), segs, *head_slices(j, u, hq, hkv)) for j in range(u)]
+    return shares
+
+
+def head_slices(j: int, n: int, hq: int, hkv: int) -> tuple[slice, slice]:
+    """Query heads of Ulysses rank ``j`` of ``n`` and the KV heads they read."""
+    per = hq // n
+    group = hq // hkv
+    first, last = j * per // group, ((j + 1) * per - 1) // group
+    return slice(j * per, (j + 1) * per), slice(first, last + 1)
+
+
+def emulate(kernel: str, share_list: list[tuple], q, k, v, dout, feats) -> list[torch.Tensor]:
+    """Out and dq/dk/dv of the whole row, assembled from every rank's share."""
+    out, dq = torch.zeros_like(q), torch.zeros_like(q)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros_like(dk)
+    for ranges, segs, qh, kh in share_list:
+        rows = torch.cat([torch.arange(a, b, device=q.device) for a, b in ranges])
+        ql, dl = q[rows][:, qh], dout[rows][:, qh]
+        kl, vl = k[:, kh], v[:, kh]
+        o, lse = doc_causal_forward(ql, kl, vl, segs, feats, kernel=kernel)
+        gq, gk, gv = doc_causal_backward(dl, ql, kl, vl, o, lse, segs, feats, kernel=kernel)
+        out[rows, qh] = o.to(q.dtype)
+        dq[rows, qh] = gq.to(q.dtype)
+        dk[:, kh] += gk.float()
+        dv[:, kh] += gv.float()
+    return [out, dq, dk, dv]
+
+
+def sdpa_reference(q, k, v, dout, cu, feats, dtype) -> list[torch.Tensor]:
+    """Per-document SDPA (is_causal, or an explicit window mask) in ``dtype``, and its grads."""
+    leaves = [t.to(dtype).detach().requires_grad_() for t in (q, k, v)]
+    outs = []
+    groups = q.shape[1] // k.shape[1]
+    for a, b in zip(cu[:-1], cu[1:], strict=True):
+        qd, kd, vd = (t[a:b].transpose(0, 1).unsqueeze(0) for t in leaves)
+        kd, vd = (t.repeat_interleave(groups, 1) for t in (kd, vd))
+        if feats.window is None:
+            o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=feats.scale)
+        else:
+            i = torch.arange(b - a, device=q.device)
+            keep = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - feats.window)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=keep, scale=feats.scale)
+        outs.append(o[0].transpose(0, 1))
+    out = torch.cat(outs)
+    out.backward(dout.to(dtype))
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def parity(device: torch.device, dry: bool) -> list[dict]:
+    total, hq, hkv, dim = (256, 4, 2, 16) if dry else (16384, 32, 8, 128)
+    docs = [total // 2, total // 4, total // 8, total - total // 2 - total // 4 - total // 8]
+    cu = [0]
+    for n in docs:
+        cu.append(cu[-1] + n)
+    strategies = ["world1", "ring2_contiguous", "ring2_zigzag", "ring4_contiguous",
+                  "ring4_zigzag", "ulysses2", "ulysses4", "hybrid4u2_contiguous",
+                  "hybrid4u2_zigzag"]
+    kernels = ["torch", "torch_flash"] + (["flash"] if flash_available() else [])
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(total, hq, dim, generator=g).to(device) for _ in range(2))
+    k, v = (torch.randn(total, hkv, dim, generator=g).to(device) for _ in range(2))
+    results = []
+    for window in (None, total // 16):
+        feats = AttentionFeatures(scale=dim**-0.5, window=window)
+        truth = sdpa_reference(q, k, v, dout, cu, feats, torch.float32)
+        for dtype_name, dtype in DTYPES.items():
+            floor = sdpa_reference(q, k, v, dout, cu, feats, dtype)
+            floor_err = {n: rel(a, b) for n, a, b in zip(NAMES, floor, truth, strict=True)}
+            args = [t.to(dtype) for t in (q, k, v, dout)]
+            for kernel in kernels:
+                for strategy in strategies if kernel != "flash" else ["world1"]:
+                    row = {"kernel": kernel, "dtype": dtype_name, "strategy": strategy,
+                           "window": window, "tokens": total, "sdpa_err": floor_err,
+                           "path": path_of(kernel, args[0], feats)}
+                    try:
+                        got = (flash_world1(*args, cu, feats) if kernel == "flash" else
+                               emulate(kernel, strategy_shares(strategy, total, cu, hq, hkv),
+                                       *args, feats))
+                        row["err"] = {n: rel(a, b) for n, a, b in zip(NAMES, got, truth,
+                                                                     strict=True)}
+                    except Exception as e:  # a kernel that cannot take this case says why
+                        row["error"] = f"{type(e).__name__}: {e}"
+                    results.append(row)
+    return results
+
+
+NAMES = ("out", "dq", "dk", "dv")
+
+
+def path_of(kernel: str, q: torch.Tensor, feats: AttentionFeatures) -> str:
+    """What computes the blocks: the flash op, or the fallback where it does not apply."""
+    if kernel == "torch_flash":
+        return "flash op" if flash_applies(q, feats) else "tiled fallback (op does not apply)"
+    if kernel == "torch":
+        return "tiled matmul" if q.is_cuda else "CPU flash op"
+    return "flash-attn"
+
+
+def flash_world1(q, k, v, dout, cu, feats) -> list[torch.Tensor]:
+    """flash-attn's own varlen function (only where it is installed)."""
+    from flash_attn import flash_attn_varlen_func
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
+    window = (-1, -1) if feats.window is None else (feats.window - 1, 0)
+    m = max(b - a for a, b in zip(cu[:-1], cu[1:], strict=True))
+    out = flash_attn_varlen_func(*leaves, cu_t, cu_t, m, m, softmax_scale=feats.scale,
+                                 causal=True, window_size=window)
+    out.backward(dout)
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+# ---- training steps ------------------------------------------------------------------------
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err)
+
+
+def longctx_config(model: dict, tokens: int, kernel: str, dtype: str, **options):
+    return config_from_dict({
+        "model_config": model, "dtype": dtype, "sequence_len": tokens,
+        "attention_kernel": kernel, "fidelity_probe": False, "optimizer": "adamw",
+        "gradient_checkpointing": True, "chunked_loss": True, **options,
+    })
+
+
+def longctx_steps(config, device: torch.device, steps: int) -> tuple[float, int | None]:
+    """Seconds per step (after one warm-up step) and peak bytes of longctx at sp=1."""
+    with torch.device(device):
+        model = build_model(config)
+    model.to(device)
+    decoder, head = decoder_and_head(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-5)
+    ctx = single_process_context(kernel=config.attention_kernel)
+    n = config.sequence_len
+    ids = torch.randint(1, model_config_of(config).vocab_size, (n,))
+    batch = to_device(shard_batch(ids, torch.arange(n), ids, ctx), device)
+    times = []
+    for _ in range(steps + 1):
+        sync(device)
+        start = time.perf_counter()
+        with activation_offload(config.activation_offloading):
+            (forward_loss_sum(decoder, head, batch, config) / n).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return min(times[1:]), peak(device)
+
+
+def hf_steps(model_dict: dict, tokens: int, attn: str, dtype, device, steps: int) -> float:
+    """Plain Hugging Face training: model(input_ids, labels=...) with gradient checkpointing."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(model_dict)
+    cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(1, cfg.vocab_size, (1, tokens), device=device)
+    times = []
+    for _ in range(steps + 1):
+        sync(device)
+        start = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+def measured(fn, device: torch.device) -> dict:
+    """Run one measurement; out-of-memory and other failures become results, not crashes."""
+    reset_memory(device)
+    try:
+        return {"status": "ok", **fn()}
+    except Exception as e:
+        if is_oom(e):
+            return {"status": "oom"}
+        return {"status": "error", "error": f"{type(e).__name__}: {e}",
+                "trace": traceback.format_exc(limit=3)}
+    finally:
+        reset_memory(device)
+
+
+def throughput(device: torch.device, dry: bool) -> list[dict]:
+    model, dtype = (TINY, "float32") if dry else (LLAMA_1B, "bfloat16")
+    lengths = [128, 256] if dry else [8192, 16384, 32768, 65536, 131072]
+    steps = 1 if dry else 2
+    kernels = ["torch_flash", "torch"] + (["flash"] if flash_available() else [])
+    hf = ["sdpa"] + ([] if dry or not importable("flash_attn") else ["flash_attention_2"])
+    results = []
+    for n in lengths:
+        for kernel in kernels:
+            def run(kernel=kernel, n=n):
+                secs, top = longctx_steps(longctx_config(model, n, kernel, dtype), device, steps)
+                return {"tokens_per_s": n / secs, "peak_bytes": top}
+            results.append({"tokens": n, "impl": f"longctx/{kernel}", **measured(run, device)})
+        for attn in hf:
+            def run_hf(attn=attn, n=n):
+                secs = hf_steps(model, n, attn, DTYPES[dtype], device, steps)
+                return {"tokens_per_s": n / secs, "peak_bytes": peak(device)}
+            results.append({"tokens": n, "impl": f"hf/{attn}", **measured(run_hf, device)})
+    return results
+
+
+def importable(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+# ---- the longest row ---------------------------------------------------------------------
+
+
+def estimate_bytes(config, kernel: str, cuda: bool) -> int:
+    shape = ModelShape.from_hf_config(model_config_of(config))
+    tiled = tiled_scores_run(kernel, cuda, shape)
+    return estimate_memory(config, shape, 1, 1, 1, host_is_device=not cuda,
+                           tiled_scores=tiled)[0].total
+
+
+def longest(device: torch.device, dry: bool, max_trials: int) -> dict:
+    model = TINY if dry else LLAMA3_8B
+    cuda = device.type == "cuda"
+    options = {"adapter": "lora", "lora_r": 16, "lora_target_modules": "all-linear",
+               "activation_offloading": True, "tiled_mlp": True, "loss_chunk_size": 4096}
+    kernel = choose_kernel("auto", cuda=cuda, flash_attn=flash_available(),
+                           dtype="bfloat16").kernel
+    if not cuda:  # the dry run exercises the GPU's kernel through the stand-in
+        kernel = "torch_flash"
+    n, step = (128, 128) if dry else (32768, 16384)
+    trials: list[dict] = []
+    ok, bad = 0, None
+    while len(trials) < max_trials:
+        config = longctx_config(model, n, kernel, "bfloat16", **options)
+        est = estimate_bytes(config, kernel, cuda)
+        result = measured(lambda config=config: dict(zip(
+            ("seconds", "peak_bytes"), longctx_steps(config, device, 1), strict=True)),
+            device)
+        row = {"tokens": n, "estimate_bytes": est, **result}
+        if result["status"] == "ok" and result.get("peak_bytes"):
+            row["estimate_error"] = est / result["peak_bytes"] - 1
+        trials.append(row)
+        print(f"  longest: {n} tokens -> {result['status']}", flush=True)
+        if result["status"] == "ok":
+            ok = n
+        elif result["status"] == "oom":
+            bad = n
+        else:
+            break
+        if bad is None:
+            n *= 2
+        elif bad - ok <= step:
+            break
+        else:
+            n = (ok + bad) // 2 // step * step
+    return {"model": "tiny" if dry else "llama3-8b shape", "kernel": kernel, "options": options,
+            "longest_tokens": ok, "first_oom_tokens": bad, "trials": trials,
+            "softcap": attention_softcap(ModelShape.from_hf_config(model_config_of(
+                longctx_config(model, 128, kernel, "bfloat16"))))}
+
+
+# ---- main ---------------------------------------------------------------------------------
+
+
+def device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu-dry-run"
+    return torch.cuda.get_device_name(device).lower().replace(" ", "-")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, stand-in op")
+    parser.add_argument("--parts", nargs="+", default=["parity", "throughput", "longest"],
+                        choices=["parity", "throughput", "longest"])
+    parser.add_argument("--max-trials", type=int, default=8, help="rows tried by `longest`")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        from longctx_cli.parallel.torch_flash import use_flash_ops
+        from tests.torch_flash_standin import OPS
+
+        use_flash_ops(OPS)  # the GPU kernel's code path, on the CPU stand-in of the op
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+    elif not torch.cuda.is_available():
+        parser.error("no CUDA device: run with --dry-run, or on a GPU machine")
+    else:
+        device = torch.device("cuda")
+    report: dict = {"device": device_name(device), "dry_run": args.dry_run,
+                    "torch": torch.__version__, "flash_attn": importable("flash_attn"),
+                    "measured": not args.dry_run}
+    started = time.perf_counter()
+    if "parity" in args.parts:
+        report["parity"] = parity(device, args.dry_run)
+    if "throughput" in args.parts:
+        report["throughput"] = throughput(device, args.dry_run)
+    if "longest" in args.parts:
+        report["longest"] = longest(device, args.dry_run, 3 if args.dry_run else args.max_trials)
+    report["seconds"] = time.perf_counter() - started
+    out = args.out or ROOT / "benchmarks" / "results" / f"gpu-{report['device']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(summary(report))
+    print(f"written to {out}")
+    return report
+
+
+def summary(report: dict) -> str:
+    lines = [f"device {report['device']} (measured: {report['measured']})"]
+    for row in report.get("parity", []):
+        err = row.get("err")
+        what = (f"max err {max(err.values()):.2e} (sdpa {max(row['sdpa_err'].values()):.2e})"
+                if err else row.get("error", ""))
+        lines.append(f"  parity {row['kernel']:<11} {row['dtype']:<8} {row['strategy']:<20} "
+                     f"window {row['window']}: {what}")
+    for row in report.get("throughput", []):
+        tps = f"{row['tokens_per_s']:.0f} tok/s" if row["status"] == "ok" else row["status"]
+        lines.append(f"  throughput {row['impl']:<18} {row['tokens']:>7}: {tps}")
+    if "longest" in report:
+        lg = report["longest"]
+        lines.append(f"  longest row ({lg['model']}, {lg['kernel']}): {lg['longest_tokens']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""fp16 training: float32 master weights, autocast, loss scaling; bf16 and fp32 unchanged.
+
+Runs the trainer's own `train_step` on CPU (autocast and GradScaler exist there too) in one
+gloo process.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from longctx_cli.config import config_from_dict
+from longctx_cli.parallel import build_parallel_groups, shard_batch
+from longctx_cli.train.loop import decoder_and_head, train_step
+from longctx_cli.train.model import build_model
+from longctx_cli.train.precision import setup_precision
+from tests.distributed import run_distributed
+from tests.train_helpers import TINY_LLAMA
+
+
+def _config(dtype: str, **extra):
+    return config_from_dict({
+        "model_config": TINY_LLAMA, "dtype": dtype, "sequence_len": 64,
+        "attention_kernel": "torch", "learning_rate": 1e-3, "seed": 3, "fidelity_probe": False,
+        "max_grad_norm": 1.0, **extra,
+    })
+
+
+def _batch(ctx):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 384, (64,), generator=g)
+    pos = torch.cat([torch.arange(40), torch.arange(24)])
+    return shard_batch(ids, pos, ids, ctx)
+
+
+def steps_worker(rank: int, world: int, dtype: str, init_scale: float | None) -> dict:
+    config = _config(dtype)
+    _, ctx = build_parallel_groups(sp=1, kernel="torch", dtype=dtype)
+    model = build_model(config)
+    device = torch.device("cpu")
+    precision = setup_precision(model, config.dtype, device)
+    if init_scale is not None and precision.scaler is not None:
+        precision.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    decoder, head = decoder_and_head(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate)
+    results = []
+    for _ in range(3):
+        r = train_step(model, decoder, head, params, optimizer, [_batch(ctx)], config, device,
+                       False, precision)
+        results.append((r.loss, r.skipped))
+    return {
+        "results": results,
+        "param_dtypes": sorted({str(p.dtype) for p in params}),
+        "scale": None if precision.scaler is None else precision.scaler.get_scale(),
+        "autocast": str(precision.autocast_dtype),
+    }
+
+
+def test_fp16_keeps_float32_master_weights_and_scales_the_loss() -> None:
+    (fp32,) = run_distributed(steps_worker, 1, "float32", None, timeout_s=120)
+    (fp16,) = run_distributed(steps_worker, 1, "float16", None, timeout_s=120)
+    assert fp16["param_dtypes"] == ["torch.float32"] and fp16["autocast"] == "torch.float16"
+    assert fp16["scale"] is not None and fp16["scale"] > 1
+    for (a, _), (b, skipped) in zip(fp32["results"], fp16["results"], strict=True):
+        assert not skipped and math.isfinite(b)
+        assert abs(a - b) / abs(a) < 2e-2  # fp16 compute of the same steps
+    assert fp32["scale"] is None and fp32["autocast"] == "None"
+
+
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale() -> None:
+    (run,) = run_distributed(steps_worker, 1, "float16", 2.0**120, timeout_s=120)
+    skipped = [s for _, s in run["results"]]
+    assert skipped[0]  # the scaled gradients overflow: skipped, not an error
+    assert run["scale"] < 2.0**120
+
+
+def test_bf16_trains_native_bf16_weights() -> None:
+    model = build_model(_config("bfloat16"))
+    precision = setup_precision(model, "bfloat16", torch.device("cpu"))
+    assert precision.scaler is None and precision.autocast_dtype is None
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
