@@ -86,6 +86,7 @@ def init_parallel(config: Config, device: torch.device) -> Parallel:
         layout=config.sp_sharding,
         heads_k_stride=config.heads_k_stride,
         kernel=config.attention_kernel,
+        ring_attn_func=config.ring_attn_func,
     )
     mesh = None
     if config.fsdp and world > 1:
