@@ -85,7 +85,7 @@ def test_buffers_per_rank_by_ring() -> None:
     llama3 = ring_buffer_bytes("varlen_llama3", SHAPE, b, t // sp, sp)
     p2p = ring_buffer_bytes("batch_zigzag", SHAPE, b, t // sp, sp)
     assert llama3 == 6 * 64 * t * b
-    assert p2p == (4 * 64 * b + (4 + 2) * 64 * 4) * (t // sp)
+    assert p2p == (6 * 64 * b + (4 + 2) * 64 * 4) * (t // sp)
     # The P2P share shrinks with sp, the gathered row does not.
     assert ring_buffer_bytes("batch_ring", SHAPE, b, t // 8, 8) * 2 == p2p
     assert ring_buffer_bytes("varlen_llama3", SHAPE, b, t // 8, 8) == llama3

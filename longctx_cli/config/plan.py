@@ -292,9 +292,10 @@ LOGITS_FP32_COPIES = 2
 # before the reduce-scatter in backward (2 tensors).
 RING_KV_TENSORS = 6
 # P2P ring (batch_*), per rank, all KV heads of the rank's own token count: the K/V block at
-# hand and the one in flight (4 tensors), and in backward the dK/dV accumulator being sent
-# and the one arriving (4 float32 tensors) plus the float32 dq accumulator.
-P2P_KV_TENSORS = 4
+# hand and the one in flight (4 tensors) and, in backward, this block's dK/dV (2 tensors),
+# the dK/dV accumulator being sent and the one arriving (4 float32 tensors) and the float32
+# dq accumulator.
+P2P_KV_TENSORS = 6
 P2P_ACC_FP32_TENSORS = 4
 
 

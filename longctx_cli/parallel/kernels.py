@@ -187,14 +187,18 @@ def pieces_forward(
     v: torch.Tensor,
     pieces: Sequence[Piece],
     features: AttentionFeatures | float,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial attention of ``q`` over one key block: ``out [Lq, Hq, D]`` (float32), ``lse``.
 
     Rows no piece reaches get ``out = 0`` and ``lse = -inf`` (they merge as "no keys").
+    Given ``out`` / ``lse`` (results over other keys), the block is merged into them in place.
     """
     feats = as_features(features)
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+    if out is None or lse is None:
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
     groups = (g for piece in pieces for g in piece_blocks(piece, feats.window))
     # A zigzag block holds two runs of keys: one row may be in two pieces, so merge.
     _forward_groups(q, k, v, groups, feats, out, lse, accumulate=True)
@@ -210,10 +214,16 @@ def pieces_backward(
     lse: torch.Tensor,
     pieces: Sequence[Piece],
     features: AttentionFeatures | float,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one key block's share, given the rows' fully merged ``out`` and ``lse``."""
+    """Gradients of one key block's share, given the rows' fully merged ``out`` and ``lse``.
+
+    ``grads``: ``(dq, dk, dv)`` accumulators (e.g. float32) to add into instead of new ones.
+    """
     feats = as_features(features)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if grads is None:
+        grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
+    dq, dk, dv = grads
     groups = (g for piece in pieces for g in piece_blocks(piece, feats.window))
     _backward_groups(dout, q, k, v, out, lse, groups, feats, dq, dk, dv)
     return dq, dk, dv

@@ -142,17 +142,6 @@ def step_geometry(
     return pieces, replace(feats, window=window)
 
 
-def _merge_into(
-    out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lo: torch.Tensor
-) -> None:
-    """In place: ``(out, lse) <- merge((out, lse), (o, lo))``; out ``[L, H, D]`` float32."""
-    new = torch.logaddexp(lse, lo)
-    safe = torch.where(new.isinf(), 0.0, new)  # rows no block reached so far stay at 0
-    out.mul_(torch.exp(lse - safe).t().unsqueeze(-1))
-    out.add_(o.float() * torch.exp(lo - safe).t().unsqueeze(-1))
-    lse.copy_(new)
-
-
 class P2PRingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, meta, feats):  # type: ignore[override]
@@ -168,10 +157,8 @@ class P2PRingAttention(torch.autograd.Function):
                 nxt = spare or (torch.empty_like(cur[0]), torch.empty_like(cur[1]))
                 pending = ring.start(list(cur), list(nxt))
             pieces, step_feats = step_geometry(meta, step, feats)
-            if pieces:
-                o, lo = pieces_forward(q, cur[0], cur[1], pieces, step_feats)
-                _merge_into(out, lse, o, lo)
-                del o, lo
+            if pieces:  # merged into the running result in place: no per-block copy
+                pieces_forward(q, cur[0], cur[1], pieces, step_feats, out, lse)
             if pending is not None:
                 _wait(pending)
                 spare = None if step == 0 else cur  # never recycle the caller's own k, v
@@ -202,22 +189,22 @@ class P2PRingAttention(torch.autograd.Function):
                 nxt = spare or (torch.empty_like(cur[0]), torch.empty_like(cur[1]))
                 kv_works = ring.start(list(cur), list(nxt))
             pieces, step_feats = step_geometry(meta, step, feats)
-            grads = None
-            if pieces:
-                grads = pieces_backward(dout, q, cur[0], cur[1], out, lse, pieces, step_feats)
-                dq += grads[0]
-            # This block's dK/dV so far: from the previous rank (it has been in flight during
-            # the compute above), or zero on the block's home rank.
+            block = None
+            if pieces:  # dq straight into its accumulator; this block's dK/dV on their own
+                block = (dq, torch.zeros_like(cur[0]), torch.zeros_like(cur[1]))
+                pieces_backward(dout, q, cur[0], cur[1], out, lse, pieces, step_feats, block)
+            # This block's dK/dV so far: from the previous rank (in flight during the compute
+            # above), or zero on the block's home rank.
             if step == 0:
                 acc = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
                        torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
             else:
                 _wait(acc_works)
                 acc = acc_in
-            if grads is not None:
-                acc[0] += grads[1]
-                acc[1] += grads[2]
-            del grads
+            if block is not None:
+                acc[0] += block[1]
+                acc[1] += block[2]
+            del block
             if ring is None:
                 dk, dv = acc
             else:  # pass it on with the block; after the last step that is its home rank
