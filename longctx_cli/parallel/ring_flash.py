@@ -151,13 +151,15 @@ def _flash_single(
 
 
 def flash_p2p_unfit(
-    meta: SPMeta, feats: AttentionFeatures, sinks: torch.Tensor | None
+    q: torch.Tensor, meta: SPMeta, feats: AttentionFeatures, sinks: torch.Tensor | None
 ) -> str | None:
     """Why ring-flash-attn's P2P functions would not compute this row exactly, or None.
 
     They attend over the whole row as one sequence (no cu_seqlens: a packed or padded row
     would attend across documents) and pass neither softcap nor sinks; a window is applied
-    per block with the block's own alignment, which is wrong off the diagonal.
+    per block with the block's own alignment, which is wrong off the diagonal. flash-attn
+    computes in fp16/bf16 only (and 0.1.8's float32 accumulators alias its block buffers
+    when the inputs are float32 already).
     """
     docs = len(meta.cu_seqlens) - 1
     if docs > 1:
@@ -171,6 +173,8 @@ def flash_p2p_unfit(
         return "logit softcapping: ring-flash-attn 0.1.8's P2P functions have no softcap"
     if sinks is not None:
         return "attention sinks: flash-attn 2 has no sink argument"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"{q.dtype}: flash-attn computes in float16/bfloat16 only"
     return None
 
 

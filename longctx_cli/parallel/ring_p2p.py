@@ -245,7 +245,7 @@ def p2p_ring_attention(
     if ctx.kernel == "flash" and ctx.sp_size > 1:
         from .ring_flash import flash_p2p_attention, flash_p2p_unfit
 
-        why = flash_p2p_unfit(meta, feats, sinks)
+        why = flash_p2p_unfit(q, meta, feats, sinks)
         if why is None:
             return flash_p2p_attention(q, k, v, meta, feats)
         if "p2p_flash_fallback" not in meta.cache:  # once per row, not per layer
