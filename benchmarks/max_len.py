@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 import torch.distributed as dist
-from train_step import OPTIONS, Variant, init_rank, measure, spawn_ranks
+from train_step import OPTIONS, STRATEGIES, Variant, init_rank, measure, spawn_ranks
 
 SP_STRATEGY = {1: "sp1", 2: "sp2_zigzag", 4: "sp4_zigzag"}
 
@@ -30,8 +30,10 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def longest_row(sp: int, option: str, cap_mib: float, local: list[int], log: bool) -> dict:
-    strategy = SP_STRATEGY[sp]
+def longest_row(
+    sp: int, option: str, cap_mib: float, local: list[int], log: bool, strategy: str = ""
+) -> dict:
+    strategy = strategy or SP_STRATEGY[sp]
     points = [(sp * t, measure(Variant(strategy, option, sp * t))[1]) for t in local]
     intercept, slope = fit_line([float(t) for t, _ in points], [m for _, m in points])
     step = 2 * sp * 64
@@ -45,14 +47,19 @@ def longest_row(sp: int, option: str, cap_mib: float, local: list[int], log: boo
         if peak <= cap_mib:
             break
         row = int(row * 0.95) // step * step
-    return {"sp": sp, "option": option, "points": points, "intercept_mib": intercept,
-            "mib_per_token": slope, "checks": checks, "longest_row": checks[-1][0]}
+    return {"sp": sp, "strategy": strategy, "option": option, "points": points,
+            "intercept_mib": intercept, "mib_per_token": slope, "checks": checks,
+            "longest_row": checks[-1][0]}
 
 
 def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
     init_rank(rank, store_dir, args.option)
-    results = [longest_row(sp, args.option, args.cap_mib, args.local_tokens, rank == 0)
-               for sp in args.sp]
+    if args.strategies:  # named strategies (e.g. llama3 vs P2P rings at one sp)
+        results = [longest_row(STRATEGIES[s][0], args.option, args.cap_mib, args.local_tokens,
+                               rank == 0, s) for s in args.strategies]
+    else:
+        results = [longest_row(sp, args.option, args.cap_mib, args.local_tokens, rank == 0)
+                   for sp in args.sp]
     if rank == 0:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         payload = {"cap_mib": args.cap_mib, "option": args.option, "results": results}
@@ -63,12 +70,12 @@ def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
 
 def table(results: list[dict]) -> str:
     sp1 = next((r for r in results if r["sp"] == 1), None)
-    lines = ["| sp | fixed (MiB) | MiB per 1K row tokens | longest row under cap | vs sp=1 |",
-             "|---|---|---|---|---|"]
+    lines = ["| sp | strategy | fixed (MiB) | MiB per 1K row tokens | longest row under cap "
+             "| vs sp=1 |", "|---|---|---|---|---|---|"]
     for r in results:
         ratio = f"{r['longest_row'] / sp1['longest_row']:.2f}x" if sp1 else "-"
-        lines.append(f"| {r['sp']} | {r['intercept_mib']:.0f} | {1024 * r['mib_per_token']:.1f} "
-                     f"| {r['longest_row']} | {ratio} |")
+        lines.append(f"| {r['sp']} | {r.get('strategy', '')} | {r['intercept_mib']:.0f} | "
+                     f"{1024 * r['mib_per_token']:.1f} | {r['longest_row']} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -79,6 +86,9 @@ def main() -> None:
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], choices=[1, 2, 4])
     parser.add_argument("--local-tokens", type=int, nargs="+", default=[512, 1024, 2048],
                         help="tokens per rank of the rows measured for the fit")
+    parser.add_argument("--strategies", nargs="*", default=[], choices=list(STRATEGIES),
+                        help="measure these strategies instead of --sp (e.g. sp4_zigzag "
+                        "sp4_batch_zigzag)")
     parser.add_argument("--out", default="benchmarks/results/max_len.json")
     spawn_ranks(worker, parser.parse_args())
 

@@ -66,8 +66,18 @@ STRATEGIES = {  # name -> (sp, mode, layout)
     "sp2_zigzag": (2, "ring", "zigzag"),
     "sp2_ulysses": (2, "ulysses", "contiguous"),
     "sp4_zigzag": (4, "ring", "zigzag"),
+    "sp4_batch_ring": (4, "ring", "contiguous"),
+    "sp4_batch_zigzag": (4, "ring", "zigzag"),
+}
+RING_FUNC = {  # strategies on a P2P ring; the others use varlen_llama3
+    "sp4_batch_ring": "batch_ring",
+    "sp4_batch_zigzag": "batch_zigzag",
 }
 CONTEXTS: dict = {}
+
+
+def context_key(strategy: str) -> tuple:
+    return (*STRATEGIES[strategy], RING_FUNC.get(strategy, "varlen_llama3"))
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,7 @@ def variant_config(v: Variant, loss_chunk_size: int = 1024) -> Config:
         "sequence_parallel_degree": sp,
         "sequence_parallel_mode": mode,
         "sp_sharding": layout,
+        "ring_attn_func": RING_FUNC.get(v.strategy, "varlen_llama3"),
         "loss_chunk_size": loss_chunk_size,
         "optimizer": "adamw",
         **OPTIONS[v.option],
@@ -169,7 +180,7 @@ def run_step(v: Variant) -> tuple[float, float, float] | None:
     if dist.get_rank() >= v.sp:
         return None
     config = variant_config(v)
-    ctx = CONTEXTS[STRATEGIES[v.strategy]]
+    ctx = CONTEXTS[context_key(v.strategy)]
     gc.collect()
     base = rss_bytes()
     reset_peak()
@@ -210,10 +221,10 @@ def measure(v: Variant) -> tuple[float, float, float]:
 
 def build_contexts(strategies: list[str]) -> None:
     for s in strategies:  # new_group is collective: every rank builds every context
-        sp, mode, layout = STRATEGIES[s]
-        if (sp, mode, layout) not in CONTEXTS:
-            _, CONTEXTS[(sp, mode, layout)] = build_parallel_groups(
-                sp=sp, mode=mode, layout=layout, kernel="torch"
+        sp, mode, layout, func = context_key(s)
+        if (sp, mode, layout, func) not in CONTEXTS:
+            _, CONTEXTS[(sp, mode, layout, func)] = build_parallel_groups(
+                sp=sp, mode=mode, layout=layout, kernel="torch", ring_attn_func=func
             )
 
 

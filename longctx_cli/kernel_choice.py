@@ -5,7 +5,8 @@ with what they know about the machine, so the plan prints the kernel the ranks r
 
 Kernels:
 
-* ``flash``: ring-flash-attn + flash-attn (CUDA, optional packages, contiguous sharding);
+* ``flash``: ring-flash-attn + flash-attn (CUDA, optional packages; contiguous sharding for
+  the llama3 ring, every layout for the P2P rings);
 * ``torch_flash``: our ring/Ulysses/hybrid with PyTorch's own flash-attention op for the
   blocks (CUDA, bf16/fp16, no extra package, every sharding);
 * ``torch``: our ring/Ulysses/hybrid with pure-PyTorch blocks: the CPU flash op on CPU, the
@@ -43,6 +44,7 @@ def choose_kernel(
     cuda: bool,
     flash_attn: bool,
     dtype: str | None = None,
+    ring_attn_func: str = "varlen_llama3",
 ) -> KernelChoice:
     """Resolve ``attention_kernel`` for a layout and a machine.
 
@@ -55,7 +57,10 @@ def choose_kernel(
         raise KernelError(
             f"unknown attention kernel {requested!r}.", f"use one of {', '.join(KERNELS)}."
         )
-    if requested == "flash" and layout != "contiguous":
+    # ring-flash-attn's llama3 varlen function expects contiguous slices; its P2P ring
+    # functions exist for each P2P layout (batch_ring / batch_zigzag / batch_stripe).
+    flash_fits = layout == "contiguous" or ring_attn_func != "varlen_llama3"
+    if requested == "flash" and not flash_fits:
         raise KernelError(
             f"`sp_sharding` = {layout!r} is not supported by `attention_kernel: flash` "
             "(ring-flash-attn's llama3 varlen kernel expects contiguous slices).",
@@ -65,7 +70,7 @@ def choose_kernel(
     if requested != "auto":
         return KernelChoice(requested, "requested")
     half = dtype is None or dtype in HALF_DTYPES
-    if cuda and flash_attn and layout == "contiguous" and half:
+    if cuda and flash_attn and flash_fits and half:
         return KernelChoice("flash", "auto: CUDA, flash-attn and ring-flash-attn installed")
     if cuda and half:
         why = "zigzag sharding" if flash_attn else "flash-attn not installed"

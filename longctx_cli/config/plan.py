@@ -299,6 +299,12 @@ RING_KV_TENSORS = 6
 # computes) holds float32 score tiles [heads of one call, TILE, TILE] at a time: scores,
 # tanh, probabilities, dP and dS in backward. Flash kernels hold no score tiles.
 SCORE_TILE_TENSORS = 5
+# P2P ring (batch_*), per rank, all KV heads of the rank's own token count: the K/V block at
+# hand and the one in flight (4 tensors) and, in backward, this block's dK/dV (2 tensors),
+# the dK/dV accumulator being sent and the one arriving (4 float32 tensors) and the float32
+# dq accumulator.
+P2P_KV_TENSORS = 6
+P2P_ACC_FP32_TENSORS = 4
 
 
 @dataclass(frozen=True)
@@ -392,24 +398,50 @@ def _logits_bytes(config: Config, shape: ModelShape, local_tokens: int) -> int:
     return tokens * shape.vocab_size * (DTYPE_BYTES[config.dtype] + 4 * LOGITS_FP32_COPIES)
 
 
+def ring_buffer_bytes(
+    ring_attn_func: str,
+    shape: ModelShape,
+    dtype_bytes: int,
+    ring_tokens: int,
+    ring: int,
+    ulysses: int = 1,
+    heads_k_stride: int = 1,
+) -> int:
+    """Per-rank buffers of one ring of `ring` ranks, each holding `ring_tokens` tokens.
+
+    llama3 holds the gathered sequence (of `heads_k_stride` KV heads); a P2P ring two
+    blocks of its own size (all the KV heads it holds) and float32 gradient accumulators.
+    """
+    if ring == 1:
+        return 0
+    kv = max(1, shape.num_key_value_heads // ulysses)
+    d = shape.head_dim
+    if ring_attn_func == "varlen_llama3":
+        stride = min(heads_k_stride, kv)
+        return RING_KV_TENSORS * stride * d * ring_tokens * ring * dtype_bytes
+    q_heads = shape.num_attention_heads // ulysses
+    kv_bytes = P2P_KV_TENSORS * kv * d * ring_tokens * dtype_bytes
+    return kv_bytes + (P2P_ACC_FP32_TENSORS * kv + q_heads) * d * ring_tokens * 4
+
+
 def _attention_buffer_bytes(
-    config: Config, shape: ModelShape, sp: int, ulysses: int, local_tokens: int
+    config: Config, shape: ModelShape, sp: int, ulysses: int, local_tokens: int,
+    ring_attn_func: str | None = None,
 ) -> int:
     if sp == 1:
         return 0
     b = DTYPE_BYTES[config.dtype]
-    full_tokens = local_tokens * sp
     total = 0
-    kv_heads = shape.num_key_value_heads
     if ulysses > 1:
         # All-to-all outputs: q, k, v in and the attention output back; KV heads are
         # replicated up to `ulysses` when there are fewer of them.
-        kv_eff = max(kv_heads, ulysses)
+        kv_eff = max(shape.num_key_value_heads, ulysses)
         total += local_tokens * shape.head_dim * (2 * shape.num_attention_heads + 2 * kv_eff) * b
-        kv_heads = max(1, kv_heads // ulysses)
-    if sp // ulysses > 1:
-        stride = min(config.heads_k_stride, kv_heads)
-        total += RING_KV_TENSORS * stride * shape.head_dim * full_tokens * b
+    # After the all-to-all a ring rank holds the Ulysses group's tokens for 1/ulysses heads.
+    total += ring_buffer_bytes(
+        ring_attn_func or config.ring_attn_func, shape, b, local_tokens * ulysses,
+        sp // ulysses, ulysses, config.heads_k_stride,
+    )
     return total
 
 
@@ -429,13 +461,16 @@ def _score_tile_bytes(
     return SCORE_TILE_TENSORS * heads * rows * keys * 4
 
 
-def tiled_scores_run(kernel: str, cuda: bool, shape: ModelShape) -> bool:
+def tiled_scores_run(kernel: str, cuda: bool, shape: ModelShape, p2p_ring: bool = False) -> bool:
     """Does the kernel that runs take the tiled matmul path (whose tiles the estimate adds)?
 
-    `torch` on CUDA always; on CPU, and under `torch_flash`, only for softcapped layers.
+    `torch` on CUDA always; on CPU, and under `torch_flash`, only for softcapped layers. A P2P
+    ring (`batch_*` across more than one rank) computes its blocks with the torch kernel's
+    block functions, so on CUDA under `torch_flash` it takes the tiled path too.
     """
     capped = attention_softcap(shape) is not None
-    return (kernel == "torch" and (cuda or capped)) or (kernel == "torch_flash" and capped)
+    return (kernel == "torch" and (cuda or capped)) or (
+        kernel == "torch_flash" and (capped or (cuda and p2p_ring)))
 
 
 def attention_softcap(shape: ModelShape) -> float | None:
@@ -661,9 +696,25 @@ def _choose(config: Config, platform: Platform) -> KernelChoice:
         return choose_kernel(
             config.attention_kernel, config.sp_sharding, cuda=platform.cuda,
             flash_attn=platform.ring_flash_attn, dtype=config.dtype,
+            ring_attn_func=config.ring_attn_func,
         )
     except KernelError as err:
         raise UserError(err.message, fix=err.fix) from None
+
+
+def _check_ring_func(config: Config, sp: int) -> None:
+    """The stripe layout exists only for batch_stripe, which has no Ulysses form."""
+    mode, func = config.sequence_parallel_mode, config.ring_attn_func
+    if config.sp_sharding == "stripe" and mode != "ring" and sp > 1:
+        raise UserError(
+            f"`sp_sharding: stripe` (`ring_attn_func: {func}`) is not supported by "
+            f"`sequence_parallel_mode: {mode}`: "
+            + ("the all-to-all would reorder one-token pieces" if mode == "ulysses" else
+               "a Ulysses group's tokens are not one stripe of the ring across the groups")
+            + ".",
+            fix="use `ring_attn_func: batch_zigzag` (or batch_ring) with hybrid, "
+            "`sp_sharding: zigzag` with ulysses, or `sequence_parallel_mode: ring`.",
+        )
 
 
 def _check_zigzag_kernel(config: Config) -> None:
@@ -741,6 +792,13 @@ def _advice(
             "activation_offloading without gradient_checkpointing copies every saved tensor "
             "to host memory and back; with checkpointing only each layer's input moves."
         )
+    p2p = config.ring_attn_func != "varlen_llama3"
+    if p2p and sp // ulysses == 1 and sp > 1:
+        notes.append(f"ring_attn_func {config.ring_attn_func} is unused: there is no ring "
+                     f"({config.sequence_parallel_mode} over all {sp} ranks).")
+    if p2p and config.heads_k_stride != 1 and sp // ulysses > 1:
+        notes.append("heads_k_stride is unused by a P2P ring: each block carries all its KV "
+                     "heads.")
     if ulysses > shape.num_key_value_heads:
         notes.append(
             f"KV heads ({shape.num_key_value_heads}) are replicated to {ulysses} Ulysses ranks."
@@ -786,6 +844,9 @@ class Plan:
     fsdp_detail: str = ""
     axolotl: tuple[tuple[str, str], ...] = field(default_factory=tuple)  # key -> what we did
     assumed: tuple[str, ...] = field(default_factory=tuple)  # what validate assumed
+    ring_attn_func: str = "varlen_llama3"
+    # Attention buffers per rank had each ring algorithm been chosen (ring > 1 only).
+    attention_buffers_by_ring: tuple[tuple[str, int], ...] = ()
 
     def to_table(self) -> Table:
         """The plan as a rich Table (what `longctx validate` prints)."""
@@ -827,7 +888,9 @@ class Plan:
                 ("world size", f"{self.world_size} ({self.world_source})"),
                 ("data parallel", str(self.dp)),
                 ("sequence parallel", f"{self.sp} ({self.mode}: {split})"),
-                ("heads_k_stride", str(self.heads_k_stride) if self.ring > 1 else "-"),
+                ("ring_attn_func", self.ring_attn_func if self.ring > 1 else "-"),
+                ("heads_k_stride", str(self.heads_k_stride)
+                 if self.ring > 1 and self.ring_attn_func == "varlen_llama3" else "-"),
                 ("sharding", self.sharding),
                 ("attention kernel", f"{self.kernel} ({self.kernel_reason})"),
                 ("fsdp", _fsdp_text(self)),
@@ -843,6 +906,9 @@ class Plan:
             ]),
             ("memory per rank (rough)", [
                 *[(name, _gib(value)) for name, value in mem.parts()],
+                *[(f"  with {f} instead", f"SP attention buffers {_gib(v)}")
+                  for f, v in self.attention_buffers_by_ring
+                  if (f == "varlen_llama3") != (self.ring_attn_func == "varlen_llama3")],
                 ("total", f"[bold]{_gib(mem.total)}[/]"),
             ]),
         ]
@@ -935,6 +1001,7 @@ def check_without_model(config: Config, world_size: int, world_source: str = "gi
     _check_sequence_len(config, sp)
     # No micro_batch_size rule: varlen_llama3 takes packed rows, and micro-batch rows are
     # concatenated into one row whose documents never attend across a row boundary.
+    _check_ring_func(config, sp)
     _check_zigzag_kernel(config)
     _check_adapter(config)
     _check_data_parallel(config, world_size, sp)
@@ -981,11 +1048,15 @@ def build_plan(
             "with ring-flash-attn it resolves to flash (same attention)."
         )
     kernel, reason = _resolve_kernel(config, sp, platform)
-    tiled = tiled_scores_run(kernel, platform.cuda, shape)
+    p2p_ring = config.ring_attn_func != "varlen_llama3" and sp // ulysses > 1
+    tiled = tiled_scores_run(kernel, platform.cuda, shape, p2p_ring)
     if tiled and kernel == "torch_flash":
         reason += (
             f"; softcapped attention (softcap {attention_softcap(shape)}) takes the tiled "
             "matmul path: PyTorch's flash op has no softcap"
+            if attention_softcap(shape) is not None else
+            f"; the P2P ring `{config.ring_attn_func}` computes its blocks on the tiled matmul "
+            "path (not yet on PyTorch's flash op)"
         )
     memory, memory_notes = estimate_memory(
         config, shape, world_size, sp, ulysses, host_is_device=not platform.cuda,
@@ -1033,6 +1104,21 @@ def build_plan(
         fsdp_detail=fsdp_detail(config),
         axolotl=tuple(config.axolotl_notes),
         assumed=tuple(assumed),
+        ring_attn_func=config.ring_attn_func,
+        attention_buffers_by_ring=_buffers_by_ring(config, shape, sp, ulysses),
+    )
+
+
+def _buffers_by_ring(
+    config: Config, shape: ModelShape, sp: int, ulysses: int
+) -> tuple[tuple[str, int], ...]:
+    """What each ring algorithm would hold per rank here (the P2P rings hold the same)."""
+    if sp // ulysses == 1:
+        return ()
+    local = config.micro_batch_size * config.sequence_len // sp
+    return tuple(
+        (f, _attention_buffer_bytes(config, shape, sp, ulysses, local, f))
+        for f in ("varlen_llama3", "batch_*")
     )
 
 

@@ -381,15 +381,21 @@ class Config(_Strict):
         description="ring: KV heads gathered per communication step; must divide the model's "
         "`num_key_value_heads`. Larger = fewer, bigger messages and more memory.",
     )
-    ring_attn_func: Literal["varlen_llama3", "batch_ring"] = Field(
-        "varlen_llama3",
-        description="Ring algorithm: llama3-style all-gather. Axolotl's `batch_ring` is "
-        "accepted and runs the same exact ring, which keeps packed documents apart.",
+    ring_attn_func: Literal["varlen_llama3", "batch_ring", "batch_zigzag", "batch_stripe"] = (
+        Field(
+            "varlen_llama3",
+            description="Ring algorithm. varlen_llama3: all-gather K,V (in `heads_k_stride` "
+            "chunks); batch_ring / batch_zigzag / batch_stripe: pass K/V blocks rank to rank "
+            "(two blocks per rank, not the whole sequence) on a contiguous / zigzag / stripe "
+            "layout, which sets `sp_sharding`.",
+        )
     )
-    sp_sharding: Literal["contiguous", "zigzag"] = Field(
+    sp_sharding: Literal["contiguous", "zigzag", "stripe"] = Field(
         "contiguous",
-        description="How a row is split across the SP group. zigzag balances causal work "
-        "(torch and torch_flash kernels); contiguous is what the flash kernel expects.",
+        description="How a row is split across the SP group (default: contiguous, or the "
+        "layout `ring_attn_func` names). zigzag and stripe (token i on rank i % sp, "
+        "batch_stripe only) balance causal work (torch and torch_flash kernels; flash with the "
+        "P2P rings); contiguous is what the flash kernel's llama3 ring expects.",
     )
     attention_kernel: Literal["auto", "flash", "torch_flash", "torch"] = Field(
         "auto",
@@ -733,6 +739,28 @@ class Config(_Strict):
         ):
             raise ValueError("`early_stopping_patience` needs evaluations: set `eval_steps`, "
                              "`evals_per_epoch` or `eval_strategy: epoch`")
+        return self
+
+    @model_validator(mode="after")
+    def _ring_layout(self) -> Config:
+        # A P2P ring's name fixes its layout: derive sp_sharding, refuse a contradiction.
+        implied = {
+            "batch_ring": "contiguous", "batch_zigzag": "zigzag", "batch_stripe": "stripe"
+        }.get(self.ring_attn_func)
+        if implied is None:
+            if self.sp_sharding == "stripe":
+                raise ValueError(
+                    "`sp_sharding: stripe` is computed only by `ring_attn_func: batch_stripe`; "
+                    "varlen_llama3 balances causal work with `sp_sharding: zigzag`"
+                )
+        elif "sp_sharding" not in self.model_fields_set:
+            self.sp_sharding = implied
+        elif self.sp_sharding != implied:
+            raise ValueError(
+                f"`ring_attn_func: {self.ring_attn_func}` runs on `sp_sharding: {implied}`, "
+                f"but `sp_sharding` is {self.sp_sharding!r}: set `sp_sharding: {implied}` "
+                "(or leave it out), or pick the ring of that layout"
+            )
         return self
 
     @model_validator(mode="after")

@@ -58,6 +58,10 @@ def sp_attention(
             f"attention sinks must be one per query head ({q.shape[1]}), got {tuple(sinks.shape)}"
         )
     if ctx.mode == "ring":
+        if ctx.p2p:  # batch_ring / batch_zigzag / batch_stripe
+            from .ring_p2p import p2p_ring_attention
+
+            return p2p_ring_attention(q, k, v, meta, feats, sinks)
         if ctx.kernel == "flash":
             from .ring_flash import flash_ring_attention
 

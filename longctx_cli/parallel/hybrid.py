@@ -14,7 +14,9 @@ rank ``g`` of an ``R``-rank SP group with the *same layout* would own:
   ``2R``-chunk zigzag, first one first once sorted.
 
 So the ring runs unchanged on a derived ``R``-rank context over ``ring_group``, on the
-heads this rank holds; every ring member holds the same head slice ``u``.
+heads this rank holds; every ring member holds the same head slice ``u``. That ring is the
+llama3 all-gather or, with ``ring_attn_func: batch_ring | batch_zigzag``, the P2P ring of
+:mod:`.ring_p2p`. The stripe layout has no such correspondence and is refused.
 """
 
 from __future__ import annotations
@@ -86,6 +88,10 @@ def _ring(
     feats: AttentionFeatures,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
+    if meta.ctx.p2p:
+        from .ring_p2p import p2p_ring_attention
+
+        return p2p_ring_attention(q, k, v, meta, feats, sinks)
     if meta.ctx.kernel == "flash":
         from .ring_flash import flash_ring_attention
 
@@ -108,6 +114,11 @@ def hybrid_attention(
     """
     ctx = meta.ctx
     u = ctx.ulysses_degree
+    if ctx.layout == "stripe" and ctx.sp_size > 1:
+        raise ValueError(
+            "hybrid cannot run on sp_sharding stripe: a Ulysses group's tokens are not one "
+            "rank's stripe of a smaller ring; use batch_ring or batch_zigzag"
+        )
     if u < 1 or ctx.sp_size % u != 0:
         raise ValueError(f"ulysses_degree {u} must divide the SP size {ctx.sp_size}")
     ex = build_exchange(meta, ctx.ulysses_group, u)

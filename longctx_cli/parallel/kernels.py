@@ -35,7 +35,7 @@ PyTorch's own flash-attention op over all segments at once; strategies select it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -135,6 +135,104 @@ def _segment_blocks(seg: Segment, window: int | None) -> list[list[_Block]]:
             blocks.append(_Block(r0, r1 - 1, edge0, full0, p0, True))
         groups.append(blocks)
     return groups
+
+
+class Piece(NamedTuple):
+    """Query rows ``[q0, q1)`` at key positions ``pos0 ..`` against keys ``[k0, k1)``.
+
+    The generalisation of :class:`Segment` a P2P ring needs: the keys are one rank's block,
+    so they may end before the queries (all visible, or cut by the window) or start after
+    some of them (those rows see nothing here). Row ``q0 + i`` sits at key position
+    ``pos0 + i``; it sees key ``j`` iff ``k0 <= j < k1``, ``j <= pos`` and, under a window
+    ``W``, ``j > pos - W``.
+    """
+
+    q0: int
+    q1: int
+    pos0: int
+    k0: int
+    k1: int
+
+
+def piece_blocks(piece: Piece, window: int | None) -> list[list[_Block]]:
+    """The block groups of one piece; rows that see no key of the piece get none."""
+    q0, q1, pos0, k0, k1 = piece
+    lo = max(pos0, k0)  # rows before the first key see nothing
+    hi = pos0 + (q1 - q0)
+    if window is not None:
+        hi = min(hi, k1 + window - 1)  # rows whose window ends before the keys' start
+    if lo >= hi or k0 >= k1:
+        return []
+    groups: list[list[_Block]] = []
+    mid = min(hi, max(lo, k1))  # rows before mid sit among the keys, the rest after them
+    if lo < mid:  # rows whose own position is among the keys: a causal segment
+        seg = Segment(q0 + lo - pos0, q0 + mid - pos0, k0, mid)
+        groups += _segment_blocks(seg, window)
+    if mid >= hi:
+        return groups
+    r0, r1 = q0 + mid - pos0, q0 + hi - pos0  # rows after every key
+    if window is None:
+        return [*groups, [_Block(r0, r1, k0, k1, mid, False)]]
+    rows = min(window, _MAX_ROWS)
+    for a in range(r0, r1, rows):
+        b = min(a + rows, r1)
+        p0 = pos0 + a - q0
+        p1 = p0 + b - a
+        full0 = max(k0, p1 - window)  # the last row's first key: every row sees [full0, k1)
+        blocks = [_Block(a, b, full0, k1, p0, False)]
+        edge0 = max(k0, p0 - window + 1)  # the first row's first key
+        if edge0 < full0:  # the last row sees none of the edge, every other row some
+            blocks.append(_Block(a, b - 1, edge0, full0, p0, True))
+        groups.append(blocks)
+    return groups
+
+
+def pieces_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pieces: Sequence[Piece],
+    features: AttentionFeatures | float,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial attention of ``q`` over one key block: ``out [Lq, Hq, D]`` (float32), ``lse``.
+
+    Rows no piece reaches get ``out = 0`` and ``lse = -inf`` (they merge as "no keys").
+    Given ``out`` / ``lse`` (results over other keys), the block is merged into them in place.
+    """
+    feats = as_features(features)
+    if out is None or lse is None:
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+    groups = (g for piece in pieces for g in piece_blocks(piece, feats.window))
+    # A zigzag block holds two runs of keys: one row may be in two pieces, so merge.
+    _forward_groups(q, k, v, groups, feats, out, lse, accumulate=True)
+    return out, lse
+
+
+def pieces_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    pieces: Sequence[Piece],
+    features: AttentionFeatures | float,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one key block's share, given the rows' fully merged ``out`` and ``lse``.
+
+    ``grads``: ``(dq, dk, dv)`` accumulators (e.g. float32) to add into instead of new ones.
+    """
+    feats = as_features(features)
+    if grads is None:
+        grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
+    dq, dk, dv = grads
+    groups = (g for piece in pieces for g in piece_blocks(piece, feats.window))
+    _backward_groups(dout, q, k, v, out, lse, groups, feats, dq, dk, dv)
+    return dq, dk, dv
 
 
 def _bhld(x: torch.Tensor) -> torch.Tensor:
@@ -348,6 +446,67 @@ def sink_grad(
     return (-(p_sink * rowdot).sum(-1)).to(sinks.dtype)
 
 
+def _store(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    r0: int,
+    r1: int,
+    o: torch.Tensor,
+    lo: torch.Tensor,
+    accumulate: bool,
+) -> None:
+    """Rows ``[r0, r1)`` of ``out`` / ``lse`` get ``o [1, H, rows, D]`` / ``lo [H, rows]``."""
+    if not accumulate:
+        out[r0:r1] = _lhd(o)
+        lse[:, r0:r1] = lo
+        return
+    m_o, m_l = _merge_f32(out[r0:r1].transpose(0, 1), lse[:, r0:r1], o[0].float(), lo.float())
+    out[r0:r1] = m_o.transpose(0, 1)
+    lse[:, r0:r1] = m_l
+
+
+def _forward_groups(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    groups: Iterable[list[_Block]],
+    feats: AttentionFeatures,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    accumulate: bool = False,
+) -> None:
+    """Write the merged result of every block group into its rows of ``out`` / ``lse``.
+
+    A group's first block covers all its rows; later ones a prefix of them (see
+    :func:`_segment_blocks`). Rows no group covers are left untouched. ``accumulate``:
+    merge with what the rows already hold (groups may then share rows; out is float32).
+    """
+    for blocks in groups:
+        r0, r1 = blocks[0].q0, blocks[0].q1
+        qs = _bhld(q[r0:r1])
+        if len(blocks) == 1:  # nothing to merge: keep the kernel's dtype, no fp32 copy
+            blk = blocks[0]
+            o, lo = _block_fwd(
+                qs, _bhld(k[blk.k0 : blk.k1]), _bhld(v[blk.k0 : blk.k1]), blk, feats
+            )
+            _store(out, lse, r0, r1, o, lo[0], accumulate)
+            continue
+        acc, acc_lse = None, None
+        for blk in blocks:
+            o, lo = _block_fwd(
+                qs[:, :, : blk.q1 - r0], _bhld(k[blk.k0 : blk.k1]),
+                _bhld(v[blk.k0 : blk.k1]), blk, feats,
+            )
+            o, lo = o.float(), lo.float()
+            if acc is None:
+                acc, acc_lse = o, lo
+            else:  # later blocks may cover a prefix of the rows (the edge)
+                rows = slice(0, blk.q1 - r0)
+                m_o, m_l = _merge_f32(acc[:, :, rows], acc_lse[:, :, rows], o, lo)
+                acc[:, :, rows], acc_lse[:, :, rows] = m_o, m_l
+        _store(out, lse, r0, r1, acc, acc_lse[0], accumulate)
+
+
 def doc_causal_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -382,34 +541,36 @@ def doc_causal_forward(
         return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-    for seg in segments:
-        for blocks in _segment_blocks(seg, feats.window):
-            r0, r1 = blocks[0].q0, blocks[0].q1
-            qs = _bhld(q[r0:r1])
-            if len(blocks) == 1:  # nothing to merge: keep the kernel's dtype, no fp32 copy
-                blk = blocks[0]
-                o, lo = _block_fwd(
-                    qs, _bhld(k[blk.k0 : blk.k1]), _bhld(v[blk.k0 : blk.k1]), blk, feats
-                )
-                out[r0:r1] = _lhd(o)
-                lse[:, r0:r1] = lo[0]
-                continue
-            acc, acc_lse = None, None
-            for blk in blocks:
-                o, lo = _block_fwd(
-                    qs[:, :, : blk.q1 - r0], _bhld(k[blk.k0 : blk.k1]),
-                    _bhld(v[blk.k0 : blk.k1]), blk, feats,
-                )
-                o, lo = o.float(), lo.float()
-                if acc is None:
-                    acc, acc_lse = o, lo
-                else:  # later blocks may cover a prefix of the rows (the edge)
-                    rows = slice(0, blk.q1 - r0)
-                    m_o, m_l = _merge_f32(acc[:, :, rows], acc_lse[:, :, rows], o, lo)
-                    acc[:, :, rows], acc_lse[:, :, rows] = m_o, m_l
-            out[r0:r1] = _lhd(acc)
-            lse[:, r0:r1] = acc_lse[0]
+    groups = (g for seg in segments for g in _segment_blocks(seg, feats.window))
+    _forward_groups(q, k, v, groups, feats, out, lse)
     return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
+
+
+def _backward_groups(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    groups: Iterable[list[_Block]],
+    feats: AttentionFeatures,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+) -> None:
+    """Accumulate every block's gradients into ``dq`` / ``dk`` / ``dv`` (given merged out, lse)."""
+    for blocks in groups:
+        for blk in blocks:
+            rows = slice(blk.q0, blk.q1)
+            keys = slice(blk.k0, blk.k1)
+            dq1, dk1, dv1 = _block_bwd(
+                _bhld(dout[rows]), _bhld(q[rows]), _bhld(k[keys]), _bhld(v[keys]),
+                _bhld(out[rows]), lse[:, rows].unsqueeze(0).contiguous(), blk, feats,
+            )
+            dq[rows] += _lhd(dq1)
+            dk[keys] += _lhd(dk1)
+            dv[keys] += _lhd(dv1)
 
 
 def doc_causal_backward(
@@ -444,18 +605,8 @@ def doc_causal_backward(
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
-    for seg in segments:
-        for blocks in _segment_blocks(seg, feats.window):
-            for blk in blocks:
-                rows = slice(blk.q0, blk.q1)
-                keys = slice(blk.k0, blk.k1)
-                dq1, dk1, dv1 = _block_bwd(
-                    _bhld(dout[rows]), _bhld(q[rows]), _bhld(k[keys]), _bhld(v[keys]),
-                    _bhld(out[rows]), lse[:, rows].unsqueeze(0).contiguous(), blk, feats,
-                )
-                dq[rows] += _lhd(dq1)
-                dk[keys] += _lhd(dk1)
-                dv[keys] += _lhd(dv1)
+    groups = (g for seg in segments for g in _segment_blocks(seg, feats.window))
+    _backward_groups(dout, q, k, v, out, lse, groups, feats, dq, dk, dv)
     return dq, dk, dv
 
 

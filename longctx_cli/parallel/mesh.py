@@ -22,7 +22,11 @@ from longctx_cli.kernel_choice import KernelError, choose_kernel
 log = logging.getLogger(__name__)
 
 MODES = ("ring", "ulysses", "hybrid")
-LAYOUTS = ("contiguous", "zigzag")
+LAYOUTS = ("contiguous", "zigzag", "stripe")
+# The ring algorithm (Axolotl's `ring_attn_func` names): llama3-style all-gather, or a P2P
+# ring whose layout is in its name.
+RING_ATTN_FUNCS = ("varlen_llama3", "batch_ring", "batch_zigzag", "batch_stripe")
+P2P_LAYOUT = {"batch_ring": "contiguous", "batch_zigzag": "zigzag", "batch_stripe": "stripe"}
 
 
 @dataclass
@@ -39,6 +43,12 @@ class SPContext:
     ulysses_group: ProcessGroup | None = None  # hybrid only
     ring_group: ProcessGroup | None = None  # hybrid only
     ulysses_degree: int = 1
+    ring_attn_func: str = "varlen_llama3"  # see RING_ATTN_FUNCS
+
+    @property
+    def p2p(self) -> bool:
+        """True when the ring passes K/V blocks point to point (``batch_*``)."""
+        return self.ring_attn_func in P2P_LAYOUT
 
 
 def flash_available() -> bool:
@@ -48,7 +58,10 @@ def flash_available() -> bool:
     return all(importlib.util.find_spec(m) is not None for m in ("flash_attn", "ring_flash_attn"))
 
 
-def resolve_kernel(kernel: str, layout: str = "contiguous", dtype: str | None = None) -> str:
+def resolve_kernel(
+    kernel: str, layout: str = "contiguous", dtype: str | None = None,
+    ring_attn_func: str = "varlen_llama3",
+) -> str:
     """Turn ``auto`` into a concrete kernel and reject impossible combinations.
 
     The decision is :func:`longctx_cli.kernel_choice.choose_kernel`'s, as in ``validate``.
@@ -56,13 +69,33 @@ def resolve_kernel(kernel: str, layout: str = "contiguous", dtype: str | None = 
     try:
         choice = choose_kernel(
             kernel, layout, cuda=torch.cuda.is_available(), flash_attn=flash_available(),
-            dtype=dtype,
+            dtype=dtype, ring_attn_func=ring_attn_func,
         )
     except KernelError as err:
         raise ValueError(str(err)) from None
     if kernel == "auto":
         log.info("attention_kernel auto -> %s (%s)", choice.kernel, choice.reason)
     return choice.kernel
+
+
+def check_ring_layout(mode: str, ring_attn_func: str, layout: str) -> None:
+    """A P2P ring fixes its layout; the stripe layout exists only for ``batch_stripe``."""
+    if ring_attn_func not in RING_ATTN_FUNCS:
+        raise ValueError(
+            f"unknown ring_attn_func {ring_attn_func!r}; expected one of {RING_ATTN_FUNCS}"
+        )
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown sp_sharding {layout!r}; expected one of {LAYOUTS}")
+    if mode != "ulysses" and ring_attn_func in P2P_LAYOUT and P2P_LAYOUT[ring_attn_func] != layout:
+        raise ValueError(
+            f"ring_attn_func {ring_attn_func} runs on sp_sharding "
+            f"{P2P_LAYOUT[ring_attn_func]}, not {layout}"
+        )
+    if layout == "stripe" and (mode != "ring" or ring_attn_func != "batch_stripe"):
+        raise ValueError(
+            "sp_sharding stripe is computed only by sequence_parallel_mode ring with "
+            "ring_attn_func batch_stripe"
+        )
 
 
 def _validate(world_size: int, sp: int, mode: str, ulysses_degree: int | None) -> int:
@@ -97,6 +130,7 @@ def build_parallel_groups(
     kernel: str = "auto",
     world_size: int | None = None,
     dtype: str | None = None,
+    ring_attn_func: str = "varlen_llama3",
 ) -> tuple[ProcessGroup | None, SPContext]:
     """Build the dp x sp groups; return ``(dp_group, sp_context)``.
 
@@ -112,8 +146,7 @@ def build_parallel_groups(
     if not initialised and world != 1:
         raise ValueError("torch.distributed must be initialised for a world larger than 1")
     u = _validate(world, sp, mode, ulysses_degree)
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown sp_sharding {layout!r}; expected one of {LAYOUTS}")
+    check_ring_layout(mode, ring_attn_func, layout)
     dp = world // sp
     ctx = SPContext(
         sp_rank=rank % sp,
@@ -121,8 +154,9 @@ def build_parallel_groups(
         mode=mode,
         layout=layout,
         heads_k_stride=heads_k_stride,
-        kernel=resolve_kernel(kernel, layout, dtype),
+        kernel=resolve_kernel(kernel, layout, dtype, ring_attn_func),
         ulysses_degree=u,
+        ring_attn_func=ring_attn_func,
     )
     if not initialised:
         return None, ctx
@@ -140,7 +174,16 @@ def build_parallel_groups(
 
 
 def single_process_context(
-    layout: str = "contiguous", heads_k_stride: int = 1, kernel: str = "torch"
+    layout: str = "contiguous",
+    heads_k_stride: int = 1,
+    kernel: str = "torch",
+    ring_attn_func: str = "varlen_llama3",
 ) -> SPContext:
     """An SP context of size one (no communication), e.g. for evaluation or sp=1 training."""
-    return SPContext(layout=layout, heads_k_stride=heads_k_stride, kernel=resolve_kernel(kernel))
+    check_ring_layout("ring", ring_attn_func, layout)
+    return SPContext(
+        layout=layout,
+        heads_k_stride=heads_k_stride,
+        kernel=resolve_kernel(kernel),  # one process: the layout never reaches a kernel
+        ring_attn_func=ring_attn_func,
+    )

@@ -150,4 +150,9 @@ def ring_attention(
 
     ``sinks`` (``[Hq]``, optional) is differentiable like q, k, v.
     """
+    if meta.ctx.layout == "stripe" and meta.ctx.sp_size > 1:
+        raise ValueError(
+            "ring_attn_func varlen_llama3 cannot run on sp_sharding stripe (its segments would "
+            "be one token long); use ring_attn_func batch_stripe, or zigzag for balance"
+        )
     return RingAttention.apply(q, k, v, sinks, meta, as_features(features))

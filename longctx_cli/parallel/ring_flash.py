@@ -1,9 +1,10 @@
-"""The ``flash`` kernel: ring-flash-attn's llama3 varlen attention (GPU, contiguous layout).
+"""The ``flash`` kernel: ring-flash-attn's llama3 varlen attention (GPU, contiguous layout)
+and its P2P ring functions (``ring`` / ``zigzag_ring`` / ``stripe_flash_attn_func``).
 
 ``ring_flash_attn`` imports ``flash_attn`` at import time, so it is loaded lazily, only when
 this kernel runs. Its package ``__init__`` also imports an adapter for transformers 4
 internals that transformers 5 removed; when that is the only failure we load just the
-llama3 module, which is all we use.
+modules we use.
 """
 
 from __future__ import annotations
@@ -21,19 +22,25 @@ from .kernels import AttentionFeatures, as_features
 from .sharding import SPMeta
 
 _MODULE = "ring_flash_attn.llama3_flash_attn_varlen"
+# ring_attn_func -> (module, function) of ring-flash-attn's P2P rings (batched, one sequence)
+_P2P = {
+    "batch_ring": ("ring_flash_attn.ring_flash_attn", "ring_flash_attn_func"),
+    "batch_zigzag": ("ring_flash_attn.zigzag_ring_flash_attn", "zigzag_ring_flash_attn_func"),
+    "batch_stripe": ("ring_flash_attn.stripe_flash_attn", "stripe_flash_attn_func"),
+}
 
 
-def _import_llama3_module() -> types.ModuleType:
+def _import_module(name: str = _MODULE) -> types.ModuleType:
     try:
-        return importlib.import_module(_MODULE)
+        return importlib.import_module(name)
     except ImportError as err:
-        if (err.name or "").startswith(("flash_attn", "ring_flash_attn")) and err.name != _MODULE:
+        if (err.name or "").startswith(("flash_attn", "ring_flash_attn")) and err.name != name:
             raise ImportError(
                 "attention_kernel: flash needs the `flash-attn` and `ring-flash-attn` packages "
                 "(pip install 'longctx[gpu]'); use attention_kernel: torch otherwise"
             ) from err
-        if _MODULE in sys.modules:  # the module itself loaded; only the package __init__ failed
-            return sys.modules[_MODULE]
+        if name in sys.modules:  # the module itself loaded; only the package __init__ failed
+            return sys.modules[name]
     # Register the package without running its __init__, then import the one module we need.
     spec = importlib.util.find_spec("ring_flash_attn")
     if spec is None or spec.submodule_search_locations is None:
@@ -41,7 +48,7 @@ def _import_llama3_module() -> types.ModuleType:
     package = types.ModuleType("ring_flash_attn")
     package.__path__ = list(spec.submodule_search_locations)
     sys.modules["ring_flash_attn"] = package
-    return importlib.import_module(_MODULE)
+    return importlib.import_module(name)
 
 
 def flash_window(feats: AttentionFeatures) -> tuple[int, int]:
@@ -61,7 +68,7 @@ def refuse_flash_sinks(sinks: torch.Tensor | None) -> None:
 
 def load_ring_flash_attn() -> tuple[Callable[..., Any], Callable[..., Any]]:
     """``(llama3_flash_attn_varlen_func, llama3_flash_attn_prepare_cu_seqlens)``."""
-    mod = _import_llama3_module()
+    mod = _import_module()
     return mod.llama3_flash_attn_varlen_func, mod.llama3_flash_attn_prepare_cu_seqlens
 
 
@@ -141,3 +148,55 @@ def _flash_single(
         q, k, v, cu, cu, max_len, max_len, dropout_p=0.0, softmax_scale=feats.scale,
         causal=True, window_size=flash_window(feats), softcap=feats.softcap or 0.0,
     )
+
+
+def flash_p2p_unfit(
+    q: torch.Tensor, meta: SPMeta, feats: AttentionFeatures, sinks: torch.Tensor | None
+) -> str | None:
+    """Why ring-flash-attn's P2P functions would not compute this row exactly, or None.
+
+    They attend over the whole row as one sequence (no cu_seqlens: a packed or padded row
+    would attend across documents) and pass neither softcap nor sinks; a window is applied
+    per block with the block's own alignment, which is wrong off the diagonal. flash-attn
+    computes in fp16/bf16 only (and 0.1.8's float32 accumulators alias its block buffers
+    when the inputs are float32 already).
+    """
+    docs = len(meta.cu_seqlens) - 1
+    if docs > 1:
+        return (
+            f"the row holds {docs} documents (packed or padded); ring-flash-attn's P2P "
+            "functions take one sequence and would attend across documents"
+        )
+    if feats.window is not None:
+        return "sliding window: ring-flash-attn's P2P functions apply it per block"
+    if feats.softcap is not None:
+        return "logit softcapping: ring-flash-attn 0.1.8's P2P functions have no softcap"
+    if sinks is not None:
+        return "attention sinks: flash-attn 2 has no sink argument"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"{q.dtype}: flash-attn computes in float16/bfloat16 only"
+    return None
+
+
+def flash_p2p_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: SPMeta,
+    features: AttentionFeatures | float,
+) -> torch.Tensor:
+    """One-sequence causal attention through ring-flash-attn's P2P ring of ``ring_attn_func``.
+
+    ``[local_tokens, heads, dim]``; the layout must be the function's own (ring: contiguous,
+    zigzag: chunks ``r`` and ``2N-1-r``, stripe: token ``i`` on rank ``i % N``), which
+    :func:`.mesh.check_ring_layout` guarantees.
+    """
+    ctx = meta.ctx
+    feats = as_features(features)
+    module, name = _P2P[ctx.ring_attn_func]
+    func = getattr(_import_module(module), name)
+    out = func(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), dropout_p=0.0,
+        softmax_scale=feats.scale, causal=True, group=ctx.sp_group,
+    )
+    return out[0]

@@ -4,11 +4,14 @@ Layouts for an SP group of size ``N`` and a padded row of ``T`` tokens:
 
 * ``contiguous``: rank ``r`` owns ``[r*T/N, (r+1)*T/N)`` (what ring-flash-attn expects);
 * ``zigzag``: the row is cut into ``2N`` chunks and rank ``r`` owns chunks ``r`` and
-  ``2N-1-r``, which gives every rank the same amount of causal attention work.
+  ``2N-1-r``, which gives every rank the same amount of causal attention work;
+* ``stripe``: token ``i`` goes to rank ``i % N`` (ring-flash-attn's stripe layout), which
+  balances causal work token by token. Only the P2P ring (``batch_stripe``) computes on it.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +64,10 @@ def local_ranges(total_len: int, ctx: SPContext) -> tuple[tuple[int, int], ...]:
     if ctx.layout == "zigzag":
         c = total_len // (2 * n)
         return ((r * c, (r + 1) * c), ((2 * n - 1 - r) * c, (2 * n - r) * c))
+    if ctx.layout == "stripe":
+        if n == 1:
+            return ((0, total_len),)
+        return tuple((i, i + 1) for i in range(r, total_len, n))
     raise ValueError(f"unknown layout {ctx.layout!r}")
 
 
@@ -73,16 +80,25 @@ def segments_for(cu_seqlens: list[int], ranges: tuple[tuple[int, int], ...]) -> 
     out: list[Segment] = []
     offset = 0
     for g0, g1 in ranges:
-        for ds, de in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
+        # Only the documents overlapping [g0, g1): a stripe layout has T/N one-token ranges.
+        d = bisect_right(cu_seqlens, g0) - 1
+        while d + 1 < len(cu_seqlens) and cu_seqlens[d] < g1:
+            ds, de = cu_seqlens[d], cu_seqlens[d + 1]
             a, b = max(g0, ds), min(g1, de)
             if a < b:
                 out.append(Segment(offset + a - g0, offset + b - g0, ds, b))
+            d += 1
         offset += g1 - g0
     return tuple(out)
 
 
 def slice_sequence(full: torch.Tensor, ctx: SPContext, dim: int = 0) -> torch.Tensor:
     """This rank's part of a full-row tensor (inverse of :func:`gather_sequence`)."""
+    if ctx.layout == "stripe" and ctx.sp_size > 1:
+        n = ctx.sp_size
+        if full.shape[dim] % n:
+            raise ValueError(f"row length {full.shape[dim]} is not a multiple of {n}")
+        return full.unflatten(dim, (full.shape[dim] // n, n)).select(dim + 1, ctx.sp_rank)
     parts = [full.narrow(dim, a, b - a) for a, b in local_ranges(full.shape[dim], ctx)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
@@ -98,6 +114,8 @@ def gather_sequence(local: torch.Tensor, ctx: SPContext, dim: int = 0) -> torch.
     dist.all_gather(parts, local.contiguous(), group=ctx.sp_group)
     if ctx.layout == "contiguous":
         return torch.cat(parts, dim=dim)
+    if ctx.layout == "stripe":  # token i came from rank i % N
+        return torch.stack(parts, dim=dim + 1).flatten(dim, dim + 1)
     n = ctx.sp_size
     halves = [p.chunk(2, dim=dim) for p in parts]
     chunks = [halves[j][0] if j < n else halves[2 * n - 1 - j][1] for j in range(2 * n)]

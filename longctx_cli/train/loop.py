@@ -102,6 +102,7 @@ def init_parallel(config: Config, device: torch.device) -> Parallel:
         heads_k_stride=config.heads_k_stride,
         kernel=config.attention_kernel,
         dtype=config.dtype,
+        ring_attn_func=config.ring_attn_func,
     )
     mesh = None
     if config.fsdp and world > 1:

@@ -6,7 +6,8 @@ Conventions kept from flash-attn: tensors are ``[tokens, heads, dim]`` (varlen) 
 ``(left, right)`` lets query ``i`` (at key position ``i'`` under that alignment) see keys
 ``i' - left .. i' + right`` (-1: unbounded); ``softcap > 0`` maps scaled scores to
 ``softcap * tanh(s / softcap)``; the varlen log-sum-exp is ``[heads, total_q]`` float32;
-backward writes ``dq, dk, dv`` in place.
+backward takes the probabilities from the ``softmax_lse`` it is given (as flash-attn does,
+which is what ring functions rely on) and writes ``dq, dk, dv`` in place.
 """
 
 from __future__ import annotations
@@ -37,6 +38,43 @@ def _dense(q, k, v, scale: float, causal: bool, window=(-1, -1), softcap: float 
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.einsum("hqk,khd->qhd", torch.exp(scores - lse[..., None]), v)
     return out.to(q.dtype), lse
+
+
+def _dense_backward(dout, q, k, v, out, lse, scale, causal, window, softcap):
+    """flash-attn's backward of one sequence: probabilities from the given ``lse``
+    ``[Hq, Lq]`` and ``delta = rowsum(dout * out)``, so that a block of a ring (whose
+    ``lse`` / ``out`` cover more keys than the block) gets its exact share."""
+    groups = q.shape[1] // k.shape[1]
+    kk = k.repeat_interleave(groups, dim=1).float()
+    vv = v.repeat_interleave(groups, dim=1).float()
+    qf, do = q.float(), dout.float()
+    scores = torch.einsum("qhd,khd->hqk", qf, kk) * scale
+    t = None
+    if softcap > 0:
+        t = torch.tanh(scores / softcap)
+        scores = softcap * t
+    lq, lk = q.shape[0], k.shape[0]
+    at = torch.arange(lq)[:, None] + (lk - lq)
+    j = torch.arange(lk)[None, :]
+    allowed = torch.ones(lq, lk, dtype=torch.bool)
+    if causal:
+        allowed &= j <= at
+    if window[0] >= 0:
+        allowed &= j >= at - window[0]
+    if window[1] >= 0:
+        allowed &= j <= at + window[1]
+    p = torch.exp(scores - lse.float()[..., None]).masked_fill(~allowed, 0.0)
+    delta = (do * out.float()).sum(-1).transpose(0, 1)  # [Hq, Lq]
+    ds = p * (torch.einsum("qhd,khd->hqk", do, vv) - delta[..., None])
+    if t is not None:
+        ds = ds * (1 - t * t)
+    dq = torch.einsum("hqk,khd->qhd", ds, kk) * scale
+    dk = torch.einsum("hqk,qhd->khd", ds, qf) * scale
+    dv = torch.einsum("hqk,qhd->khd", p, do)
+    hk, d = k.shape[1], k.shape[2]
+    dk = dk.view(lk, hk, groups, d).sum(2)
+    dv = dv.view(lk, hk, groups, v.shape[2]).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _pairs(cu_q, cu_k):
@@ -107,10 +145,10 @@ def _flash_attn_varlen_backward(
     for qa, qb, ka, kb in _pairs(cu_seqlens_q, cu_seqlens_k):
         if qb == qa:
             continue
-        leaves = [t.detach().requires_grad_() for t in (q[qa:qb], k[ka:kb], v[ka:kb])]
-        with torch.enable_grad():
-            o, _ = _dense(*leaves, softmax_scale, causal, window, softcap)
-            grads = torch.autograd.grad(o, leaves, dout[qa:qb])
+        grads = _dense_backward(
+            dout[qa:qb], q[qa:qb], k[ka:kb], v[ka:kb], out[qa:qb], softmax_lse[:, qa:qb],
+            softmax_scale, causal, window, softcap,
+        )
         gq[qa:qb] += grads[0]
         gk[ka:kb] += grads[1]
         gv[ka:kb] += grads[2]
@@ -173,8 +211,9 @@ def _flash_attn_backward(
 ):
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
     gq, gk, gv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    lse = softmax_lse.transpose(0, 1).reshape(softmax_lse.shape[1], b * sq)  # [H, b*sq]
     d = _flash_attn_varlen_backward(
-        _flatten(dout), _flatten(q), _flatten(k), _flatten(v), _flatten(out), None,
+        _flatten(dout), _flatten(q), _flatten(k), _flatten(v), _flatten(out), lse,
         _flatten(gq), _flatten(gk), _flatten(gv), _batch_cu(b, sq), _batch_cu(b, sk), sq, sk,
         dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
         alibi_slopes, deterministic,

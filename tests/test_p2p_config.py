@@ -1,0 +1,116 @@
+"""`ring_attn_func` and `sp_sharding`: how they relate, what validate refuses and prints."""
+
+from __future__ import annotations
+
+import pytest
+
+from longctx_cli.config.plan import ModelShape, ring_buffer_bytes
+from longctx_cli.errors import UserError
+from longctx_cli.parallel.mesh import check_ring_layout, resolve_kernel
+from tests.test_plan import CPU, GPU, cfg, plan, rule_error
+
+
+@pytest.mark.parametrize(
+    ("func", "layout"),
+    [("batch_ring", "contiguous"), ("batch_zigzag", "zigzag"), ("batch_stripe", "stripe")],
+)
+def test_p2p_ring_implies_its_layout(func: str, layout: str) -> None:
+    assert cfg(ring_attn_func=func).sp_sharding == layout
+    assert cfg(ring_attn_func=func, sp_sharding=layout).sp_sharding == layout
+    assert plan(sequence_parallel_degree=4, ring_attn_func=func).sharding == layout
+
+
+def test_contradictory_ring_and_layout_is_a_config_error() -> None:
+    with pytest.raises(UserError) as exc:
+        cfg(ring_attn_func="batch_zigzag", sp_sharding="contiguous")
+    msg = str(exc.value)
+    assert "`ring_attn_func: batch_zigzag` runs on `sp_sharding: zigzag`" in msg
+    with pytest.raises(UserError, match="computed only by `ring_attn_func: batch_stripe`"):
+        cfg(sp_sharding="stripe")
+
+
+def test_llama3_keeps_both_layouts() -> None:
+    assert cfg().sp_sharding == "contiguous"
+    assert cfg(sp_sharding="zigzag").sp_sharding == "zigzag"
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "hybrid"])
+def test_stripe_is_refused_outside_the_plain_ring(mode: str) -> None:
+    extra = {"ulysses_degree": 2} if mode == "hybrid" else {}
+    msg = rule_error(
+        sequence_parallel_degree=4, sequence_parallel_mode=mode, ring_attn_func="batch_stripe",
+        **extra,
+    )
+    assert f"`sp_sharding: stripe` (`ring_attn_func: batch_stripe`) is not supported by " \
+           f"`sequence_parallel_mode: {mode}`" in msg
+    assert "Fix:" in msg
+
+
+def test_hybrid_with_p2p_ring_is_legal() -> None:
+    p = plan(sequence_parallel_degree=4, sequence_parallel_mode="hybrid", ulysses_degree=2,
+             ring_attn_func="batch_zigzag")
+    assert (p.ulysses, p.ring, p.sharding, p.ring_attn_func) == (2, 2, "zigzag", "batch_zigzag")
+
+
+def test_flash_with_p2p_zigzag_is_legal_on_gpu() -> None:
+    p = plan(platform=GPU, sequence_parallel_degree=2, ring_attn_func="batch_zigzag",
+             attention_kernel="flash")
+    assert p.kernel == "flash"
+    auto = plan(platform=GPU, sequence_parallel_degree=2, ring_attn_func="batch_zigzag")
+    assert auto.kernel == "flash"
+    assert "zigzag is not supported" in rule_error(
+        platform=GPU, sequence_parallel_degree=2, sp_sharding="zigzag", attention_kernel="flash"
+    ).replace("'zigzag' is not supported", "zigzag is not supported")
+
+
+def test_unused_ring_settings_are_noted() -> None:
+    notes = " ".join(plan(sequence_parallel_degree=4, sequence_parallel_mode="ulysses",
+                          ring_attn_func="batch_zigzag").notes)
+    assert "ring_attn_func batch_zigzag is unused" in notes
+    notes = " ".join(plan(sequence_parallel_degree=4, ring_attn_func="batch_ring",
+                          heads_k_stride=2).notes)
+    assert "heads_k_stride is unused by a P2P ring" in notes
+
+
+SHAPE = ModelShape(
+    model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=384,
+    max_position_embeddings=65536, source="test",
+)
+
+
+def test_buffers_per_rank_by_ring() -> None:
+    """llama3 holds the gathered row; a P2P rank two blocks of its own and accumulators."""
+    t, sp, b = 65536, 4, 4
+    llama3 = ring_buffer_bytes("varlen_llama3", SHAPE, b, t // sp, sp)
+    p2p = ring_buffer_bytes("batch_zigzag", SHAPE, b, t // sp, sp)
+    assert llama3 == 6 * 64 * t * b
+    assert p2p == (6 * 64 * b + (4 + 2) * 64 * 4) * (t // sp)
+    # The P2P share shrinks with sp, the gathered row does not.
+    assert ring_buffer_bytes("batch_ring", SHAPE, b, t // 8, 8) * 2 == p2p
+    assert ring_buffer_bytes("varlen_llama3", SHAPE, b, t // 8, 8) == llama3
+
+
+def test_validate_prints_buffers_of_each_ring() -> None:
+    p = plan(world=4, shape=SHAPE, platform=CPU, sequence_len=65536,
+             sequence_parallel_degree=4, ring_attn_func="batch_zigzag", dtype="float32")
+    by_ring = dict(p.attention_buffers_by_ring)
+    assert set(by_ring) == {"varlen_llama3", "batch_*"}
+    assert by_ring["batch_*"] == p.memory.attention_buffers
+    rows = [r for _, rs in p._sections(p.model) for r in rs]
+    assert ("ring_attn_func", "batch_zigzag") in rows
+    assert any(name.strip() == "with varlen_llama3 instead" for name, _ in rows)
+
+
+def test_parallel_layer_refuses_what_config_refuses() -> None:
+    with pytest.raises(ValueError, match="runs on sp_sharding zigzag"):
+        check_ring_layout("ring", "batch_zigzag", "contiguous")
+    with pytest.raises(ValueError, match="stripe is computed only"):
+        check_ring_layout("ring", "varlen_llama3", "stripe")
+    with pytest.raises(ValueError, match="stripe is computed only"):
+        check_ring_layout("hybrid", "batch_stripe", "stripe")
+    check_ring_layout("ulysses", "batch_zigzag", "contiguous")  # no ring: nothing to check
+    assert resolve_kernel("torch", "stripe", ring_attn_func="batch_stripe") == "torch"
+    with pytest.raises(ValueError, match="not supported by `attention_kernel: flash`"):
+        resolve_kernel("flash", "zigzag", ring_attn_func="varlen_llama3")
+    assert resolve_kernel("flash", "zigzag", ring_attn_func="batch_zigzag") == "flash"
