@@ -42,6 +42,7 @@ from longctx_cli.train.model import (
     load_base_model,
     sp_hidden_states,
 )
+from longctx_cli.train.summary import gather_peak_memory, summary_lines
 
 
 @dataclass
@@ -395,6 +396,7 @@ def train(config: Config) -> None:
     # ---- loop -------------------------------------------------------------------------
     per_step = rows_per_step(config, dp_size)
     last_checkpoint = resume_path
+    run_started, run_tokens = time.perf_counter(), 0  # for the summary at the end
     for step in range(start_step, num_steps):
         indices = step_row_indices(step, steps_per_epoch, per_step, len(train_rows), config.seed)
         batches = micro_batches(train_rows, indices, dp_rank, config, ctx, pad_id, device)
@@ -415,6 +417,7 @@ def train(config: Config) -> None:
             ) from None
         scheduler.step()
         seconds = time.perf_counter() - started
+        run_tokens += result.tokens
 
         # ---- log ----------------------------------------------------------------------
         record = {
@@ -467,8 +470,11 @@ def train(config: Config) -> None:
             load_base_model(config, "sdpa").save_pretrained(path, safe_serialization=True)
     final = export_final(model, tokenizer, output_dir / "final", config.adapter == "lora",
                          base_saver)
+    peaks = gather_peak_memory(device)
     if rank == 0:
-        print(f"done: metrics in {output_dir / 'metrics.jsonl'}, model in {final}", flush=True)
+        lines = summary_lines(time.perf_counter() - run_started, num_steps - start_step,
+                              run_tokens, peaks, device, output_dir, final)
+        print("\n".join(lines), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
