@@ -48,7 +48,8 @@ def summary_lines(
     rate = tokens / seconds if seconds > 0 else 0.0
     kind = "CUDA allocated" if device.type == "cuda" else "resident set"
     per_rank = ", ".join(f"rank {r} {p / MIB:,.0f} MiB" for r, p in enumerate(peaks))
-    checkpoints = sorted(p.name for p in output_dir.glob("checkpoint-*") if p.is_dir())
+    checkpoints = sorted((p.name for p in output_dir.glob("checkpoint-*") if p.is_dir()),
+                         key=lambda name: (len(name), name))  # checkpoint-500 before -1000
     outputs = ["metrics.jsonl", *(f"{c}/" for c in checkpoints), f"{final.name}/"]
     return [
         f"done: {steps:,} steps in {_duration(seconds)}, {tokens:,} target tokens, "
