@@ -116,12 +116,13 @@ def test_matplotlib_is_a_default_dependency():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("threads", [1])
-def test_example_retrieves_the_key_for_two_seeds(tmp_path, threads):
-    """The README's promise: >= 90% retrieval at the trained lengths for every seed."""
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_example_retrieves_the_key(tmp_path, seed):
+    """The README's promise, for two seeds: >= 90% retrieval at the trained lengths (the
+    command a user types: `longctx train` then `longctx eval`, one thread per rank)."""
     sys.path.insert(0, str(ROOT))
     from benchmarks.example import FLOOR, run_example
 
-    for seed in (1, 2):
-        result = run_example(seed, threads, tmp_path / f"seed{seed}")
-        assert result["trained_accuracy"] >= FLOOR, result
+    result = run_example(seed, 1, tmp_path)
+    assert result["trained_accuracy"] >= FLOOR, {k: v for k, v in result.items() if k != "cells"}
