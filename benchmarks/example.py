@@ -231,7 +231,8 @@ def draw_heatmap(runs: list[dict[str, Any]], path: Path) -> None:
     ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
-    ax.set_title(f"tiny_passkey: mean over {len(runs)} runs (seeds x threads)")
+    ax.set_title(f"tiny_passkey: mean over {len(runs)} run{'s' * (len(runs) > 1)} "
+                 "(seeds x threads)")
     fig.colorbar(image, ax=ax, label="passkey accuracy")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
