@@ -6,7 +6,6 @@ command that needs it, so `longctx --help` answers at once.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 from collections.abc import Callable
@@ -153,22 +152,28 @@ def validate(
     from longctx_cli.preflight import preflight
 
     preflight(cfg)  # the world around the config: data files, output_dir, LoRA targets
-    plan = dataclasses.replace(plan, fidelity=_fidelity(cfg, plan.model.hf_config))
-    Console().print(plan.to_table())
+    console = Console()
+    console.print(plan.to_table())
     if limit is not None:
-        Console().print("\n".join(fit_report(cfg, plan, limit)), markup=False)
-    Console().print("[green]valid[/]")
+        console.print("\n".join(fit_report(cfg, plan, limit)), markup=False)
+    # The plan is printed first: the probe needs torch and transformers, seconds to import.
+    console.print(f"fidelity probe: {_fidelity(cfg, plan.model, console)}", markup=False,
+                  highlight=False)
+    console.print("[green]valid[/]")
 
 
-def _fidelity(cfg: Any, hf_config: Any) -> str:
-    """The fidelity probe's verdict for the plan (raises UserError when it refuses)."""
+def _fidelity(cfg: Any, shape: Any, console: Console) -> str:
+    """The fidelity probe's verdict (raises UserError when it refuses)."""
     if not cfg.fidelity_probe:
         return "skipped (`fidelity_probe: false`)"
-    if hf_config is None:
-        return "not run: the model's config is not at hand"
-    from longctx_cli.train.fidelity import run_probe
+    with console.status("fidelity probe: comparing a tiny model of this family with the "
+                        "model's own forward ..."):
+        hf_config = shape.transformers_config()
+        if hf_config is None:
+            return "not run: the model's config is not at hand"
+        from longctx_cli.train.fidelity import run_probe
 
-    return run_probe(hf_config, cfg.trust_remote_code).summary()
+        return run_probe(hf_config, cfg.trust_remote_code).summary()
 
 
 @app.command(

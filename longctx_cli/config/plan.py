@@ -52,6 +52,18 @@ class ModelShape:
     source: str = "model config"
     # The transformers config it was read from, for the fidelity probe (None when unknown).
     hf_config: Any = field(default=None, repr=False, compare=False)
+    # The plain dict it was read from without transformers (see `_plain_shape`), if so.
+    plain_fields: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+
+    def transformers_config(self) -> Any:
+        """The transformers config of this model (built from the plain dict on first need:
+        validate prints the plan before paying for the import), or None when unknown."""
+        if self.hf_config is None and self.plain_fields is not None:
+            from transformers import AutoConfig
+
+            fields = dict(self.plain_fields)
+            return AutoConfig.for_model(fields.pop("model_type"), **fields)
+        return self.hf_config
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, source: str = "model config") -> ModelShape:
@@ -112,6 +124,65 @@ class ModelShape:
 # ---- reading the model config -----------------------------------------------------------
 
 
+# Shape fields that `_plain_shape` reads itself, for families whose defaults for them are
+# the ones below (tests/test_quickstart.py checks it against transformers for every such dict).
+# Why: `transformers.AutoConfig` imports torch (1-2 s), too slow for `validate`.
+_PLAIN_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")
+_PLAIN_FLOATS = ("rope_theta", "initializer_range", "rms_norm_eps")
+# transformers' defaults of the plain families (None: as many KV heads as heads); checked
+# against transformers by tests/test_quickstart.py.
+_PLAIN_DEFAULTS: dict[str, dict[str, int | None]] = {
+    "llama": {"max_position_embeddings": 2048, "num_key_value_heads": None},
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
+    "mistral": {"max_position_embeddings": 131072, "num_key_value_heads": 8},
+}
+_PLAIN_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads", "vocab_size")
+
+
+def _plain_shape(fields: dict[str, Any], source: str) -> ModelShape | None:
+    """The shape of a plain dict of a plain family without transformers, or None when the
+    dict holds anything else (then transformers reads and validates it)."""
+    defaults = _PLAIN_DEFAULTS.get(fields.get("model_type"))  # type: ignore[arg-type]
+    if defaults is None:
+        return None
+    if not set(_PLAIN_REQUIRED) <= fields.keys():
+        return None
+    for key, value in fields.items():
+        if key == "model_type":
+            continue
+        if key in _PLAIN_INTS:
+            if type(value) is not int or value <= 0:
+                return None
+        elif key in _PLAIN_FLOATS:
+            if type(value) not in (int, float):
+                return None
+        elif key != "tie_word_embeddings" or type(value) is not bool:
+            return None
+    hidden, heads = fields["hidden_size"], fields["num_attention_heads"]
+    if "head_dim" not in fields and hidden % heads:
+        return None  # transformers decides what this means
+    return ModelShape(
+        model_type=fields["model_type"],
+        hidden_size=hidden,
+        intermediate_size=fields["intermediate_size"],
+        num_hidden_layers=fields["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=fields.get("num_key_value_heads", defaults["num_key_value_heads"])
+        or heads,
+        head_dim=fields.get("head_dim", hidden // heads),
+        vocab_size=fields["vocab_size"],
+        tie_word_embeddings=fields.get("tie_word_embeddings", False),
+        max_position_embeddings=fields.get(
+            "max_position_embeddings", defaults["max_position_embeddings"]
+        ),
+        source=source,
+        plain_fields=dict(fields),
+    )
+
+
+
 def _build_from_dict(fields: dict[str, Any], key: str) -> Any:
     from transformers import AutoConfig
 
@@ -134,6 +205,17 @@ def _build_from_dict(fields: dict[str, Any], key: str) -> Any:
         ) from None
 
 
+def _in_hub_cache(model_id: str) -> bool:
+    """Whether the local Hugging Face cache holds this id's config.json (no transformers)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model_id, "config.json")
+    except Exception:  # an id the hub client rejects: let transformers say why
+        return True
+    return isinstance(found, str)
+
+
 def _hub_reachable(timeout_s: float = 2.0) -> bool:
     """A cheap TCP probe so an offline machine does not wait through the hub's retries."""
     if any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
@@ -154,21 +236,33 @@ def _from_table(model_id: str, reason: str) -> ModelShape | None:
     fields = known_models.lookup(model_id)
     if fields is None:
         return None
+    source = f"{model_id} (built-in table; {reason})"
+    shape = _plain_shape(fields, source)
+    if shape is not None:
+        return shape
     hf = _build_from_dict(fields, "base_model")
-    return ModelShape.from_hf_config(hf, source=f"{model_id} (built-in table; {reason})")
+    return ModelShape.from_hf_config(hf, source=source)
 
 
 def read_model_config(config: Config) -> ModelShape:
     """The model's shape: from `model_config`, a local path, the local cache, the hub, or,
     for a few well-known ids when the hub cannot be used, from `known_models`."""
     if config.model_config_dict is not None:
+        shape = _plain_shape(config.model_config_dict, "inline `model_config`")
+        if shape is not None:
+            return shape
         hf = _build_from_dict(config.model_config_dict, "model_config")
         return ModelShape.from_hf_config(hf, source="inline `model_config`")
-    from transformers import AutoConfig
-
     model_id = str(config.base_model_config or config.base_model)
     trust = config.trust_remote_code
     local = Path(model_id).expanduser()
+    if not local.exists() and not _in_hub_cache(model_id) and not _hub_reachable():
+        # Offline and not cached: the built-in table answers without importing transformers.
+        shape = _from_table(model_id, "the hub is unreachable")
+        if shape is not None:
+            return shape
+    from transformers import AutoConfig
+
     if local.exists():
         try:
             hf = AutoConfig.from_pretrained(str(local), trust_remote_code=trust)
@@ -254,11 +348,37 @@ class Platform:
 
     @classmethod
     def detect(cls) -> Platform:
+        if not _torch_may_have_gpu():
+            return cls(cuda=False, ring_flash_attn=False)
         import torch
 
         cuda = torch.cuda.is_available()
         # ring_flash_attn imports flash_attn (CUDA only) at import time: try it only on CUDA.
         return cls(cuda=cuda, ring_flash_attn=cuda and _importable("ring_flash_attn"))
+
+
+def _torch_may_have_gpu() -> bool:
+    """False for a CPU-only torch build, read from its version.py without importing torch
+    (~1-2 s), so `validate` answers at once on a laptop; True (ask torch) otherwise."""
+    import importlib.util
+    import sys
+
+    if "torch" in sys.modules:
+        return True  # already paid for: let torch answer
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return True  # let the import fail the usual way
+    try:
+        text = (Path(spec.origin).parent / "version.py").read_text()
+    except OSError:
+        return True
+    lines = [line.replace(" ", "") for line in text.splitlines()]
+    cpu_only = "cuda:Optional[str]=None" in lines or "cuda=None" in lines
+    has_rocm_or_xpu = any(
+        line.startswith(("hip:", "hip=", "xpu:", "xpu=")) and not line.endswith("=None")
+        for line in lines
+    )
+    return not cpu_only or has_rocm_or_xpu
 
 
 def _importable(module: str) -> bool:
@@ -839,7 +959,6 @@ class Plan:
     memory: MemoryEstimate
     notes: tuple[str, ...] = field(default_factory=tuple)
     host_is_device: bool = False  # a CPU run: offloading activations frees nothing
-    fidelity: str | None = None  # the fidelity probe's verdict, once `validate` has run it
     training: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     fsdp_detail: str = ""
     axolotl: tuple[tuple[str, str], ...] = field(default_factory=tuple)  # key -> what we did
@@ -882,7 +1001,6 @@ class Plan:
                 ("parameters", f"{_count(mem.total_params)} ({_count(mem.trainable_params)} "
                                f"trainable{', LoRA' if self.adapter else ''}), {self.dtype}"),
                 ("shape from", m.source),
-                *([("fidelity probe", self.fidelity)] if self.fidelity else []),
             ]),
             ("parallelism", [
                 ("world size", f"{self.world_size} ({self.world_source})"),

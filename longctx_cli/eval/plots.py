@@ -1,4 +1,7 @@
-"""PNG plots of the eval results; matplotlib is optional (`pip install 'longctx[plots]'`).
+"""PNG plots of the eval results and the training loss.
+
+matplotlib is a default dependency; without it (a trimmed environment) the plots are skipped
+with a note and everything else is still written.
 
 The figures are drawn on `matplotlib.figure.Figure` directly, without pyplot, so no GUI
 backend and no global figure state are involved.
@@ -6,13 +9,14 @@ backend and no global figure state are involved.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 from longctx_cli.eval.passkey_grid import GridResult
 from longctx_cli.eval.position_loss import PositionLoss
 
-SKIPPED_NOTE = "matplotlib is not installed: PNG plots skipped (pip install 'longctx[plots]')."
+SKIPPED_NOTE = "matplotlib is not installed: PNG plots skipped (pip install matplotlib)."
 
 
 def have_matplotlib() -> bool:
@@ -71,6 +75,45 @@ def position_loss_plot(results: list[tuple[str, PositionLoss]], path: Path) -> b
     ax.set_xlabel("position in document (tokens)")
     ax.set_ylabel("mean next-token loss")
     ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl; a line torn by a kill mid-write is skipped."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+    return records
+
+
+def loss_curve_plot(metrics_path: Path, path: Path) -> bool:
+    """Training loss per step (and held-out loss where logged) from metrics.jsonl, log scale;
+    False when skipped (no matplotlib, no metrics)."""
+    if not have_matplotlib() or not metrics_path.is_file():
+        return False
+    records = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in records
+             if isinstance(r.get("loss"), (int, float)) and r["loss"] > 0]
+    if not train:
+        return False
+    held_out = [(r["step"], r["eval_loss"]) for r in records
+                if isinstance(r.get("eval_loss"), (int, float)) and r["eval_loss"] > 0]
+    fig = _figure(7.0, 4.0)
+    ax = fig.subplots()
+    ax.plot(*zip(*train, strict=True), linewidth=0.8, label="train loss")
+    if held_out:
+        ax.plot(*zip(*held_out, strict=True), marker="o", label="held-out loss")
+    ax.set_yscale("log")  # the interesting part is the last decade or two
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats per token)")
+    ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.savefig(path, dpi=120)
     return True

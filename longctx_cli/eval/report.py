@@ -132,8 +132,10 @@ def write_position_files(results: list[ModelResult], sequence_len: int, director
                                  row["end"], row["tokens"], loss])
 
 
-def write_all(results: list[ModelResult], sequence_len: int, directory: Path) -> list[str]:
-    """Write every output into `directory`; return lines to show the user."""
+def write_all(results: list[ModelResult], sequence_len: int, directory: Path,
+              metrics: Path | None = None) -> list[str]:
+    """Write every output into `directory` (+ the loss curve of `metrics`, the training
+    run's metrics.jsonl, when it exists); return lines to show the user."""
     directory.mkdir(parents=True, exist_ok=True)
     write_passkey_json(results, directory / "passkey.json")
     write_position_files(results, sequence_len, directory)
@@ -142,9 +144,15 @@ def write_all(results: list[ModelResult], sequence_len: int, directory: Path) ->
                                     directory / "passkey_heatmap.png")
     line = plots.position_loss_plot([(r.label, r.positions) for r in results],
                                     directory / "position_loss.png")
+    curve = metrics is not None and plots.loss_curve_plot(metrics, directory / "loss_curve.png")
     written += [name for name, ok in (("passkey_heatmap.png", heatmap),
-                                      ("position_loss.png", line)) if ok]
+                                      ("position_loss.png", line),
+                                      ("loss_curve.png", curve)) if ok]
     lines = [f"wrote {directory}/: " + ", ".join(written)]
+    # The pictures a newcomer looks for first, each on its own line with its full path.
+    lines += [f"{what}: {directory / name}" for what, name, ok in (
+        ("passkey heatmap", "passkey_heatmap.png", heatmap),
+        ("training loss curve", "loss_curve.png", curve)) if ok]
     if not (heatmap and line):
         lines.append(plots.SKIPPED_NOTE)
     return lines

@@ -110,9 +110,11 @@ def evaluate(config: Config, checkpoint: Path, compare: Path | None) -> None:
         console = Console()
         console.print(report.passkey_table(results))
         console.print(report.position_table(results))
-        for line in report.write_all(results, config.sequence_len,
-                                     Path(config.output_dir) / "eval"):
-            console.print(line, highlight=False)
+        output_dir = Path(config.output_dir)
+        for line in report.write_all(results, config.sequence_len, output_dir / "eval",
+                                     output_dir / "metrics.jsonl"):
+            # markup=False: rich would eat "[plots]"-like brackets in paths and hints.
+            console.print(line, highlight=False, markup=False)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -56,6 +56,7 @@ from longctx_cli.train.optim import (
     save_interval,
 )
 from longctx_cli.train.precision import Precision, setup_precision
+from longctx_cli.train.summary import gather_peak_memory, summary_lines
 
 
 @dataclass
@@ -460,6 +461,7 @@ def train(config: Config) -> None:
     # ---- loop -------------------------------------------------------------------------
     per_step = rows_per_step(config, dp_size)
     last_checkpoint = resume_path
+    run_started, run_tokens = time.perf_counter(), 0  # for the summary at the end
     for step in range(start_step, num_steps):
         if stream is not None:
             rows, indices = stream_step_rows(stream, per_step)
@@ -487,6 +489,7 @@ def train(config: Config) -> None:
         if not is_plateau(config):
             scheduler.step()
         seconds = time.perf_counter() - started
+        run_tokens += result.tokens
 
         # ---- log ----------------------------------------------------------------------
         record = {
@@ -570,11 +573,14 @@ def train(config: Config) -> None:
             )
     final = export_final(model, tokenizer, output_dir / "final", config.adapter is not None,
                          base_saver)
+    peaks = gather_peak_memory(device)
     if rank == 0:
         tracker.artifact(final, "final")
     tracker.finish()
     if rank == 0:
-        print(f"done: metrics in {output_dir / 'metrics.jsonl'}, model in {final}", flush=True)
+        lines = summary_lines(time.perf_counter() - run_started, num_steps - start_step,
+                              run_tokens, peaks, device, output_dir, final)
+        print("\n".join(lines), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
