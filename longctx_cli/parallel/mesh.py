@@ -2,9 +2,13 @@
 
 World ranks are laid out dp-major: the SP group of rank ``r`` is the ``sp`` consecutive ranks
 starting at ``r // sp * sp`` (an SP group stays inside a node when ``sp <= nproc_per_node``),
-and the DP group of ``r`` is every rank with the same ``r % sp``. In hybrid mode an SP group of
-size ``N`` is split into ``N / U`` Ulysses groups of ``U`` consecutive ranks, and rank ``i`` of
-every Ulysses group of one SP group forms a ring group.
+and the DP group of ``r`` is every rank with the same ``r % sp``. With tensor parallelism
+(``tp > 1``) the world is the mesh ``(dp, cp, tp)``, tp fastest: TP groups are ``tp``
+consecutive ranks (TP moves activations four times per layer, so it gets the closest ranks),
+and an SP group is ``sp`` ranks ``tp`` apart; ``tp = 1`` is the layout above.
+
+In hybrid mode an SP group of size ``N`` is split into ``N / U`` Ulysses groups of ``U``
+consecutive members, and member ``i`` of every Ulysses group of one SP group forms a ring group.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ def build_parallel_groups(
     heads_k_stride: int = 1,
     kernel: str = "auto",
     world_size: int | None = None,
+    tp: int = 1,
 ) -> tuple[ProcessGroup | None, SPContext]:
     """Build the dp x sp groups; return ``(dp_group, sp_context)``.
 
@@ -106,12 +111,14 @@ def build_parallel_groups(
         raise ValueError(f"world_size {world} != initialised world {dist.get_world_size()}")
     if not initialised and world != 1:
         raise ValueError("torch.distributed must be initialised for a world larger than 1")
-    u = _validate(world, sp, mode, ulysses_degree)
+    if tp < 1 or world % tp:
+        raise ValueError(f"world size {world} is not a multiple of tensor_parallel_size {tp}")
+    u = _validate(world // tp, sp, mode, ulysses_degree)
     if layout not in LAYOUTS:
         raise ValueError(f"unknown sp_sharding {layout!r}; expected one of {LAYOUTS}")
-    dp = world // sp
+    dp = world // (sp * tp)
     ctx = SPContext(
-        sp_rank=rank % sp,
+        sp_rank=rank // tp % sp,
         sp_size=sp,
         mode=mode,
         layout=layout,
@@ -121,8 +128,9 @@ def build_parallel_groups(
     )
     if not initialised:
         return None, ctx
-    sp_blocks = [list(range(g * sp, (g + 1) * sp)) for g in range(dp)]
-    dp_blocks = [list(range(i, world, sp)) for i in range(sp)]
+    # rank = (d * sp + c) * tp + t for data-parallel d, sequence-parallel c, tensor-parallel t.
+    sp_blocks = [[(d * sp + c) * tp + t for c in range(sp)] for d in range(dp) for t in range(tp)]
+    dp_blocks = [[(d * sp + c) * tp + t for d in range(dp)] for c in range(sp) for t in range(tp)]
     dp_group = _new_groups(dp_blocks, rank) if dp > 1 else None
     if sp > 1:
         ctx.sp_group = _new_groups(sp_blocks, rank)
