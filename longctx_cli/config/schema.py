@@ -277,6 +277,13 @@ class Config(_Strict):
         description="flash: ring-flash-attn + flash-attn (CUDA); torch: pure PyTorch "
         "(CPU or CUDA); auto: flash when available, else torch.",
     )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Megatron-style tensor parallelism with sequence-sharded activations "
+        "(TP-sp) over this many consecutive ranks; the world is dp x tensor_parallel_size x "
+        "sequence_parallel_degree. Heads, KV heads and intermediate size must divide by it.",
+    )
     fsdp: bool = Field(
         False, description="Shard parameters, gradients and optimizer state with FSDP2."
     )

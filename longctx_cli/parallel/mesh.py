@@ -42,6 +42,9 @@ class SPContext:
     ulysses_group: ProcessGroup | None = None  # hybrid only
     ring_group: ProcessGroup | None = None  # hybrid only
     ulysses_degree: int = 1
+    # parallel.tensor_parallel.TPContext when tensor_parallel_size > 1: rows then pad to a
+    # multiple of sp x tp and each TP rank takes the loss of its own slice of the SP shard.
+    tp: object | None = None
 
 
 def flash_available() -> bool:

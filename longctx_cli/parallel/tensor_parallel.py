@@ -45,22 +45,24 @@ class TPContext:
     group: ProcessGroup
     rank: int
     size: int
-
-    @property
-    def fsdp_mesh(self) -> object:
-        """The mesh FSDP2 shards over: every rank holding the same TP shard (dp x cp)."""
-        if "dp_cp" not in (self.mesh.mesh_dim_names or ()):
-            self.mesh["dp", "cp"]._flatten("dp_cp")
-        return self.mesh["dp_cp"]
+    # The ranks holding the same TP shard (dp x cp, flattened): FSDP2 shards over them and
+    # gradients are summed over them. `replica_group` is None when there is only this rank.
+    fsdp_mesh: object = None
+    replica_group: ProcessGroup | None = None
 
 
 def build_tp_mesh(dp: int, cp: int, tp: int, device_type: str = "cpu") -> TPContext:
-    """The (dp, cp, tp) DeviceMesh, tp fastest, the same rank order as `build_parallel_groups`."""
+    """The (dp, cp, tp) DeviceMesh, tp fastest, the same rank order as `build_parallel_groups`.
+
+    Collective: every rank calls it once, after `build_parallel_groups`.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
     tp_mesh = mesh["tp"]
-    return TPContext(mesh, tp_mesh, tp_mesh.get_group(), tp_mesh.get_local_rank(), tp)
+    replicas = mesh["dp", "cp"]._flatten("dp_cp")
+    return TPContext(mesh, tp_mesh, tp_mesh.get_group(), tp_mesh.get_local_rank(), tp,
+                     replicas, replicas.get_group() if dp * cp > 1 else None)
 
 
 # ---------------------------------------------------------------------------------------
