@@ -111,18 +111,17 @@ def _layer_plan(layer: nn.Module, plan: dict[str, str]) -> dict[str, object]:
         styles[name] = ColwiseParallel() if style == "colwise" else RowwiseParallel(
             output_layouts=Shard(1))
     for block in sorted(blocks):
-        # The block (attention, MLP) gathers the sequence slice of its input once.
+        # The block (attention, MLP) all-gathers the sequence slice of its input once. The
+        # gathered input stays a DTensor, so the partial input gradients of its projections
+        # (q, k, v; gate, up) add up first and leave in one reduce-scatter in backward.
         if block == "self_attn":
             styles[block] = PrepareModuleInput(
                 input_kwarg_layouts={"hidden_states": Shard(1)},
                 desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                use_local_output=True,
             )
         else:
             styles[block] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                use_local_output=True,
-            )
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     for name, child in layer.named_children():
         if name in blocks:
             continue
