@@ -48,11 +48,11 @@ def check_tp_config(config: Config) -> None:
     tp = config.tensor_parallel_size
     if tp == 1:
         return
-    if config.adapter == "lora":
+    if config.adapter == "lora" and config.lora_dropout:
         raise _refuse(
-            "LoRA is not supported: the adapters' A/B matrices would need their own "
-            "column/row split next to each sharded projection.",
-            "train LoRA with `tensor_parallel_size: 1` (SP + FSDP), or do a full fine-tune.")
+            f"`lora_dropout` = {config.lora_dropout} is not supported: the dropout masks of "
+            "activations replicated over the TP group would have to agree across its ranks.",
+            "set `lora_dropout: 0`.")
     if config.tiled_mlp:
         raise _refuse("`tiled_mlp` is not supported (TP already splits the MLP's columns).",
                       "set `tiled_mlp: false`.")

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 IGNORE_INDEX = -100
 # HF tp-plan styles we turn into sequence-parallel styles; anything else is refused.
@@ -89,6 +90,16 @@ def model_tp_plan(model_config: object) -> dict[str, str]:
     return plan
 
 
+class _Replicated(ParallelStyle):
+    """A module whose parameters are replicated over the TP group and whose input already
+    is a replicated DTensor (DTensor then sums the parameters' partial gradients)."""
+
+    def _apply(self, module: nn.Module, device_mesh: object) -> nn.Module:
+        from torch.distributed.tensor import distribute_module
+
+        return distribute_module(module, device_mesh)
+
+
 def _layer_plan(layer: nn.Module, plan: dict[str, str]) -> dict[str, object]:
     """Parallel styles of one decoder layer (names relative to the layer)."""
     from torch.distributed.tensor import Replicate, Shard
@@ -108,8 +119,25 @@ def _layer_plan(layer: nn.Module, plan: dict[str, str]) -> dict[str, object]:
         blocks.add(name.split(".")[0])
         # Colwise keeps its default (replicated input, output sharded by head / column);
         # rowwise reduce-scatters along the sequence instead of all-reducing.
-        styles[name] = ColwiseParallel() if style == "colwise" else RowwiseParallel(
+        base = ColwiseParallel() if style == "colwise" else RowwiseParallel(
             output_layouts=Shard(1))
+        target = layer.get_submodule(name)
+        if not hasattr(target, "lora_A"):
+            styles[name] = base
+            continue
+        # A peft LoRA layer: the frozen base as above, and the adapter split so its output
+        # has the base output's layout. Colwise site: x (replicated) -> A replicated -> B
+        # split by output columns. Rowwise site: x (split by input columns) -> A split by
+        # its input columns, reduce-scattered along the sequence (only r wide) -> B
+        # replicated on the sequence slice, like a norm.
+        styles[f"{name}.base_layer"] = base
+        for adapter in target.lora_A:
+            if style == "colwise":
+                styles[f"{name}.lora_A.{adapter}"] = _Replicated()
+                styles[f"{name}.lora_B.{adapter}"] = ColwiseParallel()
+            else:
+                styles[f"{name}.lora_A.{adapter}"] = RowwiseParallel(output_layouts=Shard(1))
+                styles[f"{name}.lora_B.{adapter}"] = SequenceParallel(use_local_output=True)
     for block in sorted(blocks):
         # The block (attention, MLP) all-gathers the sequence slice of its input once. The
         # gathered input stays a DTensor, so the partial input gradients of its projections
