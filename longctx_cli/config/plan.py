@@ -422,6 +422,8 @@ def estimate_memory(
     notes: list[str] = []
     b = DTYPE_BYTES[config.dtype]
     full_params = shape.parameter_count()
+    full_trainable = (lora_parameter_count(config, shape)[0] if config.adapter == "lora"
+                      else full_params)
     tp = config.tensor_parallel_size
     # TP: weights, projections, attention heads and logits columns are 1/tp per rank.
     shape = tp_rules.tp_local_shape(shape, tp)
@@ -455,8 +457,8 @@ def estimate_memory(
         activations=saved,
         logits=_logits_bytes(config, shape, local_tokens),
         attention_buffers=_attention_buffer_bytes(config, shape, sp, ulysses, local_tokens),
-        total_params=full_params + (trainable if config.adapter == "lora" else 0),
-        trainable_params=trainable,
+        total_params=full_params + (full_trainable if config.adapter == "lora" else 0),
+        trainable_params=full_trainable,
         recompute=recompute,
     )
     return estimate, notes
@@ -713,7 +715,8 @@ class Plan:
                 ("world size", f"{self.world_size} ({self.world_source})"),
                 ("data parallel", str(self.dp)),
                 ("sequence parallel", f"{self.sp} ({self.mode}: {split})"),
-                *tp_rules.layout_rows(self.dp, self.sp, self.tp),
+                *tp_rules.layout_rows(self.dp, self.sp, self.tp,
+                                      self.tokens_per_rank_per_forward),
                 ("heads_k_stride", str(self.heads_k_stride) if self.ring > 1 else "-"),
                 ("sharding", self.sharding),
                 ("attention kernel", f"{self.kernel} ({self.kernel_reason})"),

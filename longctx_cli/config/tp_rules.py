@@ -112,13 +112,16 @@ def tp_local_shape(shape: ModelShape, tp: int) -> ModelShape:
     )
 
 
-def layout_rows(dp: int, sp: int, tp: int) -> list[tuple[str, str]]:
-    """Plan rows describing the 3-D layout."""
+def layout_rows(dp: int, sp: int, tp: int, sp_shard_tokens: int) -> list[tuple[str, str]]:
+    """Plan rows describing the 3-D layout (`sp_shard_tokens`: tokens of one SP shard)."""
     if tp == 1:
         return []
     example = [[(0 * sp + c) * tp + t for t in range(tp)] for c in range(sp)]
     return [
-        ("tensor parallel", f"{tp} (TP-sp: sequence-sharded activations, vocab-parallel loss)"),
+        ("tensor parallel", f"{tp} (TP-sp: sequence-sharded activations, vocab-parallel loss); "
+                            f"attention and MLP see the SP shard's {sp_shard_tokens:,} tokens "
+                            f"with 1/{tp} of the heads and columns, norms and the residual "
+                            f"stream {sp_shard_tokens // tp:,} tokens"),
         ("mesh", f"dp {dp} x cp {sp} x tp {tp}; TP groups = {tp} consecutive ranks, e.g. "
                  f"{example[0]}; SP groups = ranks {tp} apart"
                  + (f", e.g. {[row[0] for row in example]}" if sp > 1 else "")),
