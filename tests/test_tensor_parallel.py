@@ -117,6 +117,7 @@ def _step_worker(rank: int, world: int, tp: int, sp: int, mode: str, chunk: int 
     dist.all_reduce(total)  # each rank summed the loss of its own tokens
     worst, compared = 0.0, 0
     for (_, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        assert p.requires_grad == q.requires_grad  # a LoRA base stays frozen under TP
         if q.grad is None:
             continue
         compared += 1
@@ -140,6 +141,45 @@ def test_one_step_gradients_match_single_process(tp, sp, mode, chunk, lora):
         assert abs(total - want) <= 1e-5 * abs(want), (total, want)
         assert worst < 1e-5, worst
         assert compared == (28 if lora else 21)
+
+
+def _comm_worker(rank: int, world: int) -> dict[int, dict[str, int]]:
+    from torch.distributed.tensor.debug import CommDebugMode
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longctx_cli.parallel import tensor_parallel as T
+    from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
+    from longctx_cli.parallel.mesh import build_parallel_groups
+    from longctx_cli.parallel.sharding import shard_batch
+    from longctx_cli.train.head import model_head
+
+    register_sp_attention()
+    counts = {}
+    for layers in (1, 2):
+        cfg = AutoConfig.for_model("llama", **{**TINY, "num_hidden_layers": layers})
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION)
+        _, ctx = build_parallel_groups(sp=1, tp=2, kernel="torch")
+        ctx.tp = T.build_tp_mesh(1, 1, 2)
+        T.apply_tensor_parallel(model.model, model.lm_head, ctx.tp, cfg)
+        ids = torch.arange(64) % 384
+        batch = shard_batch(ids, torch.arange(64), ids.clone(), ctx)
+        with CommDebugMode() as mode:
+            hidden = model.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                                 sp_meta=batch.sp_meta).last_hidden_state
+            T.tp_loss_sum(model_head(model.lm_head, cfg), hidden, batch.shift_labels,
+                          ctx.tp).backward()
+        counts[layers] = {str(k).split(".")[-1]: v for k, v in mode.get_comm_counts().items()}
+    return counts
+
+
+def test_tp_sp_sends_four_collectives_per_layer_each_way():
+    """Megatron-SP: per layer, all-gather + reduce-scatter around attention and around the
+    MLP in forward, the reverse in backward; no all-reduce of activations."""
+    counts = run_distributed(_comm_worker, 2, timeout_s=120)[0]
+    per_layer = {k: counts[2].get(k, 0) - counts[1].get(k, 0) for k in counts[2]}
+    assert per_layer.get("all_gather_into_tensor") == 4, per_layer
+    assert per_layer.get("reduce_scatter_tensor") == 4, per_layer
+    assert per_layer.get("allreduce_", 0) == 0, per_layer
 
 
 # ---- whole training runs ----------------------------------------------------------------

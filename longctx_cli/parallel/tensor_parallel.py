@@ -184,6 +184,10 @@ def apply_tensor_parallel(decoder: nn.Module, lm_head: nn.Module, tp: TPContext,
     )
 
     plan = model_tp_plan(model_config)
+    # The styles re-create parameters as DTensors with requires_grad=True; a LoRA run's
+    # frozen base (norms included) must stay frozen.
+    frozen = {id(m): {n for n, p in m.named_parameters() if not p.requires_grad}
+              for m in (decoder, lm_head)}
     for layer in decoder.layers:
         parallelize_module(layer, tp.tp_mesh, _layer_plan(layer, plan))
     top: dict[str, object] = {
@@ -198,6 +202,8 @@ def apply_tensor_parallel(decoder: nn.Module, lm_head: nn.Module, tp: TPContext,
         input_layouts=Shard(0), output_layouts=Shard(-1), use_local_output=True))
     for module, where in ((decoder, "model"), (lm_head, "lm_head")):
         for name, param in module.named_parameters():
+            if name in frozen[id(module)]:
+                param.requires_grad_(False)
             if not isinstance(param, DTensor):
                 raise ValueError(
                     f"parameter `{where}.{name}` is not covered by the tensor-parallel plan; "
@@ -317,10 +323,15 @@ def tp_loss_sum(head: nn.Module, hidden: torch.Tensor, shift_labels: torch.Tenso
 
 
 def reduce_tp_gradients(params: list[nn.Parameter], group: ProcessGroup | None) -> None:
-    """Sum each rank's local gradient shards over the ranks holding the same shard (dp x cp).
-
-    DTensor has already summed over the TP group where a gradient is partial there.
-    """
+    """Finish the gradient sum: over the TP group where DTensor left it partial, then over
+    the ranks holding the same shard (dp x cp)."""
+    for p in params:
+        # A replicated parameter (norms, some LoRA matrices) used on a sequence slice gets a
+        # gradient that is still a per-rank partial sum (DTensor `Partial`); sum it over the
+        # TP group now, so every consumer of `.grad` sees the real gradient.
+        if p.grad is not None and hasattr(p.grad, "placements") and (
+                p.grad.placements != p.placements):
+            p.grad = p.grad.redistribute(placements=p.placements)
     if group is None:
         return
     grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
