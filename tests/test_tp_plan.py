@@ -118,3 +118,13 @@ def test_70b_example_validates_offline(monkeypatch):
     assert "dp 1 x cp 4 x tp 8" in out and "70.6B" in out
     total = next(line for line in result.output.splitlines() if " total " in line)
     assert "GiB" in total and float(total.split("│")[2].split()[0]) < 80  # fits an 80 GB GPU
+
+
+def test_tp_across_nodes_gets_a_note():
+    base = {"model_config": {"model_type": "llama"}, "sequence_len": 4096,
+            "tensor_parallel_size": 8}
+    shape = ModelShape(model_type="llama", hidden_size=128, intermediate_size=256,
+                       num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
+                       head_dim=16, vocab_size=384)
+    p = build_plan(config_from_dict(base), 8, shape, platform=CPU, nproc_per_node=4)
+    assert any("span nodes" in n for n in p.notes)

@@ -810,6 +810,7 @@ def build_plan(
             "table of known models."
         )
     notes += _advice(config, shape, sp, ulysses, nproc_per_node) + memory_notes
+    notes += tp_rules.tp_notes(config, nproc_per_node)
     return Plan(
         world_size=world_size,
         world_source=world_source,

@@ -126,3 +126,13 @@ def layout_rows(dp: int, sp: int, tp: int, sp_shard_tokens: int) -> list[tuple[s
                  f"{example[0]}; SP groups = ranks {tp} apart"
                  + (f", e.g. {[row[0] for row in example]}" if sp > 1 else "")),
     ]
+
+
+def tp_notes(config: Config, nproc_per_node: int | None) -> list[str]:
+    """Legal but worth knowing."""
+    tp = config.tensor_parallel_size
+    if tp > 1 and nproc_per_node and tp > nproc_per_node:
+        return [f"TP groups of {tp} span nodes ({nproc_per_node} ranks per node): TP-sp moves "
+                "activations 8 times per layer over the network; keep tensor_parallel_size "
+                "<= ranks per node and use sequence parallelism across nodes."]
+    return []
