@@ -68,13 +68,15 @@ def test_axolotl_configs_validate_unchanged(name, offline, tmp_path, monkeypatch
     assert "valid" in result.output and "axolotl keys" in result.output
 
 
-def test_tensor_parallel_is_refused_clearly_and_the_rest_validates(offline, tmp_path,
-                                                                   monkeypatch):
+def test_tensor_parallel_of_an_unsupported_family_is_refused_and_the_rest_validates(
+    offline, tmp_path, monkeypatch
+):
     path = CONFIGS / "qwen3_fsdp_tp_cp.yaml"
     _local_data(path.name, tmp_path, monkeypatch)
-    message = _error(load_config, path)
-    assert "tensor_parallel_size" in message and "not supported yet" in message
-    assert f"{path}:10:" in message  # the line of `tensor_parallel_size: 2`
+    refused = CliRunner().invoke(app, ["validate", str(path), "--nproc-per-node", "8"])
+    message = " ".join(refused.output.split())
+    assert refused.exit_code == 2, refused.output
+    assert "`tensor_parallel_size` > 1 with model type `qwen3`" in message
     # dp_shard 2 x cp 2 on 4 ranks once TP is 1.
     result = CliRunner().invoke(app, ["validate", str(path), "--nproc-per-node", "4",
                                       "--tensor-parallel-size", "1"])

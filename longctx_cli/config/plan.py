@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from longctx_cli.config import known_models
+from longctx_cli.config import known_models, tp_rules
 from longctx_cli.config.schema import Config
 from longctx_cli.errors import UserError
 from longctx_cli.kernel_choice import HALF_DTYPES, TILE, KernelChoice, KernelError, choose_kernel
@@ -144,7 +144,8 @@ _PLAIN_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers",
 def _plain_shape(fields: dict[str, Any], source: str) -> ModelShape | None:
     """The shape of a plain dict of a plain family without transformers, or None when the
     dict holds anything else (then transformers reads and validates it)."""
-    defaults = _PLAIN_DEFAULTS.get(fields.get("model_type"))  # type: ignore[arg-type]
+    model_type = fields.get("model_type")
+    defaults = _PLAIN_DEFAULTS.get(model_type) if isinstance(model_type, str) else None
     if defaults is None:
         return None
     if not set(_PLAIN_REQUIRED) <= fields.keys():
@@ -618,6 +619,12 @@ def estimate_memory(
     """
     notes: list[str] = []
     b = DTYPE_BYTES[config.dtype]
+    full_params = shape.parameter_count()
+    full_trainable = (lora_parameter_count(config, shape)[0] if config.adapter == "lora"
+                      else full_params)
+    tp = config.tensor_parallel_size
+    # TP: weights, projections, attention heads and logits columns are 1/tp per rank.
+    shape = tp_rules.tp_local_shape(shape, tp)
     base = shape.parameter_count()
     local_tokens = config.micro_batch_size * config.sequence_len // sp
     if config.adapter is not None:
@@ -644,7 +651,8 @@ def estimate_memory(
     if config.activation_offloading and host_is_device:
         notes.append("activation_offloading frees nothing on a CPU run: host memory is the "
                      "memory the run computes in.")
-    shard = world_size if config.fsdp else 1  # FSDP2 shards weights, grads and state over ranks
+    # FSDP2 shards weights, grads and state over the ranks holding the same TP shard.
+    shard = world_size // tp if config.fsdp else 1
     # FSDP2 all-gathers one layer at a time and prefetches the next: two full layers live.
     gathered = 2 * (base // max(1, shape.num_hidden_layers)) * b if config.fsdp else 0
     moments = 0 if config.optimizer == "sgd" else 2  # AdamW: exp_avg and exp_avg_sq
@@ -652,6 +660,8 @@ def estimate_memory(
         moments = 1
     state_scale = _optimizer_state_scale(config.optimizer, train_bytes)
     saved, recompute = _activation_bytes(config, shape, local_tokens, not host_is_device)
+    if tp > 1 and config.gradient_checkpointing:
+        saved //= tp  # the layer inputs kept are the residual stream: 1/tp of the tokens
     estimate = MemoryEstimate(
         parameters=param_bytes // shard + gathered,
         gradients=trainable * train_bytes // shard,
@@ -659,8 +669,8 @@ def estimate_memory(
         activations=saved,
         logits=_logits_bytes(config, shape, local_tokens),
         attention_buffers=_attention_buffer_bytes(config, shape, sp, ulysses, local_tokens),
-        total_params=base + (trainable if config.adapter is not None else 0),
-        trainable_params=trainable,
+        total_params=full_params + (full_trainable if config.adapter is not None else 0),
+        trainable_params=full_trainable,
         recompute=recompute,
         score_tiles=(
             _score_tile_bytes(config, shape, sp, ulysses, local_tokens) if tiled_scores else 0
@@ -966,6 +976,7 @@ class Plan:
     ring_attn_func: str = "varlen_llama3"
     # Attention buffers per rank had each ring algorithm been chosen (ring > 1 only).
     attention_buffers_by_ring: tuple[tuple[str, int], ...] = ()
+    tp: int = 1  # tensor_parallel_size (TP-sp); the world is dp x sp x tp
 
     def to_table(self) -> Table:
         """The plan as a rich Table (what `longctx validate` prints)."""
@@ -1006,6 +1017,8 @@ class Plan:
                 ("world size", f"{self.world_size} ({self.world_source})"),
                 ("data parallel", str(self.dp)),
                 ("sequence parallel", f"{self.sp} ({self.mode}: {split})"),
+                *tp_rules.layout_rows(self.dp, self.sp, self.tp,
+                                      self.tokens_per_rank_per_forward),
                 ("ring_attn_func", self.ring_attn_func if self.ring > 1 else "-"),
                 ("heads_k_stride", str(self.heads_k_stride)
                  if self.ring > 1 and self.ring_attn_func == "varlen_llama3" else "-"),
@@ -1114,7 +1127,11 @@ def check_without_model(config: Config, world_size: int, world_source: str = "gi
     Returns the Ulysses group size.
     """
     sp = config.sequence_parallel_degree
-    _check_world(sp, world_size, world_source)
+    if config.tensor_parallel_size > 1:
+        tp_rules.check_tp_world(config, world_size, world_source)
+        tp_rules.check_tp_config(config)
+    else:
+        _check_world(sp, world_size, world_source)
     ulysses = _ulysses_size(config, sp)
     _check_sequence_len(config, sp)
     # No micro_batch_size rule: varlen_llama3 takes packed rows, and micro-batch rows are
@@ -1150,7 +1167,10 @@ def build_plan(
     )
     sp = config.sequence_parallel_degree
     ulysses = check_without_model(config, world_size, world_source)
-    _check_heads(config, shape, sp, ulysses)
+    tp = config.tensor_parallel_size
+    tp_rules.check_tp_model(config, shape)
+    # SP works on the heads TP left on the rank.
+    _check_heads(config, tp_rules.tp_local_shape(shape, tp), sp, ulysses)
     platform = platform or Platform.detect()
     assumed: list[str] = []
     if assume_gpu and not platform.cuda and config.attention_kernel == "flash":
@@ -1181,7 +1201,7 @@ def build_plan(
         tiled_scores=tiled,
     )
 
-    dp = world_size // sp
+    dp = world_size // (sp * tp)
     row_tokens = config.micro_batch_size * config.sequence_len
     sequences = config.micro_batch_size * config.gradient_accumulation_steps * dp
     notes = []
@@ -1191,6 +1211,7 @@ def build_plan(
             "table of known models."
         )
     notes += _advice(config, shape, sp, ulysses, nproc_per_node) + memory_notes
+    notes += tp_rules.tp_notes(config, nproc_per_node)
     return Plan(
         world_size=world_size,
         world_source=world_source,
@@ -1214,6 +1235,7 @@ def build_plan(
         global_batch_tokens=sequences * config.sequence_len,
         tokens_per_rank_per_forward=row_tokens // sp,
         tokens_per_rank_per_step=row_tokens // sp * config.gradient_accumulation_steps,
+        tp=tp,
         model=shape,
         memory=memory,
         notes=tuple(notes),
@@ -1305,7 +1327,8 @@ def _fit_at(
     try:
         ulysses = _ulysses_size(trial, sp)
         _check_sequence_len(trial, sp)
-        _check_heads(trial, shape, sp, ulysses)
+        _check_heads(trial, tp_rules.tp_local_shape(shape, trial.tensor_parallel_size), sp,
+                     ulysses)
     except UserError as e:
         return SpFit(sp, None, str(e).split(":")[0])
     estimate = estimate_memory(

@@ -404,6 +404,13 @@ class Config(_Strict):
         "extra package); torch: pure PyTorch (CPU, or CUDA through tiled score matmuls); "
         "auto: flash when installed and applicable, else torch_flash on CUDA, else torch.",
     )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Megatron-style tensor parallelism with sequence-sharded activations "
+        "(TP-sp) over this many consecutive ranks; the world is dp x tensor_parallel_size x "
+        "sequence_parallel_degree. Heads, KV heads and intermediate size must divide by it.",
+    )
     fsdp: bool = Field(
         False,
         description="Shard parameters, gradients and optimizer state with FSDP2 (also turned "
@@ -427,9 +434,6 @@ class Config(_Strict):
     )
     dp_replicate_size: int | None = Field(
         None, ge=1, description="Replicas of the sharded weights (HSDP when > 1 with FSDP)."
-    )
-    tensor_parallel_size: int | None = Field(
-        None, ge=1, description="Tensor parallelism; only 1 is supported for now."
     )
     world_size: int | None = Field(
         None,
@@ -707,11 +711,6 @@ class Config(_Strict):
             raise ValueError("`lora_model_dir` continues an adapter; set `adapter: lora`")
         if self.lora_target_linear:
             self.lora_target_modules = "all-linear"
-        if self.tensor_parallel_size is not None and self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"`tensor_parallel_size` = {self.tensor_parallel_size}: tensor parallelism is "
-                "not supported yet; set it to 1 and use sequence_parallel_degree / fsdp"
-            )
         if self.deepspeed is not None and (self.fsdp_config is not None or self.fsdp_version):
             raise ValueError("`deepspeed` and `fsdp_config`/`fsdp_version` both choose the "
                              "sharding; keep one")
@@ -770,8 +769,11 @@ class Config(_Strict):
                 "set `base_model` (hub id or local path) or `model_config` "
                 "(an inline config with `model_type`)"
             )
-        if self.model_config_dict is not None and "model_type" not in self.model_config_dict:
-            raise ValueError("`model_config` needs a `model_type` key, e.g. `model_type: llama`")
+        if self.model_config_dict is not None and not isinstance(
+            self.model_config_dict.get("model_type"), str
+        ):
+            raise ValueError("`model_config` needs a `model_type` key naming the family, e.g. "
+                             "`model_type: llama`")
         return self
 
     @property

@@ -87,7 +87,16 @@ def _from_pretrained(source: str, trust_remote_code: bool) -> PreTrainedTokenize
 
     from longctx_cli.hub import hub_reachable, offline_error
 
-    if not Path(source).expanduser().exists() and not hub_reachable():
+    local = Path(source).expanduser()
+    if not local.exists() and (source.startswith(("/", ".", "~")) or source.count("/") > 1):
+        # A hub id is `name` or `org/name`; this is a path, and asking the hub cannot help.
+        raise UserError(
+            f"could not load the tokenizer {source!r}: no such local folder.",
+            where="tokenizer",
+            fix="point `tokenizer` at a folder with the tokenizer files, give a hub id such as "
+            "`org/name`, or use `tokenizer: byte`.",
+        )
+    if not local.exists() and not hub_reachable():
         try:  # no network: the local cache only, so a miss fails at once, not after retries
             return AutoTokenizer.from_pretrained(
                 source, trust_remote_code=trust_remote_code, local_files_only=True)

@@ -48,7 +48,9 @@ def run_eval(
     """Entry of `longctx eval`; returns the process exit code."""
     from longctx_cli.train.launch import in_torchrun, launch_torchrun, rank_errors
 
-    config = load_config(config_path)
+    # Evaluation runs the exported, unsharded model with SP only: a training run's
+    # tensor_parallel_size does not apply (its ranks would otherwise slice the loss for TP).
+    config = load_config(config_path).model_copy(update={"tensor_parallel_size": 1})
     if in_torchrun():
         with rank_errors():
             evaluate(config, checkpoint, compare)

@@ -2,9 +2,13 @@
 
 World ranks are laid out dp-major: the SP group of rank ``r`` is the ``sp`` consecutive ranks
 starting at ``r // sp * sp`` (an SP group stays inside a node when ``sp <= nproc_per_node``),
-and the DP group of ``r`` is every rank with the same ``r % sp``. In hybrid mode an SP group of
-size ``N`` is split into ``N / U`` Ulysses groups of ``U`` consecutive ranks, and rank ``i`` of
-every Ulysses group of one SP group forms a ring group.
+and the DP group of ``r`` is every rank with the same ``r % sp``. With tensor parallelism
+(``tp > 1``) the world is the mesh ``(dp, cp, tp)``, tp fastest: TP groups are ``tp``
+consecutive ranks (TP moves activations four times per layer, so it gets the closest ranks),
+and an SP group is ``sp`` ranks ``tp`` apart; ``tp = 1`` is the layout above.
+
+In hybrid mode an SP group of size ``N`` is split into ``N / U`` Ulysses groups of ``U``
+consecutive members, and member ``i`` of every Ulysses group of one SP group forms a ring group.
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ class SPContext:
     def p2p(self) -> bool:
         """True when the ring passes K/V blocks point to point (``batch_*``)."""
         return self.ring_attn_func in P2P_LAYOUT
+    # parallel.tensor_parallel.TPContext when tensor_parallel_size > 1: rows then pad to a
+    # multiple of sp x tp and each TP rank takes the loss of its own slice of the SP shard.
+    tp: object | None = None
 
 
 def flash_available() -> bool:
@@ -131,6 +138,7 @@ def build_parallel_groups(
     world_size: int | None = None,
     dtype: str | None = None,
     ring_attn_func: str = "varlen_llama3",
+    tp: int = 1,
 ) -> tuple[ProcessGroup | None, SPContext]:
     """Build the dp x sp groups; return ``(dp_group, sp_context)``.
 
@@ -145,11 +153,13 @@ def build_parallel_groups(
         raise ValueError(f"world_size {world} != initialised world {dist.get_world_size()}")
     if not initialised and world != 1:
         raise ValueError("torch.distributed must be initialised for a world larger than 1")
-    u = _validate(world, sp, mode, ulysses_degree)
+    if tp < 1 or world % tp:
+        raise ValueError(f"world size {world} is not a multiple of tensor_parallel_size {tp}")
+    u = _validate(world // tp, sp, mode, ulysses_degree)
     check_ring_layout(mode, ring_attn_func, layout)
-    dp = world // sp
+    dp = world // (sp * tp)
     ctx = SPContext(
-        sp_rank=rank % sp,
+        sp_rank=rank // tp % sp,
         sp_size=sp,
         mode=mode,
         layout=layout,
@@ -160,8 +170,9 @@ def build_parallel_groups(
     )
     if not initialised:
         return None, ctx
-    sp_blocks = [list(range(g * sp, (g + 1) * sp)) for g in range(dp)]
-    dp_blocks = [list(range(i, world, sp)) for i in range(sp)]
+    # rank = (d * sp + c) * tp + t for data-parallel d, sequence-parallel c, tensor-parallel t.
+    sp_blocks = [[(d * sp + c) * tp + t for c in range(sp)] for d in range(dp) for t in range(tp)]
+    dp_blocks = [[(d * sp + c) * tp + t for d in range(dp)] for c in range(sp) for t in range(tp)]
     dp_group = _new_groups(dp_blocks, rank) if dp > 1 else None
     if sp > 1:
         ctx.sp_group = _new_groups(sp_blocks, rank)

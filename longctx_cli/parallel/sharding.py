@@ -50,7 +50,8 @@ class ShardedBatch:
 
 
 def pad_multiple(ctx: SPContext) -> int:
-    return ctx.sp_size * (2 if ctx.layout == "zigzag" else 1)
+    tp = ctx.tp.size if ctx.tp is not None else 1  # TP splits each SP shard once more
+    return ctx.sp_size * (2 if ctx.layout == "zigzag" else 1) * tp
 
 
 def local_ranges(total_len: int, ctx: SPContext) -> tuple[tuple[int, int], ...]:
@@ -177,12 +178,17 @@ def shard_batch(
         local_ranges=ranges,
         segments=segments_for(cu_seqlens.tolist(), ranges),
     )
-    return ShardedBatch(
+    batch = ShardedBatch(
         input_ids=slice_sequence(input_ids, ctx).unsqueeze(0),
         position_ids=slice_sequence(position_ids, ctx).unsqueeze(0),
         shift_labels=slice_sequence(shifted, ctx).unsqueeze(0),
         sp_meta=meta,
     )
+    if ctx.tp is not None:
+        from .tensor_parallel import tp_batch
+
+        batch = tp_batch(batch, ctx.tp)
+    return batch
 
 
 def make_sp_meta(position_ids: torch.Tensor, ctx: SPContext) -> SPMeta:

@@ -64,7 +64,8 @@ class Parallel:
     sp_ctx: SPContext
     dp_rank: int
     dp_size: int
-    world_mesh: object | None  # 1-D DeviceMesh over the world, for FSDP2
+    world_mesh: object | None  # DeviceMesh FSDP2 shards over (the world, or dp x cp with TP)
+    tp: object | None = None  # parallel.tensor_parallel.TPContext when tensor_parallel_size > 1
 
 
 @dataclass
@@ -95,6 +96,7 @@ def init_distributed(config: Config) -> torch.device:
 
 def init_parallel(config: Config, device: torch.device) -> Parallel:
     world, sp = dist.get_world_size(), config.sequence_parallel_degree
+    tp = config.tensor_parallel_size
     _, ctx = build_parallel_groups(
         sp=sp,
         mode=config.sequence_parallel_mode,
@@ -104,7 +106,14 @@ def init_parallel(config: Config, device: torch.device) -> Parallel:
         kernel=config.attention_kernel,
         dtype=config.dtype,
         ring_attn_func=config.ring_attn_func,
+        tp=tp,
     )
+    if tp > 1:
+        from longctx_cli.parallel.tensor_parallel import build_tp_mesh
+
+        ctx.tp = build_tp_mesh(world // (sp * tp), sp, tp, device.type)
+        mesh = ctx.tp.fsdp_mesh if config.fsdp and world > tp else None
+        return Parallel(ctx, dist.get_rank() // (sp * tp), world // (sp * tp), mesh, ctx.tp)
     mesh = None
     if config.fsdp and world > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -227,6 +236,10 @@ def restore_stream(stream: PackedStream, trainer_state: dict, path: Path) -> Non
 def forward_loss_sum(decoder, lm_head, batch: ShardedBatch, config: Config) -> torch.Tensor:
     hidden = sp_hidden_states(decoder, batch)
     chunk = config.loss_chunk_size if config.chunked_loss else None
+    if batch.sp_meta.ctx.tp is not None:  # vocab-parallel CE over the TP group
+        from longctx_cli.parallel.tensor_parallel import tp_loss_sum
+
+        return tp_loss_sum(lm_head, hidden, batch.shift_labels, batch.sp_meta.ctx.tp, chunk)
     return lm_loss_sum(lm_head, hidden, batch.shift_labels, chunk)
 
 
@@ -275,9 +288,12 @@ def train_step(
     local_count = sum(valid_token_count(b.shift_labels) for b in batches)
     (global_count,) = all_reduce_sum([local_count], device)
     divisor = max(global_count, 1.0)
-    # FSDP2 averages gradients over the world; the loss is already normalised by the global
-    # token count, so scale it up to turn that average into the sum we need.
-    backward_divisor = divisor / dist.get_world_size() if use_fsdp else divisor
+    # FSDP2 averages gradients over its mesh (the world, or dp x cp with TP, whose own sums
+    # DTensor does); the loss is already normalised by the global token count, so scale it
+    # up to turn that average into the sum we need.
+    tp = batches[0].sp_meta.ctx.tp
+    replicas = dist.get_world_size() // (tp.size if tp is not None else 1)
+    backward_divisor = divisor / replicas if use_fsdp else divisor
     local_loss = 0.0
     for i, batch in enumerate(batches):
         if use_fsdp:
@@ -288,7 +304,11 @@ def train_step(
                 loss_sum = forward_loss_sum(decoder, lm_head, batch, config)
             precision.scale(loss_sum / backward_divisor).backward()
         local_loss += loss_sum.item()
-    if not use_fsdp and dist.get_world_size() > 1:
+    if not use_fsdp and tp is not None:
+        from longctx_cli.parallel.tensor_parallel import reduce_tp_gradients
+
+        reduce_tp_gradients(params, tp.replica_group)
+    elif not use_fsdp and dist.get_world_size() > 1:
         reduce_gradients(params)
     bad = nonfinite_ranks(local_loss, device)
     (loss_sum_global,) = all_reduce_sum([local_loss], device)
@@ -422,11 +442,12 @@ def train(config: Config) -> None:
     stream = PackedStream(config, tokenizer) if config.pretraining_dataset else None
     train_rows, eval_rows = (None, None) if stream else load_rows(config, tokenizer)
 
-    model = build_model(config, fsdp_mesh=parallel.world_mesh if config.fsdp else None)
+    model = build_model(config, fsdp_mesh=parallel.world_mesh if config.fsdp else None,
+                        tp=parallel.tp)
     if not (config.load_in_4bit or config.load_in_8bit):  # bitsandbytes placed those already
         model.to(device)
     precision = setup_precision(model, config.dtype, device)  # before the optimizer sees params
-    use_fsdp = config.fsdp and world > 1
+    use_fsdp = config.fsdp and world > 1 and parallel.world_mesh is not None
     decoder, lm_head = decoder_and_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(config, params)

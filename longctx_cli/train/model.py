@@ -188,8 +188,12 @@ def unwrap(model: nn.Module) -> PreTrainedModel:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def build_model(config: Config, fsdp_mesh=None) -> nn.Module:
-    """The model a run trains, with SP attention registered and every option applied."""
+def build_model(config: Config, fsdp_mesh=None, tp=None) -> nn.Module:
+    """The model a run trains, with SP attention registered and every option applied.
+
+    `tp` (a `parallel.tensor_parallel.TPContext`) shards it with TP-sp before FSDP2, which
+    then shards over `fsdp_mesh` (the ranks holding the same TP shard).
+    """
     register_sp_attention()
     model = load_base_model(config, ATTN_IMPLEMENTATION)
     if config.gradient_checkpointing:
@@ -200,6 +204,16 @@ def build_model(config: Config, fsdp_mesh=None) -> nn.Module:
         model = apply_lora(model, config)
     if config.tiled_mlp:
         apply_tiled_mlp(model, config.tiled_mlp_tiles)
+    if tp is not None:
+        from longctx_cli.parallel.tensor_parallel import apply_tensor_parallel
+
+        base = unwrap(model)
+        try:
+            apply_tensor_parallel(base.get_decoder(), base.get_output_embeddings(), tp,
+                                  base.config)
+        except ValueError as e:
+            raise UserError(str(e), where="tensor_parallel_size",
+                            fix="use `tensor_parallel_size: 1` for this model.") from None
     if config.fsdp and fsdp_mesh is not None:
         apply_fsdp(model, fsdp_mesh, config)
     model.train()
