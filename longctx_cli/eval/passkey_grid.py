@@ -224,7 +224,7 @@ def run_passkey_grid(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     mine: list[SampleResult] = []
     bar = tqdm(spec.cells, desc=f"passkey {label}".strip(), unit="cell",
-               disable=not show_progress, dynamic_ncols=True)
+               disable=None if show_progress else True, dynamic_ncols=True)
     for length, depth in bar:
         samples = cell_samples(tokenizer, length, depth, spec)
         for index in range(dp_rank, len(samples), dp_size):

@@ -104,7 +104,7 @@ def position_loss(
     counts = torch.zeros(len(starts), dtype=torch.float64, device=device)
     mine = range(dp_rank, len(rows), dp_size)
     for index in tqdm(mine, desc=f"position loss {label}".strip(), unit="row",
-                      disable=not show_progress, dynamic_ncols=True):
+                      disable=None if show_progress else True, dynamic_ncols=True):
         batch = to_device(shard_batch(*collate(rows.select([index])), ctx, pad_id), device)
         hidden = sp_hidden_states(decoder, batch, where="--checkpoint")
         labels = batch.shift_labels.reshape(-1)
