@@ -50,7 +50,8 @@ def test_validate_of_every_example_does_not_import_torch(tmp_path):
     # The examples' models are an inline Llama and two ids of the built-in table (offline).
     code = (
         "import os, sys; os.environ['HF_HUB_OFFLINE'] = '1'; sys.argv = ['longctx', 'validate', "
-        "sys.argv[1], '--nproc-per-node', '8', '--nnodes', '2', '--fidelity-probe', 'false']\n"
+        "sys.argv[1], '--nproc-per-node', '8', '--nnodes', sys.argv[2], '--fidelity-probe', "
+        "'false']\n"
         "from longctx_cli.cli import main\n"
         "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
     )
@@ -61,8 +62,9 @@ def test_validate_of_every_example_does_not_import_torch(tmp_path):
                 data = tmp_path / entry["path"]
                 data.parent.mkdir(parents=True, exist_ok=True)
                 data.write_text(json.dumps({"text": "one record"}) + "\n")
+        nodes = "4" if "tp8-sp4" in example.name else "2"  # the 70B TP x SP example: 32 ranks
         result = subprocess.run(
-            [sys.executable, "-X", "importtime", "-c", code, str(example)],
+            [sys.executable, "-X", "importtime", "-c", code, str(example), nodes],
             capture_output=True, text=True, cwd=tmp_path,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
