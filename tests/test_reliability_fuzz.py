@@ -292,7 +292,8 @@ def good_cache(tmp_path_factory) -> tuple[Path, Path]:
 def test_bad_data_is_explained_or_counted_and_never_damages_the_cache(
     good_cache, tmp_path_factory, raw, strategy
 ):
-    from longctx_cli.data.prepare import FINGERPRINT_FILE, MARKER, prepare
+    from longctx_cli.data.prepare import FINGERPRINT_FILE, prepare
+    from longctx_cli.durable import COMPLETE_MARKER as MARKER
 
     good, cache = good_cache
     work = tmp_path_factory.mktemp("case")

@@ -21,8 +21,9 @@ from safetensors import SafetensorError
 from torch import nn
 
 from longctx_cli.config import Config
+from longctx_cli.durable import COMPLETE_MARKER
 from longctx_cli.errors import UserError
-from longctx_cli.integrity import COMPLETE_MARKER, verify_files
+from longctx_cli.integrity import verify_files
 from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
 
 FULL, LORA, DCP = "full", "lora", "dcp"

@@ -23,10 +23,12 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
+from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.data.passkey import PasskeySample, make_passkey_sample
+from longctx_cli.data.tokenizer import pad_id as tokenizer_pad_id
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.mesh import SPContext
-from longctx_cli.parallel.sharding import IGNORE_INDEX, gather_sequence, shard_batch
+from longctx_cli.parallel.sharding import gather_sequence, shard_batch
 from longctx_cli.train.loop import to_device
 from longctx_cli.train.model import sp_hidden_states
 
@@ -221,7 +223,7 @@ def run_passkey_grid(
 ) -> GridResult:
     """Score every cell; data-parallel groups split each cell's samples. Every rank returns
     the full result."""
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = tokenizer_pad_id(tokenizer)
     mine: list[SampleResult] = []
     bar = tqdm(spec.cells, desc=f"passkey {label}".strip(), unit="cell",
                disable=not show_progress, dynamic_ncols=True)

@@ -133,6 +133,7 @@ def evaluate_model(
     show_progress: bool,
 ) -> ModelResult:
     """Load one checkpoint and run both evaluations on it (collective: every rank calls)."""
+    from longctx_cli.data.tokenizer import pad_id as tokenizer_pad_id
     from longctx_cli.eval.checkpoint_loading import load_for_eval
     from longctx_cli.eval.passkey_grid import run_passkey_grid
     from longctx_cli.eval.position_loss import position_loss
@@ -144,7 +145,7 @@ def evaluate_model(
     ctx, dp_rank, dp_size = parallel.sp_ctx, parallel.dp_rank, parallel.dp_size
     grid = run_passkey_grid(decoder, lm_head, tokenizer, spec, ctx, dp_rank, dp_size, device,
                             show_progress, label)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = tokenizer_pad_id(tokenizer)
     positions = position_loss(
         decoder, lm_head, rows, config.sequence_len, config.eval_position_buckets, ctx,
         dp_rank, dp_size, pad_id, device, config.loss_chunk_size, show_progress, label,

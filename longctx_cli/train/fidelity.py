@@ -191,7 +191,7 @@ def active_features(tiny: Any) -> tuple[str, ...]:
 
 
 def _probe_row() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from longctx_cli.train.loss import IGNORE_INDEX
+    from longctx_cli.constants import IGNORE_INDEX
 
     g = torch.Generator().manual_seed(1234)
     ids = torch.randint(3, PROBE_VOCAB, (sum(PROBE_DOCS),), generator=g)

@@ -23,9 +23,11 @@ from tqdm.auto import tqdm
 
 from longctx_cli.config import Config
 from longctx_cli.config.plan import hsdp_replicas, wandb_enabled
+from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.data.prepare import prepare
 from longctx_cli.data.stream import PackedStream
 from longctx_cli.data.tokenizer import load_tokenizer
+from longctx_cli.data.tokenizer import pad_id as tokenizer_pad_id
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.mesh import SPContext, build_parallel_groups
 from longctx_cli.parallel.sharding import ShardedBatch, shard_batch
@@ -36,7 +38,7 @@ from longctx_cli.train.checkpoint import (
     save_checkpoint,
 )
 from longctx_cli.train.fidelity import run_probe
-from longctx_cli.train.loss import IGNORE_INDEX, lm_loss_sum, valid_token_count
+from longctx_cli.train.loss import lm_loss_sum, valid_token_count
 from longctx_cli.train.memory import activation_offload
 from longctx_cli.train.model import (
     build_model,
@@ -437,7 +439,7 @@ def train(config: Config) -> None:
         print(f"fidelity probe: {probe}", flush=True)
 
     tokenizer = load_tokenizer(config)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = tokenizer_pad_id(tokenizer)
     # pretraining_dataset: rows come from a stream packed on the fly, not from the cache.
     stream = PackedStream(config, tokenizer) if config.pretraining_dataset else None
     train_rows, eval_rows = (None, None) if stream else load_rows(config, tokenizer)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-IGNORE_INDEX = -100
+from longctx_cli.constants import IGNORE_INDEX
 
 
 def _ce_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
