@@ -241,7 +241,7 @@ def train(
     ] = False,
 ) -> None:
     """Hand over to the launcher; its return value is the exit status."""
-    from longctx_cli.train.launch import run_train
+    from longctx_cli.train.run import run_train
 
     raise typer.Exit(
         run_train(

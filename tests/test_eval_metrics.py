@@ -71,7 +71,7 @@ def test_oracle_retrieves_every_key():
 def test_random_model_scores_zero():
     # The real decoder with random weights: the metric must be able to fail.
     from longctx_cli.config.load import config_from_dict
-    from longctx_cli.train.model import build_model, decoder_and_head
+    from longctx_cli.runtime.model import build_model, decoder_and_head
     from tests.train_helpers import TINY_LLAMA
 
     config = config_from_dict({"model_config": TINY_LLAMA, "tokenizer": "byte",
@@ -170,7 +170,7 @@ def _tiny_config(tmp_path: Path, **extra):
 
 def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     from longctx_cli.parallel.sharding import shard_batch
-    from longctx_cli.train.model import decoder_and_head, sp_hidden_states
+    from longctx_cli.runtime.model import decoder_and_head, sp_hidden_states
 
     decoder, head = decoder_and_head(model)
     batch = shard_batch(ids, torch.arange(ids.numel()), ids, single_process_context())
@@ -187,8 +187,8 @@ def _perturb(model: nn.Module, only: str = "") -> None:
 
 
 def test_lora_final_and_dcp_checkpoint_load_the_trained_weights(tmp_path: Path):
+    from longctx_cli.runtime.model import build_model, load_base_model
     from longctx_cli.train.checkpoint import export_final, save_checkpoint
-    from longctx_cli.train.model import build_model, load_base_model
 
     config = _tiny_config(tmp_path, adapter="lora", lora_target_modules=["q_proj", "v_proj"])
     model = build_model(config)

@@ -51,7 +51,7 @@ def _configs(root: Path) -> tuple[Path, Path]:
 
 def _write_checkpoints(config_path: Path, root: Path) -> tuple[Path, Path]:
     """A random full model in HF format, and a DCP checkpoint-<step>/ of different weights."""
-    from longctx_cli.train.model import build_model, load_base_model
+    from longctx_cli.runtime.model import build_model, load_base_model
 
     config = load_config(config_path)
     final = root / "run" / "final"
@@ -68,7 +68,7 @@ def _write_checkpoints(config_path: Path, root: Path) -> tuple[Path, Path]:
 
 def _reference(config_path: Path, paths: list[Path]) -> list[tuple[list[dict], dict]]:
     """The sp=1 evaluation in this process: (passkey samples, position losses) per model."""
-    from longctx_cli.train.model import decoder_and_head
+    from longctx_cli.runtime.model import decoder_and_head
 
     config = load_config(config_path)
     tokenizer = load_tokenizer(config)

@@ -29,8 +29,8 @@ from longctx_cli.data.tokenizer import pad_id as tokenizer_pad_id
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.mesh import SPContext
 from longctx_cli.parallel.sharding import gather_sequence, shard_batch
-from longctx_cli.train.loop import to_device
-from longctx_cli.train.model import sp_hidden_states
+from longctx_cli.runtime.batches import to_device
+from longctx_cli.runtime.model import sp_hidden_states
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -23,8 +23,8 @@ from tqdm.auto import tqdm
 
 from longctx_cli.parallel.mesh import SPContext
 from longctx_cli.parallel.sharding import IGNORE_INDEX, shard_batch
-from longctx_cli.train.loop import collate, to_device
-from longctx_cli.train.model import sp_hidden_states
+from longctx_cli.runtime.batches import collate, to_device
+from longctx_cli.runtime.model import sp_hidden_states
 
 
 @dataclass

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from longctx_cli.eval.passkey_grid import GridSpec
     from longctx_cli.eval.report import ModelResult
-    from longctx_cli.train.loop import Parallel
+    from longctx_cli.runtime.distributed import Parallel
 
 
 def _no_held_out() -> UserError:
@@ -46,7 +46,7 @@ def run_eval(
     nproc_per_node: int | None,
 ) -> int:
     """Entry of `longctx eval`; returns the process exit code."""
-    from longctx_cli.train.launch import in_torchrun, launch_torchrun, rank_errors
+    from longctx_cli.runtime.launch import in_torchrun, launch_torchrun, rank_errors
 
     # Evaluation runs the exported, unsharded model with SP only: a training run's
     # tensor_parallel_size does not apply (its ranks would otherwise slice the loss for TP).
@@ -93,7 +93,7 @@ def evaluate(config: Config, checkpoint: Path, compare: Path | None) -> None:
     from longctx_cli.data.tokenizer import load_tokenizer
     from longctx_cli.eval import report
     from longctx_cli.eval.passkey_grid import grid_spec
-    from longctx_cli.train.loop import init_distributed, init_parallel, load_rows
+    from longctx_cli.runtime.distributed import init_distributed, init_parallel, load_rows
 
     device = init_distributed(config)
     parallel = init_parallel(config, device)
@@ -138,7 +138,7 @@ def evaluate_model(
     from longctx_cli.eval.passkey_grid import run_passkey_grid
     from longctx_cli.eval.position_loss import position_loss
     from longctx_cli.eval.report import ModelResult
-    from longctx_cli.train.model import decoder_and_head
+    from longctx_cli.runtime.model import decoder_and_head
 
     model = load_for_eval(config, path).to(device)
     decoder, lm_head = decoder_and_head(model)
