@@ -14,13 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longctx_cli.data.tokenizer import byte_tokenizer
+from longctx_cli.data.tokenizer import byte_tokenizer, pad_id
 from longctx_cli.errors import UserError
 from longctx_cli.eval.checkpoint_loading import checkpoint_kind, load_for_eval
 from longctx_cli.eval.passkey_grid import GridResult, GridSpec, SampleResult, run_passkey_grid
 from longctx_cli.eval.position_loss import PositionLoss, bucket_edges, bucket_of, position_loss
 from longctx_cli.eval.report import ModelResult, write_all
 from longctx_cli.parallel.mesh import single_process_context
+from longctx_cli.runtime.distributed import RankContext
 
 VOCAB = 384
 CPU = torch.device("cpu")
@@ -56,8 +57,9 @@ SPEC = GridSpec(context_lengths=[300, 400], depths=[0.0, 0.5, 1.0], samples_per_
 
 
 def _grid(decoder: nn.Module, lm_head: nn.Module | None = None) -> GridResult:
-    return run_passkey_grid(decoder, lm_head or nn.Identity(), byte_tokenizer(), SPEC,
-                            single_process_context(), 0, 1, CPU)
+    tokenizer = byte_tokenizer()
+    where = RankContext(single_process_context(), 0, 1, pad_id(tokenizer), CPU)
+    return run_passkey_grid(decoder, lm_head or nn.Identity(), tokenizer, SPEC, where)
 
 
 def test_oracle_retrieves_every_key():
@@ -127,7 +129,8 @@ def test_position_loss_is_token_weighted_per_bucket():
          "labels": [-100, 41, 42, -100, -100, 45, 46]},
     ]
     got = position_loss(NextTokenOracle(scale_by_position=True), nn.Identity(),
-                        Dataset.from_list(rows), 16, 4, single_process_context(), 0, 1, 0, CPU)
+                        Dataset.from_list(rows), 16, 4,
+                        RankContext(single_process_context(), 0, 1, 0, CPU))
     want = _expected_bucket_means(rows, 16, 4)
     assert got.tokens == [10, 9, 3, 0]
     for g, w in zip(got.mean, want, strict=True):

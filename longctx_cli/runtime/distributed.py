@@ -24,6 +24,22 @@ class Parallel:
     tp: object | None = None  # parallel.tensor_parallel.TPContext when tensor_parallel_size > 1
 
 
+@dataclass(frozen=True)
+class RankContext:
+    """Where this process works, built once per process: its SP context, its data-parallel
+    index and count, the id its rows are padded with, its device."""
+
+    sp_ctx: SPContext
+    dp_rank: int
+    dp_size: int
+    pad_id: int
+    device: torch.device
+
+
+def rank_context(parallel: Parallel, pad_id: int, device: torch.device) -> RankContext:
+    return RankContext(parallel.sp_ctx, parallel.dp_rank, parallel.dp_size, pad_id, device)
+
+
 def init_distributed(config: Config) -> torch.device:
     """Join the torchrun job; bounded collective timeouts turn a dead peer into an error."""
     use_cuda = torch.cuda.is_available()

@@ -26,10 +26,15 @@ from longctx_cli.data.stream import PackedStream
 from longctx_cli.data.tokenizer import load_tokenizer
 from longctx_cli.data.tokenizer import pad_id as tokenizer_pad_id
 from longctx_cli.errors import UserError
-from longctx_cli.parallel.mesh import SPContext
 from longctx_cli.parallel.sharding import ShardedBatch, shard_batch
 from longctx_cli.runtime.batches import collate, micro_batches, step_row_indices, to_device
-from longctx_cli.runtime.distributed import init_distributed, init_parallel, load_rows
+from longctx_cli.runtime.distributed import (
+    RankContext,
+    init_distributed,
+    init_parallel,
+    load_rows,
+    rank_context,
+)
 from longctx_cli.runtime.memory import activation_offload
 from longctx_cli.runtime.model import (
     build_model,
@@ -240,16 +245,16 @@ class NonFiniteError(Exception):
 
 
 @torch.no_grad()
-def evaluate_loss(decoder, lm_head, rows, dp_rank: int, dp_size: int, config: Config,
-                  ctx: SPContext, pad_id: int, device) -> float:
+def evaluate_loss(decoder, lm_head, rows, config: Config, where: RankContext) -> float:
     """Token-weighted eval loss over all ranks; every rank runs the same number of forwards."""
+    dp_rank, dp_size, device = where.dp_rank, where.dp_size, where.device
     per_rank = math.ceil(len(rows) / dp_size)
     loss_sum, count = 0.0, 0
     for i in range(per_rank):
         index = dp_rank + i * dp_size
         real = index < len(rows)
         row = collate(rows.select([index if real else 0]))
-        batch = to_device(shard_batch(*row, ctx, pad_id), device)
+        batch = to_device(shard_batch(*row, where.sp_ctx, where.pad_id), device)
         if not real:  # keep collectives in step, contribute nothing
             batch.shift_labels.fill_(IGNORE_INDEX)
         loss_sum += forward_loss_sum(decoder, lm_head, batch, config).item()
@@ -316,7 +321,7 @@ def train(config: Config) -> None:
     device = init_distributed(config)
     rank, world = dist.get_rank(), dist.get_world_size()
     parallel = init_parallel(config, device)
-    ctx, dp_rank, dp_size = parallel.sp_ctx, parallel.dp_rank, parallel.dp_size
+    dp_size = parallel.dp_size
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     output_dir = Path(config.output_dir)
@@ -328,7 +333,7 @@ def train(config: Config) -> None:
         print(f"fidelity probe: {probe}", flush=True)
 
     tokenizer = load_tokenizer(config)
-    pad_id = tokenizer_pad_id(tokenizer)
+    where = rank_context(parallel, tokenizer_pad_id(tokenizer), device)
     # pretraining_dataset: rows come from a stream packed on the fly, not from the cache.
     stream = PackedStream(config, tokenizer) if config.pretraining_dataset else None
     train_rows, eval_rows = (None, None) if stream else load_rows(config, tokenizer)
@@ -381,7 +386,7 @@ def train(config: Config) -> None:
             rows = train_rows
             indices = step_row_indices(step, steps_per_epoch, per_step, len(train_rows),
                                        config.seed)
-        batches = micro_batches(rows, indices, dp_rank, config, ctx, pad_id, device)
+        batches = micro_batches(rows, indices, config, where)
         lr = optimizer.param_groups[0]["lr"]
         started = time.perf_counter()
         try:
@@ -417,7 +422,7 @@ def train(config: Config) -> None:
         stop = None
         if eval_every and eval_rows is not None and (step + 1) % eval_every == 0:
             record["eval_loss"] = evaluate_loss(
-                decoder, lm_head, eval_rows, dp_rank, dp_size, config, ctx, pad_id, device
+                decoder, lm_head, eval_rows, config, where
             )
             if is_plateau(config):
                 scheduler.step(record["eval_loss"])
