@@ -46,12 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from longctx_cli.config import config_from_dict  # noqa: E402
-from longctx_cli.config.plan import (  # noqa: E402
-    ModelShape,
-    attention_softcap,
-    estimate_memory,
-    tiled_scores_run,
-)
+from longctx_cli.config.memory import attention_softcap, estimate_memory, tiled_scores_run  # noqa: E402
+from longctx_cli.config.model_shape import ModelShape  # noqa: E402
 from longctx_cli.kernel_choice import choose_kernel  # noqa: E402
 from longctx_cli.parallel import AttentionFeatures, SPContext, shard_batch  # noqa: E402
 from longctx_cli.parallel.kernels import (  # noqa: E402

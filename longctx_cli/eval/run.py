@@ -78,7 +78,8 @@ def run_eval(
 
 def _check_plan(config: Config, world: int) -> None:
     """The rules `validate` applies (SP degree vs world, heads, kernel) for this world."""
-    from longctx_cli.config.plan import build_plan, read_model_config
+    from longctx_cli.config.model_shape import read_model_config
+    from longctx_cli.config.plan import build_plan
 
     build_plan(config, world, read_model_config(config), nproc_per_node=world,
                world_source=f"--nproc-per-node {world}")

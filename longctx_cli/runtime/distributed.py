@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from longctx_cli.config import Config
-from longctx_cli.config.plan import hsdp_replicas
+from longctx_cli.config.rules import hsdp_replicas
 from longctx_cli.data.prepare import prepare
 from longctx_cli.parallel.mesh import SPContext, build_parallel_groups
 

@@ -7,7 +7,9 @@ import shutil
 from pathlib import Path
 
 from longctx_cli.config import Config, load_config
-from longctx_cli.config.plan import build_plan, read_model_config, resolve_world_size
+from longctx_cli.config.model_shape import read_model_config
+from longctx_cli.config.plan import build_plan
+from longctx_cli.config.world import resolve_world_size
 from longctx_cli.errors import UserError
 from longctx_cli.runtime.launch import in_torchrun, launch_torchrun, rank_errors
 
