@@ -46,12 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from longctx_cli.config import config_from_dict  # noqa: E402
-from longctx_cli.config.plan import (  # noqa: E402
-    ModelShape,
-    attention_softcap,
-    estimate_memory,
-    tiled_scores_run,
-)
+from longctx_cli.config.memory import attention_softcap, estimate_memory, tiled_scores_run  # noqa: E402
+from longctx_cli.config.model_shape import ModelShape  # noqa: E402
 from longctx_cli.kernel_choice import choose_kernel  # noqa: E402
 from longctx_cli.parallel import AttentionFeatures, SPContext, shard_batch  # noqa: E402
 from longctx_cli.parallel.kernels import (  # noqa: E402
@@ -62,9 +58,10 @@ from longctx_cli.parallel.kernels import (  # noqa: E402
 from longctx_cli.parallel.mesh import flash_available, single_process_context  # noqa: E402
 from longctx_cli.parallel.sharding import local_ranges, segments_for  # noqa: E402
 from longctx_cli.parallel.torch_flash import flash_applies  # noqa: E402
-from longctx_cli.train.loop import forward_loss_sum, to_device  # noqa: E402
-from longctx_cli.train.memory import activation_offload  # noqa: E402
-from longctx_cli.train.model import build_model, decoder_and_head, model_config_of  # noqa: E402
+from longctx_cli.runtime.batches import to_device  # noqa: E402
+from longctx_cli.runtime.memory import activation_offload  # noqa: E402
+from longctx_cli.runtime.model import build_model, decoder_and_head, model_config_of  # noqa: E402
+from longctx_cli.train.loop import forward_loss_sum  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 LLAMA_1B = {  # TinyLlama-1.1B's shape

@@ -32,12 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_step as ts  # noqa: E402  (the shared helpers of the train-step benchmark)
 
 from longctx_cli.config import config_from_dict  # noqa: E402
-from longctx_cli.config.plan import ModelShape  # noqa: E402
+from longctx_cli.config.model_shape import ModelShape  # noqa: E402
 from longctx_cli.parallel import build_parallel_groups, shard_batch  # noqa: E402
 from longctx_cli.parallel.tensor_parallel import build_tp_mesh, reduce_tp_gradients  # noqa: E402
+from longctx_cli.runtime.model import build_model, decoder_and_head, model_config_of  # noqa: E402
 from longctx_cli.train.loop import forward_loss_sum  # noqa: E402
 from longctx_cli.train.loss import valid_token_count  # noqa: E402
-from longctx_cli.train.model import build_model, decoder_and_head, model_config_of  # noqa: E402
 
 LAYOUTS = {  # name -> (tp, sp, mode)
     "sp1": (1, 1, "ring"),

@@ -144,7 +144,8 @@ def validate(
 ) -> None:
     """Print the plan, or a UserError naming the key to fix."""
     from longctx_cli.config import load_config
-    from longctx_cli.config.plan import fit_report, parse_memory_size, plan_for
+    from longctx_cli.config.fit import fit_report, parse_memory_size
+    from longctx_cli.config.plan import plan_for
 
     limit = parse_memory_size(memory_per_rank) if memory_per_rank is not None else None
     cfg = load_config(config, ctx.args)
@@ -241,7 +242,7 @@ def train(
     ] = False,
 ) -> None:
     """Hand over to the launcher; its return value is the exit status."""
-    from longctx_cli.train.launch import run_train
+    from longctx_cli.train.run import run_train
 
     raise typer.Exit(
         run_train(

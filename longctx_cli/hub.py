@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-from longctx_cli.config.plan import _hub_reachable
+from longctx_cli.config.model_shape import _hub_reachable
 from longctx_cli.errors import UserError
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-COMPLETE_MARKER = "COMPLETE"
+from longctx_cli.durable import COMPLETE_MARKER
+
 MANIFEST = "MANIFEST.json"
 
 

@@ -1,6 +1,6 @@
 """Which attention kernel runs: the one place that decides (no torch import).
 
-``validate`` (config/plan.py) and every rank (parallel/mesh.py) call :func:`choose_kernel`
+``validate`` (config/rules.py) and every rank (parallel/mesh.py) call :func:`choose_kernel`
 with what they know about the machine, so the plan prints the kernel the ranks really run.
 
 Kernels:

@@ -171,7 +171,7 @@ def _hf_config(config: Config) -> Any:
     from transformers import AutoConfig
 
     from longctx_cli.config import known_models
-    from longctx_cli.config.plan import _build_from_dict
+    from longctx_cli.config.model_shape import _build_from_dict
 
     if config.model_config_dict is not None:
         return _build_from_dict(config.model_config_dict, "model_config")

@@ -170,8 +170,8 @@ def make_config(family: Family, overrides: dict[str, Any] | None = None, **model
 
 def reference_training(family: Family) -> dict[str, Any]:
     """The model's own training: eager attention, forward(labels=) per document."""
+    from longctx_cli.runtime.model import load_base_model
     from longctx_cli.train.loop import make_optimizer
-    from longctx_cli.train.model import load_base_model
 
     config = make_config(family)
     model = load_base_model(config, "eager").train()
@@ -196,7 +196,7 @@ def reference_training(family: Family) -> dict[str, Any]:
 
 def feature_activity(family: Family) -> dict[str, float]:
     """Relative change of the first step's reference loss when each feature is switched off."""
-    from longctx_cli.train.model import load_base_model
+    from longctx_cli.runtime.model import load_base_model
 
     def first_loss(model_overrides: dict[str, Any]) -> float:
         model = load_base_model(make_config(family, **model_overrides), "eager")
@@ -216,13 +216,9 @@ def longctx_training(family: Family, strategy: str) -> dict[str, Any]:
 
     from longctx_cli.errors import UserError
     from longctx_cli.parallel.sharding import shard_batch
-    from longctx_cli.train.loop import (
-        check_fidelity,
-        init_parallel,
-        make_optimizer,
-        train_step,
-    )
-    from longctx_cli.train.model import build_model, decoder_and_head
+    from longctx_cli.runtime.distributed import init_parallel
+    from longctx_cli.runtime.model import build_model, decoder_and_head
+    from longctx_cli.train.loop import check_fidelity, make_optimizer, train_step
 
     config = make_config(family, STRATEGIES[strategy][1])
     try:
@@ -344,7 +340,7 @@ def render() -> str:
         "Sliding windows come from each layer's `sliding_window` (per layer through "
         "`layer_types` / `max_window_layers`); the head's transforms (`logit_scale`, "
         "`logits_scaling`, `final_logit_softcapping`) are applied by longctx's loss and every "
-        "evaluation (`longctx_cli/train/head.py`).",
+        "evaluation (`longctx_cli/runtime/head.py`).",
         "",
     ]
     return "\n".join(lines)

@@ -15,8 +15,10 @@ from typer.testing import CliRunner
 from longctx_cli.cli import app
 from longctx_cli.config import axolotl, config_from_dict, docs, load_config
 from longctx_cli.config.load import known_keys
-from longctx_cli.config.plan import ModelShape, Platform, build_plan
+from longctx_cli.config.model_shape import ModelShape
+from longctx_cli.config.plan import build_plan
 from longctx_cli.config.schema import OPTIMIZERS, Config
+from longctx_cli.config.world import Platform
 from longctx_cli.errors import UserError
 from longctx_cli.train import optim
 

@@ -10,8 +10,9 @@ import pytest
 
 from longctx_cli.config.load import config_from_dict
 from longctx_cli.data import pack
-from longctx_cli.data.prepare import MARKER, compute_fingerprint, prepare
+from longctx_cli.data.prepare import compute_fingerprint, prepare
 from longctx_cli.data.tokenizer import byte_tokenizer
+from longctx_cli.durable import COMPLETE_MARKER as MARKER
 
 BASE = {"model_config": {"model_type": "llama"}, "tokenizer": "byte", "sequence_len": 64}
 

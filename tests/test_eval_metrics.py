@@ -14,13 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longctx_cli.data.tokenizer import byte_tokenizer
+from longctx_cli.data.tokenizer import byte_tokenizer, pad_id
 from longctx_cli.errors import UserError
 from longctx_cli.eval.checkpoint_loading import checkpoint_kind, load_for_eval
 from longctx_cli.eval.passkey_grid import GridResult, GridSpec, SampleResult, run_passkey_grid
 from longctx_cli.eval.position_loss import PositionLoss, bucket_edges, bucket_of, position_loss
 from longctx_cli.eval.report import ModelResult, write_all
 from longctx_cli.parallel.mesh import single_process_context
+from longctx_cli.runtime.distributed import RankContext
 
 VOCAB = 384
 CPU = torch.device("cpu")
@@ -56,8 +57,9 @@ SPEC = GridSpec(context_lengths=[300, 400], depths=[0.0, 0.5, 1.0], samples_per_
 
 
 def _grid(decoder: nn.Module, lm_head: nn.Module | None = None) -> GridResult:
-    return run_passkey_grid(decoder, lm_head or nn.Identity(), byte_tokenizer(), SPEC,
-                            single_process_context(), 0, 1, CPU)
+    tokenizer = byte_tokenizer()
+    where = RankContext(single_process_context(), 0, 1, pad_id(tokenizer), CPU)
+    return run_passkey_grid(decoder, lm_head or nn.Identity(), tokenizer, SPEC, where)
 
 
 def test_oracle_retrieves_every_key():
@@ -71,7 +73,7 @@ def test_oracle_retrieves_every_key():
 def test_random_model_scores_zero():
     # The real decoder with random weights: the metric must be able to fail.
     from longctx_cli.config.load import config_from_dict
-    from longctx_cli.train.model import build_model, decoder_and_head
+    from longctx_cli.runtime.model import build_model, decoder_and_head
     from tests.train_helpers import TINY_LLAMA
 
     config = config_from_dict({"model_config": TINY_LLAMA, "tokenizer": "byte",
@@ -127,7 +129,8 @@ def test_position_loss_is_token_weighted_per_bucket():
          "labels": [-100, 41, 42, -100, -100, 45, 46]},
     ]
     got = position_loss(NextTokenOracle(scale_by_position=True), nn.Identity(),
-                        Dataset.from_list(rows), 16, 4, single_process_context(), 0, 1, 0, CPU)
+                        Dataset.from_list(rows), 16, 4,
+                        RankContext(single_process_context(), 0, 1, 0, CPU))
     want = _expected_bucket_means(rows, 16, 4)
     assert got.tokens == [10, 9, 3, 0]
     for g, w in zip(got.mean, want, strict=True):
@@ -170,7 +173,7 @@ def _tiny_config(tmp_path: Path, **extra):
 
 def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     from longctx_cli.parallel.sharding import shard_batch
-    from longctx_cli.train.model import decoder_and_head, sp_hidden_states
+    from longctx_cli.runtime.model import decoder_and_head, sp_hidden_states
 
     decoder, head = decoder_and_head(model)
     batch = shard_batch(ids, torch.arange(ids.numel()), ids, single_process_context())
@@ -187,8 +190,8 @@ def _perturb(model: nn.Module, only: str = "") -> None:
 
 
 def test_lora_final_and_dcp_checkpoint_load_the_trained_weights(tmp_path: Path):
+    from longctx_cli.runtime.model import build_model, load_base_model
     from longctx_cli.train.checkpoint import export_final, save_checkpoint
-    from longctx_cli.train.model import build_model, load_base_model
 
     config = _tiny_config(tmp_path, adapter="lora", lora_target_modules=["q_proj", "v_proj"])
     model = build_model(config)

@@ -11,11 +11,12 @@ import yaml
 
 from longctx_cli.config import load_config
 from longctx_cli.data.prepare import prepare
-from longctx_cli.data.tokenizer import load_tokenizer
+from longctx_cli.data.tokenizer import load_tokenizer, pad_id
 from longctx_cli.eval.checkpoint_loading import load_for_eval
 from longctx_cli.eval.passkey_grid import grid_spec, run_passkey_grid
 from longctx_cli.eval.position_loss import position_loss
 from longctx_cli.parallel.mesh import single_process_context
+from longctx_cli.runtime.distributed import RankContext
 from longctx_cli.train.checkpoint import save_checkpoint
 from tests.train_helpers import TINY_LLAMA, run_longctx
 
@@ -51,7 +52,7 @@ def _configs(root: Path) -> tuple[Path, Path]:
 
 def _write_checkpoints(config_path: Path, root: Path) -> tuple[Path, Path]:
     """A random full model in HF format, and a DCP checkpoint-<step>/ of different weights."""
-    from longctx_cli.train.model import build_model, load_base_model
+    from longctx_cli.runtime.model import build_model, load_base_model
 
     config = load_config(config_path)
     final = root / "run" / "final"
@@ -68,7 +69,7 @@ def _write_checkpoints(config_path: Path, root: Path) -> tuple[Path, Path]:
 
 def _reference(config_path: Path, paths: list[Path]) -> list[tuple[list[dict], dict]]:
     """The sp=1 evaluation in this process: (passkey samples, position losses) per model."""
-    from longctx_cli.train.model import decoder_and_head
+    from longctx_cli.runtime.model import decoder_and_head
 
     config = load_config(config_path)
     tokenizer = load_tokenizer(config)
@@ -77,9 +78,10 @@ def _reference(config_path: Path, paths: list[Path]) -> list[tuple[list[dict], d
     out = []
     for path in paths:
         decoder, head = decoder_and_head(load_for_eval(config, path))
-        grid = run_passkey_grid(decoder, head, tokenizer, spec, ctx, 0, 1, CPU)
+        grid = run_passkey_grid(decoder, head, tokenizer, spec,
+                                RankContext(ctx, 0, 1, pad_id(tokenizer), CPU))
         losses = position_loss(decoder, head, rows, config.sequence_len,
-                               config.eval_position_buckets, ctx, 0, 1, 0, CPU)
+                               config.eval_position_buckets, RankContext(ctx, 0, 1, 0, CPU))
         out.append((grid.to_dict()["samples"], losses.to_dict()))
     return out
 

@@ -21,10 +21,11 @@ from transformers.models.llama import modeling_llama
 
 from longctx_cli.config import Config
 from longctx_cli.errors import UserError
+from longctx_cli.runtime.distributed import RankContext
+from longctx_cli.runtime.head import LogitTransform
+from longctx_cli.runtime.model import decoder_and_head
 from longctx_cli.train.fidelity import TOLERANCE, run_probe, shrink_config
-from longctx_cli.train.head import LogitTransform
 from longctx_cli.train.loop import check_fidelity
-from longctx_cli.train.model import decoder_and_head
 
 TINY = {
     "hidden_size": 32,
@@ -279,8 +280,8 @@ def test_eval_position_loss_applies_the_head() -> None:
     rows = Dataset.from_dict({"input_ids": [ids.tolist()], "position_ids": [pos.tolist()],
                               "labels": [labels.tolist()]})
     decoder, head = decoder_and_head(ours)
-    result = position_loss(decoder, head, rows, 32, 1, single_process_context(), 0, 1, 0,
-                           torch.device("cpu"))
+    result = position_loss(decoder, head, rows, 32, 1,
+                           RankContext(single_process_context(), 0, 1, 0, torch.device("cpu")))
     with torch.no_grad():
         want = sum(float(model(input_ids=d[None], labels=d[None]).loss) * (d.numel() - 1)
                    for d in docs) / sum(d.numel() - 1 for d in docs)

@@ -88,8 +88,8 @@ def _assert_checkpoint_loads(config_path: Path, checkpoint: Path, step: int) -> 
     from transformers import get_scheduler
 
     from longctx_cli.config import load_config
+    from longctx_cli.runtime.model import build_model
     from longctx_cli.train.checkpoint import load_checkpoint, resolve_resume
-    from longctx_cli.train.model import build_model
 
     assert resolve_resume("auto", checkpoint.parent) == checkpoint
     config = load_config(config_path)

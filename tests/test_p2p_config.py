@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from longctx_cli.config.plan import ModelShape, ring_buffer_bytes
+from longctx_cli.config.memory import ring_buffer_bytes
+from longctx_cli.config.model_shape import ModelShape
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.mesh import check_ring_layout, resolve_kernel
 from tests.test_plan import CPU, GPU, cfg, plan, rule_error

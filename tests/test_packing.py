@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from longctx_cli.data.pack import IGNORE, ffd_bins, make_row, packing_efficiency
+from longctx_cli.constants import IGNORE_INDEX as IGNORE
+from longctx_cli.data.pack import ffd_bins, make_row, packing_efficiency
 
 
 @settings(max_examples=150, deadline=None)

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from longctx_cli.constants import IGNORE_INDEX as IGNORE
 from longctx_cli.data.passkey import (
-    IGNORE,
     INTRO,
     QUESTION,
     generate_passkey_samples,

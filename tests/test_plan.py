@@ -9,19 +9,11 @@ import pytest
 from rich.console import Console
 
 from longctx_cli.config import config_from_dict
-from longctx_cli.config.plan import (
-    ModelShape,
-    Plan,
-    Platform,
-    build_plan,
-    estimate_memory,
-    lora_parameter_count,
-    parse_memory_size,
-    read_model_config,
-    resolve_world,
-    resolve_world_size,
-    smallest_fitting_sp,
-)
+from longctx_cli.config.fit import parse_memory_size, smallest_fitting_sp
+from longctx_cli.config.memory import estimate_memory, lora_parameter_count
+from longctx_cli.config.model_shape import ModelShape, read_model_config
+from longctx_cli.config.plan import Plan, build_plan
+from longctx_cli.config.world import Platform, resolve_world, resolve_world_size
 from longctx_cli.errors import UserError
 
 CPU = Platform(cuda=False, ring_flash_attn=False)

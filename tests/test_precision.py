@@ -12,8 +12,8 @@ import torch
 
 from longctx_cli.config import config_from_dict
 from longctx_cli.parallel import build_parallel_groups, shard_batch
+from longctx_cli.runtime.model import build_model
 from longctx_cli.train.loop import decoder_and_head, train_step
-from longctx_cli.train.model import build_model
 from longctx_cli.train.precision import setup_precision
 from tests.distributed import run_distributed
 from tests.train_helpers import TINY_LLAMA

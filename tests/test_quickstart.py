@@ -19,7 +19,12 @@ import pytest
 import yaml
 
 from longctx_cli.config import known_models
-from longctx_cli.config.plan import _PLAIN_DEFAULTS, ModelShape, _build_from_dict, _plain_shape
+from longctx_cli.config.model_shape import (
+    _PLAIN_DEFAULTS,
+    ModelShape,
+    _build_from_dict,
+    _plain_shape,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "tiny_passkey.yaml"

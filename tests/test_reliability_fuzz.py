@@ -24,13 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from longctx_cli.config.load import config_from_dict, load_config
-from longctx_cli.config.plan import (
-    ModelShape,
-    Platform,
-    build_plan,
-    read_model_config,
-    resolve_world,
-)
+from longctx_cli.config.model_shape import ModelShape, read_model_config
+from longctx_cli.config.plan import build_plan
+from longctx_cli.config.world import Platform, resolve_world
 from longctx_cli.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -292,7 +288,8 @@ def good_cache(tmp_path_factory) -> tuple[Path, Path]:
 def test_bad_data_is_explained_or_counted_and_never_damages_the_cache(
     good_cache, tmp_path_factory, raw, strategy
 ):
-    from longctx_cli.data.prepare import FINGERPRINT_FILE, MARKER, prepare
+    from longctx_cli.data.prepare import FINGERPRINT_FILE, prepare
+    from longctx_cli.durable import COMPLETE_MARKER as MARKER
 
     good, cache = good_cache
     work = tmp_path_factory.mktemp("case")

@@ -199,7 +199,7 @@ def test_kill_during_save_never_yields_that_checkpoint(runs):
 def test_failure_summary_names_the_rank_that_died_first():
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from longctx_cli.train.launch import describe_failure, failure_exit_code
+    from longctx_cli.runtime.launch import describe_failure, failure_exit_code
 
     # Rank 1 was killed; torchrun then stopped rank 0 with SIGTERM.
     killed = {

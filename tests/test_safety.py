@@ -67,7 +67,7 @@ def test_remote_code_is_off_unless_set():
 
 
 def test_remote_code_warns_when_set():
-    from longctx_cli.train.model import load_base_model
+    from longctx_cli.runtime.model import load_base_model
 
     tiny = {
         "model_type": "llama", "hidden_size": 16, "intermediate_size": 32,

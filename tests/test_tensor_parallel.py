@@ -70,7 +70,7 @@ def _step_worker(rank: int, world: int, tp: int, sp: int, mode: str, chunk: int 
     from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
     from longctx_cli.parallel.mesh import build_parallel_groups, single_process_context
     from longctx_cli.parallel.sharding import shard_batch
-    from longctx_cli.train.head import model_head
+    from longctx_cli.runtime.head import model_head
     from longctx_cli.train.loss import lm_loss_sum
 
     register_sp_attention()
@@ -151,7 +151,7 @@ def _comm_worker(rank: int, world: int) -> dict[int, dict[str, int]]:
     from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
     from longctx_cli.parallel.mesh import build_parallel_groups
     from longctx_cli.parallel.sharding import shard_batch
-    from longctx_cli.train.head import model_head
+    from longctx_cli.runtime.head import model_head
 
     register_sp_attention()
     counts = {}

@@ -12,7 +12,9 @@ from typer.testing import CliRunner
 
 from longctx_cli.cli import app
 from longctx_cli.config import config_from_dict
-from longctx_cli.config.plan import ModelShape, Platform, build_plan
+from longctx_cli.config.model_shape import ModelShape
+from longctx_cli.config.plan import build_plan
+from longctx_cli.config.world import Platform
 from longctx_cli.errors import UserError
 
 CPU = Platform(cuda=False, ring_flash_attn=False)

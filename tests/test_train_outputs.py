@@ -78,7 +78,7 @@ def _longctx_logits(config_path: Path, final: Path, adapter: bool, ids: list[int
     from longctx_cli.config import load_config
     from longctx_cli.parallel.mesh import single_process_context
     from longctx_cli.parallel.sharding import shard_batch
-    from longctx_cli.train.model import build_model
+    from longctx_cli.runtime.model import build_model
 
     config = load_config(config_path)
     model = build_model(config)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from longctx_cli.errors import UserError
 
 if TYPE_CHECKING:
-    from longctx_cli.config.plan import ModelShape
+    from longctx_cli.config.model_shape import ModelShape
     from longctx_cli.config.schema import Config
 
 # Families whose transformers `base_model_tp_plan` is colwise/rowwise only and whose decoder

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from dataclasses import field as dc_field
 from typing import TYPE_CHECKING, Any
 
+from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.errors import UserError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-IGNORE = -100
 Where = Callable[[int], str]
 # Characters per token, generously: byte tokenizers give 1, BPE about 4 on prose, more on
 # long runs of whitespace. A record with more characters than this per token of
@@ -176,7 +176,7 @@ def tokenize_batch(
             _check_cut(ids, chars, max_chars, where(i))
         if skip:
             ids, labels = [], []
-        elif all(label == IGNORE for label in labels):
+        elif all(label == IGNORE_INDEX for label in labels):
             ids, labels, skip = [], [], "no target tokens"
         _append(out, ids, labels)
         out["skip"].append(skip)
@@ -322,7 +322,7 @@ def alpaca(
     reply = _piece(tok, output)
     if tok.eos_token_id is not None:
         reply.append(tok.eos_token_id)
-    prompt_labels = list(prompt) if spec.train_on_inputs else [IGNORE] * len(prompt)
+    prompt_labels = list(prompt) if spec.train_on_inputs else [IGNORE_INDEX] * len(prompt)
     return prompt + reply, prompt_labels + reply, ""
 
 
@@ -350,7 +350,7 @@ def input_output(
                 fix='write each segment as {"label": true, "text": "..."}.')
         piece = _piece(tok, seg["text"])
         ids += piece
-        labels += piece if seg["label"] or spec.train_on_inputs else [IGNORE] * len(piece)
+        labels += piece if seg["label"] or spec.train_on_inputs else [IGNORE_INDEX] * len(piece)
     if not ids:
         return [], [], "empty text"
     return ids, labels, ""
@@ -527,7 +527,7 @@ def encode_spans(
     if getattr(tok, "is_fast", False):
         enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
-        labels = [t if _overlaps(s, e, spans) else IGNORE
+        labels = [t if _overlaps(s, e, spans) else IGNORE_INDEX
                   for t, (s, e) in zip(ids, enc["offset_mapping"], strict=True)]
         return ids, labels, ""
     ids, labels, cursor = [], [], 0
@@ -535,10 +535,10 @@ def encode_spans(
         before = _piece(tok, text[cursor:start])
         inside = _piece(tok, text[start:end])
         ids += before + inside
-        labels += [IGNORE] * len(before) + inside
+        labels += [IGNORE_INDEX] * len(before) + inside
         cursor = end
     rest = _piece(tok, text[cursor:])
-    return ids + rest, labels + [IGNORE] * len(rest), ""
+    return ids + rest, labels + [IGNORE_INDEX] * len(rest), ""
 
 
 def _overlaps(start: int, end: int, spans: list[tuple[int, int]]) -> bool:

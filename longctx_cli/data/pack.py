@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-IGNORE = -100
+from longctx_cli.constants import IGNORE_INDEX
 
 
 def ffd_bins(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -72,7 +72,7 @@ def make_row(samples: Iterable[tuple[list[int], list[int], list[int]]]) -> dict[
         pos += s_pos
     for t, p in enumerate(pos):
         if p == 0:
-            labels[t] = IGNORE
+            labels[t] = IGNORE_INDEX
     return {"input_ids": ids, "labels": labels, "position_ids": pos}
 
 

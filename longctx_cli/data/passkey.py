@@ -22,6 +22,8 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from longctx_cli.constants import IGNORE_INDEX
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -30,7 +32,6 @@ FILLER = (
     " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 )
 QUESTION = " What is the pass key? The pass key is ["
-IGNORE = -100
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ def training_labels(sample: PasskeySample) -> list[int]:
     """
     labels = list(sample.input_ids)
     start, end = sample.key_span
-    labels[start:end] = [IGNORE] * (end - start)
+    labels[start:end] = [IGNORE_INDEX] * (end - start)
     return labels
 
 

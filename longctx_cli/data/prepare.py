@@ -27,9 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.data import chat_templates, formats, load, pack, passkey
 from longctx_cli.data.report import DatasetStats, PrepareReport, RowStats, length_histogram
 from longctx_cli.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+from longctx_cli.durable import COMPLETE_MARKER, fsync_tree, swap_into_place
 from longctx_cli.errors import UserError
 
 if TYPE_CHECKING:
@@ -50,7 +52,6 @@ log = logging.getLogger("longctx.data")
 # 3: chat targets located by offsets (with train_on_eos), alpaca/input_output, samples
 #    shuffled before packing (shuffle_merged_datasets).
 PIPELINE_VERSION = 3
-MARKER = "COMPLETE"
 FINGERPRINT_FILE = "fingerprint.json"
 REPORT_FILE = "report.json"
 _CHUNK_BINS = 512  # rows assembled per read of the samples table
@@ -210,7 +211,7 @@ def _load_cache(target: Path, fp: str, parts: dict[str, Any]) -> tuple[Prepared 
     """(Prepared, "") when `target` is a complete cache with fingerprint `fp`, else (None, why)."""
     if not target.exists():
         return None, "no cache yet"
-    marker = target / MARKER
+    marker = target / COMPLETE_MARKER
     if not marker.is_file():
         return None, "the existing cache is incomplete (no completion marker)"
     try:
@@ -242,8 +243,8 @@ def _compared_with_siblings(target: Path, parts: dict[str, Any]) -> str:
     newest = None
     if target.parent.is_dir():
         found = [d for d in target.parent.iterdir()
-                 if _FINGERPRINT_NAME.match(d.name) and (d / MARKER).is_file()]
-        newest = max(found, key=lambda d: (d / MARKER).stat().st_mtime, default=None)
+                 if _FINGERPRINT_NAME.match(d.name) and (d / COMPLETE_MARKER).is_file()]
+        newest = max(found, key=lambda d: (d / COMPLETE_MARKER).stat().st_mtime, default=None)
     if newest is None:
         return "no cache yet"
     try:
@@ -276,9 +277,9 @@ def _build_and_swap(
         (tmp / FINGERPRINT_FILE).write_text(json.dumps({"fingerprint": fp, "parts": parts},
                                                        indent=1, sort_keys=True))
         (tmp / REPORT_FILE).write_text(json.dumps(report.to_dict(), indent=1))
-        _fsync_tree(tmp)
-        (tmp / MARKER).write_text(fp)  # last: only a finished cache carries it
-        _swap_into_place(tmp, target)
+        fsync_tree(tmp)
+        (tmp / COMPLETE_MARKER).write_text(fp)  # last: only a finished cache carries it
+        swap_into_place(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if created_root:
@@ -314,7 +315,7 @@ def _check_replaceable(root: Path) -> None:
 def _is_ours(child: Path) -> bool:
     name = child.name
     return (bool(_FINGERPRINT_NAME.match(name)) or bool(_TEMPORARY_NAME.match(name))
-            or name in (MARKER, FINGERPRINT_FILE, REPORT_FILE, "train", "eval"))
+            or name in (COMPLETE_MARKER, FINGERPRINT_FILE, REPORT_FILE, "train", "eval"))
 
 
 def _remove_stale_temporaries(target: Path) -> None:
@@ -336,30 +337,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _swap_into_place(tmp: Path, target: Path) -> None:
-    """Rename `tmp` to `target`; an existing target is moved aside first and removed after."""
-    old = None
-    if target.exists():
-        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(target, old)
-    try:
-        os.rename(tmp, target)
-    except OSError:
-        if old is not None and not target.exists():
-            os.rename(old, target)  # put the previous cache back
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_tree(root: Path) -> None:
-    """Flush the written files, so the marker can never reach the disk before the data."""
-    for path in root.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
 
 
 def _on_terminal() -> bool:
@@ -446,7 +423,7 @@ def _row_stats(rows: Dataset, sequence_len: int) -> RowStats:
     table = rows.with_format("arrow")[:]
     tokens = int(pc.sum(pc.list_value_length(table.column("input_ids"))).as_py() or 0)
     labels = pc.list_flatten(table.column("labels"))
-    targets = int(pc.sum(pc.not_equal(labels, -100)).as_py() or 0)
+    targets = int(pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0)
     return RowStats(len(rows), tokens, targets,
                     pack.packing_efficiency(tokens, len(rows), sequence_len))
 
@@ -519,7 +496,7 @@ def _target_tokens(samples: Dataset) -> int:
     import pyarrow.compute as pc
 
     labels = pc.list_flatten(samples.data.column("labels"))
-    return int(pc.sum(pc.not_equal(labels, -100)).as_py() or 0)
+    return int(pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0)
 
 
 def sample_segments(
@@ -530,8 +507,8 @@ def sample_segments(
     start = 0
     ids, labels = ids[:limit], labels[:limit]
     for t in range(1, len(ids) + 1):
-        if t == len(ids) or (labels[t] != -100) != (labels[start] != -100):
-            runs.append((tok.decode(ids[start:t]), labels[start] != -100))
+        if t == len(ids) or (labels[t] != IGNORE_INDEX) != (labels[start] != IGNORE_INDEX):
+            runs.append((tok.decode(ids[start:t]), labels[start] != IGNORE_INDEX))
             start = t
     return runs
 

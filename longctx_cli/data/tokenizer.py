@@ -116,6 +116,11 @@ def _from_pretrained(source: str, trust_remote_code: bool) -> PreTrainedTokenize
         ) from exc
 
 
+def pad_id(tok: PreTrainedTokenizerBase) -> int:
+    """The id rows are padded with; 0 for a tokenizer without one (the padding is masked)."""
+    return tok.pad_token_id if tok.pad_token_id is not None else 0
+
+
 def ensure_pad_token(tok: PreTrainedTokenizerBase) -> None:
     """Give the tokenizer a pad token (the trainer pads rows); reuse eos, as most recipes do."""
     if tok.pad_token_id is not None:

@@ -21,8 +21,9 @@ from safetensors import SafetensorError
 from torch import nn
 
 from longctx_cli.config import Config
+from longctx_cli.durable import COMPLETE_MARKER
 from longctx_cli.errors import UserError
-from longctx_cli.integrity import COMPLETE_MARKER, verify_files
+from longctx_cli.integrity import verify_files
 from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
 
 FULL, LORA, DCP = "full", "lora", "dcp"
@@ -95,7 +96,7 @@ def lora_base_path(adapter_dir: Path) -> str:
 def _from_pretrained(source: str, config: Config) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from longctx_cli.train.model import DTYPES
+    from longctx_cli.runtime.model import DTYPES
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -132,7 +133,7 @@ def _load_dcp(path: Path, config: Config) -> nn.Module:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from longctx_cli.train.model import build_model
+    from longctx_cli.runtime.model import build_model
 
     model = build_model(config)
     state = {"model": get_model_state_dict(model)}

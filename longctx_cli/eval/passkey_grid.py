@@ -23,12 +23,14 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
+from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.data.passkey import PasskeySample, make_passkey_sample
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.mesh import SPContext
-from longctx_cli.parallel.sharding import IGNORE_INDEX, gather_sequence, shard_batch
-from longctx_cli.train.loop import to_device
-from longctx_cli.train.model import sp_hidden_states
+from longctx_cli.parallel.sharding import gather_sequence, shard_batch
+from longctx_cli.runtime.batches import to_device
+from longctx_cli.runtime.distributed import RankContext
+from longctx_cli.runtime.model import sp_hidden_states
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -212,16 +214,14 @@ def run_passkey_grid(
     lm_head: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     spec: GridSpec,
-    ctx: SPContext,
-    dp_rank: int,
-    dp_size: int,
-    device: torch.device,
+    where: RankContext,
     show_progress: bool = False,
     label: str = "",
 ) -> GridResult:
     """Score every cell; data-parallel groups split each cell's samples. Every rank returns
     the full result."""
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ctx, dp_rank, dp_size, device = where.sp_ctx, where.dp_rank, where.dp_size, where.device
+    pad_id = where.pad_id
     mine: list[SampleResult] = []
     bar = tqdm(spec.cells, desc=f"passkey {label}".strip(), unit="cell",
                disable=None if show_progress else True, dynamic_ncols=True)

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from longctx_cli.parallel.mesh import SPContext
 from longctx_cli.parallel.sharding import IGNORE_INDEX, shard_batch
-from longctx_cli.train.loop import collate, to_device
-from longctx_cli.train.model import sp_hidden_states
+from longctx_cli.runtime.batches import collate, to_device
+from longctx_cli.runtime.distributed import RankContext
+from longctx_cli.runtime.model import sp_hidden_states
 
 
 @dataclass
@@ -89,32 +89,29 @@ def position_loss(
     rows: Any,
     sequence_len: int,
     buckets: int,
-    ctx: SPContext,
-    dp_rank: int,
-    dp_size: int,
-    pad_id: int,
-    device: torch.device,
+    where: RankContext,
     chunk: int = 4096,
     show_progress: bool = False,
     label: str = "",
 ) -> PositionLoss:
     """Per-bucket loss of `rows` (a prepared dataset); every rank returns the global result."""
+    ctx, dp_rank, dp_size, device = where.sp_ctx, where.dp_rank, where.dp_size, where.device
     starts, ends = bucket_edges(sequence_len, buckets)
     sums = torch.zeros(len(starts), dtype=torch.float64, device=device)
     counts = torch.zeros(len(starts), dtype=torch.float64, device=device)
     mine = range(dp_rank, len(rows), dp_size)
     for index in tqdm(mine, desc=f"position loss {label}".strip(), unit="row",
                       disable=None if show_progress else True, dynamic_ncols=True):
-        batch = to_device(shard_batch(*collate(rows.select([index])), ctx, pad_id), device)
+        batch = to_device(shard_batch(*collate(rows.select([index])), ctx, where.pad_id), device)
         hidden = sp_hidden_states(decoder, batch, where="--checkpoint")
         labels = batch.shift_labels.reshape(-1)
         valid = labels != IGNORE_INDEX
         if not bool(valid.any()):
             continue
         losses = token_losses(lm_head, hidden[valid], labels[valid], chunk)
-        where = bucket_of(batch.position_ids.reshape(-1)[valid], sequence_len, len(starts))
-        sums.index_add_(0, where, losses.double())
-        counts.index_add_(0, where, torch.ones_like(losses, dtype=torch.float64))
+        bucket = bucket_of(batch.position_ids.reshape(-1)[valid], sequence_len, len(starts))
+        sums.index_add_(0, bucket, losses.double())
+        counts.index_add_(0, bucket, torch.ones_like(losses, dtype=torch.float64))
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # Sums over the world: SP ranks hold disjoint tokens, DP ranks disjoint rows.
         both = torch.stack([sums, counts])

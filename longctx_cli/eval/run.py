@@ -17,13 +17,12 @@ from longctx_cli.errors import UserError
 from longctx_cli.eval.checkpoint_loading import check_intact, checkpoint_kind
 
 if TYPE_CHECKING:
-    import torch
     from datasets import Dataset
     from transformers import PreTrainedTokenizerBase
 
     from longctx_cli.eval.passkey_grid import GridSpec
     from longctx_cli.eval.report import ModelResult
-    from longctx_cli.train.loop import Parallel
+    from longctx_cli.runtime.distributed import RankContext
 
 
 def _no_held_out() -> UserError:
@@ -46,7 +45,7 @@ def run_eval(
     nproc_per_node: int | None,
 ) -> int:
     """Entry of `longctx eval`; returns the process exit code."""
-    from longctx_cli.train.launch import in_torchrun, launch_torchrun, rank_errors
+    from longctx_cli.runtime.launch import in_torchrun, launch_torchrun, rank_errors
 
     # Evaluation runs the exported, unsharded model with SP only: a training run's
     # tensor_parallel_size does not apply (its ranks would otherwise slice the loss for TP).
@@ -79,7 +78,8 @@ def run_eval(
 
 def _check_plan(config: Config, world: int) -> None:
     """The rules `validate` applies (SP degree vs world, heads, kernel) for this world."""
-    from longctx_cli.config.plan import build_plan, read_model_config
+    from longctx_cli.config.model_shape import read_model_config
+    from longctx_cli.config.plan import build_plan
 
     build_plan(config, world, read_model_config(config), nproc_per_node=world,
                world_source=f"--nproc-per-node {world}")
@@ -91,21 +91,28 @@ def evaluate(config: Config, checkpoint: Path, compare: Path | None) -> None:
     from rich.console import Console
 
     from longctx_cli.data.tokenizer import load_tokenizer
+    from longctx_cli.data.tokenizer import pad_id as tokenizer_pad_id
     from longctx_cli.eval import report
     from longctx_cli.eval.passkey_grid import grid_spec
-    from longctx_cli.train.loop import init_distributed, init_parallel, load_rows
+    from longctx_cli.runtime.distributed import (
+        init_distributed,
+        init_parallel,
+        load_rows,
+        rank_context,
+    )
 
     device = init_distributed(config)
     parallel = init_parallel(config, device)
     rank = dist.get_rank()
     tokenizer = load_tokenizer(config)
+    where = rank_context(parallel, tokenizer_pad_id(tokenizer), device)
     _, rows = load_rows(config, tokenizer)
     if rows is None:
         raise _no_held_out()
     spec = grid_spec(config, tokenizer)
     paths = [checkpoint] + ([compare] if compare is not None else [])
     results = [
-        evaluate_model(config, path, label, spec, tokenizer, rows, parallel, device, rank == 0)
+        evaluate_model(config, path, label, spec, tokenizer, rows, where, rank == 0)
         for path, label in zip(paths, report.model_labels(paths), strict=True)
     ]
     if rank == 0:
@@ -128,8 +135,7 @@ def evaluate_model(
     spec: GridSpec,
     tokenizer: PreTrainedTokenizerBase,
     rows: Dataset,
-    parallel: Parallel,
-    device: torch.device,
+    where: RankContext,
     show_progress: bool,
 ) -> ModelResult:
     """Load one checkpoint and run both evaluations on it (collective: every rank calls)."""
@@ -137,16 +143,13 @@ def evaluate_model(
     from longctx_cli.eval.passkey_grid import run_passkey_grid
     from longctx_cli.eval.position_loss import position_loss
     from longctx_cli.eval.report import ModelResult
-    from longctx_cli.train.model import decoder_and_head
+    from longctx_cli.runtime.model import decoder_and_head
 
-    model = load_for_eval(config, path).to(device)
+    model = load_for_eval(config, path).to(where.device)
     decoder, lm_head = decoder_and_head(model)
-    ctx, dp_rank, dp_size = parallel.sp_ctx, parallel.dp_rank, parallel.dp_size
-    grid = run_passkey_grid(decoder, lm_head, tokenizer, spec, ctx, dp_rank, dp_size, device,
-                            show_progress, label)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    grid = run_passkey_grid(decoder, lm_head, tokenizer, spec, where, show_progress, label)
     positions = position_loss(
-        decoder, lm_head, rows, config.sequence_len, config.eval_position_buckets, ctx,
-        dp_rank, dp_size, pad_id, device, config.loss_chunk_size, show_progress, label,
+        decoder, lm_head, rows, config.sequence_len, config.eval_position_buckets, where,
+        config.loss_chunk_size, show_progress, label,
     )
     return ModelResult(label, str(path.resolve()), grid, positions)

@@ -1,36 +1,85 @@
 """One entry point for SP attention, and its registration with transformers.
 
-``sp_attention`` dispatches on the SP mode and kernel. ``register_sp_attention`` makes it
-available to every Hugging Face model that routes attention through ``AttentionInterface``
-(load the model with ``attn_implementation="longctx_sp"`` and call it with ``sp_meta=``).
+``sp_attention`` runs the strategy that ``STRATEGIES`` maps (mode, variant) to.
+``register_sp_attention`` makes it available to every Hugging Face model that routes
+attention through ``AttentionInterface`` (load the model with
+``attn_implementation="longctx_sp"`` and call it with ``sp_meta=``).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
 from .kernels import AttentionFeatures, as_features
+from .mesh import SPContext
 from .ring import ring_attention
 from .sharding import SPMeta
 
 ATTN_IMPLEMENTATION = "longctx_sp"
 
 
-def _strategy(mode: str) -> Any:
-    """The attention function of the ulysses / hybrid strategy module."""
-    name = {"ulysses": "ulysses_attention", "hybrid": "hybrid_attention"}[mode]
-    module_name = f"{__package__}.{mode}"
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name != module_name:
-            raise
-        msg = f"sequence_parallel_mode {mode!r} is not implemented yet"
-        raise NotImplementedError(msg) from err
-    return getattr(module, name)
+class AttentionStrategy(Protocol):
+    """What every SP strategy implements: this rank's document-causal attention output."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: SPMeta,
+        features: AttentionFeatures,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor: ...
+
+
+def _p2p_ring() -> AttentionStrategy:
+    from .ring_p2p import p2p_ring_attention  # lazy: only P2P runs need it
+
+    return p2p_ring_attention
+
+
+def _flash_ring() -> AttentionStrategy:
+    from .ring_flash import flash_ring_attention  # lazy: needs ring_flash_attn
+
+    return flash_ring_attention
+
+
+def _ulysses() -> AttentionStrategy:
+    from .ulysses import ulysses_attention
+
+    return ulysses_attention
+
+
+def _hybrid() -> AttentionStrategy:
+    from .hybrid import hybrid_attention
+
+    return hybrid_attention
+
+
+# (sequence_parallel_mode, variant) -> loader of the strategy; the variant of ring is its
+# algorithm and kernel, Ulysses and hybrid pick their kernel inside.
+STRATEGIES: dict[tuple[str, str], Callable[[], AttentionStrategy]] = {
+    ("ring", "p2p"): _p2p_ring,
+    ("ring", "flash"): _flash_ring,
+    ("ring", "torch"): lambda: ring_attention,
+    ("ulysses", "any"): _ulysses,
+    ("hybrid", "any"): _hybrid,
+}
+
+
+def strategy_for(ctx: SPContext) -> AttentionStrategy:
+    """The strategy function a rank with this context runs."""
+    if ctx.mode == "ring":
+        variant = "p2p" if ctx.p2p else ("flash" if ctx.kernel == "flash" else "torch")
+    else:
+        variant = "any"
+    loader = STRATEGIES.get((ctx.mode, variant))
+    if loader is None:
+        raise ValueError(f"unknown sequence_parallel_mode {ctx.mode!r}")
+    return loader()
 
 
 def sp_attention(
@@ -57,19 +106,7 @@ def sp_attention(
         raise ValueError(
             f"attention sinks must be one per query head ({q.shape[1]}), got {tuple(sinks.shape)}"
         )
-    if ctx.mode == "ring":
-        if ctx.p2p:  # batch_ring / batch_zigzag / batch_stripe
-            from .ring_p2p import p2p_ring_attention
-
-            return p2p_ring_attention(q, k, v, meta, feats, sinks)
-        if ctx.kernel == "flash":
-            from .ring_flash import flash_ring_attention
-
-            return flash_ring_attention(q, k, v, meta, feats, sinks)
-        return ring_attention(q, k, v, meta, feats, sinks)
-    if ctx.mode in ("ulysses", "hybrid"):
-        return _strategy(ctx.mode)(q, k, v, meta, feats, sinks)
-    raise ValueError(f"unknown sequence_parallel_mode {ctx.mode!r}")
+    return strategy_for(ctx)(q, k, v, meta, feats, sinks)
 
 
 # kwargs transformers' attention layers pass that do not change what attention computes

@@ -21,7 +21,7 @@ from .kernels import (
     doc_causal_forward,
     sink_grad,
 )
-from .sharding import SPMeta
+from .sharding import SPMeta, zigzag_order, zigzag_positions
 
 # torch >= 2.13 renamed the tensor-in/tensor-out collectives; keep older releases working.
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -56,9 +56,8 @@ def to_global_order(gathered: torch.Tensor, meta: SPMeta) -> torch.Tensor:
     if ctx.layout == "contiguous" or ctx.sp_size == 1:
         return gathered
     n = ctx.sp_size
-    halves = gathered.chunk(2 * n)  # rank r holds chunks 2r (global r), 2r+1 (global 2n-1-r)
-    order = [2 * j if j < n else 2 * (2 * n - 1 - j) + 1 for j in range(2 * n)]
-    return torch.cat([halves[i] for i in order])
+    stored = gathered.chunk(2 * n)
+    return torch.cat([stored[i] for i in zigzag_positions(n)])
 
 
 def to_rank_order(full: torch.Tensor, meta: SPMeta) -> torch.Tensor:
@@ -68,7 +67,7 @@ def to_rank_order(full: torch.Tensor, meta: SPMeta) -> torch.Tensor:
         return full
     n = ctx.sp_size
     chunks = full.chunk(2 * n)
-    return torch.cat([c for r in range(n) for c in (chunks[r], chunks[2 * n - 1 - r])])
+    return torch.cat([chunks[j] for j in zigzag_order(n)])
 
 
 def _reduce_scatter(full: torch.Tensor, meta: SPMeta) -> torch.Tensor:

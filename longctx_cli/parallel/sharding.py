@@ -18,10 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from longctx_cli.constants import IGNORE_INDEX
+
 from .kernels import Segment
 from .mesh import SPContext
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -49,6 +49,20 @@ class ShardedBatch:
     sp_meta: SPMeta
 
 
+def zigzag_order(n: int) -> list[int]:
+    """Global index of each of the ``2n`` zigzag chunks, in rank order: rank ``r`` stores
+    chunks ``r`` and ``2n-1-r`` (one early, one late, so causal work balances)."""
+    return [c for r in range(n) for c in (r, 2 * n - 1 - r)]
+
+
+def zigzag_positions(n: int) -> list[int]:
+    """Inverse of :func:`zigzag_order`: where global chunk ``j`` sits in rank order."""
+    where = [0] * (2 * n)
+    for i, c in enumerate(zigzag_order(n)):
+        where[c] = i
+    return where
+
+
 def pad_multiple(ctx: SPContext) -> int:
     tp = ctx.tp.size if ctx.tp is not None else 1  # TP splits each SP shard once more
     return ctx.sp_size * (2 if ctx.layout == "zigzag" else 1) * tp
@@ -64,7 +78,7 @@ def local_ranges(total_len: int, ctx: SPContext) -> tuple[tuple[int, int], ...]:
         return ((r * size, (r + 1) * size),)
     if ctx.layout == "zigzag":
         c = total_len // (2 * n)
-        return ((r * c, (r + 1) * c), ((2 * n - 1 - r) * c, (2 * n - r) * c))
+        return tuple((j * c, (j + 1) * c) for j in zigzag_order(n)[2 * r:2 * r + 2])
     if ctx.layout == "stripe":
         if n == 1:
             return ((0, total_len),)
@@ -117,10 +131,8 @@ def gather_sequence(local: torch.Tensor, ctx: SPContext, dim: int = 0) -> torch.
         return torch.cat(parts, dim=dim)
     if ctx.layout == "stripe":  # token i came from rank i % N
         return torch.stack(parts, dim=dim + 1).flatten(dim, dim + 1)
-    n = ctx.sp_size
-    halves = [p.chunk(2, dim=dim) for p in parts]
-    chunks = [halves[j][0] if j < n else halves[2 * n - 1 - j][1] for j in range(2 * n)]
-    return torch.cat(chunks, dim=dim)
+    stored = [half for p in parts for half in p.chunk(2, dim=dim)]  # rank order
+    return torch.cat([stored[i] for i in zigzag_positions(ctx.sp_size)], dim=dim)
 
 
 def document_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:

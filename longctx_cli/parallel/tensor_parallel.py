@@ -32,7 +32,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-IGNORE_INDEX = -100
+from longctx_cli.constants import IGNORE_INDEX
+
 # HF tp-plan styles we turn into sequence-parallel styles; anything else is refused.
 SUPPORTED_STYLES = ("colwise", "rowwise")
 

@@ -31,8 +31,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from longctx_cli.durable import COMPLETE_MARKER, fsync_dir
 from longctx_cli.errors import UserError
-from longctx_cli.integrity import COMPLETE_MARKER, verify_files, write_manifest
+from longctx_cli.integrity import verify_files, write_manifest
 
 try:  # its home module moved between torch releases
     from torch.distributed.checkpoint import CheckpointException
@@ -50,14 +51,6 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
@@ -167,11 +160,11 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)  # frees the space the partial write took
         raise write_error(f"checkpoint-{step}", output_dir, e) from None
     if rank == 0:
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(output_dir)
+        fsync_dir(output_dir)
         if keep is not None:
             for _, old in list_checkpoints(output_dir)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)

@@ -164,7 +164,7 @@ def shrink_config(model_config: Any) -> Any:
 
 def active_features(tiny: Any) -> tuple[str, ...]:
     """The attention/logit features switched on in a (tiny) config, for the report."""
-    from longctx_cli.train.head import LogitTransform
+    from longctx_cli.runtime.head import LogitTransform
 
     text = tiny.get_text_config() if hasattr(tiny, "get_text_config") else tiny
     found = []
@@ -191,7 +191,7 @@ def active_features(tiny: Any) -> tuple[str, ...]:
 
 
 def _probe_row() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from longctx_cli.train.loss import IGNORE_INDEX
+    from longctx_cli.constants import IGNORE_INDEX
 
     g = torch.Generator().manual_seed(1234)
     ids = torch.randint(3, PROBE_VOCAB, (sum(PROBE_DOCS),), generator=g)
@@ -235,8 +235,8 @@ def _longctx(model: Any, ids: torch.Tensor, pos: torch.Tensor, labels: torch.Ten
     """longctx's sp=1 path, as the trainer computes it: (loss, hidden, logits)."""
     from longctx_cli.parallel.mesh import single_process_context
     from longctx_cli.parallel.sharding import shard_batch
+    from longctx_cli.runtime.model import decoder_and_head, sp_hidden_states
     from longctx_cli.train.loss import lm_loss_sum, valid_token_count
-    from longctx_cli.train.model import decoder_and_head, sp_hidden_states
 
     batch = shard_batch(ids, pos, labels, single_process_context(kernel="torch"))
     decoder, head = decoder_and_head(model)

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import time
-from dataclasses import dataclass, replace
-from datetime import timedelta
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,13 +20,29 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from longctx_cli.config import Config
-from longctx_cli.config.plan import hsdp_replicas, wandb_enabled
-from longctx_cli.data.prepare import prepare
+from longctx_cli.config.plan import wandb_enabled
+from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.data.stream import PackedStream
 from longctx_cli.data.tokenizer import load_tokenizer
+from longctx_cli.data.tokenizer import pad_id as tokenizer_pad_id
 from longctx_cli.errors import UserError
-from longctx_cli.parallel.mesh import SPContext, build_parallel_groups
 from longctx_cli.parallel.sharding import ShardedBatch, shard_batch
+from longctx_cli.runtime.batches import collate, micro_batches, step_row_indices, to_device
+from longctx_cli.runtime.distributed import (
+    RankContext,
+    init_distributed,
+    init_parallel,
+    load_rows,
+    rank_context,
+)
+from longctx_cli.runtime.memory import activation_offload
+from longctx_cli.runtime.model import (
+    build_model,
+    decoder_and_head,
+    load_base_model,
+    model_config_of,
+    sp_hidden_states,
+)
 from longctx_cli.train.checkpoint import (
     export_final,
     load_checkpoint,
@@ -36,15 +50,7 @@ from longctx_cli.train.checkpoint import (
     save_checkpoint,
 )
 from longctx_cli.train.fidelity import run_probe
-from longctx_cli.train.loss import IGNORE_INDEX, lm_loss_sum, valid_token_count
-from longctx_cli.train.memory import activation_offload
-from longctx_cli.train.model import (
-    build_model,
-    decoder_and_head,
-    load_base_model,
-    model_config_of,
-    sp_hidden_states,
-)
+from longctx_cli.train.loss import lm_loss_sum, valid_token_count
 from longctx_cli.train.optim import (
     EarlyStopping,
     LossWatchdog,
@@ -60,15 +66,6 @@ from longctx_cli.train.summary import gather_peak_memory, summary_lines
 
 
 @dataclass
-class Parallel:
-    sp_ctx: SPContext
-    dp_rank: int
-    dp_size: int
-    world_mesh: object | None  # DeviceMesh FSDP2 shards over (the world, or dp x cp with TP)
-    tp: object | None = None  # parallel.tensor_parallel.TPContext when tensor_parallel_size > 1
-
-
-@dataclass
 class StepResult:
     loss: float
     tokens: int
@@ -78,61 +75,6 @@ class StepResult:
 
 # ---------------------------------------------------------------------------------------
 # setup helpers
-
-
-def init_distributed(config: Config) -> torch.device:
-    """Join the torchrun job; bounded collective timeouts turn a dead peer into an error."""
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        torch.backends.cuda.matmul.allow_tf32 = bool(config.tf32)  # Axolotl's `tf32`
-    if not dist.is_initialized():
-        dist.init_process_group(
-            backend="nccl" if use_cuda else "gloo",
-            timeout=timedelta(seconds=config.collective_timeout_s),
-        )
-    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-
-
-def init_parallel(config: Config, device: torch.device) -> Parallel:
-    world, sp = dist.get_world_size(), config.sequence_parallel_degree
-    tp = config.tensor_parallel_size
-    _, ctx = build_parallel_groups(
-        sp=sp,
-        mode=config.sequence_parallel_mode,
-        ulysses_degree=config.ulysses_degree,
-        layout=config.sp_sharding,
-        heads_k_stride=config.heads_k_stride,
-        kernel=config.attention_kernel,
-        dtype=config.dtype,
-        ring_attn_func=config.ring_attn_func,
-        tp=tp,
-    )
-    if tp > 1:
-        from longctx_cli.parallel.tensor_parallel import build_tp_mesh
-
-        ctx.tp = build_tp_mesh(world // (sp * tp), sp, tp, device.type)
-        mesh = ctx.tp.fsdp_mesh if config.fsdp and world > tp else None
-        return Parallel(ctx, dist.get_rank() // (sp * tp), world // (sp * tp), mesh, ctx.tp)
-    mesh = None
-    if config.fsdp and world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        replicas = hsdp_replicas(config)
-        # HSDP (dp_replicate_size > 1): shard within groups, replicate across them.
-        mesh = (init_device_mesh(device.type, (replicas, world // replicas))
-                if replicas > 1 else init_device_mesh(device.type, (world,)))
-    return Parallel(ctx, dist.get_rank() // sp, world // sp, mesh)
-
-
-def load_rows(config: Config, tokenizer):
-    """Rank 0 builds (or reuses) the cache first; the others then read it."""
-    if dist.get_rank() == 0:
-        prepared = prepare(config, tokenizer, progress=True)
-    dist.barrier()
-    if dist.get_rank() != 0:
-        prepared = prepare(config, tokenizer, progress=False)
-    return prepared.train, prepared.eval
 
 
 def rows_per_step(config: Config, dp_size: int) -> int:
@@ -154,52 +96,6 @@ def total_steps(config: Config, num_rows: int, dp_size: int) -> tuple[int, int]:
     if config.max_steps is not None:
         return steps_per_epoch, config.max_steps
     return steps_per_epoch, max(1, math.ceil(config.num_epochs * steps_per_epoch))
-
-
-def step_row_indices(
-    step: int, steps_per_epoch: int, per_step: int, num_rows: int, seed: int
-) -> list[int]:
-    """Global row indices of one optimizer step: a seeded shuffle per epoch, then a slice.
-
-    The set of rows in a step depends only on the step, never on how it is split across DP
-    ranks and accumulation, so runs with different parallel layouts see the same data.
-    """
-    epoch, offset = divmod(step, steps_per_epoch)
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
-    return order[offset * per_step : (offset + 1) * per_step].tolist()
-
-
-def collate(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Concatenate micro-batch rows into one row: every row boundary is a document boundary."""
-    def cat(key: str) -> torch.Tensor:
-        return torch.tensor([t for row in rows for t in row[key]], dtype=torch.long)
-
-    return cat("input_ids"), cat("position_ids"), cat("labels")
-
-
-def micro_batches(
-    rows, indices: list[int], dp_rank: int, config: Config, ctx: SPContext, pad_id: int, device
-) -> list[ShardedBatch]:
-    """This DP rank's micro-batches of one step, sharded for this SP rank."""
-    mbs, ga = config.micro_batch_size, config.gradient_accumulation_steps
-    mine = indices[dp_rank * mbs * ga : (dp_rank + 1) * mbs * ga]
-    batches = []
-    for i in range(ga):
-        input_ids, position_ids, labels = collate(rows.select(mine[i * mbs : (i + 1) * mbs]))
-        batches.append(to_device(shard_batch(input_ids, position_ids, labels, ctx, pad_id), device))
-    return batches
-
-
-def to_device(batch: ShardedBatch, device: torch.device) -> ShardedBatch:
-    if device.type == "cpu":
-        return batch
-    batch.sp_meta.cu_seqlens = batch.sp_meta.cu_seqlens.to(device)
-    return replace(
-        batch,
-        input_ids=batch.input_ids.to(device),
-        position_ids=batch.position_ids.to(device),
-        shift_labels=batch.shift_labels.to(device),
-    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -349,16 +245,16 @@ class NonFiniteError(Exception):
 
 
 @torch.no_grad()
-def evaluate_loss(decoder, lm_head, rows, dp_rank: int, dp_size: int, config: Config,
-                  ctx: SPContext, pad_id: int, device) -> float:
+def evaluate_loss(decoder, lm_head, rows, config: Config, where: RankContext) -> float:
     """Token-weighted eval loss over all ranks; every rank runs the same number of forwards."""
+    dp_rank, dp_size, device = where.dp_rank, where.dp_size, where.device
     per_rank = math.ceil(len(rows) / dp_size)
     loss_sum, count = 0.0, 0
     for i in range(per_rank):
         index = dp_rank + i * dp_size
         real = index < len(rows)
         row = collate(rows.select([index if real else 0]))
-        batch = to_device(shard_batch(*row, ctx, pad_id), device)
+        batch = to_device(shard_batch(*row, where.sp_ctx, where.pad_id), device)
         if not real:  # keep collectives in step, contribute nothing
             batch.shift_labels.fill_(IGNORE_INDEX)
         loss_sum += forward_loss_sum(decoder, lm_head, batch, config).item()
@@ -425,7 +321,7 @@ def train(config: Config) -> None:
     device = init_distributed(config)
     rank, world = dist.get_rank(), dist.get_world_size()
     parallel = init_parallel(config, device)
-    ctx, dp_rank, dp_size = parallel.sp_ctx, parallel.dp_rank, parallel.dp_size
+    dp_size = parallel.dp_size
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     output_dir = Path(config.output_dir)
@@ -437,7 +333,7 @@ def train(config: Config) -> None:
         print(f"fidelity probe: {probe}", flush=True)
 
     tokenizer = load_tokenizer(config)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    where = rank_context(parallel, tokenizer_pad_id(tokenizer), device)
     # pretraining_dataset: rows come from a stream packed on the fly, not from the cache.
     stream = PackedStream(config, tokenizer) if config.pretraining_dataset else None
     train_rows, eval_rows = (None, None) if stream else load_rows(config, tokenizer)
@@ -490,7 +386,7 @@ def train(config: Config) -> None:
             rows = train_rows
             indices = step_row_indices(step, steps_per_epoch, per_step, len(train_rows),
                                        config.seed)
-        batches = micro_batches(rows, indices, dp_rank, config, ctx, pad_id, device)
+        batches = micro_batches(rows, indices, config, where)
         lr = optimizer.param_groups[0]["lr"]
         started = time.perf_counter()
         try:
@@ -526,7 +422,7 @@ def train(config: Config) -> None:
         stop = None
         if eval_every and eval_rows is not None and (step + 1) % eval_every == 0:
             record["eval_loss"] = evaluate_loss(
-                decoder, lm_head, eval_rows, dp_rank, dp_size, config, ctx, pad_id, device
+                decoder, lm_head, eval_rows, config, where
             )
             if is_plateau(config):
                 scheduler.step(record["eval_loss"])

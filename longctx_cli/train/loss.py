@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-IGNORE_INDEX = -100
+from longctx_cli.constants import IGNORE_INDEX
 
 
 def _ce_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    # `head` is the model's head (train/head.py: lm_head + the family's logit transform).
+    # `head` is the model's head (runtime/head.py: lm_head + the family's logit transform).
     logits = head(hidden).float()
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 

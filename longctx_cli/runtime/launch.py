@@ -1,9 +1,7 @@
-"""`longctx train`: validate, then run torchrun with ourselves as the entry point.
-
-Outside a torchrun environment the command checks the config and plan, makes sure the
-output directory may be written, builds the data cache once, and starts
-`python -m torch.distributed.run ... -m longctx_cli train CONFIG`. Inside one (RANK and
-WORLD_SIZE set: our own launch, a user's torchrun or a SLURM script) it trains directly.
+"""The torchrun launch train and eval share: run `python -m torch.distributed.run ... -m
+longctx_cli COMMAND CONFIG` with this module as torchrun's wrapper (one-line failure
+summaries), and inside a rank turn a UserError into a clean exit. Inside torchrun (RANK and
+WORLD_SIZE set: our own launch, a user's torchrun or a SLURM script) a command runs directly.
 """
 
 from __future__ import annotations
@@ -12,7 +10,6 @@ import contextlib
 import errno
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,12 +17,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from longctx_cli.config import Config, load_config
-from longctx_cli.config.plan import build_plan, read_model_config, resolve_world_size
 from longctx_cli.errors import UserError
 
-# Things a finished or running job leaves in output_dir; their presence means "another run".
-RUN_ARTIFACTS = ("metrics.jsonl", "final")
 # Set for the ranks we launch: they hand a UserError to us instead of each printing it.
 LAUNCHED_ENV = "LONGCTX_LAUNCHED"
 # A full, over-quota or read-only disk: the user's to fix, never a reason for a traceback.
@@ -34,33 +27,6 @@ DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS})
 
 def in_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def previous_run_artifacts(output_dir: Path) -> list[Path]:
-    if not output_dir.is_dir():
-        return []
-    found = [output_dir / name for name in RUN_ARTIFACTS if (output_dir / name).exists()]
-    found += sorted(output_dir.glob("checkpoint-*"))
-    return found
-
-
-def check_output_dir(config: Config, overwrite: bool) -> None:
-    """Refuse to train over another run's results unless told to resume or overwrite."""
-    output_dir = Path(config.output_dir)
-    found = previous_run_artifacts(output_dir)
-    if not found or config.resume_from_checkpoint is not None:
-        return
-    if overwrite:
-        for path in found:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-        return
-    names = ", ".join(p.name for p in found[:4]) + (" ..." if len(found) > 4 else "")
-    raise UserError(
-        f"output_dir {str(output_dir)!r} already holds another run's results ({names}).",
-        where="output_dir",
-        fix="set `resume_from_checkpoint: auto` to continue it, pass --overwrite to replace it, "
-        "or choose a new `output_dir`.",
-    )
 
 
 def torchrun_args(
@@ -86,43 +52,6 @@ def torchrun_args(
     ]
 
 
-def run_train(
-    config_path: Path,
-    nproc_per_node: int | None,
-    nnodes: int,
-    node_rank: int,
-    rdzv_endpoint: str | None,
-    overwrite: bool,
-    overrides: list[str] | None = None,
-) -> int:
-    """Entry of `longctx train`; returns the process exit code. `overrides` are `--key value`
-    arguments after the config; every rank receives them too."""
-    overrides = list(overrides or [])
-    config = load_config(config_path, overrides)
-    if in_torchrun():
-        from longctx_cli.train.loop import train
-
-        with rank_errors():
-            train(config)
-        return 0
-
-    world_size = resolve_world_size(config, nproc_per_node, nnodes)
-    build_plan(config, world_size, read_model_config(config))
-    from longctx_cli.preflight import preflight
-
-    preflight(config)
-    check_output_dir(config, overwrite)
-    if node_rank == 0 and not config.pretraining_dataset:  # streamed data has no cache
-        # Build (or reuse) the data cache once here, with progress bars, before any rank starts.
-        from longctx_cli.data.prepare import prepare
-
-        prepare(config)
-    return launch_torchrun(
-        ["train", str(config_path), *overrides],
-        world_size, nproc_per_node, nnodes, node_rank, rdzv_endpoint,
-    )
-
-
 def launch_torchrun(
     command_args: list[str],
     world_size: int,
@@ -137,7 +66,7 @@ def launch_torchrun(
     command = [
         sys.executable,
         "-m",
-        "longctx_cli.train.launch",  # torchrun itself, with a one-line summary on failure
+        "longctx_cli.runtime.launch",  # torchrun itself, with a one-line summary on failure
         *torchrun_args(per_node, nnodes, node_rank, rdzv_endpoint),
         "-m",
         "longctx_cli",

@@ -12,8 +12,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from longctx_cli.config import Config
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
-from longctx_cli.train.head import model_head
-from longctx_cli.train.memory import apply_tiled_mlp
+from longctx_cli.runtime.head import model_head
+from longctx_cli.runtime.memory import apply_tiled_mlp
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ def build_model(config: Config, fsdp_mesh=None, tp=None) -> nn.Module:
 def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The decoder stack (returns hidden states) and the head of a (peft-wrapped) model.
 
-    The head is `lm_head` plus the family's logit transform (`train/head.py`): every loss
+    The head is `lm_head` plus the family's logit transform (`runtime/head.py`): every loss
     and score computed from hidden states goes through it, so none skips the transform.
     """
     base = unwrap(model)

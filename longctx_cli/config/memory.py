@@ -1,0 +1,314 @@
+"""The rough per-rank memory estimate `validate` prints and the fit search uses.
+
+Nothing here imports `torch.distributed`; torch is imported only inside functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from longctx_cli.config import tp_rules
+from longctx_cli.config.model_shape import DTYPE_BYTES, LINEAR_MODULES, LORA_BYTES, ModelShape
+from longctx_cli.config.schema import Config
+from longctx_cli.kernel_choice import TILE
+
+if TYPE_CHECKING:
+    pass
+
+# ---- memory estimate --------------------------------------------------------------------
+#
+# Calibrated against benchmarks/train_step.py (CPU, fp32, peak resident set per rank over a
+# full step with AdamW's moments already allocated); docs/memory.md has the measurements.
+# The peak of a step is the static state (weights, gradients, optimizer moments, SP buffers)
+# plus what is saved for backward (`activations`) plus the larger of two working sets that
+# never coexist: the logits + loss of the shard (computed after the decoder, freed before
+# its backward) and, under gradient checkpointing, the one layer recomputed in backward.
+
+# Saved activations per token of one decoder layer, in elements of the compute dtype:
+# 2 RMSNorm in/out pairs (4*hidden; the MLP's input is the second norm's output); q
+# (projection, after RoPE, attention output) 3*q_dim; k and v (projections, k after RoPE)
+# ~3*kv_dim; SwiGLU gate, silu(gate), up and their product 4*intermediate.
+# Attention never stores T x T scores (flash / LSE-based kernels), so nothing grows with T^2.
+NORM_FACTOR = 4
+Q_FACTOR = 3
+KV_FACTOR = 3
+MLP_FACTOR = 4
+# Logits bytes per token per vocab entry: the logits in the compute dtype, their float32 copy
+# for cross-entropy (the log-softmax kept for backward), and the float32 gradient in backward.
+LOGITS_FP32_COPIES = 2
+# Ring buffers: gathered K and V, double-buffered (4 tensors), plus dK and dV partials
+# before the reduce-scatter in backward (2 tensors).
+RING_KV_TENSORS = 6
+# The tiled matmul path (kernel `torch` on CUDA; any softcapped layer, which no flash op
+# computes) holds float32 score tiles [heads of one call, TILE, TILE] at a time: scores,
+# tanh, probabilities, dP and dS in backward. Flash kernels hold no score tiles.
+SCORE_TILE_TENSORS = 5
+# P2P ring (batch_*), per rank, all KV heads of the rank's own token count: the K/V block at
+# hand and the one in flight (4 tensors) and, in backward, this block's dK/dV (2 tensors),
+# the dK/dV accumulator being sent and the one arriving (4 float32 tensors) and the float32
+# dq accumulator.
+P2P_KV_TENSORS = 6
+P2P_ACC_FP32_TENSORS = 4
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank at peak, by part, so each part can be calibrated on its own.
+
+    `total` is not the plain sum: `logits` and `recompute` are working sets of different
+    moments of the step, and only the larger of them counts.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    logits: int
+    attention_buffers: int
+    total_params: int
+    trainable_params: int
+    recompute: int = 0
+    score_tiles: int = 0
+
+    @property
+    def total(self) -> int:
+        return (
+            self.parameters + self.gradients + self.optimizer + self.activations
+            + self.attention_buffers + self.score_tiles + max(self.logits, self.recompute)
+        )
+
+    def parts(self) -> list[tuple[str, int]]:
+        return [
+            ("parameters", self.parameters),
+            ("gradients", self.gradients),
+            ("optimizer state", self.optimizer),
+            ("activations (saved)", self.activations),
+            ("logits + loss", self.logits),
+            ("layer recomputed in backward", self.recompute),
+            ("SP attention buffers", self.attention_buffers),
+            ("attention score tiles", self.score_tiles),
+        ]
+
+
+def lora_parameter_count(config: Config, shape: ModelShape) -> tuple[int, list[str]]:
+    """LoRA weights (A: r x in, B: out x r per adapted linear layer) and unmatched names."""
+    targets = config.lora_target_modules
+    names = list(LINEAR_MODULES) if targets == "all-linear" else (
+        [targets] if isinstance(targets, str) else list(targets)
+    )
+    shapes = shape.linear_shapes()
+    count = sum(config.lora_r * sum(shapes[n]) for n in names if n in shapes)
+    return count * shape.num_hidden_layers, [n for n in names if n not in shapes]
+
+
+def layer_activation_elements(config: Config, shape: ModelShape) -> int:
+    """Elements saved per token by one decoder layer (see the factors above).
+
+    A tiled MLP saves only its input, already counted as the second norm's output.
+    """
+    h = shape.hidden_size
+    attention = NORM_FACTOR * h + Q_FACTOR * shape.q_dim + KV_FACTOR * shape.kv_dim
+    return attention + (0 if config.tiled_mlp else MLP_FACTOR * shape.intermediate_size)
+
+
+def _mlp_tile_bytes(config: Config, shape: ModelShape, local_tokens: int) -> int:
+    """One MLP tile's intermediates, live while that tile is recomputed in backward."""
+    if not config.tiled_mlp:
+        return 0
+    tiles = config.tiled_mlp_tiles or -(-local_tokens // shape.hidden_size)
+    tile_tokens = -(-local_tokens // max(1, min(tiles, local_tokens)))
+    return MLP_FACTOR * shape.intermediate_size * tile_tokens * DTYPE_BYTES[config.dtype]
+
+
+def _activation_bytes(
+    config: Config, shape: ModelShape, local_tokens: int, offload_frees_device: bool
+) -> tuple[int, int]:
+    """(bytes saved for backward over the whole step, working set of one layer in backward)."""
+    b = DTYPE_BYTES[config.dtype]
+    layer = layer_activation_elements(config, shape) * local_tokens * b
+    tile = _mlp_tile_bytes(config, shape, local_tokens)
+    offloaded = config.activation_offloading and offload_frees_device
+    if config.gradient_checkpointing:
+        # Each layer keeps only its input [tokens, hidden] (in host memory when offloaded).
+        kept = 0 if offloaded else shape.num_hidden_layers * shape.hidden_size * local_tokens * b
+        return kept, layer + tile
+    if offloaded:
+        return 0, layer + tile  # saved tensors live in host memory; one layer's come back
+    return shape.num_hidden_layers * layer, tile
+
+
+def _logits_bytes(config: Config, shape: ModelShape, local_tokens: int) -> int:
+    tokens = min(local_tokens, config.loss_chunk_size) if config.chunked_loss else local_tokens
+    return tokens * shape.vocab_size * (DTYPE_BYTES[config.dtype] + 4 * LOGITS_FP32_COPIES)
+
+
+def ring_buffer_bytes(
+    ring_attn_func: str,
+    shape: ModelShape,
+    dtype_bytes: int,
+    ring_tokens: int,
+    ring: int,
+    ulysses: int = 1,
+    heads_k_stride: int = 1,
+) -> int:
+    """Per-rank buffers of one ring of `ring` ranks, each holding `ring_tokens` tokens.
+
+    llama3 holds the gathered sequence (of `heads_k_stride` KV heads); a P2P ring two
+    blocks of its own size (all the KV heads it holds) and float32 gradient accumulators.
+    """
+    if ring == 1:
+        return 0
+    kv = max(1, shape.num_key_value_heads // ulysses)
+    d = shape.head_dim
+    if ring_attn_func == "varlen_llama3":
+        stride = min(heads_k_stride, kv)
+        return RING_KV_TENSORS * stride * d * ring_tokens * ring * dtype_bytes
+    q_heads = shape.num_attention_heads // ulysses
+    kv_bytes = P2P_KV_TENSORS * kv * d * ring_tokens * dtype_bytes
+    return kv_bytes + (P2P_ACC_FP32_TENSORS * kv + q_heads) * d * ring_tokens * 4
+
+
+def _attention_buffer_bytes(
+    config: Config, shape: ModelShape, sp: int, ulysses: int, local_tokens: int,
+    ring_attn_func: str | None = None,
+) -> int:
+    if sp == 1:
+        return 0
+    b = DTYPE_BYTES[config.dtype]
+    total = 0
+    if ulysses > 1:
+        # All-to-all outputs: q, k, v in and the attention output back; KV heads are
+        # replicated up to `ulysses` when there are fewer of them.
+        kv_eff = max(shape.num_key_value_heads, ulysses)
+        total += local_tokens * shape.head_dim * (2 * shape.num_attention_heads + 2 * kv_eff) * b
+    # After the all-to-all a ring rank holds the Ulysses group's tokens for 1/ulysses heads.
+    total += ring_buffer_bytes(
+        ring_attn_func or config.ring_attn_func, shape, b, local_tokens * ulysses,
+        sp // ulysses, ulysses, config.heads_k_stride,
+    )
+    return total
+
+
+def _score_tile_bytes(
+    config: Config, shape: ModelShape, sp: int, ulysses: int, local_tokens: int
+) -> int:
+    """Live score tiles of the tiled matmul path (see SCORE_TILE_TENSORS)."""
+    hq, hkv = shape.num_attention_heads, shape.num_key_value_heads
+    if config.sequence_parallel_mode != "ulysses":  # ring (also at sp 1) and hybrid's ring:
+        # one call per head group of heads_k_stride KV heads
+        kv_here = max(1, hkv // ulysses)
+        heads = min(config.heads_k_stride, kv_here) * max(1, hq // hkv)
+    else:  # the whole row for the heads this rank holds
+        heads = max(1, hq // ulysses)
+    rows = min(TILE, local_tokens * ulysses)
+    keys = min(TILE, local_tokens * sp)
+    return SCORE_TILE_TENSORS * heads * rows * keys * 4
+
+
+def tiled_scores_run(kernel: str, cuda: bool, shape: ModelShape, p2p_ring: bool = False) -> bool:
+    """Does the kernel that runs take the tiled matmul path (whose tiles the estimate adds)?
+
+    `torch` on CUDA always; on CPU, and under `torch_flash`, only for softcapped layers. A P2P
+    ring (`batch_*` across more than one rank) computes its blocks with the torch kernel's
+    block functions, so on CUDA under `torch_flash` it takes the tiled path too.
+    """
+    capped = attention_softcap(shape) is not None
+    return (kernel == "torch" and (cuda or capped)) or (
+        kernel == "torch_flash" and (capped or (cuda and p2p_ring)))
+
+
+def attention_softcap(shape: ModelShape) -> float | None:
+    """The model's attention logit softcap (Gemma 2 style), if its config has one."""
+    hf = shape.hf_config
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    cap = getattr(text, "attn_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def estimate_memory(
+    config: Config,
+    shape: ModelShape,
+    world_size: int,
+    sp: int,
+    ulysses: int,
+    *,
+    host_is_device: bool = False,
+    tiled_scores: bool = False,
+) -> tuple[MemoryEstimate, list[str]]:
+    """Per-rank peak bytes by part (see the factors above), and notes about the estimate.
+
+    `host_is_device`: the run computes in host memory (CPU), so offloading frees nothing.
+    `tiled_scores`: attention takes the tiled matmul path (`tiled_scores_run`).
+    """
+    notes: list[str] = []
+    b = DTYPE_BYTES[config.dtype]
+    full_params = shape.parameter_count()
+    full_trainable = (lora_parameter_count(config, shape)[0] if config.adapter == "lora"
+                      else full_params)
+    tp = config.tensor_parallel_size
+    # TP: weights, projections, attention heads and logits columns are 1/tp per rank.
+    shape = tp_rules.tp_local_shape(shape, tp)
+    base = shape.parameter_count()
+    local_tokens = config.micro_batch_size * config.sequence_len // sp
+    if config.adapter is not None:
+        trainable, unmatched = lora_parameter_count(config, shape)
+        if unmatched:
+            notes.append(
+                f"lora_target_modules {unmatched} are not Llama-style linear names; "
+                "they are left out of the estimate."
+            )
+        param_bytes, train_bytes = base * b + trainable * LORA_BYTES, LORA_BYTES
+        if config.load_in_4bit or config.load_in_8bit:
+            # bitsandbytes stores the decoder's linear weights in 4 or 8 bits (plus ~3% of
+            # block scales); embeddings, norms and lm_head keep the dtype.
+            linear = shape.num_hidden_layers * sum(a * o for a, o in shape.linear_shapes().values())
+            quant = 0.53 if config.load_in_4bit else 1.03
+            param_bytes -= linear * b - int(linear * quant)
+    elif config.dtype == "float16":
+        # fp16 full fine-tuning keeps float32 master weights (train/precision.py); autocast
+        # holds an fp16 copy of each weight it casts during the forward.
+        trainable, param_bytes, train_bytes = base, base * (4 + b), 4
+        notes.append("float16: float32 master weights, fp16 autocast copies, loss scaling.")
+    else:
+        trainable, param_bytes, train_bytes = base, base * b, b
+    if config.activation_offloading and host_is_device:
+        notes.append("activation_offloading frees nothing on a CPU run: host memory is the "
+                     "memory the run computes in.")
+    # FSDP2 shards weights, grads and state over the ranks holding the same TP shard.
+    shard = world_size // tp if config.fsdp else 1
+    # FSDP2 all-gathers one layer at a time and prefetches the next: two full layers live.
+    gathered = 2 * (base // max(1, shape.num_hidden_layers)) * b if config.fsdp else 0
+    moments = 0 if config.optimizer == "sgd" else 2  # AdamW: exp_avg and exp_avg_sq
+    if config.optimizer.startswith("lion") or config.optimizer.startswith("paged_lion"):
+        moments = 1
+    state_scale = _optimizer_state_scale(config.optimizer, train_bytes)
+    saved, recompute = _activation_bytes(config, shape, local_tokens, not host_is_device)
+    if tp > 1 and config.gradient_checkpointing:
+        saved //= tp  # the layer inputs kept are the residual stream: 1/tp of the tokens
+    estimate = MemoryEstimate(
+        parameters=param_bytes // shard + gathered,
+        gradients=trainable * train_bytes // shard,
+        optimizer=int(moments * trainable * train_bytes * state_scale) // shard,
+        activations=saved,
+        logits=_logits_bytes(config, shape, local_tokens),
+        attention_buffers=_attention_buffer_bytes(config, shape, sp, ulysses, local_tokens),
+        total_params=full_params + (full_trainable if config.adapter is not None else 0),
+        trainable_params=full_trainable,
+        recompute=recompute,
+        score_tiles=(
+            _score_tile_bytes(config, shape, sp, ulysses, local_tokens) if tiled_scores else 0
+        ),
+    )
+    return estimate, notes
+
+
+def _optimizer_state_scale(optimizer: str, train_bytes: int) -> float:
+    """Bytes of one optimizer moment relative to one trainable weight's bytes."""
+    if optimizer.endswith("4bit"):
+        return 0.5 / train_bytes
+    if optimizer.endswith("8bit") or optimizer.endswith("fp8"):
+        return 1.0 / train_bytes
+    if optimizer.endswith("32bit") or optimizer == "paged_adamw":
+        return 4.0 / train_bytes
+    return 1.0

@@ -1,0 +1,299 @@
+"""The model's shape: read from a plain dict, a local config.json, the hub, or the
+known-models table (with a probe of whether the hub answers).
+
+Nothing here imports `torch.distributed`; torch is imported only inside functions.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+from longctx_cli.config import known_models
+from longctx_cli.config.schema import Config
+from longctx_cli.errors import UserError
+
+if TYPE_CHECKING:
+    pass
+
+GIB = 1024**3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# peft keeps LoRA weights in float32 even on a bf16/fp16 base (autocast_adapter_dtype).
+LORA_BYTES = 4
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# ---- model shape ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The few numbers of a decoder-only model that the plan and its rules need."""
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int | None = None
+    source: str = "model config"
+    # The transformers config it was read from, for the fidelity probe (None when unknown).
+    hf_config: Any = field(default=None, repr=False, compare=False)
+    # The plain dict it was read from without transformers (see `_plain_shape`), if so.
+    plain_fields: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+
+    def transformers_config(self) -> Any:
+        """The transformers config of this model (built from the plain dict on first need:
+        validate prints the plan before paying for the import), or None when unknown."""
+        if self.hf_config is None and self.plain_fields is not None:
+            from transformers import AutoConfig
+
+            fields = dict(self.plain_fields)
+            return AutoConfig.for_model(fields.pop("model_type"), **fields)
+        return self.hf_config
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any, source: str = "model config") -> ModelShape:
+        """Read the shape from a transformers `PretrainedConfig` (its text part if multimodal)."""
+        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        heads = getattr(text, "num_attention_heads", None)
+        hidden = getattr(text, "hidden_size", None)
+        if not heads or not hidden:
+            raise UserError(
+                f"cannot read `num_attention_heads`/`hidden_size` from the {source}.",
+                fix="use a decoder-only causal LM (Llama, Qwen2, Mistral, ...).",
+            )
+        intermediate = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None)
+        return cls(
+            model_type=str(getattr(text, "model_type", "") or "unknown"),
+            hidden_size=int(hidden),
+            intermediate_size=int(intermediate or 4 * hidden),
+            num_hidden_layers=int(getattr(text, "num_hidden_layers", 1)),
+            num_attention_heads=int(heads),
+            num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
+            vocab_size=int(getattr(text, "vocab_size", 0) or 0),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            max_position_embeddings=getattr(text, "max_position_embeddings", None),
+            source=source,
+            hf_config=hf_config,
+        )
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear layer of one decoder layer (Llama naming)."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (h, self.q_dim),
+            "k_proj": (h, self.kv_dim),
+            "v_proj": (h, self.kv_dim),
+            "o_proj": (self.q_dim, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    def parameter_count(self) -> int:
+        """Weights of embeddings, decoder layers, norms and lm_head (biases ignored, <0.1%)."""
+        per_layer = sum(a * b for a, b in self.linear_shapes().values()) + 2 * self.hidden_size
+        embeddings = self.vocab_size * self.hidden_size
+        lm_head = 0 if self.tie_word_embeddings else embeddings
+        return embeddings + lm_head + self.num_hidden_layers * per_layer + self.hidden_size
+
+
+# ---- reading the model config -----------------------------------------------------------
+
+
+# Shape fields that `_plain_shape` reads itself, for families whose defaults for them are
+# the ones below (tests/test_quickstart.py checks it against transformers for every such dict).
+# Why: `transformers.AutoConfig` imports torch (1-2 s), too slow for `validate`.
+_PLAIN_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")
+_PLAIN_FLOATS = ("rope_theta", "initializer_range", "rms_norm_eps")
+# transformers' defaults of the plain families (None: as many KV heads as heads); checked
+# against transformers by tests/test_quickstart.py.
+_PLAIN_DEFAULTS: dict[str, dict[str, int | None]] = {
+    "llama": {"max_position_embeddings": 2048, "num_key_value_heads": None},
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
+    "mistral": {"max_position_embeddings": 131072, "num_key_value_heads": 8},
+}
+_PLAIN_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads", "vocab_size")
+
+
+def _plain_shape(fields: dict[str, Any], source: str) -> ModelShape | None:
+    """The shape of a plain dict of a plain family without transformers, or None when the
+    dict holds anything else (then transformers reads and validates it)."""
+    model_type = fields.get("model_type")
+    defaults = _PLAIN_DEFAULTS.get(model_type) if isinstance(model_type, str) else None
+    if defaults is None:
+        return None
+    if not set(_PLAIN_REQUIRED) <= fields.keys():
+        return None
+    for key, value in fields.items():
+        if key == "model_type":
+            continue
+        if key in _PLAIN_INTS:
+            if type(value) is not int or value <= 0:
+                return None
+        elif key in _PLAIN_FLOATS:
+            if type(value) not in (int, float):
+                return None
+        elif key != "tie_word_embeddings" or type(value) is not bool:
+            return None
+    hidden, heads = fields["hidden_size"], fields["num_attention_heads"]
+    if "head_dim" not in fields and hidden % heads:
+        return None  # transformers decides what this means
+    return ModelShape(
+        model_type=fields["model_type"],
+        hidden_size=hidden,
+        intermediate_size=fields["intermediate_size"],
+        num_hidden_layers=fields["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=fields.get("num_key_value_heads", defaults["num_key_value_heads"])
+        or heads,
+        head_dim=fields.get("head_dim", hidden // heads),
+        vocab_size=fields["vocab_size"],
+        tie_word_embeddings=fields.get("tie_word_embeddings", False),
+        max_position_embeddings=fields.get(
+            "max_position_embeddings", defaults["max_position_embeddings"]
+        ),
+        source=source,
+        plain_fields=dict(fields),
+    )
+
+
+
+def _build_from_dict(fields: dict[str, Any], key: str) -> Any:
+    from transformers import AutoConfig
+
+    fields = dict(fields)
+    model_type = fields.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except ValueError as e:
+        if "Unrecognized model identifier" in str(e):
+            raise UserError(
+                f"`{key}.model_type` = {model_type!r} is not a model type transformers knows.",
+                fix="use e.g. `llama`, `qwen2` or `mistral`.",
+            ) from None
+        raise UserError(f"`{key}` is invalid: {e}", fix=f"correct `{key}`.") from None
+    except Exception as e:  # transformers' strict config fields raise their own error types
+        first = str(e).strip().splitlines()
+        raise UserError(
+            f"`{key}` is invalid: {' '.join(line.strip() for line in first)}",
+            fix=f"correct the field in `{key}`.",
+        ) from None
+
+
+def _in_hub_cache(model_id: str) -> bool:
+    """Whether the local Hugging Face cache holds this id's config.json (no transformers)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model_id, "config.json")
+    except Exception:  # an id the hub client rejects: let transformers say why
+        return True
+    return isinstance(found, str)
+
+
+def _hub_reachable(timeout_s: float = 2.0) -> bool:
+    """A cheap TCP probe so an offline machine does not wait through the hub's retries."""
+    if any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
+           for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return False
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True  # a proxy may reach what a direct connection cannot; let the hub client try
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        socket.create_connection((endpoint.hostname or "huggingface.co", port), timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
+def _from_table(model_id: str, reason: str) -> ModelShape | None:
+    fields = known_models.lookup(model_id)
+    if fields is None:
+        return None
+    source = f"{model_id} (built-in table; {reason})"
+    shape = _plain_shape(fields, source)
+    if shape is not None:
+        return shape
+    hf = _build_from_dict(fields, "base_model")
+    return ModelShape.from_hf_config(hf, source=source)
+
+
+def read_model_config(config: Config) -> ModelShape:
+    """The model's shape: from `model_config`, a local path, the local cache, the hub, or,
+    for a few well-known ids when the hub cannot be used, from `known_models`."""
+    if config.model_config_dict is not None:
+        shape = _plain_shape(config.model_config_dict, "inline `model_config`")
+        if shape is not None:
+            return shape
+        hf = _build_from_dict(config.model_config_dict, "model_config")
+        return ModelShape.from_hf_config(hf, source="inline `model_config`")
+    model_id = str(config.base_model_config or config.base_model)
+    trust = config.trust_remote_code
+    local = Path(model_id).expanduser()
+    if not local.exists() and not _in_hub_cache(model_id) and not _hub_reachable():
+        # Offline and not cached: the built-in table answers without importing transformers.
+        shape = _from_table(model_id, "the hub is unreachable")
+        if shape is not None:
+            return shape
+    from transformers import AutoConfig
+
+    if local.exists():
+        try:
+            hf = AutoConfig.from_pretrained(str(local), trust_remote_code=trust)
+        except (OSError, ValueError) as e:
+            raise UserError(
+                f"`base_model` = {model_id!r} is a local path but its config cannot be read: "
+                f"{str(e).splitlines()[0]}",
+                fix="point `base_model` at a folder with a config.json.",
+            ) from None
+        return ModelShape.from_hf_config(hf, source=f"local path {model_id}")
+    try:
+        hf = AutoConfig.from_pretrained(model_id, trust_remote_code=trust, local_files_only=True)
+        return ModelShape.from_hf_config(hf, source=f"{model_id} (local cache)")
+    except (OSError, ValueError):
+        pass  # not cached: ask the hub below
+    if not _hub_reachable():
+        shape = _from_table(model_id, "the hub is unreachable")
+        if shape is not None:
+            return shape
+        raise _unreadable(model_id, "the Hugging Face hub is unreachable and it is not cached")
+    try:
+        hf = AutoConfig.from_pretrained(model_id, trust_remote_code=trust)
+    except (OSError, ValueError) as e:
+        shape = _from_table(model_id, "the hub refused the download")
+        if shape is not None:
+            return shape
+        raise _unreadable(model_id, str(e).splitlines()[0]) from None
+    return ModelShape.from_hf_config(hf, source=f"{model_id} (hub)")
+
+
+def _unreadable(model_id: str, why: str) -> UserError:
+    known = ", ".join(sorted({k for k in known_models.KNOWN_MODELS if "instruct" not in k}))
+    return UserError(
+        f"cannot read the config of `base_model` = {model_id!r}: {why}.",
+        fix="check the id, connect to the hub (or log in for gated models), point `base_model` "
+        "at a local folder, or describe the model inline with `model_config`. Ids with a "
+        f"built-in shape that work offline: {known}.",
+    )

@@ -1,0 +1,60 @@
+"""Rows -> the micro-batches one rank runs: the step's row order, collation, sharding."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from longctx_cli.config import Config
+from longctx_cli.parallel.sharding import ShardedBatch, shard_batch
+from longctx_cli.runtime.distributed import RankContext
+
+
+def step_row_indices(
+    step: int, steps_per_epoch: int, per_step: int, num_rows: int, seed: int
+) -> list[int]:
+    """Global row indices of one optimizer step: a seeded shuffle per epoch, then a slice.
+
+    The set of rows in a step depends only on the step, never on how it is split across DP
+    ranks and accumulation, so runs with different parallel layouts see the same data.
+    """
+    epoch, offset = divmod(step, steps_per_epoch)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
+    return order[offset * per_step : (offset + 1) * per_step].tolist()
+
+
+def collate(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Concatenate micro-batch rows into one row: every row boundary is a document boundary."""
+    def cat(key: str) -> torch.Tensor:
+        return torch.tensor([t for row in rows for t in row[key]], dtype=torch.long)
+
+    return cat("input_ids"), cat("position_ids"), cat("labels")
+
+
+def micro_batches(rows, indices: list[int], config: Config, rank: RankContext
+                  ) -> list[ShardedBatch]:
+    """This DP rank's micro-batches of one step, sharded for this SP rank."""
+    mbs, ga = config.micro_batch_size, config.gradient_accumulation_steps
+    mine = indices[rank.dp_rank * mbs * ga : (rank.dp_rank + 1) * mbs * ga]
+    batches = []
+    for i in range(ga):
+        input_ids, position_ids, labels = collate(rows.select(mine[i * mbs : (i + 1) * mbs]))
+        sharded = shard_batch(input_ids, position_ids, labels, rank.sp_ctx, rank.pad_id)
+        batches.append(to_device(sharded, rank.device))
+    return batches
+
+
+def to_device(batch: ShardedBatch, device: torch.device) -> ShardedBatch:
+    """A copy of `batch` on `device`; the input batch (and its meta) is left as it was."""
+    if device.type == "cpu":
+        return batch
+    # The meta's cache dict is shared, not copied: nothing has filled it yet.
+    meta = replace(batch.sp_meta, cu_seqlens=batch.sp_meta.cu_seqlens.to(device))
+    return replace(
+        batch,
+        input_ids=batch.input_ids.to(device),
+        position_ids=batch.position_ids.to(device),
+        shift_labels=batch.shift_labels.to(device),
+        sp_meta=meta,
+    )

@@ -1,0 +1,80 @@
+"""`longctx train` on the launcher: validate, preflight, build the data cache, then start the
+ranks through the shared torchrun launch; inside a rank, run the loop."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from longctx_cli.config import Config, load_config
+from longctx_cli.config.model_shape import read_model_config
+from longctx_cli.config.plan import build_plan
+from longctx_cli.config.world import resolve_world_size
+from longctx_cli.errors import UserError
+from longctx_cli.runtime.launch import in_torchrun, launch_torchrun, rank_errors
+
+# Things a finished or running job leaves in output_dir; their presence means "another run".
+RUN_ARTIFACTS = ("metrics.jsonl", "final")
+
+def previous_run_artifacts(output_dir: Path) -> list[Path]:
+    if not output_dir.is_dir():
+        return []
+    found = [output_dir / name for name in RUN_ARTIFACTS if (output_dir / name).exists()]
+    found += sorted(output_dir.glob("checkpoint-*"))
+    return found
+
+
+def check_output_dir(config: Config, overwrite: bool) -> None:
+    """Refuse to train over another run's results unless told to resume or overwrite."""
+    output_dir = Path(config.output_dir)
+    found = previous_run_artifacts(output_dir)
+    if not found or config.resume_from_checkpoint is not None:
+        return
+    if overwrite:
+        for path in found:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        return
+    names = ", ".join(p.name for p in found[:4]) + (" ..." if len(found) > 4 else "")
+    raise UserError(
+        f"output_dir {str(output_dir)!r} already holds another run's results ({names}).",
+        where="output_dir",
+        fix="set `resume_from_checkpoint: auto` to continue it, pass --overwrite to replace it, "
+        "or choose a new `output_dir`.",
+    )
+
+
+def run_train(
+    config_path: Path,
+    nproc_per_node: int | None,
+    nnodes: int,
+    node_rank: int,
+    rdzv_endpoint: str | None,
+    overwrite: bool,
+    overrides: list[str] | None = None,
+) -> int:
+    """Entry of `longctx train`; returns the process exit code. `overrides` are `--key value`
+    arguments after the config; every rank receives them too."""
+    overrides = list(overrides or [])
+    config = load_config(config_path, overrides)
+    if in_torchrun():
+        from longctx_cli.train.loop import train
+
+        with rank_errors():
+            train(config)
+        return 0
+
+    world_size = resolve_world_size(config, nproc_per_node, nnodes)
+    build_plan(config, world_size, read_model_config(config))
+    from longctx_cli.preflight import preflight
+
+    preflight(config)
+    check_output_dir(config, overwrite)
+    if node_rank == 0 and not config.pretraining_dataset:  # streamed data has no cache
+        # Build (or reuse) the data cache once here, with progress bars, before any rank starts.
+        from longctx_cli.data.prepare import prepare
+
+        prepare(config)
+    return launch_torchrun(
+        ["train", str(config_path), *overrides],
+        world_size, nproc_per_node, nnodes, node_rank, rdzv_endpoint,
+    )

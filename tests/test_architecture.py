@@ -1,0 +1,72 @@
+"""The import rules of docs/architecture.md, checked on every module's import statements
+(lazy imports inside functions included: they are dependencies all the same)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "longctx_cli"
+
+# Top-level modules every layer may use: they import nothing of longctx_cli but each other.
+LEAVES = {"constants", "durable", "errors", "kernel_choice"}
+LAYERS = {"config", "data", "parallel", "runtime", "train", "eval", "cli"}
+# What each part may import from longctx_cli (besides itself).
+ALLOWED = {
+    "__init__": set(),
+    "__main__": {"cli"},
+    "cli": LAYERS | LEAVES | {"hub", "integrity", "preflight"},
+    "train": {"runtime", "parallel", "data", "config", "integrity", "preflight"} | LEAVES,
+    "eval": {"runtime", "parallel", "data", "config", "integrity"} | LEAVES,
+    "runtime": {"parallel", "data", "config"} | LEAVES,
+    "parallel": {"constants", "errors", "kernel_choice"},
+    "data": {"config", "hub"} | LEAVES,
+    "config": {"constants", "errors", "kernel_choice"},
+    "hub": {"config", "errors"},
+    "preflight": {"config", "data", "errors"},
+    "integrity": LEAVES,
+    **{leaf: LEAVES for leaf in LEAVES},
+}
+NO_DISTRIBUTED = {"config", "data"}  # the launcher imports them before any process group
+
+
+def _part(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute names of every module `path` imports (relative imports resolved)."""
+    # A package's __init__ counts as one level down, so `from . import x` is its package.
+    module = ["longctx_cli", *path.relative_to(PACKAGE).with_suffix("").parts]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module[: len(module) - node.level]
+                found.add(".".join(base + ([node.module] if node.module else [])))
+            elif node.module:
+                found.add(node.module)
+    return found
+
+
+def test_import_rules():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        part = _part(path)
+        assert part in ALLOWED, f"{path}: a new part of the package; add it to the rules"
+        for name in _imports(path):
+            if name.startswith("longctx_cli."):
+                target = name.split(".")[1]
+                if target != part and target not in ALLOWED[part]:
+                    wrong.append(f"{path.relative_to(PACKAGE)} imports {name}")
+            if part in NO_DISTRIBUTED and name.startswith("torch.distributed"):
+                wrong.append(f"{path.relative_to(PACKAGE)} imports {name}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_eval_never_imports_train():
+    for path in (PACKAGE / "eval").rglob("*.py"):
+        assert not any(n.startswith("longctx_cli.train") for n in _imports(path)), path
