@@ -48,9 +48,10 @@ def ring_meta(meta: SPMeta, local_kv_heads: int) -> SPMeta:
 
     ``heads_k_stride`` is reduced to a divisor of the KV heads left on this rank.
     """
-    key = f"hybrid_ring_{local_kv_heads}"
-    if key in meta.cache:
-        return meta.cache[key]
+    return meta.derived(_new_ring_meta, local_kv_heads)
+
+
+def _new_ring_meta(meta: SPMeta, local_kv_heads: int) -> SPMeta:
     ctx = meta.ctx
     u = ctx.ulysses_degree
     ring_ctx = replace(
@@ -69,15 +70,13 @@ def ring_meta(meta: SPMeta, local_kv_heads: int) -> SPMeta:
     held = [(s, s + ex.piece_len) for s in ex.starts]
     if _merged(held) != _merged(list(ranges)):  # the layout argument in the module docstring
         raise AssertionError(f"Ulysses group holds {held}, the ring expects {ranges}")
-    derived = SPMeta(
+    return SPMeta(
         ctx=ring_ctx,
         cu_seqlens=meta.cu_seqlens,
         total_len=meta.total_len,
         local_ranges=ranges,
         segments=segments_for(meta.cu_seqlens.tolist(), ranges),
     )
-    meta.cache[key] = derived
-    return derived
 
 
 def _ring(

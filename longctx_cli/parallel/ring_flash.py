@@ -76,11 +76,14 @@ def _flash_params(
     meta: SPMeta, prepare: Callable[..., Any], device: torch.device
 ) -> tuple[Any, ...]:
     """This rank's cu_seqlens_q/k, max lengths and key slice; computed once per row."""
-    if "flash" not in meta.cache:
-        ctx = meta.ctx
-        cu = meta.cu_seqlens.to(device=device, dtype=torch.int32)  # the kernels read it there
-        meta.cache["flash"] = prepare(cu, True, ctx.sp_rank, ctx.sp_size)
-    return meta.cache["flash"]
+    return meta.derived(_new_flash_params, prepare, device)
+
+
+def _new_flash_params(
+    meta: SPMeta, prepare: Callable[..., Any], device: torch.device
+) -> tuple[Any, ...]:
+    cu = meta.cu_seqlens.to(device=device, dtype=torch.int32)  # the kernels read it there
+    return prepare(cu, True, meta.ctx.sp_rank, meta.ctx.sp_size)
 
 
 def flash_ring_attention(
@@ -140,10 +143,8 @@ def _flash_single(
     """sp == 1: no ring, plain flash-attn varlen over the row's documents."""
     from flash_attn import flash_attn_varlen_func
 
-    if "flash_single" not in meta.cache:  # once per row, not per layer (`int` syncs the GPU)
-        cu = meta.cu_seqlens.to(device=q.device, dtype=torch.int32)
-        meta.cache["flash_single"] = (cu, int((cu[1:] - cu[:-1]).max()))
-    cu, max_len = meta.cache["flash_single"]
+    # Once per row, not per layer (`int` syncs the GPU).
+    cu, max_len = meta.derived(_row_cu_seqlens, q.device)
     return flash_attn_varlen_func(
         q, k, v, cu, cu, max_len, max_len, dropout_p=0.0, softmax_scale=feats.scale,
         causal=True, window_size=flash_window(feats), softcap=feats.softcap or 0.0,
@@ -200,3 +201,9 @@ def flash_p2p_attention(
         softmax_scale=feats.scale, causal=True, group=ctx.sp_group,
     )
     return out[0]
+
+
+def _row_cu_seqlens(meta: SPMeta, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The row's document boundaries on `device` and the longest document."""
+    cu = meta.cu_seqlens.to(device=device, dtype=torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())

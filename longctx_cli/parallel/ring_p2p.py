@@ -120,6 +120,20 @@ def _stripe_pieces(
     return tuple(pieces), w
 
 
+def _new_step_geometry(
+    meta: SPMeta, step: int, window: int | None
+) -> tuple[tuple[Piece, ...], int | None]:
+    ctx = meta.ctx
+    src = (ctx.sp_rank - step) % ctx.sp_size
+    if ctx.layout == "stripe":
+        return _stripe_pieces(meta, src, window)
+    return _run_pieces(meta, src), window
+
+
+def _warn_fallback(meta: SPMeta, why: str) -> None:
+    log.warning("%s: this row runs on the torch kernel (%s)", meta.ctx.ring_attn_func, why)
+
+
 def step_geometry(
     meta: SPMeta, step: int, feats: AttentionFeatures
 ) -> tuple[tuple[Piece, ...], AttentionFeatures]:
@@ -127,16 +141,7 @@ def step_geometry(
 
     Cached per row: every layer of the row has the same geometry.
     """
-    key = ("p2p", step, feats.window)
-    if key not in meta.cache:
-        ctx = meta.ctx
-        src = (ctx.sp_rank - step) % ctx.sp_size
-        if ctx.layout == "stripe":
-            pieces, window = _stripe_pieces(meta, src, feats.window)
-        else:
-            pieces, window = _run_pieces(meta, src), feats.window
-        meta.cache[key] = (pieces, window)
-    pieces, window = meta.cache[key]
+    pieces, window = meta.derived(_new_step_geometry, step, feats.window)
     if not pieces or window == feats.window:
         return pieces, feats
     return pieces, replace(feats, window=window)
@@ -248,7 +253,5 @@ def p2p_ring_attention(
         why = flash_p2p_unfit(q, meta, feats, sinks)
         if why is None:
             return flash_p2p_attention(q, k, v, meta, feats)
-        if "p2p_flash_fallback" not in meta.cache:  # once per row, not per layer
-            meta.cache["p2p_flash_fallback"] = why
-            log.warning("%s: this row runs on the torch kernel (%s)", ctx.ring_attn_func, why)
+        meta.derived(_warn_fallback, why)  # once per row, not per layer
     return P2PRingAttention.apply(q, k, v, sinks, meta, feats)

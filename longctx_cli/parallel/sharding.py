@@ -12,8 +12,9 @@ Layouts for an SP group of size ``N`` and a padded row of ``T`` tokens:
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,8 @@ from longctx_cli.constants import IGNORE_INDEX
 
 from .kernels import Segment
 from .mesh import SPContext
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -33,12 +36,21 @@ class SPMeta:
     total_len: int  # padded full row length
     local_ranges: tuple[tuple[int, int], ...]  # global [start, end) runs owned, in local order
     segments: tuple[Segment, ...]  # local queries -> global keys, for the torch kernels
-    cache: dict[str, Any] = field(default_factory=dict)  # per-kernel derived values
+    # Values derived from this row, built once and read by every layer (see `derived`).
+    _derived: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
     attention_calls: int = 0  # incremented by the transformers entry point
 
     @property
     def local_len(self) -> int:
         return self.total_len // self.ctx.sp_size
+
+    def derived(self, build: Callable[..., T], *args: Hashable) -> T:
+        """``build(self, *args)``, computed once per row: every layer of the row needs the same
+        value. The key is the builder and its arguments, so two builders never collide."""
+        key = (build, *args)
+        if key not in self._derived:
+            self._derived[key] = build(self, *args)
+        return self._derived[key]
 
 
 @dataclass

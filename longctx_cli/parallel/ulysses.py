@@ -52,29 +52,30 @@ class Exchange:
 def build_exchange(meta: SPMeta, group: ProcessGroup | None, size: int) -> Exchange:
     """The exchange of the all-to-all group of ``size`` consecutive SP ranks holding this rank.
 
-    Cached in ``meta.cache`` because every layer of the row uses the same one.
+    Built once per row (``meta.derived``) because every layer of the row uses the same one.
     """
-    key = f"ulysses_exchange_{size}"
-    if key not in meta.cache:
-        ctx = meta.ctx
-        first = ctx.sp_rank // size * size  # groups are consecutive SP ranks (see mesh.py)
-        pieces = [
-            rng
-            for member in range(first, first + size)
-            for rng in local_ranges(meta.total_len, replace(ctx, sp_rank=member))
-        ]
-        lengths = {b - a for a, b in pieces}
-        if len(lengths) != 1:
-            raise ValueError(f"unequal sequence pieces {pieces}; cannot exchange them")
-        order = tuple(sorted(range(len(pieces)), key=lambda i: pieces[i][0]))
-        meta.cache[key] = Exchange(
-            group=group,
-            size=size,
-            piece_len=lengths.pop(),
-            order=order,
-            starts=tuple(pieces[i][0] for i in order),
-        )
-    return meta.cache[key]
+    return meta.derived(_new_exchange, group, size)
+
+
+def _new_exchange(meta: SPMeta, group: ProcessGroup | None, size: int) -> Exchange:
+    ctx = meta.ctx
+    first = ctx.sp_rank // size * size  # groups are consecutive SP ranks (see mesh.py)
+    pieces = [
+        rng
+        for member in range(first, first + size)
+        for rng in local_ranges(meta.total_len, replace(ctx, sp_rank=member))
+    ]
+    lengths = {b - a for a, b in pieces}
+    if len(lengths) != 1:
+        raise ValueError(f"unequal sequence pieces {pieces}; cannot exchange them")
+    order = tuple(sorted(range(len(pieces)), key=lambda i: pieces[i][0]))
+    return Exchange(
+        group=group,
+        size=size,
+        piece_len=lengths.pop(),
+        order=order,
+        starts=tuple(pieces[i][0] for i in order),
+    )
 
 
 def _permute(x: torch.Tensor, order: tuple[int, ...], piece_len: int) -> torch.Tensor:
