@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from longctx_cli.config import tp_rules
-from longctx_cli.config.memory import estimate_memory
-from longctx_cli.config.model_shape import GIB, ModelShape
+from longctx_cli.config.memory import GIB, estimate_memory
+from longctx_cli.config.model_shape import ModelShape
 from longctx_cli.config.plan import Plan, _gib
 from longctx_cli.config.rules import _check_heads, _check_sequence_len, _ulysses_size
 from longctx_cli.config.schema import Config

@@ -6,15 +6,16 @@ Nothing here imports `torch.distributed`; torch is imported only inside function
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from longctx_cli.config import tp_rules
-from longctx_cli.config.model_shape import DTYPE_BYTES, LINEAR_MODULES, LORA_BYTES, ModelShape
+from longctx_cli.config.model_shape import LINEAR_MODULES, ModelShape
 from longctx_cli.config.schema import Config
 from longctx_cli.kernel_choice import TILE
 
-if TYPE_CHECKING:
-    pass
+GIB = 1024**3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# peft keeps LoRA weights in float32 even on a bf16/fp16 base (autocast_adapter_dtype).
+LORA_BYTES = 4
 
 # ---- memory estimate --------------------------------------------------------------------
 #

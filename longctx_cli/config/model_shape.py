@@ -10,20 +10,13 @@ import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlparse
 
 from longctx_cli.config import known_models
 from longctx_cli.config.schema import Config
 from longctx_cli.errors import UserError
 
-if TYPE_CHECKING:
-    pass
-
-GIB = 1024**3
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# peft keeps LoRA weights in float32 even on a bf16/fp16 base (autocast_adapter_dtype).
-LORA_BYTES = 4
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

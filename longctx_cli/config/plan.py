@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 from longctx_cli.config import tp_rules
 from longctx_cli.config.memory import (
+    GIB,
     MemoryEstimate,
     _attention_buffer_bytes,
     attention_softcap,
     estimate_memory,
     tiled_scores_run,
 )
-from longctx_cli.config.model_shape import GIB, ModelShape, read_model_config
+from longctx_cli.config.model_shape import ModelShape, read_model_config
 from longctx_cli.config.rules import (
     _advice,
     _check_adapter,
