@@ -9,15 +9,32 @@ names the model, tokenizer or dataset and how to point at a local copy.
 from __future__ import annotations
 
 import functools
+import os
+import socket
+from urllib.parse import urlparse
 
-from longctx_cli.config.model_shape import _hub_reachable
 from longctx_cli.errors import UserError
 
 
 @functools.cache
-def hub_reachable() -> bool:
-    """False when HF_HUB_OFFLINE is set or the endpoint does not answer within 2 s."""
-    return _hub_reachable()
+def hub_reachable(timeout_s: float = 2.0) -> bool:
+    """False when HF_HUB_OFFLINE is set or the endpoint does not answer within `timeout_s`.
+
+    A cheap TCP probe, once per process, so an offline machine does not wait through the
+    hub client's retries.
+    """
+    if any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
+           for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return False
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True  # a proxy may reach what a direct connection cannot; let the hub client try
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        socket.create_connection((endpoint.hostname or "huggingface.co", port), timeout_s).close()
+    except OSError:
+        return False
+    return True
 
 
 def offline_error(what: str, name: str, key: str) -> UserError:

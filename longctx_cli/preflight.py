@@ -171,13 +171,13 @@ def _hf_config(config: Config) -> Any:
     from transformers import AutoConfig
 
     from longctx_cli.config import known_models
-    from longctx_cli.config.model_shape import _build_from_dict
+    from longctx_cli.config.model_shape import build_from_dict
 
     if config.model_config_dict is not None:
-        return _build_from_dict(config.model_config_dict, "model_config")
+        return build_from_dict(config.model_config_dict, "model_config")
     try:
         return AutoConfig.from_pretrained(str(config.base_model), local_files_only=True,
                                           trust_remote_code=config.trust_remote_code)
     except (OSError, ValueError):
         fields = known_models.lookup(str(config.base_model))
-        return _build_from_dict(fields, "base_model") if fields is not None else None
+        return build_from_dict(fields, "base_model") if fields is not None else None

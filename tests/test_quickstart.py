@@ -22,8 +22,8 @@ from longctx_cli.config import known_models
 from longctx_cli.config.model_shape import (
     _PLAIN_DEFAULTS,
     ModelShape,
-    _build_from_dict,
     _plain_shape,
+    build_from_dict,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,7 +97,7 @@ PLAIN_DICTS = [
 def test_plain_shape_equals_what_transformers_reads(fields):
     fast = _plain_shape(fields, "x")
     assert fast is not None
-    assert fast == ModelShape.from_hf_config(_build_from_dict(fields, "model_config"), "x")
+    assert fast == ModelShape.from_hf_config(build_from_dict(fields, "model_config"), "x")
 
 
 @pytest.mark.parametrize("fields", [

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 from longctx_cli.config import tp_rules
 from longctx_cli.config.memory import GIB, estimate_memory
 from longctx_cli.config.model_shape import ModelShape
-from longctx_cli.config.plan import Plan, _gib
-from longctx_cli.config.rules import _check_heads, _check_sequence_len, _ulysses_size
+from longctx_cli.config.plan import Plan, format_gib
+from longctx_cli.config.rules import check_heads, check_sequence_len, ulysses_size
 from longctx_cli.config.schema import Config
 from longctx_cli.errors import UserError
 
@@ -71,9 +71,9 @@ def _fit_at(
     trial = config.model_copy(update={"sequence_parallel_degree": sp})
     world = max(world_size, sp)
     try:
-        ulysses = _ulysses_size(trial, sp)
-        _check_sequence_len(trial, sp)
-        _check_heads(trial, tp_rules.tp_local_shape(shape, trial.tensor_parallel_size), sp,
+        ulysses = ulysses_size(trial, sp)
+        check_sequence_len(trial, sp)
+        check_heads(trial, tp_rules.tp_local_shape(shape, trial.tensor_parallel_size), sp,
                      ulysses)
     except UserError as e:
         return SpFit(sp, None, str(e).split(":")[0])
@@ -112,17 +112,17 @@ def fit_report(config: Config, plan: Plan, memory_per_rank: int) -> list[str]:
         config, plan.model, plan.world_size, memory_per_rank, plan.host_is_device,
         plan.memory.score_tiles > 0,
     )
-    lines = [f"memory per rank {_gib(memory_per_rank)}:"]
+    lines = [f"memory per rank {format_gib(memory_per_rank)}:"]
     for fit in tried:
-        what = _gib(fit.total) if fit.total is not None else f"not legal ({fit.reason})"
+        what = format_gib(fit.total) if fit.total is not None else f"not legal ({fit.reason})"
         lines.append(f"  sp {fit.sp:>4}: {what}")
     if best is None:
         lines.append(f"no sequence-parallel degree up to {tried[-1].sp} fits; lower sequence_len "
                      "or turn on gradient_checkpointing / chunked_loss / tiled_mlp / fsdp.")
     elif best.sp > plan.world_size:
-        lines.append(f"smallest sp that fits: {best.sp} ({_gib(best.total or 0)} per rank), "
+        lines.append(f"smallest sp that fits: {best.sp} ({format_gib(best.total or 0)} per rank), "
                      f"more than the {plan.world_size} ranks of this launch.")
     else:
-        lines.append(f"smallest sp that fits: {best.sp} ({_gib(best.total or 0)} per rank)"
+        lines.append(f"smallest sp that fits: {best.sp} ({format_gib(best.total or 0)} per rank)"
                      + ("" if best.sp == plan.sp else f"; the config uses sp {plan.sp}."))
     return lines

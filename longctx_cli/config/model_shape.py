@@ -6,16 +6,14 @@ Nothing here imports `torch.distributed`; torch is imported only inside function
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from longctx_cli.config import known_models
 from longctx_cli.config.schema import Config
 from longctx_cli.errors import UserError
+from longctx_cli.hub import hub_reachable
 
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -172,7 +170,7 @@ def _plain_shape(fields: dict[str, Any], source: str) -> ModelShape | None:
 
 
 
-def _build_from_dict(fields: dict[str, Any], key: str) -> Any:
+def build_from_dict(fields: dict[str, Any], key: str) -> Any:
     from transformers import AutoConfig
 
     fields = dict(fields)
@@ -205,22 +203,6 @@ def _in_hub_cache(model_id: str) -> bool:
     return isinstance(found, str)
 
 
-def _hub_reachable(timeout_s: float = 2.0) -> bool:
-    """A cheap TCP probe so an offline machine does not wait through the hub's retries."""
-    if any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
-           for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
-        return False
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return True  # a proxy may reach what a direct connection cannot; let the hub client try
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
-    try:
-        socket.create_connection((endpoint.hostname or "huggingface.co", port), timeout_s).close()
-    except OSError:
-        return False
-    return True
-
-
 def _from_table(model_id: str, reason: str) -> ModelShape | None:
     fields = known_models.lookup(model_id)
     if fields is None:
@@ -229,7 +211,7 @@ def _from_table(model_id: str, reason: str) -> ModelShape | None:
     shape = _plain_shape(fields, source)
     if shape is not None:
         return shape
-    hf = _build_from_dict(fields, "base_model")
+    hf = build_from_dict(fields, "base_model")
     return ModelShape.from_hf_config(hf, source=source)
 
 
@@ -240,12 +222,12 @@ def read_model_config(config: Config) -> ModelShape:
         shape = _plain_shape(config.model_config_dict, "inline `model_config`")
         if shape is not None:
             return shape
-        hf = _build_from_dict(config.model_config_dict, "model_config")
+        hf = build_from_dict(config.model_config_dict, "model_config")
         return ModelShape.from_hf_config(hf, source="inline `model_config`")
     model_id = str(config.base_model_config or config.base_model)
     trust = config.trust_remote_code
     local = Path(model_id).expanduser()
-    if not local.exists() and not _in_hub_cache(model_id) and not _hub_reachable():
+    if not local.exists() and not _in_hub_cache(model_id) and not hub_reachable():
         # Offline and not cached: the built-in table answers without importing transformers.
         shape = _from_table(model_id, "the hub is unreachable")
         if shape is not None:
@@ -267,7 +249,7 @@ def read_model_config(config: Config) -> ModelShape:
         return ModelShape.from_hf_config(hf, source=f"{model_id} (local cache)")
     except (OSError, ValueError):
         pass  # not cached: ask the hub below
-    if not _hub_reachable():
+    if not hub_reachable():
         shape = _from_table(model_id, "the hub is unreachable")
         if shape is not None:
             return shape

@@ -27,14 +27,14 @@ from longctx_cli.config.rules import (
     _advice,
     _check_adapter,
     _check_data_parallel,
-    _check_heads,
     _check_ring_func,
-    _check_sequence_len,
     _check_world,
     _check_zigzag_kernel,
     _resolve_kernel,
-    _ulysses_size,
+    check_heads,
+    check_sequence_len,
     hsdp_replicas,
+    ulysses_size,
 )
 from longctx_cli.config.schema import Config
 from longctx_cli.config.world import Platform, resolve_world
@@ -142,11 +142,11 @@ class Plan:
                                     f"{self.tokens_per_rank_per_step:,} per step"),
             ]),
             ("memory per rank (rough)", [
-                *[(name, _gib(value)) for name, value in mem.parts()],
-                *[(f"  with {f} instead", f"SP attention buffers {_gib(v)}")
+                *[(name, format_gib(value)) for name, value in mem.parts()],
+                *[(f"  with {f} instead", f"SP attention buffers {format_gib(v)}")
                   for f, v in self.attention_buffers_by_ring
                   if (f == "varlen_llama3") != (self.ring_attn_func == "varlen_llama3")],
-                ("total", f"[bold]{_gib(mem.total)}[/]"),
+                ("total", f"[bold]{format_gib(mem.total)}[/]"),
             ]),
         ]
 
@@ -214,7 +214,7 @@ def fsdp_detail(config: Config) -> str:
     return ", ".join(parts)
 
 
-def _gib(n: int) -> str:
+def format_gib(n: int) -> str:
     if n < GIB:
         return f"{n / 1024**2:.1f} MiB"
     return f"{n / GIB:.2f} GiB" if n < 10 * GIB else f"{n / GIB:.1f} GiB"
@@ -238,8 +238,8 @@ def check_without_model(config: Config, world_size: int, world_source: str = "gi
         tp_rules.check_tp_config(config)
     else:
         _check_world(sp, world_size, world_source)
-    ulysses = _ulysses_size(config, sp)
-    _check_sequence_len(config, sp)
+    ulysses = ulysses_size(config, sp)
+    check_sequence_len(config, sp)
     # No micro_batch_size rule: varlen_llama3 takes packed rows, and micro-batch rows are
     # concatenated into one row whose documents never attend across a row boundary.
     _check_ring_func(config, sp)
@@ -276,7 +276,7 @@ def build_plan(
     tp = config.tensor_parallel_size
     tp_rules.check_tp_model(config, shape)
     # SP works on the heads TP left on the rank.
-    _check_heads(config, tp_rules.tp_local_shape(shape, tp), sp, ulysses)
+    check_heads(config, tp_rules.tp_local_shape(shape, tp), sp, ulysses)
     platform = platform or Platform.detect()
     assumed: list[str] = []
     if assume_gpu and not platform.cuda and config.attention_kernel == "flash":

@@ -42,7 +42,7 @@ def _check_world(sp: int, world: int, world_source: str) -> None:
         )
 
 
-def _ulysses_size(config: Config, sp: int) -> int:
+def ulysses_size(config: Config, sp: int) -> int:
     """Ranks per Ulysses (all-to-all) group: sp for ulysses, `ulysses_degree` for hybrid."""
     mode, u = config.sequence_parallel_mode, config.ulysses_degree
     if mode != "hybrid" and u is not None:
@@ -71,7 +71,7 @@ def _ulysses_size(config: Config, sp: int) -> int:
     return u
 
 
-def _check_heads(config: Config, shape: ModelShape, sp: int, ulysses: int) -> None:
+def check_heads(config: Config, shape: ModelShape, sp: int, ulysses: int) -> None:
     heads, kv = shape.num_attention_heads, shape.num_key_value_heads
     key = "ulysses_degree" if config.sequence_parallel_mode == "hybrid" else (
         "sequence_parallel_degree"
@@ -105,7 +105,7 @@ def _check_heads(config: Config, shape: ModelShape, sp: int, ulysses: int) -> No
             )
 
 
-def _check_sequence_len(config: Config, sp: int) -> None:
+def check_sequence_len(config: Config, sp: int) -> None:
     zigzag = config.sp_sharding == "zigzag" and sp > 1
     multiple = 2 * sp if zigzag else sp
     if config.sequence_len % multiple:

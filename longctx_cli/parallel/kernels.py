@@ -301,31 +301,52 @@ def _tile_scores(
     return s, t
 
 
+class _ScoreTile(NamedTuple):
+    rows: slice  # query rows of the block
+    keys: slice  # keys of the block
+    q: torch.Tensor  # [1, H, rows, D]
+    k: torch.Tensor  # [1, H, keys, D], KV heads expanded to the query heads
+    v: torch.Tensor
+    scores: torch.Tensor  # float32, masked entries -inf
+    tanh: torch.Tensor | None  # tanh(x / cap) under softcapping, for its derivative
+
+
+def _score_tiles(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blk: _Block, feats: AttentionFeatures
+) -> Iterable[_ScoreTile]:
+    """The block's scores ``_TILE x _TILE`` at a time, row tiles outer: never T x T."""
+    groups = q.shape[1] // k.shape[1]
+    for i in range(0, q.shape[2], _TILE):
+        rows = slice(i, i + _TILE)
+        qi = q[:, :, rows]
+        for j in range(0, k.shape[2], _TILE):
+            keys = slice(j, j + _TILE)
+            kj = _expand_kv(k[:, :, keys], groups)
+            vj = _expand_kv(v[:, :, keys], groups)
+            s, t = _tile_scores(qi, kj, blk.pos + i, blk.k0 + j, blk.masked, feats)
+            yield _ScoreTile(rows, keys, qi, kj, vj, s, t)
+
+
 def _block_fwd_generic(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blk: _Block, feats: AttentionFeatures
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Matmul path for one block (``[1, H, L, D]`` tensors), tile by tile: never T x T."""
-    groups = q.shape[1] // k.shape[1]
-    rows, keys = q.shape[2], k.shape[2]
+    """Matmul path for one block (``[1, H, L, D]`` tensors), tile by tile."""
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    for i in range(0, rows, _TILE):
-        qi = q[:, :, i : i + _TILE]
-        acc, acc_lse = None, None
-        for j in range(0, keys, _TILE):
-            kj = _expand_kv(k[:, :, j : j + _TILE], groups)
-            vj = _expand_kv(v[:, :, j : j + _TILE], groups)
-            s, _ = _tile_scores(qi, kj, blk.pos + i, blk.k0 + j, blk.masked, feats)
-            lj = torch.logsumexp(s, dim=-1)
-            # A tile can hide a whole row (lj = -inf); such a row gets weight 0, not NaN.
-            p = torch.exp(s - torch.where(lj.isinf(), 0.0, lj).unsqueeze(-1))
-            oj = torch.matmul(p, vj.float())
-            if acc is None:
-                acc, acc_lse = oj, lj
-            else:
-                acc, acc_lse = _merge_f32(acc, acc_lse, oj, lj)
-        out[:, :, i : i + _TILE] = acc
-        lse[:, :, i : i + _TILE] = acc_lse
+    acc, acc_lse, rows = None, None, None
+    for tile in _score_tiles(q, k, v, blk, feats):
+        if tile.rows != rows:  # a new row tile: its keys start from nothing
+            acc, acc_lse, rows = None, None, tile.rows
+        lj = torch.logsumexp(tile.scores, dim=-1)
+        # A tile can hide a whole row (lj = -inf); such a row gets weight 0, not NaN.
+        p = torch.exp(tile.scores - torch.where(lj.isinf(), 0.0, lj).unsqueeze(-1))
+        oj = torch.matmul(p, tile.v.float())
+        if acc is None:
+            acc, acc_lse = oj, lj
+        else:
+            acc, acc_lse = _merge_f32(acc, acc_lse, oj, lj)
+        out[:, :, rows] = acc  # rewritten as keys accumulate; the last write is the result
+        lse[:, :, rows] = acc_lse
     return out.to(q.dtype), lse
 
 
@@ -341,26 +362,20 @@ def _block_bwd_generic(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the row's merged ``out`` and ``lse`` (matmul path)."""
     groups = q.shape[1] // k.shape[1]
-    rows, keys = q.shape[2], k.shape[2]
     delta = (dout.float() * out.float()).sum(-1, keepdim=True)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(*k.shape[:1], q.shape[1], *k.shape[2:], dtype=torch.float32, device=q.device)
     dv = torch.zeros_like(dk)
-    for i in range(0, rows, _TILE):
-        qi, doi = q[:, :, i : i + _TILE], dout[:, :, i : i + _TILE].float()
-        li, di = lse[:, :, i : i + _TILE].unsqueeze(-1), delta[:, :, i : i + _TILE]
-        for j in range(0, keys, _TILE):
-            kj = _expand_kv(k[:, :, j : j + _TILE], groups).float()
-            vj = _expand_kv(v[:, :, j : j + _TILE], groups).float()
-            s, t = _tile_scores(qi, kj, blk.pos + i, blk.k0 + j, blk.masked, feats)
-            p = torch.exp(s - li)
-            dv[:, :, j : j + _TILE] += torch.matmul(p.transpose(-1, -2), doi)
-            ds = p * (torch.matmul(doi, vj.transpose(-1, -2)) - di)
-            if t is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
-                ds = ds * (1 - t * t)
-            ds = ds * feats.scale
-            dq[:, :, i : i + _TILE] += torch.matmul(ds, kj)
-            dk[:, :, j : j + _TILE] += torch.matmul(ds.transpose(-1, -2), qi.float())
+    for tile in _score_tiles(q, k, v, blk, feats):
+        doi, di = dout[:, :, tile.rows].float(), delta[:, :, tile.rows]
+        p = torch.exp(tile.scores - lse[:, :, tile.rows].unsqueeze(-1))
+        dv[:, :, tile.keys] += torch.matmul(p.transpose(-1, -2), doi)
+        ds = p * (torch.matmul(doi, tile.v.float().transpose(-1, -2)) - di)
+        if tile.tanh is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
+            ds = ds * (1 - tile.tanh * tile.tanh)
+        ds = ds * feats.scale
+        dq[:, :, tile.rows] += torch.matmul(ds, tile.k.float())
+        dk[:, :, tile.keys] += torch.matmul(ds.transpose(-1, -2), tile.q.float())
     if groups > 1:
         b, h, n, d = dk.shape
         dk = dk.view(b, h // groups, groups, n, d).sum(2)
