@@ -176,3 +176,17 @@ def test_subprocess_usage_error_has_no_traceback():
     assert result.returncode == 2
     assert "Missing argument" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_rank_threads_share_the_cores_and_warn_when_a_user_value_oversubscribes():
+    from longctx_cli.runtime.launch import rank_threads
+
+    assert rank_threads(None, 2, 8) == ("4", None)
+    assert rank_threads("", 4, 2) == ("1", None)  # never 0 threads
+    assert rank_threads("1", 2, 2) == ("1", None)
+    threads, warning = rank_threads("2", 2, 2)
+    assert threads == "2"  # the user's value is kept ...
+    assert warning is not None  # ... and the oversubscription is named, with the fix
+    assert "OMP_NUM_THREADS=2" in warning and "4 compute threads on 2 cores" in warning
+    assert "OMP_NUM_THREADS=1" in warning
+    assert rank_threads("many", 2, 2) == ("many", None)
