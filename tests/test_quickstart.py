@@ -3,8 +3,8 @@
 The fast checks guard what a newcomer meets first: `longctx --help` / `validate` must not
 import torch (1-2 s on a small machine), the plain-dict model shapes read without
 transformers must equal what transformers reads, and the loss curve is drawn. The slow test
-reruns the bundled example (`examples/tiny_passkey.yaml`) for two seeds and checks the
-retrieval floor the README promises.
+reruns the bundled example (`examples/tiny_passkey.yaml`) for five seeds and checks the
+retrieval floor the example is held to (the README reports how many seeds reach it).
 """
 
 from __future__ import annotations
@@ -136,10 +136,12 @@ def test_matplotlib_is_a_default_dependency():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
 def test_example_retrieves_the_key(tmp_path, seed):
-    """The README's promise, for two seeds: >= 90% retrieval at the trained lengths (the
-    command a user types: `longctx train` then `longctx eval`, one thread per rank)."""
+    """The floor the example is held to, for the same 5 seeds as `benchmarks/example.py`:
+    >= 90% retrieval at the trained lengths (the command a user types: `longctx train` then
+    `longctx eval`, one thread per rank). Every seed, not a chosen pair: the README reports
+    how many reach it."""
     sys.path.insert(0, str(ROOT))
     from benchmarks.example import FLOOR, run_example
 
