@@ -35,7 +35,7 @@ PyTorch's own flash-attention op over all segments at once; strategies select it
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -302,29 +302,31 @@ def _tile_scores(
 
 
 class _ScoreTile(NamedTuple):
-    rows: slice  # query rows of the block
     keys: slice  # keys of the block
-    q: torch.Tensor  # [1, H, rows, D]
     k: torch.Tensor  # [1, H, keys, D], KV heads expanded to the query heads
     v: torch.Tensor
-    scores: torch.Tensor  # float32, masked entries -inf
+    scores: torch.Tensor  # float32 [1, H, rows, keys], masked entries -inf
     tanh: torch.Tensor | None  # tanh(x / cap) under softcapping, for its derivative
 
 
-def _score_tiles(
+def _row_tiles(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blk: _Block, feats: AttentionFeatures
-) -> Iterable[_ScoreTile]:
-    """The block's scores ``_TILE x _TILE`` at a time, row tiles outer: never T x T."""
+) -> Iterator[tuple[slice, Iterator[_ScoreTile]]]:
+    """The block's scores ``_TILE x _TILE`` at a time (never T x T): each row tile's slice,
+    with an iterator over its key tiles."""
     groups = q.shape[1] // k.shape[1]
-    for i in range(0, q.shape[2], _TILE):
-        rows = slice(i, i + _TILE)
-        qi = q[:, :, rows]
+
+    def key_tiles(i: int) -> Iterator[_ScoreTile]:
+        qi = q[:, :, i : i + _TILE]
         for j in range(0, k.shape[2], _TILE):
             keys = slice(j, j + _TILE)
             kj = _expand_kv(k[:, :, keys], groups)
             vj = _expand_kv(v[:, :, keys], groups)
             s, t = _tile_scores(qi, kj, blk.pos + i, blk.k0 + j, blk.masked, feats)
-            yield _ScoreTile(rows, keys, qi, kj, vj, s, t)
+            yield _ScoreTile(keys, kj, vj, s, t)
+
+    for i in range(0, q.shape[2], _TILE):
+        yield slice(i, i + _TILE), key_tiles(i)
 
 
 def _block_fwd_generic(
@@ -333,19 +335,18 @@ def _block_fwd_generic(
     """Matmul path for one block (``[1, H, L, D]`` tensors), tile by tile."""
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    acc, acc_lse, rows = None, None, None
-    for tile in _score_tiles(q, k, v, blk, feats):
-        if tile.rows != rows:  # a new row tile: its keys start from nothing
-            acc, acc_lse, rows = None, None, tile.rows
-        lj = torch.logsumexp(tile.scores, dim=-1)
-        # A tile can hide a whole row (lj = -inf); such a row gets weight 0, not NaN.
-        p = torch.exp(tile.scores - torch.where(lj.isinf(), 0.0, lj).unsqueeze(-1))
-        oj = torch.matmul(p, tile.v.float())
-        if acc is None:
-            acc, acc_lse = oj, lj
-        else:
-            acc, acc_lse = _merge_f32(acc, acc_lse, oj, lj)
-        out[:, :, rows] = acc  # rewritten as keys accumulate; the last write is the result
+    for rows, tiles in _row_tiles(q, k, v, blk, feats):
+        acc, acc_lse = None, None
+        for tile in tiles:
+            lj = torch.logsumexp(tile.scores, dim=-1)
+            # A tile can hide a whole row (lj = -inf); such a row gets weight 0, not NaN.
+            p = torch.exp(tile.scores - torch.where(lj.isinf(), 0.0, lj).unsqueeze(-1))
+            oj = torch.matmul(p, tile.v.float())
+            if acc is None:
+                acc, acc_lse = oj, lj
+            else:
+                acc, acc_lse = _merge_f32(acc, acc_lse, oj, lj)
+        out[:, :, rows] = acc
         lse[:, :, rows] = acc_lse
     return out.to(q.dtype), lse
 
@@ -366,16 +367,18 @@ def _block_bwd_generic(
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(*k.shape[:1], q.shape[1], *k.shape[2:], dtype=torch.float32, device=q.device)
     dv = torch.zeros_like(dk)
-    for tile in _score_tiles(q, k, v, blk, feats):
-        doi, di = dout[:, :, tile.rows].float(), delta[:, :, tile.rows]
-        p = torch.exp(tile.scores - lse[:, :, tile.rows].unsqueeze(-1))
-        dv[:, :, tile.keys] += torch.matmul(p.transpose(-1, -2), doi)
-        ds = p * (torch.matmul(doi, tile.v.float().transpose(-1, -2)) - di)
-        if tile.tanh is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
-            ds = ds * (1 - tile.tanh * tile.tanh)
-        ds = ds * feats.scale
-        dq[:, :, tile.rows] += torch.matmul(ds, tile.k.float())
-        dk[:, :, tile.keys] += torch.matmul(ds.transpose(-1, -2), tile.q.float())
+    for rows, tiles in _row_tiles(q, k, v, blk, feats):
+        qi, doi = q[:, :, rows].float(), dout[:, :, rows].float()
+        li, di = lse[:, :, rows].unsqueeze(-1), delta[:, :, rows]
+        for tile in tiles:
+            p = torch.exp(tile.scores - li)
+            dv[:, :, tile.keys] += torch.matmul(p.transpose(-1, -2), doi)
+            ds = p * (torch.matmul(doi, tile.v.float().transpose(-1, -2)) - di)
+            if tile.tanh is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
+                ds = ds * (1 - tile.tanh * tile.tanh)
+            ds = ds * feats.scale
+            dq[:, :, rows] += torch.matmul(ds, tile.k.float())
+            dk[:, :, tile.keys] += torch.matmul(ds.transpose(-1, -2), qi)
     if groups > 1:
         b, h, n, d = dk.shape
         dk = dk.view(b, h // groups, groups, n, d).sum(2)
