@@ -198,12 +198,14 @@ def readme_section(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def rewrite_readme(section: str, readme: Path = README) -> None:
+def rewrite_readme(section: str, readme: Path = README, start: str = START,
+                   end: str = END) -> None:
+    """Replace the part of `readme` from `start` to `end` (markers included) by `section`."""
     text = readme.read_text()
-    if START not in text or END not in text:
-        raise SystemExit(f"{readme} has no {START} ... {END} markers")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
+    if start not in text or end not in text:
+        raise SystemExit(f"{readme} has no {start} ... {end} markers")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
     readme.write_text(head + section + tail)
 
 

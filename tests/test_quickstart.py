@@ -147,3 +147,23 @@ def test_example_retrieves_the_key(tmp_path, seed):
 
     result = run_example(seed, 1, tmp_path)
     assert result["trained_accuracy"] >= FLOOR, {k: v for k, v in result.items() if k != "cells"}
+
+
+def test_quickstart_benchmark_runs_the_readme_command():
+    """`benchmarks/quickstart.py` times the README's own first command, part by part."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.quickstart import END, START, quickstart_command, readme_line
+
+    command = quickstart_command()
+    parts = [p.strip() for p in command.split("&&")]
+    assert parts[0].startswith("pip install torch==")
+    assert parts[1].startswith("longctx train examples/tiny_passkey.yaml")
+    assert parts[2].startswith("longctx eval examples/tiny_passkey.yaml")
+    readme = (ROOT / "README.md").read_text()
+    assert readme.index(START) < readme.index(END)
+    data = {"date": "d", "json": "j.json", "machine": {"cpu_count": 2}, "runs": [
+        {"total_s": 200.0, "parts": [{"seconds": 40.0}]},
+        {"total_s": 260.0, "parts": [{"seconds": 55.0}]}]}
+    line = readme_line(data)
+    assert line.startswith(START) and line.endswith(END)
+    assert "3.3 to 4.3 min over 2 runs" in line and "40-55 s" in line

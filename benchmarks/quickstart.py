@@ -1,0 +1,133 @@
+"""Time the README's first Quickstart command as a newcomer meets it: a fresh clone and a
+fresh virtualenv, then the command exactly as the README writes it.
+
+    python benchmarks/quickstart.py --readme
+
+The command is read from the README's Quickstart block (its first line) and run part by
+part (`install && train && eval`), each in the new virtualenv from the clone's root, so the
+time of each part is known; the parts are the README's text, nothing else. The clone is of
+this checkout's HEAD (commit your changes first). The virtualenv does not see this
+machine's site-packages, so the install is a real one (pip's cache and the machine's wheel
+mirrors, if any, are used as a newcomer's pip would use them). Results go to
+`benchmarks/results/quickstart-<date>.json`; `--readme` rewrites the README line between the
+`quickstart-time` markers from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.example import _load, machine, rewrite_readme  # noqa: E402
+
+README = ROOT / "README.md"
+RESULTS = ROOT / "benchmarks" / "results"
+START, END = "<!-- quickstart-time:start -->", "<!-- quickstart-time:end -->"
+BUDGET_S = 300  # the promise: the first Quickstart command within 5 minutes on 2 cores
+
+
+def quickstart_command(readme: Path = README) -> str:
+    """The first line of the README's Quickstart code block."""
+    text = readme.read_text()
+    block = re.search(r"## Quickstart\s+```bash\n(.*?)```", text, re.S)
+    if block is None:
+        raise SystemExit(f"{readme}: no ```bash block under '## Quickstart'")
+    return block.group(1).splitlines()[0].strip()
+
+
+def run_quickstart(workdir: Path) -> dict[str, Any]:
+    """Clone, make a virtualenv, run each part of the command; one JSON-able record."""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True, check=True).stdout.strip()
+    clone, venv = workdir / "clone", workdir / "venv"
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "OMP_NUM_THREADS")}
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env["VIRTUAL_ENV"] = str(venv)
+    command = quickstart_command()
+    parts = []
+    load_before = _load()
+    for part in (p.strip() for p in command.split("&&")):
+        log = workdir / f"part{len(parts)}.log"
+        started = time.perf_counter()
+        with log.open("w") as out:
+            code = subprocess.run(["bash", "-c", part], cwd=clone, env=env, stdout=out,
+                                  stderr=subprocess.STDOUT, check=False).returncode
+        seconds = time.perf_counter() - started
+        parts.append({"command": part, "seconds": round(seconds, 1), "exit": code})
+        print(f"{seconds:7.1f} s  exit {code}  {part}", flush=True)
+        if code != 0:
+            raise SystemExit(f"`{part}` exited {code}; see {log}")
+    return {
+        "commit": commit,
+        "command": command,
+        "parts": parts,
+        "total_s": round(sum(p["seconds"] for p in parts), 1),
+        "load_1min_before": round(load_before[0], 2),
+        "load_1min_after": round(_load()[0], 2),
+    }
+
+
+def readme_line(data: dict[str, Any]) -> str:
+    runs = data["runs"]
+    totals = [r["total_s"] for r in runs]
+    installs = [r["parts"][0]["seconds"] for r in runs]
+    cores = data["machine"]["cpu_count"]
+    span = (f"{min(totals) / 60:.1f} min" if len(runs) == 1
+            else f"{min(totals) / 60:.1f} to {max(totals) / 60:.1f} min over {len(runs)} runs")
+    return "\n".join([
+        START,
+        f"Quickstart command one, timed by `python benchmarks/quickstart.py` in a fresh clone "
+        f"and a fresh virtualenv on a {cores}-core CPU ({data['date']}, "
+        f"`{data['json']}`): **{span}** in all, of which the install "
+        f"{min(installs):.0f}-{max(installs):.0f} s (packages from pip's cache and the "
+        "machine's wheel mirror; a first download of torch adds its own time).",
+        END,
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--readme", action="store_true",
+                        help="rewrite README.md's quickstart-time line")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="skip the runs: rewrite the README line from this file")
+    args = parser.parse_args()
+    if args.from_json is not None:
+        data = json.loads(args.from_json.read_text())
+    else:
+        date = time.strftime("%Y-%m-%d")
+        out = RESULTS / f"quickstart-{date}.json"
+        data = {"date": date, "json": str(out.relative_to(ROOT)), "machine": machine(),
+                "budget_s": BUDGET_S, "runs": []}
+        for _ in range(args.runs):
+            with tempfile.TemporaryDirectory(prefix="longctx-quickstart-") as tmp:
+                data["runs"].append(run_quickstart(Path(tmp)))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(data, indent=2) + "\n")
+            print(f"total {data['runs'][-1]['total_s']:.0f} s", flush=True)
+    if args.readme:
+        rewrite_readme(readme_line(data), README, START, END)
+        print(f"rewrote {README.relative_to(ROOT)}")
+    over = [r["total_s"] for r in data["runs"] if r["total_s"] > BUDGET_S]
+    if over:
+        print(f"{len(over)} run(s) over the {BUDGET_S} s budget: {over}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
