@@ -47,6 +47,12 @@ def trained_max_length(config: dict[str, Any]) -> int:
     return max(max(d["context_lengths"]) for d in config["datasets"] if d["type"] == "passkey")
 
 
+def accuracy_at(cells: list[dict[str, Any]], lengths: set[int]) -> float:
+    """Share of correct keys over the eval grid's cells at `lengths` (passkey.json cells)."""
+    mine = [c for c in cells if c["context_len"] in lengths]
+    return sum(c["correct"] for c in mine) / max(1, sum(c["total"] for c in mine))
+
+
 def _load() -> tuple[float, float]:
     try:
         one, five, _ = os.getloadavg()
@@ -88,8 +94,7 @@ def run_example(seed: int, threads: int, workdir: Path) -> dict[str, Any]:
     longest = trained_max_length(config)
 
     def share(lengths: set[int]) -> float:
-        mine = [c for c in cells if c["context_len"] in lengths]
-        return sum(c["correct"] for c in mine) / max(1, sum(c["total"] for c in mine))
+        return accuracy_at(cells, lengths)
 
     lengths = sorted({c["context_len"] for c in cells})
     evals = [m["eval_loss"] for m in metrics if "eval_loss" in m]
@@ -147,17 +152,20 @@ def readme_section(data: dict[str, Any]) -> str:
     lengths = list(runs[0]["accuracy_by_length"])
     trained_lengths = runs[0]["trained_lengths"]
     beyond = [n for n in lengths if int(n) not in trained_lengths]
-    commands = [r["command_s"] for r in runs]
-    trains = [r["train_s"] for r in runs]
     threads = sorted({r["threads_per_rank"] for r in runs})
-    seeds = sorted({r["seed"] for r in runs})
     n_runs = f"{len(runs)} run" + "s" * (len(runs) > 1)
     met = sum(t >= FLOOR for t in trained)
+    # Per thread count: a sweep may have run fewer seeds at one setting than at another.
+    def seeds_with(n: int) -> str:
+        seeds = [str(r["seed"]) for r in runs if r["threads_per_rank"] == n]
+        return f"seed{'s' * (len(seeds) > 1)} {', '.join(seeds)}"
+
+    which = "; ".join(f"{seeds_with(n)} with {n} compute thread{'s' * (n > 1)} per rank"
+                      for n in threads)
     lines = [
         START,
-        f"Measured by `python benchmarks/example.py` ({n_runs}: seeds "
-        f"{', '.join(map(str, seeds))} x {' and '.join(map(str, threads))} compute thread(s) "
-        f"per rank; {where}; {data['date']}; raw data `{data['json']}`):",
+        f"Measured by `python benchmarks/example.py` ({n_runs}: {which}; {where}; "
+        f"{data['date']}; raw data `{data['json']}`):",
         "",
         f"- **Retrieval at the trained lengths** ({' and '.join(map(str, trained_lengths))} "
         f"tokens, every depth): **{_pct(min(trained))} to {_pct(max(trained))}** of samples "
@@ -171,10 +179,18 @@ def readme_section(data: dict[str, Any]) -> str:
             "grid is there to show" if max(values) < 0.5 else ""
         lines.append(f"- At {n} tokens, beyond the trained lengths, {_pct(min(values))} to "
                      f"{_pct(max(values))}{stops}.")
+    for n in threads:
+        mine = [r for r in runs if r["threads_per_rank"] == n]
+        trains = [r["train_s"] for r in mine]
+        commands = [r["command_s"] for r in mine]
+        crowded = (f" (2 ranks x {n} threads on {cores} cores: more threads than cores, so "
+                   "slower, not faster)" if 2 * n > cores else "")
+        lines.append(
+            f"- Time with {n} thread{'s' * (n > 1)} per rank{crowded}: training "
+            f"{_minutes(min(trains))} to {_minutes(max(trains))}; the first Quickstart "
+            f"command without the install (train + eval) {_minutes(min(commands))} to "
+            f"{_minutes(max(commands))}, median {_minutes(statistics.median(commands))}.")
     lines += [
-        f"- Time: training {_minutes(min(trains))} to {_minutes(max(trains))}; the first "
-        f"Quickstart command without the install (train + eval) {_minutes(min(commands))} to "
-        f"{_minutes(max(commands))}, median {_minutes(statistics.median(commands))}.",
         f"- Loss: from {runs[0]['first_loss']:.2f} at step 1 to "
         f"{min(r['final_loss'] for r in runs):.4f}-{max(r['final_loss'] for r in runs):.4f} "
         f"at step {runs[0]['steps']:,}.",

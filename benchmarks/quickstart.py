@@ -26,10 +26,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.example import _load, machine, rewrite_readme  # noqa: E402
+from benchmarks.example import (  # noqa: E402
+    _load,
+    accuracy_at,
+    machine,
+    rewrite_readme,
+    trained_max_length,
+)
 
 README = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -71,9 +79,17 @@ def run_quickstart(workdir: Path) -> dict[str, Any]:
         print(f"{seconds:7.1f} s  exit {code}  {part}", flush=True)
         if code != 0:
             raise SystemExit(f"`{part}` exited {code}; see {log}")
+    # What the run learnt, read the way benchmarks/example.py reads it.
+    config = yaml.safe_load((clone / "examples" / "tiny_passkey.yaml").read_text())
+    grid = json.loads((clone / config["output_dir"] / "eval" / "passkey.json").read_text())
+    cells = grid["models"][0]["cells"]
+    longest = trained_max_length(config)
+    trained = {c["context_len"] for c in cells if c["context_len"] <= longest}
     return {
         "commit": commit,
         "command": command,
+        "seed": config["seed"],
+        "trained_accuracy": accuracy_at(cells, trained),
         "parts": parts,
         "total_s": round(sum(p["seconds"] for p in parts), 1),
         "load_1min_before": round(load_before[0], 2),
@@ -94,7 +110,10 @@ def readme_line(data: dict[str, Any]) -> str:
         f"and a fresh virtualenv on a {cores}-core CPU ({data['date']}, "
         f"`{data['json']}`): **{span}** in all, of which the install "
         f"{min(installs):.0f}-{max(installs):.0f} s (packages from pip's cache and the "
-        "machine's wheel mirror; a first download of torch adds its own time).",
+        "machine's wheel mirror; a first download of torch adds its own time). Retrieval at "
+        f"the trained lengths in {'that run' if len(runs) == 1 else 'those runs'} (seed "
+        f"{runs[0]['seed']}, the config's): "
+        + ", ".join(f"{100 * r['trained_accuracy']:.1f}%" for r in runs) + ".",
         END,
     ])
 
