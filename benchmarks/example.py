@@ -1,7 +1,7 @@
 """Rerun the bundled example (README Quickstart) for several seeds and thread counts, and
 rewrite the README's results section and heatmap from what it measures.
 
-    python benchmarks/example.py --seeds 1 2 3 4 5 --threads 1 2 --readme
+    python benchmarks/example.py --readme     # seeds: the config's own, then 1-5; threads 1, 2
 
 Each run is exactly what a user types, `longctx train examples/tiny_passkey.yaml
 --nproc-per-node 2 --overwrite` then `longctx eval ... --checkpoint <out>/final`, on a copy
@@ -258,7 +258,8 @@ def draw_heatmap(runs: list[dict[str, Any]], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="default: the config's own seed (what a user's run gets), then 1-5")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2],
                         help="compute threads per rank (OMP_NUM_THREADS)")
     parser.add_argument("--workdir", type=Path, default=ROOT / "outputs" / "example_bench")
@@ -268,10 +269,19 @@ def main() -> None:
                         help="rewrite README.md's results section and the heatmap image")
     parser.add_argument("--from-json", type=Path, default=None,
                         help="skip the runs: redraw README and heatmap from this file")
+    parser.add_argument("--append", action="store_true",
+                        help="add the runs to an existing --out file instead of starting anew")
     args = parser.parse_args()
+    if args.seeds is None:
+        args.seeds = [_example()["seed"], 1, 2, 3, 4, 5]
 
     if args.from_json is not None:
         data = json.loads(args.from_json.read_text())
+    elif args.append:
+        if args.out is None or not args.out.exists():
+            raise SystemExit("--append needs --out naming an existing results file")
+        data = json.loads(args.out.read_text())
+        out = args.out
     else:
         date = time.strftime("%Y-%m-%d")
         out = args.out or RESULTS / f"example-{date}.json"
@@ -286,6 +296,7 @@ def main() -> None:
             "floor": FLOOR,
             "runs": [],
         }
+    if args.from_json is None:
         for threads in args.threads:
             for seed in args.seeds:
                 record = run_example(seed, threads, args.workdir / f"seed{seed}-t{threads}")

@@ -100,7 +100,9 @@ def run_quickstart(workdir: Path) -> dict[str, Any]:
 def readme_line(data: dict[str, Any]) -> str:
     runs = data["runs"]
     totals = [r["total_s"] for r in runs]
-    installs = [r["parts"][0]["seconds"] for r in runs]
+    installs = sorted(round(r["parts"][0]["seconds"]) for r in runs)
+    install = (f"{installs[0]} s" if installs[0] == installs[-1]
+               else f"{installs[0]}-{installs[-1]} s")
     cores = data["machine"]["cpu_count"]
     span = (f"{min(totals) / 60:.1f} min" if len(runs) == 1
             else f"{min(totals) / 60:.1f} to {max(totals) / 60:.1f} min over {len(runs)} runs")
@@ -109,7 +111,7 @@ def readme_line(data: dict[str, Any]) -> str:
         f"Quickstart command one, timed by `python benchmarks/quickstart.py` in a fresh clone "
         f"and a fresh virtualenv on a {cores}-core CPU ({data['date']}, "
         f"`{data['json']}`): **{span}** in all, of which the install "
-        f"{min(installs):.0f}-{max(installs):.0f} s (packages from pip's cache and the "
+        f"{install} (packages from pip's cache and the "
         "machine's wheel mirror; a first download of torch adds its own time). Retrieval at "
         f"the trained lengths in {'that run' if len(runs) == 1 else 'those runs'} (seed "
         f"{runs[0]['seed']}, the config's): "
