@@ -54,6 +54,22 @@ def quickstart_command(readme: Path = README) -> str:
     return block.group(1).splitlines()[0].strip()
 
 
+def _first_output(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, float]:
+    """Seconds from start to the first line `command` prints, and to its exit (which must be
+    0); what a user waits before seeing an answer, and in all."""
+    started = time.perf_counter()
+    first = None
+    with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True) as proc:
+        for _ in proc.stdout:
+            if first is None:
+                first = time.perf_counter() - started
+    total = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"`{' '.join(command)}` exited {proc.returncode}")
+    return round(first if first is not None else total, 2), round(total, 2)
+
+
 def run_quickstart(workdir: Path) -> dict[str, Any]:
     """Clone, make a virtualenv, run each part of the command; one JSON-able record."""
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
@@ -79,6 +95,11 @@ def run_quickstart(workdir: Path) -> dict[str, Any]:
         print(f"{seconds:7.1f} s  exit {code}  {part}", flush=True)
         if code != 0:
             raise SystemExit(f"`{part}` exited {code}; see {log}")
+    cli = {"help_s": _first_output(["longctx", "--help"], clone, env)[1]}
+    cli["validate_first_output_s"], cli["validate_s"] = _first_output(
+        ["longctx", "validate", "examples/tiny_passkey.yaml"], clone, env)
+    print(f"longctx --help {cli['help_s']:.2f} s; validate first output after "
+          f"{cli['validate_first_output_s']:.2f} s, done in {cli['validate_s']:.1f} s", flush=True)
     # What the run learnt, read the way benchmarks/example.py reads it.
     config = yaml.safe_load((clone / "examples" / "tiny_passkey.yaml").read_text())
     grid = json.loads((clone / config["output_dir"] / "eval" / "passkey.json").read_text())
@@ -91,6 +112,7 @@ def run_quickstart(workdir: Path) -> dict[str, Any]:
         "seed": config["seed"],
         "trained_accuracy": accuracy_at(cells, trained),
         "parts": parts,
+        "cli": cli,
         "total_s": round(sum(p["seconds"] for p in parts), 1),
         "load_1min_before": round(load_before[0], 2),
         "load_1min_after": round(_load()[0], 2),
@@ -115,7 +137,12 @@ def readme_line(data: dict[str, Any]) -> str:
         "machine's wheel mirror; a first download of torch adds its own time). Retrieval at "
         f"the trained lengths in {'that run' if len(runs) == 1 else 'those runs'} (seed "
         f"{runs[0]['seed']}, the config's): "
-        + ", ".join(f"{100 * r['trained_accuracy']:.1f}%" for r in runs) + ".",
+        + ", ".join(f"{100 * r['trained_accuracy']:.1f}%" for r in runs) + ". "
+        + " ".join(
+            f"There `longctx --help` took {r['cli']['help_s']:.2f} s and `longctx validate` "
+            f"printed the plan after {r['cli']['validate_first_output_s']:.2f} s (done in "
+            f"{r['cli']['validate_s']:.1f} s with the fidelity probe)." for r in runs[-1:]
+            if "cli" in r),
         END,
     ])
 
