@@ -53,6 +53,17 @@ def accuracy_at(cells: list[dict[str, Any]], lengths: set[int]) -> float:
     return sum(c["correct"] for c in mine) / max(1, sum(c["total"] for c in mine))
 
 
+def eval_cells(
+    config: dict[str, Any], root: Path = ROOT
+) -> tuple[list[dict[str, Any]], set[int]]:
+    """The passkey grid's cells `longctx eval` wrote for `config`, and the trained lengths
+    among them (`output_dir` relative to `root`, where the run started)."""
+    grid = json.loads((root / config["output_dir"] / "eval" / "passkey.json").read_text())
+    cells = grid["models"][0]["cells"]
+    longest = trained_max_length(config)
+    return cells, {c["context_len"] for c in cells if c["context_len"] <= longest}
+
+
 def _load() -> tuple[float, float]:
     try:
         one, five, _ = os.getloadavg()
@@ -87,15 +98,9 @@ def run_example(seed: int, threads: int, workdir: Path) -> dict[str, Any]:
     final = Path(config["output_dir"]) / "final"
     eval_s = _longctx(["eval", str(config_path), "--checkpoint", str(final),
                        "--nproc-per-node", "2"], threads, workdir / "eval.log")
-    grid = json.loads((Path(config["output_dir"]) / "eval" / "passkey.json").read_text())
+    cells, trained = eval_cells(config)
     metrics = [json.loads(line) for line in
                (Path(config["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    cells = grid["models"][0]["cells"]
-    longest = trained_max_length(config)
-
-    def share(lengths: set[int]) -> float:
-        return accuracy_at(cells, lengths)
-
     lengths = sorted({c["context_len"] for c in cells})
     evals = [m["eval_loss"] for m in metrics if "eval_loss" in m]
     return {
@@ -108,10 +113,10 @@ def run_example(seed: int, threads: int, workdir: Path) -> dict[str, Any]:
         "first_loss": metrics[0]["loss"],
         "final_loss": metrics[-1]["loss"],
         "final_eval_loss": evals[-1] if evals else None,
-        "trained_lengths": [n for n in lengths if n <= longest],
-        "trained_accuracy": share({n for n in lengths if n <= longest}),
-        "accuracy_by_length": {str(n): share({n}) for n in lengths},
-        "overall_accuracy": grid["models"][0]["accuracy"],
+        "trained_lengths": sorted(trained),
+        "trained_accuracy": accuracy_at(cells, trained),
+        "accuracy_by_length": {str(n): accuracy_at(cells, {n}) for n in lengths},
+        "overall_accuracy": accuracy_at(cells, set(lengths)),
         "cells": cells,
         "load_1min_before": round(load_before[0], 2),
         "load_1min_after": round(_load()[0], 2),

@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.example import (  # noqa: E402
     _load,
     accuracy_at,
+    eval_cells,
     machine,
     rewrite_readme,
-    trained_max_length,
 )
 
 README = ROOT / "README.md"
@@ -102,10 +102,7 @@ def run_quickstart(workdir: Path) -> dict[str, Any]:
           f"{cli['validate_first_output_s']:.2f} s, done in {cli['validate_s']:.1f} s", flush=True)
     # What the run learnt, read the way benchmarks/example.py reads it.
     config = yaml.safe_load((clone / "examples" / "tiny_passkey.yaml").read_text())
-    grid = json.loads((clone / config["output_dir"] / "eval" / "passkey.json").read_text())
-    cells = grid["models"][0]["cells"]
-    longest = trained_max_length(config)
-    trained = {c["context_len"] for c in cells if c["context_len"] <= longest}
+    cells, trained = eval_cells(config, clone)
     return {
         "commit": commit,
         "command": command,
