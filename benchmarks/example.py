@@ -126,10 +126,27 @@ def run_example(seed: int, threads: int, workdir: Path) -> dict[str, Any]:
 def machine() -> dict[str, Any]:
     return {
         "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
         "processor": platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "platform": platform.platform(),
     }
+
+
+def _cpu_model() -> str | None:
+    """The CPU's name as Linux reports it (None elsewhere)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines
+                 if line.startswith("model name")), None)
+
+
+def cpu_words(machine: dict[str, Any]) -> str:
+    """"2-core CPU (Intel Xeon ...)": the machine as the README names it."""
+    model = machine.get("cpu_model")
+    return f"{machine['cpu_count']}-core CPU" + (f" ({model})" if model else "")
 
 
 # ---- README and heatmap ---------------------------------------------------------------------
@@ -150,7 +167,7 @@ def readme_section(data: dict[str, Any]) -> str:
     cores = data["machine"]["cpu_count"]
     loads = [r["load_1min_before"] for r in runs] + [r["load_1min_after"] for r in runs]
     shared = max(loads) > 0.5 * cores
-    where = f"{cores}-core CPU" + (
+    where = cpu_words(data["machine"]) + (
         f", shared (1-minute load average {min(loads):.1f}-{max(loads):.1f} during the runs)"
         if shared else ", otherwise idle")
     trained = [r["trained_accuracy"] for r in runs]

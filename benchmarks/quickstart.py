@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.example import (  # noqa: E402
     _load,
     accuracy_at,
+    cpu_words,
     eval_cells,
     machine,
     rewrite_readme,
@@ -122,26 +123,36 @@ def readme_line(data: dict[str, Any]) -> str:
     installs = sorted(round(r["parts"][0]["seconds"]) for r in runs)
     install = (f"{installs[0]} s" if installs[0] == installs[-1]
                else f"{installs[0]}-{installs[-1]} s")
-    cores = data["machine"]["cpu_count"]
     span = (f"{min(totals) / 60:.1f} min" if len(runs) == 1
             else f"{min(totals) / 60:.1f} to {max(totals) / 60:.1f} min over {len(runs)} runs")
     return "\n".join([
         START,
         f"Quickstart command one, timed by `python benchmarks/quickstart.py` in a fresh clone "
-        f"and a fresh virtualenv on a {cores}-core CPU ({data['date']}, "
-        f"`{data['json']}`): **{span}** in all, of which the install "
+        f"and a fresh virtualenv on a {cpu_words(data['machine'])} on {data['date']} "
+        f"(`{data['json']}`): **{span}** in all, of which the install "
         f"{install} (packages from pip's cache and the "
         "machine's wheel mirror; a first download of torch adds its own time). Retrieval at "
         f"the trained lengths in {'that run' if len(runs) == 1 else 'those runs'} (seed "
         f"{runs[0]['seed']}, the config's): "
         + ", ".join(f"{100 * r['trained_accuracy']:.1f}%" for r in runs) + ". "
-        + " ".join(
-            f"There `longctx --help` took {r['cli']['help_s']:.2f} s and `longctx validate` "
-            f"printed the plan after {r['cli']['validate_first_output_s']:.2f} s (done in "
-            f"{r['cli']['validate_s']:.1f} s with the fidelity probe)." for r in runs[-1:]
-            if "cli" in r),
+        + _cli_sentence([r["cli"] for r in runs if "cli" in r]),
         END,
     ])
+
+
+def _cli_sentence(timings: list[dict[str, float]]) -> str:
+    """How soon `--help` and `validate` answered, as a range over the runs that timed them."""
+    if not timings:
+        return ""
+
+    def span(key: str, digits: int) -> str:
+        low, high = (f"{v:.{digits}f}" for v in (min(t[key] for t in timings),
+                                                  max(t[key] for t in timings)))
+        return f"{low} s" if low == high else f"{low}-{high} s"
+
+    return (f"There `longctx --help` took {span('help_s', 2)} and `longctx validate` printed "
+            f"the plan after {span('validate_first_output_s', 2)} (done in "
+            f"{span('validate_s', 1)} with the fidelity probe).")
 
 
 def main() -> None:
