@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 # Families whose transformers `base_model_tp_plan` is colwise/rowwise only and whose decoder
 # layers hold nothing but attention, MLP and norms (what the TP-sp plan shards exactly).
-TP_FAMILIES = ("llama", "mistral", "qwen2")
+TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _divisors(n: int) -> str:
