@@ -268,6 +268,7 @@ def test_full_finetune_matches_single_process(workdir, reference, name, nproc, o
     assert_same_adam_run(_run(workdir, name, nproc, **overrides), reference)
 
 
+@pytest.mark.slow
 def test_qwen3_tp2_sp2_matches_single_process(workdir):
     """Qwen3's per-head q_norm / k_norm: each TP rank normalises its own heads with the
     replicated weight, whose gradient is summed over the group."""
@@ -276,6 +277,42 @@ def test_qwen3_tp2_sp2_matches_single_process(workdir):
     run = _run(workdir, "qwen3_tp2_sp2", 4, tensor_parallel_size=2, sequence_parallel_degree=2,
                **qwen3)
     assert_same_adam_run(run, ref)
+
+
+TIED = {"model_config": {**TINY_LLAMA, "tie_word_embeddings": True}}
+
+
+@pytest.fixture(scope="module")
+def tied_reference(workdir):
+    return _run(workdir, "ref_tied", 1, **TIED)
+
+
+@pytest.mark.parametrize(
+    ("name", "nproc", "overrides"),
+    [
+        ("tied_sp2_fsdp", 2, {"sequence_parallel_degree": 2, "fsdp": True}),
+        ("tied_dp2_tp2_fsdp", 4, {
+            "tensor_parallel_size": 2, "gradient_accumulation_steps": 2, "fsdp": True}),
+    ],
+)
+def test_tied_embeddings_match_single_process(workdir, tied_reference, name, nproc,
+                                              overrides):
+    """One weight for the embedding and lm_head: FSDP2 keeps both with the root group, TP
+    splits both by vocabulary and ties the shards again; the export stays tied."""
+    run = _run(workdir, name, nproc, **TIED, **overrides)
+    assert_same_adam_run(run, tied_reference)
+    assert "lm_head.weight" not in final_tensors(run)  # saved once, as the model ties it
+
+
+@pytest.mark.slow
+def test_tied_fsdp_resume_equals_uninterrupted_run(workdir):
+    """The shared weight goes through a sharded (DCP) checkpoint and comes back tied."""
+    common = {**TIED, "sequence_parallel_degree": 2, "fsdp": True, "save_steps": 3,
+              "max_steps": 5}
+    straight = _run(workdir, "tied_straight", 2, **common)
+    _run(workdir, "tied_resumed", 2, **{**common, "max_steps": 3})
+    resumed = _run(workdir, "tied_resumed", 2, resume_from_checkpoint="auto", **common)
+    assert_same_run(resumed, straight, tol=1e-6)
 
 
 def test_lora_tp2_sp2_matches_single_process(workdir):

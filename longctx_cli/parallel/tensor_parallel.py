@@ -224,6 +224,7 @@ def apply_tensor_parallel(decoder: nn.Module, lm_head: nn.Module, tp: TPContext,
     )
 
     plan = model_tp_plan(model_config)
+    tied = lm_head.weight is decoder.embed_tokens.weight
     # The styles re-create parameters as DTensors with requires_grad=True; a LoRA run's
     # frozen base (norms included) must stay frozen.
     frozen = {id(m): {n for n, p in m.named_parameters() if not p.requires_grad}
@@ -240,6 +241,11 @@ def apply_tensor_parallel(decoder: nn.Module, lm_head: nn.Module, tp: TPContext,
     # return logits of the local vocabulary columns.
     parallelize_module(lm_head, tp.tp_mesh, ColwiseParallel(
         input_layouts=Shard(0), output_layouts=Shard(-1), use_local_output=True))
+    if tied:
+        # Both styles split the [vocab, hidden] weight by rows (the vocabulary) over the same
+        # mesh, so the two new DTensors hold the same shard: tie them again, so that the
+        # embedding's and the head's gradients add up in one tensor, as in the model.
+        lm_head.weight = decoder.embed_tokens.weight
     for module, where in ((decoder, "model"), (lm_head, "lm_head")):
         for name, param in module.named_parameters():
             if name in frozen[id(module)]:
@@ -249,19 +255,6 @@ def apply_tensor_parallel(decoder: nn.Module, lm_head: nn.Module, tp: TPContext,
                     f"parameter `{where}.{name}` is not covered by the tensor-parallel plan; "
                     "its gradient would be partial. Refusing."
                 )
-
-
-def check_tp_shape(model_config: object, tp: int) -> None:
-    """Heads, KV heads and the MLP width must split evenly over the TP group."""
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else (
-        model_config)
-    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(text, field, None)
-        if value is not None and value % tp:
-            raise ValueError(f"{field} = {value} is not divisible by tensor_parallel_size {tp}")
-    if getattr(text, "tie_word_embeddings", False) or getattr(
-            model_config, "tie_word_embeddings", False):
-        raise ValueError("tensor parallelism with tied input/output embeddings is not supported")
 
 
 # ---------------------------------------------------------------------------------------

@@ -169,17 +169,18 @@ def apply_fsdp(model: nn.Module, mesh, config: Config | None = None) -> None:
             options["offload_policy"] = CPUOffloadPolicy()
 
     base = unwrap(model)
-    if base.config.tie_word_embeddings:
-        raise UserError(
-            "FSDP with tied input/output embeddings is not supported.",
-            where="fsdp",
-            fix="set `fsdp: false`, or use a model with `tie_word_embeddings: false`.",
-        )
     decoder = base.get_decoder()
     for layer in decoder.layers:
         fully_shard(layer, mesh=mesh, **options)
+    head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
+    if head.weight is embedding.weight:
+        # Tied embeddings: one weight, used first by the decoder and last by the loss (which
+        # calls lm_head itself, outside any parent's forward). One group of both modules
+        # gathers it before whichever runs first and reduces both uses' gradients.
+        fully_shard([embedding, head], mesh=mesh, **options)
+    else:
+        fully_shard(head, mesh=mesh, **options)
     fully_shard(decoder, mesh=mesh, **options)
-    fully_shard(base.get_output_embeddings(), mesh=mesh, **options)
     fully_shard(model, mesh=mesh, **options)
 
 
