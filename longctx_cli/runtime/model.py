@@ -184,6 +184,15 @@ def apply_fsdp(model: nn.Module, mesh, config: Config | None = None) -> None:
     fully_shard(model, mesh=mesh, **options)
 
 
+def keep_float32_master_weights(model: nn.Module) -> None:
+    """float16 training: trainable weights become float32 master weights (autocast computes
+    in fp16, `train/precision.py`). Done before TP and FSDP2 shard the parameters: both keep
+    their own views of each parameter's storage, which a later dtype change would bypass."""
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()
+
+
 def unwrap(model: nn.Module) -> PreTrainedModel:
     """The transformers model inside a peft wrapper (or the model itself)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -205,6 +214,8 @@ def build_model(config: Config, fsdp_mesh=None, tp=None) -> nn.Module:
         model = apply_lora(model, config)
     if config.tiled_mlp:
         apply_tiled_mlp(model, config.tiled_mlp_tiles)
+    if config.dtype == "float16":
+        keep_float32_master_weights(model)
     if tp is not None:
         from longctx_cli.parallel.tensor_parallel import apply_tensor_parallel
 
