@@ -16,7 +16,15 @@ from longctx_cli.runtime.model import build_model
 from longctx_cli.train.loop import decoder_and_head, train_step
 from longctx_cli.train.precision import setup_precision
 from tests.distributed import run_distributed
-from tests.train_helpers import TINY_LLAMA
+from tests.train_helpers import (
+    TINY_LLAMA,
+    final_tensors,
+    read_metrics,
+    relative_error,
+    train,
+    write_config,
+    write_documents,
+)
 
 
 def _config(dtype: str, **extra):
@@ -81,3 +89,49 @@ def test_bf16_trains_native_bf16_weights() -> None:
     precision = setup_precision(model, "bfloat16", torch.device("cpu"))
     assert precision.scaler is None and precision.autocast_dtype is None
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def _one_rank_overflows_worker(rank: int, world: int, sharded: bool) -> tuple[float, bool]:
+    """Each rank holds its own part of the gradients (as under FSDP2 / TP); only rank 0's
+    part overflows."""
+    model = torch.nn.Linear(4, 4)
+    precision = setup_precision(model, "float16", torch.device("cpu"), sharded_grads=sharded)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+    precision.scale(torch.ones(()))  # the scaler sets its scale on first use
+    for p in model.parameters():
+        p.grad = torch.full_like(p, math.inf if rank == 0 else 1.0)
+    precision.unscale(optimizer)
+    precision.step(optimizer)
+    precision.update()
+    return precision.scaler.get_scale(), torch.equal(model.weight.detach(), before)
+
+
+def test_fp16_overflow_on_one_rank_is_agreed_by_every_rank() -> None:
+    results = run_distributed(_one_rank_overflows_worker, 2, True, timeout_s=120)
+    assert results[0] == results[1], results  # the same scale; both skipped the step
+    scale, unchanged = results[0]
+    assert unchanged and scale < 2.0**16
+    # Without the agreement the ranks part ways (what the sharded scaler is there for).
+    plain = run_distributed(_one_rank_overflows_worker, 2, False, timeout_s=120)
+    assert plain[0] != plain[1], plain
+
+
+def test_fp16_fsdp_run_equals_the_single_process_run(tmp_path) -> None:
+    """fp16 with FSDP2: float32 master weights are kept before sharding, so the sharded run
+    trains the same weights as one process (up to fp16 summation order)."""
+    data = write_documents(tmp_path / "docs.jsonl")
+    runs = {}
+    for name, nproc, extra in (("one", 1, {}),
+                               ("fsdp", 2, {"fsdp": True, "gradient_accumulation_steps": 2})):
+        train(write_config(tmp_path, name, data, dtype="float16", **extra), nproc)
+        runs[name] = tmp_path / name
+    one, fsdp = read_metrics(runs["one"]), read_metrics(runs["fsdp"])
+    assert [m["step"] for m in fsdp] == [m["step"] for m in one] == [1, 2, 3, 4, 5]
+    for a, b in zip(one, fsdp, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a, b)
+    want, got = final_tensors(runs["one"]), final_tensors(runs["fsdp"])
+    assert got.keys() == want.keys()
+    flat = torch.cat([got[k].float().reshape(-1) for k in sorted(want)])
+    flat_want = torch.cat([want[k].float().reshape(-1) for k in sorted(want)])
+    assert relative_error(flat, flat_want) < 1e-3

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 # Families whose transformers `base_model_tp_plan` is colwise/rowwise only and whose decoder
 # layers hold nothing but attention, MLP and norms (what the TP-sp plan shards exactly).
-TP_FAMILIES = ("llama", "mistral", "qwen2")
+TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _divisors(n: int) -> str:
@@ -79,9 +79,6 @@ def check_tp_model(config: Config, shape: ModelShape) -> None:
             f"model type `{shape.model_type}` is not supported; TP-sp shards the dense "
             f"decoders {', '.join(TP_FAMILIES)} from their transformers `base_model_tp_plan`.",
             "use `tensor_parallel_size: 1` (sequence parallelism + FSDP) for this model.")
-    if shape.tie_word_embeddings:
-        raise _refuse("tied input/output embeddings is not supported.",
-                      "use a model with `tie_word_embeddings: false`, or tensor_parallel_size 1.")
     for name, value in (("num_attention_heads", shape.num_attention_heads),
                         ("num_key_value_heads", shape.num_key_value_heads),
                         ("intermediate_size", shape.intermediate_size),

@@ -35,7 +35,11 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from longctx_cli.constants import IGNORE_INDEX
 
 # HF tp-plan styles we turn into sequence-parallel styles; anything else is refused.
-SUPPORTED_STYLES = ("colwise", "rowwise")
+# "replicated_with_grad_allreduce" marks a per-head norm inside attention (Qwen3's q_norm /
+# k_norm): its weight is replicated, each rank normalises its own heads, and the weight's
+# gradient is the sum over the TP group.
+HEAD_NORM = "replicated_with_grad_allreduce"
+SUPPORTED_STYLES = ("colwise", "rowwise", HEAD_NORM)
 
 
 @dataclass
@@ -91,6 +95,38 @@ def model_tp_plan(model_config: object) -> dict[str, str]:
     return plan
 
 
+class _HeadShardedNorm(ParallelStyle):
+    """A norm over ``head_dim`` applied to ``[batch, seq, local heads, head_dim]``: the input
+    is the TP rank's shard of the heads (dim 2), the weight replicated. DTensor then knows
+    the weight's gradient is a partial sum over the group (`reduce_tp_gradients` sums it).
+    Any other input shape is refused at the first forward, never normalised wrongly."""
+
+    def _apply(self, module: nn.Module, device_mesh: object) -> nn.Module:
+        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+
+        def check_and_shard(mod: nn.Module, inputs: tuple, mesh: object) -> tuple:
+            x, *rest = inputs
+            width = mod.weight.shape[-1]
+            if isinstance(x, DTensor) or x.dim() != 4 or x.shape[-1] != width:
+                raise ValueError(
+                    f"{type(mod).__name__} under tensor parallelism expects the local heads "
+                    f"[batch, seq, heads, head_dim={width}], got "
+                    f"{type(x).__name__} {tuple(x.shape)}; this model's per-head norm cannot "
+                    "be sharded by head."
+                )
+            return (DTensor.from_local(x, mesh, [Shard(2)], run_check=False), *rest)
+
+        def replicate(name: str, mod: nn.Module, mesh: object) -> None:
+            for p_name, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(p_name, nn.Parameter(
+                    DTensor.from_local(param.data, mesh, [Replicate()], run_check=False),
+                    requires_grad=param.requires_grad))
+
+        return distribute_module(
+            module, device_mesh, replicate, input_fn=check_and_shard,
+            output_fn=lambda mod, out, mesh: out.to_local())
+
+
 class _Replicated(ParallelStyle):
     """A module whose parameters are replicated over the TP group and whose input already
     is a replicated DTensor (DTensor then sums the parameters' partial gradients)."""
@@ -118,6 +154,9 @@ def _layer_plan(layer: nn.Module, plan: dict[str, str]) -> dict[str, object]:
             raise ValueError(f"tp plan entry {key!r} is outside the decoder layers")
         name = key[len("layers.*."):]
         blocks.add(name.split(".")[0])
+        if style == HEAD_NORM:
+            styles[name] = _HeadShardedNorm()
+            continue
         # Colwise keeps its default (replicated input, output sharded by head / column);
         # rowwise reduce-scatters along the sequence instead of all-reducing.
         base = ColwiseParallel() if style == "colwise" else RowwiseParallel(
@@ -185,6 +224,7 @@ def apply_tensor_parallel(decoder: nn.Module, lm_head: nn.Module, tp: TPContext,
     )
 
     plan = model_tp_plan(model_config)
+    tied = lm_head.weight is decoder.embed_tokens.weight
     # The styles re-create parameters as DTensors with requires_grad=True; a LoRA run's
     # frozen base (norms included) must stay frozen.
     frozen = {id(m): {n for n, p in m.named_parameters() if not p.requires_grad}
@@ -201,6 +241,11 @@ def apply_tensor_parallel(decoder: nn.Module, lm_head: nn.Module, tp: TPContext,
     # return logits of the local vocabulary columns.
     parallelize_module(lm_head, tp.tp_mesh, ColwiseParallel(
         input_layouts=Shard(0), output_layouts=Shard(-1), use_local_output=True))
+    if tied:
+        # Both styles split the [vocab, hidden] weight by rows (the vocabulary) over the same
+        # mesh, so the two new DTensors hold the same shard: tie them again, so that the
+        # embedding's and the head's gradients add up in one tensor, as in the model.
+        lm_head.weight = decoder.embed_tokens.weight
     for module, where in ((decoder, "model"), (lm_head, "lm_head")):
         for name, param in module.named_parameters():
             if name in frozen[id(module)]:
@@ -210,19 +255,6 @@ def apply_tensor_parallel(decoder: nn.Module, lm_head: nn.Module, tp: TPContext,
                     f"parameter `{where}.{name}` is not covered by the tensor-parallel plan; "
                     "its gradient would be partial. Refusing."
                 )
-
-
-def check_tp_shape(model_config: object, tp: int) -> None:
-    """Heads, KV heads and the MLP width must split evenly over the TP group."""
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else (
-        model_config)
-    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(text, field, None)
-        if value is not None and value % tp:
-            raise ValueError(f"{field} = {value} is not divisible by tensor_parallel_size {tp}")
-    if getattr(text, "tie_word_embeddings", False) or getattr(
-            model_config, "tie_word_embeddings", False):
-        raise ValueError("tensor parallelism with tied input/output embeddings is not supported")
 
 
 # ---------------------------------------------------------------------------------------

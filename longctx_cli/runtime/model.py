@@ -169,18 +169,28 @@ def apply_fsdp(model: nn.Module, mesh, config: Config | None = None) -> None:
             options["offload_policy"] = CPUOffloadPolicy()
 
     base = unwrap(model)
-    if base.config.tie_word_embeddings:
-        raise UserError(
-            "FSDP with tied input/output embeddings is not supported.",
-            where="fsdp",
-            fix="set `fsdp: false`, or use a model with `tie_word_embeddings: false`.",
-        )
     decoder = base.get_decoder()
     for layer in decoder.layers:
         fully_shard(layer, mesh=mesh, **options)
+    head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
+    if head.weight is embedding.weight:
+        # Tied embeddings: one weight, used first by the decoder and last by the loss (which
+        # calls lm_head itself, outside any parent's forward). One group of both modules
+        # gathers it before whichever runs first and reduces both uses' gradients.
+        fully_shard([embedding, head], mesh=mesh, **options)
+    else:
+        fully_shard(head, mesh=mesh, **options)
     fully_shard(decoder, mesh=mesh, **options)
-    fully_shard(base.get_output_embeddings(), mesh=mesh, **options)
     fully_shard(model, mesh=mesh, **options)
+
+
+def keep_float32_master_weights(model: nn.Module) -> None:
+    """float16 training: trainable weights become float32 master weights (autocast computes
+    in fp16, `train/precision.py`). Done before TP and FSDP2 shard the parameters: both keep
+    their own views of each parameter's storage, which a later dtype change would bypass."""
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()
 
 
 def unwrap(model: nn.Module) -> PreTrainedModel:
@@ -204,6 +214,8 @@ def build_model(config: Config, fsdp_mesh=None, tp=None) -> nn.Module:
         model = apply_lora(model, config)
     if config.tiled_mlp:
         apply_tiled_mlp(model, config.tiled_mlp_tiles)
+    if config.dtype == "float16":
+        keep_float32_master_weights(model)
     if tp is not None:
         from longctx_cli.parallel.tensor_parallel import apply_tensor_parallel
 

@@ -237,9 +237,9 @@ def export_final(
     `base_model_saver(dir)`, when given for a LoRA run, saves the frozen base model next to
     the adapter (needed when the base was randomly initialised and exists nowhere else).
     """
-    full_state = get_model_state_dict(
+    full_state = _retie(model, get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    ))
     if _rank() == 0:
         tmp = out.with_name(out.name + ".tmp")
         try:
@@ -252,6 +252,22 @@ def export_final(
         os.rename(tmp, out)
     _barrier()
     return out
+
+
+def _retie(model: nn.Module, full_state: dict) -> dict:
+    """One tensor again under every name of a shared (tied) parameter.
+
+    Gathering FSDP/TP shards yields a separate full tensor per name; `save_pretrained` then
+    writes a tied lm_head as if it were its own weight. Sharing the tensor again lets it
+    treat the export exactly like a single-process model's.
+    """
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) not in first:
+            first[id(param)] = name
+        elif name in full_state and first[id(param)] in full_state:
+            full_state[name] = full_state[first[id(param)]]
+    return full_state
 
 
 def _write_export(

@@ -342,8 +342,9 @@ def train(config: Config) -> None:
                         tp=parallel.tp)
     if not (config.load_in_4bit or config.load_in_8bit):  # bitsandbytes placed those already
         model.to(device)
-    precision = setup_precision(model, config.dtype, device)  # before the optimizer sees params
     use_fsdp = config.fsdp and world > 1 and parallel.world_mesh is not None
+    precision = setup_precision(model, config.dtype, device,
+                                sharded_grads=use_fsdp or parallel.tp is not None)
     decoder, lm_head = decoder_and_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(config, params)

@@ -9,7 +9,9 @@
   gradients, so trainable weights are kept in float32 (master weights; LoRA adapters
   already are), the forward runs under ``torch.autocast(float16)``, and the loss is scaled
   with ``torch.amp.GradScaler``: a step whose unscaled gradients overflow is skipped and the
-  scale lowered, which is loss scaling at work, not a failure.
+  scale lowered, which is loss scaling at work, not a failure. With FSDP2 or TP each rank
+  holds part of the gradients, so the overflow check is agreed over the world
+  (``ShardedGradScaler``): every rank skips and backs off together.
 """
 
 from __future__ import annotations
@@ -63,11 +65,21 @@ class Precision:
             self.scaler.update()
 
 
-def setup_precision(model: nn.Module, dtype: str, device: torch.device) -> Precision:
-    """Prepare ``model`` for ``dtype`` training on ``device`` (see the module doc)."""
+def setup_precision(model: nn.Module, dtype: str, device: torch.device,
+                    sharded_grads: bool = False) -> Precision:
+    """The step's precision for ``dtype`` on ``device`` (see the module doc).
+
+    ``sharded_grads``: each rank holds only part of the gradients (FSDP2, TP). An overflow
+    then shows on some ranks only, so the scaler agrees on it over the world (all ranks skip
+    the step and lower the scale together, or none does).
+    """
     if dtype != "float16":
         return Precision(device.type)
-    for param in model.parameters():
-        if param.requires_grad and param.dtype != torch.float32:
-            param.data = param.data.float()  # master weights; autocast computes in fp16
+    if any(p.requires_grad and p.dtype != torch.float32 for p in model.parameters()):
+        raise ValueError("float16 training needs float32 master weights (`build_model` "
+                         "keeps them before any sharding)")
+    if sharded_grads:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return Precision(device.type, torch.float16, ShardedGradScaler(device.type))
     return Precision(device.type, torch.float16, torch.amp.GradScaler(device.type))
