@@ -59,9 +59,7 @@ def _local_data(name: str, tmp_path: Path, monkeypatch) -> None:
             local.write_text(json.dumps({"text": "one record"}) + "\n")
 
 
-@pytest.mark.parametrize("name", sorted(
-    p.name for p in CONFIGS.iterdir() if p.name != "qwen3_fsdp_tp_cp.yaml"
-))
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.iterdir()))
 def test_axolotl_configs_validate_unchanged(name, offline, tmp_path, monkeypatch):
     nproc = "4" if name == "issue_sp4.yaml" else "8"
     _local_data(name, tmp_path, monkeypatch)
@@ -70,19 +68,17 @@ def test_axolotl_configs_validate_unchanged(name, offline, tmp_path, monkeypatch
     assert "valid" in result.output and "axolotl keys" in result.output
 
 
-def test_tensor_parallel_of_an_unsupported_family_is_refused_and_the_rest_validates(
-    offline, tmp_path, monkeypatch
-):
+def test_axolotl_qwen3_fsdp_tp_cp_runs_as_its_layout_says(offline, tmp_path, monkeypatch):
+    """Axolotl's Qwen3-8B FSDP + TP + CP example: dp_shard 2 x cp 2 x tp 2 on 8 ranks."""
     path = CONFIGS / "qwen3_fsdp_tp_cp.yaml"
     _local_data(path.name, tmp_path, monkeypatch)
-    refused = CliRunner().invoke(app, ["validate", str(path), "--nproc-per-node", "8"])
-    message = " ".join(refused.output.split())
-    assert refused.exit_code == 2, refused.output
-    assert "`tensor_parallel_size` > 1 with model type `qwen3`" in message
-    # dp_shard 2 x cp 2 on 4 ranks once TP is 1.
-    result = CliRunner().invoke(app, ["validate", str(path), "--nproc-per-node", "4",
-                                      "--tensor-parallel-size", "1"])
+    result = CliRunner().invoke(app, ["validate", str(path), "--nproc-per-node", "8"])
     assert result.exit_code == 0, result.output
+    assert "dp 2 x cp 2 x tp 2" in " ".join(result.output.split())
+    # 6 ranks cannot hold the 2 x 2 x 2 layout: refused, naming the degrees.
+    refused = CliRunner().invoke(app, ["validate", str(path), "--nproc-per-node", "6"])
+    assert refused.exit_code == 2, refused.output
+    assert "`tensor_parallel_size` = 2" in " ".join(refused.output.split())
 
 
 def test_issue_example_maps_names():
