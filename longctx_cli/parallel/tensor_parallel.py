@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import SequenceParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from longctx_cli.constants import IGNORE_INDEX
@@ -95,36 +97,28 @@ def model_tp_plan(model_config: object) -> dict[str, str]:
     return plan
 
 
-class _HeadShardedNorm(ParallelStyle):
-    """A norm over ``head_dim`` applied to ``[batch, seq, local heads, head_dim]``: the input
-    is the TP rank's shard of the heads (dim 2), the weight replicated. DTensor then knows
-    the weight's gradient is a partial sum over the group (`reduce_tp_gradients` sums it).
-    Any other input shape is refused at the first forward, never normalised wrongly."""
+class _HeadShardedNorm(SequenceParallel):
+    """A norm over ``head_dim`` applied to ``[batch, seq, local heads, head_dim]``: torch's
+    `SequenceParallel` with the heads (dim 2) as the sharded dimension, so the weight is
+    replicated and DTensor knows its gradient is a partial sum over the group
+    (`reduce_tp_gradients` sums it). Any other input shape is refused at the first forward,
+    never normalised wrongly."""
 
-    def _apply(self, module: nn.Module, device_mesh: object) -> nn.Module:
-        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+    def __init__(self) -> None:
+        super().__init__(sequence_dim=2, use_local_output=True)
 
-        def check_and_shard(mod: nn.Module, inputs: tuple, mesh: object) -> tuple:
-            x, *rest = inputs
-            width = mod.weight.shape[-1]
-            if isinstance(x, DTensor) or x.dim() != 4 or x.shape[-1] != width:
-                raise ValueError(
-                    f"{type(mod).__name__} under tensor parallelism expects the local heads "
-                    f"[batch, seq, heads, head_dim={width}], got "
-                    f"{type(x).__name__} {tuple(x.shape)}; this model's per-head norm cannot "
-                    "be sharded by head."
-                )
-            return (DTensor.from_local(x, mesh, [Shard(2)], run_check=False), *rest)
-
-        def replicate(name: str, mod: nn.Module, mesh: object) -> None:
-            for p_name, param in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(p_name, nn.Parameter(
-                    DTensor.from_local(param.data, mesh, [Replicate()], run_check=False),
-                    requires_grad=param.requires_grad))
-
-        return distribute_module(
-            module, device_mesh, replicate, input_fn=check_and_shard,
-            output_fn=lambda mod, out, mesh: out.to_local())
+    @staticmethod
+    def _prepare_input_fn(sequence_sharding, mod, inputs, device_mesh):
+        x = inputs[0]
+        width = mod.weight.shape[-1]
+        if isinstance(x, DTensor) or x.dim() != 4 or x.shape[-1] != width:
+            raise ValueError(
+                f"{type(mod).__name__} under tensor parallelism expects the local heads "
+                f"[batch, seq, heads, head_dim={width}], got "
+                f"{type(x).__name__} {tuple(x.shape)}; this model's per-head norm cannot "
+                "be sharded by head."
+            )
+        return SequenceParallel._prepare_input_fn(sequence_sharding, mod, inputs, device_mesh)
 
 
 class _Replicated(ParallelStyle):
