@@ -210,8 +210,9 @@ def feature_activity(family: Family) -> dict[str, float]:
     return {name: abs(first_loss(off) - on) / on for name, off in family.features.items()}
 
 
-def longctx_training(family: Family, strategy: str) -> dict[str, Any]:
-    """The trainer's path (probe, model, sharding, step) on this process group."""
+def longctx_training(family: Family, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The trainer's path (probe, model, sharding, step) on this process group, with the
+    layout `overrides` (a strategy of STRATEGIES, or tensor parallelism)."""
     import torch.distributed as dist
 
     from longctx_cli.errors import UserError
@@ -220,13 +221,13 @@ def longctx_training(family: Family, strategy: str) -> dict[str, Any]:
     from longctx_cli.runtime.model import build_model, decoder_and_head
     from longctx_cli.train.loop import check_fidelity, make_optimizer, train_step
 
-    config = make_config(family, STRATEGIES[strategy][1])
+    config = make_config(family, overrides)
     try:
         check_fidelity(config)
     except UserError as e:
         return {"refused": str(e)}
     parallel = init_parallel(config, torch.device("cpu"))
-    model = build_model(config)
+    model = build_model(config, tp=parallel.tp)
     decoder, head = decoder_and_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(config, params)
@@ -236,14 +237,16 @@ def longctx_training(family: Family, strategy: str) -> dict[str, Any]:
         result = train_step(model, decoder, head, params, optimizer, batches, config,
                             torch.device("cpu"), use_fsdp=False)
         losses.append(result.loss)
-    weights = _weights(model) if dist.get_rank() == 0 else None
-    return {"losses": losses, "weights": weights}
+    weights = _weights(model)  # every rank: gathering TP shards is collective
+    return {"losses": losses, "weights": weights if dist.get_rank() == 0 else None}
 
 
 def _weights(model: torch.nn.Module) -> dict[str, Any]:
     # numpy arrays: pickled by value between processes (tensors would travel as shared
     # memory handles that die with the worker).
-    return {k: v.detach().double().numpy().copy() for k, v in model.state_dict().items()}
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+             for k, v in model.state_dict().items()}
+    return {k: v.detach().double().numpy().copy() for k, v in state.items()}
 
 
 def compare(run: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
@@ -276,7 +279,7 @@ def sp1_worker(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
         if family.name not in names:
             continue
         reference = reference_training(family)
-        run = longctx_training(family, "sp1 vs the model")
+        run = longctx_training(family, STRATEGIES["sp1 vs the model"][1])
         out[family.name] = {
             "reference": reference,
             "activity": feature_activity(family),
@@ -290,9 +293,9 @@ def sp2_worker(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
     for family in FAMILIES:
         if family.name not in names:
             continue
-        for strategy, (world, _) in STRATEGIES.items():
+        for strategy, (world, overrides) in STRATEGIES.items():
             if world == 2:
-                out.setdefault(family.name, {})[strategy] = longctx_training(family, strategy)
+                out.setdefault(family.name, {})[strategy] = longctx_training(family, overrides)
     return out
 
 

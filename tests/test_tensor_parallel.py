@@ -194,6 +194,35 @@ def test_tp_sp_sends_four_collectives_per_layer_each_way():
     assert per_layer.get("allreduce_", 0) == 0, per_layer
 
 
+# ---- against the model's own Hugging Face training ------------------------------------------
+
+
+def _hf_reference_worker(rank: int, world: int) -> dict[str, dict]:
+    """TP-sp training of the families whose TP path is new (Qwen3's per-head norms, tied
+    embeddings) against the model's own training: eager attention, forward(labels=) per
+    document (tests/family_matrix.py)."""
+    from tests import family_matrix as fm
+
+    families = [next(f for f in fm.FAMILIES if f.name == "qwen3"),
+                fm.Family("llama (tied embeddings)", "llama", {"tie_word_embeddings": True})]
+    out = {}
+    for family in families:
+        run = fm.longctx_training(family, {"tensor_parallel_size": 2})
+        if rank == 0:
+            out[family.name] = fm.compare(run, fm.reference_training(family))
+    return out
+
+
+def test_tp2_equals_the_models_own_training():
+    from tests import family_matrix as fm
+
+    cells = run_distributed(_hf_reference_worker, 2, timeout_s=300)[0]
+    assert set(cells) == {"qwen3", "llama (tied embeddings)"}
+    for name, cell in cells.items():
+        assert "refused" not in cell, (name, cell)
+        assert cell["loss"] < fm.LOSS_TOL and cell["weights"] < fm.WEIGHT_TOL, (name, cell)
+
+
 # ---- whole training runs ----------------------------------------------------------------
 
 
