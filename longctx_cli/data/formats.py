@@ -248,8 +248,9 @@ def _required_text(record: dict[str, Any], key: str, where: str, optional: bool 
     return _text(value, key, where)
 
 
-def _bos(tok: PreTrainedTokenizerBase) -> list[int]:
-    """The bos id when the tokenizer puts one in front of a text by itself, else nothing."""
+def bos_prefix(tok: PreTrainedTokenizerBase) -> list[int]:
+    """[bos] when the tokenizer puts one in front of a text on its own (Llama does, GPT-2 not),
+    else nothing."""
     bos = tok.bos_token_id
     if bos is None:
         return []
@@ -257,7 +258,8 @@ def _bos(tok: PreTrainedTokenizerBase) -> list[int]:
     return [bos] if ids and ids[0] == bos else []
 
 
-def _piece(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
+def text_ids(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """The ids of `text` alone, with no special tokens added."""
     return list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
@@ -318,8 +320,8 @@ def alpaca(
     system = _required_text(record, "system", where, optional=True)
     if not output.strip():
         return [], [], "empty output"
-    prompt = _bos(tok) + _piece(tok, alpaca_prompt(spec.type, instruction, input_, system))
-    reply = _piece(tok, output)
+    prompt = bos_prefix(tok) + text_ids(tok, alpaca_prompt(spec.type, instruction, input_, system))
+    reply = text_ids(tok, output)
     if tok.eos_token_id is not None:
         reply.append(tok.eos_token_id)
     prompt_labels = list(prompt) if spec.train_on_inputs else [IGNORE_INDEX] * len(prompt)
@@ -348,7 +350,7 @@ def input_output(
                 f"segment {n} must have a string `text` and a boolean `label`, found "
                 f"{seg!r:.80}.", where=where,
                 fix='write each segment as {"label": true, "text": "..."}.')
-        piece = _piece(tok, seg["text"])
+        piece = text_ids(tok, seg["text"])
         ids += piece
         labels += piece if seg["label"] or spec.train_on_inputs else [IGNORE_INDEX] * len(piece)
     if not ids:
@@ -532,12 +534,12 @@ def encode_spans(
         return ids, labels, ""
     ids, labels, cursor = [], [], 0
     for start, end in spans:
-        before = _piece(tok, text[cursor:start])
-        inside = _piece(tok, text[start:end])
+        before = text_ids(tok, text[cursor:start])
+        inside = text_ids(tok, text[start:end])
         ids += before + inside
         labels += [IGNORE_INDEX] * len(before) + inside
         cursor = end
-    rest = _piece(tok, text[cursor:])
+    rest = text_ids(tok, text[cursor:])
     return ids + rest, labels + [IGNORE_INDEX] * len(rest), ""
 
 

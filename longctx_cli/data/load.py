@@ -76,6 +76,19 @@ def resolve(entry: DatasetConfig) -> Source:
     return Source("hub", raw)
 
 
+def source_of(entry: DatasetConfig) -> Source | None:
+    """The entry's Source, or None for generated (`passkey`) data, which reads no files."""
+    if entry.type == "passkey":
+        return None
+    if not entry.path and not entry.data_files:
+        raise UserError(
+            f"a `{entry.type}` dataset needs a `path`.",
+            where="datasets",
+            fix="set `path:` to a local file or folder, or a hub dataset id.",
+        )
+    return resolve(entry)
+
+
 def _resolve_data_files(entry: DatasetConfig) -> Source:
     names = [entry.data_files] if isinstance(entry.data_files, str) else list(entry.data_files)
     base = Path(entry.path).expanduser() if entry.path else Path(".")

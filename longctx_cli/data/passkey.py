@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from longctx_cli.constants import IGNORE_INDEX
+from longctx_cli.data.formats import bos_prefix, text_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -53,19 +54,6 @@ class PasskeySample:
         return len(self.prompt_ids) + len(self.answer_ids)
 
 
-def _ids(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
-    return list(tok(text, add_special_tokens=False)["input_ids"])
-
-
-def _bos(tok: PreTrainedTokenizerBase) -> list[int]:
-    """[bos] when the tokenizer puts one in front of a text on its own (Llama does, GPT-2 not)."""
-    bos = tok.bos_token_id
-    if bos is None:
-        return []
-    ids = tok("a")["input_ids"]
-    return [bos] if ids and ids[0] == bos else []
-
-
 def make_key(key_length: int, rng: random.Random) -> str:
     """A random key of `key_length` digits with no leading zero (so its length is exact)."""
     first = str(rng.randint(1, 9))
@@ -88,14 +76,14 @@ def make_passkey_sample(
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     key = make_key(key_length, rng)
-    head = _bos(tokenizer) + _ids(tokenizer, INTRO)
-    before_key = _ids(tokenizer, " The pass key is [")
-    key_ids = _ids(tokenizer, key)  # the same tokens in the needle and the answer
-    close = _ids(tokenizer, "]")
-    after_key = close + _ids(tokenizer, ". Remember it. [") + key_ids + _ids(
+    head = bos_prefix(tokenizer) + text_ids(tokenizer, INTRO)
+    before_key = text_ids(tokenizer, " The pass key is [")
+    key_ids = text_ids(tokenizer, key)  # the same tokens in the needle and the answer
+    close = text_ids(tokenizer, "]")
+    after_key = close + text_ids(tokenizer, ". Remember it. [") + key_ids + text_ids(
         tokenizer, "] is the pass key."
     )
-    question = _ids(tokenizer, QUESTION)
+    question = text_ids(tokenizer, QUESTION)
     answer = key_ids + close + _eos(tokenizer)
     needle = before_key + key_ids + after_key
     budget = context_len - len(head) - len(needle) - len(question) - len(answer)
@@ -125,7 +113,7 @@ def _eos(tok: PreTrainedTokenizerBase) -> list[int]:
 
 def _filler(tok: PreTrainedTokenizerBase, n: int) -> tuple[list[int], list[int]]:
     """`n` filler tokens (the last sentence may be cut) and the sentence boundaries in it."""
-    sentence = _ids(tok, FILLER)
+    sentence = text_ids(tok, FILLER)
     reps = n // len(sentence) + 1
     filler = (sentence * reps)[:n]
     boundaries = list(range(0, n + 1, len(sentence)))

@@ -1,22 +1,16 @@
-"""Tokenize, pack and cache the datasets of a config: `prepare(config) -> Prepared`.
+"""Build the prepared rows of a config: `prepare(config) -> Prepared`.
 
-The cache of one set of inputs is `<config.prepared_path>/<fingerprint>/`: configs that share
-a `dataset_prepared_path` each keep their own entry and never evict one another. An entry
-holds `train/` (and `eval/`) saved with `datasets`, the fingerprint of every input that
-determines them, the report, and a `COMPLETE` marker. It is built in a temporary folder next
-to the target and renamed into place, so a failed or interrupted run never leaves a cache
-that a later run would accept, nor damages a good one.
+Loads each dataset entry (or generates passkey samples), tokenizes it in its format, applies
+the length rules, packs the samples into rows, splits off the eval rows and writes the
+report. Whether a build is needed, and where and how its result is stored, is the cache's
+business (`longctx_cli.data.cache`); this module only fills an entry.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
-import re
-import shutil
 import sys
 import time
 import uuid
@@ -28,10 +22,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from longctx_cli.constants import IGNORE_INDEX
-from longctx_cli.data import chat_templates, formats, load, pack, passkey
+from longctx_cli.data import cache, chat_templates, formats, load, pack, passkey
+from longctx_cli.data.cache import (
+    FINGERPRINT_FILE,
+    PIPELINE_VERSION,
+    Prepared,
+    compute_fingerprint,
+    fingerprint_parts,
+)
 from longctx_cli.data.report import DatasetStats, PrepareReport, RowStats, length_histogram
-from longctx_cli.data.tokenizer import load_tokenizer, tokenizer_fingerprint
-from longctx_cli.durable import COMPLETE_MARKER, fsync_tree, swap_into_place
+from longctx_cli.data.tokenizer import load_tokenizer
 from longctx_cli.errors import UserError
 
 if TYPE_CHECKING:
@@ -40,34 +40,15 @@ if TYPE_CHECKING:
 
     from longctx_cli.config.schema import Config, DatasetConfig
 
+# The cache names are re-exported: callers import them from here.
 __all__ = [
-    "PIPELINE_VERSION", "Prepared", "PrepareReport", "compute_fingerprint", "fingerprint_parts",
-    "prepare",
+    "FINGERPRINT_FILE", "PIPELINE_VERSION", "Prepared", "PrepareReport", "compute_fingerprint",
+    "fingerprint_parts", "format_spec", "prepare", "sample_segments",
 ]
 
 log = logging.getLogger("longctx.data")
 
-# Bump when the meaning of a cached row changes, so old caches are rebuilt, not misread.
-# 2: the passkey key is bracketed.
-# 3: chat targets located by offsets (with train_on_eos), alpaca/input_output, samples
-#    shuffled before packing (shuffle_merged_datasets).
-PIPELINE_VERSION = 3
-FINGERPRINT_FILE = "fingerprint.json"
-REPORT_FILE = "report.json"
 _CHUNK_BINS = 512  # rows assembled per read of the samples table
-_FINGERPRINT_NAME = re.compile(r"^[0-9a-f]{16}$")
-_TEMPORARY_NAME = re.compile(r"^\.[0-9a-f]{16}\.(tmp|old)-")
-
-
-@dataclass
-class Prepared:
-    """The result of `prepare`: rows ready for the trainer, and what was done."""
-
-    train: Dataset
-    eval: Dataset | None
-    report: PrepareReport
-    reused: bool
-    path: str
 
 
 def prepare(
@@ -96,247 +77,30 @@ def prepare(
             fix="add an entry, e.g. `datasets: [{path: data.jsonl, type: completion}]`.",
         )
     tok = tokenizer if tokenizer is not None else load_tokenizer(config)
-    train_sources = [_resolve(e) for e in config.datasets]
-    eval_sources = [_resolve(e) for e in config.eval_datasets]
+    train_sources = [load.source_of(e) for e in config.datasets]
+    eval_sources = [load.source_of(e) for e in config.eval_datasets]
     parts = fingerprint_parts(config, tok, train_sources, eval_sources)
-    fp = _digest(parts)
-    target = Path(config.prepared_path) / fp
+    fp = cache.digest(parts)
+    target = cache.entry_path(config.prepared_path, fp)
     reason = "rebuild forced"
     if not force:
-        cached, reason = _load_cache(target, fp, parts)
-        if not target.exists():
-            reason = _compared_with_siblings(target, parts)
+        cached, reason = cache.find_entry(target, fp, parts)
         if cached is not None:
             log.info("reusing prepared data at %s (fingerprint %s)", target, fp)
             return cached
     log.info("preparing data into %s: %s", target, reason)
-    return _build_and_swap(config, tok, target, fp, parts, reason, progress,
-                           train_sources, eval_sources)
 
-
-# ---- fingerprint -------------------------------------------------------------------------
-
-
-def compute_fingerprint(config: Config, tokenizer: PreTrainedTokenizerBase) -> str:
-    """The fingerprint `prepare` would give the cache of `config` (reads the data files)."""
-    train = [_resolve(e) for e in config.datasets]
-    evals = [_resolve(e) for e in config.eval_datasets]
-    return _digest(fingerprint_parts(config, tokenizer, train, evals))
-
-
-def _resolve(entry: DatasetConfig) -> load.Source | None:
-    """The entry's Source (None for generated passkey data)."""
-    if entry.type == "passkey":
-        return None
-    if not entry.path and not entry.data_files:
-        raise UserError(
-            f"a `{entry.type}` dataset needs a `path`.",
-            where="datasets",
-            fix="set `path:` to a local file or folder, or a hub dataset id.",
-        )
-    return load.resolve(entry)
-
-
-def fingerprint_parts(
-    config: Config,
-    tok: PreTrainedTokenizerBase,
-    train_sources: list[load.Source | None],
-    eval_sources: list[load.Source | None],
-) -> dict[str, Any]:
-    """Everything that determines the prepared rows, as a JSON-able dict."""
-    return {
-        "pipeline": PIPELINE_VERSION,
-        "tokenizer": tokenizer_fingerprint(tok),
-        "sequence_len": config.sequence_len,
-        "sample_packing": config.sample_packing,
-        "excess_length_strategy": config.excess_length_strategy,
-        "seed": config.seed,
-        "val_set_size": config.val_set_size,
-        "train_on_inputs": config.train_on_inputs,
-        "shuffle_merged_datasets": config.shuffle_merged_datasets,
-        "chat_template": config.chat_template,
-        "chat_template_jinja": _jinja_part(config),
-        "named_templates": hashlib.sha256(json.dumps(chat_templates.TEMPLATES, sort_keys=True)
-                                          .encode()).hexdigest()[:16],
-        "datasets": [_entry_part(e, s) for e, s in zip(config.datasets, train_sources,
-                                                       strict=True)],
-        "eval_datasets": [_entry_part(e, s) for e, s in zip(config.eval_datasets, eval_sources,
-                                                            strict=True)],
-    }
-
-
-def _entry_part(entry: DatasetConfig, source: load.Source | None) -> dict[str, Any]:
-    part = entry.model_dump(mode="json")
-    if source is not None:
-        part["content"] = load.content_hash(source, entry)
-    return part
-
-
-def _jinja_part(config: Config) -> str | None:
-    """The custom template's text (hashed), so editing a .jinja file rebuilds the cache."""
-    if config.chat_template_jinja is None:
-        return None
-    try:
-        text = chat_templates._jinja_text(config.chat_template_jinja)
-    except UserError:
-        return None
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _digest(parts: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Names of the inputs that differ, e.g. `sequence_len`, `datasets[0].content`."""
-    diffs: list[str] = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if a == b:
-            continue
-        if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-            for i, (x, y) in enumerate(zip(a, b, strict=True)):
-                if isinstance(x, dict) and isinstance(y, dict):
-                    diffs += [f"{key}[{i}].{k}" for k in sorted(set(x) | set(y))
-                              if x.get(k) != y.get(k)]
-        else:
-            diffs.append(key)
-    return diffs
-
-
-# ---- the cache ---------------------------------------------------------------------------
-
-
-def _load_cache(target: Path, fp: str, parts: dict[str, Any]) -> tuple[Prepared | None, str]:
-    """(Prepared, "") when `target` is a complete cache with fingerprint `fp`, else (None, why)."""
-    if not target.exists():
-        return None, "no cache yet"
-    marker = target / COMPLETE_MARKER
-    if not marker.is_file():
-        return None, "the existing cache is incomplete (no completion marker)"
-    try:
-        recorded = json.loads((target / FINGERPRINT_FILE).read_text())
-    except (OSError, ValueError):
-        return None, "the existing cache has no readable fingerprint"
-    if marker.read_text().strip() != fp or recorded.get("fingerprint") != fp:
-        changed = _differences(recorded.get("parts", {}), parts)
-        return None, "inputs changed since the cache was built: " + (
-            ", ".join(changed) or "fingerprint")
-    try:
-        import datasets
-
-        train = datasets.load_from_disk(str(target / "train"))
-        eval_ds = (datasets.load_from_disk(str(target / "eval"))
-                   if (target / "eval").is_dir() else None)
-        report = PrepareReport.from_dict(json.loads((target / REPORT_FILE).read_text()))
-    except Exception as exc:  # noqa: BLE001 - any unreadable cache is simply rebuilt
-        return None, f"the existing cache is unreadable ({type(exc).__name__})"
-    report.reused = True
-    report.reason = "fingerprint matches"
-    report.path = str(target)
-    return Prepared(train, eval_ds, report, True, str(target)), ""
-
-
-def _compared_with_siblings(target: Path, parts: dict[str, Any]) -> str:
-    """Why there is no cache for these inputs: none at all, or what differs from the newest
-    cache of other inputs in the same `dataset_prepared_path`."""
-    newest = None
-    if target.parent.is_dir():
-        found = [d for d in target.parent.iterdir()
-                 if _FINGERPRINT_NAME.match(d.name) and (d / COMPLETE_MARKER).is_file()]
-        newest = max(found, key=lambda d: (d / COMPLETE_MARKER).stat().st_mtime, default=None)
-    if newest is None:
-        return "no cache yet"
-    try:
-        recorded = json.loads((newest / FINGERPRINT_FILE).read_text()).get("parts", {})
-    except (OSError, ValueError):
-        return "no cache yet for these inputs"
-    changed = _differences(recorded, parts)
-    return (f"no cache yet for these inputs (the newest cache there, {newest.name}, differs "
-            f"in: {', '.join(changed) or 'fingerprint'})")
-
-
-def _build_and_swap(
-    config: Config, tok: PreTrainedTokenizerBase, target: Path, fp: str, parts: dict[str, Any],
-    reason: str, progress: bool, train_sources: list, eval_sources: list,
-) -> Prepared:
-    _check_replaceable(target.parent)
-    created_root = not target.parent.exists()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(target)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    def fill(tmp: Path) -> PrepareReport:
         started = time.monotonic()
         with _progress_bars(progress):
             report = _build(config, tok, tmp, train_sources, eval_sources, progress)
-        report.fingerprint, report.reason = fp, reason
-        report.path = str(target)
         report.seconds = time.monotonic() - started
-        shutil.rmtree(tmp / "work", ignore_errors=True)
-        (tmp / FINGERPRINT_FILE).write_text(json.dumps({"fingerprint": fp, "parts": parts},
-                                                       indent=1, sort_keys=True))
-        (tmp / REPORT_FILE).write_text(json.dumps(report.to_dict(), indent=1))
-        fsync_tree(tmp)
-        (tmp / COMPLETE_MARKER).write_text(fp)  # last: only a finished cache carries it
-        swap_into_place(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if created_root:
-            with contextlib.suppress(OSError):
-                target.parent.rmdir()  # only when empty: leave nothing of a failed first build
-        raise
-    prepared, why = _load_cache(target, fp, parts)
-    if prepared is None:  # another process replaced it between our rename and this read
-        raise UserError(f"the cache at {target} changed while it was being written ({why}).",
-                        fix="run one `preprocess` at a time for a given dataset_prepared_path.")
-    prepared.report.reused = False
-    prepared.report.reason = reason
-    prepared.reused = False
-    return prepared
+        return report
+
+    return cache.write_entry(target, fp, parts, reason, fill)
 
 
-def _check_replaceable(root: Path) -> None:
-    """Refuse to write into a `dataset_prepared_path` that holds anything but our caches
-    (entries named by fingerprint, their temporaries, or a cache of the older one-entry
-    layout) or is not a folder."""
-    if not root.exists():
-        return
-    if root.is_dir() and all(_is_ours(child) for child in root.iterdir()):
-        return
-    raise UserError(
-        f"dataset_prepared_path {str(root)!r} exists and is not a longctx data cache; "
-        "it will not be overwritten.",
-        where="dataset_prepared_path",
-        fix="point `dataset_prepared_path` at a new folder, or remove that one.",
-    )
-
-
-def _is_ours(child: Path) -> bool:
-    name = child.name
-    return (bool(_FINGERPRINT_NAME.match(name)) or bool(_TEMPORARY_NAME.match(name))
-            or name in (COMPLETE_MARKER, FINGERPRINT_FILE, REPORT_FILE, "train", "eval"))
-
-
-def _remove_stale_temporaries(target: Path) -> None:
-    """Delete temp folders of builds whose process is gone (crashed or killed runs)."""
-    for stale in target.parent.glob(f".{target.name}.tmp-*"):
-        pid = stale.name.split("-")[-2]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-    for old in target.parent.glob(f".{target.name}.old-*"):
-        if target.exists():
-            shutil.rmtree(old, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+# ---- progress ----------------------------------------------------------------------------
 
 
 def _on_terminal() -> bool:
@@ -378,7 +142,7 @@ def _build(
     eval_sources: list, progress: bool,
 ) -> PrepareReport:
     """Write `train/` (and `eval/`) into `tmp`; intermediate files go to `tmp/work`."""
-    work = tmp / "work"
+    work = tmp / cache.SCRATCH_DIR
     work.mkdir()
     report = PrepareReport(config.sequence_len, config.sample_packing,
                            config.excess_length_strategy)
@@ -396,10 +160,10 @@ def _build(
     elif config.shuffle_merged_datasets:
         train_rows = train_rows.shuffle(seed=config.seed)
     report.train = _row_stats(train_rows, config.sequence_len)
-    train_rows.save_to_disk(str(tmp / "train"))
+    train_rows.save_to_disk(str(tmp / cache.TRAIN_DIR))
     if eval_rows is not None:
         report.eval = _row_stats(eval_rows, config.sequence_len)
-        eval_rows.save_to_disk(str(tmp / "eval"))
+        eval_rows.save_to_disk(str(tmp / cache.EVAL_DIR))
     return report
 
 

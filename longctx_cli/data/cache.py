@@ -1,0 +1,303 @@
+"""The prepared-data cache: fingerprints of the inputs, and the life of a cache entry.
+
+The cache of one set of inputs is `<config.prepared_path>/<fingerprint>/`: configs that share
+a `dataset_prepared_path` each keep their own entry and never evict one another. An entry
+holds `train/` (and `eval/`) saved with `datasets`, the fingerprint of every input that
+determines them, the report, and a `COMPLETE` marker. It is built in a temporary folder next
+to the target and renamed into place, so a failed or interrupted run never leaves a cache
+that a later run would accept, nor damages a good one.
+
+This module decides where an entry lives, whether it can be reused (and why not), and how it
+is written; what goes into `train/` and `eval/` is `prepare`'s business.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from longctx_cli.data import chat_templates, load
+from longctx_cli.data.report import PrepareReport
+from longctx_cli.data.tokenizer import tokenizer_fingerprint
+from longctx_cli.durable import COMPLETE_MARKER, fsync_tree, swap_into_place
+from longctx_cli.errors import UserError
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerBase
+
+    from longctx_cli.config.schema import Config, DatasetConfig
+
+__all__ = [
+    "EVAL_DIR", "FINGERPRINT_FILE", "PIPELINE_VERSION", "REPORT_FILE", "SCRATCH_DIR", "TRAIN_DIR",
+    "Prepared", "compute_fingerprint", "digest", "entry_path", "find_entry", "fingerprint_parts",
+    "write_entry",
+]
+
+# Bump when the meaning of a cached row changes, so old caches are rebuilt, not misread.
+# 2: the passkey key is bracketed.
+# 3: chat targets located by offsets (with train_on_eos), alpaca/input_output, samples
+#    shuffled before packing (shuffle_merged_datasets).
+PIPELINE_VERSION = 3
+
+# The layout of an entry.
+FINGERPRINT_FILE = "fingerprint.json"
+REPORT_FILE = "report.json"
+TRAIN_DIR = "train"
+EVAL_DIR = "eval"
+SCRATCH_DIR = "work"  # the builder's intermediate files; removed before the entry is sealed
+
+_FINGERPRINT_NAME = re.compile(r"^[0-9a-f]{16}$")
+_TEMPORARY_NAME = re.compile(r"^\.[0-9a-f]{16}\.(tmp|old)-")
+
+
+@dataclass
+class Prepared:
+    """The result of `prepare`: rows ready for the trainer, and what was done."""
+
+    train: Dataset
+    eval: Dataset | None
+    report: PrepareReport
+    reused: bool
+    path: str
+
+
+# ---- fingerprint -------------------------------------------------------------------------
+
+
+def compute_fingerprint(config: Config, tokenizer: PreTrainedTokenizerBase) -> str:
+    """The fingerprint `prepare` would give the cache of `config` (reads the data files)."""
+    train = [load.source_of(e) for e in config.datasets]
+    evals = [load.source_of(e) for e in config.eval_datasets]
+    return digest(fingerprint_parts(config, tokenizer, train, evals))
+
+
+def fingerprint_parts(
+    config: Config,
+    tok: PreTrainedTokenizerBase,
+    train_sources: list[load.Source | None],
+    eval_sources: list[load.Source | None],
+) -> dict[str, Any]:
+    """Everything that determines the prepared rows, as a JSON-able dict."""
+    return {
+        "pipeline": PIPELINE_VERSION,
+        "tokenizer": tokenizer_fingerprint(tok),
+        "sequence_len": config.sequence_len,
+        "sample_packing": config.sample_packing,
+        "excess_length_strategy": config.excess_length_strategy,
+        "seed": config.seed,
+        "val_set_size": config.val_set_size,
+        "train_on_inputs": config.train_on_inputs,
+        "shuffle_merged_datasets": config.shuffle_merged_datasets,
+        "chat_template": config.chat_template,
+        "chat_template_jinja": _jinja_part(config),
+        "named_templates": hashlib.sha256(json.dumps(chat_templates.TEMPLATES, sort_keys=True)
+                                          .encode()).hexdigest()[:16],
+        "datasets": [_entry_part(e, s) for e, s in zip(config.datasets, train_sources,
+                                                       strict=True)],
+        "eval_datasets": [_entry_part(e, s) for e, s in zip(config.eval_datasets, eval_sources,
+                                                            strict=True)],
+    }
+
+
+def digest(parts: dict[str, Any]) -> str:
+    """The fingerprint of `fingerprint_parts`: 16 hex digits, also the entry's folder name."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _entry_part(entry: DatasetConfig, source: load.Source | None) -> dict[str, Any]:
+    part = entry.model_dump(mode="json")
+    if source is not None:
+        part["content"] = load.content_hash(source, entry)
+    return part
+
+
+def _jinja_part(config: Config) -> str | None:
+    """The custom template's text (hashed), so editing a .jinja file rebuilds the cache."""
+    if config.chat_template_jinja is None:
+        return None
+    try:
+        text = chat_templates._jinja_text(config.chat_template_jinja)
+    except UserError:
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Names of the inputs that differ, e.g. `sequence_len`, `datasets[0].content`."""
+    diffs: list[str] = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if a == b:
+            continue
+        if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                if isinstance(x, dict) and isinstance(y, dict):
+                    diffs += [f"{key}[{i}].{k}" for k in sorted(set(x) | set(y))
+                              if x.get(k) != y.get(k)]
+        else:
+            diffs.append(key)
+    return diffs
+
+
+# ---- reading an entry --------------------------------------------------------------------
+
+
+def entry_path(prepared_path: str | Path, fingerprint: str) -> Path:
+    """Where the entry of `fingerprint` lives under a `dataset_prepared_path`."""
+    return Path(prepared_path) / fingerprint
+
+
+def find_entry(target: Path, fp: str, parts: dict[str, Any]) -> tuple[Prepared | None, str]:
+    """(Prepared, "") when `target` is a complete entry with fingerprint `fp`, else (None, why
+    it cannot be reused), the why naming the inputs that changed where it can tell."""
+    if not target.exists():
+        return None, _compared_with_siblings(target, parts)
+    return _load_entry(target, fp, parts)
+
+
+def _load_entry(target: Path, fp: str, parts: dict[str, Any]) -> tuple[Prepared | None, str]:
+    """(Prepared, "") when `target` is a complete cache with fingerprint `fp`, else (None, why)."""
+    if not target.exists():
+        return None, "no cache yet"
+    marker = target / COMPLETE_MARKER
+    if not marker.is_file():
+        return None, "the existing cache is incomplete (no completion marker)"
+    try:
+        recorded = json.loads((target / FINGERPRINT_FILE).read_text())
+    except (OSError, ValueError):
+        return None, "the existing cache has no readable fingerprint"
+    if marker.read_text().strip() != fp or recorded.get("fingerprint") != fp:
+        changed = _differences(recorded.get("parts", {}), parts)
+        return None, "inputs changed since the cache was built: " + (
+            ", ".join(changed) or "fingerprint")
+    try:
+        import datasets
+
+        train = datasets.load_from_disk(str(target / TRAIN_DIR))
+        eval_ds = (datasets.load_from_disk(str(target / EVAL_DIR))
+                   if (target / EVAL_DIR).is_dir() else None)
+        report = PrepareReport.from_dict(json.loads((target / REPORT_FILE).read_text()))
+    except Exception as exc:  # noqa: BLE001 - any unreadable cache is simply rebuilt
+        return None, f"the existing cache is unreadable ({type(exc).__name__})"
+    report.reused = True
+    report.reason = "fingerprint matches"
+    report.path = str(target)
+    return Prepared(train, eval_ds, report, True, str(target)), ""
+
+
+def _compared_with_siblings(target: Path, parts: dict[str, Any]) -> str:
+    """Why there is no cache for these inputs: none at all, or what differs from the newest
+    cache of other inputs in the same `dataset_prepared_path`."""
+    newest = None
+    if target.parent.is_dir():
+        found = [d for d in target.parent.iterdir()
+                 if _FINGERPRINT_NAME.match(d.name) and (d / COMPLETE_MARKER).is_file()]
+        newest = max(found, key=lambda d: (d / COMPLETE_MARKER).stat().st_mtime, default=None)
+    if newest is None:
+        return "no cache yet"
+    try:
+        recorded = json.loads((newest / FINGERPRINT_FILE).read_text()).get("parts", {})
+    except (OSError, ValueError):
+        return "no cache yet for these inputs"
+    changed = _differences(recorded, parts)
+    return (f"no cache yet for these inputs (the newest cache there, {newest.name}, differs "
+            f"in: {', '.join(changed) or 'fingerprint'})")
+
+
+# ---- writing an entry --------------------------------------------------------------------
+
+
+def write_entry(
+    target: Path, fp: str, parts: dict[str, Any], reason: str,
+    fill: Callable[[Path], PrepareReport],
+) -> Prepared:
+    """Build the entry `target` and put it in place atomically; the entry read back.
+
+    `fill(tmp)` writes `TRAIN_DIR` (and `EVAL_DIR`) into the temporary folder `tmp`, keeps
+    its intermediate files under `SCRATCH_DIR`, and returns the report. Concurrent writers
+    each fill their own temporary folder, and only one of them ends up in place.
+    """
+    _check_replaceable(target.parent)
+    created_root = not target.parent.exists()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(target)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        report = fill(tmp)
+        report.fingerprint, report.reason = fp, reason
+        report.path = str(target)
+        shutil.rmtree(tmp / SCRATCH_DIR, ignore_errors=True)
+        (tmp / FINGERPRINT_FILE).write_text(json.dumps({"fingerprint": fp, "parts": parts},
+                                                       indent=1, sort_keys=True))
+        (tmp / REPORT_FILE).write_text(json.dumps(report.to_dict(), indent=1))
+        fsync_tree(tmp)
+        (tmp / COMPLETE_MARKER).write_text(fp)  # last: only a finished cache carries it
+        swap_into_place(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if created_root:
+            with contextlib.suppress(OSError):
+                target.parent.rmdir()  # only when empty: leave nothing of a failed first build
+        raise
+    prepared, why = _load_entry(target, fp, parts)
+    if prepared is None:  # another process replaced it between our rename and this read
+        raise UserError(f"the cache at {target} changed while it was being written ({why}).",
+                        fix="run one `preprocess` at a time for a given dataset_prepared_path.")
+    prepared.report.reused = False
+    prepared.report.reason = reason
+    prepared.reused = False
+    return prepared
+
+
+def _check_replaceable(root: Path) -> None:
+    """Refuse to write into a `dataset_prepared_path` that holds anything but our caches
+    (entries named by fingerprint, their temporaries, or a cache of the older one-entry
+    layout) or is not a folder."""
+    if not root.exists():
+        return
+    if root.is_dir() and all(_is_ours(child) for child in root.iterdir()):
+        return
+    raise UserError(
+        f"dataset_prepared_path {str(root)!r} exists and is not a longctx data cache; "
+        "it will not be overwritten.",
+        where="dataset_prepared_path",
+        fix="point `dataset_prepared_path` at a new folder, or remove that one.",
+    )
+
+
+def _is_ours(child: Path) -> bool:
+    name = child.name
+    return (bool(_FINGERPRINT_NAME.match(name)) or bool(_TEMPORARY_NAME.match(name))
+            or name in (COMPLETE_MARKER, FINGERPRINT_FILE, REPORT_FILE, TRAIN_DIR, EVAL_DIR))
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    """Delete temp folders of builds whose process is gone (crashed or killed runs)."""
+    for stale in target.parent.glob(f".{target.name}.tmp-*"):
+        pid = stale.name.split("-")[-2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    for old in target.parent.glob(f".{target.name}.old-*"):
+        if target.exists():
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
