@@ -29,17 +29,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from longctx_cli.layout import Layout
 from longctx_cli.parallel import (
-    build_parallel_groups,
+    ParallelState,
+    build_parallel_state,
     make_sp_meta,
-    single_process_context,
     slice_sequence,
     sp_attention,
 )
 
 HEADS, DIM = 8, 64
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-CONTEXTS: dict = {}  # (sp, layout) -> SPContext, built once per process
+CONTEXTS: dict = {}  # (sp, layout) -> ParallelState, built once per process
 VARIANTS = ["sdpa", "torch_sp1", "torch_sp2_contiguous", "torch_sp2_zigzag"]
 
 
@@ -186,11 +187,10 @@ def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # one core per rank, as on the 2-core reference machine
     store = dist.FileStore(os.path.join(store_dir, "store"), 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    CONTEXTS[(1, "contiguous")] = single_process_context(kernel="torch")
+    CONTEXTS[(1, "contiguous")] = ParallelState()
     for layout in ("contiguous", "zigzag"):
-        _, CONTEXTS[(2, layout)] = build_parallel_groups(
-            sp=2, layout=layout, heads_k_stride=args.heads_k_stride, kernel="torch"
-        )
+        CONTEXTS[(2, layout)] = build_parallel_state(Layout(
+            sp=2, sharding=layout, heads_k_stride=args.heads_k_stride, kernel="torch"))
     results = run_variants(args)
     if rank == 0:
         payload = {"heads": HEADS, "dim": DIM, "threads_per_rank": 1, "results": results}

@@ -23,7 +23,6 @@ at once so that the resident set follows live tensors.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -60,22 +59,22 @@ def _measure(step: Callable[[], None]) -> tuple[float, float]:
 
 def _contexts(world: int, ulysses_degree: int) -> dict[str, Any]:
     """Every SP context the variants need; groups are created once, in the same order on all."""
-    from longctx_cli.parallel import build_parallel_groups
+    from longctx_cli.layout import Layout
+    from longctx_cli.parallel import build_parallel_state
 
-    _, ring = build_parallel_groups(sp=world, mode="ring", kernel="torch")
+    ring = build_parallel_state(Layout(sp=world, mode="ring", kernel="torch"))
     ctxs = {
         "ring_contiguous": ring,
-        "ring_zigzag": dataclasses.replace(ring, layout="zigzag"),
-        "ulysses": dataclasses.replace(ring, mode="ulysses"),
-        "ulysses_zigzag": dataclasses.replace(ring, mode="ulysses", layout="zigzag"),
+        "ring_zigzag": ring.with_layout(sharding="zigzag"),
+        "ulysses": ring.with_layout(mode="ulysses", ulysses=world),
+        "ulysses_zigzag": ring.with_layout(mode="ulysses", ulysses=world, sharding="zigzag"),
     }
     if world > 2 and world % ulysses_degree == 0:
-        _, hyb = build_parallel_groups(
-            sp=world, mode="hybrid", ulysses_degree=ulysses_degree, kernel="torch"
-        )
+        hyb = build_parallel_state(Layout(sp=world, mode="hybrid", ulysses=ulysses_degree,
+                                          kernel="torch"))
         u, r = ulysses_degree, world // ulysses_degree
         ctxs[f"hybrid_{u}x{r}_contiguous"] = hyb
-        ctxs[f"hybrid_{u}x{r}_zigzag"] = dataclasses.replace(hyb, layout="zigzag")
+        ctxs[f"hybrid_{u}x{r}_zigzag"] = hyb.with_layout(sharding="zigzag")
     return ctxs
 
 

@@ -48,22 +48,22 @@ sys.path.insert(0, str(ROOT))
 from longctx_cli.config import config_from_dict  # noqa: E402
 from longctx_cli.config.memory import attention_softcap, estimate_memory, tiled_scores_run  # noqa: E402
 from longctx_cli.config.model_shape import ModelShape  # noqa: E402
-from longctx_cli.kernel_choice import choose_kernel  # noqa: E402
-from longctx_cli.parallel import AttentionFeatures, SPContext, shard_batch  # noqa: E402
+from longctx_cli.kernel_choice import Platform, choose_kernel, flash_kernels_import  # noqa: E402
+from longctx_cli.layout import Layout  # noqa: E402
+from longctx_cli.parallel import AttentionFeatures, ParallelState, shard_batch  # noqa: E402
 from longctx_cli.parallel.kernels import (  # noqa: E402
     doc_causal_backward,
     doc_causal_forward,
     full_row_segments,
 )
-from longctx_cli.parallel.mesh import flash_available, single_process_context  # noqa: E402
-from longctx_cli.parallel.sharding import local_ranges, segments_for  # noqa: E402
+from longctx_cli.parallel.sharding import segments_for  # noqa: E402
 from longctx_cli.parallel.torch_flash import flash_applies  # noqa: E402
 from longctx_cli.runtime.batches import to_device  # noqa: E402
 from longctx_cli.runtime.memory import activation_offload  # noqa: E402
 from longctx_cli.runtime.model import build_model, decoder_and_head, model_config_of  # noqa: E402
-from longctx_cli.train.loop import forward_loss_sum  # noqa: E402
+from longctx_cli.train.step import forward_loss_sum  # noqa: E402
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LLAMA_1B = {  # TinyLlama-1.1B's shape
     "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
     "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4,
@@ -105,7 +105,7 @@ def strategy_shares(name: str, total: int, cu: list[int], hq: int, hkv: int) -> 
     r = n // u  # ranks of the ring; under hybrid each holds a Ulysses group's tokens
     shares = []
     for rank in range(r):
-        ranges = local_ranges(total, SPContext(sp_rank=rank, sp_size=r, layout=layout))
+        ranges = Layout(sp=r, sharding=layout).local_ranges(total, rank)
         segs = segments_for(cu, ranges)
         shares += [(list(ranges), segs, *head_slices(j, u, hq, hkv)) for j in range(u)]
     return shares
@@ -264,7 +264,7 @@ def longctx_steps(config, device: torch.device, steps: int) -> tuple[float, int 
     decoder, head = decoder_and_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
-    ctx = single_process_context(kernel=config.attention_kernel)
+    ctx = ParallelState(Layout(kernel=config.attention_kernel))
     n = config.sequence_len
     ids = torch.randint(1, model_config_of(config).vocab_size, (n,))
     batch = to_device(shard_batch(ids, torch.arange(n), ids, ctx), device)
@@ -273,7 +273,7 @@ def longctx_steps(config, device: torch.device, steps: int) -> tuple[float, int 
         sync(device)
         start = time.perf_counter()
         with activation_offload(config.activation_offloading):
-            (forward_loss_sum(decoder, head, batch, config) / n).backward()
+            (forward_loss_sum(decoder, head, batch, config, ctx) / n).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync(device)
@@ -341,6 +341,11 @@ def throughput(device: torch.device, dry: bool) -> list[dict]:
     return results
 
 
+def flash_available() -> bool:
+    """CUDA, and flash-attn 2 + ring-flash-attn really import (what `auto` looks at)."""
+    return torch.cuda.is_available() and flash_kernels_import() is None
+
+
 def importable(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
@@ -360,8 +365,7 @@ def longest(device: torch.device, dry: bool, max_trials: int) -> dict:
     cuda = device.type == "cuda"
     options = {"adapter": "lora", "lora_r": 16, "lora_target_modules": "all-linear",
                "activation_offloading": True, "tiled_mlp": True, "loss_chunk_size": 4096}
-    kernel = choose_kernel("auto", cuda=cuda, flash_attn=flash_available(),
-                           dtype="bfloat16").kernel
+    kernel = choose_kernel("auto", platform=Platform.detect(), dtype="bfloat16").kernel
     if not cuda:  # the dry run exercises the GPU's kernel through the stand-in
         kernel = "torch_flash"
     n, step = (128, 128) if dry else (32768, 16384)

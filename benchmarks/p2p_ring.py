@@ -84,13 +84,15 @@ def _compute_only_step(ctx: Any, tokens: int, heads: int, dim: int) -> Callable[
 
 
 def _steps(args: argparse.Namespace, tokens: int) -> dict[str, Callable[[], None]]:
-    from longctx_cli.parallel import build_parallel_groups
+    from longctx_cli.layout import Layout
+    from longctx_cli.parallel import build_parallel_state
 
     steps = {}
     for name, (func, layout) in RINGS.items():
         if name not in args.variants:
             continue
-        _, ctx = build_parallel_groups(sp=4, layout=layout, ring_attn_func=func, kernel="torch")
+        ctx = build_parallel_state(Layout(sp=4, sharding=layout, ring_attn_func=func,
+                                          kernel="torch"))
         steps[name] = _sp_step(ctx, tokens, args.heads, args.dim)
         if name == "batch_zigzag":
             single = dataclasses.replace(ctx, sp_group=None)  # geometry only, no ring

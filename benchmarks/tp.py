@@ -18,6 +18,7 @@ AdamW. The table adds the communication volume each layout implies per rank and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -33,11 +34,11 @@ import train_step as ts  # noqa: E402  (the shared helpers of the train-step ben
 
 from longctx_cli.config import config_from_dict  # noqa: E402
 from longctx_cli.config.model_shape import ModelShape  # noqa: E402
-from longctx_cli.parallel import build_parallel_groups, shard_batch  # noqa: E402
-from longctx_cli.parallel.tensor_parallel import build_tp_mesh, reduce_tp_gradients  # noqa: E402
+from longctx_cli.layout import Layout  # noqa: E402
+from longctx_cli.parallel import build_parallel_state, shard_batch  # noqa: E402
 from longctx_cli.runtime.model import build_model, decoder_and_head, model_config_of  # noqa: E402
-from longctx_cli.train.loop import forward_loss_sum  # noqa: E402
 from longctx_cli.train.loss import valid_token_count  # noqa: E402
+from longctx_cli.train.step import forward_loss_sum, sum_gradients  # noqa: E402
 
 LAYOUTS = {  # name -> (tp, sp, mode)
     "sp1": (1, 1, "ring"),
@@ -98,13 +99,12 @@ def build_contexts() -> None:
     """Every layout's groups; new_group is collective, so every rank builds all of them."""
     world = dist.get_world_size()
     for name, (tp, sp, mode) in LAYOUTS.items():
-        active = tp * sp
         if tp == 1:
-            _, ctx = build_parallel_groups(sp=sp, mode=mode, kernel="torch")
+            ctx = build_parallel_state(Layout.filling(world, sp=sp, mode=mode, kernel="torch"))
         else:
             # The mesh covers the world: ranks beyond the layout form other (idle) TP groups.
-            _, ctx = build_parallel_groups(sp=sp, mode=mode, kernel="torch", tp=tp)
-            ctx.tp = build_tp_mesh(world // active, sp, tp)
+            ctx = build_parallel_state(Layout.filling(world, sp=sp, mode=mode, kernel="torch",
+                                                      tp=tp))
         CONTEXTS[name] = ctx
 
 
@@ -116,7 +116,7 @@ def run_step(name: str, tokens: int) -> tuple[float, float] | None:
     ctx = CONTEXTS[name]
     base = ts.rss_bytes()
     ts.reset_peak()
-    model = build_model(config, tp=ctx.tp)
+    model = build_model(config, ctx)
     decoder, head = decoder_and_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
@@ -124,10 +124,11 @@ def run_step(name: str, tokens: int) -> tuple[float, float] | None:
     batch = shard_batch(*ts.synthetic_row(tokens, ts.MODEL["vocab_size"]), ctx, 0)
     count = torch.tensor([float(valid_token_count(batch.shift_labels))])
     start = time.perf_counter()
-    loss = forward_loss_sum(decoder, head, batch, config)
+    loss = forward_loss_sum(decoder, head, batch, config, ctx)
     (loss / count).backward()
-    if ctx.tp is not None:
-        reduce_tp_gradients(params, ctx.sp_group)
+    if ctx.tp_size > 1:
+        # The TP partial sums, then the sum over this layout's SP ranks (not the idle ones).
+        sum_gradients(params, dataclasses.replace(ctx, replica_group=ctx.sp_group))
     elif ctx.sp_group is not None:
         for p in params:
             dist.all_reduce(p.grad, group=ctx.sp_group)

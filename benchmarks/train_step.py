@@ -34,11 +34,12 @@ import torch.multiprocessing as mp
 from longctx_cli.config import Config, config_from_dict
 from longctx_cli.config.memory import estimate_memory
 from longctx_cli.config.model_shape import ModelShape
-from longctx_cli.parallel import build_parallel_groups, shard_batch
+from longctx_cli.layout import Layout
+from longctx_cli.parallel import build_parallel_state, shard_batch
 from longctx_cli.runtime.memory import activation_offload, apply_tiled_mlp
 from longctx_cli.runtime.model import build_model, decoder_and_head, model_config_of
-from longctx_cli.train.loop import forward_loss_sum
 from longctx_cli.train.loss import valid_token_count
+from longctx_cli.train.step import forward_loss_sum
 
 MODEL = {
     "model_type": "llama",
@@ -198,7 +199,7 @@ def run_step(v: Variant) -> tuple[float, float, float] | None:
         dist.all_reduce(count, group=ctx.sp_group)
     start, cpu_start = time.perf_counter(), time.thread_time()
     with activation_offload(config.activation_offloading):
-        loss = forward_loss_sum(decoder, head, batch, config)
+        loss = forward_loss_sum(decoder, head, batch, config, ctx)
         (loss / count).backward()
     if ctx.sp_group is not None:
         for p in params:
@@ -224,9 +225,9 @@ def build_contexts(strategies: list[str]) -> None:
     for s in strategies:  # new_group is collective: every rank builds every context
         sp, mode, layout, func = context_key(s)
         if (sp, mode, layout, func) not in CONTEXTS:
-            _, CONTEXTS[(sp, mode, layout, func)] = build_parallel_groups(
-                sp=sp, mode=mode, layout=layout, kernel="torch", ring_attn_func=func
-            )
+            CONTEXTS[(sp, mode, layout, func)] = build_parallel_state(Layout.filling(
+                dist.get_world_size(), sp=sp, mode=mode, sharding=layout, kernel="torch",
+                ring_attn_func=func))
 
 
 def run_rounds(variants: list[Variant], repeats: int, log: bool) -> dict[Variant, Measured]:

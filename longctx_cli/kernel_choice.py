@@ -1,30 +1,52 @@
-"""Which attention kernel runs: the one place that decides (no torch import).
+"""Which attention kernel runs: the one place that decides, from facts (no torch import at
+module load).
 
-``validate`` (config/rules.py) and every rank (parallel/mesh.py) call :func:`choose_kernel`
-with what they know about the machine, so the plan prints the kernel the ranks really run.
+``config.rules.layout_for`` calls :func:`choose_kernel` for ``validate`` and for every rank,
+so the plan prints the kernel the ranks run. The facts: what really imports on this
+machine (:class:`Platform`), the GPU's compute capability, the compute dtype, the model's
+attention (head dim, softcap, sinks, window) and the layout (sharding, ring algorithm).
 
 Kernels:
 
-* ``flash``: ring-flash-attn + flash-attn (CUDA, optional packages; contiguous sharding for
-  the llama3 ring, every layout for the P2P rings);
+* ``flash``: ring-flash-attn + flash-attn 2 (CUDA, optional packages; contiguous sharding
+  for the llama3 ring, every sharding for the P2P rings);
 * ``torch_flash``: our ring/Ulysses/hybrid with PyTorch's own flash-attention op for the
-  blocks (CUDA, bf16/fp16, no extra package, every sharding);
+  blocks (CUDA, sm80+, bf16/fp16, head dim a multiple of 8 up to 256; no extra package,
+  every sharding);
 * ``torch``: our ring/Ulysses/hybrid with pure-PyTorch blocks: the CPU flash op on CPU, the
   tiled matmul path (score tiles of ``TILE x TILE``) on CUDA.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+import importlib.util
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from longctx_cli.layout import P2P_SHARDING, flash_fits
 
 KERNELS = ("auto", "torch", "flash", "torch_flash")
 HALF_DTYPES = ("bfloat16", "float16")
 # Query rows and keys per score tile of the tiled matmul path (parallel/kernels.py _TILE).
 TILE = 1024
+# What PyTorch's flash op and flash-attn 2 both need (their kernels check the same).
+FLASH_MIN_CAPABILITY = (8, 0)
+FLASH_MAX_HEAD_DIM = 256
+# The modules of ring-flash-attn 0.1.8 longctx calls, and flash-attn 2's CUDA interface.
+RING_FLASH_MODULES = (
+    "ring_flash_attn.llama3_flash_attn_varlen",
+    "ring_flash_attn.ring_flash_attn",
+    "ring_flash_attn.zigzag_ring_flash_attn",
+    "ring_flash_attn.stripe_flash_attn",
+)
+FLASH_ATTN_MODULE = "flash_attn.flash_attn_interface"
 
 
 class KernelError(ValueError):
-    """An explicit kernel request this layout cannot run; ``fix`` says what to change."""
+    """An explicit kernel request this run cannot honour; ``fix`` says what to change."""
 
     def __init__(self, message: str, fix: str):
         super().__init__(f"{message} {fix}")
@@ -32,52 +54,213 @@ class KernelError(ValueError):
 
 
 @dataclass(frozen=True)
+class Platform:
+    """What the machine offers (tests and `validate` for a GPU job pass their own).
+
+    ``ring_flash_attn``: flash-attn 2 and the ring-flash-attn modules longctx uses import for
+    real. ``capability``: the GPU's compute capability, ``None`` when unknown (a plan made
+    for GPU machines elsewhere: assumed Ampere or newer, and the plan says so).
+    """
+
+    cuda: bool
+    ring_flash_attn: bool
+    capability: tuple[int, int] | None = None
+
+    @classmethod
+    def detect(cls) -> Platform:
+        if not _torch_may_have_gpu():
+            return cls(cuda=False, ring_flash_attn=False)
+        import torch
+
+        if not torch.cuda.is_available():
+            return cls(cuda=False, ring_flash_attn=False)
+        # flash_attn imports its CUDA extension at import time: try it only on CUDA.
+        return cls(cuda=True, ring_flash_attn=flash_kernels_import() is None,
+                   capability=tuple(torch.cuda.get_device_capability()))
+
+
+@dataclass(frozen=True)
+class ModelAttention:
+    """What the model's attention layers compute, as far as the kernel choice cares."""
+
+    head_dim: int | None = None
+    softcap: bool = False
+    sinks: bool = False
+    window: bool = False
+
+
+@dataclass(frozen=True)
 class KernelChoice:
     kernel: str  # torch | flash | torch_flash, never auto
     reason: str
+    notes: tuple[str, ...] = field(default=())
+
+
+def import_ring_flash_module(name: str) -> types.ModuleType:
+    """Import one ring-flash-attn module without running the package's ``__init__`` (which
+    imports a transformers adapter that transformers 5 no longer supports)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    if "ring_flash_attn" not in sys.modules:
+        spec = importlib.util.find_spec("ring_flash_attn")
+        if spec is None or spec.submodule_search_locations is None:
+            raise ImportError("ring-flash-attn is not installed", name="ring_flash_attn")
+        package = types.ModuleType("ring_flash_attn")
+        package.__path__ = list(spec.submodule_search_locations)
+        sys.modules["ring_flash_attn"] = package
+    return importlib.import_module(name)
+
+
+def flash_kernels_import() -> str | None:
+    """None when flash-attn 2's CUDA interface and ring-flash-attn's modules import; else why
+    not. A real import, not ``find_spec``: flash-attn 4 installs only ``flash_attn.cute``
+    under the same name, and a flash-attn built for another torch fails at import."""
+    for name in (FLASH_ATTN_MODULE, *RING_FLASH_MODULES):
+        try:
+            if name.startswith("ring_flash_attn"):
+                import_ring_flash_module(name)
+            else:
+                importlib.import_module(name)
+        except Exception as err:  # ImportError, OSError (ABI), RuntimeError (CUDA setup)
+            return f"`{name}` does not import ({type(err).__name__}: {_first_line(err)})"
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _torch_may_have_gpu() -> bool:
+    """False for a CPU-only torch build, read from its version.py without importing torch
+    (~1-2 s), so `validate` answers at once on a laptop; True (ask torch) otherwise."""
+    if "torch" in sys.modules:
+        return True  # already paid for: let torch answer
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return True  # let the import fail the usual way
+    try:
+        text = (Path(spec.origin).parent / "version.py").read_text()
+    except OSError:
+        return True
+    lines = [line.replace(" ", "") for line in text.splitlines()]
+    cpu_only = "cuda:Optional[str]=None" in lines or "cuda=None" in lines
+    has_rocm_or_xpu = any(
+        line.startswith(("hip:", "hip=", "xpu:", "xpu=")) and not line.endswith("=None")
+        for line in lines
+    )
+    return not cpu_only or has_rocm_or_xpu
+
+
+def flash_op_blockers(platform: Platform, dtype: str | None, head_dim: int | None) -> list[str]:
+    """Why flash attention (PyTorch's op or flash-attn 2) cannot run here; empty if it can."""
+    why = []
+    if not platform.cuda:
+        why.append("no CUDA GPU")
+    elif platform.capability is not None and platform.capability < FLASH_MIN_CAPABILITY:
+        major, minor = platform.capability
+        why.append(f"the GPU's compute capability is {major}.{minor} (flash attention needs "
+                   "Ampere, 8.0, or newer)")
+    if dtype is not None and dtype not in HALF_DTYPES:
+        why.append(f"dtype {dtype} (flash attention computes in bf16/fp16)")
+    if head_dim is not None and (head_dim % 8 or head_dim > FLASH_MAX_HEAD_DIM):
+        why.append(f"head_dim {head_dim} (flash attention needs a multiple of 8, at most "
+                   f"{FLASH_MAX_HEAD_DIM})")
+    return why
+
+
+def flash_attn_blockers(
+    platform: Platform, dtype: str | None, model: ModelAttention, sharding: str,
+    ring_attn_func: str, ring: int,
+) -> list[str]:
+    """Why the `flash` kernel (flash-attn 2 + ring-flash-attn) cannot run this exactly."""
+    why = flash_op_blockers(platform, dtype, model.head_dim)
+    if platform.cuda and not platform.ring_flash_attn:
+        why.append("flash-attn 2 / ring-flash-attn do not import here")
+    if model.sinks:
+        why.append("the model has attention sinks (flash-attn has no sink argument)")
+    if ring > 1:
+        p2p = ring_attn_func in P2P_SHARDING
+        if model.softcap:
+            why.append("the model softcaps attention logits (ring-flash-attn's rings do not)")
+        if p2p and model.window:
+            why.append(f"the model has a sliding window (ring-flash-attn's {ring_attn_func} "
+                       "has none)")
+        if not flash_fits(sharding, ring_attn_func):
+            why.append(f"`sp_sharding: {sharding}` (ring-flash-attn's llama3 function "
+                       "expects contiguous slices)")
+        if ring_attn_func == "batch_ring" and dtype == "float16":
+            why.append("ring-flash-attn's batch_ring returns dq in bf16 whatever the input "
+                       "dtype, which would round fp16 gradients")
+    return why
 
 
 def choose_kernel(
     requested: str,
-    layout: str = "contiguous",
     *,
-    cuda: bool,
-    flash_attn: bool,
+    platform: Platform,
     dtype: str | None = None,
+    model: ModelAttention | None = None,
+    sharding: str = "contiguous",
     ring_attn_func: str = "varlen_llama3",
+    ring: int = 1,
 ) -> KernelChoice:
-    """Resolve ``attention_kernel`` for a layout and a machine.
+    """Resolve ``attention_kernel`` for a run; an explicit request that cannot run raises
+    :class:`KernelError` with the reason and the fix.
 
-    ``flash_attn``: flash-attn and ring-flash-attn are importable; ``dtype``: the compute
-    dtype (None: unknown, taken as half precision). Explicit requests are kept as asked
-    (whether the machine can run them is for ``validate`` to say); only a layout a kernel
-    cannot compute is refused here.
+    ``dtype``: the compute dtype (None: unknown, taken as half precision). ``ring``: ranks
+    per ring (1 when there is no ring across ranks).
     """
+    model = model or ModelAttention()
     if requested not in KERNELS:
         raise KernelError(
             f"unknown attention kernel {requested!r}.", f"use one of {', '.join(KERNELS)}."
         )
-    # ring-flash-attn's llama3 varlen function expects contiguous slices; its P2P ring
-    # functions exist for each P2P layout (batch_ring / batch_zigzag / batch_stripe).
-    flash_fits = layout == "contiguous" or ring_attn_func != "varlen_llama3"
-    if requested == "flash" and not flash_fits:
-        raise KernelError(
-            f"`sp_sharding` = {layout!r} is not supported by `attention_kernel: flash` "
-            "(ring-flash-attn's llama3 varlen kernel expects contiguous slices).",
-            "set `sp_sharding: contiguous`, or `attention_kernel: torch_flash` (CUDA) or "
-            "`torch` to keep zigzag.",
-        )
-    if requested != "auto":
-        return KernelChoice(requested, "requested")
-    half = dtype is None or dtype in HALF_DTYPES
-    if cuda and flash_attn and flash_fits and half:
+    op_blockers = flash_op_blockers(platform, dtype, model.head_dim)
+    flash_blockers = flash_attn_blockers(platform, dtype, model, sharding, ring_attn_func,
+                                         ring)
+    if requested == "torch":
+        return KernelChoice("torch", "requested" + _tiled_note(platform, "torch", model, ring,
+                                                               ring_attn_func))
+    if requested == "torch_flash":
+        if op_blockers:
+            raise KernelError(
+                f"`attention_kernel: torch_flash` cannot run: {'; '.join(op_blockers)}.",
+                "use `attention_kernel: auto` (it picks what runs here) or `torch`.",
+            )
+        return KernelChoice("torch_flash", "requested" + _tiled_note(
+            platform, "torch_flash", model, ring, ring_attn_func))
+    if requested == "flash":
+        if flash_blockers:
+            raise KernelError(
+                f"`attention_kernel: flash` cannot run this exactly: "
+                f"{'; '.join(flash_blockers)}.",
+                "use `attention_kernel: auto` or `torch_flash` (PyTorch's own flash op, no "
+                "extra package, every sharding, sinks and softcaps included)"
+                + ("" if platform.ring_flash_attn or not platform.cuda else
+                   ", or install the flash extra as docs/gpu.md says") + ".",
+            )
+        return KernelChoice("flash", "requested")
+    if not flash_blockers:
         return KernelChoice("flash", "auto: CUDA, flash-attn and ring-flash-attn installed")
-    if cuda and half:
-        why = "zigzag sharding" if flash_attn else "flash-attn not installed"
-        return KernelChoice("torch_flash", f"auto: CUDA, {why}: PyTorch's flash-attention op")
-    if cuda:
-        return KernelChoice(
-            "torch", f"auto: {dtype} on CUDA: PyTorch's flash op needs bf16/fp16, so the "
-            f"tiled matmul path runs ({TILE} x {TILE} score tiles)"
-        )
-    return KernelChoice("torch", "auto: no CUDA")
+    if not op_blockers:
+        return KernelChoice("torch_flash", "auto: PyTorch's flash-attention op, not flash-attn: "
+                            + "; ".join(flash_blockers)
+                            + _tiled_note(platform, "torch_flash", model, ring,
+                                          ring_attn_func))
+    return KernelChoice("torch", "auto: " + "; ".join(op_blockers) + (
+        f": the tiled matmul path runs ({TILE} x {TILE} score tiles)" if platform.cuda else ""))
+
+
+def _tiled_note(platform: Platform, kernel: str, model: ModelAttention, ring: int,
+                ring_attn_func: str) -> str:
+    """What of the model takes the tiled matmul path under this kernel, if anything."""
+    if kernel == "torch" and platform.cuda:
+        return f": the tiled matmul path runs ({TILE} x {TILE} score tiles)"
+    if kernel == "torch_flash" and model.softcap:
+        return "; softcapped attention takes the tiled matmul path (PyTorch's flash op has no " \
+               "softcap)"
+    if kernel == "torch_flash" and ring > 1 and ring_attn_func in P2P_SHARDING:
+        return (f"; the P2P ring `{ring_attn_func}` computes its blocks on the tiled matmul path "
+                "(not yet on PyTorch's flash op)")
+    return ""

@@ -9,11 +9,13 @@ value-less logit per head in the softmax), sharing no code with the kernels.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from longctx_cli.parallel import (
     AttentionFeatures,
-    SPContext,
+    ParallelState,
     gather_sequence,
     shard_batch,
     slice_sequence,
@@ -108,7 +110,7 @@ def make_inputs(lengths: list[int], hq: int, hkv: int, multiple: int, seed: int)
 
 
 def run_case(
-    ctx: SPContext,
+    ctx: ParallelState,
     lengths: list[int],
     hq: int,
     hkv: int,
@@ -116,19 +118,35 @@ def run_case(
     window: int | None = None,
     softcap: float | None = None,
     with_sinks: bool = False,
+    autocast: torch.dtype | None = None,
+    q_scale: float = 1.0,
+    row_meta_on: str | None = None,
 ) -> dict:
-    """SP attention for one case; relative errors of out, dq, dk, dv (and dsinks) vs reference."""
-    multiple = ctx.sp_size * (2 if ctx.layout == "zigzag" else 1)
+    """SP attention for one case; relative errors of out, dq, dk, dv (and dsinks) vs reference.
+
+    ``autocast``: q/k/v/dout are rounded to that dtype and the SP call runs under CPU
+    autocast to it, as in half-precision training; the reference stays float64 on the same
+    rounded values. ``q_scale`` multiplies q (larger scores magnify rounding in them).
+    ``row_meta_on``: move the row's cu_seqlens tensor to that device first ("meta": any
+    read of its values, ``.tolist()`` or ``.item()``, raises).
+    """
+    multiple = ctx.sp_size * (2 if ctx.sharding == "zigzag" else 1)
     pos, pos_padded, q, k, v, dout = make_inputs(lengths, hq, hkv, multiple, seed)
+    q = q * q_scale
+    if autocast is not None:
+        q, k, v, dout = (x.to(autocast) for x in (q, k, v, dout))
     sink_gen = torch.Generator().manual_seed(seed + 1000)
     sinks = 1 + torch.randn(hq, generator=sink_gen) if with_sinks else None
     ids = torch.zeros_like(pos)
     meta = shard_batch(ids, pos, ids, ctx).sp_meta
+    if row_meta_on is not None:
+        meta = dataclasses.replace(meta, cu_seqlens=meta.cu_seqlens.to(row_meta_on))
     scale = DIM**-0.5
     feats = AttentionFeatures(scale=scale, window=window, softcap=softcap)
     local = [slice_sequence(x, ctx).clone().requires_grad_() for x in (q, k, v)]
     sink_leaf = None if sinks is None else sinks.clone().requires_grad_()
-    out = sp_attention(*local, meta, feats, sink_leaf)
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        out = sp_attention(*local, meta, feats, sink_leaf)
     out.backward(slice_sequence(dout, ctx))
     got = [gather_sequence(x, ctx) for x in (out.detach(), *(t.grad for t in local))]
     if sink_leaf is not None:  # each rank holds its tokens' share, as for any parameter
@@ -149,7 +167,7 @@ def run_case(
     return {n: rel_err(a, b) for n, a, b in zip(names, got, want, strict=True)}
 
 
-def feature_runs(ctx: SPContext, prefix: str) -> dict[str, dict]:
+def feature_runs(ctx: ParallelState, prefix: str) -> dict[str, dict]:
     """Every feature combination over ``FEATURE_CASES`` for one context."""
     errors = {}
     for f, (window, softcap, sinks) in FEATURES.items():

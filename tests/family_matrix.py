@@ -171,7 +171,7 @@ def make_config(family: Family, overrides: dict[str, Any] | None = None, **model
 def reference_training(family: Family) -> dict[str, Any]:
     """The model's own training: eager attention, forward(labels=) per document."""
     from longctx_cli.runtime.model import load_base_model
-    from longctx_cli.train.loop import make_optimizer
+    from longctx_cli.train.optim import make_optimizer
 
     config = make_config(family)
     model = load_base_model(config, "eager").train()
@@ -219,23 +219,25 @@ def longctx_training(family: Family, overrides: dict[str, Any]) -> dict[str, Any
     from longctx_cli.parallel.sharding import shard_batch
     from longctx_cli.runtime.distributed import init_parallel
     from longctx_cli.runtime.model import build_model, decoder_and_head
-    from longctx_cli.train.loop import check_fidelity, make_optimizer, train_step
+    from longctx_cli.train.loop import check_fidelity
+    from longctx_cli.train.optim import make_optimizer
+    from longctx_cli.train.step import train_step
 
     config = make_config(family, overrides)
     try:
         check_fidelity(config)
     except UserError as e:
         return {"refused": str(e)}
-    parallel = init_parallel(config, torch.device("cpu"))
-    model = build_model(config, tp=parallel.tp)
+    state = init_parallel(config, torch.device("cpu"))
+    model = build_model(config, state)
     decoder, head = decoder_and_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(config, params)
     losses = []
     for step in range(STEPS):
-        batches = [shard_batch(*packed_row(i), parallel.sp_ctx, 0) for i in step_rows(step)]
+        batches = [shard_batch(*packed_row(i), state, 0) for i in step_rows(step)]
         result = train_step(model, decoder, head, params, optimizer, batches, config,
-                            torch.device("cpu"), use_fsdp=False)
+                            state, use_fsdp=False)
         losses.append(result.loss)
     weights = _weights(model)  # every rank: gathering TP shards is collective
     return {"losses": losses, "weights": weights if dist.get_rank() == 0 else None}
@@ -244,8 +246,10 @@ def longctx_training(family: Family, overrides: dict[str, Any]) -> dict[str, Any
 def _weights(model: torch.nn.Module) -> dict[str, Any]:
     # numpy arrays: pickled by value between processes (tensors would travel as shared
     # memory handles that die with the worker).
+    # Each parameter once: tied input/output embeddings are one parameter (state_dict would
+    # list it twice and count its difference twice). Buffers are not trained.
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
-             for k, v in model.state_dict().items()}
+             for k, v in model.named_parameters()}
     return {k: v.detach().double().numpy().copy() for k, v in state.items()}
 
 

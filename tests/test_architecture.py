@@ -9,7 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "longctx_cli"
 
 # Top-level modules every layer may use: they import nothing of longctx_cli but each other.
-LEAVES = {"constants", "durable", "errors", "kernel_choice"}
+LEAVES = {"constants", "durable", "errors", "kernel_choice", "layout"}
 LAYERS = {"config", "data", "parallel", "runtime", "train", "eval", "cli"}
 # What each part may import from longctx_cli (besides itself).
 ALLOWED = {
@@ -19,9 +19,9 @@ ALLOWED = {
     "train": {"runtime", "parallel", "data", "config", "integrity", "preflight"} | LEAVES,
     "eval": {"runtime", "parallel", "data", "config", "integrity"} | LEAVES,
     "runtime": {"parallel", "data", "config"} | LEAVES,
-    "parallel": {"constants", "errors", "kernel_choice"},
+    "parallel": {"constants", "errors", "kernel_choice", "layout"},
     "data": {"config", "hub"} | LEAVES,
-    "config": {"constants", "errors", "hub", "kernel_choice"},
+    "config": {"constants", "errors", "hub", "kernel_choice", "layout"},
     "hub": {"errors"},
     "preflight": {"config", "data", "errors"},
     "integrity": LEAVES,
@@ -70,3 +70,40 @@ def test_import_rules():
 def test_eval_never_imports_train():
     for path in (PACKAGE / "eval").rglob("*.py"):
         assert not any(n.startswith("longctx_cli.train") for n in _imports(path)), path
+
+
+def _module_name(path: Path) -> str:
+    parts = ["longctx_cli", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_circles():
+    """No module reaches itself through imports (lazy ones included): a circle means two
+    modules share something that belongs in a third."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in _imports(path):
+            # `from package import module` names the module; else the module itself.
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name and not name.startswith(imported + "."):
+                targets.add(imported)
+        graph[name] = targets
+    circles = []
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                circles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for start in sorted(graph):
+        if start not in state:
+            visit(start, [start])
+    assert not circles, "\n".join(circles)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from longctx_cli.parallel import build_parallel_groups, shard_batch, slice_sequence, sp_attention
+from longctx_cli.parallel import shard_batch, slice_sequence, sp_attention
 from tests.distributed import run_distributed
+from tests.layouts import sp_state
 
 TOKENS, HEADS, KV_HEADS, DIM = 4096, 8, 2, 32
 DOCS = [1000, 2500, 596]  # packed documents crossing rank boundaries
@@ -37,13 +38,13 @@ def saved_bytes_of_attention(ctx) -> int:
 def memory_worker(rank: int, world_size: int) -> dict[str, int]:
     result = {}
     for layout in ("contiguous", "zigzag"):
-        _, ctx = build_parallel_groups(sp=world_size, layout=layout, heads_k_stride=1)
+        ctx = sp_state(sp=world_size, layout=layout, heads_k_stride=1)
         result[layout] = saved_bytes_of_attention(ctx)
     return result
 
 
 def test_saved_activations_scale_inversely_with_sp() -> None:
-    _, single = build_parallel_groups(sp=1, kernel="torch")
+    single = sp_state(sp=1, kernel="torch")
     full = saved_bytes_of_attention(single)
     # q, k, v, out and the log-sum-exp of the whole row at least
     assert full >= TOKENS * (2 * HEADS + 2 * KV_HEADS) * DIM * 4

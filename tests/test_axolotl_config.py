@@ -20,7 +20,7 @@ from longctx_cli.config.plan import build_plan
 from longctx_cli.config.schema import OPTIMIZERS, Config
 from longctx_cli.config.world import Platform
 from longctx_cli.errors import UserError
-from longctx_cli.train import optim
+from longctx_cli.train import optim, schedule, stopping
 
 CONFIGS = Path(__file__).resolve().parent / "axolotl_configs"
 DOC = Path(__file__).resolve().parents[1] / "docs" / "axolotl.md"
@@ -313,13 +313,13 @@ def test_every_scheduler_name_builds_and_steps(name):
 
 
 def test_cadence_and_stop_rules():
-    assert optim.interval(None, 2, None, 10, 30) == 5  # saves_per_epoch
-    assert optim.interval(0.25, None, None, 10, 40) == 10  # fraction of all steps
-    assert optim.interval(7, None, "epoch", 10, 30) == 10
-    assert optim.interval(7, None, "no", 1, 1) is None
-    stop = optim.EarlyStopping(2)
+    assert schedule.interval(None, 2, None, 10, 30) == 5  # saves_per_epoch
+    assert schedule.interval(0.25, None, None, 10, 40) == 10  # fraction of all steps
+    assert schedule.interval(7, None, "epoch", 10, 30) == 10
+    assert schedule.interval(7, None, "no", 1, 1) is None
+    stop = stopping.EarlyStopping(2)
     assert [stop.should_stop(x) for x in (3.0, 2.0, 2.5, 2.1)] == [False, False, False, True]
-    dog = optim.LossWatchdog(5.0, 2)
+    dog = stopping.LossWatchdog(5.0, 2)
     assert [dog.tripped(x) for x in (6.0, 4.0, 6.0, float("nan"))] == [False, False, False, True]
 
 

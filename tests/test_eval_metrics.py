@@ -20,8 +20,7 @@ from longctx_cli.eval.checkpoint_loading import checkpoint_kind, load_for_eval
 from longctx_cli.eval.passkey_grid import GridResult, GridSpec, SampleResult, run_passkey_grid
 from longctx_cli.eval.position_loss import PositionLoss, bucket_edges, bucket_of, position_loss
 from longctx_cli.eval.report import ModelResult, write_all
-from longctx_cli.parallel.mesh import single_process_context
-from longctx_cli.runtime.distributed import RankContext
+from tests.layouts import rank_state
 
 VOCAB = 384
 CPU = torch.device("cpu")
@@ -58,8 +57,8 @@ SPEC = GridSpec(context_lengths=[300, 400], depths=[0.0, 0.5, 1.0], samples_per_
 
 def _grid(decoder: nn.Module, lm_head: nn.Module | None = None) -> GridResult:
     tokenizer = byte_tokenizer()
-    where = RankContext(single_process_context(), 0, 1, pad_id(tokenizer), CPU)
-    return run_passkey_grid(decoder, lm_head or nn.Identity(), tokenizer, SPEC, where)
+    return run_passkey_grid(decoder, lm_head or nn.Identity(), tokenizer, SPEC, rank_state(),
+                            pad_id(tokenizer))
 
 
 def test_oracle_retrieves_every_key():
@@ -130,7 +129,7 @@ def test_position_loss_is_token_weighted_per_bucket():
     ]
     got = position_loss(NextTokenOracle(scale_by_position=True), nn.Identity(),
                         Dataset.from_list(rows), 16, 4,
-                        RankContext(single_process_context(), 0, 1, 0, CPU))
+                        rank_state(), 0)
     want = _expected_bucket_means(rows, 16, 4)
     assert got.tokens == [10, 9, 3, 0]
     for g, w in zip(got.mean, want, strict=True):
@@ -176,7 +175,7 @@ def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     from longctx_cli.runtime.model import decoder_and_head, sp_hidden_states
 
     decoder, head = decoder_and_head(model)
-    batch = shard_batch(ids, torch.arange(ids.numel()), ids, single_process_context())
+    batch = shard_batch(ids, torch.arange(ids.numel()), ids, rank_state())
     with torch.no_grad():
         return head(sp_hidden_states(decoder, batch))
 

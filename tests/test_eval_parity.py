@@ -15,9 +15,8 @@ from longctx_cli.data.tokenizer import load_tokenizer, pad_id
 from longctx_cli.eval.checkpoint_loading import load_for_eval
 from longctx_cli.eval.passkey_grid import grid_spec, run_passkey_grid
 from longctx_cli.eval.position_loss import position_loss
-from longctx_cli.parallel.mesh import single_process_context
-from longctx_cli.runtime.distributed import RankContext
 from longctx_cli.train.checkpoint import save_checkpoint
+from tests.layouts import rank_state
 from tests.train_helpers import TINY_LLAMA, run_longctx
 
 CPU = torch.device("cpu")
@@ -74,14 +73,13 @@ def _reference(config_path: Path, paths: list[Path]) -> list[tuple[list[dict], d
     config = load_config(config_path)
     tokenizer = load_tokenizer(config)
     rows = prepare(config, tokenizer, progress=False).eval
-    spec, ctx = grid_spec(config, tokenizer), single_process_context()
+    spec, ctx = grid_spec(config, tokenizer), rank_state()
     out = []
     for path in paths:
         decoder, head = decoder_and_head(load_for_eval(config, path))
-        grid = run_passkey_grid(decoder, head, tokenizer, spec,
-                                RankContext(ctx, 0, 1, pad_id(tokenizer), CPU))
+        grid = run_passkey_grid(decoder, head, tokenizer, spec, ctx, pad_id(tokenizer))
         losses = position_loss(decoder, head, rows, config.sequence_len,
-                               config.eval_position_buckets, RankContext(ctx, 0, 1, 0, CPU))
+                               config.eval_position_buckets, ctx, 0)
         out.append((grid.to_dict()["samples"], losses.to_dict()))
     return out
 

@@ -21,7 +21,6 @@ from transformers.models.llama import modeling_llama
 
 from longctx_cli.config import Config
 from longctx_cli.errors import UserError
-from longctx_cli.runtime.distributed import RankContext
 from longctx_cli.runtime.head import LogitTransform
 from longctx_cli.runtime.model import decoder_and_head
 from longctx_cli.train.fidelity import TOLERANCE, run_probe, shrink_config
@@ -262,7 +261,7 @@ def test_eval_position_loss_applies_the_head() -> None:
 
     from longctx_cli.eval.position_loss import position_loss
     from longctx_cli.parallel.attention import register_sp_attention
-    from longctx_cli.parallel.mesh import single_process_context
+    from tests.layouts import rank_state
 
     config = AutoConfig.for_model("granite", **TINY, logits_scaling=4.0)
     torch.manual_seed(0)
@@ -281,7 +280,7 @@ def test_eval_position_loss_applies_the_head() -> None:
                               "labels": [labels.tolist()]})
     decoder, head = decoder_and_head(ours)
     result = position_loss(decoder, head, rows, 32, 1,
-                           RankContext(single_process_context(), 0, 1, 0, torch.device("cpu")))
+                           rank_state(), 0)
     with torch.no_grad():
         want = sum(float(model(input_ids=d[None], labels=d[None]).loss) * (d.numel() - 1)
                    for d in docs) / sum(d.numel() - 1 for d in docs)

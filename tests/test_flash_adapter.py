@@ -8,19 +8,13 @@ the head-stride loop, all-gather and reduce-scatter - is ring-flash-attn's own c
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from longctx_cli.parallel import (
-    build_parallel_groups,
-    gather_sequence,
-    slice_sequence,
-    sp_attention,
-)
+from longctx_cli.parallel import gather_sequence, slice_sequence, sp_attention
 from tests.attention_cases import (
     CASES,
     FEATURE_CASES,
@@ -30,6 +24,7 @@ from tests.attention_cases import (
     run_case,
 )
 from tests.distributed import run_distributed
+from tests.layouts import sp_state
 
 STANDIN = str(Path(__file__).parent / "flash_attn_standin")
 TOL = 1e-5
@@ -48,8 +43,8 @@ def flash_worker(rank: int, world_size: int) -> dict[str, float]:
     from longctx_cli.parallel.ring_flash import load_ring_flash_attn
 
     load_ring_flash_attn()  # fails here, not silently later, if the import path breaks
-    _, torch_ctx = build_parallel_groups(sp=world_size, layout="contiguous", kernel="torch")
-    flash_ctx = dataclasses.replace(torch_ctx, kernel="flash")
+    torch_ctx = sp_state(sp=world_size, layout="contiguous", kernel="torch")
+    flash_ctx = torch_ctx.with_layout(kernel="flash")
     errors = {}
     for i, (name, (lengths, hq, hkv)) in enumerate(CASES.items()):
         for stride in [s for s in range(1, hkv + 1) if hkv % s == 0]:
@@ -57,7 +52,7 @@ def flash_worker(rank: int, world_size: int) -> dict[str, float]:
             ids = torch.zeros_like(pos)
             results = []
             for ctx in (torch_ctx, flash_ctx):
-                ctx = dataclasses.replace(ctx, heads_k_stride=stride)
+                ctx = ctx.with_layout(heads_k_stride=stride)
                 meta = shard_batch(ids, pos, ids, ctx).sp_meta
                 results.append(attention_and_grads(ctx, q, k, v, dout, meta))
             for what, a, b in zip(("out", "dq", "dk", "dv"), *results, strict=True):
@@ -94,7 +89,7 @@ def flash_features_worker(rank: int, world_size: int) -> dict:
     supported = {"ring": ("plain", "window5", "window40"), "ulysses": ("plain", "window5",
                  "window40", "softcap")}
     for mode, names in supported.items():
-        _, ctx = build_parallel_groups(sp=world_size, mode=mode, layout="contiguous",
+        ctx = sp_state(sp=world_size, mode=mode, layout="contiguous",
                                        kernel="flash")
         for f in names:
             window, softcap, sinks = FEATURES[f]
@@ -103,8 +98,8 @@ def flash_features_worker(rank: int, world_size: int) -> dict:
                 errors[f"{mode}/{f}/{case}"] = run_case(
                     ctx, lengths, hq, hkv, 300 + i, window, softcap, sinks
                 )
-    _, ring = build_parallel_groups(sp=world_size, layout="contiguous", kernel="flash")
-    _, uly = build_parallel_groups(sp=world_size, mode="ulysses", kernel="flash")
+    ring = sp_state(sp=world_size, layout="contiguous", kernel="flash")
+    uly = sp_state(sp=world_size, mode="ulysses", kernel="flash")
     refused = {
         "ring/softcap": _refusal(ring, None, 1.5, False),
         "ring/sinks": _refusal(ring, None, None, True),

@@ -7,12 +7,10 @@ all-to-all) through the same code. One spawned run of 4 processes.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from longctx_cli.parallel import SPContext, build_parallel_groups, make_sp_meta
+from longctx_cli.parallel import make_sp_meta
 from longctx_cli.parallel.hybrid import ring_meta
 from longctx_cli.parallel.ulysses import build_exchange
 from tests.attention_cases import (
@@ -24,6 +22,7 @@ from tests.attention_cases import (
     run_case,
 )
 from tests.distributed import run_distributed
+from tests.layouts import rank_state, sp_state
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -36,13 +35,13 @@ def hybrid_worker(rank: int, world_size: int) -> dict[str, dict]:
     errors: dict[str, dict] = {}
     for u in (2, 4, 1):
         for layout in LAYOUTS:
-            _, ctx = build_parallel_groups(
+            ctx = sp_state(
                 sp=world_size, mode="hybrid", ulysses_degree=u, layout=layout, kernel="torch"
             )
             for i, (name, (lengths, hq, hkv)) in enumerate(CASES.items()):
                 strides = divisors(hkv) if u == 2 else [1]
                 for stride in strides:
-                    sub = dataclasses.replace(ctx, heads_k_stride=stride)
+                    sub = ctx.with_layout(heads_k_stride=stride)
                     key = f"u{u}/{layout}/{name}/stride{stride}"
                     errors[key] = run_case(sub, lengths, hq, hkv, seed=i)
             if u == 2:  # the real 2x2 split: windows, softcap and sinks through both halves
@@ -67,7 +66,7 @@ def test_ulysses_groups_hold_what_the_ring_expects(layout: str) -> None:
     """sp=8 as 2 Ulysses groups of 4: each group gathers exactly its ring shard."""
     total, sp, u = 128, 8, 4
     for rank in range(sp):
-        ctx = SPContext(sp_rank=rank, sp_size=sp, mode="hybrid", layout=layout, ulysses_degree=u)
+        ctx = rank_state(sp_rank=rank, sp_size=sp, mode="hybrid", layout=layout, ulysses_degree=u)
         meta = make_sp_meta(torch.arange(total), ctx)
         derived = ring_meta(meta, local_kv_heads=2)  # raises if the two layouts disagree
         assert derived.ctx.sp_size == sp // u and derived.ctx.sp_rank == rank // u
@@ -77,7 +76,7 @@ def test_ulysses_groups_hold_what_the_ring_expects(layout: str) -> None:
 
 
 def test_heads_k_stride_is_reduced_to_the_local_kv_heads() -> None:
-    ctx = SPContext(sp_rank=0, sp_size=4, mode="hybrid", heads_k_stride=4, ulysses_degree=2)
+    ctx = rank_state(sp_rank=0, sp_size=4, mode="hybrid", heads_k_stride=4, ulysses_degree=2)
     meta = make_sp_meta(torch.arange(64), ctx)
     assert ring_meta(meta, local_kv_heads=2).ctx.heads_k_stride == 2
     assert ring_meta(meta, local_kv_heads=1).ctx.heads_k_stride == 1

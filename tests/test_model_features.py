@@ -16,14 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from longctx_cli.parallel import (
-    build_parallel_groups,
-    gather_sequence,
-    register_sp_attention,
-    shard_batch,
-    slice_sequence,
-)
+from longctx_cli.parallel import gather_sequence, register_sp_attention, shard_batch, slice_sequence
 from tests.distributed import run_distributed
+from tests.layouts import sp_state
 
 TOL = 1e-5
 DOCS = [13, 30, 1, 17]  # 61 tokens, padded by shard_batch; boundaries cross ranks
@@ -160,7 +155,7 @@ SP2_VARIANTS = (("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", "contigu
 def sp2_worker(rank: int, world_size: int) -> dict[str, dict]:
     results = {}
     for mode, layout in SP2_VARIANTS:
-        _, ctx = build_parallel_groups(sp=world_size, mode=mode, layout=layout, kernel="torch")
+        ctx = sp_state(sp=world_size, mode=mode, layout=layout, kernel="torch")
         for family in FAMILIES:
             results[f"{family}/{mode}/{layout}"] = compare(family, ctx)
     return results
@@ -168,7 +163,7 @@ def sp2_worker(rank: int, world_size: int) -> dict[str, dict]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sp1_equals_the_eager_model(family: str) -> None:
-    _, ctx = build_parallel_groups(sp=1, kernel="torch")
+    ctx = sp_state(sp=1, kernel="torch")
     check({family: compare(family, ctx)})
 
 
@@ -213,7 +208,7 @@ def test_unknown_attention_arguments_are_refused() -> None:
     """An argument that might change the math is refused by name, never ignored."""
     from longctx_cli.parallel.attention import longctx_attention_forward
 
-    _, ctx = build_parallel_groups(sp=1, kernel="torch")
+    ctx = sp_state(sp=1, kernel="torch")
     pos = torch.arange(8)
     meta = shard_batch(pos, pos, pos, ctx).sp_meta
     q = torch.randn(1, 2, 8, 4)
@@ -236,7 +231,7 @@ def test_a_non_causal_model_mask_is_refused() -> None:
         use_bidirectional_attention=True, pad_token_id=0,
     )
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=register_sp_attention())
-    _, ctx = build_parallel_groups(sp=1, kernel="torch")
+    ctx = sp_state(sp=1, kernel="torch")
     ids, pos, _ = packed_row()
     batch = shard_batch(ids, pos, ids, ctx)
     with pytest.raises(ValueError, match="not causal"):

@@ -11,14 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from longctx_cli.parallel import (
-    build_parallel_groups,
-    gather_sequence,
-    register_sp_attention,
-    shard_batch,
-)
+from longctx_cli.parallel import gather_sequence, register_sp_attention, shard_batch
 from longctx_cli.parallel.sharding import IGNORE_INDEX
 from tests.distributed import run_distributed
+from tests.layouts import sp_state
 
 TOL = 1e-5
 DOCS = [13, 30, 1, 17]  # 61 tokens, padded by shard_batch; boundaries cross ranks
@@ -114,7 +110,7 @@ VARIANTS = [
 def parity_worker(rank: int, world_size: int) -> dict[str, dict]:
     results = {}
     for arch, layout, ckpt in VARIANTS:
-        _, ctx = build_parallel_groups(sp=world_size, layout=layout, kernel="torch")
+        ctx = sp_state(sp=world_size, layout=layout, kernel="torch")
         results[f"{arch}/{layout}/ckpt={ckpt}"] = compare(arch, ctx, ckpt)
     return results
 
@@ -133,7 +129,7 @@ def test_sp2_models_match_full_row_reference() -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_sp1_single_process_matches_reference(arch: str) -> None:
-    _, ctx = build_parallel_groups(sp=1, kernel="torch")
+    ctx = sp_state(sp=1, kernel="torch")
     check({arch: compare(arch, ctx, checkpointing=False)})
 
 

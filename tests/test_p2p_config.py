@@ -7,7 +7,7 @@ import pytest
 from longctx_cli.config.memory import ring_buffer_bytes
 from longctx_cli.config.model_shape import ModelShape
 from longctx_cli.errors import UserError
-from longctx_cli.parallel.mesh import check_ring_layout, resolve_kernel
+from longctx_cli.layout import Layout, LayoutError
 from tests.test_plan import CPU, GPU, cfg, plan, rule_error
 
 
@@ -103,15 +103,16 @@ def test_validate_prints_buffers_of_each_ring() -> None:
     assert any(name.strip() == "with varlen_llama3 instead" for name, _ in rows)
 
 
-def test_parallel_layer_refuses_what_config_refuses() -> None:
-    with pytest.raises(ValueError, match="runs on sp_sharding zigzag"):
-        check_ring_layout("ring", "batch_zigzag", "contiguous")
-    with pytest.raises(ValueError, match="stripe is computed only"):
-        check_ring_layout("ring", "varlen_llama3", "stripe")
-    with pytest.raises(ValueError, match="stripe is computed only"):
-        check_ring_layout("hybrid", "batch_stripe", "stripe")
-    check_ring_layout("ulysses", "batch_zigzag", "contiguous")  # no ring: nothing to check
-    assert resolve_kernel("torch", "stripe", ring_attn_func="batch_stripe") == "torch"
-    with pytest.raises(ValueError, match="not supported by `attention_kernel: flash`"):
-        resolve_kernel("flash", "zigzag", ring_attn_func="varlen_llama3")
-    assert resolve_kernel("flash", "zigzag", ring_attn_func="batch_zigzag") == "flash"
+def test_the_layout_refuses_what_config_refuses() -> None:
+    with pytest.raises(LayoutError, match="runs on `sp_sharding: zigzag`"):
+        Layout(sp=2, ring_attn_func="batch_zigzag", sharding="contiguous")
+    with pytest.raises(LayoutError, match="stripe` is computed only"):
+        Layout(sp=2, ring_attn_func="varlen_llama3", sharding="stripe")
+    with pytest.raises(LayoutError, match="stripe` .* is not supported by `sequence_parallel"):
+        Layout(sp=4, mode="hybrid", ulysses=2, ring_attn_func="batch_stripe", sharding="stripe")
+    # no ring: nothing to check
+    Layout(sp=2, mode="ulysses", ring_attn_func="batch_zigzag", sharding="contiguous")
+    assert Layout(sp=2, sharding="stripe", ring_attn_func="batch_stripe").kernel == "torch"
+    with pytest.raises(LayoutError, match="not supported by `attention_kernel: flash`"):
+        Layout(sp=2, sharding="zigzag", ring_attn_func="varlen_llama3", kernel="flash")
+    assert Layout(sp=2, sharding="zigzag", ring_attn_func="batch_zigzag", kernel="flash").p2p

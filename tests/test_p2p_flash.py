@@ -10,16 +10,16 @@ softcap, sinks and float32 fall back to the torch kernel, exactly, with a warnin
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 
 import torch
 
-from longctx_cli.parallel import build_parallel_groups, shard_batch, slice_sequence, sp_attention
-from longctx_cli.parallel.mesh import P2P_LAYOUT
+from longctx_cli.layout import P2P_SHARDING
+from longctx_cli.parallel import shard_batch, slice_sequence, sp_attention
 from tests.attention_cases import CASES, assert_all_close, make_inputs, rel_err, run_case
 from tests.distributed import run_distributed
+from tests.layouts import sp_state
 from tests.test_flash_adapter import STANDIN
 
 BF16_TOL = 2e-2
@@ -54,11 +54,11 @@ def p2p_flash_worker(rank: int, world_size: int) -> dict:
     ring_flash.flash_p2p_attention = counted
     bf16: dict = {}
     exact: dict = {}
-    for func, layout in P2P_LAYOUT.items():
-        _, ctx = build_parallel_groups(
+    for func, layout in P2P_SHARDING.items():
+        ctx = sp_state(
             sp=world_size, layout=layout, ring_attn_func=func, kernel="torch"
         )
-        flash = dataclasses.replace(ctx, kernel="flash")
+        flash = ctx.with_layout(kernel="flash")
         for hq, hkv in ((4, 4), (8, 2)):  # one document, MHA and GQA
             multiple = world_size * (2 if layout == "zigzag" else 1)
             pos, _, *tensors = make_inputs([64], hq, hkv, multiple, seed=hq)

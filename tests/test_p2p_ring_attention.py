@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longctx_cli.parallel import AttentionFeatures, build_parallel_groups, make_sp_meta
+from longctx_cli.layout import P2P_SHARDING
+from longctx_cli.parallel import AttentionFeatures, make_sp_meta
 from longctx_cli.parallel.kernels import Piece, full_row_segments, piece_blocks
-from longctx_cli.parallel.mesh import P2P_LAYOUT, SPContext
+from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.ring_p2p import step_geometry
 from tests.attention_cases import (
     CASES,
@@ -24,11 +25,12 @@ from tests.attention_cases import (
     run_case,
 )
 from tests.distributed import run_distributed
+from tests.layouts import rank_state, sp_state
 
-FUNCS = tuple(P2P_LAYOUT)  # batch_ring, batch_zigzag, batch_stripe
+FUNCS = tuple(P2P_SHARDING)  # batch_ring, batch_zigzag, batch_stripe
 
 
-def all_cases(ctx: SPContext, prefix: str) -> dict[str, dict]:
+def all_cases(ctx: ParallelState, prefix: str) -> dict[str, dict]:
     errors = {
         f"{prefix}/{name}": run_case(ctx, lengths, hq, hkv, i)
         for i, (name, (lengths, hq, hkv)) in enumerate(CASES.items())
@@ -40,8 +42,8 @@ def all_cases(ctx: SPContext, prefix: str) -> dict[str, dict]:
 def p2p_worker(rank: int, world_size: int, sp: int, funcs: tuple[str, ...]) -> dict:
     errors = {}
     for func in funcs:
-        _, ctx = build_parallel_groups(
-            sp=sp, layout=P2P_LAYOUT[func], ring_attn_func=func, kernel="torch"
+        ctx = sp_state(
+            sp=sp, layout=P2P_SHARDING[func], ring_attn_func=func, kernel="torch"
         )
         assert ctx.p2p
         errors.update(all_cases(ctx, f"dp{world_size // sp}_sp{sp}/{func}"))
@@ -72,8 +74,8 @@ def test_p2p_ring_dp2_x_sp2() -> None:
 def hybrid_worker(rank: int, world_size: int) -> dict:
     errors = {}
     for func in ("batch_ring", "batch_zigzag"):
-        _, ctx = build_parallel_groups(
-            sp=world_size, mode="hybrid", ulysses_degree=2, layout=P2P_LAYOUT[func],
+        ctx = sp_state(
+            sp=world_size, mode="hybrid", ulysses_degree=2, layout=P2P_SHARDING[func],
             ring_attn_func=func, kernel="torch",
         )
         errors.update(all_cases(ctx, f"hybrid2x2/{func}"))
@@ -90,7 +92,7 @@ def test_hybrid_with_p2p_ring_matches_single_process() -> None:
 @pytest.mark.parametrize("func", FUNCS)
 def test_single_process_p2p_matches_reference(func: str) -> None:
     """sp == 1 (no ring): the same entry point and pieces, no communication."""
-    ctx = SPContext(layout=P2P_LAYOUT[func], ring_attn_func=func)
+    ctx = rank_state(layout=P2P_SHARDING[func], ring_attn_func=func)
     assert_all_close(all_cases(ctx, func))
 
 
@@ -116,20 +118,20 @@ def test_every_rank_pair_sees_exactly_its_keys(sp: int, layout: str, window: int
     total = sum(lengths) + (-sum(lengths) % (2 * sp))
     lengths.append(total - sum(lengths))
     pos = torch.cat([torch.arange(n) for n in lengths])
-    func = {v: k for k, v in P2P_LAYOUT.items()}[layout]
+    func = {v: k for k, v in P2P_SHARDING.items()}[layout]
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
     doc = [d for d, n in enumerate(lengths) for _ in range(n)]
     feats = AttentionFeatures(scale=1.0, window=window)
     for r in range(sp):
-        ctx = SPContext(sp_rank=r, sp_size=sp, layout=layout, ring_attn_func=func)
+        ctx = rank_state(sp_rank=r, sp_size=sp, layout=layout, ring_attn_func=func)
         meta = make_sp_meta(pos, ctx)
         got = set()
         for step in range(sp):
             s = (r - step) % sp
             pieces, step_feats = step_geometry(meta, step, feats)
-            src_meta = make_sp_meta(pos, SPContext(sp_rank=s, sp_size=sp, layout=layout))
+            src_meta = make_sp_meta(pos, rank_state(sp_rank=s, sp_size=sp, layout=layout))
             q_glob = [g for a, b in meta.local_ranges for g in range(a, b)]
             k_glob = [g for a, b in src_meta.local_ranges for g in range(a, b)]
             got |= {(q_glob[i], k_glob[j]) for i, j in _visible_pairs(pieces, step_feats.window)}

@@ -1,11 +1,10 @@
-"""What `validate` prints is what the ranks run: the plan built by `validate`'s code and the
-layout every rank builds from the same config agree on kernel, degrees, mode and sharding."""
+"""What `validate` prints is what the ranks run: the `Layout` in the plan built by
+`validate`'s code is the one every rank builds its process groups from."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 
 from longctx_cli.config import config_from_dict
@@ -33,25 +32,32 @@ def _config(overrides: dict[str, Any]):
                              "sequence_len": 256, "attention_kernel": "auto", **overrides})
 
 
-def _rank_layout(rank: int, world_size: int, overrides: dict[str, Any]) -> dict[str, Any]:
+def _rank_layouts(rank: int, world_size: int) -> dict[str, Any]:
+    """Each case's layout as this rank builds it at start-up, and its SP group's ranks."""
+    import torch.distributed as dist
+
     from longctx_cli.runtime.distributed import init_parallel
 
-    parallel = init_parallel(_config(overrides), torch.device("cpu"))
-    ctx = parallel.sp_ctx
-    return {"kernel": ctx.kernel, "sp": ctx.sp_size, "dp": parallel.dp_size, "mode": ctx.mode,
-            "sharding": ctx.layout, "ring_attn_func": ctx.ring_attn_func,
-            "heads_k_stride": ctx.heads_k_stride,
-            "hybrid_ulysses": ctx.ulysses_degree if ctx.mode == "hybrid" else None}
+    out = {}
+    for name, overrides in CASES.items():
+        state = init_parallel(_config(overrides), torch.device("cpu"))
+        sp_ranks = dist.get_process_group_ranks(state.sp_group) if state.sp_group else [rank]
+        out[name] = (state.layout, state.sp_rank, sp_ranks)
+    return out
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_the_ranks_run_the_plan_validate_prints(name: str) -> None:
-    overrides = CASES[name]
-    config = _config(overrides)
-    plan = build_plan(config, 4, read_model_config(config))  # validate's code, this machine
-    printed = {"kernel": plan.kernel, "sp": plan.sp, "dp": plan.dp, "mode": plan.mode,
-               "sharding": plan.sharding, "ring_attn_func": plan.ring_attn_func,
-               "heads_k_stride": plan.heads_k_stride,
-               "hybrid_ulysses": plan.ulysses if plan.mode == "hybrid" else None}
-    for rank, layout in enumerate(run_distributed(_rank_layout, 4, overrides)):
-        assert layout == printed, (name, rank)
+def test_the_ranks_run_the_layout_validate_prints() -> None:
+    plans = {}
+    for name, overrides in CASES.items():
+        config = _config(overrides)
+        plans[name] = build_plan(config, 4, read_model_config(config))  # validate's code
+    for rank, layouts in enumerate(run_distributed(_rank_layouts, 4)):
+        for name, (layout, sp_rank, sp_ranks) in layouts.items():
+            plan = plans[name]
+            assert layout == plan.layout, (name, rank)
+            # The groups are the layout's: this rank's SP group holds the ranks of its
+            # (dp, tp) coordinates, in SP order.
+            d, c, t = layout.coords(rank)
+            assert sp_rank == c, (name, rank)
+            assert sp_ranks == [(d * layout.sp + i) * layout.tp + t
+                                for i in range(layout.sp)], (name, rank)

@@ -11,11 +11,12 @@ import math
 import torch
 
 from longctx_cli.config import config_from_dict
-from longctx_cli.parallel import build_parallel_groups, shard_batch
-from longctx_cli.runtime.model import build_model
-from longctx_cli.train.loop import decoder_and_head, train_step
+from longctx_cli.parallel import shard_batch
+from longctx_cli.runtime.model import build_model, decoder_and_head
 from longctx_cli.train.precision import setup_precision
+from longctx_cli.train.step import train_step
 from tests.distributed import run_distributed
+from tests.layouts import sp_state
 from tests.train_helpers import (
     TINY_LLAMA,
     final_tensors,
@@ -44,7 +45,7 @@ def _batch(ctx):
 
 def steps_worker(rank: int, world: int, dtype: str, init_scale: float | None) -> dict:
     config = _config(dtype)
-    _, ctx = build_parallel_groups(sp=1, kernel="torch", dtype=dtype)
+    ctx = sp_state(sp=1, kernel="torch")
     model = build_model(config)
     device = torch.device("cpu")
     precision = setup_precision(model, config.dtype, device)
@@ -55,7 +56,7 @@ def steps_worker(rank: int, world: int, dtype: str, init_scale: float | None) ->
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate)
     results = []
     for _ in range(3):
-        r = train_step(model, decoder, head, params, optimizer, [_batch(ctx)], config, device,
+        r = train_step(model, decoder, head, params, optimizer, [_batch(ctx)], config, ctx,
                        False, precision)
         results.append((r.loss, r.skipped))
     return {

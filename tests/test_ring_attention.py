@@ -7,12 +7,10 @@ sinks, all combined) compare d sinks too.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from longctx_cli.parallel import SPContext, build_parallel_groups, single_process_context
+from longctx_cli.parallel.mesh import ParallelState
 from tests.attention_cases import (
     CASES,
     DIM,
@@ -25,22 +23,23 @@ from tests.attention_cases import (
     run_case,
 )
 from tests.distributed import run_distributed
+from tests.layouts import rank_state, sp_state
 
 
-def all_runs(ctx: SPContext) -> dict[str, dict]:
+def all_runs(ctx: ParallelState) -> dict[str, dict]:
     """Every case x every heads_k_stride dividing the KV heads, for one context."""
     errors = {}
     for i, (name, (lengths, hq, hkv)) in enumerate(CASES.items()):
         for stride in [s for s in range(1, hkv + 1) if hkv % s == 0]:
-            sub = dataclasses.replace(ctx, heads_k_stride=stride)
-            errors[f"{ctx.layout}/{name}/stride{stride}"] = run_case(sub, lengths, hq, hkv, i)
+            sub = ctx.with_layout(heads_k_stride=stride)
+            errors[f"{ctx.sharding}/{name}/stride{stride}"] = run_case(sub, lengths, hq, hkv, i)
     return errors
 
 
 def ring_worker(rank: int, world_size: int) -> dict[str, dict]:
     errors = {}
     for layout in ("contiguous", "zigzag"):
-        _, ctx = build_parallel_groups(sp=world_size, layout=layout, kernel="torch")
+        ctx = sp_state(sp=world_size, layout=layout, kernel="torch")
         errors.update(all_runs(ctx))
         errors.update(feature_runs(ctx, f"{layout}/features"))
     return errors
@@ -59,7 +58,7 @@ def test_ring_attention_matches_single_process(sp: int) -> None:
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_single_process_path_matches_reference(layout: str) -> None:
     """sp == 1 without torch.distributed: the same entry point, no communication."""
-    ctx = single_process_context(layout=layout, heads_k_stride=1)
+    ctx = rank_state(layout=layout, heads_k_stride=1)
     assert ctx.sp_group is None
     for i, (lengths, hq, hkv) in enumerate(CASES.values()):
         errors = run_case(ctx, lengths, hq, hkv, seed=100 + i)
@@ -68,7 +67,7 @@ def test_single_process_path_matches_reference(layout: str) -> None:
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_single_process_features_match_reference(layout: str) -> None:
-    ctx = single_process_context(layout=layout, heads_k_stride=1)
+    ctx = rank_state(layout=layout, heads_k_stride=1)
     assert_all_close(feature_runs(ctx, layout))
 
 
@@ -78,7 +77,7 @@ def test_small_blocks_and_tiles_match_reference(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(kernels, "_MAX_ROWS", 3)
     monkeypatch.setattr(kernels, "_TILE", 4)
-    ctx = single_process_context(layout="contiguous", heads_k_stride=1)
+    ctx = rank_state(layout="contiguous", heads_k_stride=1)
     assert_all_close(feature_runs(ctx, "small"))
 
 

@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from longctx_cli.parallel import SPContext, build_parallel_groups, shard_batch
+from longctx_cli.parallel import shard_batch
 from longctx_cli.parallel.sharding import IGNORE_INDEX, local_ranges
 from tests.distributed import run_distributed
+from tests.layouts import rank_state, sp_state
 
 
 def packed_row(lengths: list[int], seed: int = 0):
@@ -23,7 +24,7 @@ def packed_row(lengths: list[int], seed: int = 0):
 
 def shard_all(lengths: list[int], sp: int, layout: str):
     ids, pos, labels = packed_row(lengths)
-    ctxs = [SPContext(sp_rank=r, sp_size=sp, layout=layout) for r in range(sp)]
+    ctxs = [rank_state(sp_rank=r, sp_size=sp, layout=layout) for r in range(sp)]
     return (ids, pos, labels), [shard_batch(ids, pos, labels, c, pad_token_id=1) for c in ctxs]
 
 
@@ -80,9 +81,9 @@ def test_labels_are_shifted_once_on_the_full_row(sp: int, layout: str) -> None:
 
 
 def test_zigzag_owns_chunks_r_and_2n_minus_1_minus_r() -> None:
-    assert local_ranges(16, SPContext(sp_rank=0, sp_size=4, layout="zigzag")) == ((0, 2), (14, 16))
-    assert local_ranges(16, SPContext(sp_rank=2, sp_size=4, layout="zigzag")) == ((4, 6), (10, 12))
-    assert local_ranges(16, SPContext(sp_rank=3, sp_size=4)) == ((12, 16),)
+    assert local_ranges(16, rank_state(sp_rank=0, sp_size=4, layout="zigzag")) == ((0, 2), (14, 16))
+    assert local_ranges(16, rank_state(sp_rank=2, sp_size=4, layout="zigzag")) == ((4, 6), (10, 12))
+    assert local_ranges(16, rank_state(sp_rank=3, sp_size=4)) == ((12, 16),)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
@@ -102,18 +103,19 @@ def test_segments_cover_each_local_query_once(layout: str) -> None:
 
 
 def test_single_process_groups_without_distributed() -> None:
-    dp_group, ctx = build_parallel_groups(sp=1, kernel="auto")
-    assert dp_group is None and ctx.sp_group is None
+    ctx = sp_state(sp=1, kernel="auto")
+    assert ctx.mesh is None and ctx.sp_group is None and ctx.replica_group is None
     assert (ctx.sp_rank, ctx.sp_size, ctx.kernel) == (0, 1, "torch")
     with pytest.raises(ValueError):
-        build_parallel_groups(sp=2)
+        sp_state(sp=2, world=2)
 
 
 def mesh_worker(rank: int, world_size: int) -> dict:
     ranks = dist.get_process_group_ranks
-    dp_group, ctx = build_parallel_groups(sp=2, kernel="torch")
-    _, one = build_parallel_groups(sp=1, kernel="torch")
-    _, hyb = build_parallel_groups(sp=4, mode="hybrid", ulysses_degree=2, kernel="torch")
+    ctx = sp_state(sp=2, kernel="torch")
+    dp_group = ctx.mesh["dp_replicate"].get_group()
+    one = sp_state(sp=1, kernel="torch")
+    hyb = sp_state(sp=4, mode="hybrid", ulysses_degree=2, kernel="torch")
     return {
         "sp": ranks(ctx.sp_group),
         "dp": ranks(dp_group),

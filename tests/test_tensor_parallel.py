@@ -72,10 +72,11 @@ def _step_worker(rank: int, world: int, family: str, tp: int, sp: int, mode: str
 
     from longctx_cli.parallel import tensor_parallel as T
     from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
-    from longctx_cli.parallel.mesh import build_parallel_groups, single_process_context
     from longctx_cli.parallel.sharding import shard_batch
     from longctx_cli.runtime.head import model_head
     from longctx_cli.train.loss import lm_loss_sum
+    from longctx_cli.train.step import sum_gradients
+    from tests.layouts import rank_state, sp_state
 
     register_sp_attention()
     cfg = AutoConfig.for_model(family, **TINY, **FAMILY_FIELDS[family])
@@ -110,17 +111,15 @@ def _step_worker(rank: int, world: int, family: str, tp: int, sp: int, mode: str
             return lm_loss_sum(head, hidden.reshape(-1, 32), batch.shift_labels)
         return T.tp_loss_sum(head, hidden, batch.shift_labels, tpc, chunk)
 
-    loss_ref = loss_of(ref, single_process_context(), None)
+    loss_ref = loss_of(ref, rank_state(), None)
     loss_ref.backward()
 
-    _, ctx = build_parallel_groups(sp=sp, mode=mode, tp=tp, kernel="torch")
-    ctx.tp = tpc = T.build_tp_mesh(world // (sp * tp), sp, tp)
+    ctx = tpc = sp_state(sp=sp, mode=mode, tp=tp, kernel="torch")
     base = model.get_base_model() if lora else model
     T.apply_tensor_parallel(base.model, base.lm_head, tpc, cfg)
     loss = loss_of(model, ctx, tpc)
     loss.backward()
-    T.reduce_tp_gradients([p for p in model.parameters() if p.grad is not None],
-                          tpc.replica_group)
+    sum_gradients([p for p in model.parameters() if p.grad is not None], tpc)
     total = loss.detach().clone()
     dist.all_reduce(total)  # each rank summed the loss of its own tokens
     worst, compared = 0.0, 0
@@ -161,25 +160,24 @@ def _comm_worker(rank: int, world: int) -> dict[int, dict[str, int]]:
 
     from longctx_cli.parallel import tensor_parallel as T
     from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
-    from longctx_cli.parallel.mesh import build_parallel_groups
     from longctx_cli.parallel.sharding import shard_batch
     from longctx_cli.runtime.head import model_head
+    from tests.layouts import sp_state
 
     register_sp_attention()
     counts = {}
     for layers in (1, 2):
         cfg = AutoConfig.for_model("llama", **{**TINY, "num_hidden_layers": layers})
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION)
-        _, ctx = build_parallel_groups(sp=1, tp=2, kernel="torch")
-        ctx.tp = T.build_tp_mesh(1, 1, 2)
-        T.apply_tensor_parallel(model.model, model.lm_head, ctx.tp, cfg)
+        ctx = sp_state(sp=1, tp=2, kernel="torch")
+        T.apply_tensor_parallel(model.model, model.lm_head, ctx, cfg)
         ids = torch.arange(64) % 384
         batch = shard_batch(ids, torch.arange(64), ids.clone(), ctx)
         with CommDebugMode() as mode:
             hidden = model.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
                                  sp_meta=batch.sp_meta).last_hidden_state
             T.tp_loss_sum(model_head(model.lm_head, cfg), hidden, batch.shift_labels,
-                          ctx.tp).backward()
+                          ctx).backward()
         counts[layers] = {str(k).split(".")[-1]: v for k, v in mode.get_comm_counts().items()}
     return counts
 

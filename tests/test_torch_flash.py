@@ -15,14 +15,12 @@ indirection the kernel looks the op up through). Two halves make the contract re
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from longctx_cli.kernel_choice import KernelError, choose_kernel
-from longctx_cli.parallel import build_parallel_groups, single_process_context
+from longctx_cli.kernel_choice import Platform, choose_kernel
+from longctx_cli.layout import Layout, LayoutError
 from longctx_cli.parallel.kernels import (
     AttentionFeatures,
     Segment,
@@ -43,6 +41,7 @@ from tests.attention_cases import (
     run_case,
 )
 from tests.distributed import run_distributed
+from tests.layouts import rank_state, sp_state
 
 
 @pytest.fixture
@@ -172,7 +171,7 @@ def test_the_real_ops_are_the_default_and_refuse_cpu_tensors() -> None:
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_single_process_matches_reference(standin_ops, layout: str) -> None:
-    ctx = single_process_context(layout=layout, kernel="torch_flash")
+    ctx = rank_state(layout=layout, kernel="torch_flash")
     assert ctx.kernel == "torch_flash"
     before = dict(standin_ops)
     for i, (lengths, hq, hkv) in enumerate(CASES.values()):
@@ -227,13 +226,13 @@ def flash_strategy_worker(rank: int, world_size: int) -> dict:
     setups = [("ring", None), ("ulysses", None)] + ([("hybrid", 2)] if world_size == 4 else [])
     for mode, u in setups:
         for layout in ("contiguous", "zigzag"):
-            _, ctx = build_parallel_groups(sp=world_size, mode=mode, ulysses_degree=u,
+            ctx = sp_state(sp=world_size, mode=mode, ulysses_degree=u,
                                            layout=layout, kernel="torch_flash")
             assert ctx.kernel == "torch_flash"
             for i, (name, (lengths, hq, hkv)) in enumerate(CASES.items()):
                 strides = [s for s in range(1, hkv + 1) if hkv % s == 0] if mode == "ring" else [1]
                 for stride in strides:
-                    sub = dataclasses.replace(ctx, heads_k_stride=stride)
+                    sub = ctx.with_layout(heads_k_stride=stride)
                     errors[f"{mode}/{layout}/{name}/stride{stride}"] = run_case(
                         sub, lengths, hq, hkv, seed=i)
             errors.update(feature_runs(ctx, f"{mode}/{layout}/features"))
@@ -254,13 +253,14 @@ def test_every_strategy_and_sharding_matches_reference(sp: int) -> None:
 
 
 def test_auto_picks_torch_flash_on_cuda_without_flash_attn() -> None:
-    pick = choose_kernel("auto", "contiguous", cuda=True, flash_attn=False, dtype="bfloat16")
+    gpu, gpu_flash = Platform(cuda=True, ring_flash_attn=False), Platform(True, True)
+    pick = choose_kernel("auto", platform=gpu, dtype="bfloat16")
     assert pick.kernel == "torch_flash"
-    pick = choose_kernel("auto", "zigzag", cuda=True, flash_attn=True, dtype="float16")
+    pick = choose_kernel("auto", platform=gpu_flash, dtype="float16", sharding="zigzag", ring=2)
     assert pick.kernel == "torch_flash" and "zigzag" in pick.reason
-    assert choose_kernel("auto", "contiguous", cuda=True, flash_attn=True).kernel == "flash"
-    fp32 = choose_kernel("auto", "contiguous", cuda=True, flash_attn=True, dtype="float32")
+    assert choose_kernel("auto", platform=gpu_flash).kernel == "flash"
+    fp32 = choose_kernel("auto", platform=gpu_flash, dtype="float32")
     assert fp32.kernel == "torch" and "bf16/fp16" in fp32.reason
-    assert choose_kernel("auto", cuda=False, flash_attn=False).kernel == "torch"
-    with pytest.raises(KernelError, match="zigzag"):
-        choose_kernel("flash", "zigzag", cuda=True, flash_attn=True)
+    assert choose_kernel("auto", platform=Platform(False, False)).kernel == "torch"
+    with pytest.raises(LayoutError, match="zigzag"):
+        Layout(sp=2, sharding="zigzag", kernel="flash")

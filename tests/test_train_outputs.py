@@ -76,9 +76,9 @@ def _longctx_logits(config_path: Path, final: Path, adapter: bool, ids: list[int
     from safetensors.torch import load_file
 
     from longctx_cli.config import load_config
-    from longctx_cli.parallel.mesh import single_process_context
     from longctx_cli.parallel.sharding import shard_batch
     from longctx_cli.runtime.model import build_model
+    from tests.layouts import rank_state
 
     config = load_config(config_path)
     model = build_model(config)
@@ -93,7 +93,7 @@ def _longctx_logits(config_path: Path, final: Path, adapter: bool, ids: list[int
     model.eval()
     n = len(ids)
     batch = shard_batch(
-        torch.tensor(ids), torch.arange(n), torch.tensor(ids), single_process_context()
+        torch.tensor(ids), torch.arange(n), torch.tensor(ids), rank_state()
     )
     with torch.no_grad():
         return model(input_ids=batch.input_ids, position_ids=batch.position_ids,

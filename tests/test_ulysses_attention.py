@@ -10,14 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longctx_cli.parallel import (
-    SPContext,
-    build_parallel_groups,
-    make_sp_meta,
-    shard_batch,
-    slice_sequence,
-    sp_attention,
-)
+from longctx_cli.parallel import make_sp_meta, shard_batch, slice_sequence, sp_attention
+from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.ulysses import build_exchange, kv_replication
 from tests.attention_cases import (
     CASES,
@@ -30,6 +24,7 @@ from tests.attention_cases import (
     run_case,
 )
 from tests.distributed import run_distributed
+from tests.layouts import rank_state, sp_state
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -39,7 +34,7 @@ def strided_like_transformers(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).contiguous().transpose(0, 1)
 
 
-def strided_input_matches(ctx: SPContext) -> float:
+def strided_input_matches(ctx: ParallelState) -> float:
     """Max difference between contiguous and heads-major inputs (must be exactly equal)."""
     lengths, hq, hkv = CASES["gqa_8q_2kv"]
     pos = torch.cat([torch.arange(n) for n in lengths])
@@ -57,7 +52,7 @@ def ulysses_worker(rank: int, world_size: int) -> dict[str, dict]:
     errors: dict[str, dict] = {}
     for sp in (world_size, 2):  # sp=4, then dp=2 x sp=2 on the same 4 processes
         for layout in LAYOUTS:
-            _, ctx = build_parallel_groups(sp=sp, mode="ulysses", layout=layout, kernel="torch")
+            ctx = sp_state(sp=sp, mode="ulysses", layout=layout, kernel="torch")
             for i, (name, (lengths, hq, hkv)) in enumerate(CASES.items()):
                 errors[f"sp{sp}/{layout}/{name}"] = run_case(ctx, lengths, hq, hkv, seed=i)
             errors.update(feature_runs(ctx, f"sp{sp}/{layout}/features"))
@@ -103,7 +98,7 @@ def test_exchange_puts_tokens_in_global_order(layout: str) -> None:
     """Pieces received from the 4 ranks, once reordered, tile the row in ascending order."""
     total = 64
     for rank in range(4):
-        ctx = SPContext(sp_rank=rank, sp_size=4, mode="ulysses", layout=layout)
+        ctx = rank_state(sp_rank=rank, sp_size=4, mode="ulysses", layout=layout)
         ex = build_exchange(make_sp_meta(torch.arange(total), ctx), None, 4)
         assert ex.starts == tuple(range(0, total, ex.piece_len))
         assert ex.identity == (layout == "contiguous")
@@ -138,7 +133,7 @@ def llama_worker(rank: int, world_size: int) -> dict[str, dict]:
     ids = torch.randint(0, 64, (pos.numel(),), generator=g)
     errors: dict[str, dict] = {}
     for mode, u, layout in (("ulysses", 1, "zigzag"), ("hybrid", 2, "zigzag")):
-        _, ctx = build_parallel_groups(
+        ctx = sp_state(
             sp=4, mode=mode, ulysses_degree=u, layout=layout, kernel="torch"
         )
         batch = shard_batch(ids, pos, ids, ctx)

@@ -8,11 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from longctx_cli.config import tp_rules
 from longctx_cli.config.memory import GIB, estimate_memory
 from longctx_cli.config.model_shape import ModelShape
 from longctx_cli.config.plan import Plan, format_gib
-from longctx_cli.config.rules import check_heads, check_sequence_len, ulysses_size
+from longctx_cli.config.rules import check_heads, check_sequence_len, layout_for
 from longctx_cli.config.schema import Config
 from longctx_cli.errors import UserError
 
@@ -71,14 +70,15 @@ def _fit_at(
     trial = config.model_copy(update={"sequence_parallel_degree": sp})
     world = max(world_size, sp)
     try:
-        ulysses = ulysses_size(trial, sp)
-        check_sequence_len(trial, sp)
-        check_heads(trial, tp_rules.tp_local_shape(shape, trial.tensor_parallel_size), sp,
-                     ulysses)
+        # The layout of one SP (x TP) group: the rules of the degree itself.
+        one_group = trial.model_copy(update={"dp_replicate_size": None, "dp_shard_size": None})
+        layout = layout_for(one_group, sp * trial.tensor_parallel_size, None)
+        check_sequence_len(trial, layout)
+        check_heads(layout, shape)
     except UserError as e:
         return SpFit(sp, None, str(e).split(":")[0])
     estimate = estimate_memory(
-        trial, shape, world, sp, ulysses, host_is_device=host_is_device,
+        trial, shape, world, sp, layout.ulysses, host_is_device=host_is_device,
         tiled_scores=tiled_scores,
     )
     return SpFit(sp, estimate[0].total)

@@ -221,9 +221,7 @@ def tiled_scores_run(kernel: str, cuda: bool, shape: ModelShape, p2p_ring: bool 
 
 def attention_softcap(shape: ModelShape) -> float | None:
     """The model's attention logit softcap (Gemma 2 style), if its config has one."""
-    hf = shape.hf_config
-    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
-    cap = getattr(text, "attn_logit_softcapping", None)
+    cap = shape.config_value("attn_logit_softcapping")
     return float(cap) if cap else None
 
 

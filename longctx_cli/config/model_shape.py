@@ -21,6 +21,20 @@ LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 # ---- model shape ------------------------------------------------------------------------
 
 
+def _family_passes_sinks(model_type: str) -> bool:
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers")  # locates it without importing it
+    if spec is None or spec.origin is None:
+        return False
+    name = model_type.replace("-", "_")
+    source = Path(spec.origin).parent / "models" / name / f"modeling_{name}.py"
+    try:
+        return "s_aux=" in source.read_text()
+    except OSError:
+        return False
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The few numbers of a decoder-only model that the plan and its rules need."""
@@ -50,6 +64,28 @@ class ModelShape:
             fields = dict(self.plain_fields)
             return AutoConfig.for_model(fields.pop("model_type"), **fields)
         return self.hf_config
+
+    def config_value(self, key: str) -> Any:
+        """A field of the model's (text) config, from the transformers config or the plain
+        dict it was read from; None when absent or unknown."""
+        hf = self.hf_config
+        if hf is not None:
+            text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+            return getattr(text, key, None)
+        return (self.plain_fields or {}).get(key)
+
+    @property
+    def sliding_window(self) -> bool:
+        """Some attention layer has a sliding window (the config's, on its sliding layers)."""
+        types = self.config_value("layer_types")
+        return bool(self.config_value("sliding_window")) and (
+            types is None or any("sliding" in str(t) for t in types))
+
+    @property
+    def attention_sinks(self) -> bool:
+        """The family's attention passes sinks (`s_aux`) to the attention function, read
+        from its transformers modeling source (the config has no key for it)."""
+        return _family_passes_sinks(self.model_type)
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, source: str = "model config") -> ModelShape:

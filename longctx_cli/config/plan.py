@@ -18,7 +18,6 @@ from longctx_cli.config.memory import (
     GIB,
     MemoryEstimate,
     _attention_buffer_bytes,
-    attention_softcap,
     estimate_memory,
     tiled_scores_run,
 )
@@ -26,18 +25,13 @@ from longctx_cli.config.model_shape import ModelShape, read_model_config
 from longctx_cli.config.rules import (
     _advice,
     _check_adapter,
-    _check_data_parallel,
-    _check_ring_func,
-    _check_world,
-    _check_zigzag_kernel,
-    _resolve_kernel,
     check_heads,
     check_sequence_len,
-    hsdp_replicas,
-    ulysses_size,
+    layout_for,
 )
 from longctx_cli.config.schema import Config
 from longctx_cli.config.world import Platform, resolve_world
+from longctx_cli.layout import Layout
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -51,16 +45,7 @@ class Plan:
 
     world_size: int
     world_source: str
-    dp: int
-    sp: int
-    mode: str
-    ulysses: int  # ranks per all-to-all group (1 for ring)
-    ring: int  # ranks per ring (1 for ulysses)
-    heads_k_stride: int
-    sharding: str
-    kernel: str  # resolved: "flash", "torch_flash" or "torch", never "auto"
-    kernel_reason: str
-    fsdp: bool
+    layout: Layout  # the degrees, sharding, ring and kernel the ranks run
     dtype: str
     adapter: str | None
     sequence_len: int
@@ -79,10 +64,57 @@ class Plan:
     fsdp_detail: str = ""
     axolotl: tuple[tuple[str, str], ...] = field(default_factory=tuple)  # key -> what we did
     assumed: tuple[str, ...] = field(default_factory=tuple)  # what validate assumed
-    ring_attn_func: str = "varlen_llama3"
     # Attention buffers per rank had each ring algorithm been chosen (ring > 1 only).
     attention_buffers_by_ring: tuple[tuple[str, int], ...] = ()
-    tp: int = 1  # tensor_parallel_size (TP-sp); the world is dp x sp x tp
+
+    # The layout's values, as the plan prints them.
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def sp(self) -> int:
+        return self.layout.sp
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def mode(self) -> str:
+        return self.layout.mode
+
+    @property
+    def ulysses(self) -> int:
+        return self.layout.ulysses
+
+    @property
+    def ring(self) -> int:
+        return self.layout.ring
+
+    @property
+    def heads_k_stride(self) -> int:
+        return self.layout.heads_k_stride
+
+    @property
+    def sharding(self) -> str:
+        return self.layout.sharding if self.sp > 1 else "none (sp = 1)"
+
+    @property
+    def kernel(self) -> str:
+        return self.layout.kernel
+
+    @property
+    def kernel_reason(self) -> str:
+        return self.layout.kernel_reason
+
+    @property
+    def ring_attn_func(self) -> str:
+        return self.layout.ring_attn_func
+
+    @property
+    def fsdp(self) -> bool:
+        return self.layout.fsdp
 
     def to_table(self) -> Table:
         """The plan as a rich Table (what `longctx validate` prints)."""
@@ -209,8 +241,8 @@ def fsdp_detail(config: Config) -> str:
              else "no parameter resharding (ZeRO-2)"]
     if fc is not None and fc.offload_params:
         parts.append("params offloaded to CPU")
-    if hsdp_replicas(config) > 1:
-        parts.append(f"HSDP: {hsdp_replicas(config)} replicas")
+    if config.fsdp and (config.dp_replicate_size or 1) > 1:
+        parts.append(f"HSDP: {config.dp_replicate_size} replicas")
     return ", ".join(parts)
 
 
@@ -227,26 +259,22 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def check_without_model(config: Config, world_size: int, world_source: str = "given") -> int:
-    """The rules that need neither the model nor the machine (cheap: run them first).
+def check_without_model(
+    config: Config, world_size: int, world_source: str = "given",
+    platform: Platform | None = None,
+) -> Layout:
+    """The rules that need no model (cheap: run them first); returns the layout.
 
-    Returns the Ulysses group size.
+    Without a `platform` no machine is asked (the rules it checks do not depend on one).
     """
-    sp = config.sequence_parallel_degree
+    layout = layout_for(config, world_size, platform, world_source)
     if config.tensor_parallel_size > 1:
-        tp_rules.check_tp_world(config, world_size, world_source)
         tp_rules.check_tp_config(config)
-    else:
-        _check_world(sp, world_size, world_source)
-    ulysses = ulysses_size(config, sp)
-    check_sequence_len(config, sp)
+    check_sequence_len(config, layout)
     # No micro_batch_size rule: varlen_llama3 takes packed rows, and micro-batch rows are
     # concatenated into one row whose documents never attend across a row boundary.
-    _check_ring_func(config, sp)
-    _check_zigzag_kernel(config)
     _check_adapter(config)
-    _check_data_parallel(config, world_size, sp)
-    return ulysses
+    return layout
 
 
 def build_plan(
@@ -271,43 +299,33 @@ def build_plan(
         model_config if isinstance(model_config, ModelShape)
         else ModelShape.from_hf_config(model_config)
     )
-    sp = config.sequence_parallel_degree
-    ulysses = check_without_model(config, world_size, world_source)
-    tp = config.tensor_parallel_size
+    check_without_model(config, world_size, world_source)
     tp_rules.check_tp_model(config, shape)
-    # SP works on the heads TP left on the rank.
-    check_heads(config, tp_rules.tp_local_shape(shape, tp), sp, ulysses)
     platform = platform or Platform.detect()
     assumed: list[str] = []
     if assume_gpu and not platform.cuda and config.attention_kernel == "flash":
         # A login node plans a GPU job: plan it for the GPU machine and say so.
         assumed.append(
-            "this machine has no CUDA GPU; the plan assumes the run's machines have CUDA GPUs "
-            "with ring-flash-attn and flash-attn installed (`pip install 'longctx[gpu]'`)."
+            "this machine has no CUDA GPU; the plan assumes the run's machines have Ampere or "
+            "newer CUDA GPUs with flash-attn 2 and ring-flash-attn installed (docs/gpu.md)."
         )
         platform = Platform(cuda=True, ring_flash_attn=True)
     elif not platform.cuda and config.attention_kernel == "auto":
         assumed.append(
-            "no CUDA here, so `attention_kernel: auto` resolves to torch; on CUDA machines "
-            "with ring-flash-attn it resolves to flash (same attention)."
+            "no CUDA here, so `attention_kernel: auto` resolves to torch; on Ampere or newer "
+            "CUDA GPUs it resolves to torch_flash, or flash with flash-attn installed (same "
+            "attention)."
         )
-    kernel, reason = _resolve_kernel(config, sp, platform)
-    p2p_ring = config.ring_attn_func != "varlen_llama3" and sp // ulysses > 1
-    tiled = tiled_scores_run(kernel, platform.cuda, shape, p2p_ring)
-    if tiled and kernel == "torch_flash":
-        reason += (
-            f"; softcapped attention (softcap {attention_softcap(shape)}) takes the tiled "
-            "matmul path: PyTorch's flash op has no softcap"
-            if attention_softcap(shape) is not None else
-            f"; the P2P ring `{config.ring_attn_func}` computes its blocks on the tiled matmul "
-            "path (not yet on PyTorch's flash op)"
-        )
+    layout = layout_for(config, world_size, platform, world_source, shape)
+    check_heads(layout, shape)  # SP works on the heads TP left on the rank
+    sp, ulysses = layout.sp, layout.ulysses
+    tiled = tiled_scores_run(layout.kernel, platform.cuda, shape, layout.p2p and layout.ring > 1)
     memory, memory_notes = estimate_memory(
         config, shape, world_size, sp, ulysses, host_is_device=not platform.cuda,
         tiled_scores=tiled,
     )
 
-    dp = world_size // (sp * tp)
+    dp = layout.dp
     row_tokens = config.micro_batch_size * config.sequence_len
     sequences = config.micro_batch_size * config.gradient_accumulation_steps * dp
     notes = []
@@ -316,21 +334,12 @@ def build_plan(
             "the model's config was not downloaded: its shape comes from longctx's built-in "
             "table of known models."
         )
-    notes += _advice(config, shape, sp, ulysses, nproc_per_node) + memory_notes
+    notes += _advice(config, shape, layout, nproc_per_node) + memory_notes
     notes += tp_rules.tp_notes(config, nproc_per_node)
     return Plan(
         world_size=world_size,
         world_source=world_source,
-        dp=dp,
-        sp=sp,
-        mode=config.sequence_parallel_mode,
-        ulysses=ulysses,
-        ring=sp // ulysses,
-        heads_k_stride=config.heads_k_stride,
-        sharding=config.sp_sharding if sp > 1 else "none (sp = 1)",
-        kernel=kernel,
-        kernel_reason=reason,
-        fsdp=config.fsdp,
+        layout=layout,
         dtype=config.dtype,
         adapter=config.adapter,
         sequence_len=config.sequence_len,
@@ -341,7 +350,6 @@ def build_plan(
         global_batch_tokens=sequences * config.sequence_len,
         tokens_per_rank_per_forward=row_tokens // sp,
         tokens_per_rank_per_step=row_tokens // sp * config.gradient_accumulation_steps,
-        tp=tp,
         model=shape,
         memory=memory,
         notes=tuple(notes),
@@ -350,7 +358,6 @@ def build_plan(
         fsdp_detail=fsdp_detail(config),
         axolotl=tuple(config.axolotl_notes),
         assumed=tuple(assumed),
-        ring_attn_func=config.ring_attn_func,
         attention_buffers_by_ring=_buffers_by_ring(config, shape, sp, ulysses),
     )
 

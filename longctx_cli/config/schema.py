@@ -22,6 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from longctx_cli.layout import LayoutError, ring_sharding
+
 
 def _admits(annotation: Any, kinds: tuple[type, ...]) -> bool:
     """Whether a field's annotation accepts any of `kinds` (looking inside unions)."""
@@ -743,23 +745,11 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _ring_layout(self) -> Config:
         # A P2P ring's name fixes its layout: derive sp_sharding, refuse a contradiction.
-        implied = {
-            "batch_ring": "contiguous", "batch_zigzag": "zigzag", "batch_stripe": "stripe"
-        }.get(self.ring_attn_func)
-        if implied is None:
-            if self.sp_sharding == "stripe":
-                raise ValueError(
-                    "`sp_sharding: stripe` is computed only by `ring_attn_func: batch_stripe`; "
-                    "varlen_llama3 balances causal work with `sp_sharding: zigzag`"
-                )
-        elif "sp_sharding" not in self.model_fields_set:
-            self.sp_sharding = implied
-        elif self.sp_sharding != implied:
-            raise ValueError(
-                f"`ring_attn_func: {self.ring_attn_func}` runs on `sp_sharding: {implied}`, "
-                f"but `sp_sharding` is {self.sp_sharding!r}: set `sp_sharding: {implied}` "
-                "(or leave it out), or pick the ring of that layout"
-            )
+        given = self.sp_sharding if "sp_sharding" in self.model_fields_set else None
+        try:
+            self.sp_sharding = ring_sharding(self.ring_attn_func, given)
+        except LayoutError as err:
+            raise ValueError(f"{err.message[:-1]}: {err.fix[:-1]}") from None
         return self
 
     @model_validator(mode="after")

@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from longctx_cli.errors import UserError
+from longctx_cli.layout import divisors
 
 if TYPE_CHECKING:
     from longctx_cli.config.model_shape import ModelShape
@@ -20,23 +21,6 @@ if TYPE_CHECKING:
 # Families whose transformers `base_model_tp_plan` is colwise/rowwise only and whose decoder
 # layers hold nothing but attention, MLP and norms (what the TP-sp plan shards exactly).
 TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
-def check_tp_world(config: Config, world: int, world_source: str) -> None:
-    """world = dp x tp x cp."""
-    tp, sp = config.tensor_parallel_size, config.sequence_parallel_degree
-    if world % (tp * sp):
-        raise UserError(
-            f"`tensor_parallel_size` = {tp} x `sequence_parallel_degree` = {sp} = {tp * sp} "
-            f"does not divide the world size {world} ({world_source}): the world is "
-            "dp x tp x cp.",
-            fix=f"launch a multiple of {tp * sp} ranks, or change the two degrees so their "
-            f"product divides {world}.",
-        )
 
 
 def _refuse(what: str, fix: str) -> UserError:
@@ -59,14 +43,6 @@ def check_tp_config(config: Config) -> None:
     if config.activation_offloading:
         raise _refuse("`activation_offloading` is not supported (untested with DTensor "
                       "activations).", "set `activation_offloading: false`.")
-    multiple = config.sequence_parallel_degree * tp * (
-        2 if config.sp_sharding == "zigzag" and config.sequence_parallel_degree > 1 else 1)
-    if config.sequence_len % multiple:
-        raise UserError(
-            f"`sequence_len` = {config.sequence_len} is not a multiple of {multiple}: each SP "
-            f"shard is split once more into {tp} sequence slices for the TP ranks.",
-            fix=f"set `sequence_len` to a multiple of {multiple}.",
-        )
 
 
 def check_tp_model(config: Config, shape: ModelShape) -> None:
@@ -87,7 +63,7 @@ def check_tp_model(config: Config, shape: ModelShape) -> None:
             raise UserError(
                 f"`tensor_parallel_size` = {tp}: the model's {name} = {value} is not divisible "
                 f"by {tp}; every TP rank must get an equal share.",
-                fix=f"use a tensor_parallel_size dividing {value} ({_divisors(value)}).",
+                fix=f"use a tensor_parallel_size dividing {value} ({divisors(value)}).",
             )
 
 

@@ -26,10 +26,9 @@ from tqdm.auto import tqdm
 from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.data.passkey import PasskeySample, make_passkey_sample
 from longctx_cli.errors import UserError
-from longctx_cli.parallel.mesh import SPContext
+from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import gather_sequence, shard_batch
 from longctx_cli.runtime.batches import to_device
-from longctx_cli.runtime.distributed import RankContext
 from longctx_cli.runtime.model import sp_hidden_states
 
 if TYPE_CHECKING:
@@ -166,7 +165,7 @@ def predict_at_labels(
     lm_head: nn.Module,
     input_ids: Sequence[int],
     labels: Sequence[int],
-    ctx: SPContext,
+    ctx: ParallelState,
     pad_id: int,
     device: torch.device,
 ) -> tuple[list[int], list[int]]:
@@ -198,7 +197,7 @@ def score_sample(
     decoder: nn.Module,
     lm_head: nn.Module,
     sample: PasskeySample,
-    ctx: SPContext,
+    ctx: ParallelState,
     pad_id: int,
     device: torch.device,
 ) -> tuple[bool, list[int]]:
@@ -214,14 +213,14 @@ def run_passkey_grid(
     lm_head: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     spec: GridSpec,
-    where: RankContext,
+    state: ParallelState,
+    pad_id: int,
     show_progress: bool = False,
     label: str = "",
 ) -> GridResult:
     """Score every cell; data-parallel groups split each cell's samples. Every rank returns
     the full result."""
-    ctx, dp_rank, dp_size, device = where.sp_ctx, where.dp_rank, where.dp_size, where.device
-    pad_id = where.pad_id
+    ctx, dp_rank, dp_size, device = state, state.dp_rank, state.dp_size, state.device
     mine: list[SampleResult] = []
     bar = tqdm(spec.cells, desc=f"passkey {label}".strip(), unit="cell",
                disable=None if show_progress else True, dynamic_ncols=True)
@@ -237,7 +236,7 @@ def run_passkey_grid(
 
 
 def _gather_results(
-    mine: list[SampleResult], ctx: SPContext, spec: GridSpec
+    mine: list[SampleResult], ctx: ParallelState, spec: GridSpec
 ) -> list[SampleResult]:
     """Every SP group's results on every rank, in grid order (one copy per SP group)."""
     everything = mine

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import IGNORE_INDEX, shard_batch
 from longctx_cli.runtime.batches import collate, to_device
-from longctx_cli.runtime.distributed import RankContext
 from longctx_cli.runtime.model import sp_hidden_states
 
 
@@ -89,20 +89,21 @@ def position_loss(
     rows: Any,
     sequence_len: int,
     buckets: int,
-    where: RankContext,
+    state: ParallelState,
+    pad_id: int,
     chunk: int = 4096,
     show_progress: bool = False,
     label: str = "",
 ) -> PositionLoss:
     """Per-bucket loss of `rows` (a prepared dataset); every rank returns the global result."""
-    ctx, dp_rank, dp_size, device = where.sp_ctx, where.dp_rank, where.dp_size, where.device
+    dp_rank, dp_size, device = state.dp_rank, state.dp_size, state.device
     starts, ends = bucket_edges(sequence_len, buckets)
     sums = torch.zeros(len(starts), dtype=torch.float64, device=device)
     counts = torch.zeros(len(starts), dtype=torch.float64, device=device)
     mine = range(dp_rank, len(rows), dp_size)
     for index in tqdm(mine, desc=f"position loss {label}".strip(), unit="row",
                       disable=None if show_progress else True, dynamic_ncols=True):
-        batch = to_device(shard_batch(*collate(rows.select([index])), ctx, where.pad_id), device)
+        batch = to_device(shard_batch(*collate(rows.select([index])), state, pad_id), device)
         hidden = sp_hidden_states(decoder, batch, where="--checkpoint")
         labels = batch.shift_labels.reshape(-1)
         valid = labels != IGNORE_INDEX

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from longctx_cli.eval.passkey_grid import GridSpec
     from longctx_cli.eval.report import ModelResult
-    from longctx_cli.runtime.distributed import RankContext
+    from longctx_cli.parallel.mesh import ParallelState
 
 
 def _no_held_out() -> UserError:
@@ -98,21 +98,20 @@ def evaluate(config: Config, checkpoint: Path, compare: Path | None) -> None:
         init_distributed,
         init_parallel,
         load_rows,
-        rank_context,
     )
 
     device = init_distributed(config)
-    parallel = init_parallel(config, device)
+    state = init_parallel(config, device)
     rank = dist.get_rank()
     tokenizer = load_tokenizer(config)
-    where = rank_context(parallel, tokenizer_pad_id(tokenizer), device)
+    pad_id = tokenizer_pad_id(tokenizer)
     _, rows = load_rows(config, tokenizer)
     if rows is None:
         raise _no_held_out()
     spec = grid_spec(config, tokenizer)
     paths = [checkpoint] + ([compare] if compare is not None else [])
     results = [
-        evaluate_model(config, path, label, spec, tokenizer, rows, where, rank == 0)
+        evaluate_model(config, path, label, spec, tokenizer, rows, state, pad_id, rank == 0)
         for path, label in zip(paths, report.model_labels(paths), strict=True)
     ]
     if rank == 0:
@@ -135,7 +134,8 @@ def evaluate_model(
     spec: GridSpec,
     tokenizer: PreTrainedTokenizerBase,
     rows: Dataset,
-    where: RankContext,
+    state: ParallelState,
+    pad_id: int,
     show_progress: bool,
 ) -> ModelResult:
     """Load one checkpoint and run both evaluations on it (collective: every rank calls)."""
@@ -145,11 +145,12 @@ def evaluate_model(
     from longctx_cli.eval.report import ModelResult
     from longctx_cli.runtime.model import decoder_and_head
 
-    model = load_for_eval(config, path).to(where.device)
+    model = load_for_eval(config, path).to(state.device)
     decoder, lm_head = decoder_and_head(model)
-    grid = run_passkey_grid(decoder, lm_head, tokenizer, spec, where, show_progress, label)
+    grid = run_passkey_grid(decoder, lm_head, tokenizer, spec, state, pad_id, show_progress,
+                            label)
     positions = position_loss(
-        decoder, lm_head, rows, config.sequence_len, config.eval_position_buckets, where,
+        decoder, lm_head, rows, config.sequence_len, config.eval_position_buckets, state, pad_id,
         config.loss_chunk_size, show_progress, label,
     )
     return ModelResult(label, str(path.resolve()), grid, positions)

@@ -8,7 +8,7 @@ from .kernels import (
     doc_causal_backward,
     doc_causal_forward,
 )
-from .mesh import SPContext, build_parallel_groups, resolve_kernel, single_process_context
+from .mesh import ParallelState, build_parallel_state
 from .sharding import (
     ShardedBatch,
     SPMeta,
@@ -21,20 +21,18 @@ from .sharding import (
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "AttentionFeatures",
-    "SPContext",
+    "ParallelState",
     "SPMeta",
     "Segment",
     "ShardedBatch",
-    "build_parallel_groups",
+    "build_parallel_state",
     "doc_causal_attention",
     "doc_causal_backward",
     "doc_causal_forward",
     "gather_sequence",
     "make_sp_meta",
     "register_sp_attention",
-    "resolve_kernel",
     "shard_batch",
-    "single_process_context",
     "slice_sequence",
     "sp_attention",
 ]

@@ -8,13 +8,13 @@ attention through ``AttentionInterface`` (load the model with
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 import torch
 
-from .kernels import AttentionFeatures, as_features
-from .mesh import SPContext
+from .features import AttentionFeatures, as_features
+from .mesh import ParallelState
 from .ring import ring_attention
 from .sharding import SPMeta
 
@@ -35,51 +35,33 @@ class AttentionStrategy(Protocol):
     ) -> torch.Tensor: ...
 
 
-def _p2p_ring() -> AttentionStrategy:
-    from .ring_p2p import p2p_ring_attention  # lazy: only P2P runs need it
+def ring_strategy(ctx: ParallelState) -> AttentionStrategy:
+    """The ring a layout runs (alone, or across the Ulysses groups of hybrid): a P2P ring
+    (``batch_*``), else ring-flash-attn's llama3 ring for the flash kernel, else ours."""
+    if ctx.p2p:
+        from .ring_p2p import p2p_ring_attention  # lazy: only P2P runs need it
 
-    return p2p_ring_attention
+        return p2p_ring_attention
+    if ctx.kernel == "flash":
+        from .ring_flash import flash_ring_attention  # lazy: needs ring_flash_attn
 
-
-def _flash_ring() -> AttentionStrategy:
-    from .ring_flash import flash_ring_attention  # lazy: needs ring_flash_attn
-
-    return flash_ring_attention
-
-
-def _ulysses() -> AttentionStrategy:
-    from .ulysses import ulysses_attention
-
-    return ulysses_attention
+        return flash_ring_attention
+    return ring_attention
 
 
-def _hybrid() -> AttentionStrategy:
-    from .hybrid import hybrid_attention
-
-    return hybrid_attention
-
-
-# (sequence_parallel_mode, variant) -> loader of the strategy; the variant of ring is its
-# algorithm and kernel, Ulysses and hybrid pick their kernel inside.
-STRATEGIES: dict[tuple[str, str], Callable[[], AttentionStrategy]] = {
-    ("ring", "p2p"): _p2p_ring,
-    ("ring", "flash"): _flash_ring,
-    ("ring", "torch"): lambda: ring_attention,
-    ("ulysses", "any"): _ulysses,
-    ("hybrid", "any"): _hybrid,
-}
-
-
-def strategy_for(ctx: SPContext) -> AttentionStrategy:
-    """The strategy function a rank with this context runs."""
+def strategy_for(ctx: ParallelState) -> AttentionStrategy:
+    """The strategy function a rank with this state runs (Ulysses picks its kernel inside)."""
     if ctx.mode == "ring":
-        variant = "p2p" if ctx.p2p else ("flash" if ctx.kernel == "flash" else "torch")
-    else:
-        variant = "any"
-    loader = STRATEGIES.get((ctx.mode, variant))
-    if loader is None:
-        raise ValueError(f"unknown sequence_parallel_mode {ctx.mode!r}")
-    return loader()
+        return ring_strategy(ctx)
+    if ctx.mode == "ulysses":
+        from .ulysses import ulysses_attention
+
+        return ulysses_attention
+    if ctx.mode == "hybrid":
+        from .hybrid import hybrid_attention
+
+        return partial(hybrid_attention, ring=ring_strategy(ctx))
+    raise ValueError(f"unknown sequence_parallel_mode {ctx.mode!r}")
 
 
 def sp_attention(
@@ -106,7 +88,10 @@ def sp_attention(
         raise ValueError(
             f"attention sinks must be one per query head ({q.shape[1]}), got {tuple(sinks.shape)}"
         )
-    return strategy_for(ctx)(q, k, v, meta, feats, sinks)
+    # Autocast off: every strategy keeps its statistics and merges in float32 itself, and
+    # q/k/v already carry the compute dtype (see `longctx_attention_forward`).
+    with torch.autocast(q.device.type, enabled=False):
+        return strategy_for(ctx)(q, k, v, meta, feats, sinks)
 
 
 # kwargs transformers' attention layers pass that do not change what attention computes

@@ -21,13 +21,13 @@ llama3 all-gather or, with ``ring_attn_func: batch_ring | batch_zigzag``, the P2
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from math import gcd
 
 import torch
 
-from .kernels import AttentionFeatures, as_features
-from .ring import ring_attention
+from .features import AttentionFeatures, as_features
 from .sharding import SPMeta, local_ranges, segments_for
 from .ulysses import build_exchange, heads_to_ranks, heads_to_seq, local_head_slice
 
@@ -56,14 +56,11 @@ def _new_ring_meta(meta: SPMeta, local_kv_heads: int) -> SPMeta:
     u = ctx.ulysses_degree
     ring_ctx = replace(
         ctx,
+        layout=ctx.layout.ring_part(gcd(ctx.heads_k_stride, local_kv_heads)),
         sp_group=ctx.ring_group,
         sp_rank=ctx.sp_rank // u,
-        sp_size=ctx.sp_size // u,
-        mode="ring",
-        heads_k_stride=gcd(ctx.heads_k_stride, local_kv_heads),
         ulysses_group=None,
         ring_group=None,
-        ulysses_degree=1,
     )
     ranges = local_ranges(meta.total_len, ring_ctx)
     ex = build_exchange(meta, ctx.ulysses_group, u)
@@ -75,27 +72,9 @@ def _new_ring_meta(meta: SPMeta, local_kv_heads: int) -> SPMeta:
         cu_seqlens=meta.cu_seqlens,
         total_len=meta.total_len,
         local_ranges=ranges,
-        segments=segments_for(meta.cu_seqlens.tolist(), ranges),
+        segments=segments_for(meta.cu_host, ranges),
+        cu_host=meta.cu_host,
     )
-
-
-def _ring(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    meta: SPMeta,
-    feats: AttentionFeatures,
-    sinks: torch.Tensor | None,
-) -> torch.Tensor:
-    if meta.ctx.p2p:
-        from .ring_p2p import p2p_ring_attention
-
-        return p2p_ring_attention(q, k, v, meta, feats, sinks)
-    if meta.ctx.kernel == "flash":
-        from .ring_flash import flash_ring_attention
-
-        return flash_ring_attention(q, k, v, meta, feats, sinks)
-    return ring_attention(q, k, v, meta, feats, sinks)
 
 
 def hybrid_attention(
@@ -105,6 +84,8 @@ def hybrid_attention(
     meta: SPMeta,
     features: AttentionFeatures | float,
     sinks: torch.Tensor | None = None,
+    *,
+    ring: Callable[..., torch.Tensor],
 ) -> torch.Tensor:
     """Exact document-causal attention of this rank's tokens, Ulysses x ring.
 
@@ -113,15 +94,10 @@ def hybrid_attention(
     """
     ctx = meta.ctx
     u = ctx.ulysses_degree
-    if ctx.layout == "stripe" and ctx.sp_size > 1:
-        raise ValueError(
-            "hybrid cannot run on sp_sharding stripe: a Ulysses group's tokens are not one "
-            "rank's stripe of a smaller ring; use batch_ring or batch_zigzag"
-        )
-    if u < 1 or ctx.sp_size % u != 0:
-        raise ValueError(f"ulysses_degree {u} must divide the SP size {ctx.sp_size}")
+    # The Layout refused stripe sharding and a ulysses degree not dividing sp.
     ex = build_exchange(meta, ctx.ulysses_group, u)
     qh, kh, vh = heads_to_ranks(q, k, v, ex)
     local_sinks = None if sinks is None else sinks[local_head_slice(q.shape[1], ex, meta)]
-    out = _ring(qh, kh, vh, ring_meta(meta, kh.shape[1]), as_features(features), local_sinks)
+    # `ring`: the ring strategy the layout picked (``attention.ring_strategy``).
+    out = ring(qh, kh, vh, ring_meta(meta, kh.shape[1]), as_features(features), local_sinks)
     return heads_to_seq(out, ex)

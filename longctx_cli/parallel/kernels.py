@@ -35,55 +35,40 @@ PyTorch's own flash-attention op over all segments at once; strategies select it
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
 from longctx_cli.kernel_choice import TILE
+
+from .features import AttentionFeatures, Segment, as_features
+from .torch_flash import flash_applies, varlen_backward, varlen_forward
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def float32_inside(fn: _F) -> _F:
+    """Run ``fn`` with autocast off on its tensors' device: the kernels compute scores,
+    softmax statistics and accumulations in float32 themselves (``.float()``), and an
+    enclosing fp16/bf16 autocast would silently run those matmuls in half precision."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+        if not torch.is_autocast_enabled(device):
+            return fn(*args, **kwargs)
+        with torch.autocast(device, enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 _MAX_ROWS = 512  # query rows per block under a window: bounds the edge mask to 512 x 512
 _TILE = TILE  # query rows and keys per score tile of the matmul path (validate budgets it)
-
-
-@dataclass(frozen=True)
-class AttentionFeatures:
-    """How one layer's attention scores keys, beyond the document-causal mask.
-
-    ``scale`` multiplies ``q . k``; ``window`` (a query at position ``p`` sees keys
-    ``p - window + 1 .. p``, as transformers' sliding-window masks do) or ``None``;
-    ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the softmax.
-    """
-
-    scale: float
-    window: int | None = None
-    softcap: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.window is not None and self.window < 1:
-            raise ValueError(f"sliding window must be at least 1 token, got {self.window}")
-        if self.softcap is not None and not self.softcap > 0:
-            raise ValueError(f"attention softcap must be positive, got {self.softcap}")
-
-
-def as_features(features: AttentionFeatures | float) -> AttentionFeatures:
-    """A bare number is a plain scale (the pre-features call signature)."""
-    if isinstance(features, AttentionFeatures):
-        return features
-    return AttentionFeatures(scale=float(features))
-
-
-class Segment(NamedTuple):
-    """Queries ``q[q_start:q_end]`` attend to keys ``k[k_start:k_end]`` (bottom-right causal)."""
-
-    q_start: int
-    q_end: int
-    k_start: int
-    k_end: int
 
 
 class _Block(NamedTuple):
@@ -187,6 +172,7 @@ def piece_blocks(piece: Piece, window: int | None) -> list[list[_Block]]:
     return groups
 
 
+@float32_inside
 def pieces_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -211,6 +197,7 @@ def pieces_forward(
     return out, lse
 
 
+@float32_inside
 def pieces_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -443,6 +430,7 @@ def _whole_block(
     return slice(seg.k_start, seg.k_end)
 
 
+@float32_inside
 def apply_sinks(
     out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -455,6 +443,7 @@ def apply_sinks(
     return (out.float() * weight).to(out.dtype), new_lse
 
 
+@float32_inside
 def sink_grad(
     dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
 ) -> torch.Tensor:
@@ -525,6 +514,7 @@ def _forward_groups(
         _store(out, lse, r0, r1, acc, acc_lse[0], accumulate)
 
 
+@float32_inside
 def doc_causal_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -545,8 +535,6 @@ def doc_causal_forward(
     """
     feats = as_features(features)
     if kernel == "torch_flash":
-        from .torch_flash import flash_applies, varlen_forward
-
         if flash_applies(q, feats):
             out, lse = varlen_forward(q, k, v, segments, feats)
             return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
@@ -591,6 +579,7 @@ def _backward_groups(
             dv[keys] += _lhd(dv1)
 
 
+@float32_inside
 def doc_causal_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -609,8 +598,6 @@ def doc_causal_backward(
     """
     feats = as_features(features)
     if kernel == "torch_flash":
-        from .torch_flash import flash_applies, varlen_backward
-
         if flash_applies(q, feats):
             return varlen_backward(dout, q, k, v, out, lse, segments, feats)
     if _whole_block(segments, q, feats) == slice(0, k.shape[0]):

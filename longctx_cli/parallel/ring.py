@@ -53,7 +53,7 @@ class _Gather:
 def to_global_order(gathered: torch.Tensor, meta: SPMeta) -> torch.Tensor:
     """Rank-ordered all-gather output -> global token order (a no-op unless zigzag)."""
     ctx = meta.ctx
-    if ctx.layout == "contiguous" or ctx.sp_size == 1:
+    if ctx.sharding == "contiguous" or ctx.sp_size == 1:
         return gathered
     n = ctx.sp_size
     stored = gathered.chunk(2 * n)
@@ -63,7 +63,7 @@ def to_global_order(gathered: torch.Tensor, meta: SPMeta) -> torch.Tensor:
 def to_rank_order(full: torch.Tensor, meta: SPMeta) -> torch.Tensor:
     """Inverse of :func:`to_global_order`: the layout reduce_scatter expects."""
     ctx = meta.ctx
-    if ctx.layout == "contiguous" or ctx.sp_size == 1:
+    if ctx.sharding == "contiguous" or ctx.sp_size == 1:
         return full
     n = ctx.sp_size
     chunks = full.chunk(2 * n)
@@ -149,9 +149,4 @@ def ring_attention(
 
     ``sinks`` (``[Hq]``, optional) is differentiable like q, k, v.
     """
-    if meta.ctx.layout == "stripe" and meta.ctx.sp_size > 1:
-        raise ValueError(
-            "ring_attn_func varlen_llama3 cannot run on sp_sharding stripe (its segments would "
-            "be one token long); use ring_attn_func batch_stripe, or zigzag for balance"
-        )
     return RingAttention.apply(q, k, v, sinks, meta, as_features(features))

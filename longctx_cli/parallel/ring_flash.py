@@ -9,16 +9,15 @@ modules we use.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
 import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .kernels import AttentionFeatures, as_features
+from longctx_cli.kernel_choice import import_ring_flash_module
+
+from .features import AttentionFeatures, as_features
 from .sharding import SPMeta
 
 _MODULE = "ring_flash_attn.llama3_flash_attn_varlen"
@@ -32,23 +31,12 @@ _P2P = {
 
 def _import_module(name: str = _MODULE) -> types.ModuleType:
     try:
-        return importlib.import_module(name)
+        return import_ring_flash_module(name)
     except ImportError as err:
-        if (err.name or "").startswith(("flash_attn", "ring_flash_attn")) and err.name != name:
-            raise ImportError(
-                "attention_kernel: flash needs the `flash-attn` and `ring-flash-attn` packages "
-                "(pip install 'longctx[gpu]'); use attention_kernel: torch otherwise"
-            ) from err
-        if name in sys.modules:  # the module itself loaded; only the package __init__ failed
-            return sys.modules[name]
-    # Register the package without running its __init__, then import the one module we need.
-    spec = importlib.util.find_spec("ring_flash_attn")
-    if spec is None or spec.submodule_search_locations is None:
-        raise ImportError("ring-flash-attn is not installed")
-    package = types.ModuleType("ring_flash_attn")
-    package.__path__ = list(spec.submodule_search_locations)
-    sys.modules["ring_flash_attn"] = package
-    return importlib.import_module(name)
+        raise ImportError(
+            "attention_kernel: flash needs flash-attn 2 and ring-flash-attn (docs/gpu.md); "
+            f"use attention_kernel: torch_flash or torch otherwise ({err})"
+        ) from err
 
 
 def flash_window(feats: AttentionFeatures) -> tuple[int, int]:
@@ -101,8 +89,6 @@ def flash_ring_attention(
     """
     ctx = meta.ctx
     feats = as_features(features)
-    if ctx.layout != "contiguous":
-        raise ValueError("the flash kernel supports sp_sharding: contiguous only")
     refuse_flash_sinks(sinks)
     if ctx.sp_size == 1:
         return _flash_single(q, k, v, meta, feats)
@@ -176,6 +162,8 @@ def flash_p2p_unfit(
         return "attention sinks: flash-attn 2 has no sink argument"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"{q.dtype}: flash-attn computes in float16/bfloat16 only"
+    if meta.ctx.ring_attn_func == "batch_ring" and q.dtype == torch.float16:
+        return "float16: ring-flash-attn 0.1.8's batch_ring returns dq in bfloat16"
     return None
 
 
@@ -190,7 +178,7 @@ def flash_p2p_attention(
 
     ``[local_tokens, heads, dim]``; the layout must be the function's own (ring: contiguous,
     zigzag: chunks ``r`` and ``2N-1-r``, stripe: token ``i`` on rank ``i % N``), which
-    :func:`.mesh.check_ring_layout` guarantees.
+    the :class:`~longctx_cli.layout.Layout` guarantees.
     """
     ctx = meta.ctx
     feats = as_features(features)
@@ -206,4 +194,4 @@ def flash_p2p_attention(
 def _row_cu_seqlens(meta: SPMeta, device: torch.device) -> tuple[torch.Tensor, int]:
     """The row's document boundaries on `device` and the longest document."""
     cu = meta.cu_seqlens.to(device=device, dtype=torch.int32)
-    return cu, int((cu[1:] - cu[:-1]).max())
+    return cu, meta.max_seqlen

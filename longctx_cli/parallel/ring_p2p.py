@@ -41,7 +41,7 @@ from .kernels import (
     pieces_forward,
     sink_grad,
 )
-from .mesh import SPContext
+from .mesh import ParallelState
 from .sharding import SPMeta, local_ranges
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 class _Ring:
     """Batched sends to the next rank and receives from the previous one of an SP group."""
 
-    def __init__(self, ctx: SPContext):
+    def __init__(self, ctx: ParallelState):
         n, r, group = ctx.sp_size, ctx.sp_rank, ctx.sp_group
         self.group = group
         self.to = dist.get_global_rank(group, (r + 1) % n)
@@ -75,7 +75,7 @@ def _ceil_div(a: int, b: int) -> int:
 def _run_pieces(meta: SPMeta, src: int) -> tuple[Piece, ...]:
     """contiguous / zigzag: this rank's query runs x rank ``src``'s key runs, per document."""
     ctx = meta.ctx
-    cu = meta.cu_seqlens.tolist()
+    cu = meta.cu_host
 
     def runs(rank: int) -> list[tuple[int, int, int]]:  # (global start, end, local start)
         out, local = [], 0
@@ -111,7 +111,7 @@ def _stripe_pieces(
     w = None if window is None else -e - (r - src - window) // n
     if w is not None and w <= 0:  # the window ends before any token of rank src
         return (), w
-    cu = meta.cu_seqlens.tolist()
+    cu = meta.cu_host
     pieces = []
     for ds, de in zip(cu[:-1], cu[1:], strict=True):
         j0, j1 = max(0, _ceil_div(ds - r, n)), min(length, _ceil_div(de - r, n))
@@ -125,7 +125,7 @@ def _new_step_geometry(
 ) -> tuple[tuple[Piece, ...], int | None]:
     ctx = meta.ctx
     src = (ctx.sp_rank - step) % ctx.sp_size
-    if ctx.layout == "stripe":
+    if ctx.sharding == "stripe":
         return _stripe_pieces(meta, src, window)
     return _run_pieces(meta, src), window
 
@@ -239,7 +239,7 @@ def p2p_ring_attention(
 
     Same contract as :func:`.ring.ring_attention`: q ``[local_tokens, Hq, D]``, k/v
     ``[local_tokens, Hkv, D]`` (``Hq % Hkv == 0``), ``sinks`` ``[Hq]`` optional and
-    differentiable; the layout is ``meta.ctx.layout`` (contiguous, zigzag or stripe).
+    differentiable; the layout is ``meta.ctx.sharding`` (contiguous, zigzag or stripe).
     With the ``flash`` kernel, ring-flash-attn's P2P functions run where they are exact
     (see :func:`.ring_flash.flash_p2p_unfit`); other rows use this module's kernel.
     """

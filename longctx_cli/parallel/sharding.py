@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from longctx_cli.constants import IGNORE_INDEX
+from longctx_cli.layout import zigzag_order
 
-from .kernels import Segment
-from .mesh import SPContext
+from .features import Segment
+from .mesh import ParallelState
 
 T = TypeVar("T")
 
@@ -31,14 +32,22 @@ T = TypeVar("T")
 class SPMeta:
     """Per-row attention metadata shared by every layer of one forward/backward pass."""
 
-    ctx: SPContext
+    ctx: ParallelState
     cu_seqlens: torch.Tensor  # int32 [num_segments + 1], global, from the padded full row
     total_len: int  # padded full row length
     local_ranges: tuple[tuple[int, int], ...]  # global [start, end) runs owned, in local order
     segments: tuple[Segment, ...]  # local queries -> global keys, for the torch kernels
+    # cu_seqlens as host ints, read once from the CPU row: layers never read the (device)
+    # tensor back, which would stall the GPU once per layer.
+    cu_host: tuple[int, ...] = ()
     # Values derived from this row, built once and read by every layer (see `derived`).
     _derived: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
     attention_calls: int = 0  # incremented by the transformers entry point
+
+    @property
+    def max_seqlen(self) -> int:
+        """The longest document (or padding tail) of the row."""
+        return max(b - a for a, b in zip(self.cu_host[:-1], self.cu_host[1:], strict=True))
 
     @property
     def local_len(self) -> int:
@@ -61,12 +70,6 @@ class ShardedBatch:
     sp_meta: SPMeta
 
 
-def zigzag_order(n: int) -> list[int]:
-    """Global index of each of the ``2n`` zigzag chunks, in rank order: rank ``r`` stores
-    chunks ``r`` and ``2n-1-r`` (one early, one late, so causal work balances)."""
-    return [c for r in range(n) for c in (r, 2 * n - 1 - r)]
-
-
 def zigzag_positions(n: int) -> list[int]:
     """Inverse of :func:`zigzag_order`: where global chunk ``j`` sits in rank order."""
     where = [0] * (2 * n)
@@ -75,27 +78,9 @@ def zigzag_positions(n: int) -> list[int]:
     return where
 
 
-def pad_multiple(ctx: SPContext) -> int:
-    tp = ctx.tp.size if ctx.tp is not None else 1  # TP splits each SP shard once more
-    return ctx.sp_size * (2 if ctx.layout == "zigzag" else 1) * tp
-
-
-def local_ranges(total_len: int, ctx: SPContext) -> tuple[tuple[int, int], ...]:
+def local_ranges(total_len: int, ctx: ParallelState) -> tuple[tuple[int, int], ...]:
     """Global token ranges this rank owns, in the order they are stored locally."""
-    n, r = ctx.sp_size, ctx.sp_rank
-    if total_len % pad_multiple(ctx) != 0:
-        raise ValueError(f"row length {total_len} is not a multiple of {pad_multiple(ctx)}")
-    if ctx.layout == "contiguous":
-        size = total_len // n
-        return ((r * size, (r + 1) * size),)
-    if ctx.layout == "zigzag":
-        c = total_len // (2 * n)
-        return tuple((j * c, (j + 1) * c) for j in zigzag_order(n)[2 * r:2 * r + 2])
-    if ctx.layout == "stripe":
-        if n == 1:
-            return ((0, total_len),)
-        return tuple((i, i + 1) for i in range(r, total_len, n))
-    raise ValueError(f"unknown layout {ctx.layout!r}")
+    return ctx.local_ranges(total_len)
 
 
 def segments_for(cu_seqlens: list[int], ranges: tuple[tuple[int, int], ...]) -> tuple[Segment, ...]:
@@ -119,9 +104,9 @@ def segments_for(cu_seqlens: list[int], ranges: tuple[tuple[int, int], ...]) -> 
     return tuple(out)
 
 
-def slice_sequence(full: torch.Tensor, ctx: SPContext, dim: int = 0) -> torch.Tensor:
+def slice_sequence(full: torch.Tensor, ctx: ParallelState, dim: int = 0) -> torch.Tensor:
     """This rank's part of a full-row tensor (inverse of :func:`gather_sequence`)."""
-    if ctx.layout == "stripe" and ctx.sp_size > 1:
+    if ctx.sharding == "stripe" and ctx.sp_size > 1:
         n = ctx.sp_size
         if full.shape[dim] % n:
             raise ValueError(f"row length {full.shape[dim]} is not a multiple of {n}")
@@ -130,7 +115,7 @@ def slice_sequence(full: torch.Tensor, ctx: SPContext, dim: int = 0) -> torch.Te
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
-def gather_sequence(local: torch.Tensor, ctx: SPContext, dim: int = 0) -> torch.Tensor:
+def gather_sequence(local: torch.Tensor, ctx: ParallelState, dim: int = 0) -> torch.Tensor:
     """All-gather every rank's part and return the full row in global token order.
 
     Not differentiable; meant for evaluation and tests.
@@ -139,9 +124,9 @@ def gather_sequence(local: torch.Tensor, ctx: SPContext, dim: int = 0) -> torch.
         return local
     parts = [torch.empty_like(local) for _ in range(ctx.sp_size)]
     dist.all_gather(parts, local.contiguous(), group=ctx.sp_group)
-    if ctx.layout == "contiguous":
+    if ctx.sharding == "contiguous":
         return torch.cat(parts, dim=dim)
-    if ctx.layout == "stripe":  # token i came from rank i % N
+    if ctx.sharding == "stripe":  # token i came from rank i % N
         return torch.stack(parts, dim=dim + 1).flatten(dim, dim + 1)
     stored = [half for p in parts for half in p.chunk(2, dim=dim)]  # rank order
     return torch.cat([stored[i] for i in zigzag_positions(ctx.sp_size)], dim=dim)
@@ -176,7 +161,7 @@ def shard_batch(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     labels: torch.Tensor,
-    ctx: SPContext,
+    ctx: ParallelState,
     pad_token_id: int = 0,
 ) -> ShardedBatch:
     """Pad, shift labels globally and slice one packed row for this rank (see module doc)."""
@@ -184,7 +169,7 @@ def shard_batch(
     if not input_ids.numel() == position_ids.numel() == labels.numel():
         raise ValueError("input_ids, position_ids and labels must have the same length")
     length = input_ids.numel()
-    multiple = pad_multiple(ctx)
+    multiple = ctx.layout.row_multiple
     extra = -length % multiple
     input_ids = _pad(input_ids, extra, pad_token_id)
     labels = _pad(labels, extra, IGNORE_INDEX)
@@ -195,12 +180,14 @@ def shard_batch(
     shifted = shift_labels_globally(labels, cu_seqlens)
     total = input_ids.numel()
     ranges = local_ranges(total, ctx)
+    cu_host = tuple(cu_seqlens.tolist())  # the row is still on the host here
     meta = SPMeta(
         ctx=ctx,
         cu_seqlens=cu_seqlens,
         total_len=total,
         local_ranges=ranges,
-        segments=segments_for(cu_seqlens.tolist(), ranges),
+        segments=segments_for(cu_host, ranges),
+        cu_host=cu_host,
     )
     batch = ShardedBatch(
         input_ids=slice_sequence(input_ids, ctx).unsqueeze(0),
@@ -208,16 +195,17 @@ def shard_batch(
         shift_labels=slice_sequence(shifted, ctx).unsqueeze(0),
         sp_meta=meta,
     )
-    if ctx.tp is not None:
+    if ctx.tp_size > 1:
         from .tensor_parallel import tp_batch
 
-        batch = tp_batch(batch, ctx.tp)
+        batch = tp_batch(batch, ctx)
     return batch
 
 
-def make_sp_meta(position_ids: torch.Tensor, ctx: SPContext) -> SPMeta:
+def make_sp_meta(position_ids: torch.Tensor, ctx: ParallelState) -> SPMeta:
     """Metadata for a full (already padded) 1-D position row, without touching tokens."""
     cu_seqlens = document_cu_seqlens(position_ids.reshape(-1))
-    total = int(cu_seqlens[-1])
-    ranges = local_ranges(total, ctx)
-    return SPMeta(ctx, cu_seqlens, total, ranges, segments_for(cu_seqlens.tolist(), ranges))
+    cu_host = tuple(cu_seqlens.tolist())
+    ranges = local_ranges(cu_host[-1], ctx)
+    return SPMeta(ctx, cu_seqlens, cu_host[-1], ranges, segments_for(cu_host, ranges),
+                  cu_host=cu_host)

@@ -24,7 +24,7 @@ ranks of its SP group), which keeps the trainer's exact token accounting unchang
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -36,41 +36,14 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from longctx_cli.constants import IGNORE_INDEX
 
+from .mesh import ParallelState
+
 # HF tp-plan styles we turn into sequence-parallel styles; anything else is refused.
 # "replicated_with_grad_allreduce" marks a per-head norm inside attention (Qwen3's q_norm /
 # k_norm): its weight is replicated, each rank normalises its own heads, and the weight's
 # gradient is the sum over the TP group.
 HEAD_NORM = "replicated_with_grad_allreduce"
 SUPPORTED_STYLES = ("colwise", "rowwise", HEAD_NORM)
-
-
-@dataclass
-class TPContext:
-    """What a rank needs to know about its tensor-parallel group."""
-
-    mesh: object  # the full (dp, cp, tp) DeviceMesh
-    tp_mesh: object  # its "tp" sub-mesh (what parallelize_module gets)
-    group: ProcessGroup
-    rank: int
-    size: int
-    # The ranks holding the same TP shard (dp x cp, flattened): FSDP2 shards over them and
-    # gradients are summed over them. `replica_group` is None when there is only this rank.
-    fsdp_mesh: object = None
-    replica_group: ProcessGroup | None = None
-
-
-def build_tp_mesh(dp: int, cp: int, tp: int, device_type: str = "cpu") -> TPContext:
-    """The (dp, cp, tp) DeviceMesh, tp fastest, the same rank order as `build_parallel_groups`.
-
-    Collective: every rank calls it once, after `build_parallel_groups`.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
-    tp_mesh = mesh["tp"]
-    replicas = mesh["dp", "cp"]._flatten("dp_cp")
-    return TPContext(mesh, tp_mesh, tp_mesh.get_group(), tp_mesh.get_local_rank(), tp,
-                     replicas, replicas.get_group() if dp * cp > 1 else None)
 
 
 # ---------------------------------------------------------------------------------------
@@ -101,7 +74,7 @@ class _HeadShardedNorm(SequenceParallel):
     """A norm over ``head_dim`` applied to ``[batch, seq, local heads, head_dim]``: torch's
     `SequenceParallel` with the heads (dim 2) as the sharded dimension, so the weight is
     replicated and DTensor knows its gradient is a partial sum over the group
-    (`reduce_tp_gradients` sums it). Any other input shape is refused at the first forward,
+    (`finish_partial_gradients` sums it). Any other input shape is refused at the first forward,
     never normalised wrongly."""
 
     def __init__(self) -> None:
@@ -202,7 +175,7 @@ def _is_norm(module: nn.Module) -> bool:
         p.dim() == 1 for p in params.values())
 
 
-def apply_tensor_parallel(decoder: nn.Module, lm_head: nn.Module, tp: TPContext,
+def apply_tensor_parallel(decoder: nn.Module, lm_head: nn.Module, tp: ParallelState,
                           model_config: object) -> None:
     """Shard the decoder (embedding, layers, final norm) and lm_head over the TP group.
 
@@ -255,15 +228,15 @@ def apply_tensor_parallel(decoder: nn.Module, lm_head: nn.Module, tp: TPContext,
 # batches and loss
 
 
-def tp_batch(batch, tp: TPContext):
+def tp_batch(batch, tp: ParallelState):
     """The TP rank's view of an SP-sharded batch: the same tokens (the embedding needs them
     all), but loss targets only for its own contiguous `1/tp` of them (the slice its
     residual stream holds), so token counts and loss sums partition the row exactly."""
     labels = batch.shift_labels
-    if labels.shape[-1] % tp.size:
-        raise ValueError(f"{labels.shape[-1]} local tokens do not split over tp {tp.size}")
-    n = labels.shape[-1] // tp.size
-    return replace(batch, shift_labels=labels[..., tp.rank * n : (tp.rank + 1) * n])
+    if labels.shape[-1] % tp.tp_size:
+        raise ValueError(f"{labels.shape[-1]} local tokens do not split over tp {tp.tp_size}")
+    n = labels.shape[-1] // tp.tp_size
+    return replace(batch, shift_labels=labels[..., tp.tp_rank * n : (tp.tp_rank + 1) * n])
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -305,25 +278,25 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad, None, None, None
 
 
-def _gather_tokens(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+def _gather_tokens(x: torch.Tensor, tp: ParallelState) -> torch.Tensor:
     """Non-differentiable all-gather along dim 0 (labels)."""
-    out = x.new_empty((x.shape[0] * tp.size, *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=tp.group)
+    out = x.new_empty((x.shape[0] * tp.tp_size, *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=tp.tp_group)
     return out
 
 
 def _chunk_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
-                tp: TPContext) -> torch.Tensor:
+                tp: ParallelState) -> torch.Tensor:
     all_labels = _gather_tokens(labels, tp)
     logits = head(hidden)  # [tp * chunk, vocab / tp], the input gathered by lm_head's plan
-    vocab_start = tp.rank * logits.shape[-1]
-    losses = _VocabParallelCE.apply(logits, all_labels, vocab_start, tp.group)
+    vocab_start = tp.tp_rank * logits.shape[-1]
+    losses = _VocabParallelCE.apply(logits, all_labels, vocab_start, tp.tp_group)
     n = labels.shape[0]
-    return losses[tp.rank * n : (tp.rank + 1) * n].sum()
+    return losses[tp.tp_rank * n : (tp.tp_rank + 1) * n].sum()
 
 
 def tp_loss_sum(head: nn.Module, hidden: torch.Tensor, shift_labels: torch.Tensor,
-                tp: TPContext, chunk_size: int | None = None) -> torch.Tensor:
+                tp: ParallelState, chunk_size: int | None = None) -> torch.Tensor:
     """Sum of CE over this TP rank's tokens, vocab-parallel over the TP group.
 
     `hidden` `[tokens, hidden]` is the rank's sequence slice and `shift_labels` its targets.
@@ -335,13 +308,13 @@ def tp_loss_sum(head: nn.Module, hidden: torch.Tensor, shift_labels: torch.Tenso
 
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = shift_labels.reshape(-1)
-    step = hidden.shape[0] if chunk_size is None else max(1, chunk_size // tp.size)
+    step = hidden.shape[0] if chunk_size is None else max(1, chunk_size // tp.tp_size)
     total = hidden.sum().float() * 0.0  # keeps every rank's backward through the decoder
     for start in range(0, hidden.shape[0], step):
         chunk_labels = labels[start : start + step]
         # Decide the skip on the whole TP group's labels so the group stays in step.
         has_target = torch.tensor([float((chunk_labels != IGNORE_INDEX).any())])
-        dist.all_reduce(has_target, group=tp.group)
+        dist.all_reduce(has_target, group=tp.tp_group)
         if not has_target.item():
             continue
         total = total + checkpoint(_chunk_loss, head, hidden[start : start + step],
@@ -349,27 +322,14 @@ def tp_loss_sum(head: nn.Module, hidden: torch.Tensor, shift_labels: torch.Tenso
     return total
 
 
-def reduce_tp_gradients(params: list[nn.Parameter], group: ProcessGroup | None) -> None:
-    """Finish the gradient sum: over the TP group where DTensor left it partial, then over
-    the ranks holding the same shard (dp x cp)."""
+def finish_partial_gradients(params: list[nn.Parameter]) -> None:
+    """Sum over the TP group the gradients DTensor left as per-rank partial sums.
+
+    A replicated parameter (norms, some LoRA matrices) used on a sequence slice gets a
+    gradient that is still a per-rank partial sum (DTensor `Partial`); summing it now lets
+    every consumer of `.grad` see the real gradient.
+    """
     for p in params:
-        # A replicated parameter (norms, some LoRA matrices) used on a sequence slice gets a
-        # gradient that is still a per-rank partial sum (DTensor `Partial`); sum it over the
-        # TP group now, so every consumer of `.grad` sees the real gradient.
         if p.grad is not None and hasattr(p.grad, "placements") and (
                 p.grad.placements != p.placements):
             p.grad = p.grad.redistribute(placements=p.placements)
-    if group is None:
-        return
-    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-             for p in params if p.grad is not None]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for same in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for g in same:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .kernels import AttentionFeatures, Segment
+from .features import AttentionFeatures, Segment
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 

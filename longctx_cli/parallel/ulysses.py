@@ -203,18 +203,22 @@ def _flash_full_row(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    meta: SPMeta,
     feats: AttentionFeatures,
 ) -> torch.Tensor:
     """flash-attn varlen over the whole row (CUDA); imported lazily, it is a GPU extra."""
     from flash_attn import flash_attn_varlen_func
 
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max())
+    cu = meta.derived(_device_cu_seqlens, q.device)
+    max_len = meta.max_seqlen
     return flash_attn_varlen_func(
         q, k, v, cu, cu, max_len, max_len, dropout_p=0.0, softmax_scale=feats.scale,
         causal=True, window_size=flash_window(feats), softcap=feats.softcap or 0.0,
     )
+
+
+def _device_cu_seqlens(meta: SPMeta, device: torch.device) -> torch.Tensor:
+    return meta.cu_seqlens.to(device=device, dtype=torch.int32)  # once per row
 
 
 def ulysses_attention(
@@ -236,10 +240,10 @@ def ulysses_attention(
     qh, kh, vh = heads_to_ranks(q, k, v, ex)
     if ctx.kernel == "flash":
         refuse_flash_sinks(sinks)
-        out = _flash_full_row(qh, kh, vh, meta.cu_seqlens, feats)
+        out = _flash_full_row(qh, kh, vh, meta, feats)
     else:
         local_sinks = None if sinks is None else sinks[local_head_slice(q.shape[1], ex, meta)]
         out = doc_causal_attention(
-            qh, kh, vh, meta.cu_seqlens, feats, local_sinks, kernel=ctx.kernel
+            qh, kh, vh, meta.cu_host, feats, local_sinks, kernel=ctx.kernel
         )
     return heads_to_seq(out, ex)

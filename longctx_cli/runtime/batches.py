@@ -7,8 +7,8 @@ from dataclasses import replace
 import torch
 
 from longctx_cli.config import Config
+from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import ShardedBatch, shard_batch
-from longctx_cli.runtime.distributed import RankContext
 
 
 def step_row_indices(
@@ -32,16 +32,16 @@ def collate(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return cat("input_ids"), cat("position_ids"), cat("labels")
 
 
-def micro_batches(rows, indices: list[int], config: Config, rank: RankContext
-                  ) -> list[ShardedBatch]:
+def micro_batches(rows, indices: list[int], config: Config, state: ParallelState,
+                  pad_id: int) -> list[ShardedBatch]:
     """This DP rank's micro-batches of one step, sharded for this SP rank."""
     mbs, ga = config.micro_batch_size, config.gradient_accumulation_steps
-    mine = indices[rank.dp_rank * mbs * ga : (rank.dp_rank + 1) * mbs * ga]
+    mine = indices[state.dp_rank * mbs * ga : (state.dp_rank + 1) * mbs * ga]
     batches = []
     for i in range(ga):
         input_ids, position_ids, labels = collate(rows.select(mine[i * mbs : (i + 1) * mbs]))
-        sharded = shard_batch(input_ids, position_ids, labels, rank.sp_ctx, rank.pad_id)
-        batches.append(to_device(sharded, rank.device))
+        sharded = shard_batch(input_ids, position_ids, labels, state, pad_id)
+        batches.append(to_device(sharded, state.device))
     return batches
 
 

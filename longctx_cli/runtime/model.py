@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from longctx_cli.config import Config
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
+from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.runtime.head import model_head
 from longctx_cli.runtime.memory import apply_tiled_mlp
 
@@ -198,12 +199,13 @@ def unwrap(model: nn.Module) -> PreTrainedModel:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def build_model(config: Config, fsdp_mesh=None, tp=None) -> nn.Module:
+def build_model(config: Config, state: ParallelState | None = None) -> nn.Module:
     """The model a run trains, with SP attention registered and every option applied.
 
-    `tp` (a `parallel.tensor_parallel.TPContext`) shards it with TP-sp before FSDP2, which
-    then shards over `fsdp_mesh` (the ranks holding the same TP shard).
+    With `state`'s TP group the model is sharded with TP-sp before FSDP2, which then shards
+    over `state.fsdp_mesh` (the ranks holding the same TP shard, or the world).
     """
+    state = state or ParallelState()
     register_sp_attention()
     model = load_base_model(config, ATTN_IMPLEMENTATION)
     if config.gradient_checkpointing:
@@ -216,18 +218,18 @@ def build_model(config: Config, fsdp_mesh=None, tp=None) -> nn.Module:
         apply_tiled_mlp(model, config.tiled_mlp_tiles)
     if config.dtype == "float16":
         keep_float32_master_weights(model)
-    if tp is not None:
+    if state.tp_size > 1:
         from longctx_cli.parallel.tensor_parallel import apply_tensor_parallel
 
         base = unwrap(model)
         try:
-            apply_tensor_parallel(base.get_decoder(), base.get_output_embeddings(), tp,
+            apply_tensor_parallel(base.get_decoder(), base.get_output_embeddings(), state,
                                   base.config)
         except ValueError as e:
             raise UserError(str(e), where="tensor_parallel_size",
                             fix="use `tensor_parallel_size: 1` for this model.") from None
-    if config.fsdp and fsdp_mesh is not None:
-        apply_fsdp(model, fsdp_mesh, config)
+    if config.fsdp and state.fsdp_mesh is not None:
+        apply_fsdp(model, state.fsdp_mesh, config)
     model.train()
     return model
 

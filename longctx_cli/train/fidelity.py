@@ -233,12 +233,12 @@ def _reference(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def _longctx(model: Any, ids: torch.Tensor, pos: torch.Tensor, labels: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """longctx's sp=1 path, as the trainer computes it: (loss, hidden, logits)."""
-    from longctx_cli.parallel.mesh import single_process_context
+    from longctx_cli.parallel.mesh import ParallelState
     from longctx_cli.parallel.sharding import shard_batch
     from longctx_cli.runtime.model import decoder_and_head, sp_hidden_states
     from longctx_cli.train.loss import lm_loss_sum, valid_token_count
 
-    batch = shard_batch(ids, pos, labels, single_process_context(kernel="torch"))
+    batch = shard_batch(ids, pos, labels, ParallelState())
     decoder, head = decoder_and_head(model)
     hidden = sp_hidden_states(decoder, batch)
     loss = lm_loss_sum(head, hidden, batch.shift_labels) / valid_token_count(batch.shift_labels)

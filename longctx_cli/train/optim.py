@@ -1,4 +1,4 @@
-"""Optimizer, schedule, and the run's cadence and stop rules, with Axolotl's meanings.
+"""The optimizer and the learning-rate schedule, with Axolotl's meanings.
 
 Optimizer names are Axolotl's (= transformers' `optim` names): torch AdamW/SGD,
 bitsandbytes' 8-bit and paged ones, torchao's 8/4-bit and fp8 states. The libraries are
@@ -8,7 +8,6 @@ optional extras, imported only when named.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -113,120 +112,3 @@ def make_scheduler(config: Config, optimizer: torch.optim.Optimizer, num_steps: 
 def is_plateau(config: Config) -> bool:
     """reduce_lr_on_plateau steps on eval loss, not on every optimizer step."""
     return config.lr_scheduler == "reduce_lr_on_plateau"
-
-
-# ---- cadence --------------------------------------------------------------------------------
-
-
-def interval(
-    steps: int | float | None, per_epoch: int | None, strategy: str | None,
-    steps_per_epoch: int, num_steps: int,
-) -> int | None:
-    """Optimizer steps between saves (or evals), Axolotl's way: `no` never; `epoch` once per
-    epoch; N per epoch; every N steps; a fraction < 1 of the total steps."""
-    if strategy == "no":
-        return None
-    if strategy == "epoch":
-        return steps_per_epoch
-    if per_epoch:
-        return max(1, steps_per_epoch // per_epoch)
-    if steps is None:
-        return None
-    if steps < 1:
-        return max(1, round(steps * num_steps))
-    return int(steps)
-
-
-def save_interval(config: Config, steps_per_epoch: int, num_steps: int) -> int | None:
-    return interval(config.save_steps, config.saves_per_epoch, config.save_strategy,
-                    steps_per_epoch, num_steps)
-
-
-def eval_interval(config: Config, steps_per_epoch: int, num_steps: int) -> int | None:
-    return interval(config.eval_steps, config.evals_per_epoch, config.eval_strategy,
-                    steps_per_epoch, num_steps)
-
-
-# ---- stop rules -----------------------------------------------------------------------------
-
-
-@dataclass
-class EarlyStopping:
-    """Stop after `patience` evaluations in a row without a new best eval loss."""
-
-    patience: int | None
-    best: float = math.inf
-    bad: int = 0
-
-    def should_stop(self, eval_loss: float) -> bool:
-        if self.patience is None:
-            return False
-        if eval_loss < self.best:
-            self.best, self.bad = eval_loss, 0
-        else:
-            self.bad += 1
-        return self.bad >= self.patience
-
-
-@dataclass
-class LossWatchdog:
-    """Axolotl's loss watchdog: the training loss above a threshold for `patience` steps in
-    a row means the run has broken down."""
-
-    threshold: float | None
-    patience: int
-    high: int = 0
-
-    def tripped(self, loss: float) -> bool:
-        if self.threshold is None:
-            return False
-        self.high = self.high + 1 if not loss <= self.threshold else 0  # NaN counts as high
-        return self.high >= self.patience
-
-
-# ---- Weights & Biases -------------------------------------------------------------------------
-
-
-class WandbLog:
-    """Rank 0's Weights & Biases run (the real `wandb` library); a no-op when off."""
-
-    def __init__(self, config: Config, enabled: bool, output_dir, model: torch.nn.Module):
-        self.run = None
-        self.log_model = config.wandb_log_model
-        if not enabled:
-            return
-        try:
-            import wandb
-        except ImportError:
-            raise UserError(
-                "Weights & Biases logging is on (`wandb_project`) but `wandb` is not installed.",
-                where="wandb_project",
-                fix="`pip install 'longctx[wandb]'`, or remove wandb_project / set "
-                "`use_wandb: false`.",
-            ) from None
-        self.wandb = wandb
-        output_dir.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(
-            project=config.wandb_project, entity=config.wandb_entity, name=config.wandb_name,
-            id=config.wandb_run_id, resume="allow" if config.wandb_run_id else None,
-            mode=config.wandb_mode, dir=str(output_dir),
-            config=config.model_dump(mode="json", by_alias=True),
-        )
-        if config.wandb_watch not in (None, "false"):
-            self.run.watch(model, log=config.wandb_watch, log_freq=config.logging_steps)
-
-    def log(self, record: dict) -> None:
-        if self.run is not None:
-            self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-
-    def artifact(self, path, name: str) -> None:
-        if self.run is None or self.log_model in (None, "false"):
-            return
-        artifact = self.wandb.Artifact(name=name, type="model")
-        artifact.add_dir(str(path))
-        self.run.log_artifact(artifact)
-
-    def finish(self) -> None:
-        if self.run is not None:
-            self.run.finish()
-

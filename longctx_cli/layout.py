@@ -1,0 +1,354 @@
+"""The parallel layout of a run: degrees, sharding, ring algorithm and kernel, checked once.
+
+A :class:`Layout` is built once from the plan (``config.plan.layout_for``): ``validate``
+prints it and every rank builds its process groups from it (``parallel.mesh``), so the
+degrees and the kernel the plan shows are the ones the ranks run. It is pure Python (no
+``torch.distributed``): every rule about how ranks are arranged lives here and raises a
+:class:`LayoutError` naming the config key, the bad value and the fix.
+
+The world is the mesh ``dp_replicate x dp_shard x ring x ulysses x tp``, ``tp`` fastest:
+
+* rank = ``(d * sp + c) * tp + t`` for data-parallel index ``d``, sequence-parallel index
+  ``c`` and tensor-parallel index ``t``; a TP group is ``tp`` consecutive ranks (TP moves
+  activations four times per layer, so it gets the closest ranks) and an SP group is ``sp``
+  ranks ``tp`` apart (one node when ``sp * tp <= ranks per node``);
+* inside an SP group, ``c = ring_index * ulysses + ulysses_index``: a Ulysses group is
+  ``ulysses`` consecutive members, a ring group is member ``i`` of every Ulysses group;
+* ``d = replica * dp_shard + shard``: HSDP replicates across ``dp_replicate`` groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("ring", "ulysses", "hybrid")
+SHARDINGS = ("contiguous", "zigzag", "stripe")
+# The ring algorithm (Axolotl's `ring_attn_func` names): llama3-style all-gather, or a P2P
+# ring whose sharding is in its name.
+RING_ATTN_FUNCS = ("varlen_llama3", "batch_ring", "batch_zigzag", "batch_stripe")
+P2P_SHARDING = {"batch_ring": "contiguous", "batch_zigzag": "zigzag", "batch_stripe": "stripe"}
+CONCRETE_KERNELS = ("torch", "flash", "torch_flash")
+# Mesh dimension names, outermost first (the rank order above).
+MESH_DIMS = ("dp_replicate", "dp_shard", "ring", "ulysses", "tp")
+
+
+class LayoutError(ValueError):
+    """A layout rule broken by a config value: ``key`` names it, ``fix`` says what to do."""
+
+    def __init__(self, key: str, message: str, fix: str):
+        super().__init__(f"{message} {fix}")
+        self.key, self.message, self.fix = key, message, fix
+
+
+def divisors(n: int) -> str:
+    """``"1, 2, 4 or 8"``: the values a degree dividing ``n`` may take, for fix texts."""
+    ds = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(ds[:-1]) + f" or {ds[-1]}" if len(ds) > 1 else ds[0]
+
+
+def ring_sharding(ring_attn_func: str, sharding: str | None) -> str:
+    """The sharding a ring algorithm runs on: a P2P ring's name fixes it (``None``: not
+    given, derive it); the stripe sharding exists only for ``batch_stripe``."""
+    implied = P2P_SHARDING.get(ring_attn_func)
+    if implied is None:
+        if sharding == "stripe":
+            raise LayoutError(
+                "sp_sharding",
+                "`sp_sharding: stripe` is computed only by `ring_attn_func: batch_stripe`; "
+                "varlen_llama3 balances causal work with `sp_sharding: zigzag`.",
+                "set `sp_sharding: zigzag`, or `ring_attn_func: batch_stripe`.",
+            )
+        return sharding or "contiguous"
+    if sharding is not None and sharding != implied:
+        raise LayoutError(
+            "sp_sharding",
+            f"`ring_attn_func: {ring_attn_func}` runs on `sp_sharding: {implied}`, but "
+            f"`sp_sharding` is {sharding!r}.",
+            f"set `sp_sharding: {implied}` (or leave it out), or pick the ring of that layout.",
+        )
+    return implied
+
+
+def ulysses_degree_for(mode: str, sp: int, given: int | None) -> int:
+    """Ranks per Ulysses (all-to-all) group: 1 for ring, sp for ulysses, the given
+    `ulysses_degree` for hybrid."""
+    if mode not in MODES:
+        raise LayoutError("sequence_parallel_mode", f"unknown mode {mode!r}.",
+                          f"use one of {', '.join(MODES)}.")
+    if mode != "hybrid" and given is not None:
+        raise LayoutError(
+            "ulysses_degree",
+            f"`ulysses_degree` = {given} is only used by `sequence_parallel_mode: hybrid`, "
+            f"but the mode is {mode!r}.",
+            "remove `ulysses_degree`, or set `sequence_parallel_mode: hybrid`.",
+        )
+    if mode == "ring":
+        return 1
+    if mode == "ulysses":
+        return sp
+    if given is None:
+        raise LayoutError(
+            "ulysses_degree",
+            "`sequence_parallel_mode: hybrid` needs `ulysses_degree` (ranks per all-to-all "
+            "group; the ring runs across the groups).",
+            f"add `ulysses_degree: N` with N dividing `sequence_parallel_degree` = {sp} "
+            f"({divisors(sp)}), usually the GPUs per node.",
+        )
+    if given < 1 or sp % given:
+        raise LayoutError(
+            "ulysses_degree",
+            f"`ulysses_degree` = {given} does not divide `sequence_parallel_degree` = {sp}: "
+            "the SP group must split into equal Ulysses groups.",
+            f"set `ulysses_degree` to {divisors(sp)}.",
+        )
+    return given
+
+
+def flash_fits(sharding: str, ring_attn_func: str) -> bool:
+    """ring-flash-attn has a function for this sharding: its llama3 varlen function expects
+    contiguous slices, each P2P ring function its own sharding."""
+    return sharding == "contiguous" or ring_attn_func in P2P_SHARDING
+
+
+def zigzag_order(n: int) -> list[int]:
+    """Global index of each of the ``2n`` zigzag chunks, in rank order: rank ``r`` stores
+    chunks ``r`` and ``2n-1-r`` (one early, one late, so causal work balances)."""
+    return [c for r in range(n) for c in (r, 2 * n - 1 - r)]
+
+
+def check_world(sp: int, tp: int, world: int, source: str = "given") -> None:
+    """``world`` splits into groups of ``sp x tp`` ranks."""
+    if tp == 1 and sp > world:
+        raise LayoutError(
+            "sequence_parallel_degree",
+            f"`sequence_parallel_degree` = {sp} is larger than the world size {world} "
+            f"({source}): a sequence cannot be split over more ranks than exist.",
+            f"set `sequence_parallel_degree` to {divisors(world)}, or launch at least {sp} "
+            "ranks (--nproc-per-node / --nnodes).",
+        )
+    if tp == 1 and world % sp:
+        raise LayoutError(
+            "sequence_parallel_degree",
+            f"`sequence_parallel_degree` = {sp} does not divide the world size {world} "
+            f"({source}): every rank must belong to one SP group of {sp} ranks.",
+            f"set `sequence_parallel_degree` to {divisors(world)}, or run a multiple of {sp} "
+            "ranks.",
+        )
+    if world % (tp * sp):
+        raise LayoutError(
+            "tensor_parallel_size",
+            f"`tensor_parallel_size` = {tp} x `sequence_parallel_degree` = {sp} = {tp * sp} "
+            f"does not divide the world size {world} ({source}): the world is dp x tp x cp.",
+            f"launch a multiple of {tp * sp} ranks, or change the two degrees so their "
+            f"product divides {world}.",
+        )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks of a run are arranged and what attention runs on them.
+
+    Constructing one checks every rule that needs only the layout itself; the world-size
+    rules are in :meth:`for_world`, the model's in :meth:`check_heads`.
+    """
+
+    sp: int = 1  # ranks sharing one row (the `cp` of the mesh: ring x ulysses)
+    tp: int = 1
+    dp_replicate: int = 1  # data-parallel replicas (DDP; HSDP's replica groups with fsdp)
+    dp_shard: int = 1  # FSDP2 shards parameters over dp_shard x sp ranks (fsdp only)
+    fsdp: bool = False
+    mode: str = "ring"
+    # Ranks per all-to-all group: 1 for ring, sp for ulysses (0: derive those), given for
+    # hybrid.
+    ulysses: int = 0
+    sharding: str = "contiguous"
+    ring_attn_func: str = "varlen_llama3"
+    heads_k_stride: int = 1
+    kernel: str = "torch"  # torch | flash | torch_flash, never auto
+    kernel_reason: str = ""  # why that kernel (printed)
+
+    def __post_init__(self) -> None:
+        for key, value in (("sequence_parallel_degree", self.sp),
+                           ("tensor_parallel_size", self.tp),
+                           ("dp_replicate_size", self.dp_replicate),
+                           ("dp_shard_size", self.dp_shard),
+                           ("heads_k_stride", self.heads_k_stride)):
+            if value < 1:
+                raise LayoutError(key, f"`{key}` = {value} must be at least 1.",
+                                  f"set `{key}` to 1 or more.")
+        if self.dp_shard > 1 and not self.fsdp:
+            raise LayoutError("dp_shard_size", f"`dp_shard_size` = {self.dp_shard} shards "
+                              "parameters, which needs FSDP.", "set `fsdp: true`.")
+        derived = ulysses_degree_for(
+            self.mode, self.sp,
+            (self.ulysses or None) if self.mode == "hybrid" else None)
+        if self.ulysses == 0:
+            object.__setattr__(self, "ulysses", derived)  # frozen: set once, here
+        elif self.ulysses != derived:
+            raise LayoutError("ulysses_degree", f"a {self.mode} layout over {self.sp} ranks "
+                              f"cannot have Ulysses groups of {self.ulysses}.",
+                              f"leave the Ulysses degree out (it is {derived}).")
+        if self.sharding not in SHARDINGS:
+            raise LayoutError("sp_sharding", f"unknown sharding {self.sharding!r}.",
+                              f"use one of {', '.join(SHARDINGS)}.")
+        if self.ring_attn_func not in RING_ATTN_FUNCS:
+            raise LayoutError("ring_attn_func", f"unknown ring_attn_func "
+                              f"{self.ring_attn_func!r}.",
+                              f"use one of {', '.join(RING_ATTN_FUNCS)}.")
+        if self.mode != "ulysses":
+            ring_sharding(self.ring_attn_func, self.sharding)
+        if self.sharding == "stripe" and self.mode != "ring" and self.sp > 1:
+            raise LayoutError(
+                "sp_sharding",
+                f"`sp_sharding: stripe` (`ring_attn_func: {self.ring_attn_func}`) is not "
+                f"supported by `sequence_parallel_mode: {self.mode}`: "
+                + ("the all-to-all would reorder one-token pieces" if self.mode == "ulysses"
+                   else "a Ulysses group's tokens are not one stripe of the ring across "
+                   "the groups") + ".",
+                "use `ring_attn_func: batch_zigzag` (or batch_ring) with hybrid, "
+                "`sp_sharding: zigzag` with ulysses, or `sequence_parallel_mode: ring`.",
+            )
+        if self.kernel not in CONCRETE_KERNELS:
+            raise LayoutError("attention_kernel", f"the layout's kernel must be resolved, got "
+                              f"{self.kernel!r}.", f"use one of {', '.join(CONCRETE_KERNELS)}.")
+        if self.kernel == "flash" and self.ring > 1 and not flash_fits(self.sharding,
+                                                                      self.ring_attn_func):
+            raise LayoutError(
+                "sp_sharding",
+                f"`sp_sharding` = {self.sharding!r} is not supported by `attention_kernel: "
+                "flash` (ring-flash-attn's llama3 varlen kernel expects contiguous slices).",
+                "set `sp_sharding: contiguous`, or `attention_kernel: torch_flash` (CUDA) or "
+                "`torch` to keep zigzag.",
+            )
+
+    @classmethod
+    def filling(cls, world: int, **fields: object) -> Layout:
+        """A layout whose data-parallel replicas fill ``world`` ranks (tests, benchmarks)."""
+        sp, tp = int(fields.get("sp", 1)), int(fields.get("tp", 1))  # type: ignore[call-overload]
+        return cls(dp_replicate=world // (sp * tp), **fields)  # type: ignore[arg-type]
+
+    # ---- degrees ------------------------------------------------------------------------
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def ring(self) -> int:
+        """Ranks per ring (1 when Ulysses spans the SP group)."""
+        return self.sp // self.ulysses
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.sp * self.tp
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Sizes of :data:`MESH_DIMS`, outermost first."""
+        return (self.dp_replicate, self.dp_shard, self.ring, self.ulysses, self.tp)
+
+    @property
+    def p2p(self) -> bool:
+        """True when the ring passes K/V blocks point to point (``batch_*``)."""
+        return self.ring_attn_func in P2P_SHARDING
+
+
+    @property
+    def row_multiple(self) -> int:
+        """Rows are padded to a multiple of this: equal slices for every SP rank (2 chunks
+        each for zigzag), each split once more over the TP group."""
+        return self.sp * (2 if self.sharding == "zigzag" else 1) * self.tp
+
+    @property
+    def sequence_len_multiple(self) -> int:
+        """What `sequence_len` must be a multiple of (zigzag over one rank cuts nothing)."""
+        return self.sp * (2 if self.sharding == "zigzag" and self.sp > 1 else 1) * self.tp
+
+    # ---- ranks ------------------------------------------------------------------------
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """``(dp index, sp index, tp index)`` of a world rank."""
+        return rank // (self.sp * self.tp), rank // self.tp % self.sp, rank % self.tp
+
+    def local_ranges(self, total_len: int, sp_rank: int) -> tuple[tuple[int, int], ...]:
+        """Global token ranges SP rank ``sp_rank`` owns in a row, in local storage order."""
+        n, r = self.sp, sp_rank
+        multiple = self.row_multiple // self.tp
+        if total_len % multiple:
+            raise ValueError(f"row length {total_len} is not a multiple of {multiple}")
+        if self.sharding == "contiguous":
+            size = total_len // n
+            return ((r * size, (r + 1) * size),)
+        if self.sharding == "zigzag":
+            c = total_len // (2 * n)
+            return tuple((j * c, (j + 1) * c) for j in zigzag_order(n)[2 * r:2 * r + 2])
+        if n == 1:
+            return ((0, total_len),)
+        return tuple((i, i + 1) for i in range(r, total_len, n))  # stripe
+
+    # ---- rules that need the world or the model ----------------------------------------
+
+    def for_world(self, world: int, source: str = "given") -> Layout:
+        """Check that this layout fills ``world`` ranks exactly; returns itself."""
+        check_world(self.sp, self.tp, world, source)
+        if self.world != world:
+            raise LayoutError(
+                "dp_shard_size",
+                f"dp_replicate_size {self.dp_replicate} x dp_shard_size {self.dp_shard} does "
+                f"not fit the {world // (self.sp * self.tp)} data-parallel ranks (world "
+                f"{world} / sequence_parallel_degree {self.sp}"
+                + (f" / tensor_parallel_size {self.tp}" if self.tp > 1 else "") + ").",
+                "make dp_replicate_size x dp_shard_size equal the data-parallel ranks, or "
+                "leave one of them out.",
+            )
+        return self
+
+    def check_heads(self, heads: int, kv_heads: int, key: str | None = None) -> None:
+        """The attention heads (those one TP rank holds) fit the Ulysses split and the
+        ring's ``heads_k_stride``."""
+        u = self.ulysses
+        key = key or ("ulysses_degree" if self.mode == "hybrid" else "sequence_parallel_degree")
+        if u > 1 and heads % u:
+            raise LayoutError(
+                key,
+                f"`{key}` = {u}: the model's num_attention_heads = {heads} is not divisible "
+                f"by the Ulysses group size {u}; all-to-all gives each rank heads/{u} whole "
+                "heads.",
+                f"use a Ulysses size dividing {heads} ({divisors(heads)}), or "
+                "`sequence_parallel_mode: ring`.",
+            )
+        if u > 1 and kv_heads % u and u % kv_heads:
+            raise LayoutError(
+                key,
+                f"`{key}` = {u}: the model's num_key_value_heads = {kv_heads} can neither be "
+                f"split evenly over {u} ranks nor replicated to them ({u} is not a multiple "
+                f"of {kv_heads}).",
+                f"use a Ulysses size that divides {kv_heads} or is a multiple of it, or "
+                "`sequence_parallel_mode: ring`.",
+            )
+        if self.ring > 1:
+            ring_kv = max(1, kv_heads // u)  # KV heads each rank holds once Ulysses has run
+            if ring_kv % self.heads_k_stride:
+                where = f"num_key_value_heads = {kv_heads}" + (
+                    f" ({ring_kv} per rank after the all-to-all)" if u > 1 else "")
+                raise LayoutError(
+                    "heads_k_stride",
+                    f"`heads_k_stride` = {self.heads_k_stride} does not divide the model's "
+                    f"{where}: the ring gathers K,V in chunks of that many heads.",
+                    f"set `heads_k_stride` to {divisors(ring_kv)}.",
+                )
+
+    def ring_part(self, heads_k_stride: int) -> Layout:
+        """The layout of the ring that runs across the Ulysses groups of a hybrid layout."""
+        return Layout(sp=self.ring, mode="ring", sharding=self.sharding,
+                      ring_attn_func=self.ring_attn_func, heads_k_stride=heads_k_stride,
+                      kernel=self.kernel, kernel_reason=self.kernel_reason)
+
+    def describe(self) -> str:
+        """One line: the degrees and what runs, as `validate` and the ranks' log print it."""
+        parts = [f"dp {self.dp}", f"sp {self.sp} ({self.mode}: {self.ulysses} ulysses x "
+                 f"{self.ring} ring)"]
+        if self.tp > 1:
+            parts.append(f"tp {self.tp}")
+        return (", ".join(parts) + f", sharding {self.sharding}, ring {self.ring_attn_func}, "
+                f"kernel {self.kernel}")

@@ -1,0 +1,86 @@
+"""When a run saves, using checkpoint.py's writers: resume at the start, a checkpoint every
+`save_interval` steps (Axolotl's cadence) and one at the end when saving is on, then the
+Hugging Face export to `final/`. Every rank calls these: the saves are collective."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from longctx_cli.config import Config
+from longctx_cli.runtime.model import load_base_model
+from longctx_cli.train.checkpoint import (
+    export_final,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
+from longctx_cli.train.metrics import Metrics
+from longctx_cli.train.schedule import DataPosition, interval
+
+
+def save_interval(config: Config, steps_per_epoch: int, num_steps: int) -> int | None:
+    return interval(config.save_steps, config.saves_per_epoch, config.save_strategy,
+                    steps_per_epoch, num_steps)
+
+
+def random_init_base_saver(config: Config) -> Callable[[Path], None] | None:
+    """For an adapter on a randomly initialised base (`model_config`): that base exists
+    nowhere else, so it ships beside the adapter (unquantized)."""
+    if config.adapter is None or config.model_config_dict is None:
+        return None
+
+    def save_base(path: Path) -> None:
+        load_base_model(config, "sdpa", quantize=False).save_pretrained(
+            path, safe_serialization=True
+        )
+
+    return save_base
+
+
+class Checkpointer:
+    """The run's checkpoints; `last` is the newest complete one (for stop messages)."""
+
+    def __init__(self, config: Config, data: DataPosition, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, scheduler):
+        self.config, self.data = config, data
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.output_dir = Path(config.output_dir)
+        self.every = save_interval(config, data.steps_per_epoch, data.num_steps)
+        self.resumed_from: Path | None = None
+        self.last: Path | None = None
+
+    def resume(self) -> int:
+        """Load `resume_from_checkpoint` (if any) into the run; returns the step to start at."""
+        path = resolve_resume(self.config.resume_from_checkpoint, self.output_dir)
+        if path is None:
+            return 0
+        trainer_state = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        self.data.restore(trainer_state, path)
+        self.resumed_from = self.last = path
+        return trainer_state["step"]
+
+    def _save(self, steps: int) -> Path:
+        return save_checkpoint(
+            self.output_dir, steps, self.model, self.optimizer, self.scheduler,
+            self.data.trainer_state(steps), keep=self.config.save_total_limit,
+        )
+
+    def maybe_save(self, step: int, metrics: Metrics) -> None:
+        """Save after optimizer step `step` (0-based) on the cadence; the last step is left
+        to `finish`, so it is never written twice."""
+        done = step + 1
+        if not self.every or done % self.every or done >= self.data.num_steps:
+            return
+        self.last = self._save(done)
+        metrics.artifact(self.last, f"checkpoint-{done}")
+
+    def finish(self, steps: int, tokenizer) -> Path:
+        """The run's last checkpoint (`steps` done; when saving is on at all), then `final/`
+        in Hugging Face format (full model or adapter) with the tokenizer; returns `final/`."""
+        if self.every:
+            self._save(steps)
+        return export_final(self.model, tokenizer, self.output_dir / "final",
+                            self.config.adapter is not None, random_init_base_saver(self.config))

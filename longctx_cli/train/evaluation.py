@@ -1,0 +1,66 @@
+"""Evaluation during training: when (Axolotl's eval cadence), the token-weighted eval loss
+over the held-out rows, and the `reduce_lr_on_plateau` schedule that steps on it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from longctx_cli.config import Config
+from longctx_cli.constants import IGNORE_INDEX
+from longctx_cli.parallel.mesh import ParallelState
+from longctx_cli.parallel.sharding import shard_batch
+from longctx_cli.runtime.batches import collate, to_device
+from longctx_cli.train.loss import valid_token_count
+from longctx_cli.train.optim import is_plateau
+from longctx_cli.train.schedule import interval
+from longctx_cli.train.step import all_reduce_sum, forward_loss_sum
+
+
+def eval_interval(config: Config, steps_per_epoch: int, num_steps: int) -> int | None:
+    return interval(config.eval_steps, config.evals_per_epoch, config.eval_strategy,
+                    steps_per_epoch, num_steps)
+
+
+@torch.no_grad()
+def evaluate_loss(decoder: torch.nn.Module, lm_head: torch.nn.Module, rows, config: Config,
+                  state: ParallelState, pad_id: int) -> float:
+    """Token-weighted eval loss over all ranks; every rank runs the same number of forwards."""
+    dp_rank, dp_size, device = state.dp_rank, state.dp_size, state.device
+    per_rank = math.ceil(len(rows) / dp_size)
+    loss_sum, count = 0.0, 0
+    for i in range(per_rank):
+        index = dp_rank + i * dp_size
+        real = index < len(rows)
+        row = collate(rows.select([index if real else 0]))
+        batch = to_device(shard_batch(*row, state, pad_id), device)
+        if not real:  # keep collectives in step, contribute nothing
+            batch.shift_labels.fill_(IGNORE_INDEX)
+        loss_sum += forward_loss_sum(decoder, lm_head, batch, config, state).item()
+        count += valid_token_count(batch.shift_labels)
+    total_loss, total_count = all_reduce_sum([loss_sum, count], device)
+    return total_loss / total_count if total_count else float("nan")
+
+
+class Evaluator:
+    """Evaluates every `eval_interval` steps when the run has eval rows (`val_set_size`)."""
+
+    def __init__(self, config: Config, state: ParallelState, decoder: torch.nn.Module,
+                 lm_head: torch.nn.Module, rows, pad_id: int, scheduler,
+                 steps_per_epoch: int, num_steps: int):
+        self.config, self.state, self.pad_id = config, state, pad_id
+        self.decoder, self.lm_head, self.rows = decoder, lm_head, rows
+        self.scheduler = scheduler
+        self.every = eval_interval(config, steps_per_epoch, num_steps)
+
+    def maybe_eval(self, step: int) -> float | None:
+        """The eval loss after optimizer step `step` (0-based) if it is an eval step, else
+        None; a plateau schedule steps on it (every rank evaluates: it is a collective)."""
+        if not self.every or self.rows is None or (step + 1) % self.every:
+            return None
+        eval_loss = evaluate_loss(self.decoder, self.lm_head, self.rows, self.config,
+                                  self.state, self.pad_id)
+        if is_plateau(self.config):
+            self.scheduler.step(eval_loss)
+        return eval_loss

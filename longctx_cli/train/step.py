@@ -1,0 +1,153 @@
+"""One optimizer step: forward and backward over the step's micro-batches, one gradient sync,
+clip, and the optimizer update (or a skip when something is NaN/inf).
+
+The loss of a step is the single-device mean over every valid target token of the step: each
+rank sums CE over its own shard, the divisor is the exact valid-token count over the SP
+group, the DP group and the accumulation window, and gradients are summed over the ranks
+holding the same parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from longctx_cli.config import Config
+from longctx_cli.parallel.mesh import ParallelState
+from longctx_cli.parallel.sharding import ShardedBatch
+from longctx_cli.runtime.memory import activation_offload
+from longctx_cli.runtime.model import sp_hidden_states
+from longctx_cli.train.loss import lm_loss_sum, valid_token_count
+from longctx_cli.train.precision import Precision
+
+
+@dataclass
+class StepResult:
+    loss: float
+    tokens: int
+    grad_norm: float
+    skipped: bool
+
+
+class NonFiniteError(Exception):
+    """The step's loss or gradient is NaN/inf under `on_nonfinite: stop`; `what` names it."""
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
+
+
+def forward_loss_sum(decoder, lm_head, batch: ShardedBatch, config: Config,
+                     state: ParallelState) -> torch.Tensor:
+    """Summed CE of this rank's shard of one micro-batch (the caller divides)."""
+    hidden = sp_hidden_states(decoder, batch)
+    chunk = config.loss_chunk_size if config.chunked_loss else None
+    if state.tp_size > 1:  # vocab-parallel CE over the TP group
+        from longctx_cli.parallel.tensor_parallel import tp_loss_sum
+
+        return tp_loss_sum(lm_head, hidden, batch.shift_labels, state, chunk)
+    return lm_loss_sum(lm_head, hidden, batch.shift_labels, chunk)
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """World sums of a few scalars, in float64 so token counts stay exact."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def sum_gradients(params: list[torch.nn.Parameter], state: ParallelState) -> None:
+    """Sum gradients over the ranks holding the same parameters (the loss is pre-divided),
+    one flat buffer per dtype; under TP, DTensor's partial sums over the TP group first."""
+    if state.tp_size > 1:
+        from longctx_cli.parallel.tensor_parallel import finish_partial_gradients
+
+        finish_partial_gradients(params)
+    if state.replica_group is None:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=state.replica_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def nonfinite_ranks(local_value: float, device: torch.device) -> list[int]:
+    """Ranks whose local value is NaN/inf (a collective: every rank calls it)."""
+    flags = torch.zeros(dist.get_world_size(), device=device)
+    flags[dist.get_rank()] = float(not math.isfinite(local_value))
+    dist.all_reduce(flags)
+    return [r for r, bad in enumerate(flags.tolist()) if bad]
+
+
+def first_nonfinite_grad(model: torch.nn.Module) -> str | None:
+    """Name of the first parameter whose (local part of the) gradient is NaN or infinite."""
+    for name, param in model.named_parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        local = grad.to_local() if hasattr(grad, "to_local") else grad  # FSDP2 shards
+        if not bool(torch.isfinite(local).all()):
+            return name
+    return None
+
+
+def train_step(
+    model: torch.nn.Module, decoder: torch.nn.Module, lm_head: torch.nn.Module,
+    params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+    batches: list[ShardedBatch], config: Config, state: ParallelState, use_fsdp: bool,
+    precision: Precision | None = None,
+) -> StepResult:
+    """One optimizer step over `batches` (this rank's micro-batches of the step); raises
+    NonFiniteError under `on_nonfinite: stop`, else skips the update of a bad step."""
+    device = state.device
+    precision = precision or Precision(device.type)
+    local_count = sum(valid_token_count(b.shift_labels) for b in batches)
+    (global_count,) = all_reduce_sum([local_count], device)
+    divisor = max(global_count, 1.0)
+    # FSDP2 averages gradients over its mesh (the world, or dp x cp with TP, whose own sums
+    # DTensor does); the loss is already normalised by the global token count, so scale it
+    # up to turn that average into the sum we need.
+    replicas = dist.get_world_size() // state.tp_size
+    backward_divisor = divisor / replicas if use_fsdp else divisor
+    local_loss = 0.0
+    for i, batch in enumerate(batches):
+        if use_fsdp:
+            # Reduce-scatter only after the last micro-batch of the window.
+            model.set_requires_gradient_sync(i == len(batches) - 1)
+        with activation_offload(config.activation_offloading):
+            with precision.autocast():
+                loss_sum = forward_loss_sum(decoder, lm_head, batch, config, state)
+            precision.scale(loss_sum / backward_divisor).backward()
+        local_loss += loss_sum.item()
+    # The one gradient sync: FSDP2's own reduce-scatter did it above, else sum here.
+    if not use_fsdp:
+        sum_gradients(params, state)
+    bad = nonfinite_ranks(local_loss, device)
+    (loss_sum_global,) = all_reduce_sum([local_loss], device)
+    max_norm = config.max_grad_norm if config.max_grad_norm is not None else float("inf")
+    precision.unscale(optimizer)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    skipped = bool(bad) or not math.isfinite(grad_norm)
+    if skipped and config.on_nonfinite == "stop" and not (
+        not bad and precision.overflowed(grad_norm)  # fp16 loss scaling backs off instead
+    ):
+        if bad:
+            raise NonFiniteError(f"the loss on rank(s) {bad}")
+        name = first_nonfinite_grad(model)
+        raise NonFiniteError(f"the gradient of `{name}`" if name else "the gradient norm")
+    if not skipped:
+        precision.step(optimizer)
+    precision.update()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_sum_global / divisor, int(global_count), grad_norm, skipped)
