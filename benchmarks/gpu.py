@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 from longctx_cli.config import config_from_dict  # noqa: E402
 from longctx_cli.config.memory import attention_softcap, estimate_memory, tiled_scores_run  # noqa: E402
 from longctx_cli.config.model_shape import ModelShape  # noqa: E402
+from longctx_cli.config.rules import layout_for  # noqa: E402
 from longctx_cli.kernel_choice import Platform, choose_kernel, flash_kernels_import  # noqa: E402
 from longctx_cli.layout import Layout  # noqa: E402
 from longctx_cli.parallel import AttentionFeatures, ParallelState, shard_batch  # noqa: E402
@@ -356,7 +357,8 @@ def importable(name: str) -> bool:
 def estimate_bytes(config, kernel: str, cuda: bool) -> int:
     shape = ModelShape.from_hf_config(model_config_of(config))
     tiled = tiled_scores_run(kernel, cuda, shape)
-    return estimate_memory(config, shape, 1, 1, 1, host_is_device=not cuda,
+    return estimate_memory(config, shape, 1, layout_for(config, 1, None),
+                           host_is_device=not cuda,
                            tiled_scores=tiled)[0].total
 
 

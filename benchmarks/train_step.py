@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 from longctx_cli.config import Config, config_from_dict
 from longctx_cli.config.memory import estimate_memory
 from longctx_cli.config.model_shape import ModelShape
+from longctx_cli.config.rules import layout_for
 from longctx_cli.layout import Layout
 from longctx_cli.parallel import build_parallel_state, shard_batch
 from longctx_cli.runtime.memory import activation_offload, apply_tiled_mlp
@@ -126,8 +127,8 @@ def predicted_mib(v: Variant) -> float:
     config = variant_config(v)
     shape = ModelShape.from_hf_config(model_config_of(config))
     sp = STRATEGIES[v.strategy][0]
-    ulysses = sp if STRATEGIES[v.strategy][1] == "ulysses" else 1
-    estimate = estimate_memory(config, shape, sp, sp, ulysses, host_is_device=True)[0]
+    layout = layout_for(config, sp, None)
+    estimate = estimate_memory(config, shape, sp, layout, host_is_device=True)[0]
     return estimate.total / 2**20
 
 

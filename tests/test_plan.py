@@ -13,6 +13,7 @@ from longctx_cli.config.fit import parse_memory_size, smallest_fitting_sp
 from longctx_cli.config.memory import estimate_memory, lora_parameter_count
 from longctx_cli.config.model_shape import ModelShape, read_model_config
 from longctx_cli.config.plan import Plan, build_plan
+from longctx_cli.config.rules import layout_for
 from longctx_cli.config.world import Platform, resolve_world, resolve_world_size
 from longctx_cli.errors import UserError
 
@@ -365,9 +366,14 @@ def test_unknown_model_offline_is_a_clear_error(monkeypatch):
 # ---- memory estimate --------------------------------------------------------------------
 
 
-def _memory(world=8, sp=8, ulysses=1, shape=LLAMA3_8B, **overrides):
+def _estimate(config, shape, world, **kwargs):
+    """The estimate for `config`'s layout on `world` ranks."""
+    return estimate_memory(config, shape, world, layout_for(config, world, None), **kwargs)
+
+
+def _memory(world=8, sp=8, shape=LLAMA3_8B, **overrides):
     base = {"sequence_len": 65536, "sequence_parallel_degree": sp}
-    return estimate_memory(cfg(**{**base, **overrides}), shape, world, sp, ulysses)[0]
+    return _estimate(cfg(**{**base, **overrides}), shape, world)[0]
 
 
 def test_memory_full_finetune_bf16_adamw():
@@ -397,7 +403,7 @@ def test_memory_lora_trains_only_adapters():
 
 def test_memory_lora_unknown_module_is_noted():
     config = cfg(adapter="lora", lora_target_modules=["q_proj", "qkv"])
-    _, notes = estimate_memory(config, LLAMA3_8B, 1, 1, 1)
+    _, notes = _estimate(config, LLAMA3_8B, 1)
     assert any("'qkv'" in n for n in notes)
 
 
@@ -452,7 +458,7 @@ def test_memory_offload_frees_device_memory_but_not_host_memory():
     assert offload.activations == 0 and offload.total < gc.total
     config = cfg(sequence_len=65536, sequence_parallel_degree=8, gradient_checkpointing=True,
                  activation_offloading=True)
-    on_cpu, notes = estimate_memory(config, LLAMA3_8B, 8, 8, 1, host_is_device=True)
+    on_cpu, notes = _estimate(config, LLAMA3_8B, 8, host_is_device=True)
     assert on_cpu.total == gc.total
     assert any("frees nothing" in n for n in notes)
 
@@ -475,8 +481,8 @@ def test_parse_memory_size_rejects(text):
 def test_smallest_fitting_sp_is_the_first_legal_degree_under_the_limit():
     config = cfg(sequence_len=131072, sequence_parallel_degree=1)
     totals = {
-        sp: estimate_memory(config.model_copy(update={"sequence_parallel_degree": sp}),
-                            LLAMA3_8B, 8, sp, 1)[0].total
+        sp: _estimate(config.model_copy(update={"sequence_parallel_degree": sp}),
+                      LLAMA3_8B, 8)[0].total
         for sp in (1, 2, 4, 8)
     }
     limit = (totals[4] + totals[2]) // 2

@@ -78,7 +78,7 @@ def _fit_at(
     except UserError as e:
         return SpFit(sp, None, str(e).split(":")[0])
     estimate = estimate_memory(
-        trial, shape, world, sp, layout.ulysses, host_is_device=host_is_device,
+        trial, shape, world, layout, host_is_device=host_is_device,
         tiled_scores=tiled_scores,
     )
     return SpFit(sp, estimate[0].total)

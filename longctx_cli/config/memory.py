@@ -11,6 +11,7 @@ from longctx_cli.config import tp_rules
 from longctx_cli.config.model_shape import LINEAR_MODULES, ModelShape
 from longctx_cli.config.schema import Config
 from longctx_cli.kernel_choice import TILE
+from longctx_cli.layout import Layout
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -170,10 +171,12 @@ def ring_buffer_bytes(
     return kv_bytes + (P2P_ACC_FP32_TENSORS * kv + q_heads) * d * ring_tokens * 4
 
 
-def _attention_buffer_bytes(
-    config: Config, shape: ModelShape, sp: int, ulysses: int, local_tokens: int,
+def attention_buffer_bytes(
+    config: Config, shape: ModelShape, layout: Layout, local_tokens: int,
     ring_attn_func: str | None = None,
 ) -> int:
+    """SP attention buffers per rank (`ring_attn_func`: had that ring been chosen)."""
+    sp, ulysses = layout.sp, layout.ulysses
     if sp == 1:
         return 0
     b = DTYPE_BYTES[config.dtype]
@@ -185,21 +188,20 @@ def _attention_buffer_bytes(
         total += local_tokens * shape.head_dim * (2 * shape.num_attention_heads + 2 * kv_eff) * b
     # After the all-to-all a ring rank holds the Ulysses group's tokens for 1/ulysses heads.
     total += ring_buffer_bytes(
-        ring_attn_func or config.ring_attn_func, shape, b, local_tokens * ulysses,
-        sp // ulysses, ulysses, config.heads_k_stride,
+        ring_attn_func or layout.ring_attn_func, shape, b, local_tokens * ulysses,
+        layout.ring, ulysses, layout.heads_k_stride,
     )
     return total
 
 
-def _score_tile_bytes(
-    config: Config, shape: ModelShape, sp: int, ulysses: int, local_tokens: int
-) -> int:
+def _score_tile_bytes(shape: ModelShape, layout: Layout, local_tokens: int) -> int:
     """Live score tiles of the tiled matmul path (see SCORE_TILE_TENSORS)."""
     hq, hkv = shape.num_attention_heads, shape.num_key_value_heads
-    if config.sequence_parallel_mode != "ulysses":  # ring (also at sp 1) and hybrid's ring:
+    sp, ulysses = layout.sp, layout.ulysses
+    if layout.mode != "ulysses":  # ring (also at sp 1) and hybrid's ring:
         # one call per head group of heads_k_stride KV heads
         kv_here = max(1, hkv // ulysses)
-        heads = min(config.heads_k_stride, kv_here) * max(1, hq // hkv)
+        heads = min(layout.heads_k_stride, kv_here) * max(1, hq // hkv)
     else:  # the whole row for the heads this rank holds
         heads = max(1, hq // ulysses)
     rows = min(TILE, local_tokens * ulysses)
@@ -229,13 +231,13 @@ def estimate_memory(
     config: Config,
     shape: ModelShape,
     world_size: int,
-    sp: int,
-    ulysses: int,
+    layout: Layout,
     *,
     host_is_device: bool = False,
     tiled_scores: bool = False,
 ) -> tuple[MemoryEstimate, list[str]]:
-    """Per-rank peak bytes by part (see the factors above), and notes about the estimate.
+    """Per-rank peak bytes by part (see the factors above), and notes about the estimate,
+    for the run's `layout` on `world_size` ranks (FSDP2 shards over them).
 
     `host_is_device`: the run computes in host memory (CPU), so offloading frees nothing.
     `tiled_scores`: attention takes the tiled matmul path (`tiled_scores_run`).
@@ -245,7 +247,7 @@ def estimate_memory(
     full_params = shape.parameter_count()
     full_trainable = (lora_parameter_count(config, shape)[0] if config.adapter == "lora"
                       else full_params)
-    tp = config.tensor_parallel_size
+    tp, sp = layout.tp, layout.sp
     # TP: weights, projections, attention heads and logits columns are 1/tp per rank.
     shape = tp_rules.tp_local_shape(shape, tp)
     base = shape.parameter_count()
@@ -275,9 +277,9 @@ def estimate_memory(
         notes.append("activation_offloading frees nothing on a CPU run: host memory is the "
                      "memory the run computes in.")
     # FSDP2 shards weights, grads and state over the ranks holding the same TP shard.
-    shard = world_size // tp if config.fsdp else 1
+    shard = world_size // tp if layout.fsdp else 1
     # FSDP2 all-gathers one layer at a time and prefetches the next: two full layers live.
-    gathered = 2 * (base // max(1, shape.num_hidden_layers)) * b if config.fsdp else 0
+    gathered = 2 * (base // max(1, shape.num_hidden_layers)) * b if layout.fsdp else 0
     moments = 0 if config.optimizer == "sgd" else 2  # AdamW: exp_avg and exp_avg_sq
     if config.optimizer.startswith("lion") or config.optimizer.startswith("paged_lion"):
         moments = 1
@@ -291,12 +293,12 @@ def estimate_memory(
         optimizer=int(moments * trainable * train_bytes * state_scale) // shard,
         activations=saved,
         logits=_logits_bytes(config, shape, local_tokens),
-        attention_buffers=_attention_buffer_bytes(config, shape, sp, ulysses, local_tokens),
+        attention_buffers=attention_buffer_bytes(config, shape, layout, local_tokens),
         total_params=full_params + (full_trainable if config.adapter is not None else 0),
         trainable_params=full_trainable,
         recompute=recompute,
         score_tiles=(
-            _score_tile_bytes(config, shape, sp, ulysses, local_tokens) if tiled_scores else 0
+            _score_tile_bytes(shape, layout, local_tokens) if tiled_scores else 0
         ),
     )
     return estimate, notes

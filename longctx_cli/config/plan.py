@@ -17,7 +17,7 @@ from longctx_cli.config import tp_rules
 from longctx_cli.config.memory import (
     GIB,
     MemoryEstimate,
-    _attention_buffer_bytes,
+    attention_buffer_bytes,
     estimate_memory,
     tiled_scores_run,
 )
@@ -318,10 +318,10 @@ def build_plan(
         )
     layout = layout_for(config, world_size, platform, world_source, shape)
     check_heads(layout, shape)  # SP works on the heads TP left on the rank
-    sp, ulysses = layout.sp, layout.ulysses
+    sp = layout.sp
     tiled = tiled_scores_run(layout.kernel, platform.cuda, shape, layout.p2p and layout.ring > 1)
     memory, memory_notes = estimate_memory(
-        config, shape, world_size, sp, ulysses, host_is_device=not platform.cuda,
+        config, shape, world_size, layout, host_is_device=not platform.cuda,
         tiled_scores=tiled,
     )
 
@@ -358,19 +358,19 @@ def build_plan(
         fsdp_detail=fsdp_detail(config),
         axolotl=tuple(config.axolotl_notes),
         assumed=tuple(assumed),
-        attention_buffers_by_ring=_buffers_by_ring(config, shape, sp, ulysses),
+        attention_buffers_by_ring=_buffers_by_ring(config, shape, layout),
     )
 
 
 def _buffers_by_ring(
-    config: Config, shape: ModelShape, sp: int, ulysses: int
+    config: Config, shape: ModelShape, layout: Layout
 ) -> tuple[tuple[str, int], ...]:
     """What each ring algorithm would hold per rank here (the P2P rings hold the same)."""
-    if sp // ulysses == 1:
+    if layout.ring == 1:
         return ()
-    local = config.micro_batch_size * config.sequence_len // sp
+    local = config.micro_batch_size * config.sequence_len // layout.sp
     return tuple(
-        (f, _attention_buffer_bytes(config, shape, sp, ulysses, local, f))
+        (f, attention_buffer_bytes(config, shape, layout, local, f))
         for f in ("varlen_llama3", "batch_*")
     )
 
