@@ -235,14 +235,14 @@ def wandb_enabled(config: Config) -> bool:
     return bool(config.wandb_project)
 
 
-def fsdp_detail(config: Config) -> str:
+def fsdp_detail(config: Config, layout: Layout) -> str:
     fc = config.fsdp_config
     parts = ["FSDP2", "full shard" if fc is None or fc.reshard_after_forward
              else "no parameter resharding (ZeRO-2)"]
     if fc is not None and fc.offload_params:
         parts.append("params offloaded to CPU")
-    if config.fsdp and (config.dp_replicate_size or 1) > 1:
-        parts.append(f"HSDP: {config.dp_replicate_size} replicas")
+    if layout.fsdp and layout.dp_replicate > 1:
+        parts.append(f"HSDP: {layout.dp_replicate} replicas")
     return ", ".join(parts)
 
 
@@ -355,7 +355,7 @@ def build_plan(
         notes=tuple(notes),
         host_is_device=not platform.cuda,
         training=_training_rows(config),
-        fsdp_detail=fsdp_detail(config),
+        fsdp_detail=fsdp_detail(config, layout),
         axolotl=tuple(config.axolotl_notes),
         assumed=tuple(assumed),
         attention_buffers_by_ring=_buffers_by_ring(config, shape, layout),
