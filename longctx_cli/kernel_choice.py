@@ -260,7 +260,7 @@ def _tiled_note(platform: Platform, kernel: str, model: ModelAttention, ring: in
     if kernel == "torch_flash" and model.softcap:
         return "; softcapped attention takes the tiled matmul path (PyTorch's flash op has no " \
                "softcap)"
-    if kernel == "torch_flash" and ring > 1 and ring_attn_func in P2P_SHARDING:
-        return (f"; the P2P ring `{ring_attn_func}` computes its blocks on the tiled matmul path "
-                "(not yet on PyTorch's flash op)")
+    if kernel == "torch_flash" and ring > 1 and ring_attn_func in P2P_SHARDING and model.window:
+        return (f"; under the sliding window the P2P ring `{ring_attn_func}` computes the rows "
+                "past each block's keys on the tiled matmul path")
     return ""

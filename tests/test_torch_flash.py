@@ -249,6 +249,31 @@ def test_every_strategy_and_sharding_matches_reference(sp: int) -> None:
                                                       len(FEATURE_CASES))
 
 
+def flash_p2p_worker(rank: int, world_size: int) -> dict:
+    """The P2P rings' blocks on the op (through the stand-in): every case and feature."""
+    use_flash_ops(standin.OPS)  # this process only
+    errors: dict[str, dict] = {}
+    calls: dict[str, int] = {}
+    for func in ("batch_ring", "batch_zigzag", "batch_stripe"):
+        ctx = sp_state(sp=world_size, ring_attn_func=func, kernel="torch_flash")
+        before = standin.CALLS["forward"]
+        for i, (name, (lengths, hq, hkv)) in enumerate(CASES.items()):
+            errors[f"{func}/{name}"] = run_case(ctx, lengths, hq, hkv, seed=i)
+        calls[func] = standin.CALLS["forward"] - before  # plain cases: no fallback
+        errors.update(feature_runs(ctx, f"{func}/features"))
+    return {"errors": errors, "calls": calls}
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_p2p_rings_run_their_blocks_on_the_flash_op(sp: int) -> None:
+    for result in run_distributed(flash_p2p_worker, sp, timeout_s=300):
+        assert_all_close(result["errors"])
+        assert len(result["errors"]) == 3 * (len(CASES) + len(FEATURES) * len(FEATURE_CASES))
+        # At least each case's own block (every rank's diagonal step) is an op call; the
+        # block paths would make none.
+        assert all(n >= len(CASES) for n in result["calls"].values()), result["calls"]
+
+
 # ---- choosing the kernel -----------------------------------------------------------------
 
 

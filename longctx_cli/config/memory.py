@@ -213,12 +213,13 @@ def tiled_scores_run(kernel: str, cuda: bool, shape: ModelShape, p2p_ring: bool 
     """Does the kernel that runs take the tiled matmul path (whose tiles the estimate adds)?
 
     `torch` on CUDA always; on CPU, and under `torch_flash`, only for softcapped layers. A P2P
-    ring (`batch_*` across more than one rank) computes its blocks with the torch kernel's
-    block functions, so on CUDA under `torch_flash` it takes the tiled path too.
+    ring (`batch_*` across more than one rank) runs its blocks on the flash op too, except
+    under a sliding window (the rows past a block's keys), so on CUDA under `torch_flash` a
+    windowed model's P2P ring takes the tiled path.
     """
     capped = attention_softcap(shape) is not None
     return (kernel == "torch" and (cuda or capped)) or (
-        kernel == "torch_flash" and (capped or (cuda and p2p_ring)))
+        kernel == "torch_flash" and (capped or (cuda and p2p_ring and shape.sliding_window)))
 
 
 def attention_softcap(shape: ModelShape) -> float | None:

@@ -44,7 +44,13 @@ import torch
 from longctx_cli.kernel_choice import TILE
 
 from .features import AttentionFeatures, Segment, as_features
-from .torch_flash import flash_applies, varlen_backward, varlen_forward
+from .torch_flash import (
+    block_backward,
+    block_forward,
+    flash_applies,
+    varlen_backward,
+    varlen_forward,
+)
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -139,6 +145,33 @@ class Piece(NamedTuple):
     k1: int
 
 
+def piece_flash_calls(
+    pieces: Sequence[Piece], window: int | None
+) -> list[tuple[int, int, int, int, bool]] | None:
+    """The pieces as flash-op calls ``(q0, q1, k0, k1, causal)``, or None when one cannot be.
+
+    A piece's rows among its keys are a bottom-right causal block (the window, if any, as
+    the op's ``(W - 1, 0)``); its rows after every key see them all, a block with no mask,
+    except under a window (their window is not aligned to the block's diagonal). The split
+    is :func:`piece_blocks`'s.
+    """
+    calls = []
+    for q0, q1, pos0, k0, k1 in pieces:
+        lo, hi = max(pos0, k0), pos0 + (q1 - q0)
+        if window is not None:
+            hi = min(hi, k1 + window - 1)
+        if lo >= hi or k0 >= k1:
+            continue
+        mid = min(hi, max(lo, k1))
+        if lo < mid:
+            calls.append((q0 + lo - pos0, q0 + mid - pos0, k0, mid, True))
+        if mid < hi:
+            if window is not None:
+                return None
+            calls.append((q0 + mid - pos0, q0 + hi - pos0, k0, k1, False))
+    return calls
+
+
 def piece_blocks(piece: Piece, window: int | None) -> list[list[_Block]]:
     """The block groups of one piece; rows that see no key of the piece get none."""
     q0, q1, pos0, k0, k1 = piece
@@ -181,16 +214,26 @@ def pieces_forward(
     features: AttentionFeatures | float,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    kernel: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial attention of ``q`` over one key block: ``out [Lq, Hq, D]`` (float32), ``lse``.
 
     Rows no piece reaches get ``out = 0`` and ``lse = -inf`` (they merge as "no keys").
     Given ``out`` / ``lse`` (results over other keys), the block is merged into them in place.
+    ``kernel`` ``torch_flash``: the pieces run on PyTorch's flash op where it applies.
     """
     feats = as_features(features)
     if out is None or lse is None:
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+    calls = _flash_calls(q, pieces, feats, kernel)
+    if calls is not None:
+        for r0, r1, k0, k1, causal in calls:  # a row may be in two pieces: merge
+            o, lo = block_forward(q[r0:r1], k[k0:k1], v[k0:k1], causal, feats)
+            m_o, m_l = _merge_f32(out[r0:r1].transpose(0, 1), lse[:, r0:r1],
+                                  o.transpose(0, 1).float(), lo)
+            out[r0:r1], lse[:, r0:r1] = m_o.transpose(0, 1), m_l
+        return out, lse
     groups = (g for piece in pieces for g in piece_blocks(piece, feats.window))
     # A zigzag block holds two runs of keys: one row may be in two pieces, so merge.
     _forward_groups(q, k, v, groups, feats, out, lse, accumulate=True)
@@ -208,18 +251,38 @@ def pieces_backward(
     pieces: Sequence[Piece],
     features: AttentionFeatures | float,
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    kernel: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one key block's share, given the rows' fully merged ``out`` and ``lse``.
 
     ``grads``: ``(dq, dk, dv)`` accumulators (e.g. float32) to add into instead of new ones.
+    ``kernel`` as in :func:`pieces_forward` (the same calls, so the same split).
     """
     feats = as_features(features)
     if grads is None:
         grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
     dq, dk, dv = grads
+    calls = _flash_calls(q, pieces, feats, kernel)
+    if calls is not None:
+        for r0, r1, k0, k1, causal in calls:
+            dq1, dk1, dv1 = block_backward(dout[r0:r1], q[r0:r1], k[k0:k1], v[k0:k1],
+                                           out[r0:r1], lse[:, r0:r1], causal, feats)
+            dq[r0:r1] += dq1
+            dk[k0:k1] += dk1
+            dv[k0:k1] += dv1
+        return dq, dk, dv
     groups = (g for piece in pieces for g in piece_blocks(piece, feats.window))
     _backward_groups(dout, q, k, v, out, lse, groups, feats, dq, dk, dv)
     return dq, dk, dv
+
+
+def _flash_calls(
+    q: torch.Tensor, pieces: Sequence[Piece], feats: AttentionFeatures, kernel: str
+) -> list[tuple[int, int, int, int, bool]] | None:
+    """The flash-op calls of these pieces under ``kernel``, or None for the block paths."""
+    if kernel != "torch_flash" or not flash_applies(q, feats):
+        return None
+    return piece_flash_calls(pieces, feats.window)
 
 
 def _bhld(x: torch.Tensor) -> torch.Tensor:

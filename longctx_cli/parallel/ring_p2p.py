@@ -163,7 +163,8 @@ class P2PRingAttention(torch.autograd.Function):
                 pending = ring.start(list(cur), list(nxt))
             pieces, step_feats = step_geometry(meta, step, feats)
             if pieces:  # merged into the running result in place: no per-block copy
-                pieces_forward(q, cur[0], cur[1], pieces, step_feats, out, lse)
+                pieces_forward(q, cur[0], cur[1], pieces, step_feats, out, lse,
+                               kernel=meta.ctx.kernel)
             if pending is not None:
                 _wait(pending)
                 spare = None if step == 0 else cur  # never recycle the caller's own k, v
@@ -197,7 +198,8 @@ class P2PRingAttention(torch.autograd.Function):
             block = None
             if pieces:  # dq straight into its accumulator; this block's dK/dV on their own
                 block = (dq, torch.zeros_like(cur[0]), torch.zeros_like(cur[1]))
-                pieces_backward(dout, q, cur[0], cur[1], out, lse, pieces, step_feats, block)
+                pieces_backward(dout, q, cur[0], cur[1], out, lse, pieces, step_feats, block,
+                                kernel=meta.ctx.kernel)
             # This block's dK/dV so far: from the previous rank (in flight during the compute
             # above), or zero on the block's home rank.
             if step == 0:

@@ -180,6 +180,36 @@ def varlen_forward(
     return out, lse
 
 
+def block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, feats: AttentionFeatures
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block: ``q [rows, Hq, D]`` against ``k, v [keys, Hkv, D]``, either bottom-right
+    causal (the feature's window included) or every key visible (``causal`` False, no window).
+    Returns ``out [rows, Hq, D]`` and ``lse [Hq, rows]`` (float32)."""
+    mask = _mask_args(feats) if causal else (False, -1, -1)
+    out, lse, *_ = _ops.forward(
+        _rows_dense(q), _rows_dense(k), _rows_dense(v), _device_cu((0, q.shape[0]), q.device),
+        _device_cu((0, k.shape[0]), q.device), q.shape[0], k.shape[0], 0.0, mask[0], False,
+        scale=feats.scale, window_size_left=mask[1], window_size_right=mask[2],
+    )
+    return out, lse.float()
+
+
+def block_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, causal: bool, feats: AttentionFeatures,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`block_forward`'s block given the rows' merged ``out``/``lse``."""
+    mask = _mask_args(feats) if causal else (False, -1, -1)
+    return _ops.backward(
+        _rows_dense(dout), _rows_dense(q), _rows_dense(k), _rows_dense(v), _rows_dense(out),
+        lse.contiguous(), _device_cu((0, q.shape[0]), q.device),
+        _device_cu((0, k.shape[0]), q.device), q.shape[0], k.shape[0], 0.0, mask[0],
+        torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device),
+        scale=feats.scale, window_size_left=mask[1], window_size_right=mask[2],
+    )
+
+
 def varlen_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
