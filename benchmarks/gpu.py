@@ -50,8 +50,13 @@ from longctx_cli.config.memory import attention_softcap, estimate_memory, tiled_
 from longctx_cli.config.model_shape import ModelShape  # noqa: E402
 from longctx_cli.config.rules import layout_for  # noqa: E402
 from longctx_cli.kernel_choice import Platform, choose_kernel, flash_kernels_import  # noqa: E402
-from longctx_cli.layout import Layout  # noqa: E402
-from longctx_cli.parallel import AttentionFeatures, ParallelState, shard_batch  # noqa: E402
+from longctx_cli.layout import P2P_SHARDING, Layout  # noqa: E402
+from longctx_cli.parallel import (  # noqa: E402
+    AttentionFeatures,
+    ParallelState,
+    make_sp_meta,
+    shard_batch,
+)
 from longctx_cli.parallel.kernels import (  # noqa: E402
     doc_causal_backward,
     doc_causal_forward,
@@ -138,6 +143,45 @@ def emulate(kernel: str, share_list: list[tuple], q, k, v, dout, feats) -> list[
     return [out, dq, dk, dv]
 
 
+def emulate_p2p(kernel: str, name: str, cu: list[int], q, k, v, dout, feats
+                ) -> list[torch.Tensor]:
+    """Out and dq/dk/dv of a P2P ring (``p2p<sp>_<ring_attn_func>``), every rank's every
+    ring step computed serially on one device with the ring's own pieces and block functions."""
+    from longctx_cli.parallel.kernels import pieces_backward, pieces_forward
+    from longctx_cli.parallel.ring_p2p import step_geometry
+
+    kind, _, func = name.partition("_")
+    n = int(kind[len("p2p"):])
+    layout = Layout(sp=n, ring_attn_func=func, sharding=P2P_SHARDING[func], kernel=kernel)
+    pos = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1], cu[1:], strict=True)])
+    metas = [make_sp_meta(pos, ParallelState(layout, sp_rank=r)) for r in range(n)]
+    rows = [torch.cat([torch.arange(a, b, device=q.device) for a, b in m.local_ranges])
+            for m in metas]
+    out, dq = torch.zeros_like(q), torch.zeros_like(q)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros_like(dk)
+    for r, meta in enumerate(metas):
+        ql, dl = q[rows[r]], dout[rows[r]]
+        o = torch.zeros(ql.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full((ql.shape[1], ql.shape[0]), float("-inf"), device=q.device)
+        steps = [(s, (r - s) % n, *step_geometry(meta, s, feats)) for s in range(n)]
+        for _, src, pieces, step_feats in steps:
+            if pieces:
+                pieces_forward(ql, k[rows[src]], v[rows[src]], pieces, step_feats, o, lse,
+                               kernel=kernel)
+        o = o.to(q.dtype)
+        gq = torch.zeros(ql.shape, dtype=torch.float32, device=q.device)
+        for _, src, pieces, step_feats in steps:
+            if pieces:
+                block = (gq, torch.zeros_like(k[rows[src]]), torch.zeros_like(v[rows[src]]))
+                pieces_backward(dl, ql, k[rows[src]], v[rows[src]], o, lse, pieces, step_feats,
+                                block, kernel=kernel)
+                dk[rows[src]] += block[1].float()
+                dv[rows[src]] += block[2].float()
+        out[rows[r]], dq[rows[r]] = o, gq.to(q.dtype)
+    return [out, dq, dk, dv]
+
+
 def sdpa_reference(q, k, v, dout, cu, feats, dtype) -> list[torch.Tensor]:
     """Per-document SDPA (is_causal, or an explicit window mask) in ``dtype``, and its grads."""
     leaves = [t.to(dtype).detach().requires_grad_() for t in (q, k, v)]
@@ -170,7 +214,8 @@ def parity(device: torch.device, dry: bool) -> list[dict]:
         cu.append(cu[-1] + n)
     strategies = ["world1", "ring2_contiguous", "ring2_zigzag", "ring4_contiguous",
                   "ring4_zigzag", "ulysses2", "ulysses4", "hybrid4u2_contiguous",
-                  "hybrid4u2_zigzag"]
+                  "hybrid4u2_zigzag", "p2p4_batch_ring", "p2p4_batch_zigzag",
+                  "p2p4_batch_stripe"]
     kernels = ["torch", "torch_flash"] + (["flash"] if flash_available() else [])
     g = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(total, hq, dim, generator=g).to(device) for _ in range(2))
@@ -190,6 +235,8 @@ def parity(device: torch.device, dry: bool) -> list[dict]:
                            "path": path_of(kernel, args[0], feats)}
                     try:
                         got = (flash_world1(*args, cu, feats) if kernel == "flash" else
+                               emulate_p2p(kernel, strategy, cu, *args, feats)
+                               if strategy.startswith("p2p") else
                                emulate(kernel, strategy_shares(strategy, total, cu, hq, hkv),
                                        *args, feats))
                         row["err"] = {n: rel(a, b) for n, a, b in zip(NAMES, got, truth,

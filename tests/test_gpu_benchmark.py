@@ -23,7 +23,9 @@ def test_gpu_benchmark_dry_run(tmp_path: Path) -> None:
     assert report["dry_run"] and not report["measured"]
     parity = report["parity"]
     assert {r["strategy"] for r in parity} >= {"world1", "ring4_zigzag", "ulysses4",
-                                               "hybrid4u2_zigzag"}
+                                               "hybrid4u2_zigzag", "p2p4_batch_ring",
+                                               "p2p4_batch_zigzag", "p2p4_batch_stripe"}
+    assert {r["dtype"] for r in parity} == {"bfloat16", "float16", "float32"}
     assert {r["kernel"] for r in parity} >= {"torch", "torch_flash"}
     for row in parity:  # fp32 through the CPU stand-in: exact up to rounding
         assert "err" in row, row
