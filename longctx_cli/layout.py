@@ -345,7 +345,7 @@ class Layout:
                       kernel=self.kernel, kernel_reason=self.kernel_reason)
 
     def describe(self) -> str:
-        """One line: the degrees and what runs, as `validate` and the ranks' log print it."""
+        """One line: the degrees and what runs (the ranks print it at start-up)."""
         parts = [f"dp {self.dp}", f"sp {self.sp} ({self.mode}: {self.ulysses} ulysses x "
                  f"{self.ring} ring)"]
         if self.tp > 1:

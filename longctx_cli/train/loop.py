@@ -65,7 +65,8 @@ def train(config: Config) -> None:
     # Before any data or weights: refuse a family longctx would not train exactly. Every
     # rank runs the (cheap, deterministic) probe, so all of them stop together on a refusal.
     probe = check_fidelity(config)
-    if is_main:
+    if is_main:  # what the ranks run: the same Layout `validate` printed
+        print(f"layout: {state.layout.describe()} ({state.layout.kernel_reason})", flush=True)
         print(f"fidelity probe: {probe}", flush=True)
     tokenizer = load_tokenizer(config)
     pad_id = tokenizer_pad_id(tokenizer)
