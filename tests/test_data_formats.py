@@ -334,3 +334,26 @@ def test_ds_type_reads_a_file_without_a_known_suffix(tmp_path):
         "datasets": [{"path": str(f), "ds_type": "json"}]})
     p = prepare(config, progress=False)
     assert TOK.decode(p.train[0]["input_ids"]) == "hello</s>"
+
+
+def test_path_json_with_data_files_reads_local_files(tmp_path, monkeypatch):
+    """Hugging Face's (and Axolotl's) `path: json` + `data_files:` form: `json` names the
+    packaged loader, not a hub repository; the files are relative to the current directory."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.jsonl").write_text(json.dumps({"text": "packaged form"}) + "\n")
+    (tmp_path / "more.data").write_text(json.dumps({"text": "any suffix"}) + "\n")
+    config = config_from_dict({
+        "model_config": {"model_type": "llama"}, "tokenizer": "byte",
+        "dataset_prepared_path": str(tmp_path / "prepared"),
+        "datasets": [{"path": "json", "data_files": ["train.jsonl", "more.data"],
+                      "type": "completion"}]})
+    p = prepare(config, progress=False)
+    docs = sorted(TOK.decode(r["input_ids"][s:e]) for r in p.train
+                  for s, e in _doc_bounds(r["position_ids"]))
+    assert docs == ["any suffix</s>", "packaged form</s>"]
+    config = config_from_dict({
+        "model_config": {"model_type": "llama"}, "tokenizer": "byte",
+        "dataset_prepared_path": str(tmp_path / "prepared"),
+        "datasets": [{"path": "csv", "data_files": "missing.csv", "type": "completion"}]})
+    with pytest.raises(UserError, match="'missing.csv' does not exist"):
+        prepare(config, progress=False)

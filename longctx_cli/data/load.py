@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text",
             ".csv": "csv", ".arrow": "arrow"}
 _LOCAL_HINTS = ("/", "./", "../", "~")
+# `path: json` (csv, parquet, text, arrow) with `data_files:` names a Hugging Face packaged
+# loader, not a hub repository (`load_dataset("json", data_files=...)`): the files are local.
+PACKAGED_BUILDERS = frozenset(BUILDERS.values())
 
 
 @dataclass
@@ -92,23 +95,27 @@ def source_of(entry: DatasetConfig) -> Source | None:
 def _resolve_data_files(entry: DatasetConfig) -> Source:
     names = [entry.data_files] if isinstance(entry.data_files, str) else list(entry.data_files)
     base = Path(entry.path).expanduser() if entry.path else Path(".")
-    if entry.path and not base.is_dir():
+    packaged = entry.path in PACKAGED_BUILDERS and not base.exists()
+    if packaged:  # files relative to the current directory, read by that loader
+        base = Path(".")
+    elif entry.path and not base.is_dir():
         if base.exists():
             raise UserError(
                 f"`data_files` needs `path` to be a folder or a hub id; {entry.path!r} is a "
                 "file.", where="datasets", fix="drop `data_files`, or point `path` at a folder.")
         return Source("hub", entry.path, builder=entry.ds_type)
-    files = [base / n for n in names]
+    files = [base / Path(n).expanduser() for n in names]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise UserError(f"data file {missing[0]!r} does not exist.", where="datasets",
                         fix="check `data_files` (relative to `path`, or to the current "
                         "directory without `path`).")
-    builders = {entry.ds_type or _builder_for(f) for f in files}
+    builders = {entry.ds_type or (entry.path if packaged else _builder_for(f)) for f in files}
     if len(builders) > 1:
         raise UserError(f"`data_files` mix file types ({', '.join(sorted(builders))}).",
                         where="datasets", fix="list files of one type per dataset entry.")
-    return Source("files", str(entry.path or files[0]), files, builders.pop())
+    label = str(files[0]) if packaged or not entry.path else str(entry.path)
+    return Source("files", label, files, builders.pop())
 
 
 def _builder_for(path: Path) -> str:
