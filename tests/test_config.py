@@ -84,6 +84,17 @@ def test_unknown_key_inside_a_dataset_entry():
         config_from_dict({**TINY, "datasets": [{"type": "passkey", "feild": "x"}]})
     assert "`datasets[0].feild`" in _message(exc)
     assert "did you mean `field`?" in _message(exc)
+    assert _message(exc).count("`datasets[0].feild`") == 1  # reported once
+
+
+def test_unknown_key_inside_a_dataset_entry_of_a_file_is_reported_once(tmp_path: Path):
+    config = tmp_path / "config.yaml"
+    config.write_text("model_config:\n  model_type: llama\ntokenizer: byte\ndatasets:\n"
+                      "  - path: data.jsonl\n    type: completion\n    fieldd: text\n")
+    with pytest.raises(UserError) as exc:
+        load_config(config)
+    assert _message(exc).count("unknown key `datasets[0].fieldd`") == 1
+    assert "config.yaml:7:5" in _message(exc) and "did you mean `field`?" in _message(exc)
 
 
 def test_wrong_type_names_key_and_value():

@@ -322,7 +322,11 @@ def config_from_dict(
     try:
         config = Config.model_validate(translated)
     except ValidationError as e:
-        problems += _explain(e, locations, produced)
+        # pydantic re-reports an unknown key the checks above already named (with their
+        # "did you mean"): each problem once.
+        named = {(p.where, p.message.split(";")[0].rstrip(".")) for p in problems}
+        problems += [p for p in _explain(e, locations, produced)
+                     if (p.where, p.message.rstrip(".")) not in named]
     if problems:
         _raise(problems, locations.source)
     assert config is not None
