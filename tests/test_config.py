@@ -183,3 +183,12 @@ def test_error_names_the_file(tmp_path):
         load_config(_write(tmp_path, "base_model: org/m\nsequence_len: -3\n"))
     assert str(tmp_path / "config.yaml") in _message(exc)
     assert "`sequence_len` = -3" in _message(exc)
+
+
+def test_evals_per_epoch_zero_means_no_eval():
+    """Axolotl reads `evals_per_epoch: 0` as "no evaluation" (its example configs carry it)."""
+    from longctx_cli.train.evaluation import eval_interval
+
+    cfg = config_from_dict({**TINY, "evals_per_epoch": 0})
+    assert cfg.evals_per_epoch == 0 and eval_interval(cfg, 10, 100) is None
+    assert eval_interval(config_from_dict({**TINY, "evals_per_epoch": 2}), 10, 100) == 5

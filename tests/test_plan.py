@@ -509,3 +509,41 @@ def test_offload_without_checkpointing_is_noted():
     assert any("without gradient_checkpointing" in n for n in notes)
     assert not any("without gradient_checkpointing" in n for n in
                    plan(activation_offloading=True, gradient_checkpointing=True).notes)
+
+
+def test_attention_dropout_is_refused_and_overrides_of_model_config_turn_it_off():
+    seed_oss_like = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "vocab_size": 128, "attention_dropout": 0.1}
+    config = cfg(model_config=seed_oss_like, tokenizer="byte")
+    with pytest.raises(UserError) as exc:
+        build_plan(config, 1, read_model_config(config), platform=CPU)
+    msg = str(exc.value)
+    assert msg.startswith("overrides_of_model_config: the model's attention_dropout = 0.1")
+    assert "Fix: add `overrides_of_model_config: {attention_dropout: 0.0}`" in msg
+    fixed = cfg(model_config=seed_oss_like, tokenizer="byte",
+                overrides_of_model_config={"attention_dropout": 0.0})
+    shape = read_model_config(fixed)
+    assert shape.config_value("attention_dropout") == 0.0
+    assert build_plan(fixed, 1, shape, platform=CPU).kernel == "torch"
+    from longctx_cli.runtime.model import model_config_of
+
+    assert model_config_of(fixed).attention_dropout == 0.0  # what the ranks build
+
+
+def test_overrides_of_model_config_apply_to_a_saved_model(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longctx_cli.runtime.model import load_base_model
+
+    hf = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64,
+                              num_hidden_layers=1, num_attention_heads=4,
+                              num_key_value_heads=2, vocab_size=64, attention_dropout=0.1)
+    AutoModelForCausalLM.from_config(hf).save_pretrained(tmp_path / "model")
+    config = config_from_dict({"base_model": str(tmp_path / "model"), "tokenizer": "byte",
+                               "dtype": "float32",
+                               "overrides_of_model_config": {"attention_dropout": 0.0}})
+    assert read_model_config(config).config_value("attention_dropout") == 0.0
+    assert load_base_model(config, "sdpa").config.attention_dropout == 0.0
+    plain = config.model_copy(update={"overrides_of_model_config": None})
+    assert read_model_config(plain).config_value("attention_dropout") == 0.1

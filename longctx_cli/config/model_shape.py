@@ -6,6 +6,7 @@ Nothing here imports `torch.distributed`; torch is imported only inside function
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -251,14 +252,38 @@ def _from_table(model_id: str, reason: str) -> ModelShape | None:
     return ModelShape.from_hf_config(hf, source=source)
 
 
+def apply_model_overrides(hf_config: Any, overrides: dict[str, Any] | None) -> Any:
+    """`overrides_of_model_config` applied to a transformers config (and its text part)."""
+    if overrides:
+        hf_config.update(dict(overrides))
+        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else None
+        if text is not None and text is not hf_config:
+            text.update(dict(overrides))
+    return hf_config
+
+
 def read_model_config(config: Config) -> ModelShape:
+    """The model's shape, `overrides_of_model_config` applied (see `_read_model_config`)."""
+    shape = _read_model_config(config)
+    overrides = config.overrides_of_model_config
+    if not overrides or config.model_config_dict is not None:  # merged into the dict there
+        return shape
+    hf = shape.transformers_config()
+    if hf is None:  # a built-in table shape: no config to override
+        return shape
+    hf = apply_model_overrides(copy.deepcopy(hf), overrides)
+    return ModelShape.from_hf_config(hf, source=f"{shape.source}, overrides_of_model_config")
+
+
+def _read_model_config(config: Config) -> ModelShape:
     """The model's shape: from `model_config`, a local path, the local cache, the hub, or,
     for a few well-known ids when the hub cannot be used, from `known_models`."""
     if config.model_config_dict is not None:
-        shape = _plain_shape(config.model_config_dict, "inline `model_config`")
+        fields = {**config.model_config_dict, **(config.overrides_of_model_config or {})}
+        shape = _plain_shape(fields, "inline `model_config`")
         if shape is not None:
             return shape
-        hf = build_from_dict(config.model_config_dict, "model_config")
+        hf = build_from_dict(fields, "model_config")
         return ModelShape.from_hf_config(hf, source="inline `model_config`")
     model_id = str(config.base_model_config or config.base_model)
     trust = config.trust_remote_code

@@ -25,6 +25,7 @@ from longctx_cli.config.model_shape import ModelShape, read_model_config
 from longctx_cli.config.rules import (
     _advice,
     _check_adapter,
+    check_attention_dropout,
     check_heads,
     check_sequence_len,
     layout_for,
@@ -301,6 +302,7 @@ def build_plan(
     )
     check_without_model(config, world_size, world_source)
     tp_rules.check_tp_model(config, shape)
+    check_attention_dropout(shape)
     platform = platform or Platform.detect()
     assumed: list[str] = []
     if assume_gpu and not platform.cuda and config.attention_kernel == "flash":

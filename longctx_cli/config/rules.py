@@ -84,6 +84,21 @@ def check_heads(layout: Layout, shape: ModelShape) -> None:
         raise UserError(err.message, fix=err.fix) from None
 
 
+def check_attention_dropout(shape: ModelShape) -> None:
+    """SP attention computes no dropout on the attention probabilities: a model whose config
+    asks for it is refused, never trained as another model."""
+    p = shape.config_value("attention_dropout")
+    if isinstance(p, (int, float)) and p > 0:
+        raise UserError(
+            f"the model's attention_dropout = {p:g}: longctx's sequence-parallel attention "
+            "applies no dropout to the attention probabilities, so it would train a different "
+            "model than the one you load.",
+            where="overrides_of_model_config",
+            fix="add `overrides_of_model_config: {attention_dropout: 0.0}` to train without "
+            "attention dropout (as long-context fine-tunes usually do).",
+        )
+
+
 def check_sequence_len(config: Config, layout: Layout) -> None:
     sp, tp = layout.sp, layout.tp
     multiple = layout.sequence_len_multiple

@@ -273,6 +273,12 @@ class Config(_Strict):
         description="Tokenizer path or hub id (default: `base_model`), or `byte` for the "
         "built-in byte-level tokenizer that needs no files.",
     )
+    overrides_of_model_config: dict[str, Any] | None = Field(
+        None,
+        description="Fields that replace the model config's own before the model is built "
+        "(Axolotl's key), e.g. `{attention_dropout: 0.0}`; `validate`, the fidelity probe and "
+        "training all use the overridden config.",
+    )
     trust_remote_code: bool = Field(
         False,
         description="Allow model/tokenizer code from the hub to run. Off unless you trust it.",
@@ -578,7 +584,8 @@ class Config(_Strict):
         "of the total steps).",
     )
     evals_per_epoch: int | None = Field(
-        None, ge=1, description="Compute eval loss this many times per epoch."
+        None, ge=0,
+        description="Compute eval loss this many times per epoch (0: never, as in Axolotl).",
     )
     eval_strategy: Literal["no", "steps", "epoch"] | None = Field(
         None, description="no: never; epoch: once per epoch; steps (or null): per eval_steps."

@@ -10,6 +10,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from longctx_cli.config import Config
+from longctx_cli.config.model_shape import apply_model_overrides
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
 from longctx_cli.parallel.mesh import ParallelState
@@ -24,12 +25,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def model_config_of(config: Config) -> PretrainedConfig:
     """The Hugging Face config of the model a run trains."""
     if config.model_config_dict is not None:
-        fields = dict(config.model_config_dict)
+        fields = {**config.model_config_dict, **(config.overrides_of_model_config or {})}
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
-    return AutoConfig.from_pretrained(
+    return apply_model_overrides(AutoConfig.from_pretrained(
         config.base_model_config or config.base_model,
         trust_remote_code=config.trust_remote_code,
-    )
+    ), config.overrides_of_model_config)
 
 
 def _quantization(config: Config, dtype: torch.dtype):
@@ -94,21 +95,18 @@ def load_base_model(
         model = AutoModelForCausalLM.from_config(
             model_config_of(config), attn_implementation=attn_implementation, dtype=dtype
         )
-    elif quantization is not None:
-        model = AutoModelForCausalLM.from_pretrained(
-            config.base_model,
-            attn_implementation=attn_implementation,
-            dtype=dtype,
-            trust_remote_code=config.trust_remote_code,
-            quantization_config=quantization,
-            device_map=_device_map(),
-        )
     else:
+        # The overridden config replaces the checkpoint's own (same weights).
+        overridden = ({"config": model_config_of(config)}
+                      if config.overrides_of_model_config else {})
+        if quantization is not None:
+            overridden.update(quantization_config=quantization, device_map=_device_map())
         model = AutoModelForCausalLM.from_pretrained(
             config.base_model,
             attn_implementation=attn_implementation,
             dtype=dtype,
             trust_remote_code=config.trust_remote_code,
+            **overridden,
         )
     if model.config._attn_implementation != attn_implementation:
         raise UserError(
