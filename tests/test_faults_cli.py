@@ -148,3 +148,20 @@ def test_the_first_rank_error_is_shown_once_with_its_rank(tmp_path):
     line = describe_failure(failures)
     assert line == "rank 1: output_dir: disk full (rank 1)"
     assert failure_exit_code(failures) == 2
+
+
+def test_a_rank_error_prints_only_longctx_paragraph(tmp_path):
+    """A UserError raised on the ranks (here: too little data for one optimizer step, known
+    only once the rows are built) ends the run with the rank's paragraph, once, and none of
+    torchelastic's own log lines about the failed child or its error file."""
+    data = write_documents(tmp_path / "docs.jsonl", count=40)
+    config = write_config(tmp_path, "run", data, gradient_accumulation_steps=500,
+                          val_set_size=0, eval_steps=None)
+    result = run_longctx("train", str(config), "--nproc-per-node", "2", timeout=240)
+    err = flat(result.stderr)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, err[-2000:]
+    assert err.count("the training set has 15 packed rows") == 1, err[-2000:]
+    assert "error: rank 0: datasets:" in err
+    for noise in ("no error file defined for parent", "error_handler", "failed (exitcode",
+                  "child error file"):
+        assert noise not in err, err[-2000:]

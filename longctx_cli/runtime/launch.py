@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -202,6 +203,13 @@ def torchrun_main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
+    # torchelastic logs a failed child ("failed (exitcode ...)") and its error-file copying
+    # ("no error file defined for parent ...") before the exception we turn into one line
+    # naming the rank: silenced at their source, so that line (and a rank's paragraph) is all
+    # the user reads.
+    for name in ("torch.distributed.elastic.multiprocessing.api",
+                 "torch.distributed.elastic.multiprocessing.errors.error_handler"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         main(argv)
     except ChildFailedError as e:
