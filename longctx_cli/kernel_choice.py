@@ -23,7 +23,7 @@ import importlib
 import importlib.util
 import sys
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from longctx_cli.layout import P2P_SHARDING, flash_fits
@@ -93,7 +93,6 @@ class ModelAttention:
 class KernelChoice:
     kernel: str  # torch | flash | torch_flash, never auto
     reason: str
-    notes: tuple[str, ...] = field(default=())
 
 
 def import_ring_flash_module(name: str) -> types.ModuleType:

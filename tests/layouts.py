@@ -28,8 +28,8 @@ def layout_of(
         ring_attn_func = "batch_stripe" if layout == "stripe" else "varlen_llama3"
     if world is None:
         world = dist.get_world_size() if dist.is_initialized() else sp * tp
-    return Layout(
-        sp=sp, tp=tp, dp_replicate=world // (sp * tp), mode=mode,
+    return Layout.filling(
+        world, sp=sp, tp=tp, mode=mode,
         ulysses=ulysses_degree if mode == "hybrid" else 0,
         sharding=layout or P2P_SHARDING.get(ring_attn_func, "contiguous"),
         ring_attn_func=ring_attn_func, heads_k_stride=heads_k_stride,
