@@ -65,7 +65,7 @@ STRATEGIES = (
     Strategy("llama3 ring, zigzag", "ring", "zigzag", "varlen_llama3"),
     Strategy("P2P batch_ring (contiguous)", "ring", "contiguous", "batch_ring"),
     Strategy("P2P batch_zigzag", "ring", "zigzag", "batch_zigzag"),
-    Strategy("P2P batch_stripe", "ring", "stripe", "batch_stripe"),
+    Strategy("P2P batch_stripe (default)", "ring", "stripe", "batch_stripe"),
     Strategy("Ulysses (all-to-all)", "ulysses", "contiguous", "varlen_llama3",
              note="not counted: every rank computes the whole row for heads/sp heads, so its "
                   "work is exactly total/sp"),

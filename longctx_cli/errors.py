@@ -19,3 +19,8 @@ class UserError(Exception):
         if fix:
             parts.append(f"Fix: {fix}")
         super().__init__(" ".join(parts))
+
+
+# The exit status of a preempted run whose checkpoint is complete: EX_TEMPFAIL ("try again
+# later"), distinct from success (0), a failure (1) and a user error (2).
+PREEMPTED_EXIT = 75

@@ -170,7 +170,7 @@ def flash_op_blockers(platform: Platform, dtype: str | None, head_dim: int | Non
 
 def flash_attn_blockers(
     platform: Platform, dtype: str | None, model: ModelAttention, sharding: str,
-    ring_attn_func: str, ring: int,
+    ring_attn_func: str, ring: int, packed: bool = False,
 ) -> list[str]:
     """Why the `flash` kernel (flash-attn 2 + ring-flash-attn) cannot run this exactly."""
     why = flash_op_blockers(platform, dtype, model.head_dim)
@@ -182,6 +182,9 @@ def flash_attn_blockers(
         p2p = ring_attn_func in P2P_SHARDING
         if model.softcap:
             why.append("the model softcaps attention logits (ring-flash-attn's rings do not)")
+        if p2p and packed:
+            why.append(f"packed rows (`sample_packing`): ring-flash-attn's {ring_attn_func} "
+                       "takes one sequence and would attend across documents")
         if p2p and model.window:
             why.append(f"the model has a sliding window (ring-flash-attn's {ring_attn_func} "
                        "has none)")
@@ -203,12 +206,14 @@ def choose_kernel(
     sharding: str = "contiguous",
     ring_attn_func: str = "varlen_llama3",
     ring: int = 1,
+    packed: bool = False,
 ) -> KernelChoice:
     """Resolve ``attention_kernel`` for a run; an explicit request that cannot run raises
     :class:`KernelError` with the reason and the fix.
 
     ``dtype``: the compute dtype (None: unknown, taken as half precision). ``ring``: ranks
-    per ring (1 when there is no ring across ranks).
+    per ring (1 when there is no ring across ranks). ``packed``: rows hold several
+    documents (`sample_packing`).
     """
     model = model or ModelAttention()
     if requested not in KERNELS:
@@ -217,7 +222,7 @@ def choose_kernel(
         )
     op_blockers = flash_op_blockers(platform, dtype, model.head_dim)
     flash_blockers = flash_attn_blockers(platform, dtype, model, sharding, ring_attn_func,
-                                         ring)
+                                         ring, packed)
     if requested == "torch":
         return KernelChoice("torch", "requested" + _tiled_note(platform, "torch", model, ring,
                                                                ring_attn_func))

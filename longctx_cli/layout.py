@@ -69,6 +69,28 @@ def ring_sharding(ring_attn_func: str, sharding: str | None) -> str:
     return implied
 
 
+def default_ring(
+    mode: str, tp: int, ring_attn_func: str | None, sharding: str | None,
+    heads_k_stride_given: bool = False, kernel: str = "auto",
+) -> tuple[str, str]:
+    """``(ring_attn_func, sharding)`` of a config that may name neither (``None``).
+
+    Unnamed, the ring is ``batch_stripe``: the only layout whose causal work is within 5% of
+    even on one long document and on packed rows alike (``benchmarks/balance.py``: contiguous
+    is 1.27-1.94x, zigzag 1.13-1.23x on packed rows). llama3's all-gather stays where the
+    config asks for what only it has (a contiguous or zigzag ``sp_sharding``,
+    ``heads_k_stride``, ``attention_kernel: flash``, whose packed rows only ring-flash-attn's
+    llama3 function takes) and where a stripe cannot run: hybrid (a Ulysses group is not one
+    stripe) and tensor parallelism."""
+    if ring_attn_func is not None:
+        return ring_attn_func, ring_sharding(ring_attn_func, sharding)
+    stripe_fits = (mode == "ring" and tp == 1 and not heads_k_stride_given
+                   and kernel != "flash")
+    if sharding == "stripe" or (sharding is None and stripe_fits):
+        return "batch_stripe", "stripe"
+    return "varlen_llama3", ring_sharding("varlen_llama3", sharding)
+
+
 def ulysses_degree_for(mode: str, sp: int, given: int | None) -> int:
     """Ranks per Ulysses (all-to-all) group: 1 for ring, sp for ulysses, the given
     `ulysses_degree` for hybrid."""

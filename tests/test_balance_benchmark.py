@@ -127,4 +127,35 @@ def test_script_writes_json_and_readme_table(tmp_path: Path, capsys) -> None:
         for r in by_sp.values():
             assert r["max_over_mean"] >= 1.0 and r["per_row_max_over_mean"] >= 1.0, name
     printed = capsys.readouterr().out
-    assert "| strategy | 1 doc sp=2 |" in printed and "| P2P batch_stripe |" in printed
+    assert "| strategy | 1 doc sp=2 |" in printed and "| P2P batch_stripe (default) |" in printed
+
+
+@pytest.mark.parametrize("platform", ["gpu", "gpu_no_packages", "cpu"])
+@pytest.mark.parametrize("sp", [2, 4, 8, 16])
+def test_default_layout_is_within_five_percent_of_even(platform: str, sp: int) -> None:
+    """The layout `validate` plans (and the ranks run) for a config naming only
+    `sequence_parallel_degree` spreads causal work within 1.05 of even, on one long document
+    and on packed long-tail rows (aggregate and row by row)."""
+    from longctx_cli.config.load import config_from_dict
+    from longctx_cli.config.model_shape import read_model_config
+    from longctx_cli.config.plan import build_plan
+    from longctx_cli.config.world import Platform
+
+    machine = {"gpu": Platform(cuda=True, ring_flash_attn=True, capability=(9, 0)),
+               "gpu_no_packages": Platform(cuda=True, ring_flash_attn=False, capability=(9, 0)),
+               "cpu": Platform(cuda=False, ring_flash_attn=False)}[platform]
+    config = config_from_dict({
+        "model_config": {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+                         "num_hidden_layers": 2, "num_attention_heads": 8,
+                         "num_key_value_heads": 8, "vocab_size": 128},
+        "tokenizer": "byte", "sequence_len": 32768, "sequence_parallel_degree": sp})
+    layout = build_plan(config, sp, read_model_config(config), platform=machine).layout
+    assert balance.imbalance(balance.rank_work(layout, [32768])) <= 1.05
+    lengths = balance.longtail_lengths(600, 1024, 2.0, 64, 32768, seed=0)
+    totals, busiest, mean = [0] * sp, 0.0, 0.0
+    for row in balance.packed_rows(lengths, 32768):
+        work = balance.rank_work(layout, row)
+        totals = [t + w for t, w in zip(totals, work, strict=True)]
+        busiest, mean = busiest + max(work), mean + sum(work) / sp
+    assert balance.imbalance(totals) <= 1.05
+    assert busiest / mean <= 1.05

@@ -32,8 +32,8 @@ def test_defaults():
     assert cfg.sequence_parallel_degree == 1
     assert cfg.sequence_parallel_mode == "ring"
     assert cfg.heads_k_stride == 1
-    assert cfg.ring_attn_func == "varlen_llama3"
-    assert cfg.sp_sharding == "contiguous"
+    assert cfg.ring_attn_func is None  # the plan picks the ring (layout.default_ring)
+    assert cfg.sp_sharding is None
     assert cfg.attention_kernel == "auto"
     assert cfg.dtype == "bfloat16"
     assert cfg.trust_remote_code is False

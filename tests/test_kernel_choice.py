@@ -42,7 +42,9 @@ GPT_OSS = {**LLAMA, "model_type": "gpt_oss", "num_local_experts": 4,
            "num_experts_per_tok": 2, "sliding_window": 64}
 MISTRAL_SWA = {**LLAMA, "model_type": "mistral", "sliding_window": 64}
 
-RING2 = {"sequence_parallel_degree": 2}
+RING2 = {"sequence_parallel_degree": 2, "ring_attn_func": "varlen_llama3"}
+DEFAULT2 = {"sequence_parallel_degree": 2}  # batch_stripe (layout.default_ring)
+UNPACKED = {"sample_packing": False}
 ZIGZAG2 = {"sequence_parallel_degree": 2, "sp_sharding": "zigzag"}
 
 # name -> (platform, dtype, model, layout keys, expected auto kernel, word in the reason)
@@ -52,11 +54,13 @@ ROWS: dict[str, tuple[Platform, str, dict, dict, str, str]] = {
     "h100_no_packages": (H100_BARE, "bfloat16", LLAMA, RING2, "torch_flash", "import"),
     "a100_flash_fp16": (A100, "float16", LLAMA, RING2, "flash", "installed"),
     "zigzag_llama3": (H100, "bfloat16", LLAMA, ZIGZAG2, "torch_flash", "zigzag"),
-    "batch_zigzag": (H100, "bfloat16", LLAMA, {**RING2, "ring_attn_func": "batch_zigzag"},
+    "batch_zigzag": (H100, "bfloat16", LLAMA, {**RING2, **UNPACKED,
+                                               "ring_attn_func": "batch_zigzag"},
                      "flash", "installed"),
     "batch_ring_fp16": (H100, "float16", LLAMA, {**RING2, "ring_attn_func": "batch_ring"},
                         "torch_flash", "dq in bf16"),
-    "batch_ring_bf16": (H100, "bfloat16", LLAMA, {**RING2, "ring_attn_func": "batch_ring"},
+    "batch_ring_bf16": (H100, "bfloat16", LLAMA, {**RING2, **UNPACKED,
+                                                  "ring_attn_func": "batch_ring"},
                         "flash", "installed"),
     "t4": (T4, "float16", LLAMA, RING2, "torch", "compute capability is 7.5"),
     "v100_bare": (V100_BARE, "float16", LLAMA, RING2, "torch", "compute capability is 7.0"),
@@ -69,6 +73,10 @@ ROWS: dict[str, tuple[Platform, str, dict, dict, str, str]] = {
     "softcap_one_rank": (H100, "bfloat16", GEMMA2, {}, "flash", "installed"),
     "sinks": (H100, "bfloat16", GPT_OSS, RING2, "torch_flash", "sinks"),
     "window_llama3": (H100, "bfloat16", MISTRAL_SWA, RING2, "flash", "installed"),
+    "default_packed": (H100, "bfloat16", LLAMA, DEFAULT2, "torch_flash", "packed rows"),
+    "default_unpacked": (H100, "bfloat16", LLAMA, {**DEFAULT2, **UNPACKED}, "flash",
+                         "installed"),
+    "default_no_packages": (H100_BARE, "bfloat16", LLAMA, DEFAULT2, "torch_flash", "import"),
     "window_p2p": (H100, "bfloat16", MISTRAL_SWA, {**RING2, "ring_attn_func": "batch_zigzag"},
                    "torch_flash", "sliding window"),
     "ulysses_zigzag": (H100, "bfloat16", LLAMA, {"sequence_parallel_degree": 4,

@@ -27,12 +27,38 @@ def test_contradictory_ring_and_layout_is_a_config_error() -> None:
     msg = str(exc.value)
     assert "`ring_attn_func: batch_zigzag` runs on `sp_sharding: zigzag`" in msg
     with pytest.raises(UserError, match="computed only by `ring_attn_func: batch_stripe`"):
-        cfg(sp_sharding="stripe")
+        cfg(ring_attn_func="varlen_llama3", sp_sharding="stripe")
 
 
 def test_llama3_keeps_both_layouts() -> None:
-    assert cfg().sp_sharding == "contiguous"
+    assert cfg(ring_attn_func="varlen_llama3").sp_sharding == "contiguous"
     assert cfg(sp_sharding="zigzag").sp_sharding == "zigzag"
+    assert cfg(sp_sharding="zigzag").ring_attn_func == "varlen_llama3"
+
+
+@pytest.mark.parametrize(
+    ("given", "want"),
+    [
+        ({}, ("batch_stripe", "stripe")),
+        ({"sp_sharding": "stripe"}, ("batch_stripe", "stripe")),
+        ({"sp_sharding": "zigzag"}, ("varlen_llama3", "zigzag")),
+        ({"sp_sharding": "contiguous"}, ("varlen_llama3", "contiguous")),
+        ({"heads_k_stride": 1}, ("varlen_llama3", "contiguous")),  # given: llama3's knob
+        ({"ring_attn_func": "varlen_llama3"}, ("varlen_llama3", "contiguous")),
+        ({"ring_attn_func": "batch_zigzag"}, ("batch_zigzag", "zigzag")),
+        ({"sequence_parallel_mode": "hybrid", "ulysses_degree": 2},
+         ("varlen_llama3", "contiguous")),
+        ({"tensor_parallel_size": 2}, ("varlen_llama3", "contiguous")),
+        ({"attention_kernel": "flash"}, ("varlen_llama3", "contiguous")),  # packed rows
+    ],
+)
+def test_default_ring_is_the_balanced_one_where_it_runs(given: dict, want: tuple) -> None:
+    """Unnamed, the ring is batch_stripe; what only llama3 has, or where a stripe cannot run,
+    keeps the all-gather ring. The plan (validate) and the ranks read one Layout."""
+    p = plan(world=8, platform=GPU, sequence_parallel_degree=4, **given)
+    assert (p.ring_attn_func, p.layout.sharding) == want
+    notes = " ".join(p.notes)
+    assert ("ring_attn_func unset: batch_stripe" in notes) == (given == {})
 
 
 @pytest.mark.parametrize("mode", ["ulysses", "hybrid"])
@@ -55,10 +81,16 @@ def test_hybrid_with_p2p_ring_is_legal() -> None:
 
 def test_flash_with_p2p_zigzag_is_legal_on_gpu() -> None:
     p = plan(platform=GPU, sequence_parallel_degree=2, ring_attn_func="batch_zigzag",
-             attention_kernel="flash")
+             attention_kernel="flash", sample_packing=False)
     assert p.kernel == "flash"
-    auto = plan(platform=GPU, sequence_parallel_degree=2, ring_attn_func="batch_zigzag")
+    auto = plan(platform=GPU, sequence_parallel_degree=2, ring_attn_func="batch_zigzag",
+                sample_packing=False)
     assert auto.kernel == "flash"
+    # Packed rows: ring-flash-attn's P2P functions take one sequence; PyTorch's op runs.
+    packed = plan(platform=GPU, sequence_parallel_degree=2, ring_attn_func="batch_zigzag")
+    assert packed.kernel == "torch_flash" and "packed rows" in packed.kernel_reason
+    assert "packed rows" in rule_error(platform=GPU, sequence_parallel_degree=2,
+                                       ring_attn_func="batch_zigzag", attention_kernel="flash")
     assert "zigzag is not supported" in rule_error(
         platform=GPU, sequence_parallel_degree=2, sp_sharding="zigzag", attention_kernel="flash"
     ).replace("'zigzag' is not supported", "zigzag is not supported")

@@ -225,8 +225,11 @@ def test_auto_kernel_is_torch_without_cuda():
 
 
 def test_auto_kernel_is_flash_with_cuda_and_ring_flash_attn():
-    assert plan(platform=GPU, sequence_parallel_degree=2).kernel == "flash"
-    assert plan(platform=GPU_NO_FLASH, sequence_parallel_degree=2).kernel == "torch_flash"
+    llama3 = {"sequence_parallel_degree": 2, "ring_attn_func": "varlen_llama3"}
+    assert plan(platform=GPU, **llama3).kernel == "flash"
+    assert plan(platform=GPU_NO_FLASH, **llama3).kernel == "torch_flash"
+    # The default ring (batch_stripe) on packed rows: PyTorch's op, whatever is installed.
+    assert plan(platform=GPU, sequence_parallel_degree=2).kernel == "torch_flash"
 
 
 def test_auto_kernel_with_zigzag_on_cuda_is_torch_flash():

@@ -59,8 +59,8 @@ def _bool(key: str, value: Any) -> bool:
 # ---- mappings ---------------------------------------------------------------------------
 
 _FLASH_NOTE = (
-    "flash where CUDA and ring-flash-attn are present, else the pure PyTorch kernel "
-    "(the same attention, exact)"
+    "flash attention on CUDA: PyTorch's own op, or flash-attn where installed and the ring "
+    "allows; else the pure PyTorch kernel (the same attention, exact)"
 )
 
 

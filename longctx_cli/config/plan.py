@@ -312,13 +312,17 @@ def build_plan(
             "newer CUDA GPUs with flash-attn 2 and ring-flash-attn installed (docs/gpu.md)."
         )
         platform = Platform(cuda=True, ring_flash_attn=True)
-    elif not platform.cuda and config.attention_kernel == "auto":
+    layout = layout_for(config, world_size, platform, world_source, shape)
+    if not assumed and not platform.cuda and config.attention_kernel == "auto":
+        # The same decision on a GPU machine, without and with flash-attn.
+        bare, full = (layout_for(config, world_size, Platform(cuda=True, ring_flash_attn=has),
+                                 world_source, shape).kernel for has in (False, True))
         assumed.append(
             "no CUDA here, so `attention_kernel: auto` resolves to torch; on Ampere or newer "
-            "CUDA GPUs it resolves to torch_flash, or flash with flash-attn installed (same "
-            "attention)."
+            f"CUDA GPUs it resolves to {bare}"
+            + ("" if full == bare else f", or {full} with flash-attn installed")
+            + " (same attention)."
         )
-    layout = layout_for(config, world_size, platform, world_source, shape)
     check_heads(layout, shape)  # SP works on the heads TP left on the rank
     sp = layout.sp
     tiled = tiled_scores_run(layout.kernel, platform.cuda, shape, layout.p2p and layout.ring > 1)

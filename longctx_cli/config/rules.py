@@ -15,7 +15,13 @@ from longctx_cli.config.schema import Config
 from longctx_cli.config.world import Platform
 from longctx_cli.errors import UserError
 from longctx_cli.kernel_choice import KernelError, ModelAttention, choose_kernel
-from longctx_cli.layout import Layout, LayoutError, check_world, ulysses_degree_for
+from longctx_cli.layout import (
+    Layout,
+    LayoutError,
+    check_world,
+    default_ring,
+    ulysses_degree_for,
+)
 
 if TYPE_CHECKING:
     pass
@@ -37,13 +43,17 @@ def layout_for(
     try:
         check_world(sp, tp, world, world_source)
         ulysses = ulysses_degree_for(config.sequence_parallel_mode, sp, config.ulysses_degree)
-        kernel, reason = _resolve_kernel(config, platform, sp // ulysses, shape)
+        ring_attn_func, sharding = default_ring(
+            config.sequence_parallel_mode, tp, config.ring_attn_func, config.sp_sharding,
+            "heads_k_stride" in config.model_fields_set, config.attention_kernel)
+        kernel, reason = _resolve_kernel(config, platform, sp // ulysses, shape,
+                                         ring_attn_func, sharding)
         dp = world // (sp * tp) if world % (sp * tp) == 0 else 1
         replicas, shards = _data_parallel(config, dp, world, sp)
         return Layout(
             sp=sp, tp=tp, dp_replicate=replicas, dp_shard=shards, fsdp=config.fsdp,
-            mode=config.sequence_parallel_mode, ulysses=ulysses, sharding=config.sp_sharding,
-            ring_attn_func=config.ring_attn_func, heads_k_stride=config.heads_k_stride,
+            mode=config.sequence_parallel_mode, ulysses=ulysses, sharding=sharding,
+            ring_attn_func=ring_attn_func, heads_k_stride=config.heads_k_stride,
             kernel=kernel, kernel_reason=reason,
         ).for_world(world, world_source)
     except LayoutError as err:
@@ -118,7 +128,8 @@ def check_sequence_len(config: Config, layout: Layout) -> None:
 
 
 def _resolve_kernel(config: Config, platform: Platform | None, ring: int,
-                    shape: ModelShape | None) -> tuple[str, str]:
+                    shape: ModelShape | None, ring_attn_func: str,
+                    sharding: str) -> tuple[str, str]:
     """The attention kernel that will run, and why (`kernel_choice.choose_kernel` decides).
     Without a platform no machine is asked: an explicit kernel is kept as written."""
     if platform is None:
@@ -127,8 +138,8 @@ def _resolve_kernel(config: Config, platform: Platform | None, ring: int,
     try:
         choice = choose_kernel(
             config.attention_kernel, platform=platform, dtype=config.dtype,
-            model=model_attention(shape), sharding=config.sp_sharding,
-            ring_attn_func=config.ring_attn_func, ring=ring,
+            model=model_attention(shape), sharding=sharding,
+            ring_attn_func=ring_attn_func, ring=ring, packed=config.sample_packing,
         )
     except KernelError as err:
         raise UserError(err.message, where="attention_kernel", fix=err.fix) from None
@@ -186,6 +197,11 @@ def _advice(
             "activation_offloading without gradient_checkpointing copies every saved tensor "
             "to host memory and back; with checkpointing only each layer's input moves."
         )
+    if config.ring_attn_func is None and layout.p2p and ring > 1:
+        notes.append(f"ring_attn_func unset: {layout.ring_attn_func}, the sharding that "
+                     "spreads causal work evenly on long and packed rows "
+                     "(benchmarks/balance.py); `ring_attn_func: varlen_llama3` all-gathers "
+                     "K,V instead.")
     if layout.p2p and ring == 1 and sp > 1:
         notes.append(f"ring_attn_func {layout.ring_attn_func} is unused: there is no ring "
                      f"({layout.mode} over all {sp} ranks).")

@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from longctx_cli.layout import LayoutError, ring_sharding
+from longctx_cli.layout import LayoutError, default_ring
 
 
 def _admits(annotation: Any, kinds: tuple[type, ...]) -> bool:
@@ -389,21 +389,23 @@ class Config(_Strict):
         description="ring: KV heads gathered per communication step; must divide the model's "
         "`num_key_value_heads`. Larger = fewer, bigger messages and more memory.",
     )
-    ring_attn_func: Literal["varlen_llama3", "batch_ring", "batch_zigzag", "batch_stripe"] = (
-        Field(
-            "varlen_llama3",
-            description="Ring algorithm. varlen_llama3: all-gather K,V (in `heads_k_stride` "
-            "chunks); batch_ring / batch_zigzag / batch_stripe: pass K/V blocks rank to rank "
-            "(two blocks per rank, not the whole sequence) on a contiguous / zigzag / stripe "
-            "layout, which sets `sp_sharding`.",
-        )
+    ring_attn_func: (
+        Literal["varlen_llama3", "batch_ring", "batch_zigzag", "batch_stripe"] | None
+    ) = Field(
+        None,
+        description="Ring algorithm. varlen_llama3: all-gather K,V (in `heads_k_stride` "
+        "chunks); batch_ring / batch_zigzag / batch_stripe: pass K/V blocks rank to rank "
+        "(two blocks per rank, not the whole sequence) on a contiguous / zigzag / stripe "
+        "layout, which sets `sp_sharding`. Unset: batch_stripe (the balanced layout) for "
+        "`sequence_parallel_mode: ring` without TP, `sp_sharding`, `heads_k_stride` or "
+        "`attention_kernel: flash`; varlen_llama3 otherwise.",
     )
-    sp_sharding: Literal["contiguous", "zigzag", "stripe"] = Field(
-        "contiguous",
-        description="How a row is split across the SP group (default: contiguous, or the "
-        "layout `ring_attn_func` names). zigzag and stripe (token i on rank i % sp, "
-        "batch_stripe only) balance causal work (torch and torch_flash kernels; flash with the "
-        "P2P rings); contiguous is what the flash kernel's llama3 ring expects.",
+    sp_sharding: Literal["contiguous", "zigzag", "stripe"] | None = Field(
+        None,
+        description="How a row is split across the SP group (unset: the layout "
+        "`ring_attn_func` names; contiguous for varlen_llama3). zigzag and stripe (token i on "
+        "rank i % sp, batch_stripe only) balance causal work (torch and torch_flash kernels; "
+        "flash with the P2P rings); contiguous is what the flash kernel's llama3 ring expects.",
     )
     attention_kernel: Literal["auto", "flash", "torch_flash", "torch"] = Field(
         "auto",
@@ -640,7 +642,34 @@ class Config(_Strict):
         None, description="Upload the final model (`end`) or every checkpoint as an artifact."
     )
     resume_from_checkpoint: str | None = Field(
-        None, description="`auto` (newest complete checkpoint in output_dir) or a checkpoint path."
+        None, description="`auto` (newest complete checkpoint in output_dir) or a checkpoint path. "
+        "A preempted run's output_dir (it holds `preempted.json`) resumes as `auto` unset."
+    )
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        description="Restart the worker group this many times after a rank dies or hangs; the "
+        "new workers resume from the newest intact checkpoint. A fault that repeats at the "
+        "same step, or a user error (config, data, NaN), is not retried.",
+    )
+    step_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="A worker group that finishes no optimizer step for this long (a stuck "
+        "collective, a stopped rank) is stopped, the stuck rank named; restarted if "
+        "`max_restarts` allows. Unset: no limit.",
+    )
+    preemption_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"]] = Field(
+        ["SIGTERM", "SIGUSR1"],
+        description="Signals (to the launcher or any rank) that make every rank finish the "
+        "current optimizer step, write a checkpoint and exit with status 75 (preempted, "
+        "resumable). SLURM: `#SBATCH --signal=USR1@120`.",
+    )
+    preemption_grace_s: int = Field(
+        600,
+        ge=1,
+        description="How long the launcher lets the ranks finish their step and save after a "
+        "preemption signal before it kills them (torchrun's shutdown timeout).",
     )
     fidelity_probe: bool = Field(
         True,
@@ -752,9 +781,13 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _ring_layout(self) -> Config:
         # A P2P ring's name fixes its layout: derive sp_sharding, refuse a contradiction.
-        given = self.sp_sharding if "sp_sharding" in self.model_fields_set else None
+        # Neither named: both stay unset until the plan picks the default ring.
         try:
-            self.sp_sharding = ring_sharding(self.ring_attn_func, given)
+            if self.ring_attn_func is not None or self.sp_sharding is not None:
+                self.ring_attn_func, self.sp_sharding = default_ring(
+                    self.sequence_parallel_mode, self.tensor_parallel_size,
+                    self.ring_attn_func, self.sp_sharding,
+                    "heads_k_stride" in self.model_fields_set, self.attention_kernel)
         except LayoutError as err:
             raise ValueError(f"{err.message[:-1]}: {err.fix[:-1]}") from None
         return self

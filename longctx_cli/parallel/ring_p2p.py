@@ -130,8 +130,16 @@ def _new_step_geometry(
     return _run_pieces(meta, src), window
 
 
+def block_kernel(kernel: str) -> str:
+    """The kernel this module's blocks run on: a row the flash kernel's ring-flash-attn
+    functions cannot take (packed, windowed, ...) runs its blocks on PyTorch's flash op,
+    present wherever flash-attn runs, not on the tiled matmul path."""
+    return "torch_flash" if kernel == "flash" else kernel
+
+
 def _warn_fallback(meta: SPMeta, why: str) -> None:
-    log.warning("%s: this row runs on the torch kernel (%s)", meta.ctx.ring_attn_func, why)
+    log.warning("%s: this row runs its blocks on PyTorch's flash op, not ring-flash-attn (%s)",
+                meta.ctx.ring_attn_func, why)
 
 
 def step_geometry(
@@ -164,7 +172,7 @@ class P2PRingAttention(torch.autograd.Function):
             pieces, step_feats = step_geometry(meta, step, feats)
             if pieces:  # merged into the running result in place: no per-block copy
                 pieces_forward(q, cur[0], cur[1], pieces, step_feats, out, lse,
-                               kernel=meta.ctx.kernel)
+                               kernel=block_kernel(meta.ctx.kernel))
             if pending is not None:
                 _wait(pending)
                 spare = None if step == 0 else cur  # never recycle the caller's own k, v
@@ -199,7 +207,7 @@ class P2PRingAttention(torch.autograd.Function):
             if pieces:  # dq straight into its accumulator; this block's dK/dV on their own
                 block = (dq, torch.zeros_like(cur[0]), torch.zeros_like(cur[1]))
                 pieces_backward(dout, q, cur[0], cur[1], out, lse, pieces, step_feats, block,
-                                kernel=meta.ctx.kernel)
+                                kernel=block_kernel(meta.ctx.kernel))
             # This block's dK/dV so far: from the previous rank (in flight during the compute
             # above), or zero on the block's home rank.
             if step == 0:

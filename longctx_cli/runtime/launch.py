@@ -18,10 +18,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from longctx_cli.errors import UserError
+from longctx_cli.errors import PREEMPTED_EXIT, UserError
 
 # Set for the ranks we launch: they hand a UserError to us instead of each printing it.
 LAUNCHED_ENV = "LONGCTX_LAUNCHED"
+# torchrun's agent handles these by default (stopping its workers); preemption adds more.
+TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+# Where the torchrun wrapper writes the one-line reason a job failed (read by the supervisor).
+FAILURE_FILE_ENV = "LONGCTX_FAILURE_FILE"
 # A full, over-quota or read-only disk: the user's to fix, never a reason for a traceback.
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS})
 
@@ -53,22 +57,28 @@ def torchrun_args(
     ]
 
 
-def launch_torchrun(
+def torchrun_command(
     command_args: list[str],
     world_size: int,
     nproc_per_node: int | None,
     nnodes: int = 1,
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
-) -> int:
-    """Run torchrun (`torch.distributed.run`, through `torchrun_main`) with
-    `-m longctx_cli <command_args>` as the entry point; its exit code."""
+    signals: tuple[str, ...] = (),
+    shutdown_timeout: int | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """The torchrun command line (through `torchrun_main`) running `-m longctx_cli
+    <command_args>`, and its environment. `signals`: passed on to every rank (preemption);
+    `shutdown_timeout`: how long torchrun waits for the ranks after such a signal."""
     per_node = nproc_per_node or max(1, world_size // nnodes)
+    handled = ",".join(dict.fromkeys([*TORCHRUN_SIGNALS, *signals]))
     command = [
         sys.executable,
         "-m",
         "longctx_cli.runtime.launch",  # torchrun itself, with a one-line summary on failure
         *torchrun_args(per_node, nnodes, node_rank, rdzv_endpoint),
+        f"--signals-to-handle={handled}",
+        *([f"--shutdown-timeout={shutdown_timeout}"] if shutdown_timeout is not None else []),
         "-m",
         "longctx_cli",
         *command_args,
@@ -79,6 +89,20 @@ def launch_torchrun(
     env["OMP_NUM_THREADS"] = str(threads)
     if warning:
         print(warning, file=sys.stderr)
+    return command, env
+
+
+def launch_torchrun(
+    command_args: list[str],
+    world_size: int,
+    nproc_per_node: int | None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+) -> int:
+    """Run torchrun with `-m longctx_cli <command_args>` as the entry point; its exit code."""
+    command, env = torchrun_command(command_args, world_size, nproc_per_node, nnodes,
+                                    node_rank, rdzv_endpoint)
     try:
         # An argument list, never a shell: paths from the user are passed verbatim.
         return subprocess.run(command, env=env, check=False).returncode
@@ -200,6 +224,7 @@ def torchrun_main(argv: list[str]) -> int:
     this ends such a job with one line that names the rank instead, and keeps the CLI's exit
     status 2 when a rank stopped on a UserError.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
@@ -212,12 +237,26 @@ def torchrun_main(argv: list[str]) -> int:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         main(argv)
+    except SignalException as e:  # its workers got the signal and the shutdown timeout
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
+        if preempted(e.failures):
+            return PREEMPTED_EXIT
         # The longctx command the ranks run: the word after `-m longctx_cli`.
         command = argv[argv.index("longctx_cli") + 1] if "longctx_cli" in argv[:-1] else "job"
-        print(f"error: {describe_failure(e.failures, command)}", file=sys.stderr, flush=True)
+        message = describe_failure(e.failures, command)
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        if os.environ.get(FAILURE_FILE_ENV):
+            Path(os.environ[FAILURE_FILE_ENV]).write_text(json.dumps({"message": message}))
         return failure_exit_code(e.failures)
     return 0
+
+
+def preempted(failures: dict) -> bool:
+    """Every rank saved and exited 75 (torchrun may have stopped the last ones to leave)."""
+    codes = {f.exitcode for f in failures.values()}
+    return PREEMPTED_EXIT in codes and codes <= {PREEMPTED_EXIT, -signal.SIGTERM,
+                                                  -signal.SIGKILL}
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from longctx_cli.config import Config
 from longctx_cli.runtime.model import load_base_model
+from longctx_cli.runtime.supervise import clear_marker, resume_setting, write_marker
 from longctx_cli.train.checkpoint import (
     export_final,
     load_checkpoint,
@@ -54,7 +56,8 @@ class Checkpointer:
 
     def resume(self) -> int:
         """Load `resume_from_checkpoint` (if any) into the run; returns the step to start at."""
-        path = resolve_resume(self.config.resume_from_checkpoint, self.output_dir)
+        path = resolve_resume(resume_setting(self.config.resume_from_checkpoint,
+                                             self.output_dir), self.output_dir)
         if path is None:
             return 0
         trainer_state = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
@@ -77,10 +80,27 @@ class Checkpointer:
         self.last = self._save(done)
         metrics.artifact(self.last, f"checkpoint-{done}")
 
+    def preempt(self, step: int, metrics: Metrics, signal_name: str) -> Path:
+        """The checkpoint after optimizer step `step` (0-based), written now unless the
+        cadence just wrote it, and the marker that makes the next run resume from it."""
+        done = step + 1
+        if self.last is None or self.last.name != f"checkpoint-{done}":
+            self.last = self._save(done)
+            metrics.artifact(self.last, f"checkpoint-{done}")
+        if _rank() == 0:
+            write_marker(self.output_dir, done, self.last, signal_name)
+        return self.last
+
     def finish(self, steps: int, tokenizer) -> Path:
         """The run's last checkpoint (`steps` done; when saving is on at all), then `final/`
         in Hugging Face format (full model or adapter) with the tokenizer; returns `final/`."""
         if self.every:
             self._save(steps)
+        if _rank() == 0:
+            clear_marker(self.output_dir)  # finished: nothing left to resume
         return export_final(self.model, tokenizer, self.output_dir / "final",
                             self.config.adapter is not None, random_init_base_saver(self.config))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0

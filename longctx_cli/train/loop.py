@@ -29,6 +29,7 @@ from longctx_cli.train.fidelity import run_probe
 from longctx_cli.train.metrics import Metrics
 from longctx_cli.train.optim import is_plateau, make_optimizer, make_scheduler
 from longctx_cli.train.precision import Precision, setup_precision
+from longctx_cli.train.preemption import Preempted, PreemptionSignals, Progress
 from longctx_cli.train.schedule import DataPosition
 from longctx_cli.train.step import NonFiniteError, train_step
 from longctx_cli.train.stopping import EARLY_STOPPING, LOSS_WATCHDOG, Stopper, nonfinite_error
@@ -92,6 +93,8 @@ def train(config: Config) -> None:
     # ---- loop -------------------------------------------------------------------------
     end_step = data.num_steps  # unless a stop rule ends the run early
     run_started = time.perf_counter()  # for the summary at the end
+    preemption = PreemptionSignals(config.preemption_signals)
+    progress = Progress(Path(config.output_dir), dist.get_rank())  # read by the launcher
     for step in range(start_step, data.num_steps):
         batches = micro_batches(*data.step_rows(step), config, state, pad_id)
         lr = optimizer.param_groups[0]["lr"]
@@ -108,6 +111,15 @@ def train(config: Config) -> None:
         stop = stopper.check(result.loss, eval_loss)
         metrics.log(step, result, lr, seconds, eval_loss, stop)
         checkpointer.maybe_save(step, metrics)
+        progress.step_done(step + 1)
+        signal_name = preemption.agreed(device) if step + 1 < data.num_steps else None
+        if signal_name is not None:  # every rank saw it at this step: save, then exit 75
+            saved = checkpointer.preempt(step, metrics, signal_name)
+            metrics.close()
+            progress.close()
+            dist.barrier()
+            dist.destroy_process_group()
+            raise Preempted(step + 1, saved, signal_name)
         if stop == LOSS_WATCHDOG:
             metrics.close()
             metrics.finish()
@@ -118,6 +130,8 @@ def train(config: Config) -> None:
             break
 
     # ---- hand off: the last checkpoint, final/ and the summary -------------------------
+    preemption.restore()  # a signal from here on ends the run as usual
+    progress.close()
     metrics.close()
     final = checkpointer.finish(end_step, tokenizer)
     peaks = gather_peak_memory(device)

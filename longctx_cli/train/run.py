@@ -3,6 +3,7 @@ ranks through the shared torchrun launch; inside a rank, run the loop."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -11,7 +12,8 @@ from longctx_cli.config.model_shape import read_model_config
 from longctx_cli.config.plan import build_plan
 from longctx_cli.config.world import resolve_world_size
 from longctx_cli.errors import UserError
-from longctx_cli.runtime.launch import in_torchrun, launch_torchrun, rank_errors
+from longctx_cli.runtime.launch import in_torchrun, rank_errors
+from longctx_cli.runtime.supervise import Supervision, resume_setting, supervise
 
 # Things a finished or running job leaves in output_dir; their presence means "another run".
 RUN_ARTIFACTS = ("metrics.jsonl", "final")
@@ -28,8 +30,8 @@ def check_output_dir(config: Config, overwrite: bool) -> None:
     """Refuse to train over another run's results unless told to resume or overwrite."""
     output_dir = Path(config.output_dir)
     found = previous_run_artifacts(output_dir)
-    if not found or config.resume_from_checkpoint is not None:
-        return
+    if not found or resume_setting(config.resume_from_checkpoint, output_dir) is not None:
+        return  # resuming, told to or after a preemption
     if overwrite:
         for path in found:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -58,9 +60,15 @@ def run_train(
     config = load_config(config_path, overrides)
     if in_torchrun():
         from longctx_cli.train.loop import train
+        from longctx_cli.train.preemption import Preempted
 
-        with rank_errors():
-            train(config)
+        try:
+            with rank_errors():
+                train(config)
+        except Preempted as done:
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(done, flush=True)
+            return done.exit_code
         return 0
 
     world_size = resolve_world_size(config, nproc_per_node, nnodes)
@@ -74,7 +82,7 @@ def run_train(
         from longctx_cli.data.prepare import prepare
 
         prepare(config)
-    return launch_torchrun(
-        ["train", str(config_path), *overrides],
-        world_size, nproc_per_node, nnodes, node_rank, rdzv_endpoint,
+    return supervise(
+        ["train", str(config_path), *overrides], world_size, nproc_per_node, nnodes,
+        node_rank, rdzv_endpoint, Supervision.of(config),
     )
