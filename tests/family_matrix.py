@@ -117,8 +117,11 @@ FAMILIES = [
 STRATEGIES = {
     # name -> (world size, config overrides)
     "sp1 vs the model": (1, {}),
-    "ring sp2": (2, {"sequence_parallel_degree": 2}),
+    "ring sp2": (2, {"sequence_parallel_degree": 2, "ring_attn_func": "varlen_llama3"}),
     "ring zigzag sp2": (2, {"sequence_parallel_degree": 2, "sp_sharding": "zigzag"}),
+    "P2P stripe sp2 (default)": (2, {"sequence_parallel_degree": 2}),
+    "P2P ring sp2": (2, {"sequence_parallel_degree": 2, "ring_attn_func": "batch_ring"}),
+    "P2P zigzag sp2": (2, {"sequence_parallel_degree": 2, "ring_attn_func": "batch_zigzag"}),
     "Ulysses sp2": (2, {"sequence_parallel_degree": 2, "sequence_parallel_mode": "ulysses"}),
 }
 # What the matrix asserts for each family (every strategy): "exact", or "refused" for a family

@@ -1,4 +1,5 @@
-"""Every family x {sp1 vs the model's own training, ring sp2, ring zigzag sp2, Ulysses sp2}.
+"""Every family x {sp1 vs the model's own training, ring sp2, ring zigzag sp2, the P2P rings
+at sp2 (stripe: the default ring; ring; zigzag), Ulysses sp2}.
 
 See tests/family_matrix.py for the families, features and tolerances. Two process groups run
 the whole matrix (one of world 1, one of world 2); each cell is then its own test.
