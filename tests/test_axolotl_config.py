@@ -53,10 +53,11 @@ def _local_data(name: str, tmp_path: Path, monkeypatch) -> None:
     validate checks they exist, so run in a folder that has them, one record each."""
     monkeypatch.chdir(tmp_path)
     for entry in yaml.safe_load((CONFIGS / name).read_text()).get("datasets") or []:
-        local = Path(entry["path"])
-        if local.suffix in (".jsonl", ".json"):
-            local.parent.mkdir(parents=True, exist_ok=True)
-            local.write_text(json.dumps({"text": "one record"}) + "\n")
+        files = entry.get("data_files") or entry["path"]  # `path: json` + data_files too
+        for local in map(Path, [files] if isinstance(files, str) else files):
+            if local.suffix in (".jsonl", ".json"):
+                local.parent.mkdir(parents=True, exist_ok=True)
+                local.write_text(json.dumps({"text": "one record"}) + "\n")
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.iterdir()))

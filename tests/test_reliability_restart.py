@@ -56,6 +56,8 @@ def test_preemption_saves_exits_75_and_the_same_command_resumes(runs, target, si
     _wait_for(lambda: _metric_lines(output_dir) >= at, proc, 240, "the steps to log")
     if target == "launcher":
         proc.send_signal(sig)
+        time.sleep(0.3)
+        proc.send_signal(sig)  # a second signal, during the step or the save, changes nothing
     else:
         _wait_for(lambda: 1 in _workers(proc), proc, 10, "the workers to be found")
         os.kill(_workers(proc)[1].pid, sig)

@@ -117,6 +117,27 @@ def _dtype_switch(key: str, dtype: str) -> Callable[[Any, dict[str, Any]], tuple
     return apply
 
 
+def _model_quantization(value: Any, data: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    kwargs = data.get("model_quantization_config_kwargs") or {}
+    if value == "Mxfp4Config" and kwargs.get("dequantize", True) is True:
+        return {}, ("no change: MXFP4 checkpoints (gpt-oss) are always dequantised to `dtype` "
+                    "on load, so the weights train in full precision")
+    if value == "Mxfp4Config":
+        raise MappingProblem("`model_quantization_config_kwargs: {dequantize: false}` keeps "
+                             "MXFP4 weights, which cannot be trained; use `dequantize: true`")
+    raise MappingProblem(f"`model_quantization_config` = {value!r}: only Mxfp4Config (gpt-oss, "
+                         "dequantised on load) is supported; for 4/8-bit bases use "
+                         "`load_in_4bit` / `load_in_8bit`")
+
+
+def _documents_apart(value: Any, data: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    if _bool("pretrain_multipack_attn", value) or value is None:
+        return {}, "no change: packed documents never attend to each other in longctx"
+    raise MappingProblem(
+        "`pretrain_multipack_attn: false` lets packed documents attend to each other; longctx "
+        "keeps every document apart (positions restart, no cross-document attention)")
+
+
 def _tokenizer_config(value: Any, data: dict[str, Any]) -> tuple[dict[str, Any], str]:
     if not isinstance(value, str):
         raise MappingProblem(f"`tokenizer_config` = {value!r} must be a path or hub id")
@@ -370,11 +391,14 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "lisa_n_layers": Rule("refused", "LISA layer freezing is not supported"),
     "lisa_step_interval": Rule("refused", "LISA layer freezing is not supported"),
     "lisa_layers_attribute": Rule("refused", "LISA layer freezing is not supported"),
-    "unfrozen_parameters": Rule("refused", "freezing parts of a full fine-tune is not supported"),
-    "reinit_weights": Rule("refused", "re-initialising the model is not supported"),
     "use_pose": Rule("refused", "PoSE position skipping changes the position ids"),
     "qat": Rule("refused", "quantization-aware training is not supported"),
     "quantization": Rule("refused", "post-training quantization is not part of longctx"),
+    "model_quantization_config": Rule(
+        "mapped", "a transformers quantization config for loading", "-", _model_quantization,
+        ("Mxfp4Config",)),
+    "model_quantization_config_kwargs": Rule(
+        "ignored", "read with `model_quantization_config`"),
     "gptq": Rule("refused", "GPTQ bases are not supported; use load_in_4bit (bitsandbytes)"),
     # ---- adapter
     "lora_fan_in_fan_out": Rule("refused", "only for Conv1D models (GPT-2); not supported"),
@@ -457,8 +481,12 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "group_by_length": Rule("ignored", "rows are packed to sequence_len, so lengths are equal"),
     "sample_packing_group_size": Rule("ignored", "packing is first-fit-decreasing over the set"),
     "sample_packing_bin_size": Rule("ignored", "packing is first-fit-decreasing over the set"),
-    "sample_packing_sequentially": Rule("ignored", "packing is first-fit-decreasing"),
     "sample_packing_eff_est": Rule("ignored", "packing efficiency is measured, not estimated"),
+    "streaming_multipack_buffer_size": Rule(
+        "ignored", "a streamed `pretraining_dataset` is packed row by row as it arrives"),
+    "pretrain_multipack_attn": Rule(
+        "mapped", "keep packed pretraining documents from attending to each other",
+        "-", _documents_apart, ("true",)),
     "multipack_real_batches": Rule("ignored", "rows are packed to sequence_len"),
     "batch_flattening": Rule("ignored", "rows are always flattened (varlen attention)"),
     "shuffle_before_merging_datasets": Rule("ignored", "rows are shuffled each epoch from `seed`"),
@@ -469,7 +497,6 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "dataloader_num_workers": Rule("ignored", _DATALOADER),
     "dataloader_prefetch_factor": Rule("ignored", _DATALOADER),
     "dataloader_drop_last": Rule("ignored", "a step's last partial window is always dropped"),
-    "curriculum_sampling": Rule("refused", "rows are shuffled; curriculum order is not supported"),
     "dataset_exact_deduplication": Rule("refused", "deduplication is not supported"),
     # ---- RL and other trainers (math-changing)
     "rl": Rule("refused", _RL),
@@ -502,7 +529,8 @@ SAME: tuple[str, ...] = (
     "base_model", "base_model_config", "trust_remote_code", "special_tokens", "tf32",
     "datasets", "dataset_prepared_path", "val_set_size", "sequence_len", "sample_packing",
     "chat_template", "chat_template_jinja", "train_on_inputs", "shuffle_merged_datasets",
-    "pretraining_dataset", "streaming",
+    "pretraining_dataset", "streaming", "sample_packing_sequentially", "curriculum_sampling",
+    "reinit_weights", "unfrozen_parameters",
     "sequence_parallel_degree", "context_parallel_size", "heads_k_stride", "ring_attn_func",
     "fsdp", "fsdp_version", "fsdp_config", "deepspeed", "dp_shard_size", "dp_replicate_size",
     "tensor_parallel_size", "world_size", "micro_batch_size", "gradient_accumulation_steps",

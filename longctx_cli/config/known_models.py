@@ -103,6 +103,27 @@ _QWEN3_8B: dict[str, Any] = {
 }
 
 # Keys are lower-case hub ids; instruct variants share the base model's shape.
+_GPT_OSS_20B: dict[str, Any] = {
+    "model_type": "gpt_oss",
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 201088,
+    "max_position_embeddings": 131072,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "rope_theta": 150000,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "original_max_position_embeddings": 4096, "truncate": False},
+    "tie_word_embeddings": False,
+    "quantization_config": {"quant_method": "mxfp4"},
+}
+
 KNOWN_MODELS: dict[str, dict[str, Any]] = {
     "meta-llama/meta-llama-3-8b": _LLAMA3_8B,
     "meta-llama/meta-llama-3-8b-instruct": _LLAMA3_8B,
@@ -127,6 +148,7 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
     "qwen/qwen2.5-0.5b": _QWEN25_05B,
     "qwen/qwen2.5-0.5b-instruct": _QWEN25_05B,
     "mistralai/mistral-7b-v0.1": _MISTRAL_7B,
+    "openai/gpt-oss-20b": _GPT_OSS_20B,
 }
 
 

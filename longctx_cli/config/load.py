@@ -102,14 +102,25 @@ def known_keys(model: type[BaseModel]) -> list[str]:
     return sorted(set(keys))
 
 
-def _unknown(key: str, known: list[str], path: str, where: str) -> Problem:
+def _unknown(key: str, known: list[str], path: str, where: str,
+             strict: bool = True) -> Problem | None:
+    """The problem an unknown key is: a near-miss of a known key (a typo, or an Axolotl key
+    longctx names differently) always, any other only under `strict: true`; None: a key
+    of some other tool, which the caller lists in the plan as ignored."""
     rename = axolotl.suggestion(key)
-    if rename is not None:
-        hint = f"did you mean `{rename}`?"
-    else:
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-        hint = f"did you mean `{close[0]}`?" if close else "see docs/config.md for the keys."
-    return Problem(where, f"unknown key `{path}{key}`; {hint}", "rename or remove it.")
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if rename is not None or close:
+        hint = f"did you mean `{rename or close[0]}`?"
+        return Problem(where, f"unknown key `{path}{key}`; {hint}", "rename or remove it.")
+    if not strict:
+        return None
+    return Problem(where, f"unknown key `{path}{key}` (`strict: true` makes every unknown key "
+                   "an error); see docs/config.md for the keys.",
+                   "rename or remove it, or set `strict: false` to have it listed as ignored.")
+
+
+UNKNOWN_NOTE = ("ignored: not a longctx or Axolotl key (`strict: true` or --strict makes "
+                "unknown keys errors)")
 
 
 # ---- Axolotl translation ------------------------------------------------------------------
@@ -124,6 +135,7 @@ def _translate(
     """Our keys, the plan's notes on Axolotl keys, and `our key -> the Axolotl key it came from`."""
     known = known_keys(Config)
     everything = sorted(set(known) | set(axolotl.AXOLOTL_KEYS))
+    strict = data.get("strict") is True
     out: dict[str, Any] = {}
     notes: list[tuple[str, str]] = []
     produced: dict[str, str] = {}
@@ -144,7 +156,11 @@ def _translate(
             out[key] = value
             continue
         if rule is None:
-            problems.append(_unknown(key, everything, "", where))
+            problem = _unknown(key, everything, "", where, strict)
+            if problem is None:
+                notes.append((key, UNKNOWN_NOTE))
+            else:
+                problems.append(problem)
         elif rule.kind == "ignored":
             notes.append((key, f"ignored: {rule.reason}"))
         elif rule.kind == "refused":
@@ -191,9 +207,12 @@ def _translate(
     return out, notes, produced
 
 
-def _dataset_keys(data: dict[str, Any], locations: _Locations, problems: list[Problem]) -> None:
-    """Report unknown keys of dataset entries; drop their empty keys (not set, as above)."""
+def _dataset_keys(data: dict[str, Any], locations: _Locations, problems: list[Problem],
+                  notes: list[tuple[str, str]]) -> None:
+    """Report unknown keys of dataset entries (or list them as ignored, see `_unknown`);
+    drop their empty keys (not set, as above)."""
     known = known_keys(DatasetConfig)
+    strict = data.get("strict") is True
     for list_key in ("datasets", "eval_datasets"):
         entries = data.get(list_key)
         if not isinstance(entries, list):
@@ -202,10 +221,14 @@ def _dataset_keys(data: dict[str, Any], locations: _Locations, problems: list[Pr
             if isinstance(entry, dict):
                 for key in [k for k, v in entry.items() if v is None]:
                     del entry[key]
-                for key in entry:
-                    if isinstance(key, str) and key not in known:
-                        where = locations.of((list_key, i, key))
-                        problems.append(_unknown(key, known, f"{list_key}[{i}].", where))
+                for key in [k for k in entry if isinstance(k, str) and k not in known]:
+                    where = locations.of((list_key, i, key))
+                    problem = _unknown(key, known, f"{list_key}[{i}].", where, strict)
+                    if problem is None:
+                        notes.append((f"{list_key}[{i}].{key}", UNKNOWN_NOTE))
+                        del entry[key]
+                    else:
+                        problems.append(problem)
 
 
 # ---- pydantic errors ----------------------------------------------------------------------
@@ -317,7 +340,7 @@ def config_from_dict(
     locations = _locations or _Locations(where)
     problems = list(_problems or [])
     translated, notes, produced = _translate(data, locations, problems)
-    _dataset_keys(translated, locations, problems)
+    _dataset_keys(translated, locations, problems, notes)
     config = None
     try:
         config = Config.model_validate(translated)

@@ -7,6 +7,7 @@ is the same.
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from typing import Any, Literal
@@ -58,6 +59,24 @@ DatasetType = Literal[
 TrainOnEos = Literal["turn", "last", "all", "none"]
 
 
+def unfrozen_pattern(pattern: str) -> tuple[re.Pattern[str], tuple[int, int | None] | None]:
+    """An `unfrozen_parameters` entry in Axolotl's syntax: a regular expression matched from
+    the start of a parameter name in which a `.` is a literal dot (except in `.+`; an
+    escaped `\\.` stays as written), optionally followed by `[start:end]` (or `[i]`): only
+    those rows of the parameter's first dimension train."""
+    rows = None
+    found = re.match(r"^(.+)\[([0-9]*)(?::([0-9]*))?\]$", pattern)
+    if found:
+        pattern, first, last = found.groups()
+        if last is None and first.isdecimal():
+            rows = (int(first), int(first) + 1)
+        else:
+            rows = (int(first or 0), int(last) if last else None)
+            if rows[1] is not None and rows[0] >= rows[1]:
+                raise ValueError(f"empty row range [{first}:{last}]")
+    return re.compile(re.sub(r"(?<!\\)\.(?!\+)", r"\\.", pattern)), rows
+
+
 class DatasetConfig(_Strict):
     """One entry of `datasets:` (or `eval_datasets:`, `pretraining_dataset:`)."""
 
@@ -99,6 +118,16 @@ class DatasetConfig(_Strict):
     message_field_content: str | None = Field(
         None, description="chat_template (legacy): key of a turn's text; prefer "
         "`message_property_mappings`."
+    )
+    field_thinking: str | None = Field(
+        None,
+        description="chat_template: key of a turn's reasoning trace in your data; it is passed "
+        "to the template as `template_thinking_key` and trained with the turn's content.",
+    )
+    template_thinking_key: str = Field(
+        "reasoning_content",
+        description="chat_template: the message key the template reads reasoning from "
+        "(used with `field_thinking`).",
     )
     message_field_training: str | None = Field(
         None,
@@ -268,6 +297,20 @@ class Config(_Strict):
         description="Inline model config (must contain `model_type`) to build a randomly "
         "initialised model instead of loading `base_model`; for tests and offline examples.",
     )
+    reinit_weights: bool = Field(
+        False,
+        description="Start from random weights (drawn from `seed`) in `base_model`'s "
+        "architecture and config, not its trained weights: pretraining from scratch.",
+    )
+    unfrozen_parameters: list[str] | None = Field(
+        None,
+        description="Full fine-tuning of only the parameters whose names match one of these "
+        "patterns (Axolotl's syntax: a regular expression matched from the start of the name "
+        "in which `.` is a literal dot except in `.+`, e.g. `model.layers.3[0-1].mlp`; a "
+        "trailing `[start:end]` trains only those rows, e.g. new token embeddings: the others "
+        "get no gradient, though a `weight_decay` still decays them, as in Axolotl); the rest "
+        "stay frozen. Not with `adapter`.",
+    )
     tokenizer: str | None = Field(
         None,
         description="Tokenizer path or hub id (default: `base_model`), or `byte` for the "
@@ -316,6 +359,17 @@ class Config(_Strict):
         True,
         description="Pack several samples into each row (first-fit-decreasing); "
         "position_ids restart at every document.",
+    )
+    sample_packing_sequentially: bool = Field(
+        False,
+        description="Pack samples in their order (a new row whenever the next does not fit) "
+        "instead of first-fit-decreasing: keeps a curriculum's order, fills rows less.",
+    )
+    curriculum_sampling: bool = Field(
+        False,
+        description="Train on the rows in their order (no shuffle per epoch; a held-out "
+        "`val_set_size` leaves the rest in order). With `shuffle_merged_datasets: false` and "
+        "`sample_packing_sequentially: true` the data's own order is the training order.",
     )
     excess_length_strategy: Literal["drop", "truncate", "error"] = Field(
         "drop", description="What to do with samples longer than `sequence_len`."
@@ -804,7 +858,25 @@ class Config(_Strict):
         ):
             raise ValueError("`model_config` needs a `model_type` key naming the family, e.g. "
                              "`model_type: llama`")
+        if self.unfrozen_parameters is not None and self.adapter is not None:
+            raise ValueError("`unfrozen_parameters` chooses what a full fine-tune trains; with "
+                             "`adapter` only the adapter trains: drop one of them")
+        for pattern in self.unfrozen_parameters or []:
+            try:
+                _, rows = unfrozen_pattern(pattern)
+            except (re.error, ValueError) as e:
+                raise ValueError(f"`unfrozen_parameters` entry {pattern!r} is not a pattern "
+                                 f"({e})") from None
+            if rows is not None and (self.fsdp or self.tensor_parallel_size > 1):
+                raise ValueError(f"`unfrozen_parameters` entry {pattern!r} trains some rows "
+                                 "of a parameter, which needs whole parameters on each rank: "
+                                 "not with `fsdp` or `tensor_parallel_size` > 1")
         return self
+
+    @property
+    def random_init(self) -> bool:
+        """The weights are drawn from `seed`: an inline `model_config`, or `reinit_weights`."""
+        return self.model_config_dict is not None or self.reinit_weights
 
     @property
     def prepared_path(self) -> str:

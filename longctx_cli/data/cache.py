@@ -93,6 +93,8 @@ def fingerprint_parts(
         "tokenizer": tokenizer_fingerprint(tok),
         "sequence_len": config.sequence_len,
         "sample_packing": config.sample_packing,
+        "sample_packing_sequentially": config.sample_packing_sequentially,
+        "curriculum_sampling": config.curriculum_sampling,
         "excess_length_strategy": config.excess_length_strategy,
         "seed": config.seed,
         "val_set_size": config.val_set_size,

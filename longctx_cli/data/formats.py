@@ -131,6 +131,7 @@ class FormatSpec:
     train_on_eos: str = "turn"
     template: str = ""
     end_markers: tuple[str, ...] = ()
+    thinking_key: str | None = None  # message key of a reasoning trace, trained with content
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -469,6 +470,13 @@ def chat_target_spans(
         start, end = _locate(tok, spec.template, messages, n, full, where)
         if n in trained:
             spans.append((start, end))
+            if spec.thinking_key and messages[n].get(spec.thinking_key):
+                # A reasoning trace the template renders is the turn's output too: train from
+                # its start (templates that drop older traces render none to locate).
+                think = _locate(tok, spec.template, messages, n, full, where,
+                                key=spec.thinking_key)
+                if think is not None:
+                    spans.append((min(think[0], start), max(think[1], end)))
         if n in marker_turns:
             rest = full[end:]
             gap = len(rest) - len(rest.lstrip(" \t\n"))
@@ -480,10 +488,14 @@ def chat_target_spans(
 
 def _locate(
     tok: PreTrainedTokenizerBase, template: str, messages: list[dict], n: int, full: str,
-    where: str,
-) -> tuple[int, int]:
-    a, b = (_render(tok, template, [*messages[:n], {**messages[n], "content": p},
+    where: str, key: str = "content",
+) -> tuple[int, int] | None:
+    """Character span of turn `n`'s `key` in `full`; None when the template does not render
+    that key (only asked for keys other than content)."""
+    a, b = (_render(tok, template, [*messages[:n], {**messages[n], key: p},
                                     *messages[n + 1:]], where) for p in _PROBES)
+    if a == b and key != "content":
+        return None
     head = _common_prefix(a, b)
     tail = len(a) - head - 1
     ok = (len(a) == len(b) and a[head + 1:] == b[head + 1:] and full.startswith(a[:head])

@@ -30,6 +30,23 @@ def ffd_bins(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return bins
 
 
+def sequential_bins(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Indices of `lengths` in their own order, a new bin whenever the next does not fit
+    (`sample_packing_sequentially`: keeps the data's order, e.g. a curriculum, at some cost
+    in fill). Every length must be in [1, capacity]."""
+    bins: list[list[int]] = []
+    free = 0
+    for i, n in enumerate(lengths):
+        if not 1 <= n <= capacity:
+            raise ValueError(f"sample {i} has length {n}, outside [1, {capacity}]")
+        if n > free:
+            bins.append([])
+            free = capacity
+        bins[-1].append(i)
+        free -= n
+    return bins
+
+
 class _FreeSpaceTree:
     """Max segment tree over bins' free space; unused bins count as empty (full capacity)."""
 

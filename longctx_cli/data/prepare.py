@@ -177,8 +177,14 @@ def _hold_out(rows: Dataset, config: Config) -> tuple[Dataset, Dataset]:
             where="val_set_size",
             fix="lower val_set_size, or add data.",
         )
-    split = rows.train_test_split(test_size=n_eval, seed=config.seed, shuffle=True)
-    return split["train"], split["test"]
+    if not config.curriculum_sampling:
+        split = rows.train_test_split(test_size=n_eval, seed=config.seed, shuffle=True)
+        return split["train"], split["test"]
+    # The same held-out rows as without it; the training rows keep their order.
+    numbered = rows.add_column("_row", list(range(len(rows))))
+    test = numbered.train_test_split(test_size=n_eval, seed=config.seed, shuffle=True)["test"]
+    held = set(test["_row"])
+    return rows.select([i for i in range(len(rows)) if i not in held]), test.remove_columns("_row")
 
 
 def _row_stats(rows: Dataset, sequence_len: int) -> RowStats:
@@ -396,6 +402,9 @@ def format_spec(
         mappings["role"] = entry.message_field_role
     if entry.message_field_content:
         mappings["content"] = entry.message_field_content
+    if entry.field_thinking:
+        mappings[entry.template_thinking_key] = entry.field_thinking
+        spec.thinking_key = entry.template_thinking_key
     spec.mappings = mappings
     if entry.message_field_training:
         spec.training_keys = (entry.message_field_training,)
@@ -486,7 +495,8 @@ def _write_rows(
 ) -> Dataset:
     """Pack (or not) the samples into rows and write them to an Arrow file."""
     if config.sample_packing:
-        bins = pack.ffd_bins(lengths.tolist(), config.sequence_len)
+        packer = pack.sequential_bins if config.sample_packing_sequentially else pack.ffd_bins
+        bins = packer(lengths.tolist(), config.sequence_len)
     else:
         bins = [[i] for i in range(len(lengths))]
     chunks = pack.iter_chunks(bins, _CHUNK_BINS)

@@ -12,16 +12,21 @@ from longctx_cli.parallel.sharding import ShardedBatch, shard_batch
 
 
 def step_row_indices(
-    step: int, steps_per_epoch: int, per_step: int, num_rows: int, seed: int
+    step: int, steps_per_epoch: int, per_step: int, num_rows: int, seed: int,
+    shuffle: bool = True,
 ) -> list[int]:
-    """Global row indices of one optimizer step: a seeded shuffle per epoch, then a slice.
+    """Global row indices of one optimizer step: a seeded shuffle per epoch (or the rows in
+    order: `curriculum_sampling`), then a slice.
 
     The set of rows in a step depends only on the step, never on how it is split across DP
     ranks and accumulation, so runs with different parallel layouts see the same data.
     """
     epoch, offset = divmod(step, steps_per_epoch)
+    window = range(offset * per_step, (offset + 1) * per_step)
+    if not shuffle:
+        return [i for i in window if i < num_rows]
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
-    return order[offset * per_step : (offset + 1) * per_step].tolist()
+    return order[window.start : window.stop].tolist()
 
 
 def collate(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from longctx_cli.config import Config
 from longctx_cli.config.model_shape import apply_model_overrides
+from longctx_cli.config.schema import unfrozen_pattern
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
 from longctx_cli.parallel.mesh import ParallelState
@@ -31,6 +32,14 @@ def model_config_of(config: Config) -> PretrainedConfig:
         config.base_model_config or config.base_model,
         trust_remote_code=config.trust_remote_code,
     ), config.overrides_of_model_config)
+
+
+def is_mxfp4(hf_config: PretrainedConfig) -> bool:
+    """The checkpoint stores MXFP4 weights (gpt-oss)."""
+    quant = getattr(hf_config, "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(
+        quant, "quant_method", None)
+    return str(getattr(method, "value", method)).lower() == "mxfp4"
 
 
 def _quantization(config: Config, dtype: torch.dtype):
@@ -73,7 +82,7 @@ def load_base_model(
         warnings.warn(
             "trust_remote_code is on: code from the model repository will run.", stacklevel=2
         )
-    if config.model_config_dict is not None and quantization is not None:
+    if config.random_init and quantization is not None:
         # bitsandbytes quantizes while loading: write the seeded random init, load it back.
         import tempfile
 
@@ -89,18 +98,24 @@ def load_base_model(
                 tmp, attn_implementation=attn_implementation, dtype=dtype,
                 quantization_config=quantization, device_map=_device_map(),
             )
-    elif config.model_config_dict is not None:
+    elif config.random_init:
         # Same seed on every rank -> identical initial weights without a broadcast.
         torch.manual_seed(config.seed)
         model = AutoModelForCausalLM.from_config(
-            model_config_of(config), attn_implementation=attn_implementation, dtype=dtype
+            model_config_of(config), attn_implementation=attn_implementation, dtype=dtype,
+            trust_remote_code=config.trust_remote_code,
         )
     else:
         # The overridden config replaces the checkpoint's own (same weights).
-        overridden = ({"config": model_config_of(config)}
-                      if config.overrides_of_model_config else {})
+        hf_config = model_config_of(config)
+        overridden = {"config": hf_config} if config.overrides_of_model_config else {}
         if quantization is not None:
             overridden.update(quantization_config=quantization, device_map=_device_map())
+        elif is_mxfp4(hf_config):
+            from transformers import Mxfp4Config
+
+            # gpt-oss ships MXFP4 expert weights: trained in `dtype`, so dequantised on load.
+            overridden.update(quantization_config=Mxfp4Config(dequantize=True))
         model = AutoModelForCausalLM.from_pretrained(
             config.base_model,
             attn_implementation=attn_implementation,
@@ -197,6 +212,34 @@ def unwrap(model: nn.Module) -> PreTrainedModel:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def freeze_all_but(model: nn.Module, patterns: list[str]) -> None:
+    """Train only the parameters `patterns` match (Axolotl's `unfrozen_parameters`, see
+    `unfrozen_pattern`), and of a pattern with rows only those rows; a list that matches
+    nothing is a mistake, not a frozen run."""
+    parsed = [unfrozen_pattern(p) for p in patterns]
+    trained = 0
+    for name, param in model.named_parameters():
+        found = [rows for regex, rows in parsed if regex.match(name)]
+        param.requires_grad_(bool(found))
+        trained += bool(found)
+        if found and None not in found:  # only some rows: zero the others' gradient
+            keep = torch.zeros(param.shape[0], dtype=torch.bool)
+            for first, last in found:
+                keep[first:last] = True
+            frozen = (~keep).nonzero().flatten()
+            param.register_hook(lambda grad, rows=frozen: grad.index_fill(
+                0, rows.to(grad.device), 0.0))
+    if not trained:
+        names = [n for n, _ in model.named_parameters()]
+        raise UserError(
+            f"`unfrozen_parameters` {patterns} matches none of the model's parameters, so "
+            "nothing would train.",
+            where="unfrozen_parameters",
+            fix=f"write patterns for names such as {names[0]!r} or {names[-1]!r} (each is "
+            "matched from the start of the name).",
+        )
+
+
 def build_model(config: Config, state: ParallelState | None = None) -> nn.Module:
     """The model a run trains, with SP attention registered and every option applied.
 
@@ -212,6 +255,8 @@ def build_model(config: Config, state: ParallelState | None = None) -> nn.Module
         model.config.use_cache = False
     if config.adapter is not None:
         model = apply_lora(model, config)
+    if config.unfrozen_parameters is not None:
+        freeze_all_but(model, config.unfrozen_parameters)
     if config.tiled_mlp:
         apply_tiled_mlp(model, config.tiled_mlp_tiles)
     if config.dtype == "float16":

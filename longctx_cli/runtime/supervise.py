@@ -157,8 +157,9 @@ def run_attempt(command: list[str], env: dict[str, str], sup: Supervision) -> At
         forwarded: list[str] = []
 
         def forward(signum: int, frame: FrameType | None) -> None:
+            if not forwarded:  # a second signal must not cut the save short: not passed on
+                proc.send_signal(signum)
             forwarded.append(signal.Signals(signum).name)
-            proc.send_signal(signum)
 
         previous = {sig: signal.signal(sig, forward)
                     for sig in (getattr(signal, name) for name in sup.signals)}

@@ -31,7 +31,7 @@ def save_interval(config: Config, steps_per_epoch: int, num_steps: int) -> int |
 def random_init_base_saver(config: Config) -> Callable[[Path], None] | None:
     """For an adapter on a randomly initialised base (`model_config`): that base exists
     nowhere else, so it ships beside the adapter (unquantized)."""
-    if config.adapter is None or config.model_config_dict is None:
+    if config.adapter is None or not config.random_init:
         return None
 
     def save_base(path: Path) -> None:

@@ -94,7 +94,7 @@ class DataPosition:
 
     def __init__(self, config: Config, dp_size: int, train_rows: Dataset | None,
                  stream: PackedStream | None):
-        self.seed = config.seed
+        self.seed, self.shuffle = config.seed, not config.curriculum_sampling
         self.rows, self.stream = train_rows, stream
         self.per_step = rows_per_step(config, dp_size)
         if stream is not None:
@@ -107,7 +107,7 @@ class DataPosition:
         if self.stream is not None:
             return stream_step_rows(self.stream, self.per_step)
         indices = step_row_indices(step, self.steps_per_epoch, self.per_step, len(self.rows),
-                                   self.seed)
+                                   self.seed, self.shuffle)
         return self.rows, indices
 
     def trainer_state(self, step: int) -> dict:
