@@ -112,6 +112,17 @@ FAMILIES = [
                     num_experts_per_tok=2),
            {"per-layer sliding window": {"layer_types": ALL_FULL}},
            always_on=("attention sinks", "MoE")),
+    Family("qwen3_moe", "qwen3_moe",
+           {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32}, always_on=("MoE",)),
+    Family("glm4", "glm4", {"head_dim": 8, "partial_rotary_factor": 0.5, "pad_token_id": 0},
+           {"partial rotary": {"partial_rotary_factor": 1.0}}),
+    Family("phi", "phi", {"partial_rotary_factor": 0.5},
+           {"partial rotary": {"partial_rotary_factor": 1.0}}, always_on=("parallel block",)),
+    Family("smollm3", "smollm3", {"no_rope_layers": [1, 0], "pad_token_id": 0},
+           {"NoPE layer": {"no_rope_layers": [1, 1]}}),
+    Family("exaone4", "exaone4", _sliding(head_dim=8, layer_types=SLIDING_THEN_FULL),
+           {"per-layer sliding window": {"layer_types": ALL_FULL}}),
 ]
 
 STRATEGIES = {
@@ -163,6 +174,11 @@ def make_config(family: Family, overrides: dict[str, Any] | None = None, **model
         dtype="float32",
         attention_kernel="torch",
         learning_rate=LR,
+        # A parameter whose exact gradient is zero (a k_proj bias on dims without rotary:
+        # softmax ignores a per-query shift) gets float noise of 1e-12; AdamW with eps 1e-8
+        # would turn it into full-size steps of either sign, eps 1e-6 into nothing. Both
+        # trainings use this optimizer; real gradients here are >= 1e-4.
+        adam_epsilon=1e-6,
         lr_scheduler="constant",
         gradient_accumulation_steps=ACCUMULATION,
         max_steps=STEPS,
