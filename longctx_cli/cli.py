@@ -292,6 +292,32 @@ def eval_(
     )
 
 
+@app.command(
+    name="merge-lora",
+    help="Merge a LoRA/QLoRA adapter into its base: a plain Hugging Face model folder.",
+    epilog="Example:\n\n"
+    "  longctx merge-lora my.yaml --checkpoint outputs/run/final --output outputs/run/merged",
+)
+@_user_errors
+def merge_lora(
+    config: ConfigArg,
+    checkpoint: Annotated[
+        Path,
+        typer.Option("--checkpoint", help="The run's final/ folder (an adapter).",
+                     show_default=False),
+    ],
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", help="Where to write it (default: <output_dir>/merged).",
+                     show_default=False),
+    ] = None,
+) -> None:
+    """Write base + adapter, in the config's dtype, with tokenizer and generation config."""
+    from longctx_cli.eval.merge import run_merge
+
+    raise typer.Exit(run_merge(config, checkpoint, output))
+
+
 def main() -> None:
     """Console entry point: run the app; a UserError is one paragraph on stderr, exit 2."""
     try:

@@ -411,7 +411,6 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "peft_init_lora_weights": Rule("refused", "LoRA weights start as peft's default"),
     "peft_trainable_token_indices": Rule("refused", "trainable token rows are not supported"),
     "peft": Rule("refused", "LoftQ initialisation is not supported"),
-    "merge_lora": Rule("refused", "merging is a separate step: load final/ with peft and merge"),
     "peft_ensure_weight_tying": Rule("ignored", "tied weights stay as the model defines them"),
     "peft_autocast_adapter_dtype": Rule("ignored", "peft keeps adapters in float32 (its default)"),
     # ---- checkpoints, evaluation, logging
@@ -530,7 +529,7 @@ SAME: tuple[str, ...] = (
     "datasets", "dataset_prepared_path", "val_set_size", "sequence_len", "sample_packing",
     "chat_template", "chat_template_jinja", "train_on_inputs", "shuffle_merged_datasets",
     "pretraining_dataset", "streaming", "sample_packing_sequentially", "curriculum_sampling",
-    "reinit_weights", "unfrozen_parameters",
+    "reinit_weights", "unfrozen_parameters", "merge_lora",
     "sequence_parallel_degree", "context_parallel_size", "heads_k_stride", "ring_attn_func",
     "fsdp", "fsdp_version", "fsdp_config", "deepspeed", "dp_shard_size", "dp_replicate_size",
     "tensor_parallel_size", "world_size", "micro_batch_size", "gradient_accumulation_steps",

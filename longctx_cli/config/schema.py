@@ -699,6 +699,12 @@ class Config(_Strict):
         None, description="`auto` (newest complete checkpoint in output_dir) or a checkpoint path. "
         "A preempted run's output_dir (it holds `preempted.json`) resumes as `auto` unset."
     )
+    merge_lora: bool = Field(
+        False,
+        description="After a LoRA/QLoRA run, write the adapter merged into its base to "
+        "`<output_dir>/merged` (as `longctx merge-lora` does; a QLoRA base is dequantised "
+        "first).",
+    )
     max_restarts: int = Field(
         0,
         ge=0,

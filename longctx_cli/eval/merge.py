@@ -1,0 +1,99 @@
+"""`longctx merge-lora`: fold a trained LoRA adapter into its base and write a plain Hugging
+Face model folder (weights in the config's dtype, tokenizer, generation config).
+
+The merged weights compute what the adapter was trained on: for QLoRA that is the
+*dequantised* 4-bit base plus the adapter, so a quantized base is loaded as training loaded it
+(bitsandbytes), dequantised, and only then merged; merging into the original full-precision
+weights instead would give a model that was never trained.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from longctx_cli.config import Config
+from longctx_cli.errors import UserError
+from longctx_cli.eval.checkpoint_loading import (
+    FULL,
+    LORA,
+    check_intact,
+    checkpoint_kind,
+    lora_base_path,
+)
+
+# The attention the merged model is saved with: a standard one, so that it loads anywhere.
+MERGE_ATTENTION = "sdpa"
+
+
+def default_output(config: Config) -> Path:
+    return Path(config.output_dir) / "merged"
+
+
+def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
+               say=print) -> Path:
+    """Write `base + adapter` of `checkpoint` (a LoRA `final/`) to `output`; returns it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from longctx_cli.data.tokenizer import load_tokenizer
+    from longctx_cli.runtime.model import DTYPES, _device_map, _quantization
+
+    output = output or default_output(config)
+    kind = checkpoint_kind(checkpoint)
+    if kind != LORA:
+        raise UserError(
+            f"{str(checkpoint)!r} holds "
+            + ("a full model already: there is no adapter to merge" if kind == FULL else
+               "a resumable training state, not an exported adapter") + ".",
+            where="--checkpoint",
+            fix="pass the `final/` folder of a LoRA or QLoRA run (it holds "
+            "adapter_config.json)" + ("; a full model loads as it is" if kind == FULL else
+                                      "; resume the run to export it") + ".",
+        )
+    check_intact(checkpoint)
+    if output.exists() and any(output.iterdir()):
+        raise UserError(f"{str(output)!r} exists and is not empty.", where="--output",
+                        fix="choose another --output, or move that folder away.")
+    dtype = DTYPES[config.dtype]
+    base_path = lora_base_path(checkpoint)
+    quantization = _quantization(config, dtype)
+    kwargs = {"dtype": dtype, "attn_implementation": MERGE_ATTENTION,
+              "trust_remote_code": config.trust_remote_code}
+    if quantization is not None:
+        kwargs.update(quantization_config=quantization, device_map=_device_map())
+    say(f"loading the base model {base_path}"
+        + (" (quantized as in training)" if quantization is not None else ""))
+    try:
+        base = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
+    except (OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"could not load the base model {base_path!r}: {first}",
+                        where="--checkpoint",
+                        fix="make the adapter's base model reachable (a local folder, or "
+                        "the hub), or bundle it as final/base_model/.") from None
+    if quantization is not None:
+        # The adapter learned on the dequantised weights: merge into exactly those.
+        base = base.dequantize().to(dtype)
+        say(f"dequantised the {'4' if config.load_in_4bit else '8'}-bit base to {config.dtype} "
+            "(what the adapter was trained against) before merging")
+    merged = PeftModel.from_pretrained(base, str(checkpoint)).merge_and_unload()
+    merged.config.use_cache = True
+    tmp = output.with_name(output.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    merged.save_pretrained(tmp, safe_serialization=True)
+    load_tokenizer(config).save_pretrained(tmp)  # as the trainer exported it to final/
+    output.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(output, ignore_errors=True)
+    tmp.rename(output)
+    say(f"merged model: {output} (load it with AutoModelForCausalLM.from_pretrained)")
+    return output
+
+
+def run_merge(config_path: Path, checkpoint: Path, output: Path | None) -> int:
+    from longctx_cli.config import load_config
+
+    config = load_config(config_path)
+    merge_lora(config, checkpoint, output, say=lambda line: print(line, file=sys.stderr))
+    return 0
