@@ -293,6 +293,40 @@ def eval_(
 
 
 @app.command(
+    help="Greedy continuation of a prompt, computed sequence-parallel (exact for any number "
+    "of ranks).\n\nThe continuation alone goes to stdout; the prompt's length and progress "
+    "to stderr.",
+    epilog="Examples:\n\n"
+    "  longctx generate my.yaml --checkpoint outputs/run/final --prompt-file prompt.txt\n\n"
+    "  cat prompt.txt | longctx generate my.yaml --checkpoint outputs/run/merged "
+    "--nproc-per-node 4",
+)
+@_user_errors
+def generate(
+    config: ConfigArg,
+    checkpoint: Annotated[
+        Path,
+        typer.Option("--checkpoint", help="final/, checkpoint-<step>/ or merged/ folder.",
+                     show_default=False),
+    ],
+    prompt_file: Annotated[
+        Path | None,
+        typer.Option("--prompt-file", help="UTF-8 text file with the prompt (default: stdin).",
+                     show_default=False),
+    ] = None,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", min=1, help="Most tokens to generate.")
+    ] = 64,
+    nproc_per_node: NprocOpt = None,
+) -> None:
+    """Hand over to the generator; its return value is the exit status."""
+    from longctx_cli.eval.generate import run_generate
+
+    raise typer.Exit(run_generate(config, checkpoint, prompt_file, max_new_tokens,
+                                  nproc_per_node))
+
+
+@app.command(
     name="merge-lora",
     help="Merge a LoRA/QLoRA adapter into its base: a plain Hugging Face model folder.",
     epilog="Example:\n\n"

@@ -1,0 +1,166 @@
+"""`longctx generate`: the greedy continuation of a prompt, computed sequence-parallel.
+
+Every new token is the argmax of the last position's logits after one SP forward over the
+prompt and the tokens generated so far: the same forward the trainer and `longctx eval` use
+(exact against the model's own forward, see the family matrix), so the tokens are those of
+single-process greedy `model.generate` whatever the number of ranks. A prompt longer than one
+device holds is spread over the SP group; the cost is one full forward per new token (no KV
+cache across ranks yet), fine for the short answers of retrieval tasks.
+
+The launcher reads the prompt (file or stdin), checks it against the config and starts the
+ranks; rank 0 prints the continuation alone on stdout and writes
+`<output_dir>/generate.json` (prompt length, new token ids, text).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from longctx_cli.config import Config, load_config
+from longctx_cli.errors import UserError
+
+
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """The prompt as the model reads a document: its BOS (if the tokenizer has one), text."""
+    from longctx_cli.data.formats import bos_prefix, text_ids
+
+    return bos_prefix(tokenizer) + text_ids(tokenizer, text)
+
+
+def run_generate(config_path: Path, checkpoint: Path, prompt_file: Path | None,
+                 max_new_tokens: int, nproc_per_node: int | None) -> int:
+    """Entry of `longctx generate`; the process exit code."""
+    from longctx_cli.runtime.launch import in_torchrun, launch_torchrun, rank_errors
+
+    config = load_config(config_path).model_copy(update={"tensor_parallel_size": 1})
+    if in_torchrun():
+        assert prompt_file is not None
+        with rank_errors():
+            generate_on_ranks(config, checkpoint, prompt_file.read_text(encoding="utf-8"),
+                              max_new_tokens)
+        return 0
+    from longctx_cli.data.tokenizer import load_tokenizer
+    from longctx_cli.eval.checkpoint_loading import check_intact, checkpoint_kind
+    from longctx_cli.eval.run import _check_plan
+
+    checkpoint_kind(checkpoint)
+    check_intact(checkpoint)
+    text = _read_prompt(prompt_file)
+    world = nproc_per_node or config.sequence_parallel_degree
+    _check_plan(config, world)
+    n = len(prompt_ids(load_tokenizer(config), text))
+    limit = config.sequence_len
+    if n + max_new_tokens > limit:
+        raise UserError(
+            f"the prompt is {n:,} tokens; with --max-new-tokens {max_new_tokens} the row "
+            f"would be {n + max_new_tokens:,}, beyond `sequence_len` = {limit:,} (what the "
+            "plan budgets memory for).",
+            where="--prompt-file",
+            fix="shorten the prompt, lower --max-new-tokens, or raise `sequence_len` (and "
+            "`sequence_parallel_degree` for memory).",
+        )
+    print(f"prompt: {n:,} tokens; generating up to {max_new_tokens} on {world} rank(s)",
+          file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="longctx-prompt-") as tmp:
+        path = Path(tmp) / "prompt.txt"
+        path.write_text(text, encoding="utf-8")
+        args = ["generate", str(config_path), "--checkpoint", str(checkpoint), "--prompt-file",
+                str(path), "--max-new-tokens", str(max_new_tokens)]
+        return launch_torchrun(args, world, world)
+
+
+def _read_prompt(prompt_file: Path | None) -> str:
+    if prompt_file is None or str(prompt_file) == "-":
+        if sys.stdin.isatty():
+            raise UserError("no prompt: give --prompt-file, or pipe the prompt on stdin.",
+                            where="--prompt-file", fix="e.g. `longctx generate my.yaml "
+                            "--checkpoint out/final --prompt-file prompt.txt`.")
+        text = sys.stdin.read()
+    else:
+        try:
+            text = prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read {str(prompt_file)!r}: {e}.", where="--prompt-file",
+                            fix="give a UTF-8 text file.") from None
+    if not text.strip():
+        raise UserError("the prompt is empty.", where="--prompt-file",
+                        fix="write the prompt into the file (or stdin).")
+    return text
+
+
+def generate_on_ranks(config: Config, checkpoint: Path, text: str, max_new_tokens: int) -> None:
+    """Inside torchrun, every rank: greedy decoding, one SP forward per token."""
+    import torch.distributed as dist
+
+    from longctx_cli.data.tokenizer import load_tokenizer
+    from longctx_cli.data.tokenizer import pad_id as tokenizer_pad_id
+    from longctx_cli.eval.checkpoint_loading import load_for_eval
+    from longctx_cli.runtime.distributed import init_distributed, init_parallel
+    from longctx_cli.runtime.model import decoder_and_head
+
+    device = init_distributed(config)
+    state = init_parallel(config, device)
+    tokenizer = load_tokenizer(config)
+    model = load_for_eval(config, checkpoint).to(device)
+    decoder, lm_head = decoder_and_head(model)
+    prompt = prompt_ids(tokenizer, text)
+    new = greedy_tokens(decoder, lm_head, prompt, max_new_tokens, state,
+                        tokenizer_pad_id(tokenizer), device, tokenizer.eos_token_id)
+    if dist.get_rank() == 0:
+        continuation = tokenizer.decode(new, skip_special_tokens=True)
+        print(continuation, flush=True)
+        record = {"checkpoint": str(checkpoint), "prompt_tokens": len(prompt),
+                  "new_token_ids": new, "text": continuation}
+        out = Path(config.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "generate.json").write_text(json.dumps(record) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def greedy_tokens(decoder, lm_head, prompt: list[int], max_new_tokens: int, state,
+                  pad_id: int, device, eos_id: int | None) -> list[int]:
+    """Up to `max_new_tokens` greedy ids after `prompt` (stopping after EOS); every rank of
+    the SP group returns the same list."""
+    import torch
+    import torch.distributed as dist
+
+    from longctx_cli.constants import IGNORE_INDEX
+    from longctx_cli.parallel.sharding import shard_batch
+    from longctx_cli.runtime.batches import to_device
+    from longctx_cli.runtime.model import sp_hidden_states
+
+    tokens = list(prompt)
+    new: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            row = torch.tensor(tokens, dtype=torch.long)
+            batch = to_device(shard_batch(row, torch.arange(row.numel()),
+                                          torch.full_like(row, IGNORE_INDEX), state, pad_id),
+                              device)
+            hidden = sp_hidden_states(decoder, batch, where="--checkpoint")
+            last = _local_index(batch.sp_meta.local_ranges, len(tokens) - 1)
+            pick = torch.tensor([-1], dtype=torch.long, device=device)
+            if last is not None:  # this rank holds the last position
+                pick[0] = lm_head(hidden[last:last + 1]).argmax(dim=-1)[0]
+            if state.sp_size > 1:
+                dist.all_reduce(pick, op=dist.ReduceOp.MAX, group=state.sp_group)
+            token = int(pick.item())
+            tokens.append(token)
+            new.append(token)
+            if eos_id is not None and token == eos_id:
+                break
+    return new
+
+
+def _local_index(ranges: tuple[tuple[int, int], ...], position: int) -> int | None:
+    """Where global `position` sits in this rank's local tokens, or None."""
+    offset = 0
+    for start, end in ranges:
+        if start <= position < end:
+            return offset + position - start
+        offset += end - start
+    return None
