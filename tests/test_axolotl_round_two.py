@@ -147,6 +147,7 @@ def test_curriculum_rows_are_in_file_order(tmp_path: Path) -> None:
     assert order == sorted(order) and sorted(order + held) == list(range(40))
 
 
+@pytest.mark.slow
 def test_curriculum_and_sequential_packing_train_exactly_under_sp(tmp_path: Path) -> None:
     data = write_documents(tmp_path / "docs.jsonl", seed=4)
     keys = {"curriculum_sampling": True, "sample_packing_sequentially": True,

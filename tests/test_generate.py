@@ -38,7 +38,7 @@ def _expected(model_dir) -> list[int]:
 @pytest.mark.parametrize("layout", [{"sequence_parallel_degree": 2},
                                     {"sequence_parallel_degree": 2,
                                      "sequence_parallel_mode": "ulysses"},
-                                    {}])
+                                    pytest.param({}, marks=pytest.mark.slow)])
 def test_generate_under_sp_equals_single_process_generate(tmp_path, model_dir, layout):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(PROMPT)

@@ -43,8 +43,10 @@ def runs(tmp_path_factory) -> tuple[Path, Path, Path]:
     return path, data, path / "straight"
 
 
-@pytest.mark.parametrize(("target", "sig"), [("launcher", signal.SIGTERM),
-                                              ("rank", signal.SIGUSR1)])
+@pytest.mark.parametrize(("target", "sig"), [
+    ("launcher", signal.SIGTERM),
+    pytest.param("rank", signal.SIGUSR1, marks=pytest.mark.slow),  # same path, one rank
+])
 def test_preemption_saves_exits_75_and_the_same_command_resumes(runs, target, sig):
     path, data, straight = runs
     rng = random.Random(f"{target}-{sig}")
