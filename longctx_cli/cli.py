@@ -242,19 +242,23 @@ def train(
     ] = False,
 ) -> None:
     """Hand over to the launcher; its return value is the exit status."""
+    from longctx_cli.runtime.launch import in_torchrun
     from longctx_cli.train.run import run_train
 
-    raise typer.Exit(
-        run_train(
-            config_path=config,
-            nproc_per_node=nproc_per_node,
-            nnodes=nnodes,
-            node_rank=node_rank,
-            rdzv_endpoint=rdzv_endpoint,
-            overwrite=overwrite,
-            overrides=list(ctx.args),
-        )
+    status = run_train(
+        config_path=config,
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        overwrite=overwrite,
+        overrides=list(ctx.args),
     )
+    if status == 0 and node_rank == 0 and not in_torchrun():  # the launcher, once
+        from longctx_cli.eval.merge import merge_after_training
+
+        merge_after_training(config, list(ctx.args))
+    raise typer.Exit(status)
 
 
 @app.command(

@@ -97,3 +97,14 @@ def run_merge(config_path: Path, checkpoint: Path, output: Path | None) -> int:
     config = load_config(config_path)
     merge_lora(config, checkpoint, output, say=lambda line: print(line, file=sys.stderr))
     return 0
+
+
+def merge_after_training(config_path: Path, overrides: list[str]) -> None:
+    """`merge_lora: true` (Axolotl's key): after a LoRA run's launcher finished, merge
+    `final/` into `<output_dir>/merged`."""
+    from longctx_cli.config import load_config
+
+    config = load_config(config_path, overrides)
+    if config.merge_lora and config.adapter is not None:
+        merge_lora(config, Path(config.output_dir) / "final",
+                   say=lambda line: print(line, file=sys.stderr))

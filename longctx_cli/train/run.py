@@ -71,7 +71,6 @@ def run_train(
             return done.exit_code
         return 0
 
-    output_dir = Path(config.output_dir)
     world_size = resolve_world_size(config, nproc_per_node, nnodes)
     build_plan(config, world_size, read_model_config(config))
     from longctx_cli.preflight import preflight
@@ -83,12 +82,7 @@ def run_train(
         from longctx_cli.data.prepare import prepare
 
         prepare(config)
-    status = supervise(
+    return supervise(
         ["train", str(config_path), *overrides], world_size, nproc_per_node, nnodes,
         node_rank, rdzv_endpoint, Supervision.of(config),
     )
-    if status == 0 and config.merge_lora and config.adapter is not None and node_rank == 0:
-        from longctx_cli.eval.merge import merge_lora
-
-        merge_lora(config, output_dir / "final")
-    return status
