@@ -184,3 +184,31 @@ def test_two_nodes_one_node_lost_is_restarted_and_completes(runs):
     assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     assert all("restarting the worker group (1 of 1)" in log for log in logs)
     assert_same_run(output_dir, straight, tol=1e-6)
+
+
+CRASH = """
+import os
+if "RANK" in os.environ and os.environ.get("LONGCTX_TEST_CRASH_FROM_STEP"):
+    import torch
+    _from = int(os.environ["LONGCTX_TEST_CRASH_FROM_STEP"])
+    _adamw_step = torch.optim.AdamW.step
+    def _crashing_step(self, *args, **kwargs):
+        state = self.state.get(self.param_groups[0]["params"][0], {})
+        if int(state.get("step", 0)) + 1 >= _from:  # the global step, restored on resume
+            raise RuntimeError("a bug that strikes at the same step every time")
+        return _adamw_step(self, *args, **kwargs)
+    torch.optim.AdamW.step = _crashing_step
+"""
+
+
+@pytest.mark.slow
+def test_a_crash_at_the_same_step_is_retried_once_not_forever(runs):
+    path, data, _ = runs
+    (path / "crash").mkdir(exist_ok=True)
+    (path / "crash" / "sitecustomize.py").write_text(CRASH)
+    config = write_config(path, "crash", data, max_restarts=3, **COMMON)
+    proc = _start(config, _env(path / "crash", LONGCTX_TEST_CRASH_FROM_STEP="5"))
+    code, out = _finish(proc, timeout=400)
+    assert code == 1, out[-3000:]
+    assert out.count("restarting the worker group") == 1, out[-3000:]
+    assert "the same fault again from checkpoint-3: not retried" in out, out[-3000:]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -95,16 +96,21 @@ def supervise(command_args: list[str], world_size: int, nproc_per_node: int | No
                 or attempt == sup.max_restarts:  # told to stop, or a fault of the user's
             return result.returncode
         where = newest_checkpoint(sup.output_dir)
-        if previous == (result.failure, where):
+        if previous == (_kind_of(result.failure), where):
             print(f"error: the same fault again from {where or 'the start'}: not retried "
                   f"({attempt} restart(s) used of {sup.max_restarts}).",
                   file=sys.stderr, flush=True)
             return result.returncode
-        previous = (result.failure, where)
+        previous = (_kind_of(result.failure), where)
         print(f"restarting the worker group ({attempt + 1} of {sup.max_restarts}) from "
               f"{where or 'the start'}.", file=sys.stderr, flush=True)
         env = {**env, RESUME_ENV: "auto"}
     return 1  # not reached: the last attempt returns above
+
+
+def _kind_of(failure: str | None) -> str | None:
+    """A failure without what differs between attempts of the same fault (pids, seconds)."""
+    return None if failure is None else re.sub(r"pid \d+|\d+ s\b", "", failure)
 
 
 def write_marker(output_dir: Path, step: int, checkpoint: Path, signal_name: str) -> None:
