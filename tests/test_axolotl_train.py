@@ -50,6 +50,7 @@ def test_qlora_4bit_base_parity_sp1_sp2_ulysses(tmp_path, data_file):
 AXOLOTL_CONFIGS = Path(__file__).resolve().parent / "axolotl_configs"
 
 
+@pytest.mark.slow
 def test_issue_example_trains_at_sp4_with_a_tiny_model_override(tmp_path):
     """The Axolotl SP example, unchanged, with a tiny local model swapped in by overrides."""
     from transformers import AutoModelForCausalLM, LlamaConfig

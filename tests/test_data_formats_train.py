@@ -48,7 +48,9 @@ FORMATS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.slow) if n in ("alpaca", "input_output") else n
+    for n in sorted(FORMATS)])
 def test_format_trains_two_steps_at_sp2(tmp_path, name):
     file_name, records, entry, top = FORMATS[name]
     data = write_jsonl(tmp_path / file_name, records)
@@ -117,6 +119,7 @@ def test_stream_rows_resume_from_the_saved_position(tmp_path):
         assert saved["stream"] is not None or saved["records"] == 0
 
 
+@pytest.mark.slow
 def test_streamed_run_resumed_equals_uninterrupted_run(tmp_path):
     a, b = _stream_files(tmp_path)
     common = {"datasets": [], "pretraining_dataset": [{"path": str(a)}, {"path": str(b)}],

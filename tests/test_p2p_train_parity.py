@@ -45,7 +45,7 @@ def reference(workdir):
             {"sequence_parallel_degree": 4, "ring_attn_func": "batch_zigzag"},
             marks=pytest.mark.slow,
         ),
-        (
+        pytest.param(
             "hybrid_2x2_batch_zigzag",
             4,
             {
@@ -54,6 +54,7 @@ def reference(workdir):
                 "ulysses_degree": 2,
                 "ring_attn_func": "batch_zigzag",
             },
+            marks=pytest.mark.slow,
         ),
     ],
 )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from longctx_cli.config import config_from_dict
@@ -118,6 +119,7 @@ def test_fp16_overflow_on_one_rank_is_agreed_by_every_rank() -> None:
     assert plain[0] != plain[1], plain
 
 
+@pytest.mark.slow
 def test_fp16_fsdp_run_equals_the_single_process_run(tmp_path) -> None:
     """fp16 with FSDP2: float32 master weights are kept before sharding, so the sharded run
     trains the same weights as one process (up to fp16 summation order)."""

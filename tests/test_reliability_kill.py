@@ -139,6 +139,7 @@ def runs(tmp_path_factory) -> tuple[Path, Path, Path]:
     return path, data, path / "straight"
 
 
+@pytest.mark.slow  # test_reliability_restart kills a rank and compares in the default run
 def test_killed_rank_ends_job_and_resume_matches_uninterrupted(runs):
     path, data, straight = runs
     rng = random.Random(20240611)

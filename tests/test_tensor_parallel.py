@@ -266,6 +266,7 @@ def reference(workdir):
     return _run(workdir, "ref", 1)
 
 
+@pytest.mark.slow
 def test_tp2_sgd_matches_single_process_per_tensor(workdir):
     ref = _run(workdir, "ref_sgd", 1, optimizer="sgd", learning_rate=0.5)
     run = _run(workdir, "tp2_sgd", 2, optimizer="sgd", learning_rate=0.5,
@@ -277,11 +278,12 @@ def test_tp2_sgd_matches_single_process_per_tensor(workdir):
     ("name", "nproc", "overrides"),
     [
         ("tp2", 2, {"tensor_parallel_size": 2}),
-        ("tp2_sp2_chunked_ckpt", 4, {
+        pytest.param("tp2_sp2_chunked_ckpt", 4, {
             "tensor_parallel_size": 2, "sequence_parallel_degree": 2, "chunked_loss": True,
-            "loss_chunk_size": 16, "gradient_checkpointing": True}),
-        ("dp2_tp2_fsdp", 4, {
-            "tensor_parallel_size": 2, "gradient_accumulation_steps": 2, "fsdp": True}),
+            "loss_chunk_size": 16, "gradient_checkpointing": True}, marks=pytest.mark.slow),
+        pytest.param("dp2_tp2_fsdp", 4, {
+            "tensor_parallel_size": 2, "gradient_accumulation_steps": 2, "fsdp": True},
+            marks=pytest.mark.slow),
         pytest.param("dp2_tp2", 4, {
             "tensor_parallel_size": 2, "gradient_accumulation_steps": 2},
             marks=pytest.mark.slow),
@@ -318,8 +320,9 @@ def tied_reference(workdir):
     ("name", "nproc", "overrides"),
     [
         ("tied_sp2_fsdp", 2, {"sequence_parallel_degree": 2, "fsdp": True}),
-        ("tied_dp2_tp2_fsdp", 4, {
-            "tensor_parallel_size": 2, "gradient_accumulation_steps": 2, "fsdp": True}),
+        pytest.param("tied_dp2_tp2_fsdp", 4, {
+            "tensor_parallel_size": 2, "gradient_accumulation_steps": 2, "fsdp": True},
+            marks=pytest.mark.slow),
     ],
 )
 def test_tied_embeddings_match_single_process(workdir, tied_reference, name, nproc,
@@ -350,6 +353,7 @@ def test_lora_tp2_sp2_matches_single_process(workdir):
     assert_same_adam_run(run, ref, adapter=True)
 
 
+@pytest.mark.slow
 def test_tp2_resume_equals_uninterrupted_run(workdir):
     common = {"tensor_parallel_size": 2, "save_steps": 3, "max_steps": 5}
     straight = _run(workdir, "tp2_straight", 2, **common)

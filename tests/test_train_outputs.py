@@ -27,6 +27,7 @@ def workdir(tmp_path_factory):
     return path, write_documents(path / "docs.jsonl", seed=1)
 
 
+@pytest.mark.slow  # the preemption and restart tests resume and compare too
 def test_resume_equals_uninterrupted_run(workdir):
     path, data = workdir
     common = {"sequence_parallel_degree": 2, "gradient_accumulation_steps": 2, "save_steps": 3}
@@ -100,7 +101,7 @@ def _longctx_logits(config_path: Path, final: Path, adapter: bool, ids: list[int
                      sp_meta=batch.sp_meta).logits[0]
 
 
-@pytest.mark.parametrize("adapter", [False, True])
+@pytest.mark.parametrize("adapter", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_final_loads_with_plain_transformers(workdir, adapter):
     path, data = workdir
     name = "export_lora" if adapter else "export_full"
