@@ -38,7 +38,7 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
     from transformers import AutoModelForCausalLM
 
     from longctx_cli.data.tokenizer import load_tokenizer
-    from longctx_cli.runtime.model import DTYPES, _device_map, _quantization
+    from longctx_cli.runtime.model import DTYPES, bnb_quantization, load_device_map
 
     output = output or default_output(config)
     kind = checkpoint_kind(checkpoint)
@@ -58,11 +58,11 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
                         fix="choose another --output, or move that folder away.")
     dtype = DTYPES[config.dtype]
     base_path = lora_base_path(checkpoint)
-    quantization = _quantization(config, dtype)
+    quantization = bnb_quantization(config, dtype)
     kwargs = {"dtype": dtype, "attn_implementation": MERGE_ATTENTION,
               "trust_remote_code": config.trust_remote_code}
     if quantization is not None:
-        kwargs.update(quantization_config=quantization, device_map=_device_map())
+        kwargs.update(quantization_config=quantization, device_map=load_device_map())
     say(f"loading the base model {base_path}"
         + (" (quantized as in training)" if quantization is not None else ""))
     try:

@@ -42,7 +42,7 @@ def is_mxfp4(hf_config: PretrainedConfig) -> bool:
     return str(getattr(method, "value", method)).lower() == "mxfp4"
 
 
-def _quantization(config: Config, dtype: torch.dtype):
+def bnb_quantization(config: Config, dtype: torch.dtype):
     """bitsandbytes settings of `load_in_4bit` / `load_in_8bit` (None: full precision)."""
     if not (config.load_in_4bit or config.load_in_8bit):
         return None
@@ -65,7 +65,7 @@ def _quantization(config: Config, dtype: torch.dtype):
     return BitsAndBytesConfig(load_in_8bit=True, **kwargs)
 
 
-def _device_map() -> dict[str, object]:
+def load_device_map() -> dict[str, object]:
     if torch.cuda.is_available():
         return {"": torch.cuda.current_device()}
     return {"": "cpu"}
@@ -77,7 +77,7 @@ def load_base_model(
     """Load `base_model`, or build `model_config` with weights drawn from `config.seed`;
     quantized by bitsandbytes when `load_in_4bit`/`load_in_8bit` (and `quantize`) say so."""
     dtype = DTYPES[config.dtype]
-    quantization = _quantization(config, dtype) if quantize else None
+    quantization = bnb_quantization(config, dtype) if quantize else None
     if config.trust_remote_code:
         warnings.warn(
             "trust_remote_code is on: code from the model repository will run.", stacklevel=2
@@ -96,7 +96,7 @@ def load_base_model(
             del full
             model = AutoModelForCausalLM.from_pretrained(
                 tmp, attn_implementation=attn_implementation, dtype=dtype,
-                quantization_config=quantization, device_map=_device_map(),
+                quantization_config=quantization, device_map=load_device_map(),
             )
     elif config.random_init:
         # Same seed on every rank -> identical initial weights without a broadcast.
@@ -110,7 +110,7 @@ def load_base_model(
         hf_config = model_config_of(config)
         overridden = {"config": hf_config} if config.overrides_of_model_config else {}
         if quantization is not None:
-            overridden.update(quantization_config=quantization, device_map=_device_map())
+            overridden.update(quantization_config=quantization, device_map=load_device_map())
         elif is_mxfp4(hf_config):
             from transformers import Mxfp4Config
 
