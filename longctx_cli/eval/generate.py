@@ -1,11 +1,11 @@
 """`longctx generate`: the greedy continuation of a prompt, computed sequence-parallel.
 
-Every new token is the argmax of the last position's logits after one SP forward over the
-prompt and the tokens generated so far: the same forward the trainer and `longctx eval` use
-(exact against the model's own forward, see the family matrix), so the tokens are those of
-single-process greedy `model.generate` whatever the number of ranks. A prompt longer than one
-device holds is spread over the SP group; the cost is one full forward per new token (no KV
-cache across ranks yet), fine for the short answers of retrieval tasks.
+The prompt is prefilled by the SP forward the trainer and `longctx eval` use (exact against
+the model's own forward, see the family matrix), which leaves each rank's keys and values in
+a KV cache; every new token is then one decode step whose attention merges the ranks' shards
+(`parallel/decode.py`). The tokens are those of single-process greedy `model.generate`
+whatever the number of ranks, and a prompt longer than one device holds is spread over the
+SP group. Models with windowed or chunked layers decode by one full SP forward per token.
 
 The launcher reads the prompt (file or stdin), checks it against the config and starts the
 ranks; rank 0 prints the continuation alone on stdout and writes
@@ -124,7 +124,39 @@ def generate_on_ranks(config: Config, checkpoint: Path, text: str, max_new_token
 def greedy_tokens(decoder, lm_head, prompt: list[int], max_new_tokens: int, state,
                   pad_id: int, device, eos_id: int | None) -> list[int]:
     """Up to `max_new_tokens` greedy ids after `prompt` (stopping after EOS); every rank of
-    the SP group returns the same list."""
+    the SP group returns the same list.
+
+    The prompt is prefilled sequence-parallel into a sharded KV cache and each new token is
+    one decode step over it (`parallel/decode.py`); a model with windowed or chunked layers
+    decodes by one full SP forward per token instead (the same tokens, slower).
+    """
+    from longctx_cli.parallel.decode import DecodeUnsupported
+
+    try:
+        return _greedy_with_cache(decoder, lm_head, prompt, max_new_tokens, state, pad_id,
+                                  device, eos_id)
+    except DecodeUnsupported as e:
+        if state.sp_rank == 0 and state.dp_rank == 0:
+            print(f"decoding by full forwards: {e}", file=sys.stderr, flush=True)
+        return _greedy_by_forwards(decoder, lm_head, prompt, max_new_tokens, state, pad_id,
+                                   device, eos_id)
+
+
+def _agree(state, token: int | None, device) -> int:
+    """The token SP rank 0 picked, on every rank of the group (`token`: this rank's pick, or
+    None where it has none)."""
+    import torch
+    import torch.distributed as dist
+
+    pick = torch.tensor([-1 if token is None or state.sp_rank != 0 else token],
+                        dtype=torch.long, device=device)
+    if state.sp_size > 1:
+        dist.all_reduce(pick, op=dist.ReduceOp.MAX, group=state.sp_group)
+    return int(pick.item())
+
+
+def _prefill(decoder, lm_head, tokens: list[int], state, pad_id: int, device, cache=None):
+    """One SP forward over `tokens`; (the greedy next token, the sharded batch)."""
     import torch
     import torch.distributed as dist
 
@@ -133,26 +165,57 @@ def greedy_tokens(decoder, lm_head, prompt: list[int], max_new_tokens: int, stat
     from longctx_cli.runtime.batches import to_device
     from longctx_cli.runtime.model import sp_hidden_states
 
+    row = torch.tensor(tokens, dtype=torch.long)
+    batch = to_device(shard_batch(row, torch.arange(row.numel()),
+                                  torch.full_like(row, IGNORE_INDEX), state, pad_id), device)
+    hidden = sp_hidden_states(decoder, batch, where="--checkpoint", cache=cache)
+    last = _local_index(batch.sp_meta.local_ranges, len(tokens) - 1)
+    # The rank holding the last position picks; sp rank 0 may not hold it, so pass it on.
+    pick = torch.tensor([-1], dtype=torch.long, device=device)
+    if last is not None:
+        pick[0] = lm_head(hidden[last:last + 1]).argmax(dim=-1)[0]
+    if state.sp_size > 1:
+        dist.all_reduce(pick, op=dist.ReduceOp.MAX, group=state.sp_group)
+    return int(pick.item()), batch
+
+
+def _greedy_with_cache(decoder, lm_head, prompt, max_new_tokens, state, pad_id, device,
+                       eos_id) -> list[int]:
+    import torch
+    from transformers import DynamicCache
+
+    from longctx_cli.parallel.decode import DecodeMeta
+
+    new: list[int] = []
+    with torch.no_grad():
+        cache = DynamicCache(config=decoder.config)
+        token, batch = _prefill(decoder, lm_head, prompt, state, pad_id, device, cache)
+        meta = DecodeMeta.after_prefill(state, batch.sp_meta.local_ranges, len(prompt), device)
+        del batch
+        new.append(token)
+        while len(new) < max_new_tokens and token != eos_id:
+            position = len(prompt) + len(new) - 1
+            hidden = decoder(input_ids=torch.tensor([[token]], device=device),
+                             position_ids=torch.tensor([[position]], device=device),
+                             past_key_values=cache, use_cache=True, sp_meta=meta
+                             ).last_hidden_state
+            token = _agree(state, int(lm_head(hidden[0, -1:]).argmax(dim=-1)[0]), device)
+            new.append(token)
+            meta.decoded += 1
+    return new
+
+
+def _greedy_by_forwards(decoder, lm_head, prompt, max_new_tokens, state, pad_id, device,
+                        eos_id) -> list[int]:
+    import torch
+
     tokens = list(prompt)
     new: list[int] = []
     with torch.no_grad():
-        for _ in range(max_new_tokens):
-            row = torch.tensor(tokens, dtype=torch.long)
-            batch = to_device(shard_batch(row, torch.arange(row.numel()),
-                                          torch.full_like(row, IGNORE_INDEX), state, pad_id),
-                              device)
-            hidden = sp_hidden_states(decoder, batch, where="--checkpoint")
-            last = _local_index(batch.sp_meta.local_ranges, len(tokens) - 1)
-            pick = torch.tensor([-1], dtype=torch.long, device=device)
-            if last is not None:  # this rank holds the last position
-                pick[0] = lm_head(hidden[last:last + 1]).argmax(dim=-1)[0]
-            if state.sp_size > 1:
-                dist.all_reduce(pick, op=dist.ReduceOp.MAX, group=state.sp_group)
-            token = int(pick.item())
+        while len(new) < max_new_tokens and (not new or new[-1] != eos_id):
+            token, _ = _prefill(decoder, lm_head, tokens, state, pad_id, device)
             tokens.append(token)
             new.append(token)
-            if eos_id is not None and token == eos_id:
-                break
     return new
 
 

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .decode import DecodeMeta, decode_attention
 from .features import AttentionFeatures, as_features
 from .mesh import ParallelState
 from .ring import ring_attention
@@ -161,6 +162,12 @@ def longctx_attention_forward(
     arguments that would change the math.
     """
     meta = kwargs.get("sp_meta")
+    if isinstance(meta, DecodeMeta):  # one new token after an SP prefill (KV cache kept)
+        feats, sinks = attention_features(module, scaling, kwargs)
+        out = decode_attention(query[0, :, -1], key[0].transpose(0, 1), value[0].transpose(0, 1),
+                               meta, feats, sinks)
+        meta.attention_calls += 1
+        return out[None, None], None
     if not isinstance(meta, SPMeta):
         raise RuntimeError(
             f"attn_implementation={ATTN_IMPLEMENTATION!r} needs the batch's SP metadata: call the "
@@ -221,7 +228,9 @@ def _no_mask(
     or blockwise overlays) is refused rather than silently replaced by a causal one.
     """
     n = min(q_length, kv_length, 64)
-    if mask_function is None or n == 0:
+    if mask_function is None or n == 0 or q_offset > 0:
+        # q_offset > 0: a decode step after a cached prefill, whose mask was checked here;
+        # the decode attention counts every earlier token itself (parallel/decode.py).
         return None
     allowed = _mask_pattern(mask_function, q_offset, kv_offset, n)
     idx = torch.arange(n)

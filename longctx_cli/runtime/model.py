@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
@@ -287,14 +288,17 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return base.get_decoder(), model_head(base.get_output_embeddings(), base.config)
 
 
-def sp_hidden_states(decoder: nn.Module, batch, where: str = "base_model") -> torch.Tensor:
+def sp_hidden_states(decoder: nn.Module, batch, where: str = "base_model",
+                     cache: Any = None) -> torch.Tensor:
     """Hidden states `[local_tokens, hidden]` of this rank's slice of a sharded row.
 
     Fails loudly when no attention layer went through the SP attention: each rank would
     then attend only to its own slice, silently. `where` names what the user should change.
+    `cache` (a transformers `Cache`) keeps this rank's keys and values for decoding.
     """
     hidden = decoder(
-        input_ids=batch.input_ids, position_ids=batch.position_ids, sp_meta=batch.sp_meta
+        input_ids=batch.input_ids, position_ids=batch.position_ids, sp_meta=batch.sp_meta,
+        past_key_values=cache, use_cache=cache is not None,
     ).last_hidden_state
     if batch.sp_meta.attention_calls == 0:
         raise UserError(
