@@ -83,10 +83,11 @@ class Platform:
 class ModelAttention:
     """What the model's attention layers compute, as far as the kernel choice cares."""
 
-    head_dim: int | None = None
+    head_dim: int | None = None  # the one head dim a flash kernel computes on
     softcap: bool = False
     sinks: bool = False
     window: bool = False
+    chunked: bool = False  # chunked local attention (Llama 4): chunk starts cut the row
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,9 @@ def flash_attn_blockers(
         if p2p and packed:
             why.append(f"packed rows (`sample_packing`): ring-flash-attn's {ring_attn_func} "
                        "takes one sequence and would attend across documents")
+        if p2p and model.chunked:
+            why.append(f"the model has chunked attention (ring-flash-attn's {ring_attn_func} "
+                       "takes one sequence and would attend across chunks)")
         if p2p and model.window:
             why.append(f"the model has a sliding window (ring-flash-attn's {ring_attn_func} "
                        "has none)")

@@ -67,11 +67,15 @@ def reference_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
-    """Dense attention with a same-document causal mask; q/k/v ``[T, H, D]``, sinks ``[H]``.
+    """Dense attention with a same-document causal mask; q/k/v ``[T, H, D]`` (v may have its
+    own head dim, as in multi-head latent attention), sinks ``[H]``.
 
     window: query ``i`` sees keys ``j`` with ``i - window < j <= i`` (transformers'
-    sliding-window mask), never before its document start.
+    sliding-window mask), never before its document start. chunk: only keys whose position
+    in the document is in the query's chunk, ``pos // chunk`` equal (Llama 4's chunked
+    attention over one document).
     """
     doc = torch.cumsum((position_ids == 0).long(), 0)
     t = position_ids.numel()
@@ -79,6 +83,8 @@ def reference_attention(
     allowed = (doc[:, None] == doc[None, :]) & (j <= i)
     if window is not None:
         allowed &= j > i - window
+    if chunk is not None:
+        allowed &= position_ids[:, None] // chunk == position_ids[None, :] // chunk
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
@@ -97,15 +103,21 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def make_inputs(lengths: list[int], hq: int, hkv: int, multiple: int, seed: int):
-    """Full padded row of positions plus random q/k/v/dout (identical on every rank)."""
+def make_inputs(lengths: list[int], hq: int, hkv: int, multiple: int, seed: int,
+                v_dim: int = DIM):
+    """Full padded row of positions plus random q/k/v/dout (identical on every rank).
+
+    ``v_dim``: the value (and output) head dim; q/k have ``DIM`` (MLA: they differ)."""
     pos = doc_lengths_to_positions(lengths)
     extra = -pos.numel() % multiple
     pos_padded = torch.cat([pos, torch.arange(extra)]) if extra else pos
     t = pos_padded.numel()
     g = torch.Generator().manual_seed(seed)
-    q, dout = (torch.randn(t, hq, DIM, generator=g) for _ in range(2))
-    k, v = (torch.randn(t, hkv, DIM, generator=g) for _ in range(2))
+    q = torch.randn(t, hq, DIM, generator=g)
+    dout = torch.randn(t, hq, v_dim, generator=g) if v_dim != DIM else torch.randn(
+        t, hq, DIM, generator=g)
+    k = torch.randn(t, hkv, DIM, generator=g)
+    v = torch.randn(t, hkv, v_dim, generator=g)
     return pos, pos_padded, q, k, v, dout
 
 
@@ -121,6 +133,8 @@ def run_case(
     autocast: torch.dtype | None = None,
     q_scale: float = 1.0,
     row_meta_on: str | None = None,
+    chunk: int | None = None,
+    v_dim: int = DIM,
 ) -> dict:
     """SP attention for one case; relative errors of out, dq, dk, dv (and dsinks) vs reference.
 
@@ -128,10 +142,11 @@ def run_case(
     autocast to it, as in half-precision training; the reference stays float64 on the same
     rounded values. ``q_scale`` multiplies q (larger scores magnify rounding in them).
     ``row_meta_on``: move the row's cu_seqlens tensor to that device first ("meta": any
-    read of its values, ``.tolist()`` or ``.item()``, raises).
+    read of its values, ``.tolist()`` or ``.item()``, raises). ``chunk``: Llama 4's chunked
+    attention; ``v_dim``: a value head dim unlike q/k's ``DIM`` (multi-head latent attention).
     """
     multiple = ctx.sp_size * (2 if ctx.sharding == "zigzag" else 1)
-    pos, pos_padded, q, k, v, dout = make_inputs(lengths, hq, hkv, multiple, seed)
+    pos, pos_padded, q, k, v, dout = make_inputs(lengths, hq, hkv, multiple, seed, v_dim)
     q = q * q_scale
     if autocast is not None:
         q, k, v, dout = (x.to(autocast) for x in (q, k, v, dout))
@@ -142,7 +157,7 @@ def run_case(
     if row_meta_on is not None:
         meta = dataclasses.replace(meta, cu_seqlens=meta.cu_seqlens.to(row_meta_on))
     scale = DIM**-0.5
-    feats = AttentionFeatures(scale=scale, window=window, softcap=softcap)
+    feats = AttentionFeatures(scale=scale, window=window, softcap=softcap, chunk=chunk)
     local = [slice_sequence(x, ctx).clone().requires_grad_() for x in (q, k, v)]
     sink_leaf = None if sinks is None else sinks.clone().requires_grad_()
     with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
@@ -157,7 +172,7 @@ def run_case(
 
     full = [x.double().requires_grad_() for x in (q, k, v)]
     ref_sinks = None if sinks is None else sinks.double().requires_grad_()
-    ref_out = reference_attention(*full, pos_padded, scale, window, softcap, ref_sinks)
+    ref_out = reference_attention(*full, pos_padded, scale, window, softcap, ref_sinks, chunk)
     ref_out.backward(dout.double())
     want = [ref_out.detach(), *(t.grad for t in full)]
     names = ["out", "dq", "dk", "dv"]

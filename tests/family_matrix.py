@@ -52,6 +52,10 @@ class Family:
     # feature -> the fields that switch it off (the reference must then differ)
     features: dict[str, dict[str, Any]] = field(default_factory=dict)
     always_on: tuple[str, ...] = ()  # features with no switch (e.g. learned sinks)
+    # longctx config keys both trainings use (the row's cells say so), e.g. the
+    # `overrides_of_model_config` that validate asks for, and why (the features column)
+    settings: dict[str, Any] = field(default_factory=dict)
+    note: str = ""
 
     def config(self, **overrides: Any) -> dict[str, Any]:
         return {"model_type": self.model_type, **BASE, **self.fields, **overrides}
@@ -123,6 +127,31 @@ FAMILIES = [
            {"NoPE layer": {"no_rope_layers": [1, 1]}}),
     Family("exaone4", "exaone4", _sliding(head_dim=8, layer_types=SLIDING_THEN_FULL),
            {"per-layer sliding window": {"layer_types": ALL_FULL}}),
+    # Multi-head latent attention: q/k head dim 8 + 4 (no rotary, rotary), values 8; low-rank
+    # q and kv projections; every head has its own k (kv heads = heads); layer 0 dense,
+    # layer 1 MoE with group-limited routing (2 groups of 2 experts, 1 group chosen).
+    Family("deepseek_v3", "deepseek_v3",
+           {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16,
+            "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+            "first_k_dense_replace": 1, "moe_intermediate_size": 32, "n_shared_experts": 1},
+           always_on=("latent attention (q/k head dim 12, v head dim 8)", "MoE")),
+    # Chunks of WINDOW tokens from each document's start on the RoPE layer, a NoPE layer with
+    # full attention (the NoPE layers' temperature tuning starts at floor_scale 8192 tokens:
+    # validate refuses rows that reach it).
+    Family("llama4_text", "llama4_text",
+           {"head_dim": 8, "attention_chunk_size": WINDOW, "no_rope_layers": [1, 0],
+            "num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 64},
+           {"chunked attention": {"attention_chunk_size": 8192},
+            "NoPE layer": {"no_rope_layers": [1, 1],
+                           "layer_types": ["chunked_attention", "full_attention"]}},
+           always_on=("MoE",)),
+    # Attention dropout: SP attention applies none, so validate refuses the model and names
+    # the override; both trainings run with it.
+    Family("llama (attention_dropout 0.1)", "llama", {"attention_dropout": 0.1},
+           settings={"overrides_of_model_config": {"attention_dropout": 0.0}},
+           note="attention dropout 0.1: `validate` refuses it in one paragraph naming the "
+                "override; trained with it"),
 ]
 
 STRATEGIES = {
@@ -168,6 +197,7 @@ def documents(index: int) -> list[torch.Tensor]:
 def make_config(family: Family, overrides: dict[str, Any] | None = None, **model: Any):
     from longctx_cli.config import Config
 
+    overrides = {**family.settings, **(overrides or {})}
     return Config(
         model_config=family.config(**model),
         datasets=[{"path": "unused"}],
@@ -183,7 +213,7 @@ def make_config(family: Family, overrides: dict[str, Any] | None = None, **model
         gradient_accumulation_steps=ACCUMULATION,
         max_steps=STEPS,
         seed=7,
-        **(overrides or {}),
+        **overrides,
     )
 
 
@@ -349,17 +379,21 @@ def render() -> str:
         "`longctx validate`) the *fidelity probe* builds a tiny random model of the user's "
         "family from its config and compares longctx's loss and gradients with the model's "
         "own forward; any difference is refused with a message naming the model type and what "
-        "differs (`fidelity_probe: false` skips it).",
+        "differs (`fidelity_probe: false` skips it). When the probe cannot build or run its "
+        "tiny copy of a family at all (its own shrinking, or the model's own forward on the "
+        "tiny copy, fails), it says that it could not check the family, with the error's "
+        "gist; `fidelity_probe: false` is then the way to train it, unverified.",
         "",
         "| family | features active in the test | " + " | ".join(strategies) + " |",
         "|---|---|" + "---|" * len(strategies),
     ]
     for family in FAMILIES:
-        features = [*family.features, *family.always_on]
+        features = [*family.features, *family.always_on, *([family.note] if family.note
+                                                             else [])]
         cells = [EXPECTED[family.name]] * len(strategies)
         lines.append(
             f"| {family.name} (`{family.model_type}`) | {', '.join(features) or '-'} | "
-            + " | ".join(f"**{c}**" if c == "exact" else c for c in cells) + " |"
+            + " | ".join(_cell(c, family) for c in cells) + " |"
         )
     lines += [
         "",
@@ -368,8 +402,38 @@ def render() -> str:
         "`logits_scaling`, `final_logit_softcapping`) are applied by longctx's loss and every "
         "evaluation (`longctx_cli/runtime/head.py`).",
         "",
+        "Llama 4's chunked attention (`attention_chunk_size` on the layers whose `layer_types` "
+        "entry is `chunked_attention`) counts chunks from each document's start, as the "
+        "model's own forward over one document does; longctx cuts the row's segments at chunk "
+        "starts, so every strategy and kernel computes it. Its NoPE layers' attention "
+        "temperature tuning depends on the token's index in the forward's input and starts at "
+        "`floor_scale` (8192) tokens, beyond the matrix's rows: `validate` refuses a run whose "
+        "rows or documents reach it (`sequence_len` and tokens per rank below `floor_scale`, "
+        "or `overrides_of_model_config: {attn_temperature_tuning: false}`).",
+        "",
+        "Multi-head latent attention (DeepSeek: q/k head dim `qk_nope_head_dim + "
+        "qk_rope_head_dim`, values `v_head_dim`): the strategies carry each head dim as it is; "
+        "the flash-attention ops (PyTorch's CPU and CUDA ops, flash-attn 2) take one head dim, "
+        "so the smaller side is zero-padded inside each call (exact; `validate` notes the "
+        "extra memory of the flash kernels).",
+        "",
     ]
     return "\n".join(lines)
+
+
+def _settings_text(settings: dict[str, Any]) -> str:
+    """`{key: value}` in YAML flow style, as a user writes it in the config."""
+    def flow(value: Any) -> str:
+        if isinstance(value, dict):
+            return "{" + ", ".join(f"{k}: {flow(v)}" for k, v in value.items()) + "}"
+        return str(value)
+
+    return ", ".join(f"`{k}: {flow(v)}`" for k, v in settings.items())
+
+
+def _cell(expected: str, family: Family) -> str:
+    text = f"**{expected}**" if expected == "exact" else expected
+    return f"{text} with {_settings_text(family.settings)}" if family.settings else text
 
 
 if __name__ == "__main__":

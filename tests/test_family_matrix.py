@@ -1,5 +1,6 @@
 """Every family x {sp1 vs the model's own training, ring sp2, ring zigzag sp2, the P2P rings
-at sp2 (stripe: the default ring; ring; zigzag), Ulysses sp2}.
+at sp2 (stripe: the default ring; ring; zigzag), Ulysses sp2}; a row trained with config
+settings (attention dropout off) is refused by validate without them.
 
 See tests/family_matrix.py for the families, features and tolerances. Two process groups run
 the whole matrix (one of world 1, one of world 2); each cell is then its own test.
@@ -51,6 +52,29 @@ def test_each_feature_is_active_at_the_tested_length(matrix: dict, family: str) 
     # otherwise the matrix could not tell a longctx that drops it from one that honours it.
     for feature, change in matrix[family]["activity"].items():
         assert change > 10 * fm.LOSS_TOL, (family, feature, change)
+
+
+@pytest.mark.parametrize("family", [f.name for f in fm.FAMILIES if f.settings])
+def test_validate_refuses_a_row_without_its_settings(family: str) -> None:
+    # A row trained with config settings (e.g. attention dropout switched off) is one that
+    # validate refuses without them, in one paragraph that names them as the fix.
+    from longctx_cli.config.model_shape import read_model_config
+    from longctx_cli.config.plan import build_plan
+    from longctx_cli.config.world import Platform
+    from longctx_cli.errors import UserError
+
+    row = next(f for f in fm.FAMILIES if f.name == family)
+    bare = fm.make_config(row).model_copy(update=dict.fromkeys(row.settings))
+    with pytest.raises(UserError) as err:
+        build_plan(bare, 1, read_model_config(bare), platform=Platform(cuda=False,
+                                                                       ring_flash_attn=False))
+    message = str(err.value)
+    assert "\n" not in message and "Fix:" in message
+    for key, value in row.settings.items():
+        assert fm._settings_text({key: value}).strip("`") in message, message
+    with_settings = fm.make_config(row)
+    build_plan(with_settings, 1, read_model_config(with_settings),
+               platform=Platform(cuda=False, ring_flash_attn=False))
 
 
 def test_families_md_is_generated_from_the_matrix() -> None:

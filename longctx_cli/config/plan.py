@@ -27,6 +27,7 @@ from longctx_cli.config.rules import (
     _check_adapter,
     check_attention_dropout,
     check_heads,
+    check_query_position_scaling,
     check_sequence_len,
     layout_for,
 )
@@ -324,6 +325,7 @@ def build_plan(
             + " (same attention)."
         )
     check_heads(layout, shape)  # SP works on the heads TP left on the rank
+    check_query_position_scaling(config, shape, layout)
     sp = layout.sp
     tiled = tiled_scores_run(layout.kernel, platform.cuda, shape, layout.p2p and layout.ring > 1)
     memory, memory_notes = estimate_memory(
@@ -390,3 +392,10 @@ def plan_for(
     shape = read_model_config(config)
     return build_plan(config, world, shape, nproc_per_node=nproc_per_node, world_source=source,
                       assume_gpu=True)
+
+
+def plan_for_ranks(config: Config, world: int) -> Plan:
+    """The plan for `world` ranks of this machine (`eval`, `generate`): the rules `validate`
+    applies (SP degree vs world, heads, kernel), with `--nproc-per-node` as the world's source."""
+    return build_plan(config, world, read_model_config(config), nproc_per_node=world,
+                      world_source=f"--nproc-per-node {world}")

@@ -109,6 +109,38 @@ def check_attention_dropout(shape: ModelShape) -> None:
         )
 
 
+def check_query_position_scaling(config: Config, shape: ModelShape, layout: Layout) -> None:
+    """Llama 4's attention temperature tuning scales its NoPE layers' queries by
+    ``log1p(floor((i + 1) / floor_scale)) * attn_scale + 1`` of ``i = arange(input length)``,
+    the token's index in the forward's input. Under SP (and in packed or concatenated rows) a
+    rank's input is its slice, so ``i`` is not the token's position in its document, and the
+    scale differs from the model's own forward as soon as an index or a position reaches
+    ``floor_scale - 1``; below that every scale is 1. One document per row at sp 1 is exact."""
+    if not shape.config_value("attn_temperature_tuning"):
+        return
+    floor = shape.config_value("floor_scale")
+    no_rope = shape.config_value("no_rope_layers")  # no_rope_layers[i] = 1: layer i has RoPE
+    if not floor or (isinstance(no_rope, list) and all(no_rope)):
+        return
+    per_rank = -(-config.micro_batch_size * config.sequence_len // layout.sp)
+    if max(per_rank, config.sequence_len) < floor:
+        return
+    if layout.sp == 1 and config.micro_batch_size == 1 and not config.sample_packing:
+        return  # every row is one document from index 0: the index is the position
+    raise UserError(
+        f"the model's NoPE layers scale queries by the token's index in the forward's input "
+        f"(attn_temperature_tuning, floor_scale = {floor}), and with sequence_len "
+        f"{config.sequence_len} and {per_rank} tokens per rank that index reaches "
+        f"floor_scale: under sequence parallelism, packing or concatenated micro-batch rows "
+        "it is the index in a rank's slice of a row, not the token's position in its "
+        "document, so longctx would train a different model than the one you load.",
+        where="sequence_len",
+        fix=f"keep sequence_len and the tokens per rank below {floor}, or add "
+        "`overrides_of_model_config: {attn_temperature_tuning: false}` to train the model "
+        "without temperature tuning.",
+    )
+
+
 def check_sequence_len(config: Config, layout: Layout) -> None:
     sp, tp = layout.sp, layout.tp
     multiple = layout.sequence_len_multiple
@@ -147,11 +179,35 @@ def _resolve_kernel(config: Config, platform: Platform | None, ring: int,
 
 
 def model_attention(shape: ModelShape | None) -> ModelAttention:
-    """The model's attention as the kernel choice sees it (nothing known without a shape)."""
+    """The model's attention as the kernel choice sees it (nothing known without a shape).
+
+    ``head_dim`` is what a flash kernel computes on: the larger of the q/k and the value head
+    dims (multi-head latent attention pads the smaller side, see ``latent_head_dims``)."""
     if shape is None:
         return ModelAttention()
-    return ModelAttention(head_dim=shape.head_dim, softcap=attention_softcap(shape) is not None,
-                          sinks=shape.attention_sinks, window=shape.sliding_window)
+    dims = latent_head_dims(shape)
+    return ModelAttention(head_dim=max(dims) if dims else shape.head_dim,
+                          softcap=attention_softcap(shape) is not None,
+                          sinks=shape.attention_sinks, window=shape.sliding_window,
+                          chunked=chunked_attention(shape))
+
+
+def latent_head_dims(shape: ModelShape) -> tuple[int, int] | None:
+    """(q/k head dim, value head dim) of multi-head latent attention (DeepSeek: q/k =
+    ``qk_nope_head_dim + qk_rope_head_dim``, v = ``v_head_dim``), or None when they are one."""
+    nope, rope, v = (shape.config_value(k) for k in
+                     ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    if not all(isinstance(x, int) and x > 0 for x in (nope, rope, v)):
+        return None
+    return (nope + rope, v) if nope + rope != v else None
+
+
+def chunked_attention(shape: ModelShape) -> bool:
+    """Some layer attends within chunks (Llama 4: `attention_chunk_size`, layer type
+    `chunked_attention`)."""
+    types = shape.config_value("layer_types")
+    return bool(shape.config_value("attention_chunk_size")) and (
+        types is None or "chunked_attention" in types)
 
 
 def _check_adapter(config: Config) -> None:
@@ -208,6 +264,17 @@ def _advice(
     if layout.p2p and layout.heads_k_stride != 1 and ring > 1:
         notes.append("heads_k_stride is unused by a P2P ring: each block carries all its KV "
                      "heads.")
+    dims = latent_head_dims(shape)
+    if dims and layout.kernel in ("flash", "torch_flash"):
+        qk, v = dims
+        notes.append(
+            f"multi-head latent attention: flash attention takes one head dim for q, k and v, "
+            f"so the {'values' if v < qk else 'queries and keys'} are padded with zeros from "
+            f"{min(qk, v)} to {max(qk, v)} dims inside attention (exact; that much more "
+            "attention memory"
+            + (", and communication in a flash-attn ring)." if layout.kernel == "flash"
+               else ").")
+        )
     if ulysses > shape.num_key_value_heads:
         notes.append(
             f"KV heads ({shape.num_key_value_heads}) are replicated to {ulysses} Ulysses ranks."

@@ -8,6 +8,7 @@ attention through ``AttentionInterface`` (load the model with
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 from typing import Any, Protocol
 
@@ -17,7 +18,7 @@ from .decode import DecodeMeta, decode_attention
 from .features import AttentionFeatures, as_features
 from .mesh import ParallelState
 from .ring import ring_attention
-from .sharding import SPMeta
+from .sharding import SPMeta, chunked_meta
 
 ATTN_IMPLEMENTATION = "longctx_sp"
 
@@ -89,6 +90,8 @@ def sp_attention(
         raise ValueError(
             f"attention sinks must be one per query head ({q.shape[1]}), got {tuple(sinks.shape)}"
         )
+    if feats.chunk is not None:  # chunked local attention: chunk starts are segment starts
+        meta, feats = chunked_meta(meta, feats.chunk), replace(feats, chunk=None)
     # Autocast off: every strategy keeps its statistics and merges in float32 itself, and
     # q/k/v already carry the compute dtype (see `longctx_attention_forward`).
     with torch.autocast(q.device.type, enabled=False):
@@ -137,12 +140,67 @@ def attention_features(module: torch.nn.Module, scaling: float | None, kwargs: d
     sinks = kwargs.get("s_aux")
     if sinks is not None and not isinstance(sinks, torch.Tensor):
         raise ValueError(f"s_aux (attention sinks) must be a tensor, got {type(sinks).__name__}")
+    _check_position_scaling(module, kwargs.get("sp_meta"))
     feats = AttentionFeatures(
         scale=float(scale),
         window=None if window is None else int(window),
         softcap=None if softcap is None else float(softcap),
+        chunk=layer_chunk(module),
     )
     return feats, sinks
+
+
+def layer_chunk(module: torch.nn.Module) -> int | None:
+    """The chunk size of a chunked-local-attention layer (Llama 4), None for other layers.
+
+    transformers passes the attention function nothing for it: the model builds a chunked
+    mask (``create_chunked_causal_mask``, of ``config.attention_chunk_size``) for the layers
+    whose ``config.layer_types[layer_idx]`` is ``"chunked_attention"``, and longctx builds no
+    mask. So the layer's type is read from the same config fields; a config with a chunk size
+    whose layer types cannot be read is refused rather than trained as plain causal.
+    """
+    config = getattr(module, "config", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    if not chunk:
+        return None
+    types = getattr(config, "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if not isinstance(types, (list, tuple)) or not isinstance(index, int) or not (
+            0 <= index < len(types)):
+        raise ValueError(
+            f"{type(module).__name__}: the model config sets attention_chunk_size="
+            f"{chunk} but longctx cannot tell which layers use chunked attention (no "
+            "layer_types / layer_idx); refusing instead of training them as plain causal."
+        )
+    return int(chunk) if types[index] == "chunked_attention" else None
+
+
+def _check_position_scaling(module: torch.nn.Module, meta: Any) -> None:
+    """Refuse query scaling by the position in the forward's input where it is active.
+
+    Llama 4's NoPE layers (``attn_temperature_tuning``) scale queries by
+    ``log1p(floor((i + 1) / floor_scale))`` of ``i = arange(input length)``: under SP that is
+    the index in this rank's slice (and in a packed row, not the document position), so it
+    differs from the model's own forward once an index reaches ``floor_scale - 1``. Below
+    that every scale is 1 on both sides. ``validate`` refuses such runs before they start
+    (``config.rules.check_query_position_scaling``); this is the ranks' own guard.
+    """
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return
+    floor = getattr(module, "floor_scale", None)
+    if not isinstance(meta, SPMeta) or not floor:
+        return
+    if meta.ctx.sp_size == 1 and len(meta.cu_host) == 2:
+        return  # one document from index 0: the index is the position
+    if max(meta.local_len, meta.max_seqlen) >= floor:
+        raise ValueError(
+            f"{type(module).__name__} scales NoPE-layer queries by the token's index in the "
+            f"forward's input (attn_temperature_tuning, floor_scale={floor}); with "
+            f"{meta.local_len} tokens per rank and documents of up to {meta.max_seqlen} "
+            "tokens that index is not the token's position under sequence parallelism, so "
+            "the model would train differently. Keep rows per rank and documents shorter "
+            "than floor_scale, or set attn_temperature_tuning to false."
+        )
 
 
 def longctx_attention_forward(

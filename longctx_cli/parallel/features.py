@@ -14,18 +14,25 @@ class AttentionFeatures:
 
     ``scale`` multiplies ``q . k``; ``window`` (a query at position ``p`` sees keys
     ``p - window + 1 .. p``, as transformers' sliding-window masks do) or ``None``;
-    ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the softmax.
+    ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the softmax;
+    ``chunk`` (chunked local attention, Llama 4): a query at in-document position ``p`` sees
+    keys of its document at positions ``floor(p / chunk) * chunk .. p``, as the model's own
+    forward over the document alone does. Kernels never see it: :func:`.attention.sp_attention`
+    turns chunk boundaries into segment starts (:func:`.sharding.chunked_meta`).
     """
 
     scale: float
     window: int | None = None
     softcap: float | None = None
+    chunk: int | None = None
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
             raise ValueError(f"sliding window must be at least 1 token, got {self.window}")
         if self.softcap is not None and not self.softcap > 0:
             raise ValueError(f"attention softcap must be positive, got {self.softcap}")
+        if self.chunk is not None and self.chunk < 1:
+            raise ValueError(f"attention chunk must be at least 1 token, got {self.chunk}")
 
 
 def as_features(features: AttentionFeatures | float) -> AttentionFeatures:

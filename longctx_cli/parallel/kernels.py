@@ -28,6 +28,9 @@ block backward run with ``(out', lse')`` is then exact, and :func:`sink_grad` gi
 Softcapping needs the scores themselves, so it (and every device without the CPU flash op)
 takes the tiled matmul path, ``_TILE x _TILE`` scores at a time.
 
+Values may have their own head dim (multi-head latent attention): outputs take v's. The CPU
+flash op takes one head dim, so its calls pad the smaller side with zeros (exact).
+
 On CUDA the ``torch_flash`` kernel (:mod:`.torch_flash`) replaces the block loop with
 PyTorch's own flash-attention op over all segments at once; strategies select it by passing
 ``kernel=`` to the functions below, and only what that op cannot compute comes back here.
@@ -48,6 +51,7 @@ from .torch_flash import (
     block_backward,
     block_forward,
     flash_applies,
+    pad_head_dim,
     varlen_backward,
     varlen_forward,
 )
@@ -72,6 +76,49 @@ def float32_inside(fn: _F) -> _F:
 
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _cpu_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+    attn_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU flash op (``[1, H, L, D]``), which needs one head dim for q, k and v.
+
+    Multi-head latent attention (DeepSeek) has a value head dim unlike the q/k one: the
+    smaller side is padded with zeros, which is exact (:func:`.torch_flash.pad_head_dim`).
+    """
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dqk == dv:
+        return _FWD(q, k, v, 0.0, causal, attn_mask=attn_mask, scale=scale)
+    d = max(dqk, dv)
+    out, lse = _FWD(pad_head_dim(q, d), pad_head_dim(k, d), pad_head_dim(v, d), 0.0, causal,
+                    attn_mask=attn_mask, scale=scale)
+    return out[..., :dv], lse
+
+
+def _cpu_bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, causal: bool, scale: float, attn_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`_cpu_fwd` (padded the same way; the padded columns' gradients are
+    dropped, and zero ``dout`` columns leave the rest exact)."""
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dqk == dv:
+        return _BWD(dout, q, k, v, out, lse, 0.0, causal, attn_mask=attn_mask, scale=scale)
+    d = max(dqk, dv)
+    gq, gk, gv = _BWD(*(pad_head_dim(t, d) for t in (dout, q, k, v, out)), lse, 0.0, causal,
+                      attn_mask=attn_mask, scale=scale)
+    return gq[..., :dqk], gk[..., :dqk], gv[..., :dv]
+
+
+def out_like(q: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None,
+             fill: float | None = None) -> torch.Tensor:
+    """An attention output buffer: q's rows and heads, v's head dim (MLA: they differ)."""
+    shape = (*q.shape[:-1], v.shape[-1])
+    dtype = dtype or q.dtype
+    if fill is None:
+        return torch.empty(shape, dtype=dtype, device=q.device)
+    return torch.full(shape, fill, dtype=dtype, device=q.device)
 
 _MAX_ROWS = 512  # query rows per block under a window: bounds the edge mask to 512 x 512
 _TILE = TILE  # query rows and keys per score tile of the matmul path (validate budgets it)
@@ -224,9 +271,9 @@ def pieces_forward(
     """
     feats = as_features(features)
     if out is None or lse is None:
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        out = out_like(q, v, torch.float32, 0.0)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
-    calls = _flash_calls(q, pieces, feats, kernel)
+    calls = _flash_calls(q, v, pieces, feats, kernel)
     if calls is not None:
         for r0, r1, k0, k1, causal in calls:  # a row may be in two pieces: merge
             o, lo = block_forward(q[r0:r1], k[k0:k1], v[k0:k1], causal, feats)
@@ -262,7 +309,7 @@ def pieces_backward(
     if grads is None:
         grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
     dq, dk, dv = grads
-    calls = _flash_calls(q, pieces, feats, kernel)
+    calls = _flash_calls(q, v, pieces, feats, kernel)
     if calls is not None:
         for r0, r1, k0, k1, causal in calls:
             dq1, dk1, dv1 = block_backward(dout[r0:r1], q[r0:r1], k[k0:k1], v[k0:k1],
@@ -277,10 +324,11 @@ def pieces_backward(
 
 
 def _flash_calls(
-    q: torch.Tensor, pieces: Sequence[Piece], feats: AttentionFeatures, kernel: str
+    q: torch.Tensor, v: torch.Tensor, pieces: Sequence[Piece], feats: AttentionFeatures,
+    kernel: str,
 ) -> list[tuple[int, int, int, int, bool]] | None:
     """The flash-op calls of these pieces under ``kernel``, or None for the block paths."""
-    if kernel != "torch_flash" or not flash_applies(q, feats):
+    if kernel != "torch_flash" or not flash_applies(q, feats, v):
         return None
     return piece_flash_calls(pieces, feats.window)
 
@@ -383,7 +431,7 @@ def _block_fwd_generic(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blk: _Block, feats: AttentionFeatures
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Matmul path for one block (``[1, H, L, D]`` tensors), tile by tile."""
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    out = out_like(q, v, torch.float32)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     for rows, tiles in _row_tiles(q, k, v, blk, feats):
         acc, acc_lse = None, None
@@ -415,8 +463,9 @@ def _block_bwd_generic(
     groups = q.shape[1] // k.shape[1]
     delta = (dout.float() * out.float()).sum(-1, keepdim=True)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    # Per query head (KV heads expanded); v's head dim may differ from k's (MLA).
     dk = torch.zeros(*k.shape[:1], q.shape[1], *k.shape[2:], dtype=torch.float32, device=q.device)
-    dv = torch.zeros_like(dk)
+    dv = torch.zeros(*v.shape[:1], q.shape[1], *v.shape[2:], dtype=torch.float32, device=q.device)
     for rows, tiles in _row_tiles(q, k, v, blk, feats):
         qi, doi = q[:, :, rows].float(), dout[:, :, rows].float()
         li, di = lse[:, :, rows].unsqueeze(-1), delta[:, :, rows]
@@ -430,9 +479,9 @@ def _block_bwd_generic(
             dq[:, :, rows] += torch.matmul(ds, tile.k.float())
             dk[:, :, tile.keys] += torch.matmul(ds.transpose(-1, -2), qi)
     if groups > 1:
-        b, h, n, d = dk.shape
-        dk = dk.view(b, h // groups, groups, n, d).sum(2)
-        dv = dv.view(b, h // groups, groups, n, d).sum(2)
+        b, h, n, _ = dk.shape
+        dk = dk.view(b, h // groups, groups, n, dk.shape[-1]).sum(2)
+        dv = dv.view(b, h // groups, groups, n, dv.shape[-1]).sum(2)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -442,10 +491,10 @@ def _block_fwd(
     if _use_matmul_path(q, feats):
         return _block_fwd_generic(q, k, v, blk, feats)
     if not blk.masked:
-        return _FWD(q, k, v, 0.0, False, scale=feats.scale)
+        return _cpu_fwd(q, k, v, False, feats.scale)
     if _is_plain_causal(blk, feats):
-        return _FWD(q, k, v, 0.0, True, scale=feats.scale)
-    return _FWD(q, k, v, 0.0, False, attn_mask=_cpu_mask(blk, feats, q), scale=feats.scale)
+        return _cpu_fwd(q, k, v, True, feats.scale)
+    return _cpu_fwd(q, k, v, False, feats.scale, attn_mask=_cpu_mask(blk, feats, q))
 
 
 def _block_bwd(
@@ -461,11 +510,11 @@ def _block_bwd(
     if _use_matmul_path(q, feats):
         return _block_bwd_generic(dout, q, k, v, out, lse, blk, feats)
     if not blk.masked:
-        return _BWD(dout, q, k, v, out, lse, 0.0, False, scale=feats.scale)
+        return _cpu_bwd(dout, q, k, v, out, lse, False, feats.scale)
     if _is_plain_causal(blk, feats):
-        return _BWD(dout, q, k, v, out, lse, 0.0, True, scale=feats.scale)
+        return _cpu_bwd(dout, q, k, v, out, lse, True, feats.scale)
     mask = _cpu_mask(blk, feats, q)
-    return _BWD(dout, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=feats.scale)
+    return _cpu_bwd(dout, q, k, v, out, lse, False, feats.scale, attn_mask=mask)
 
 
 def _merge_f32(
@@ -589,26 +638,27 @@ def doc_causal_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every segment's queries to its keys.
 
-    q: ``[Lq, Hq, D]``; k, v: ``[Lk, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA: query head ``h``
-    uses KV head ``h // (Hq // Hkv)``). Segments must cover every query row exactly once and
-    name every key the rows may see (sinks join last, so pass them only with the whole set).
-    Returns ``out [Lq, Hq, D]`` and ``lse [Hq, Lq]`` (float32). ``kernel``: ``torch`` (the
+    q: ``[Lq, Hq, D]``; k, v: ``[Lk, Hkv, D]`` / ``[Lk, Hkv, Dv]`` with ``Hq % Hkv == 0``
+    (GQA: query head ``h`` uses KV head ``h // (Hq // Hkv)``). Segments must cover every
+    query row exactly once and name every key the rows may see (sinks join last, so pass
+    them only with the whole set).
+    Returns ``out [Lq, Hq, Dv]`` and ``lse [Hq, Lq]`` (float32). ``kernel``: ``torch`` (the
     block paths below) or ``torch_flash`` (PyTorch's flash op, :mod:`.torch_flash`, wherever
     it applies; the block paths otherwise).
     """
     feats = as_features(features)
     if kernel == "torch_flash":
-        if flash_applies(q, feats):
+        if flash_applies(q, feats, v):
             out, lse = varlen_forward(q, k, v, segments, feats)
             return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
     whole = _whole_block(segments, q, feats)
     if whole is not None:
         # One causal block covers everything: hand back the kernel's own tensors instead of
         # copying them into preallocated ones (which would briefly hold both).
-        o, lo = _FWD(_bhld(q), _bhld(k[whole]), _bhld(v[whole]), 0.0, True, scale=feats.scale)
+        o, lo = _cpu_fwd(_bhld(q), _bhld(k[whole]), _bhld(v[whole]), True, feats.scale)
         out, lse = _lhd(o), lo[0].float()
         return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
-    out = torch.empty_like(q)
+    out = out_like(q, v)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
     groups = (g for seg in segments for g in _segment_blocks(seg, feats.window))
     _forward_groups(q, k, v, groups, feats, out, lse)
@@ -661,13 +711,13 @@ def doc_causal_backward(
     """
     feats = as_features(features)
     if kernel == "torch_flash":
-        if flash_applies(q, feats):
+        if flash_applies(q, feats, v):
             return varlen_backward(dout, q, k, v, out, lse, segments, feats)
     if _whole_block(segments, q, feats) == slice(0, k.shape[0]):
         # Every key is read by the one causal block: its gradients are the whole dk, dv.
-        dq1, dk1, dv1 = _BWD(
+        dq1, dk1, dv1 = _cpu_bwd(
             _bhld(dout), _bhld(q), _bhld(k), _bhld(v), _bhld(out),
-            lse.unsqueeze(0).contiguous(), 0.0, True, scale=feats.scale,
+            lse.unsqueeze(0).contiguous(), True, feats.scale,
         )
         return _lhd(dq1), _lhd(dk1), _lhd(dv1)
     dq = torch.zeros_like(q)

@@ -19,6 +19,7 @@ from .kernels import (
     as_features,
     doc_causal_backward,
     doc_causal_forward,
+    out_like,
     sink_grad,
 )
 from .sharding import SPMeta, zigzag_order, zigzag_positions
@@ -93,7 +94,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, meta, feats):  # type: ignore[override]
         groups = _head_groups(q, k, meta.ctx.heads_k_stride)
-        out = torch.empty_like(q)
+        out = out_like(q, v)  # v's head dim (multi-head latent attention: not q's)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
         pending = _Gather(k[:, groups[0][1]], v[:, groups[0][1]], meta)
         for i, (qh, _) in enumerate(groups):

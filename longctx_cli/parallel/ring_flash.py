@@ -19,6 +19,7 @@ from longctx_cli.kernel_choice import import_ring_flash_module
 
 from .features import AttentionFeatures, as_features
 from .sharding import SPMeta
+from .torch_flash import pad_head_dim
 
 _MODULE = "ring_flash_attn.llama3_flash_attn_varlen"
 # ring_attn_func -> (module, function) of ring-flash-attn's P2P rings (batched, one sequence)
@@ -42,6 +43,20 @@ def _import_module(name: str = _MODULE) -> types.ModuleType:
 def flash_window(feats: AttentionFeatures) -> tuple[int, int]:
     """flash-attn's ``window_size``: with ``causal`` it sees keys ``p - left .. p``."""
     return (-1, -1) if feats.window is None else (feats.window - 1, feats.window - 1)
+
+
+def equal_head_dims(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """q, k, v padded to one head dim, and v's own (cut the output back to it).
+
+    flash-attn 2 takes one head dim for q, k and v; multi-head latent attention (DeepSeek)
+    has a value head dim unlike the q/k one. Zero padding is exact (see
+    :func:`.torch_flash.pad_head_dim`) and autograd drops the padded columns' gradients; it
+    costs the padded columns' memory and, in a ring, their communication.
+    """
+    d = max(q.shape[-1], v.shape[-1])
+    return pad_head_dim(q, d), pad_head_dim(k, d), pad_head_dim(v, d), v.shape[-1]
 
 
 def refuse_flash_sinks(sinks: torch.Tensor | None) -> None:
@@ -90,8 +105,9 @@ def flash_ring_attention(
     ctx = meta.ctx
     feats = as_features(features)
     refuse_flash_sinks(sinks)
+    q, k, v, v_dim = equal_head_dims(q, k, v)
     if ctx.sp_size == 1:
-        return _flash_single(q, k, v, meta, feats)
+        return _flash_single(q, k, v, meta, feats)[..., :v_dim]
     if feats.softcap is not None:
         raise NotImplementedError(
             f"attention logit softcapping (softcap={feats.softcap}) is not supported by "
@@ -105,7 +121,7 @@ def flash_ring_attention(
     # Bottom-right causal alignment makes flash's window relative to each query's own key
     # position, and cu_seqlens_k starts every document's keys at its start: the window is
     # clipped at the document start, as the model's mask clips it.
-    return func(
+    out = func(
         q,
         k,
         v,
@@ -121,6 +137,7 @@ def flash_ring_attention(
         window_size=flash_window(feats),
         group=ctx.sp_group,
     )
+    return out[..., :v_dim]
 
 
 def _flash_single(
@@ -184,11 +201,12 @@ def flash_p2p_attention(
     feats = as_features(features)
     module, name = _P2P[ctx.ring_attn_func]
     func = getattr(_import_module(module), name)
+    q, k, v, v_dim = equal_head_dims(q, k, v)
     out = func(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), dropout_p=0.0,
         softmax_scale=feats.scale, causal=True, group=ctx.sp_group,
     )
-    return out[0]
+    return out[0, ..., :v_dim]
 
 
 def _row_cu_seqlens(meta: SPMeta, device: torch.device) -> tuple[torch.Tensor, int]:

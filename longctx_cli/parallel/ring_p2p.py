@@ -37,6 +37,7 @@ from .kernels import (
     Piece,
     apply_sinks,
     as_features,
+    out_like,
     pieces_backward,
     pieces_forward,
     sink_grad,
@@ -160,7 +161,7 @@ class P2PRingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, meta, feats):  # type: ignore[override]
         n = meta.ctx.sp_size
         ring = _Ring(meta.ctx) if n > 1 else None
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        out = out_like(q, v, torch.float32, 0.0)  # v's head dim (MLA: not q's)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
         cur = (k.contiguous(), v.contiguous())
         spare = None  # the buffers received two steps ago, free once their send completed

@@ -202,6 +202,42 @@ def shard_batch(
     return batch
 
 
+def chunk_bounds(cu_host: tuple[int, ...], chunk: int) -> tuple[int, ...]:
+    """Segment bounds with every document (and the padding tail) cut into ``chunk``-token
+    pieces counted from its start: chunked local attention is document-causal attention over
+    these pieces."""
+    out = [cu_host[0]]
+    for start, end in zip(cu_host[:-1], cu_host[1:], strict=True):
+        out.extend(range(start + chunk, end, chunk))
+        out.append(end)
+    return tuple(out)
+
+
+def chunked_meta(meta: SPMeta, chunk: int) -> SPMeta:
+    """``meta`` as chunked local attention sees it: chunk boundaries are segment starts.
+
+    Built once per row and chunk size (every chunked layer of the row shares it). Labels are
+    not affected (they come from documents); only attention reads these bounds, so every
+    strategy and kernel that honours document boundaries honours chunks too.
+    """
+    return meta.derived(_new_chunked_meta, chunk)
+
+
+def _new_chunked_meta(meta: SPMeta, chunk: int) -> SPMeta:
+    bounds = chunk_bounds(meta.cu_host, chunk)
+    if bounds == meta.cu_host:  # no document is longer than a chunk
+        return meta
+    return SPMeta(
+        ctx=meta.ctx,
+        cu_seqlens=torch.tensor(bounds, dtype=meta.cu_seqlens.dtype,
+                                device=meta.cu_seqlens.device),
+        total_len=meta.total_len,
+        local_ranges=meta.local_ranges,
+        segments=segments_for(bounds, meta.local_ranges),
+        cu_host=bounds,
+    )
+
+
 def make_sp_meta(position_ids: torch.Tensor, ctx: ParallelState) -> SPMeta:
     """Metadata for a full (already padded) 1-D position row, without touching tokens."""
     cu_seqlens = document_cu_seqlens(position_ids.reshape(-1))

@@ -13,7 +13,9 @@ of :mod:`.kernels` needs:
 * GQA (``Hq`` a multiple of ``Hkv``, query head ``h`` reads KV head ``h // (Hq / Hkv)``);
 * the log-sum-exp ``[heads, total_q]`` in float32, and a backward that takes the *merged*
   ``out``/``lse``, so a block's gradients are exact whatever else the rows attended to;
-* fp16/bf16 only, head dim a multiple of 8 up to 256; no softcap argument.
+* fp16/bf16 only, one head dim for q, k and v, a multiple of 8 up to 256; no softcap
+  argument. (Multi-head latent attention's value head dim differs from q/k's: each call pads
+  the smaller side with zeros, :func:`pad_head_dim`.)
 
 One op call covers every segment of a *run*: consecutive segments whose key ranges follow each
 other without overlap or gap, so that ``k[k0:k1]`` is their packed keys. A contiguous shard or
@@ -80,9 +82,34 @@ def use_flash_ops(ops: FlashOps) -> FlashOps:
     return previous
 
 
-def flash_applies(q: torch.Tensor, feats: AttentionFeatures) -> bool:
-    """True when the op computes this call exactly; otherwise the caller's fallback runs."""
-    return feats.softcap is None and _ops.supports(q)
+def flash_applies(q: torch.Tensor, feats: AttentionFeatures, v: torch.Tensor | None = None
+                  ) -> bool:
+    """True when the op computes this call exactly; otherwise the caller's fallback runs.
+
+    ``v``: the values, when their head dim may differ from q's (multi-head latent
+    attention); the op then runs on both padded to the larger one (see :func:`pad_head_dim`).
+    """
+    if feats.softcap is not None:
+        return False
+    d = q.shape[-1] if v is None else max(q.shape[-1], v.shape[-1])
+    return _ops.supports(q if d == q.shape[-1] else q.new_empty(0, 1, d))
+
+
+def pad_head_dim(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` with zero columns appended to its last (head) dimension up to ``dim``.
+
+    The flash ops take one head dim for q, k and v; multi-head latent attention (DeepSeek)
+    has a value head dim unlike the q/k one. Padding the smaller side with zeros is exact:
+    zero q/k columns add nothing to any score (the scale is always passed explicitly), zero
+    value columns give zero output columns, which are cut off; their gradients are dropped.
+    """
+    extra = dim - x.shape[-1]
+    return x if extra == 0 else torch.nn.functional.pad(x, (0, extra))
+
+
+def _dense(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """What the op reads: unit last stride, head dim padded to ``dim``."""
+    return pad_head_dim(_rows_dense(x), dim)
 
 
 class _Run(NamedTuple):
@@ -160,18 +187,20 @@ def varlen_forward(
     """``out [Lq, Hq, D]`` and ``lse [Hq, Lq]`` (float32) of every segment, one op call per run."""
     runs = _runs(tuple(segments))
     causal, left, right = _mask_args(feats)
+    d, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
     results = []
     for run in runs:
         cu_q, cu_k = _device_cu(run.cu_q, q.device), _device_cu(run.cu_k, q.device)
         out, lse, *_ = _ops.forward(
-            _rows_dense(q[run.q0 : run.q1]), _rows_dense(k[run.k0 : run.k1]),
-            _rows_dense(v[run.k0 : run.k1]), cu_q, cu_k, run.max_q, run.max_k, 0.0, causal,
+            _dense(q[run.q0 : run.q1], d), _dense(k[run.k0 : run.k1], d),
+            _dense(v[run.k0 : run.k1], d), cu_q, cu_k, run.max_q, run.max_k, 0.0, causal,
             False, scale=feats.scale, window_size_left=left, window_size_right=right,
         )
-        results.append((run, out, lse))
+        results.append((run, out[..., :dv], lse))
     if len(results) == 1 and (results[0][0].q0, results[0][0].q1) == (0, q.shape[0]):
         return results[0][1], results[0][2].float()  # the op's own tensors, no copy
-    out = torch.zeros_like(q)  # rows no segment covers stay zero (there are none in practice)
+    # Rows no segment covers stay zero (there are none in practice); v's head dim.
+    out = torch.zeros((*q.shape[:-1], dv), dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32,
                      device=q.device)
     for run, o, lo in results:
@@ -187,12 +216,13 @@ def block_forward(
     causal (the feature's window included) or every key visible (``causal`` False, no window).
     Returns ``out [rows, Hq, D]`` and ``lse [Hq, rows]`` (float32)."""
     mask = _mask_args(feats) if causal else (False, -1, -1)
+    d = max(q.shape[-1], v.shape[-1])
     out, lse, *_ = _ops.forward(
-        _rows_dense(q), _rows_dense(k), _rows_dense(v), _device_cu((0, q.shape[0]), q.device),
+        _dense(q, d), _dense(k, d), _dense(v, d), _device_cu((0, q.shape[0]), q.device),
         _device_cu((0, k.shape[0]), q.device), q.shape[0], k.shape[0], 0.0, mask[0], False,
         scale=feats.scale, window_size_left=mask[1], window_size_right=mask[2],
     )
-    return out, lse.float()
+    return out[..., : v.shape[-1]], lse.float()
 
 
 def block_backward(
@@ -201,13 +231,15 @@ def block_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`block_forward`'s block given the rows' merged ``out``/``lse``."""
     mask = _mask_args(feats) if causal else (False, -1, -1)
-    return _ops.backward(
-        _rows_dense(dout), _rows_dense(q), _rows_dense(k), _rows_dense(v), _rows_dense(out),
+    d, dqk, dv = max(q.shape[-1], v.shape[-1]), q.shape[-1], v.shape[-1]
+    gq, gk, gv = _ops.backward(
+        _dense(dout, d), _dense(q, d), _dense(k, d), _dense(v, d), _dense(out, d),
         lse.contiguous(), _device_cu((0, q.shape[0]), q.device),
         _device_cu((0, k.shape[0]), q.device), q.shape[0], k.shape[0], 0.0, mask[0],
         torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device),
         scale=feats.scale, window_size_left=mask[1], window_size_right=mask[2],
     )
+    return gq[..., :dqk], gk[..., :dqk], gv[..., :dv]
 
 
 def varlen_backward(
@@ -231,15 +263,17 @@ def varlen_backward(
         # Runs of a zigzag shard may read the same keys: their dk, dv add up (in k's dtype,
         # as the ring's reduce-scatter adds ranks' partials: no extra float32 buffer).
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    d, dqk, dvd = max(q.shape[-1], v.shape[-1]), q.shape[-1], v.shape[-1]
     for run in runs:
         rows, keys = slice(run.q0, run.q1), slice(run.k0, run.k1)
         dq1, dk1, dv1 = _ops.backward(
-            _rows_dense(dout[rows]), _rows_dense(q[rows]), _rows_dense(k[keys]),
-            _rows_dense(v[keys]), _rows_dense(out[rows]), lse[:, rows].contiguous(),
+            _dense(dout[rows], d), _dense(q[rows], d), _dense(k[keys], d),
+            _dense(v[keys], d), _dense(out[rows], d), lse[:, rows].contiguous(),
             _device_cu(run.cu_q, q.device), _device_cu(run.cu_k, q.device), run.max_q,
             run.max_k, 0.0, causal, rng, unused, scale=feats.scale, window_size_left=left,
             window_size_right=right,
         )
+        dq1, dk1, dv1 = dq1[..., :dqk], dk1[..., :dqk], dv1[..., :dvd]
         if single:
             return dq1, dk1, dv1
         dq[rows] = dq1

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .kernels import AttentionFeatures, as_features, doc_causal_attention
-from .ring_flash import flash_window, refuse_flash_sinks
+from .ring_flash import equal_head_dims, flash_window, refuse_flash_sinks
 from .sharding import SPMeta, local_ranges
 
 
@@ -211,10 +211,12 @@ def _flash_full_row(
 
     cu = meta.derived(_device_cu_seqlens, q.device)
     max_len = meta.max_seqlen
-    return flash_attn_varlen_func(
+    q, k, v, v_dim = equal_head_dims(q, k, v)  # after the all-to-all: nothing padded travels
+    out = flash_attn_varlen_func(
         q, k, v, cu, cu, max_len, max_len, dropout_p=0.0, softmax_scale=feats.scale,
         causal=True, window_size=flash_window(feats), softcap=feats.softcap or 0.0,
     )
+    return out[..., :v_dim]
 
 
 def _device_cu_seqlens(meta: SPMeta, device: torch.device) -> torch.Tensor:

@@ -76,3 +76,20 @@ class ModelHead(nn.Module):
 def model_head(lm_head: nn.Module, model_config: object) -> ModelHead:
     """The head a run must use for loss and scoring of a model with this config."""
     return ModelHead(lm_head, LogitTransform.from_config(model_config))
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The decoder stack of a causal LM (it returns `last_hidden_state`), the other half of
+    the head/decoder split.
+
+    `PreTrainedModel.get_decoder` looks the decoder up through `base_model_prefix`; a family
+    whose prefix does not name the attribute holding its decoder (Llama 4's text model:
+    prefix `language_model`, decoder at `model`) gets the causal LM itself back, whose output
+    has logits but no `last_hidden_state`. The conventional `model` attribute is its decoder.
+    """
+    decoder = model.get_decoder()
+    if decoder is model:
+        inner = getattr(model, "model", None)
+        if isinstance(inner, nn.Module) and inner is not model:
+            return inner
+    return decoder

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from longctx_cli.runtime.head import decoder_of
+
 _TILED_MARK = "_longctx_tiled_mlp"
 
 
@@ -59,7 +61,7 @@ def tiled_mlp_forward(
 
 def _mlps(model: nn.Module) -> list[nn.Module]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layers = getattr(base.get_decoder(), "layers", None)
+    layers = getattr(decoder_of(base), "layers", None)
     if layers is None:
         raise ValueError("the model's decoder has no `layers`: tiled_mlp cannot find its MLPs")
     mlps = [getattr(layer, "mlp", None) for layer in layers]

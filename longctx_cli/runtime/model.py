@@ -16,7 +16,7 @@ from longctx_cli.config.schema import unfrozen_pattern
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
 from longctx_cli.parallel.mesh import ParallelState
-from longctx_cli.runtime.head import model_head
+from longctx_cli.runtime.head import decoder_of, model_head
 from longctx_cli.runtime.memory import apply_tiled_mlp
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ def apply_fsdp(model: nn.Module, mesh, config: Config | None = None) -> None:
             options["offload_policy"] = CPUOffloadPolicy()
 
     base = unwrap(model)
-    decoder = base.get_decoder()
+    decoder = decoder_of(base)
     for layer in decoder.layers:
         fully_shard(layer, mesh=mesh, **options)
     head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
@@ -267,7 +267,7 @@ def build_model(config: Config, state: ParallelState | None = None) -> nn.Module
 
         base = unwrap(model)
         try:
-            apply_tensor_parallel(base.get_decoder(), base.get_output_embeddings(), state,
+            apply_tensor_parallel(decoder_of(base), base.get_output_embeddings(), state,
                                   base.config)
         except ValueError as e:
             raise UserError(str(e), where="tensor_parallel_size",
@@ -285,7 +285,7 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     and score computed from hidden states goes through it, so none skips the transform.
     """
     base = unwrap(model)
-    return base.get_decoder(), model_head(base.get_output_embeddings(), base.config)
+    return decoder_of(base), model_head(base.get_output_embeddings(), base.config)
 
 
 def sp_hidden_states(decoder: nn.Module, batch, where: str = "base_model",

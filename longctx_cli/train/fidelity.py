@@ -42,6 +42,8 @@ PROBE_EXPERTS = 4
 PROBE_INTERMEDIATE = 64
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _EXPERT_TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token")
+# Layers before this index are dense, the rest MoE (DeepSeek): kept so the probe has both.
+_FIRST_MOE_LAYER_KEYS = ("first_k_dense_replace",)
 _DROP_KEYS = (
     "quantization_config", "_name_or_path", "dtype", "torch_dtype", "transformers_version"
 )
@@ -104,8 +106,12 @@ def shrink_config(model_config: Any) -> Any:
     """A tiny config of the same class with the same attention and logit features.
 
     Sizes shrink (hidden, heads keeping GQA, layers keeping each layer type, vocab, experts);
-    windows shrink below the probe's documents and softcaps to values a tiny model reaches, so
-    each feature is active; scalings, multipliers and sinks stay as they are.
+    windows and attention chunks shrink below the probe's documents and softcaps to values a
+    tiny model reaches, so each feature is active; scalings, multipliers and sinks stay as
+    they are. Every head dim (``head_dim`` and the ``*_head_dim`` of multi-head latent
+    attention: q/k without and with rotary, v) and latent rank (``*_lora_rank``) shrinks by
+    one factor, so their ratios (q/k vs v head dim) stay; expert groups (``n_group``,
+    ``topk_group``) shrink with the experts, and dense-then-MoE stacks keep both kinds.
     """
     fields = model_config.to_dict()
     for key in _DROP_KEYS:
@@ -120,8 +126,12 @@ def shrink_config(model_config: Any) -> Any:
     new_kv = min(kv, 2)
     new_heads = new_kv * min(groups, 4)  # GQA stays GQA (ratio kept up to 4)
     old_head_dim = int(fields.get("head_dim") or hidden // heads)
+    factor = PROBE_HEAD_DIM / old_head_dim
     rotary = float(fields.get("partial_rotary_factor") or 1.0)
     old_half, new_half = int(old_head_dim * rotary) // 2, int(PROBE_HEAD_DIM * rotary) // 2
+    if isinstance(fields.get("qk_rope_head_dim"), int):  # MLA: rotary on its own q/k part
+        old_half = fields["qk_rope_head_dim"] // 2
+        new_half = _scaled_dim(fields["qk_rope_head_dim"], factor) // 2
     fields.update(
         num_attention_heads=new_heads,
         num_key_value_heads=new_kv,
@@ -145,6 +155,10 @@ def shrink_config(model_config: Any) -> Any:
             fields[key] = min(value, PROBE_EXPERTS)
         elif key in _EXPERT_TOPK_KEYS and isinstance(value, int):
             fields[key] = min(value, 2)
+        elif key.endswith("_head_dim") and isinstance(value, int) and value > 0:
+            fields[key] = _scaled_dim(value, factor)
+        elif key.endswith("_lora_rank") and isinstance(value, int) and value > 0:
+            fields[key] = _scaled_dim(value, factor)
         elif key.endswith("_token_id") and isinstance(value, int) and value >= PROBE_VOCAB:
             fields[key] = PROBE_VOCAB - 1
         elif key.endswith("_token_id") and isinstance(value, list):
@@ -159,7 +173,32 @@ def shrink_config(model_config: Any) -> Any:
             fields[key] = 0.0  # randomness would make the two sides differ for no fault of ours
         elif key.startswith("rope") and isinstance(value, dict):
             fields[key] = _shrink_rope_lists(value, old_half, new_half)
+    _shrink_expert_groups(fields)
+    for key in _FIRST_MOE_LAYER_KEYS:
+        if isinstance(fields.get(key), int) and fields[key] > 0:
+            fields[key] = min(fields[key], new_layers - 1)
     return type(model_config).from_dict(fields)
+
+
+def _scaled_dim(value: int, factor: float) -> int:
+    """A head dim or latent rank times ``factor``, even (rotary halves it), at least 2."""
+    return max(2, 2 * round(value * factor / 2))
+
+
+def _shrink_expert_groups(fields: dict[str, Any]) -> None:
+    """Group-limited routing (DeepSeek: experts in ``n_group`` groups, a token's experts from
+    its ``topk_group`` best groups, each group scored by its top two) on the shrunk experts:
+    as many groups of at least two experts as fit, the same share of them selected."""
+    experts = next((fields[k] for k in _EXPERT_COUNT_KEYS if isinstance(fields.get(k), int)),
+                   None)
+    groups, chosen = fields.get("n_group"), fields.get("topk_group")
+    if not experts or not isinstance(groups, int) or groups < 1:
+        return
+    new = max(g for g in range(1, min(groups, experts) + 1)
+              if experts % g == 0 and (experts // g >= 2 or g == 1))
+    fields["n_group"] = new
+    if isinstance(chosen, int):
+        fields["topk_group"] = max(1, min(new, round(chosen * new / groups)))
 
 
 def active_features(tiny: Any) -> tuple[str, ...]:
@@ -175,6 +214,14 @@ def active_features(tiny: Any) -> tuple[str, ...]:
         if types:
             where = f" on {sum('sliding' in t for t in types)}/{len(types)} layers"
         found.append(f"sliding window {window}{where}")
+    chunk = getattr(text, "attention_chunk_size", None)
+    if chunk and types and "chunked_attention" in types:
+        found.append(f"chunked attention {chunk} on "
+                     f"{sum(t == 'chunked_attention' for t in types)}/{len(types)} layers")
+    qk = getattr(text, "qk_head_dim", None)
+    v_dim = getattr(text, "v_head_dim", None)
+    if qk and v_dim and qk != v_dim:
+        found.append(f"latent attention (q/k head dim {qk}, v head dim {v_dim})")
     cap = getattr(text, "attn_logit_softcapping", None)
     if cap:
         found.append(f"attention softcap {cap:g}")
@@ -214,8 +261,10 @@ def _reference(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
     Returns (loss, final hidden states, logits), hidden/logits concatenated over documents.
     """
+    from longctx_cli.runtime.head import decoder_of
+
     total, count, hidden, logits = ids.new_zeros((), dtype=torch.float32), 0, [], []
-    decoder = model.get_decoder()
+    decoder = decoder_of(model)
     for start, end in _documents(ids):
         doc = ids[start:end][None]
         with torch.no_grad():
@@ -261,6 +310,20 @@ def _refuse(model_type: str, what: str) -> UserError:
     )
 
 
+def _unchecked(model_type: str, what: str) -> UserError:
+    """The probe itself failed before anything was compared: say so, blame nobody."""
+    return UserError(
+        f"the fidelity probe could not check model type `{model_type}`: {what}. This is a "
+        "limit of longctx's probe (it builds and runs a tiny copy of the family itself), not "
+        "a finding about the model or about longctx's attention: whether longctx trains this "
+        "family exactly is unknown, so training is refused unless you choose to go on "
+        "unchecked.",
+        where="fidelity_probe",
+        fix="set `fidelity_probe: false` to train without the check (docs/families.md lists "
+        "the families CI proves exact; a family not listed there is trained unverified).",
+    )
+
+
 def run_probe(model_config: Any, trust_remote_code: bool = False) -> ProbeResult:
     """Compare longctx's sp=1 training computation with the model's own; raise UserError on
     any difference. Leaves the global RNG state as it found it."""
@@ -270,9 +333,8 @@ def run_probe(model_config: Any, trust_remote_code: bool = False) -> ProbeResult
         try:
             tiny = shrink_config(model_config)
         except Exception as e:  # any config class may reject our shrunk fields
-            raise _refuse(model_type, f"it cannot build a tiny model from this config "
-                          f"({type(e).__name__}: {_first_line(e)}), so it cannot check that "
-                          "longctx computes what the model computes;") from None
+            raise _unchecked(model_type, "longctx's own shrinking of the config to a tiny "
+                             f"model failed ({type(e).__name__}: {_first_line(e)})") from None
         return _compare(model_type, tiny, trust_remote_code, started)
 
 
@@ -304,9 +366,10 @@ def _compare(model_type: str, tiny: Any, trust_remote_code: bool, started: float
         ref_loss, ref_hidden, ref_logits = _reference(reference, ids)
         ref_loss.backward()
     except Exception as e:
-        raise _refuse(model_type, f"the model's own eager forward failed on {described} "
-                      f"({type(e).__name__}: {_first_line(e)}), so nothing can be compared;"
-                      ) from None
+        raise _unchecked(model_type, f"longctx's tiny copy of it ({described}, built from "
+                         "the probe's shrunk config) failed to build or run in the model's "
+                         "own eager forward, the reference the probe compares against "
+                         f"({type(e).__name__}: {_first_line(e)})") from None
     register_sp_attention()
     try:
         ours = _build(tiny, ATTN_IMPLEMENTATION, trust_remote_code)

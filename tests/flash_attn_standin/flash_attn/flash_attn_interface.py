@@ -77,6 +77,11 @@ def _dense_backward(dout, q, k, v, out, lse, scale, causal, window, softcap):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _check_head_dims(q, k, v) -> None:
+    """flash-attn 2 takes one head dim for q, k and v (its kernels check the shapes)."""
+    assert q.shape[-1] == k.shape[-1] == v.shape[-1], "flash-attn 2: q, k, v head dims differ"
+
+
 def _pairs(cu_q, cu_k):
     bq, bk = cu_q.tolist(), cu_k.tolist()
     return [(bq[i], bq[i + 1], bk[i], bk[i + 1]) for i in range(len(bq) - 1)]
@@ -104,6 +109,7 @@ def _flash_attn_varlen_forward(
     zero_tensors=False,
 ):
     assert dropout_p == 0 and alibi_slopes is None
+    _check_head_dims(q, k, v)
     window = (window_size_left, window_size_right)
     out = torch.zeros_like(q)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
@@ -140,6 +146,7 @@ def _flash_attn_varlen_backward(
     zero_tensors=False,
 ):
     assert dropout_p == 0 and alibi_slopes is None
+    _check_head_dims(q, k, v)
     window = (window_size_left, window_size_right)
     gq, gk, gv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for qa, qb, ka, kb in _pairs(cu_seqlens_q, cu_seqlens_k):
@@ -244,6 +251,7 @@ def flash_attn_varlen_func(
 ):
     """The public varlen entry point; differentiable through autograd of the dense math."""
     assert dropout_p == 0 and alibi_slopes is None and not return_attn_probs
+    _check_head_dims(q, k, v)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     outs = [
         _dense(q[qa:qb], k[ka:kb], v[ka:kb], scale, causal, tuple(window_size), softcap)[0]
