@@ -646,15 +646,27 @@ class Config(_Strict):
     eval_strategy: Literal["no", "steps", "epoch"] | None = Field(
         None, description="no: never; epoch: once per epoch; steps (or null): per eval_steps."
     )
+    eval_tasks: list[str] = Field(
+        ["passkey", "position_loss"],
+        description="`longctx eval` evaluations: `passkey` (grid, teacher-forced), "
+        "`position_loss` (held-out loss by position), RULER's synthetic tasks by name "
+        "(`niah_single_1`..`_3`, `niah_multikey_1`..`_3`, `niah_multivalue`, "
+        "`niah_multiquery`, `vt`, `cwe`, `fwe`; greedy generation under SP) or `ruler` for all "
+        "of them. See docs/eval.md.",
+    )
     eval_context_lengths: list[int] | None = Field(
         None,
-        description="`longctx eval` passkey grid lengths (default: 4 lengths up to sequence_len).",
+        description="`longctx eval` lengths of the passkey grid and the RULER tasks (default: 4 "
+        "lengths up to sequence_len).",
     )
     eval_depths: list[float] | None = Field(
         None, description="`longctx eval` passkey grid depths (default: 0.0, 0.25, ..., 1.0)."
     )
     eval_samples_per_cell: int = Field(
         4, ge=1, description="`longctx eval` passkey samples per (length, depth) cell."
+    )
+    eval_ruler_samples: int = Field(
+        4, ge=1, description="`longctx eval` samples per (RULER task, length)."
     )
     eval_position_buckets: int = Field(
         16, ge=1, description="`longctx eval` number of position buckets for per-position loss."

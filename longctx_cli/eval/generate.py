@@ -42,15 +42,15 @@ def run_generate(config_path: Path, checkpoint: Path, prompt_file: Path | None,
             generate_on_ranks(config, checkpoint, prompt_file.read_text(encoding="utf-8"),
                               max_new_tokens)
         return 0
+    from longctx_cli.config.plan import plan_for_ranks
     from longctx_cli.data.tokenizer import load_tokenizer
     from longctx_cli.eval.checkpoint_loading import check_intact, checkpoint_kind
-    from longctx_cli.eval.run import _check_plan
 
     checkpoint_kind(checkpoint)
     check_intact(checkpoint)
     text = _read_prompt(prompt_file)
     world = nproc_per_node or config.sequence_parallel_degree
-    _check_plan(config, world)
+    plan_for_ranks(config, world)
     n = len(prompt_ids(load_tokenizer(config), text))
     limit = config.sequence_len
     if n + max_new_tokens > limit:

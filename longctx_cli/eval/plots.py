@@ -15,6 +15,7 @@ from pathlib import Path
 
 from longctx_cli.eval.passkey_grid import GridResult
 from longctx_cli.eval.position_loss import PositionLoss
+from longctx_cli.eval.ruler_eval import RulerResult
 
 SKIPPED_NOTE = "matplotlib is not installed: PNG plots skipped (pip install matplotlib)."
 
@@ -76,6 +77,33 @@ def position_loss_plot(results: list[tuple[str, PositionLoss]], path: Path) -> b
     ax.set_ylabel("mean next-token loss")
     ax.grid(True, alpha=0.3)
     ax.legend()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def ruler_plot(results: list[tuple[str, RulerResult]], path: Path) -> bool:
+    """Score vs context length, one line per task and the average in bold, one panel per
+    model; False when skipped."""
+    if not have_matplotlib():
+        return False
+    fig = _figure(5.5 * len(results) + 1.5, 4.0)
+    axes = fig.subplots(1, len(results), squeeze=False, sharey=True)[0]
+    for ax, (label, ruler) in zip(axes, results, strict=True):
+        lengths = ruler.spec.lengths
+        for task in ruler.spec.tasks:
+            scores = [ruler.score(task, n) for n in lengths]
+            ax.plot(lengths, [math.nan if v is None else v for v in scores], marker="o",
+                    markersize=3, linewidth=1, label=task)
+        ax.plot(lengths, [ruler.average(n) for n in lengths], color="black", linewidth=2.5,
+                label="average")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_title(f"{label}: RULER average {ruler.average():.0%}")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("score")
+    axes[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.savefig(path, dpi=120)
     return True
 

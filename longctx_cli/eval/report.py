@@ -13,16 +13,20 @@ from rich.table import Table
 from longctx_cli.eval import plots
 from longctx_cli.eval.passkey_grid import EVAL_SEED, GridResult
 from longctx_cli.eval.position_loss import PositionLoss
+from longctx_cli.eval.ruler_eval import RULER_SEED, RulerResult
 
 METRIC = "teacher_forced_exact_match"
 
 
 @dataclass
 class ModelResult:
+    """One checkpoint's results; None where `eval_tasks` did not choose that evaluation."""
+
     label: str
     checkpoint: str
-    grid: GridResult
-    positions: PositionLoss
+    grid: GridResult | None
+    positions: PositionLoss | None
+    ruler: RulerResult | None = None
 
 
 def model_labels(paths: list[Path]) -> list[str]:
@@ -36,10 +40,16 @@ def model_labels(paths: list[Path]) -> list[str]:
 # ---- terminal ------------------------------------------------------------------------------
 
 
+def _colour(share: float) -> str:
+    return "green" if share >= 0.8 else "yellow" if share >= 0.4 else "red"
+
+
 def _styled(correct: int, total: int) -> str:
-    share = correct / total if total else 0.0
-    colour = "green" if share >= 0.8 else "yellow" if share >= 0.4 else "red"
-    return f"[{colour}]{correct}/{total}[/]"
+    return f"[{_colour(correct / total if total else 0.0)}]{correct}/{total}[/]"
+
+
+def _styled_share(share: float | None) -> str:
+    return "-" if share is None else f"[{_colour(share)}]{share:.0%}[/]"
 
 
 def passkey_table(results: list[ModelResult]) -> Table:
@@ -57,6 +67,37 @@ def passkey_table(results: list[ModelResult]) -> Table:
                                                  else "") + "; overall: " + ", ".join(
         f"{r.label} {r.grid.accuracy:.1%}" for r in results)
     return table
+
+
+def ruler_table(results: list[ModelResult]) -> Table:
+    """Rows: RULER tasks and their average; columns: lengths; cells: score per model."""
+    spec = results[0].ruler.spec
+    table = Table(title="RULER (greedy generation, string match)")
+    table.add_column("task")
+    for length in spec.lengths:
+        table.add_column(f"{length} tok", justify="center")
+
+    def cell(values: list[float | None]) -> str:
+        return " -> ".join(map(_styled_share, values))
+
+    for task in spec.tasks:
+        table.add_row(task, *[cell([r.ruler.score(task, n) for r in results])
+                              for n in spec.lengths])
+    table.add_row("[bold]average[/]", *[cell([r.ruler.average(n) for r in results])
+                                        for n in spec.lengths])
+    table.caption = (f"{spec.samples} samples per cell"
+                     + (", first -> second model" if len(results) > 1 else "")
+                     + "; RULER average: " + ", ".join(f"{r.label} {r.ruler.average():.1%}"
+                                                       for r in results))
+    return table
+
+
+def tables(results: list[ModelResult]) -> list[Table]:
+    """The tables of the evaluations that ran, in a fixed order."""
+    first = results[0]
+    return ([passkey_table(results)] if first.grid is not None else []) + \
+        ([position_table(results)] if first.positions is not None else []) + \
+        ([ruler_table(results)] if first.ruler is not None else [])
 
 
 def _fmt(value: float) -> str:
@@ -132,27 +173,50 @@ def write_position_files(results: list[ModelResult], sequence_len: int, director
                                  row["end"], row["tokens"], loss])
 
 
+def write_ruler_json(results: list[ModelResult], path: Path) -> None:
+    spec = results[0].ruler.spec
+    data = {
+        "metric": "RULER string match (all: share of gold strings found; part: any found)",
+        "tasks": spec.tasks,
+        "lengths": spec.lengths,
+        "samples_per_cell": spec.samples,
+        "seed": RULER_SEED,
+        "models": [{"label": r.label, "checkpoint": r.checkpoint, **r.ruler.to_dict()}
+                   for r in results],
+    }
+    path.write_text(json.dumps(_json_safe(data), indent=2) + "\n")
+
+
 def write_all(results: list[ModelResult], sequence_len: int, directory: Path,
               metrics: Path | None = None) -> list[str]:
-    """Write every output into `directory` (+ the loss curve of `metrics`, the training
-    run's metrics.jsonl, when it exists); return lines to show the user."""
+    """Write every output of the evaluations that ran into `directory` (+ the loss curve of
+    `metrics`, the training run's metrics.jsonl, when it exists); lines to show the user."""
     directory.mkdir(parents=True, exist_ok=True)
-    write_passkey_json(results, directory / "passkey.json")
-    write_position_files(results, sequence_len, directory)
-    written = ["passkey.json", "position_loss.json", "position_loss.csv"]
-    heatmap = plots.passkey_heatmap([(r.label, r.grid) for r in results],
-                                    directory / "passkey_heatmap.png")
-    line = plots.position_loss_plot([(r.label, r.positions) for r in results],
-                                    directory / "position_loss.png")
+    first = results[0]
+    written: list[str] = []
+    pictures: list[tuple[str, str, bool]] = []  # (what, file, written)
+    if first.grid is not None:
+        write_passkey_json(results, directory / "passkey.json")
+        written.append("passkey.json")
+        pictures.append(("passkey heatmap", "passkey_heatmap.png", plots.passkey_heatmap(
+            [(r.label, r.grid) for r in results], directory / "passkey_heatmap.png")))
+    if first.positions is not None:
+        write_position_files(results, sequence_len, directory)
+        written += ["position_loss.json", "position_loss.csv"]
+        pictures.append(("loss by position", "position_loss.png", plots.position_loss_plot(
+            [(r.label, r.positions) for r in results], directory / "position_loss.png")))
+    if first.ruler is not None:
+        write_ruler_json(results, directory / "ruler.json")
+        written.append("ruler.json")
+        pictures.append(("RULER scores", "ruler.png", plots.ruler_plot(
+            [(r.label, r.ruler) for r in results], directory / "ruler.png")))
     curve = metrics is not None and plots.loss_curve_plot(metrics, directory / "loss_curve.png")
-    written += [name for name, ok in (("passkey_heatmap.png", heatmap),
-                                      ("position_loss.png", line),
-                                      ("loss_curve.png", curve)) if ok]
+    pictures.append(("training loss curve", "loss_curve.png", curve))
+    written += [name for _, name, ok in pictures if ok]
     lines = [f"wrote {directory}/: " + ", ".join(written)]
     # The pictures a newcomer looks for first, each on its own line with its full path.
-    lines += [f"{what}: {directory / name}" for what, name, ok in (
-        ("passkey heatmap", "passkey_heatmap.png", heatmap),
-        ("training loss curve", "loss_curve.png", curve)) if ok]
-    if not (heatmap and line):
+    lines += [f"{what}: {directory / name}" for what, name, ok in pictures
+              if ok and name != "position_loss.png"]
+    if not plots.have_matplotlib():
         lines.append(plots.SKIPPED_NOTE)
     return lines

@@ -1,14 +1,17 @@
 """`longctx eval`: validate, then run torchrun with ourselves as the entry point.
 
 Outside a torchrun environment the command checks the config, the checkpoint folder(s) and
-the passkey grid, builds (or reuses) the data cache, and starts the same launch as `train`
-with `-m longctx_cli eval ...`. Inside one, every rank loads the model(s) and evaluates:
-each SP group runs one sequence-parallel forward per row, data-parallel groups split the
-rows, and rank 0 prints the tables and writes `<output_dir>/eval/`.
+the evaluations `eval_tasks` chooses (passkey grid, held-out loss by position, RULER tasks),
+builds (or reuses) the data cache when held-out rows are needed, and starts the same launch
+as `train` with `-m longctx_cli eval ...`. Inside one, every rank loads the model(s) and
+evaluates: each SP group runs sequence-parallel forwards (and, for RULER, greedy decoding
+from a sharded KV cache), data-parallel groups split the samples, and rank 0 prints the
+tables and writes `<output_dir>/eval/`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,6 +25,7 @@ if TYPE_CHECKING:
 
     from longctx_cli.eval.passkey_grid import GridSpec
     from longctx_cli.eval.report import ModelResult
+    from longctx_cli.eval.ruler_eval import RulerSpec
     from longctx_cli.parallel.mesh import ParallelState
 
 
@@ -36,6 +40,35 @@ def _no_held_out() -> UserError:
 def _launch_args(config_path: Path, checkpoint: Path, compare: Path | None) -> list[str]:
     args = ["eval", str(config_path), "--checkpoint", str(checkpoint)]
     return args + (["--compare", str(compare)] if compare is not None else [])
+
+
+@dataclass(frozen=True)
+class EvalSpecs:
+    """What `eval_tasks` asks for, checked: None where an evaluation is not chosen."""
+
+    grid: GridSpec | None
+    positions: bool
+    ruler: RulerSpec | None
+
+
+def eval_specs(config: Config, tokenizer: PreTrainedTokenizerBase) -> EvalSpecs:
+    """The evaluations of `eval_tasks`, each checked against the config and tokenizer (an
+    impossible grid or task length fails here, before any rank starts)."""
+    from longctx_cli.config.model_shape import read_model_config
+    from longctx_cli.eval.passkey_grid import default_lengths, grid_spec
+    from longctx_cli.eval.ruler_eval import expand_tasks, ruler_spec
+
+    others, ruler_tasks = expand_tasks(config.eval_tasks)
+    if not others and not ruler_tasks:
+        raise UserError("`eval_tasks` is empty: nothing to evaluate.", where="eval_tasks",
+                        fix="e.g. `eval_tasks: [passkey, position_loss, ruler]`.")
+    ruler = None
+    if ruler_tasks:
+        shape = read_model_config(config)
+        ruler = ruler_spec(config, tokenizer, ruler_tasks, default_lengths(config.sequence_len),
+                           shape.max_position_embeddings)
+    grid = grid_spec(config, tokenizer) if "passkey" in others else None
+    return EvalSpecs(grid, "position_loss" in others, ruler)
 
 
 def run_eval(
@@ -59,30 +92,21 @@ def run_eval(
         if path is not None:
             checkpoint_kind(path)
             check_intact(path)  # a damaged folder fails here, once, before any rank starts
-    if not config.val_set_size and not config.eval_datasets:
-        raise _no_held_out()
     # Forward only: SP so long rows fit; by default one SP group, more ranks add DP groups.
     world = nproc_per_node or config.sequence_parallel_degree
-    _check_plan(config, world)
-
+    from longctx_cli.config.plan import plan_for_ranks
     from longctx_cli.data.prepare import prepare
     from longctx_cli.data.tokenizer import load_tokenizer
-    from longctx_cli.eval.passkey_grid import grid_spec
 
+    plan_for_ranks(config, world)
     tokenizer = load_tokenizer(config)
-    grid_spec(config, tokenizer)  # an impossible grid fails here, before any rank starts
-    if prepare(config, tokenizer).eval is None:
-        raise _no_held_out()
+    specs = eval_specs(config, tokenizer)
+    if specs.positions:
+        if not config.val_set_size and not config.eval_datasets:
+            raise _no_held_out()
+        if prepare(config, tokenizer).eval is None:
+            raise _no_held_out()
     return launch_torchrun(_launch_args(config_path, checkpoint, compare), world, world)
-
-
-def _check_plan(config: Config, world: int) -> None:
-    """The rules `validate` applies (SP degree vs world, heads, kernel) for this world."""
-    from longctx_cli.config.model_shape import read_model_config
-    from longctx_cli.config.plan import build_plan
-
-    build_plan(config, world, read_model_config(config), nproc_per_node=world,
-               world_source=f"--nproc-per-node {world}")
 
 
 def evaluate(config: Config, checkpoint: Path, compare: Path | None) -> None:
@@ -93,7 +117,6 @@ def evaluate(config: Config, checkpoint: Path, compare: Path | None) -> None:
     from longctx_cli.data.tokenizer import load_tokenizer
     from longctx_cli.data.tokenizer import pad_id as tokenizer_pad_id
     from longctx_cli.eval import report
-    from longctx_cli.eval.passkey_grid import grid_spec
     from longctx_cli.runtime.distributed import (
         init_distributed,
         init_parallel,
@@ -105,19 +128,21 @@ def evaluate(config: Config, checkpoint: Path, compare: Path | None) -> None:
     rank = dist.get_rank()
     tokenizer = load_tokenizer(config)
     pad_id = tokenizer_pad_id(tokenizer)
-    _, rows = load_rows(config, tokenizer)
-    if rows is None:
-        raise _no_held_out()
-    spec = grid_spec(config, tokenizer)
+    specs = eval_specs(config, tokenizer)
+    rows = None
+    if specs.positions:
+        _, rows = load_rows(config, tokenizer)
+        if rows is None:
+            raise _no_held_out()
     paths = [checkpoint] + ([compare] if compare is not None else [])
     results = [
-        evaluate_model(config, path, label, spec, tokenizer, rows, state, pad_id, rank == 0)
+        evaluate_model(config, path, label, specs, tokenizer, rows, state, pad_id, rank == 0)
         for path, label in zip(paths, report.model_labels(paths), strict=True)
     ]
     if rank == 0:
         console = Console()
-        console.print(report.passkey_table(results))
-        console.print(report.position_table(results))
+        for table in report.tables(results):
+            console.print(table)
         output_dir = Path(config.output_dir)
         for line in report.write_all(results, config.sequence_len, output_dir / "eval",
                                      output_dir / "metrics.jsonl"):
@@ -131,26 +156,33 @@ def evaluate_model(
     config: Config,
     path: Path,
     label: str,
-    spec: GridSpec,
+    specs: EvalSpecs,
     tokenizer: PreTrainedTokenizerBase,
-    rows: Dataset,
+    rows: Dataset | None,
     state: ParallelState,
     pad_id: int,
     show_progress: bool,
 ) -> ModelResult:
-    """Load one checkpoint and run both evaluations on it (collective: every rank calls)."""
+    """Load one checkpoint and run the chosen evaluations on it (collective)."""
     from longctx_cli.eval.checkpoint_loading import load_for_eval
     from longctx_cli.eval.passkey_grid import run_passkey_grid
     from longctx_cli.eval.position_loss import position_loss
     from longctx_cli.eval.report import ModelResult
+    from longctx_cli.eval.ruler_eval import run_ruler
     from longctx_cli.runtime.model import decoder_and_head
 
     model = load_for_eval(config, path).to(state.device)
     decoder, lm_head = decoder_and_head(model)
-    grid = run_passkey_grid(decoder, lm_head, tokenizer, spec, state, pad_id, show_progress,
-                            label)
-    positions = position_loss(
-        decoder, lm_head, rows, config.sequence_len, config.eval_position_buckets, state, pad_id,
-        config.loss_chunk_size, show_progress, label,
-    )
-    return ModelResult(label, str(path.resolve()), grid, positions)
+    grid = positions = ruler = None
+    if specs.grid is not None:
+        grid = run_passkey_grid(decoder, lm_head, tokenizer, specs.grid, state, pad_id,
+                                show_progress, label)
+    if specs.positions:
+        positions = position_loss(
+            decoder, lm_head, rows, config.sequence_len, config.eval_position_buckets, state,
+            pad_id, config.loss_chunk_size, show_progress, label,
+        )
+    if specs.ruler is not None:
+        ruler = run_ruler(decoder, lm_head, tokenizer, specs.ruler, state, pad_id,
+                          show_progress, label)
+    return ModelResult(label, str(path.resolve()), grid, positions, ruler)

@@ -296,9 +296,10 @@ def sp_hidden_states(decoder: nn.Module, batch, where: str = "base_model",
     then attend only to its own slice, silently. `where` names what the user should change.
     `cache` (a transformers `Cache`) keeps this rank's keys and values for decoding.
     """
+    cached = {} if cache is None else {"past_key_values": cache, "use_cache": True}
     hidden = decoder(
         input_ids=batch.input_ids, position_ids=batch.position_ids, sp_meta=batch.sp_meta,
-        past_key_values=cache, use_cache=cache is not None,
+        **cached,
     ).last_hidden_state
     if batch.sp_meta.attention_calls == 0:
         raise UserError(
