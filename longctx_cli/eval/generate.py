@@ -185,6 +185,7 @@ def _greedy_with_cache(decoder, lm_head, prompt, max_new_tokens, state, pad_id, 
     from transformers import DynamicCache
 
     from longctx_cli.parallel.decode import DecodeMeta
+    from longctx_cli.runtime.model import cache_kwargs
 
     new: list[int] = []
     with torch.no_grad():
@@ -197,7 +198,7 @@ def _greedy_with_cache(decoder, lm_head, prompt, max_new_tokens, state, pad_id, 
             position = len(prompt) + len(new) - 1
             hidden = decoder(input_ids=torch.tensor([[token]], device=device),
                              position_ids=torch.tensor([[position]], device=device),
-                             past_key_values=cache, use_cache=True, sp_meta=meta
+                             sp_meta=meta, **cache_kwargs(decoder, cache)
                              ).last_hidden_state
             token = _agree(state, int(lm_head(hidden[0, -1:]).argmax(dim=-1)[0]), device)
             new.append(token)

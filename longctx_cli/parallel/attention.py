@@ -105,6 +105,7 @@ _NEUTRAL_KWARGS = frozenset(
         "position_ids",
         "cache_position",
         "use_cache",
+        "cache",  # transformers >= 5.2x names the KV cache `cache`
         "past_key_values",
         "past_key_value",
         "output_attentions",

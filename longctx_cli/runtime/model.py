@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from typing import Any
@@ -184,6 +185,7 @@ def apply_fsdp(model: nn.Module, mesh, config: Config | None = None) -> None:
             options["offload_policy"] = CPUOffloadPolicy()
 
     base = unwrap(model)
+    keep_4bit_state_on_modules(base)
     decoder = decoder_of(base)
     for layer in decoder.layers:
         fully_shard(layer, mesh=mesh, **options)
@@ -197,6 +199,39 @@ def apply_fsdp(model: nn.Module, mesh, config: Config | None = None) -> None:
         fully_shard(head, mesh=mesh, **options)
     fully_shard(decoder, mesh=mesh, **options)
     fully_shard(model, mesh=mesh, **options)
+
+
+def keep_4bit_state_on_modules(model: nn.Module) -> int:
+    """FSDP-QLoRA: make every bitsandbytes 4-bit layer hold its quantization state itself.
+
+    A 4-bit weight is a `Params4bit` tensor of packed bytes (uint8 by default, shape
+    `[n, 1]`) whose `quant_state` (block scales, code, original shape) says how to read
+    them. FSDP2 shards it along its first dimension like any tensor, and in forward and
+    backward puts a plain gathered tensor in its place, without that attribute;
+    `Linear4bit.forward` then takes the state from the module
+    (`fix_4bit_weight_quant_state_from_module`). transformers' loader sets the module's
+    copy; this checks it (and sets it from the weight where missing), so a layer can never
+    run on bytes it cannot read. FSDP2 casts no integer parameter (mixed precision is for
+    floating ones only) and gathers a group of mixed dtypes as bytes, so the gathered
+    weights are bit for bit the quantized ones. Returns the number of 4-bit layers."""
+    import sys
+
+    if "bitsandbytes" not in sys.modules:  # loading a quantized model imports it
+        return 0
+    from bitsandbytes.nn import Linear4bit
+
+    count = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear4bit):
+            continue
+        state = getattr(module.weight, "quant_state", None)
+        if state is None:
+            state = getattr(module, "quant_state", None)
+        if state is None:
+            raise RuntimeError(f"4-bit layer {name} has no quantization state to shard with")
+        module.quant_state = state
+        count += 1
+    return count
 
 
 def keep_float32_master_weights(model: nn.Module) -> None:
@@ -288,6 +323,19 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return decoder_of(base), model_head(base.get_output_embeddings(), base.config)
 
 
+def cache_kwargs(decoder: nn.Module, cache: Any) -> dict[str, Any]:
+    """The keyword arguments that hand `cache` to the decoder's forward ({} for no cache).
+
+    transformers renamed the decoder's `past_key_values` argument to `cache` (5.2x; the
+    old name warns until it is removed), so the name is read off the forward's signature.
+    """
+    if cache is None:
+        return {}
+    name = "cache" if "cache" in inspect.signature(decoder.forward).parameters else (
+        "past_key_values")
+    return {name: cache, "use_cache": True}
+
+
 def sp_hidden_states(decoder: nn.Module, batch, where: str = "base_model",
                      cache: Any = None) -> torch.Tensor:
     """Hidden states `[local_tokens, hidden]` of this rank's slice of a sharded row.
@@ -296,10 +344,9 @@ def sp_hidden_states(decoder: nn.Module, batch, where: str = "base_model",
     then attend only to its own slice, silently. `where` names what the user should change.
     `cache` (a transformers `Cache`) keeps this rank's keys and values for decoding.
     """
-    cached = {} if cache is None else {"past_key_values": cache, "use_cache": True}
     hidden = decoder(
         input_ids=batch.input_ids, position_ids=batch.position_ids, sp_meta=batch.sp_meta,
-        **cached,
+        **cache_kwargs(decoder, cache),
     ).last_hidden_state
     if batch.sp_meta.attention_calls == 0:
         raise UserError(
