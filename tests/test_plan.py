@@ -6,6 +6,7 @@ import io
 from dataclasses import replace
 
 import pytest
+import torch
 from rich.console import Console
 
 from longctx_cli.config import config_from_dict
@@ -532,6 +533,33 @@ def test_attention_dropout_is_refused_and_overrides_of_model_config_turn_it_off(
     from longctx_cli.runtime.model import model_config_of
 
     assert model_config_of(fixed).attention_dropout == 0.0  # what the ranks build
+
+
+def test_router_aux_loss_is_refused_and_overrides_of_model_config_turn_it_off():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    moe = {"model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64,
+           "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 8, "vocab_size": 64, "output_router_logits": True,
+           "router_aux_loss_coef": 0.01}
+    # The refusal is true: the model's own training loss carries the router loss.
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**moe))
+    ids = torch.randint(0, 64, (1, 16))
+    with_aux = model(ids, labels=ids).loss
+    model.config.output_router_logits = False
+    assert abs(float(with_aux - model(ids, labels=ids).loss)) > 1e-4
+    config = cfg(model_config=moe, tokenizer="byte")
+    with pytest.raises(UserError) as exc:
+        build_plan(config, 1, read_model_config(config), platform=CPU)
+    msg = " ".join(str(exc.value).split())
+    assert msg.startswith("overrides_of_model_config: the model's config has "
+                          "output_router_logits: true"), msg
+    assert "Fix: add `overrides_of_model_config: {output_router_logits: false}`" in msg
+    fixed = cfg(model_config=moe, tokenizer="byte",
+                overrides_of_model_config={"output_router_logits": False})
+    assert build_plan(fixed, 1, read_model_config(fixed), platform=CPU).kernel == "torch"
 
 
 def test_overrides_of_model_config_apply_to_a_saved_model(tmp_path):

@@ -246,13 +246,22 @@ def estimate_memory(
     notes: list[str] = []
     b = DTYPE_BYTES[config.dtype]
     full_params = shape.parameter_count()
-    full_trainable = (lora_parameter_count(config, shape)[0] if config.adapter == "lora"
+    full_trainable = (lora_parameter_count(config, shape)[0] if config.adapter is not None
                       else full_params)
     tp, sp = layout.tp, layout.sp
     # TP: weights, projections, attention heads and logits columns are 1/tp per rank.
     shape = tp_rules.tp_local_shape(shape, tp)
     base = shape.parameter_count()
     local_tokens = config.micro_batch_size * config.sequence_len // sp
+    # The base's weights as stored. bitsandbytes packs the decoder's linear weights into 4
+    # or 8 bits and keeps their scales on the modules (attributes, which FSDP2 does not
+    # shard); embeddings, norms and lm_head keep the dtype.
+    weight_bytes, packed_bytes, replicated = base * b, 0, 0
+    if config.load_in_4bit or config.load_in_8bit:
+        linear = shape.num_hidden_layers * sum(a * o for a, o in shape.linear_shapes().values())
+        packed, scales = quantized_weight_bytes(config)
+        packed_bytes, replicated = int(linear * packed), int(linear * scales)
+        weight_bytes += packed_bytes - linear * b
     if config.adapter is not None:
         trainable, unmatched = lora_parameter_count(config, shape)
         if unmatched:
@@ -260,13 +269,7 @@ def estimate_memory(
                 f"lora_target_modules {unmatched} are not Llama-style linear names; "
                 "they are left out of the estimate."
             )
-        param_bytes, train_bytes = base * b + trainable * LORA_BYTES, LORA_BYTES
-        if config.load_in_4bit or config.load_in_8bit:
-            # bitsandbytes stores the decoder's linear weights in 4 or 8 bits (plus ~3% of
-            # block scales); embeddings, norms and lm_head keep the dtype.
-            linear = shape.num_hidden_layers * sum(a * o for a, o in shape.linear_shapes().values())
-            quant = 0.53 if config.load_in_4bit else 1.03
-            param_bytes -= linear * b - int(linear * quant)
+        param_bytes, train_bytes = weight_bytes + trainable * LORA_BYTES, LORA_BYTES
     elif config.dtype == "float16":
         # fp16 full fine-tuning keeps float32 master weights (train/precision.py); autocast
         # holds an fp16 copy of each weight it casts during the forward.
@@ -277,10 +280,18 @@ def estimate_memory(
     if config.activation_offloading and host_is_device:
         notes.append("activation_offloading frees nothing on a CPU run: host memory is the "
                      "memory the run computes in.")
-    # FSDP2 shards weights, grads and state over the ranks holding the same TP shard.
-    shard = world_size // tp if layout.fsdp else 1
-    # FSDP2 all-gathers one layer at a time and prefetches the next: two full layers live.
-    gathered = 2 * (base // max(1, shape.num_hidden_layers)) * b if layout.fsdp else 0
+    # FSDP2 shards weights, grads and state over the ranks holding the same TP shard (of one
+    # replica under HSDP).
+    shard = world_size // (tp * layout.dp_replicate) if layout.fsdp else 1
+    if layout.fsdp and packed_bytes:
+        notes.append(
+            f"FSDP-QLoRA: the packed {'4' if config.load_in_4bit else '8'}-bit weights "
+            f"({format_gib(packed_bytes)}) are sharded over {shard} ranks, "
+            f"{format_gib(packed_bytes // shard)} per rank; their quantization scales "
+            f"({format_gib(replicated)}) stay whole on every rank.")
+    # FSDP2 all-gathers one layer at a time and prefetches the next: two full layers live
+    # (of a quantized base, its packed bytes).
+    gathered = 2 * (weight_bytes // max(1, shape.num_hidden_layers)) if layout.fsdp else 0
     moments = 0 if config.optimizer == "sgd" else 2  # AdamW: exp_avg and exp_avg_sq
     if config.optimizer.startswith("lion") or config.optimizer.startswith("paged_lion"):
         moments = 1
@@ -289,7 +300,7 @@ def estimate_memory(
     if tp > 1 and config.gradient_checkpointing:
         saved //= tp  # the layer inputs kept are the residual stream: 1/tp of the tokens
     estimate = MemoryEstimate(
-        parameters=param_bytes // shard + gathered,
+        parameters=param_bytes // shard + replicated + gathered,
         gradients=trainable * train_bytes // shard,
         optimizer=int(moments * trainable * train_bytes * state_scale) // shard,
         activations=saved,
@@ -303,6 +314,25 @@ def estimate_memory(
         ),
     )
     return estimate, notes
+
+
+def quantized_weight_bytes(config: Config) -> tuple[float, float]:
+    """Bytes per weight of a bitsandbytes linear layer: (the packed weight, its scales).
+
+    4-bit: two weights a byte and a float32 absmax per block of 64 (bitsandbytes' block
+    size), or with double quantization (the default) an 8-bit absmax per block plus a
+    float32 scale per 256 of those. 8-bit: a byte and a float32 scale per row (~3% at most)."""
+    if not config.load_in_4bit:
+        return 1.0, 0.03
+    kwargs = config.bnb_config_kwargs or {}
+    nested = kwargs.get("bnb_4bit_use_double_quant", True)
+    return 0.5, (1 / 64 + 4 / (64 * 256)) if nested else 4 / 64
+
+
+def format_gib(n: int) -> str:
+    if n < GIB:
+        return f"{n / 1024**2:.1f} MiB"
+    return f"{n / GIB:.2f} GiB" if n < 10 * GIB else f"{n / GIB:.1f} GiB"
 
 
 def _optimizer_state_scale(optimizer: str, train_bytes: int) -> float:

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from longctx_cli.config import tp_rules
 from longctx_cli.config.memory import (
-    GIB,
     MemoryEstimate,
     attention_buffer_bytes,
     estimate_memory,
+    format_gib,
     tiled_scores_run,
 )
 from longctx_cli.config.model_shape import ModelShape, read_model_config
@@ -28,6 +28,7 @@ from longctx_cli.config.rules import (
     check_attention_dropout,
     check_heads,
     check_query_position_scaling,
+    check_router_aux_loss,
     check_sequence_len,
     layout_for,
 )
@@ -248,12 +249,6 @@ def fsdp_detail(config: Config, layout: Layout) -> str:
     return ", ".join(parts)
 
 
-def format_gib(n: int) -> str:
-    if n < GIB:
-        return f"{n / 1024**2:.1f} MiB"
-    return f"{n / GIB:.2f} GiB" if n < 10 * GIB else f"{n / GIB:.1f} GiB"
-
-
 def _count(n: int) -> str:
     for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
         if n >= div:
@@ -304,6 +299,7 @@ def build_plan(
     check_without_model(config, world_size, world_source)
     tp_rules.check_tp_model(config, shape)
     check_attention_dropout(shape)
+    check_router_aux_loss(shape)
     platform = platform or Platform.detect()
     assumed: list[str] = []
     if assume_gpu and not platform.cuda and config.attention_kernel == "flash":

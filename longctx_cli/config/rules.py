@@ -109,6 +109,24 @@ def check_attention_dropout(shape: ModelShape) -> None:
         )
 
 
+def check_router_aux_loss(shape: ModelShape) -> None:
+    """A mixture-of-experts config with `output_router_logits: true` makes the model's own
+    training add `router_aux_loss_coef` x the load-balancing loss to the language-model loss;
+    longctx trains the language-model loss alone, so such a config is refused."""
+    coef = shape.config_value("router_aux_loss_coef")
+    if shape.config_value("output_router_logits") is True and (
+            not isinstance(coef, (int, float)) or coef > 0):
+        raise UserError(
+            "the model's config has output_router_logits: true, with which its own training "
+            f"adds router_aux_loss_coef ({coef}) x the router load-balancing loss to the loss; "
+            "longctx trains the language-model loss alone, so it would train differently "
+            "from the model's own training.",
+            where="overrides_of_model_config",
+            fix="add `overrides_of_model_config: {output_router_logits: false}` to train with "
+            "the language-model loss alone (the routers still learn through it).",
+        )
+
+
 def check_query_position_scaling(config: Config, shape: ModelShape, layout: Layout) -> None:
     """Llama 4's attention temperature tuning scales its NoPE layers' queries by
     ``log1p(floor((i + 1) / floor_scale)) * attn_scale + 1`` of ``i = arange(input length)``,
@@ -213,12 +231,30 @@ def chunked_attention(shape: ModelShape) -> bool:
 def _check_adapter(config: Config) -> None:
     if config.adapter is None:
         return
-    if config.fsdp and (config.load_in_4bit or config.load_in_8bit):
+    if config.fsdp and config.load_in_8bit:
+        # FSDP-QLoRA (4-bit) works: FSDP2 shards the packed weights as plain uint8 tensors and
+        # bitsandbytes finds each layer's quantization state on the module again. The 8-bit
+        # layer keeps its row scales (SCB) on the weight tensor itself, which FSDP2 replaces.
         raise UserError(
-            "FSDP with a bitsandbytes-quantized base (qlora / load_in_4bit / load_in_8bit) is "
-            "not supported yet.",
-            fix="turn FSDP off (fsdp, fsdp_config, deepspeed, dp_shard_size) for QLoRA: the "
-            "4-bit base is small, and sequence parallelism still splits the sequence.",
+            "FSDP with an 8-bit base (`load_in_8bit`) cannot run: bitsandbytes' 8-bit layers "
+            "keep their row scales on the weight tensor, and FSDP2 replaces that tensor with "
+            "its gathered copy, which has none (the first forward fails).",
+            where="load_in_8bit",
+            fix="use `adapter: qlora` (a 4-bit base, which FSDP shards), or turn FSDP off "
+            "(fsdp, fsdp_config, deepspeed, dp_shard_size) for the 8-bit base.",
+        )
+    if config.tensor_parallel_size > 1 and (config.load_in_4bit or config.load_in_8bit):
+        bits = 4 if config.load_in_4bit else 8
+        raise UserError(
+            f"`tensor_parallel_size` = {config.tensor_parallel_size} with a {bits}-bit base "
+            "cannot run: TP turns each linear weight into a DTensor of its rows or columns, "
+            "but a bitsandbytes weight is a packed tensor whose quantization state describes "
+            "the whole matrix, and bitsandbytes cannot wrap the DTensor (the first forward "
+            "fails).",
+            where="tensor_parallel_size",
+            fix="use `tensor_parallel_size: 1`: sequence parallelism splits the sequence and "
+            "FSDP (`fsdp: true`) shards the 4-bit base; or train `adapter: lora` on a "
+            "full-precision base with TP.",
         )
     targets = config.lora_target_modules
     if not targets or (isinstance(targets, str) and not targets.strip()):

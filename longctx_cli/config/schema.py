@@ -605,10 +605,11 @@ class Config(_Strict):
     )
     load_in_4bit: bool = Field(
         False, description="Quantize the base weights to 4 bits (bitsandbytes NF4); needs an "
-        "adapter."
+        "adapter. With `fsdp` the packed weights are sharded too (FSDP-QLoRA); not with TP."
     )
     load_in_8bit: bool = Field(
-        False, description="Quantize the base weights to 8 bits (bitsandbytes); needs an adapter."
+        False, description="Quantize the base weights to 8 bits (bitsandbytes); needs an "
+        "adapter; not with FSDP or TP."
     )
     bnb_config_kwargs: dict[str, Any] | None = Field(
         None, description="Extra BitsAndBytesConfig arguments, e.g. `{bnb_4bit_quant_type: fp4}`."
