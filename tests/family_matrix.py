@@ -1,12 +1,20 @@
 """The family matrix: each model family, with its features active, trains under longctx
-exactly as the model's own Hugging Face training does -- at sp=1 and under every SP strategy.
+exactly as the model's own Hugging Face training does -- at sp=1 and under every SP strategy,
+hybrid Ulysses x ring, tensor parallelism and the ``torch_flash`` kernel.
 
 The reference for every cell is the model's own training: `forward(labels=...)` one document
 at a time, eager attention, the loss token-weighted over the step, the same optimizer. The
-longctx side is the trainer's own step (`build_model`, `shard_batch`, `train_step`), after the
-fidelity probe the trainer runs first. Tiny models (hidden 32, 2 layers, vocab 128) on packed
+longctx side is what `longctx train` runs: the plan's rules (`build_plan`, as the launcher
+checks them), the fidelity probe, then the trainer's own step (`build_model`, `shard_batch`,
+`train_step`) on the plan's layout. Tiny models (hidden 32, 2 layers, vocab 128) on packed
 rows of 62-64 tokens, windows of 8 tokens (shorter than most documents), softcaps of 1.0 and
 scales far from 1, so every feature changes the loss (`activity` proves it per feature).
+
+A column (`COLUMNS`) is one layout on a world of 1, 2 or 4 processes. A cell is "exact", or
+"refused: <what the refusal says>" where longctx refuses the combination (`Column.refuses`).
+The ``torch_flash`` kernel runs on CUDA in bf16/fp16 only: its columns are planned for that
+machine (an H100, bf16) and computed here in fp32 on the CPU stand-in of PyTorch's flash op
+(tests/torch_flash_standin.py, float64 math), which must be called.
 
 `docs/families.md` is generated from this module (`python -m tests.family_matrix >
 docs/families.md`); tests/test_family_matrix.py runs the matrix and checks the page is fresh.
@@ -15,6 +23,7 @@ docs/families.md`); tests/test_family_matrix.py runs the matrix and checks the p
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,15 +136,16 @@ FAMILIES = [
            {"NoPE layer": {"no_rope_layers": [1, 1]}}),
     Family("exaone4", "exaone4", _sliding(head_dim=8, layer_types=SLIDING_THEN_FULL),
            {"per-layer sliding window": {"layer_types": ALL_FULL}}),
-    # Multi-head latent attention: q/k head dim 8 + 4 (no rotary, rotary), values 8; low-rank
+    # Multi-head latent attention: q/k head dim 12 + 4 (no rotary, rotary), values 8 (the
+    # flash kernels pad them to 16; q/k must be a flash head dim, a multiple of 8); low-rank
     # q and kv projections; every head has its own k (kv heads = heads); layer 0 dense,
     # layer 1 MoE with group-limited routing (2 groups of 2 experts, 1 group chosen).
     Family("deepseek_v3", "deepseek_v3",
            {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16,
-            "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+            "qk_nope_head_dim": 12, "qk_rope_head_dim": 4, "v_head_dim": 8,
             "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
             "first_k_dense_replace": 1, "moe_intermediate_size": 32, "n_shared_experts": 1},
-           always_on=("latent attention (q/k head dim 12, v head dim 8)", "MoE")),
+           always_on=("latent attention (q/k head dim 16, v head dim 8)", "MoE")),
     # Chunks of WINDOW tokens from each document's start on the RoPE layer, a NoPE layer with
     # full attention (the NoPE layers' temperature tuning starts at floor_scale 8192 tokens:
     # validate refuses rows that reach it).
@@ -154,19 +164,56 @@ FAMILIES = [
                 "override; trained with it"),
 ]
 
-STRATEGIES = {
-    # name -> (world size, config overrides)
-    "sp1 vs the model": (1, {}),
-    "ring sp2": (2, {"sequence_parallel_degree": 2, "ring_attn_func": "varlen_llama3"}),
-    "ring zigzag sp2": (2, {"sequence_parallel_degree": 2, "sp_sharding": "zigzag"}),
-    "P2P stripe sp2 (default)": (2, {"sequence_parallel_degree": 2}),
-    "P2P ring sp2": (2, {"sequence_parallel_degree": 2, "ring_attn_func": "batch_ring"}),
-    "P2P zigzag sp2": (2, {"sequence_parallel_degree": 2, "ring_attn_func": "batch_zigzag"}),
-    "Ulysses sp2": (2, {"sequence_parallel_degree": 2, "sequence_parallel_mode": "ulysses"}),
-}
-# What the matrix asserts for each family (every strategy): "exact", or "refused" for a family
-# longctx cannot reproduce (then the trainer's probe must refuse it with a clear UserError).
-EXPECTED = {f.name: "exact" for f in FAMILIES}
+def _tp_refusal(family: Family) -> str | None:
+    """What validate says of a family that TP-sp cannot shard (config/tp_rules.py)."""
+    from longctx_cli.config.tp_rules import TP_FAMILIES
+
+    return None if family.model_type in TP_FAMILIES else (
+        f"model type `{family.model_type}` is not supported")
+
+
+@dataclass(frozen=True)
+class Column:
+    """One layout of the trainer on `world` processes; every family is trained under it."""
+
+    name: str
+    world: int
+    settings: dict[str, Any] = field(default_factory=dict)  # the longctx config keys
+    # The family -> what the refusal of this combination says (a part of its message), or
+    # None where longctx trains it (then exactly).
+    refuses: Callable[[Family], str | None] = lambda family: None
+    slow: bool = False  # run by `pytest -m slow` only (docs/families.md shows every column)
+
+    @property
+    def flash(self) -> bool:
+        return self.settings.get("attention_kernel") == "torch_flash"
+
+
+SP2 = {"sequence_parallel_degree": 2}
+TORCH_FLASH = {"attention_kernel": "torch_flash"}
+COLUMNS = [
+    Column("sp1 vs the model", 1),
+    Column("ring sp2", 2, {**SP2, "ring_attn_func": "varlen_llama3"}),
+    Column("ring zigzag sp2", 2, {**SP2, "sp_sharding": "zigzag"}),
+    Column("P2P stripe sp2 (default)", 2, SP2),
+    Column("P2P ring sp2", 2, {**SP2, "ring_attn_func": "batch_ring"}, slow=True),
+    Column("P2P zigzag sp2", 2, {**SP2, "ring_attn_func": "batch_zigzag"}),
+    Column("Ulysses sp2", 2, {**SP2, "sequence_parallel_mode": "ulysses"}),
+    Column("torch_flash ring sp2", 2, {**SP2, "ring_attn_func": "varlen_llama3", **TORCH_FLASH}),
+    Column("torch_flash P2P stripe sp2", 2, {**SP2, **TORCH_FLASH}, slow=True),
+    # 2 KV heads (4 in deepseek_v3): one (two) per Ulysses rank, no replication.
+    Column("hybrid sp4 (Ulysses 2 x ring 2)", 4,
+           {"sequence_parallel_degree": 4, "sequence_parallel_mode": "hybrid",
+            "ulysses_degree": 2}, slow=True),
+    Column("TP-sp tp2", 2, {"tensor_parallel_size": 2}, refuses=_tp_refusal, slow=True),
+]
+COLUMN = {c.name: c for c in COLUMNS}
+
+
+def expected(family: Family, column: Column) -> str:
+    """What the matrix asserts for a cell: "exact", or "refused: <part of the message>"."""
+    reason = column.refuses(family)
+    return "exact" if reason is None else f"refused: {reason}"
 
 
 # ---- data ---------------------------------------------------------------------------------
@@ -197,24 +244,24 @@ def documents(index: int) -> list[torch.Tensor]:
 def make_config(family: Family, overrides: dict[str, Any] | None = None, **model: Any):
     from longctx_cli.config import Config
 
-    overrides = {**family.settings, **(overrides or {})}
-    return Config(
-        model_config=family.config(**model),
-        datasets=[{"path": "unused"}],
-        dtype="float32",
-        attention_kernel="torch",
-        learning_rate=LR,
+    settings = {
+        "dtype": "float32",
+        "attention_kernel": "torch",
+        "learning_rate": LR,
         # A parameter whose exact gradient is zero (a k_proj bias on dims without rotary:
         # softmax ignores a per-query shift) gets float noise of 1e-12; AdamW with eps 1e-8
         # would turn it into full-size steps of either sign, eps 1e-6 into nothing. Both
         # trainings use this optimizer; real gradients here are >= 1e-4.
-        adam_epsilon=1e-6,
-        lr_scheduler="constant",
-        gradient_accumulation_steps=ACCUMULATION,
-        max_steps=STEPS,
-        seed=7,
-        **overrides,
-    )
+        "adam_epsilon": 1e-6,
+        "lr_scheduler": "constant",
+        "gradient_accumulation_steps": ACCUMULATION,
+        "max_steps": STEPS,
+        "seed": 7,
+        **family.settings,
+        **(overrides or {}),
+    }
+    return Config(model_config=family.config(**model), datasets=[{"path": "unused"}],
+                  **settings)
 
 
 def reference_training(family: Family) -> dict[str, Any]:
@@ -259,25 +306,41 @@ def feature_activity(family: Family) -> dict[str, float]:
     return {name: abs(first_loss(off) - on) / on for name, off in family.features.items()}
 
 
+# The machines the columns are planned for (`Platform` fields): this one, and for the
+# torch_flash columns a CUDA GPU (where that kernel runs).
+CPU = {"cuda": False, "ring_flash_attn": False}
+H100 = {"cuda": True, "ring_flash_attn": False, "capability": (9, 0)}
+
+
 def longctx_training(family: Family, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The trainer's path (probe, model, sharding, step) on this process group, with the
-    layout `overrides` (a strategy of STRATEGIES, or tensor parallelism)."""
+    """What `longctx train` runs, on this process group, with the layout `overrides` (a
+    column's settings): the plan's rules (`build_plan`, on the launcher), the fidelity
+    probe, then the trainer's step on the plan's layout (what `init_parallel` builds)."""
     import torch.distributed as dist
 
+    from longctx_cli.config.model_shape import read_model_config
+    from longctx_cli.config.plan import build_plan
+    from longctx_cli.config.world import Platform
     from longctx_cli.errors import UserError
+    from longctx_cli.parallel.mesh import build_parallel_state
     from longctx_cli.parallel.sharding import shard_batch
-    from longctx_cli.runtime.distributed import init_parallel
     from longctx_cli.runtime.model import build_model, decoder_and_head
     from longctx_cli.train.loop import check_fidelity
     from longctx_cli.train.optim import make_optimizer
     from longctx_cli.train.step import train_step
 
     config = make_config(family, overrides)
+    # torch_flash runs on CUDA in bf16/fp16 only: planned for that machine, computed here
+    # in fp32 on the op's CPU stand-in (the worker points the kernel at it).
+    flash = config.attention_kernel == "torch_flash"
+    planned = config.model_copy(update={"dtype": "bfloat16"}) if flash else config
     try:
+        plan = build_plan(planned, dist.get_world_size(), read_model_config(config),
+                          platform=Platform(**(H100 if flash else CPU)))
         check_fidelity(config)
     except UserError as e:
         return {"refused": str(e)}
-    state = init_parallel(config, torch.device("cpu"))
+    state = build_parallel_state(plan.layout, torch.device("cpu"))
     model = build_model(config, state)
     decoder, head = decoder_and_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -320,35 +383,48 @@ def compare(run: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
         if err > worst_err:
             worst_err, worst = err, key
     weight_err = (diff_sq / max(want_sq, 1e-60)) ** 0.5
-    return {"loss": loss_err, "weights": weight_err, "worst_weight": worst}
+    return {"loss": loss_err, "weights": weight_err, "worst_weight": worst,
+            **{k: run[k] for k in ("flash_op_calls",) if k in run}}
 
 
 # ---- workers (one process group per world size, every family in it) ----------------------
 
 
 def sp1_worker(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
+    """The references (the model's own training), feature activity and the sp1 column."""
     out = {}
     for family in FAMILIES:
         if family.name not in names:
             continue
         reference = reference_training(family)
-        run = longctx_training(family, STRATEGIES["sp1 vs the model"][1])
+        run = longctx_training(family, COLUMNS[0].settings)
         out[family.name] = {
             "reference": reference,
             "activity": feature_activity(family),
-            "sp1 vs the model": compare(run, reference),
+            COLUMNS[0].name: compare(run, reference),
         }
     return out
 
 
-def sp2_worker(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def columns_worker(rank: int, world_size: int, names: list[str],
+                   columns: list[str]) -> dict[str, dict[str, Any]]:
+    """family -> column -> longctx's run (weights on rank 0), for these columns of this
+    world size; a torch_flash run also counts its calls of the flash op's stand-in."""
+    from longctx_cli.parallel.torch_flash import use_flash_ops
+    from tests import torch_flash_standin as standin
+
+    use_flash_ops(standin.OPS)  # this process only; only the torch_flash kernel calls it
+    out: dict[str, dict[str, Any]] = {}
     for family in FAMILIES:
         if family.name not in names:
             continue
-        for strategy, (world, overrides) in STRATEGIES.items():
-            if world == 2:
-                out.setdefault(family.name, {})[strategy] = longctx_training(family, overrides)
+        for column in map(COLUMN.__getitem__, columns):
+            assert column.world == world_size, (column, world_size)
+            before = dict(standin.CALLS)
+            run = longctx_training(family, column.settings)
+            if column.flash:
+                run["flash_op_calls"] = {k: n - before[k] for k, n in standin.CALLS.items()}
+            out.setdefault(family.name, {})[column.name] = run
     return out
 
 
@@ -356,8 +432,9 @@ def sp2_worker(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
 
 
 def render() -> str:
-    """docs/families.md: which families and features are exact under which strategies."""
-    strategies = list(STRATEGIES)
+    """docs/families.md: which families and features are exact under which layouts."""
+    from longctx_cli.config.tp_rules import TP_FAMILIES
+
     lines = [
         "# Model families",
         "",
@@ -371,9 +448,29 @@ def render() -> str:
         f"{WINDOW} tokens inside packed rows of 62-64 tokens, softcaps of 1.0, scales far from "
         "1; the test proves each feature changes the loss), trained "
         f"{STEPS} optimizer steps (fp32, CPU, gloo) by the model's own Hugging Face training "
-        "(`forward(labels=...)` per document, eager attention) and by longctx. **exact** "
-        f"means: per-step loss relative error < {LOSS_TOL:g} and relative error of all final "
-        f"weights (one vector) < {WEIGHT_TOL:g} against the model's own training.",
+        "(`forward(labels=...)` per document, eager attention) and by longctx (the plan's "
+        "rules as `longctx train` checks them, the fidelity probe, then the trainer's step on "
+        "the plan's layout). **exact** means: per-step loss relative error < "
+        f"{LOSS_TOL:g} and relative error of all final weights (one vector) < {WEIGHT_TOL:g} "
+        "against the model's own training; *refused: ...* quotes the message `longctx "
+        "validate` and `longctx train` stop with for that combination.",
+        "",
+        "The columns: one process (sp1); sequence parallelism over 2 ranks with each ring "
+        "(llama3's all-gather ring `varlen_llama3` on contiguous and zigzag shards; the P2P "
+        "rings `batch_stripe`, the default, `batch_ring` and `batch_zigzag`) and with Ulysses; "
+        "the `torch_flash` kernel (PyTorch's own flash-attention op) under the llama3 ring and "
+        "the default P2P stripe ring; hybrid over 4 ranks (`sequence_parallel_mode: hybrid`, "
+        "`ulysses_degree: 2`: each Ulysses group of 2 ranks splits the heads, one of the 2 KV "
+        "heads per rank in most rows, and llama3's ring, hybrid's default, runs across the 2 "
+        "groups); TP-sp over 2 ranks (`tensor_parallel_size: 2`: Megatron-style tensor "
+        "parallelism with "
+        "sequence-sharded activations and a vocab-parallel loss). PyTorch's flash op runs on "
+        "CUDA in bf16/fp16 only: the `torch_flash` columns are planned as `validate` plans a "
+        "bf16 run on an H100, and trained in fp32 on a CPU stand-in of the op "
+        "(`tests/torch_flash_standin.py`: the op's signature and conventions, float64 math); "
+        "the test checks that the op was called. The columns "
+        + ", ".join(f"*{c.name}*" for c in COLUMNS if c.slow)
+        + " run with `pytest -m slow` (the suite's time budget); the rest in every run.",
         "",
         "A family that is not in this table is not assumed to work: before training (and in "
         "`longctx validate`) the *fidelity probe* builds a tiny random model of the user's "
@@ -384,18 +481,27 @@ def render() -> str:
         "tiny copy, fails), it says that it could not check the family, with the error's "
         "gist; `fidelity_probe: false` is then the way to train it, unverified.",
         "",
-        "| family | features active in the test | " + " | ".join(strategies) + " |",
-        "|---|---|" + "---|" * len(strategies),
+        "| family | features active in the test | "
+        + " | ".join(c.name for c in COLUMNS) + " |",
+        "|---|---|" + "---|" * len(COLUMNS),
     ]
     for family in FAMILIES:
         features = [*family.features, *family.always_on, *([family.note] if family.note
                                                              else [])]
-        cells = [EXPECTED[family.name]] * len(strategies)
         lines.append(
             f"| {family.name} (`{family.model_type}`) | {', '.join(features) or '-'} | "
-            + " | ".join(_cell(c, family) for c in cells) + " |"
+            + " | ".join(_cell(expected(family, c), family) for c in COLUMNS) + " |"
         )
     lines += [
+        "",
+        "TP-sp shards the dense decoders " + ", ".join(TP_FAMILIES) + " from their "
+        "transformers `base_model_tp_plan` (decoder layers of attention, MLP and norms only); "
+        "`validate` refuses `tensor_parallel_size` > 1 for any other model type, with the fix "
+        "`tensor_parallel_size: 1` (sequence parallelism + FSDP).",
+        "",
+        "Under `torch_flash`, softcapped attention (gemma2's `attn_logit_softcapping`) runs on "
+        "the exact tiled matmul path, as `validate` says: PyTorch's flash op has no softcap; "
+        "every other row's attention calls the op.",
         "",
         "Sliding windows come from each layer's `sliding_window` (per layer through "
         "`layer_types` / `max_window_layers`); the head's transforms (`logit_scale`, "
@@ -432,8 +538,9 @@ def _settings_text(settings: dict[str, Any]) -> str:
 
 
 def _cell(expected: str, family: Family) -> str:
-    text = f"**{expected}**" if expected == "exact" else expected
-    return f"{text} with {_settings_text(family.settings)}" if family.settings else text
+    if expected != "exact":
+        return f"*{expected}*"
+    return f"**exact** with {_settings_text(family.settings)}" if family.settings else "**exact**"
 
 
 if __name__ == "__main__":
