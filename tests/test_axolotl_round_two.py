@@ -36,10 +36,33 @@ def _notes(data: dict) -> dict[str, str]:
 
 
 def test_unknown_key_is_a_listed_warning_and_a_near_miss_an_error() -> None:
-    assert "not a longctx or Axolotl key" in _notes({"my_team_tag": "x"})["my_team_tag"]
+    assert "not a key longctx knows" in _notes({"my_team_tag": "x"})["my_team_tag"]
     msg = _error({"learning_rat": 1e-4})
     assert "unknown key `learning_rat`; did you mean `learning_rate`?" in msg
     assert msg.count("learning_rat`") == 1
+
+
+def test_other_tools_keys_that_share_words_with_ours_are_not_typos() -> None:
+    # Keys of Axolotl's own examples that longctx does not know: listed as ignored, not
+    # "did you mean `fused_attn_kernel`".
+    theirs = {"use_scattermoe": True, "liger_rms_norm_gated": True, "use_swanlab": False,
+              "tokenizer_use_mistral_common": True, "expert_parallel_size": 2}
+    notes = _notes(theirs)
+    assert all("not a key longctx knows" in notes[k] for k in theirs), notes
+    # One letter added (a typo in one of Axolotl's own examples), one swapped, one dropped.
+    for typo, key in (("context_parapllel_size", "context_parallel_size"),
+                      ("lora_aplha", "lora_alpha"), ("micro_batchsize", "micro_batch_size")):
+        assert f"unknown key `{typo}`; did you mean `{key}`?" in _error({typo: 2})
+
+
+def test_older_axolotl_model_config_overrides_are_ignored_as_axolotl_does() -> None:
+    # Axolotl's Mixtral examples still carry `model_config: {output_router_logits: true}`,
+    # which Axolotl no longer reads; longctx's inline `model_config` needs a model_type.
+    config = config_from_dict({"base_model": "mistralai/Mistral-7B-v0.1", "tokenizer": "byte",
+                               "model_config": {"output_router_logits": True}})
+    assert config.model_config_dict is None
+    assert "overrides_of_model_config" in dict(config.axolotl_notes)["model_config"]
+    assert "needs a `model_type`" in _error({"model_config": {"hidden_size": 64}})
 
 
 def test_strict_makes_every_unknown_key_an_error(tmp_path: Path) -> None:
@@ -55,7 +78,7 @@ def test_strict_makes_every_unknown_key_an_error(tmp_path: Path) -> None:
 def test_unknown_dataset_key_is_listed_once_or_refused_when_near(tmp_path: Path) -> None:
     entry = {"path": "d.jsonl", "type": "completion", "team_note": "x"}
     notes = _notes({"datasets": [entry]})
-    assert "not a longctx or Axolotl key" in notes["datasets[0].team_note"]
+    assert "not a key longctx knows" in notes["datasets[0].team_note"]
     msg = _error({"datasets": [{"path": "d.jsonl", "type": "completion", "feild": "text"}]})
     assert msg.count("unknown key `datasets[0].feild`; did you mean `field`?") == 1
 
@@ -211,7 +234,8 @@ def test_unfrozen_parameters_under_sp_equal_one_process_and_leave_the_rest(tmp_p
     from longctx_cli.runtime.model import load_base_model
 
     data = write_documents(tmp_path / "docs.jsonl", seed=6)
-    keys = {"unfrozen_parameters": [r"model\.layers\.1\.self_attn\."]}
+    keys = {"unfrozen_parameters": [r"model\.layers\.1\.self_attn\."], "max_steps": 2,
+            "val_set_size": 0, "eval_steps": None}
     one = write_config(tmp_path, "sp1", data, **keys)
     two = write_config(tmp_path, "sp2", data, sequence_parallel_degree=2, **keys)
     train(one, 1)

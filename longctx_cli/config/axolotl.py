@@ -553,6 +553,8 @@ RENAMES: dict[str, str] = {
     "max_packed_sequence_len": "sequence_len",
     "max_seq_length": "sequence_len",
     "max_seq_len": "sequence_len",
+    "sequence_length": "sequence_len",
+    "seq_len": "sequence_len",
     "cutoff_len": "sequence_len",
     "model_name": "base_model",
     "model_name_or_path": "base_model",
@@ -591,11 +593,6 @@ RENAMES: dict[str, str] = {
     "torch_dtype": "dtype",
     "precision": "dtype",
 }
-
-
-def suggestion(key: str) -> str | None:
-    """The known rename of `key`, if any."""
-    return RENAMES.get(key)
 
 
 # ---- DeepSpeed ----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ new field lands in the right section without touching this file.
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import sys
 import types
@@ -31,9 +32,11 @@ HEADER = """\
 <!-- Generated from longctx_cli/config/schema.py by
      `python -m longctx_cli.config.docs > docs/config.md`; do not edit by hand. -->
 
-A config is one flat YAML mapping. Unknown keys are an error (with a "did you mean"
-suggestion). `longctx validate CONFIG` checks a config against the world size and the model
-and prints the resolved plan; see [cli.md](cli.md).
+A config is one flat YAML mapping. An unknown key one or two letters away from a known one
+is an error with a "did you mean" suggestion; any other unknown key (another tool's) is listed
+in the plan as ignored, or is an error under `strict: true` / `--strict`.
+`longctx validate CONFIG` checks a config against the world size and the model and prints the
+resolved plan; see [cli.md](cli.md).
 """
 
 
@@ -161,8 +164,11 @@ An Axolotl config is read as it is. Each Axolotl key is one of:
 - **refused**: it would change the math or the task and longctx cannot honour it; an error
   unless it is off (null, false, empty).
 
-Any other key is an error; a known rename (older Axolotl or other trainers' names) is
-suggested first. Every problem of a file is reported at once, each at `file:line:col`.
+Any other key is listed in the plan as ignored (newer Axolotl releases and plugins add keys
+faster than any table), unless it is a known rename (older Axolotl or other trainers' names,
+below) or one or two letters away from a known key: then it is an error with the suggestion.
+`strict: true` (or `--strict`) makes every unknown key an error. Every problem of a file is
+reported at once, each at `file:line:col`.
 Dataset keys (`type: alpaca`, `chat_template`, ...) are described in [data.md](data.md).
 A key written with no value (`fp16:`, `deepspeed:`, as Axolotl's templates leave many) is not
 set: its default applies. The one exception is `max_grad_norm:`, whose empty value means no
@@ -193,7 +199,20 @@ def render_axolotl() -> str:
     out += ["", "## Renames suggested for unknown keys", "", "| written | did you mean |",
             "|---|---|"]
     out += [f"| `{k}` | `{v}` |" for k, v in sorted(RENAMES.items())]
+    survey = examples_survey()
+    if survey:
+        out += ["", "## Axolotl's own examples", "", survey]
     return "\n".join(out) + "\n"
+
+
+def examples_survey() -> str | None:
+    """The summary of the newest `benchmarks/axolotl_examples.py` run (its results JSON),
+    where this is a checkout that has one."""
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    runs = sorted(results.glob("axolotl-examples-*.json"))
+    return json.loads(runs[-1].read_text())["summary"] if runs else None
 
 
 def _name_of(key: str) -> str:

@@ -8,7 +8,6 @@ translated here, through the table in axolotl.py, and remembered for the plan.
 
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,15 +101,46 @@ def known_keys(model: type[BaseModel]) -> list[str]:
     return sorted(set(keys))
 
 
+def near_misses(key: str, known: list[str]) -> list[str]:
+    """Known keys `key` is a typo of: one edit away (a letter added, dropped, changed or two
+    swapped), two for keys of 8 letters or more; closest first.
+
+    A looser match (shared words, a common prefix) takes other tools' real keys for typos:
+    `use_scattermoe` is not a misspelt `fused_attn_kernel`, nor `liger_rms_norm_gated` one of
+    `liger_rms_norm`; those are listed as ignored instead."""
+    limit = 2 if len(key) >= 8 else 1
+    scored = sorted((d, k) for k in known if (d := _edit_distance(key, k, limit)) <= limit)
+    return [k for _, k in scored]
+
+
+def _edit_distance(a: str, b: str, limit: int) -> int:
+    """Edits (insert, delete, substitute, swap two neighbours) from a to b; limit + 1 once it
+    is known to exceed `limit`."""
+    if abs(len(a) - len(b)) > limit:
+        return limit + 1
+    before, row = None, list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        current = [i] + [0] * len(b)
+        for j, cb in enumerate(b, 1):
+            current[j] = min(row[j] + 1, current[j - 1] + 1, row[j - 1] + (ca != cb))
+            if before is not None and i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                current[j] = min(current[j], before[j - 2] + 1)
+        if min(current) > limit:
+            return limit + 1
+        before, row = row, current
+    return row[-1]
+
+
 def _unknown(key: str, known: list[str], path: str, where: str,
              strict: bool = True) -> Problem | None:
     """The problem an unknown key is: a near-miss of a known key (a typo, or an Axolotl key
     longctx names differently) always, any other only under `strict: true`; None: a key
     of some other tool, which the caller lists in the plan as ignored."""
-    rename = axolotl.suggestion(key)
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    if rename is not None or close:
-        hint = f"did you mean `{rename or close[0]}`?"
+    renames = {} if path else axolotl.RENAMES  # top-level names of other tools
+    close = near_misses(key, [*known, *renames])  # a typo of a rename suggests its target
+    rename = renames.get(key) or next(iter(close), None)
+    if rename is not None:
+        hint = f"did you mean `{renames.get(rename, rename)}`?"
         return Problem(where, f"unknown key `{path}{key}`; {hint}", "rename or remove it.")
     if not strict:
         return None
@@ -119,7 +149,7 @@ def _unknown(key: str, known: list[str], path: str, where: str,
                    "rename or remove it, or set `strict: false` to have it listed as ignored.")
 
 
-UNKNOWN_NOTE = ("ignored: not a longctx or Axolotl key (`strict: true` or --strict makes "
+UNKNOWN_NOTE = ("ignored: not a key longctx knows (`strict: true` or --strict makes "
                 "unknown keys errors)")
 
 
@@ -148,6 +178,15 @@ def _translate(
         if value is None and key not in NULL_MEANS_SOMETHING:
             # Axolotl configs list many keys with no value (`fp16:`, `deepspeed:`): an empty
             # key is not set, and its default applies.
+            continue
+        if key == "model_config" and isinstance(value, dict) and "model_type" not in value and (
+                data.get("base_model")):
+            # Older Axolotl read `model_config` as overrides of the model's config (e.g.
+            # `output_router_logits: true` in its Mixtral examples); Axolotl today ignores it.
+            notes.append((key, "ignored: an older Axolotl key for overrides of the model's "
+                          "config, which Axolotl no longer reads (longctx's `model_config` is a "
+                          "whole inline config with `model_type`); to change the model's "
+                          "config, use `overrides_of_model_config`"))
             continue
         rule = axolotl.AXOLOTL_KEYS.get(key)
         # A key of ours keeps its meaning; the table speaks only for Axolotl's other forms of
