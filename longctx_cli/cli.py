@@ -356,8 +356,19 @@ def merge_lora(
     raise typer.Exit(run_merge(config, checkpoint, output))
 
 
+# Libraries transformers imports whatever the model log warnings at import that say nothing
+# about the run: torchao (which transformers imports where it is installed) failing to load
+# its kernels for other CPUs/GPUs, and torch deprecating how torchao registers its enums.
+# Silenced at their source, once per process (the CLI and every rank).
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
 def main() -> None:
     """Console entry point: run the app; a UserError is one paragraph on stderr, exit 2."""
+    import logging
+
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         app()  # standalone mode: Typer prints usage errors and exits with their status
     except UserError as e:  # raised outside a command body, e.g. while parsing
