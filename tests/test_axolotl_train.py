@@ -28,6 +28,7 @@ def data_file(tmp_path_factory) -> Path:
     return write_documents(tmp_path_factory.mktemp("data") / "docs.jsonl")
 
 
+@pytest.mark.slow  # QLoRA under SP stays by default in tests/test_fsdp_qlora.py
 def test_qlora_4bit_base_parity_sp1_sp2_ulysses(tmp_path, data_file):
     common = {"adapter": "qlora", "load_in_4bit": True, "lora_r": 4, "lora_alpha": 8,
               "lora_target_linear": True, "max_steps": 3, "eval_steps": 3,

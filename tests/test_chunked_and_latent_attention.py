@@ -105,7 +105,7 @@ def worker(rank: int, world_size: int) -> dict:
             "flash_attn_loaded": "flash_attn.flash_attn_interface" in sys.modules}
 
 
-@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("sp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_chunked_and_latent_attention_in_every_strategy_and_kernel(sp: int) -> None:
     for result in run_distributed(worker, sp, timeout_s=300):
         assert_all_close(result["errors"])

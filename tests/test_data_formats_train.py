@@ -49,7 +49,8 @@ FORMATS = {
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.slow) if n in ("alpaca", "input_output") else n
+    pytest.param(n, marks=pytest.mark.slow) if n in ("alpaca", "input_output", "completion")
+    else n
     for n in sorted(FORMATS)])
 def test_format_trains_two_steps_at_sp2(tmp_path, name):
     file_name, records, entry, top = FORMATS[name]

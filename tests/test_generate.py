@@ -35,9 +35,11 @@ def _expected(model_dir) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
+# tests/test_decode.py checks the cached decode of every strategy at sp 2 and 4; here the CLI.
 @pytest.mark.parametrize("layout", [{"sequence_parallel_degree": 2},
-                                    {"sequence_parallel_degree": 2,
-                                     "sequence_parallel_mode": "ulysses"},
+                                    pytest.param({"sequence_parallel_degree": 2,
+                                                  "sequence_parallel_mode": "ulysses"},
+                                                 marks=pytest.mark.slow),
                                     pytest.param({}, marks=pytest.mark.slow)])
 def test_generate_under_sp_equals_single_process_generate(tmp_path, model_dir, layout):
     prompt = tmp_path / "prompt.txt"

@@ -28,11 +28,17 @@ def reference(workdir):
 @pytest.mark.parametrize(
     ("name", "nproc", "overrides"),
     [
-        ("batch_ring_sp2", 2, {"sequence_parallel_degree": 2, "ring_attn_func": "batch_ring"}),
-        (
+        # batch_ring and batch_zigzag at sp2 also train every family of the family matrix
+        # against the model's own training; here the default ring (stripe) stays by default.
+        pytest.param(
+            "batch_ring_sp2", 2, {"sequence_parallel_degree": 2, "ring_attn_func": "batch_ring"},
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
             "batch_zigzag_sp2",
             2,
             {"sequence_parallel_degree": 2, "ring_attn_func": "batch_zigzag"},
+            marks=pytest.mark.slow,
         ),
         (
             "batch_stripe_sp2",

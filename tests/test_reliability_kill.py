@@ -172,6 +172,7 @@ def test_killed_rank_ends_job_and_resume_matches_uninterrupted(runs):
     assert_same_run(output_dir, straight, tol=1e-6)
 
 
+@pytest.mark.slow  # a kill at any moment (the test above) may land in a save too
 def test_kill_during_save_never_yields_that_checkpoint(runs):
     path, data, straight = runs
     config = write_config(path, "killed_saving", data, **COMMON)

@@ -99,6 +99,7 @@ def test_killed_rank_is_restarted_and_the_run_completes(runs):
     assert_same_run(output_dir, straight, tol=1e-6)
 
 
+@pytest.mark.slow  # the restart logic stays by default in the two tests above
 def test_deterministic_fault_is_not_retried(runs):
     path, data, _ = runs
     config = write_config(path, "nan", data, max_restarts=3, on_nonfinite="stop", **COMMON)

@@ -239,7 +239,8 @@ def flash_strategy_worker(rank: int, world_size: int) -> dict:
     return {"errors": errors, "calls": dict(standin.CALLS)}
 
 
-@pytest.mark.parametrize("sp", [2, 4])
+# sp 4 of the P2P rings stays by default in the test below.
+@pytest.mark.parametrize("sp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_strategy_and_sharding_matches_reference(sp: int) -> None:
     for result in run_distributed(flash_strategy_worker, sp, timeout_s=300):
         assert_all_close(result["errors"])

@@ -57,10 +57,11 @@ def test_reference_learns_and_logs(full_reference):
             "ring_sp4", 4, {"sequence_parallel_degree": 4, "heads_k_stride": 2},
             marks=pytest.mark.slow,
         ),
-        (
+        pytest.param(  # dp x sp stays by default in lora_dp2_sp2_zigzag
             "ring_dp2_sp2",
             4,
             {"sequence_parallel_degree": 2, "gradient_accumulation_steps": 2},
+            marks=pytest.mark.slow,
         ),
         (
             "ring_sp2_memory_options",
@@ -86,7 +87,7 @@ def test_reference_learns_and_logs(full_reference):
             2,
             {"sequence_parallel_degree": 2, "fsdp": True},
         ),
-        (
+        pytest.param(  # Ulysses trains every family at sp2 in the family matrix
             "ulysses_sp4_zigzag",
             4,
             {
@@ -94,6 +95,7 @@ def test_reference_learns_and_logs(full_reference):
                 "sequence_parallel_mode": "ulysses",
                 "sp_sharding": "zigzag",
             },
+            marks=pytest.mark.slow,
         ),
         (
             "hybrid_2x2",
