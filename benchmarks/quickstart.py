@@ -4,11 +4,11 @@ fresh virtualenv, then the command exactly as the README writes it.
     python benchmarks/quickstart.py --readme
 
 The command is read from the README's Quickstart block (its first line) and run part by
-part (`install && train && eval`), each in the new virtualenv from the clone's root, so the
-time of each part is known; the parts are the README's text, nothing else. The clone is of
-this checkout's HEAD (commit your changes first). The virtualenv does not see this
-machine's site-packages, so the install is a real one (pip's cache and the machine's wheel
-mirrors, if any, are used as a newcomer's pip would use them). Results go to
+part (`install && train && eval && generate`), each in the new virtualenv from the
+clone's root, so the time of each part is known; the parts are the README's text, nothing
+else. The clone is of this checkout's HEAD (commit your changes first). The virtualenv does
+not see this machine's site-packages, so the install is a real one (pip's cache and the
+machine's wheel mirrors, if any, are used as a newcomer's pip would use them). Results go to
 `benchmarks/results/quickstart-<date>.json`; `--readme` rewrites the README line between the
 `quickstart-time` markers from them.
 """
@@ -39,6 +39,7 @@ from benchmarks.example import (  # noqa: E402
     machine,
     rewrite_readme,
 )
+from benchmarks.example_after import PROMPT_KEY  # noqa: E402
 
 README = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -93,6 +94,8 @@ def run_quickstart(workdir: Path) -> dict[str, Any]:
                                   stderr=subprocess.STDOUT, check=False).returncode
         seconds = time.perf_counter() - started
         parts.append({"command": part, "seconds": round(seconds, 1), "exit": code})
+        if part.startswith("longctx generate"):  # its stdout's last line is the answer
+            parts[-1]["printed_key"] = PROMPT_KEY in log.read_text().strip().splitlines()[-1]
         print(f"{seconds:7.1f} s  exit {code}  {part}", flush=True)
         if code != 0:
             raise SystemExit(f"`{part}` exited {code}; see {log}")
@@ -135,9 +138,18 @@ def readme_line(data: dict[str, Any]) -> str:
         f"the trained lengths in {'that run' if len(runs) == 1 else 'those runs'} (seed "
         f"{runs[0]['seed']}, the config's): "
         + ", ".join(f"{100 * r['trained_accuracy']:.1f}%" for r in runs) + ". "
+        + _generate_sentence(runs)
         + _cli_sentence([r["cli"] for r in runs if "cli" in r]),
         END,
     ])
+
+
+def _generate_sentence(runs: list[dict[str, Any]]) -> str:
+    keys = [p["printed_key"] for r in runs for p in r["parts"] if "printed_key" in p]
+    if not keys:
+        return ""
+    return (f"`longctx generate` printed the prompt's key `{PROMPT_KEY}` in {sum(keys)} of "
+            f"{len(keys)} runs. ")
 
 
 def _cli_sentence(timings: list[dict[str, float]]) -> str:
