@@ -481,6 +481,14 @@ def render() -> str:
         "tiny copy, fails), it says that it could not check the family, with the error's "
         "gist; `fidelity_probe: false` is then the way to train it, unverified.",
         "",
+        "Hybrid models, whose decoder layers also mix tokens outside attention (Mamba and "
+        "Mamba2 scans: Falcon-H1, Bamba, Nemotron-H, Granite 4 hybrids, Jamba, Zamba; linear "
+        "attention: Qwen3-Next's gated delta-net, MiniMax's lightning attention; LFM2's short "
+        "convolutions), are refused by the probe, which names those layers: longctx keeps "
+        "packed documents apart and splits sequences over ranks only inside attention, so "
+        "their scans and convolutions would cross document and rank boundaries "
+        "(`tests/test_fidelity.py` checks the refusal for lfm2, qwen3_next and falcon_h1).",
+        "",
         "| family | features active in the test | "
         + " | ".join(c.name for c in COLUMNS) + " |",
         "|---|---|" + "---|" * len(COLUMNS),

@@ -258,6 +258,24 @@ def test_latent_attention_and_chunked_attention_families_pass() -> None:
     assert "chunked attention 6 on 3/4 layers" in llama4.features, llama4.features
 
 
+@pytest.mark.parametrize(("model_type", "fields", "part"), [
+    # LFM2-1.2B's pattern: short causal convolutions, then attention (the class's default
+    # config has attention layers only).
+    ("lfm2", {"full_attn_idxs": [2, 5, 8, 10, 12, 14]}, "`conv` (Lfm2ShortConv)"),
+    ("qwen3_next", {}, "`linear_attn` (Qwen3NextGatedDeltaNet)"),  # gated delta-net
+    ("falcon_h1", {}, "`mamba` (FalconH1Mixer)"),  # Mamba2 beside attention in every layer
+])
+def test_hybrid_families_are_refused_naming_the_layer_that_mixes_tokens(
+        model_type: str, fields: dict, part: str) -> None:
+    # Their packed rows already differ at sp 1 (the scans and convolutions cross document
+    # boundaries); the refusal names the layer instead of a bare loss difference.
+    with pytest.raises(UserError) as err:
+        run_probe(AutoConfig.for_model(model_type, **fields))
+    message = " ".join(str(err.value).split())
+    assert f"mix tokens outside attention: {part} in layer" in message, message
+    assert "Fix:" in message
+
+
 def test_shrink_keeps_latent_attention_ratios_and_both_layer_kinds() -> None:
     config = AutoConfig.for_model("deepseek_v3")  # q/k 128 + 64, v 128; 256 experts, 8 groups
     tiny = shrink_config(config)

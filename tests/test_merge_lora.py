@@ -42,6 +42,7 @@ def test_merge_lora_key_writes_a_plain_model_equal_to_peft_merge(tmp_path):
     assert "Traceback" not in again.stderr + full.stderr
 
 
+@pytest.mark.slow  # merging stays by default in the test above
 def test_qlora_merge_dequantises_the_base_it_was_trained_on(tmp_path):
     data = write_documents(tmp_path / "docs.jsonl", seed=9)
     config = write_config(tmp_path, "qlora", data, adapter="qlora", load_in_4bit=True,

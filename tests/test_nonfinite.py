@@ -102,6 +102,7 @@ def _assert_checkpoint_loads(config_path: Path, checkpoint: Path, step: int) -> 
         assert torch.isfinite(p).all(), name
 
 
+@pytest.mark.slow  # the non-finite check stays by default in the stop test above
 def test_skip_drops_the_bad_step_and_finishes(setup):
     path, data, faults = setup
     config = write_config(

@@ -28,8 +28,9 @@ def reference(workdir):
 @pytest.mark.parametrize(
     ("name", "nproc", "overrides"),
     [
-        # batch_ring and batch_zigzag at sp2 also train every family of the family matrix
-        # against the model's own training; here the default ring (stripe) stays by default.
+        # All slow: the family matrix trains every family under the P2P rings at sp2 against
+        # the model's own training (stripe and zigzag by default), and
+        # tests/test_p2p_ring_attention.py checks each ring's attention at sp 2-4.
         pytest.param(
             "batch_ring_sp2", 2, {"sequence_parallel_degree": 2, "ring_attn_func": "batch_ring"},
             marks=pytest.mark.slow,
@@ -40,10 +41,11 @@ def reference(workdir):
             {"sequence_parallel_degree": 2, "ring_attn_func": "batch_zigzag"},
             marks=pytest.mark.slow,
         ),
-        (
+        pytest.param(  # the family matrix's default column trains every family with it
             "batch_stripe_sp2",
             2,
             {"sequence_parallel_degree": 2, "ring_attn_func": "batch_stripe"},
+            marks=pytest.mark.slow,
         ),
         pytest.param(  # like ring_sp4 in test_train_parity.py: a long extra
             "batch_zigzag_sp4",

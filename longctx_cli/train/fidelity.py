@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -355,6 +356,40 @@ def _build(tiny: Any, attn: str, trust_remote_code: bool) -> Any:
     return model.train()
 
 
+# Layers that mix tokens outside attention, by the class names transformers gives them:
+# state-space scans (Mamba, Mamba2), linear attention (gated delta-net, lightning), short
+# convolutions (LFM2), recurrences (RWKV, xLSTM, Griffin).
+_TOKEN_MIXER = re.compile(
+    r"Mamba|Mixer|DeltaNet|ShortConv|LinearAttention|Lightning|RWKV|Recurrent|LSTM|SSM",
+    re.IGNORECASE)
+
+
+def token_mixers(model: Any) -> dict[str, list[int]]:
+    """`layer part (its class)` -> the decoder layers holding it, for every part of a decoder
+    layer that mixes tokens outside attention: a convolution over the sequence, or a module
+    named as a scan, a recurrence or linear attention is. Empty for pure-attention models."""
+    from longctx_cli.runtime.head import decoder_of
+
+    found: dict[str, list[int]] = {}
+    for index, layer in enumerate(getattr(decoder_of(model), "layers", [])):
+        for name, module in layer.named_children():
+            parts = [module, *module.modules()]
+            if any(isinstance(m, torch.nn.Conv1d) or _TOKEN_MIXER.search(type(m).__name__)
+                   for m in parts):
+                found.setdefault(f"`{name}` ({type(module).__name__})", []).append(index)
+    return found
+
+
+def _mixer_refusal(model_type: str, mixers: dict[str, list[int]]) -> UserError:
+    parts = "; ".join(f"{part} in layer{'s' if len(at) > 1 else ''} "
+                      f"{', '.join(map(str, at))}" for part, at in mixers.items())
+    return _refuse(model_type, (
+        f"its decoder layers mix tokens outside attention: {parts}. longctx splits a "
+        "sequence over ranks and keeps packed documents apart only inside attention, so "
+        "these layers (scans, recurrences, convolutions over the sequence) would run across "
+        "document boundaries and restart at rank boundaries;"))
+
+
 def _compare(model_type: str, tiny: Any, trust_remote_code: bool, started: float) -> ProbeResult:
     from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
 
@@ -363,13 +398,17 @@ def _compare(model_type: str, tiny: Any, trust_remote_code: bool, started: float
     ids, pos, labels = _probe_row()
     try:
         reference = _build(tiny, "eager", trust_remote_code)
-        ref_loss, ref_hidden, ref_logits = _reference(reference, ids)
-        ref_loss.backward()
+        mixers = token_mixers(reference)
+        if not mixers:
+            ref_loss, ref_hidden, ref_logits = _reference(reference, ids)
+            ref_loss.backward()
     except Exception as e:
         raise _unchecked(model_type, f"longctx's tiny copy of it ({described}, built from "
                          "the probe's shrunk config) failed to build or run in the model's "
                          "own eager forward, the reference the probe compares against "
                          f"({type(e).__name__}: {_first_line(e)})") from None
+    if mixers:  # named before any comparison: it could only report a loss difference
+        raise _mixer_refusal(model_type, mixers)
     register_sp_attention()
     try:
         ours = _build(tiny, ATTN_IMPLEMENTATION, trust_remote_code)
