@@ -356,12 +356,21 @@ def _build(tiny: Any, attn: str, trust_remote_code: bool) -> Any:
     return model.train()
 
 
-# Layers that mix tokens outside attention, by the class names transformers gives them:
-# state-space scans (Mamba, Mamba2), linear attention (gated delta-net, lightning), short
-# convolutions (LFM2), recurrences (RWKV, xLSTM, Griffin).
-_TOKEN_MIXER = re.compile(
-    r"Mamba|Mixer|DeltaNet|ShortConv|LinearAttention|Lightning|RWKV|Recurrent|LSTM|SSM",
-    re.IGNORECASE)
+# Layers that mix tokens outside attention, by the words of the class names transformers
+# gives them: state-space scans (JambaMambaMixer, NemotronHMamba2Mixer, FalconH1Mixer), linear
+# attention (Qwen3NextGatedDeltaNet, MiniMaxLightningAttention), short convolutions
+# (Lfm2ShortConv), recurrences (RWKV, xLSTM, RecurrentGemma). Whole words: GptOssMLP is no SSM.
+_TOKEN_MIXER_WORDS = frozenset({"Mamba", "Mamba2", "Mixer", "Delta", "Conv", "Lightning",
+                                "Rwkv", "RWKV", "Recurrent", "Lstm", "LSTM", "Ssm", "SSM"})
+_CLASS_WORD = re.compile(r"[A-Z]+(?![a-z])\d*|[A-Z][a-z]+\d*|[a-z]+\d*|\d+")
+
+
+def _mixes_tokens(module: Any) -> bool:
+    if isinstance(module, torch.nn.Conv1d):
+        return True
+    words = _CLASS_WORD.findall(type(module).__name__)
+    pairs = set(zip(words, words[1:], strict=False))
+    return bool(_TOKEN_MIXER_WORDS.intersection(words)) or ("Linear", "Attention") in pairs
 
 
 def token_mixers(model: Any) -> dict[str, list[int]]:
@@ -373,9 +382,7 @@ def token_mixers(model: Any) -> dict[str, list[int]]:
     found: dict[str, list[int]] = {}
     for index, layer in enumerate(getattr(decoder_of(model), "layers", [])):
         for name, module in layer.named_children():
-            parts = [module, *module.modules()]
-            if any(isinstance(m, torch.nn.Conv1d) or _TOKEN_MIXER.search(type(m).__name__)
-                   for m in parts):
+            if any(map(_mixes_tokens, module.modules())):
                 found.setdefault(f"`{name}` ({type(module).__name__})", []).append(index)
     return found
 
