@@ -157,10 +157,26 @@ def validate(
     console.print(plan.to_table())
     if limit is not None:
         console.print("\n".join(fit_report(cfg, plan, limit)), markup=False)
+    mixing = _token_mixing(cfg, plan)
+    if mixing:
+        console.print(f"token mixing: {mixing}", markup=False, highlight=False)
     # The plan is printed first: the probe needs torch and transformers, seconds to import.
     console.print(f"fidelity probe: {_fidelity(cfg, plan.model, console)}", markup=False,
                   highlight=False)
     console.print("[green]valid[/]")
+
+
+def _token_mixing(cfg: Any, plan: Any) -> str | None:
+    """The hybrid model's layers that mix tokens outside attention, and what they cost."""
+    from longctx_cli.config.memory import DTYPE_BYTES
+    from longctx_cli.parallel.token_mixing import describe
+    from longctx_cli.preflight import module_classes
+
+    classes = module_classes(cfg)
+    if not classes:
+        return None
+    return describe(classes, plan.sp, cfg.sequence_len, plan.model.hidden_size,
+                    DTYPE_BYTES[cfg.dtype])
 
 
 def _fidelity(cfg: Any, shape: Any, console: Console) -> str:
@@ -223,7 +239,7 @@ def train(
     ctx: typer.Context,
     config: ConfigArg,
     nproc_per_node: NprocOpt = None,
-    nnodes: Annotated[int, typer.Option("--nnodes", min=1, help="Number of nodes.")] = 1,
+    nnodes: NnodesOpt = None,
     node_rank: Annotated[
         int, typer.Option("--node-rank", min=0, help="This node's rank (0 .. nnodes-1).")
     ] = 0,

@@ -130,7 +130,7 @@ def check_lora_targets(config: Config) -> None:
     targets = config.lora_target_modules
     if config.adapter != "lora" or targets == "all-linear":
         return
-    names = _module_names(config)
+    names = module_classes(config)
     if names is None:
         return  # the model's config is not available offline: nothing to check against
     linear = sorted({n.rsplit(".", 1)[-1] for n, kind in names.items()
@@ -149,7 +149,7 @@ def check_lora_targets(config: Config) -> None:
         )
 
 
-def _module_names(config: Config) -> dict[str, str] | None:
+def module_classes(config: Config) -> dict[str, str] | None:
     """{module name: class name} of the model, built on the meta device from its config."""
     import torch
     from transformers import AutoModelForCausalLM

@@ -156,6 +156,30 @@ FAMILIES = [
             "NoPE layer": {"no_rope_layers": [1, 1],
                            "layer_types": ["chunked_attention", "full_attention"]}},
            always_on=("MoE",)),
+    # Hybrids: layers that mix tokens outside attention (parallel/token_mixing.py) beside
+    # attention layers. LFM2: short causal convolutions (kernel 3), then attention.
+    Family("lfm2", "lfm2", {"layer_types": ["conv", "full_attention"], "conv_L_cache": 3},
+           {"short convolution layer": {"layer_types": ALL_FULL}}),
+    # Qwen3-Next: a gated delta-net layer (causal conv + linear-attention scan), then
+    # attention with an output gate; MoE with a shared expert.
+    Family("qwen3_next", "qwen3_next",
+           {"head_dim": 8, "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+           {"gated delta-net layer": {"layer_types": ALL_FULL}}, always_on=("MoE",)),
+    # OLMo hybrid: a gated delta-net layer (negative eigenvalues allowed), then attention.
+    Family("olmo_hybrid", "olmo_hybrid",
+           {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+            "linear_num_value_heads": 2, "linear_key_head_dim": 8,
+            "linear_value_head_dim": 16, "pad_token_id": 0, "eos_token_id": 1},
+           always_on=("gated delta-net layer",)),  # its config refuses all-attention
+    # Falcon-H1: a Mamba2 mixer (conv + SSM scan) beside attention in every layer.
+    Family("falcon_h1", "falcon_h1",
+           {"head_dim": 8, "mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8,
+            "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_chunk_size": 16,
+            "mamba_d_conv": 4},
+           always_on=("Mamba2 beside attention",)),
     # Attention dropout: SP attention applies none, so validate refuses the model and names
     # the override; both trainings run with it.
     Family("llama (attention_dropout 0.1)", "llama", {"attention_dropout": 0.1},
@@ -481,13 +505,17 @@ def render() -> str:
         "tiny copy, fails), it says that it could not check the family, with the error's "
         "gist; `fidelity_probe: false` is then the way to train it, unverified.",
         "",
-        "Hybrid models, whose decoder layers also mix tokens outside attention (Mamba and "
-        "Mamba2 scans: Falcon-H1, Bamba, Nemotron-H, Granite 4 hybrids, Jamba, Zamba; linear "
-        "attention: Qwen3-Next's gated delta-net, MiniMax's lightning attention; LFM2's short "
-        "convolutions), are refused by the probe, which names those layers: longctx keeps "
-        "packed documents apart and splits sequences over ranks only inside attention, so "
-        "their scans and convolutions would cross document and rank boundaries "
-        "(`tests/test_fidelity.py` checks the refusal for lfm2, qwen3_next and falcon_h1).",
+        "Hybrid models, whose decoder layers also mix tokens outside attention, are in the "
+        "table where longctx covers their token-mixing layer (`parallel/token_mixing.py`): "
+        "LFM2's short convolutions (`Lfm2ShortConv`), Qwen3-Next's and OLMo hybrid's gated "
+        "delta-nets (`Qwen3NextGatedDeltaNet`, `OlmoHybridGatedDeltaNet`) and Falcon-H1's "
+        "Mamba2 mixer (`FalconH1Mixer`). Each runs the model's own module on whole document "
+        "prefixes gathered over the SP group (a convolution on its kernel's halo only), so "
+        "packed documents and rank boundaries change nothing; docs/parallelism.md says what "
+        "that costs. Other hybrids (Mamba and Mamba2 scans in Jamba, Zamba, Bamba, Nemotron-H, "
+        "Granite 4; MiniMax's lightning attention; Kimi's delta attention) are refused by the "
+        "probe, which names the layer (`tests/test_fidelity.py` checks jamba, zamba2 and "
+        "minimax).",
         "",
         "| family | features active in the test | "
         + " | ".join(c.name for c in COLUMNS) + " |",

@@ -190,6 +190,7 @@ def _greedy_with_cache(decoder, lm_head, prompt, max_new_tokens, state, pad_id, 
     new: list[int] = []
     with torch.no_grad():
         cache = DynamicCache(config=decoder.config)
+        cached = cache_kwargs(decoder, cache)  # the decoder's name for it, read once
         token, batch = _prefill(decoder, lm_head, prompt, state, pad_id, device, cache)
         meta = DecodeMeta.after_prefill(state, batch.sp_meta.local_ranges, len(prompt), device)
         del batch
@@ -198,7 +199,7 @@ def _greedy_with_cache(decoder, lm_head, prompt, max_new_tokens, state, pad_id, 
             position = len(prompt) + len(new) - 1
             hidden = decoder(input_ids=torch.tensor([[token]], device=device),
                              position_ids=torch.tensor([[position]], device=device),
-                             sp_meta=meta, **cache_kwargs(decoder, cache)
+                             sp_meta=meta, **cached
                              ).last_hidden_state
             token = _agree(state, int(lm_head(hidden[0, -1:]).argmax(dim=-1)[0]), device)
             new.append(token)

@@ -22,7 +22,7 @@ from .kernels import (
     out_like,
     sink_grad,
 )
-from .sharding import SPMeta, zigzag_order, zigzag_positions
+from .sharding import SPMeta, to_global_order, to_rank_order
 
 # torch >= 2.13 renamed the tensor-in/tensor-out collectives; keep older releases working.
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -49,26 +49,6 @@ class _Gather:
         for h in self.handles:
             h.wait()
         return to_global_order(self.k, self.meta), to_global_order(self.v, self.meta)
-
-
-def to_global_order(gathered: torch.Tensor, meta: SPMeta) -> torch.Tensor:
-    """Rank-ordered all-gather output -> global token order (a no-op unless zigzag)."""
-    ctx = meta.ctx
-    if ctx.sharding == "contiguous" or ctx.sp_size == 1:
-        return gathered
-    n = ctx.sp_size
-    stored = gathered.chunk(2 * n)
-    return torch.cat([stored[i] for i in zigzag_positions(n)])
-
-
-def to_rank_order(full: torch.Tensor, meta: SPMeta) -> torch.Tensor:
-    """Inverse of :func:`to_global_order`: the layout reduce_scatter expects."""
-    ctx = meta.ctx
-    if ctx.sharding == "contiguous" or ctx.sp_size == 1:
-        return full
-    n = ctx.sp_size
-    chunks = full.chunk(2 * n)
-    return torch.cat([chunks[j] for j in zigzag_order(n)])
 
 
 def _reduce_scatter(full: torch.Tensor, meta: SPMeta) -> torch.Tensor:

@@ -132,6 +132,30 @@ def gather_sequence(local: torch.Tensor, ctx: ParallelState, dim: int = 0) -> to
     return torch.cat([stored[i] for i in zigzag_positions(ctx.sp_size)], dim=dim)
 
 
+def to_global_order(gathered: torch.Tensor, meta: SPMeta) -> torch.Tensor:
+    """A rank-ordered all-gather output (dim 0) in global token order, for every sharding."""
+    ctx = meta.ctx
+    n = ctx.sp_size
+    if ctx.sharding == "contiguous" or n == 1:
+        return gathered
+    if ctx.sharding == "stripe":  # rank r's part holds tokens r, r + n, ...
+        return gathered.unflatten(0, (n, -1)).transpose(0, 1).flatten(0, 1)
+    stored = gathered.chunk(2 * n)
+    return torch.cat([stored[i] for i in zigzag_positions(n)])
+
+
+def to_rank_order(full: torch.Tensor, meta: SPMeta) -> torch.Tensor:
+    """Inverse of :func:`to_global_order`: the layout a reduce-scatter expects."""
+    ctx = meta.ctx
+    n = ctx.sp_size
+    if ctx.sharding == "contiguous" or n == 1:
+        return full
+    if ctx.sharding == "stripe":
+        return full.unflatten(0, (-1, n)).transpose(0, 1).flatten(0, 1)
+    chunks = full.chunk(2 * n)
+    return torch.cat([chunks[j] for j in zigzag_order(n)])
+
+
 def document_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
     """Segment boundaries of a 1-D row: a segment starts at 0 and wherever position_ids == 0."""
     starts = (position_ids == 0).nonzero().flatten()

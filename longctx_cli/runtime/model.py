@@ -17,6 +17,7 @@ from longctx_cli.config.schema import unfrozen_pattern
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
 from longctx_cli.parallel.mesh import ParallelState
+from longctx_cli.parallel.token_mixing import attach_token_mixing
 from longctx_cli.runtime.head import decoder_of, model_head
 from longctx_cli.runtime.memory import apply_tiled_mlp
 
@@ -285,6 +286,7 @@ def build_model(config: Config, state: ParallelState | None = None) -> nn.Module
     state = state or ParallelState()
     register_sp_attention()
     model = load_base_model(config, ATTN_IMPLEMENTATION)
+    attach_token_mixing(model)  # hybrid models: scans and convolutions per document, exactly
     if config.gradient_checkpointing:
         kwargs = {"use_reentrant": False, **(config.gradient_checkpointing_kwargs or {})}
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

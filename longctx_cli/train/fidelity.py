@@ -373,15 +373,21 @@ def _mixes_tokens(module: Any) -> bool:
     return bool(_TOKEN_MIXER_WORDS.intersection(words)) or ("Linear", "Attention") in pairs
 
 
-def token_mixers(model: Any) -> dict[str, list[int]]:
+def token_mixers(model: Any, covered: bool = False) -> dict[str, list[int]]:
     """`layer part (its class)` -> the decoder layers holding it, for every part of a decoder
     layer that mixes tokens outside attention: a convolution over the sequence, or a module
-    named as a scan, a recurrence or linear attention is. Empty for pure-attention models."""
+    named as a scan, a recurrence or linear attention is. Empty for pure-attention models.
+
+    Parts longctx runs exactly (`parallel.token_mixing.COVERED`) are listed only with
+    ``covered=True``; otherwise only the ones it would have to refuse."""
+    from longctx_cli.parallel.token_mixing import mixer_kind
     from longctx_cli.runtime.head import decoder_of
 
     found: dict[str, list[int]] = {}
     for index, layer in enumerate(getattr(decoder_of(model), "layers", [])):
         for name, module in layer.named_children():
+            if (mixer_kind(module) is not None) != covered:
+                continue
             if any(map(_mixes_tokens, module.modules())):
                 found.setdefault(f"`{name}` ({type(module).__name__})", []).append(index)
     return found
@@ -391,14 +397,21 @@ def _mixer_refusal(model_type: str, mixers: dict[str, list[int]]) -> UserError:
     parts = "; ".join(f"{part} in layer{'s' if len(at) > 1 else ''} "
                       f"{', '.join(map(str, at))}" for part, at in mixers.items())
     return _refuse(model_type, (
-        f"its decoder layers mix tokens outside attention: {parts}. longctx splits a "
-        "sequence over ranks and keeps packed documents apart only inside attention, so "
-        "these layers (scans, recurrences, convolutions over the sequence) would run across "
-        "document boundaries and restart at rank boundaries;"))
+        f"its decoder layers mix tokens outside attention: {parts}. longctx runs only "
+        f"{_covered_list()} exactly across ranks and packed documents; these layers (scans, "
+        "recurrences, convolutions over the sequence) would run across document boundaries "
+        "and restart at rank boundaries;"))
+
+
+def _covered_list() -> str:
+    from longctx_cli.parallel.token_mixing import COVERED
+
+    return "the token mixers " + ", ".join(COVERED)
 
 
 def _compare(model_type: str, tiny: Any, trust_remote_code: bool, started: float) -> ProbeResult:
     from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
+    from longctx_cli.parallel.token_mixing import attach_token_mixing
 
     features = active_features(tiny)
     described = f"a tiny `{model_type}` ({', '.join(features) or 'no special features'})"
@@ -423,6 +436,7 @@ def _compare(model_type: str, tiny: Any, trust_remote_code: bool, started: float
             raise RuntimeError(f"the model did not accept attn_implementation "
                                f"{ATTN_IMPLEMENTATION!r}")
         ours.load_state_dict(reference.state_dict())
+        attach_token_mixing(ours)
         loss, hidden, logits = _longctx(ours, ids, pos, labels)
         loss.backward()
     except Exception as e:

@@ -48,7 +48,7 @@ def check_output_dir(config: Config, overwrite: bool) -> None:
 def run_train(
     config_path: Path,
     nproc_per_node: int | None,
-    nnodes: int,
+    nnodes: int | None,
     node_rank: int,
     rdzv_endpoint: str | None,
     overwrite: bool,
@@ -83,6 +83,6 @@ def run_train(
 
         prepare(config)
     return supervise(
-        ["train", str(config_path), *overrides], world_size, nproc_per_node, nnodes,
+        ["train", str(config_path), *overrides], world_size, nproc_per_node, nnodes or 1,
         node_rank, rdzv_endpoint, Supervision.of(config),
     )

@@ -1,0 +1,274 @@
+"""Exact sequence parallelism and packing for decoder parts that mix tokens outside attention.
+
+Hybrid models put short causal convolutions (LFM2), state-space scans (Mamba2 in Falcon-H1,
+Bamba, Nemotron-H, Granite 4.0) or linear attention (Qwen3-Next's gated delta-net) next to
+their attention layers. Under SP a rank holds only a slice of the row, and in a packed row
+the model's own forward would run these layers across document boundaries.
+
+longctx runs each such part on whole document prefixes, so that its output at every local
+token is what the model's own forward over that token's document alone gives:
+
+1. the part's input is all-gathered over the SP group (a differentiable gather: its
+   backward reduce-scatters the gradient back to the owners), in global token order;
+2. for every document this rank holds tokens of, one row is cut: from the document's start
+   (or, for a convolution of kernel ``k``, from ``k - 1`` tokens before this rank's piece:
+   the halo) to this rank's last token of it. The rows are right-padded with zeros into one
+   batch and the model's own module runs on it, with its own kernels (``causal-conv1d``,
+   ``mamba-ssm``, ``flash-linear-attention`` when installed, PyTorch otherwise);
+3. this rank's tokens are read back out of the batch.
+
+Causality makes this exact: a causal layer's output at a token depends only on the tokens
+before it in its row, which are exactly its document's, and right padding comes after every
+real token. Parameter gradients are each rank's tokens' share, summed over ranks by the
+trainer like every other parameter's.
+
+The cost is recomputation instead of a state passed from rank to rank: a rank runs a scan
+over the whole prefix of each of its documents (on one long document, rank ``r`` of ``n``
+scans ``(r + 1) / n`` of it, the last rank all of it), and every part of this kind receives
+the whole row's input (``row x hidden``) per step. Convolutions only add their halo.
+:func:`describe_cost` states both for ``validate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .decode import DecodeMeta, DecodeUnsupported
+from .sharding import SPMeta, to_global_order, to_rank_order
+
+# torch >= 2.13 renamed the tensor-in/tensor-out collectives; keep older releases working.
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_sum = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+@dataclass(frozen=True)
+class MixerKind:
+    """How far back a token-mixing part reads: ``window`` tokens (a short convolution,
+    ``kernel - 1``) or, with ``window=None``, its whole document (a scan)."""
+
+    what: str  # for messages and validate: "short convolution", "Mamba2 scan", ...
+    window: int | None
+
+
+def _conv_window(module: nn.Module) -> int:
+    return int(module.conv_kernel_size) - 1
+
+
+# The token-mixing parts longctx runs exactly, by class name (transformers' own classes),
+# each with how far back it reads. Every one is tested against the model's own per-document
+# training (tests/test_token_mixing.py) and in the family matrix.
+COVERED: dict[str, tuple[str, Any]] = {
+    "Lfm2ShortConv": ("short convolution", _conv_window),
+    "Qwen3NextGatedDeltaNet": ("gated delta-net (conv + linear-attention scan)", None),
+    "FalconH1Mixer": ("Mamba2 (conv + SSM scan)", None),
+    "OlmoHybridGatedDeltaNet": ("gated delta-net (conv + linear-attention scan)", None),
+}
+
+
+def mixer_kind(module: nn.Module) -> MixerKind | None:
+    """The kind of a covered token-mixing part, None for any other module."""
+    entry = COVERED.get(type(module).__name__)
+    if entry is None:
+        return None
+    what, window = entry
+    return MixerKind(what, None if window is None else int(window(module)))
+
+
+# ---- the differentiable gather of a row ----------------------------------------------------
+
+
+class _GatherRow(torch.autograd.Function):
+    """``[local, ...]`` -> ``[row, ...]`` in global order; backward sums every rank's
+    gradient of a token onto its owner (reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, meta: SPMeta) -> torch.Tensor:  # type: ignore[override]
+        ctx.meta = meta
+        n = meta.ctx.sp_size
+        out = local.new_empty((local.shape[0] * n, *local.shape[1:]))
+        _all_gather(out, local.contiguous(), group=meta.ctx.sp_group)
+        return to_global_order(out, meta)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        meta = ctx.meta
+        src = to_rank_order(grad, meta).contiguous()
+        out = src.new_empty((src.shape[0] // meta.ctx.sp_size, *src.shape[1:]))
+        _reduce_scatter_sum(out, src, group=meta.ctx.sp_group)
+        return out, None
+
+
+def gather_row(local: torch.Tensor, meta: SPMeta) -> torch.Tensor:
+    """The whole row of a per-token tensor (dim 0), differentiably."""
+    if meta.ctx.sp_size == 1:
+        return local
+    return _GatherRow.apply(local, meta)
+
+
+# ---- which rows a rank runs ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MixerRows:
+    """The batch one rank runs a token-mixing part on, for one row and one reach.
+
+    Row ``i`` of the batch is the global tokens ``starts[i] .. ends[i]``; ``take`` indexes
+    the flattened ``[rows * width]`` output at this rank's local tokens, in local order.
+    """
+
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+    width: int
+    take: torch.Tensor  # long [local_tokens]
+    source: torch.Tensor  # long [tokens in rows]: global token of each real batch cell
+    target: torch.Tensor  # long [tokens in rows]: flat batch cell of each of them
+
+
+def mixer_rows(meta: SPMeta, window: int | None) -> MixerRows:
+    """The rows for this rank (built once per row and reach: every layer of it shares them)."""
+    return meta.derived(_new_mixer_rows, window)
+
+
+def _new_mixer_rows(meta: SPMeta, window: int | None) -> MixerRows:
+    # Each segment is a piece of one document held here: local [q_start, q_end) is global
+    # [k_end - length, k_end); its document starts at k_start.
+    pieces = []
+    for seg in meta.segments:
+        length = seg.q_end - seg.q_start
+        first = seg.k_end - length
+        reach = seg.k_start if window is None else max(seg.k_start, first - window)
+        pieces.append((seg.k_start, reach, first, seg.k_end, seg.q_start))
+    rows: list[list[int]] = []  # [start, end] per batch row
+    where: list[tuple[int, int, int, int]] = []  # (row, global first, global end, local start)
+    last_doc = None
+    for doc, reach, first, end, q_start in pieces:
+        if window is None and doc == last_doc:
+            rows[-1][1] = end  # one scan per document: its later pieces extend the same row
+        else:
+            rows.append([reach, end])
+        last_doc = doc
+        where.append((len(rows) - 1, first, end, q_start))
+    width = max(e - s for s, e in rows)
+    take = torch.empty(meta.local_len, dtype=torch.long)
+    for row, first, end, q_start in where:
+        offset = row * width + first - rows[row][0]
+        take[q_start:q_start + end - first] = torch.arange(offset, offset + end - first)
+    source = torch.cat([torch.arange(s, e) for s, e in rows])
+    target = torch.cat([torch.arange(i * width, i * width + e - s)
+                        for i, (s, e) in enumerate(rows)])
+    device = meta.cu_seqlens.device
+    return MixerRows(tuple(s for s, _ in rows), tuple(e for _, e in rows), width,
+                     take.to(device), source.to(device), target.to(device))
+
+
+# ---- attaching it to a model --------------------------------------------------------------
+
+
+class TokenMixerSP:
+    """Forward hooks that make one covered part run on document rows (see module doc).
+
+    The pre-hook replaces the part's input by the batch of rows and remembers how to read
+    the local tokens back; the forward hook does that. Nothing of the model is replaced:
+    parameter names, checkpoints and adapters see the model's own module.
+    """
+
+    def __init__(self, module: nn.Module, kind: MixerKind):
+        self.kind = kind
+        self.name = type(module).__name__
+        self._pending: list[tuple[MixerRows, torch.Size]] = []
+        self.handles = (
+            module.register_forward_pre_hook(self._before, with_kwargs=True),
+            module.register_forward_hook(self._after, with_kwargs=True),
+        )
+
+    def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        meta = kwargs.get("sp_meta")
+        if isinstance(meta, DecodeMeta):
+            # Its state is not kept across a sharded prefill: the caller decodes by full
+            # forwards instead (the same tokens).
+            raise DecodeUnsupported(f"{self.name} mixes tokens outside attention")
+        if not isinstance(meta, SPMeta):
+            raise RuntimeError(
+                f"{self.name} mixes tokens outside attention and runs only on longctx "
+                "batches: call the model with sp_meta= (a sharded row)."
+            )
+        # A whole-row forward keeps no state for decoding: a model's default cache would
+        # record this batch of rows, not the sequence (decode steps are refused above).
+        for name in ("cache", "past_key_values", "cache_params"):
+            kwargs.pop(name, None)
+        if kwargs.get("attention_mask") is not None:
+            raise RuntimeError(f"{self.name}: longctx builds document boundaries itself; "
+                               "attention_mask must be None.")
+        args = list(args)
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.shape[0] != 1 or hidden.shape[1] != meta.local_len:
+            raise ValueError(f"{self.name}: expected this rank's one row of {meta.local_len} "
+                             f"tokens, got {tuple(hidden.shape[:2])}")
+        rows = mixer_rows(meta, self.kind.window)
+        full = gather_row(hidden[0], meta)
+        cells = full.new_zeros((len(rows.starts) * rows.width, full.shape[-1]))
+        cells = cells.index_copy(0, rows.target, full.index_select(0, rows.source))
+        batch = cells.unflatten(0, (len(rows.starts), rows.width))
+        self._pending.append((rows, hidden.shape))
+        if args:
+            args[0] = batch
+        else:
+            kwargs["hidden_states"] = batch
+        # The part's kernels take only their own arguments (transformers filters them).
+        kwargs = {k: v for k, v in kwargs.items() if k != "sp_meta"}
+        return tuple(args), kwargs
+
+    def _after(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> torch.Tensor:
+        rows, _ = self._pending.pop()
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"{self.name} returned {type(out).__name__}, not a tensor")
+        return out.flatten(0, 1).index_select(0, rows.take).unsqueeze(0)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def covered_mixers(model: nn.Module) -> list[tuple[str, nn.Module, MixerKind]]:
+    """``(qualified name, module, kind)`` of every covered token-mixing part of ``model``."""
+    return [(name, m, kind) for name, m in model.named_modules()
+            if (kind := mixer_kind(m)) is not None]
+
+
+def attach_token_mixing(model: nn.Module) -> list[TokenMixerSP]:
+    """Hook every covered token-mixing part of ``model``; [] for pure-attention models."""
+    return [TokenMixerSP(m, kind) for _, m, kind in covered_mixers(model)]
+
+
+def describe(module_classes: dict[str, str], sp: int, row_tokens: int, hidden: int,
+             bytes_per_value: int) -> str | None:
+    """What ``validate`` says of a model's covered token-mixing layers (``module_classes``:
+    module name -> class name, as built on the meta device): which they are and what they
+    add per step on one rank. None for a model without any."""
+    found: dict[str, int] = {}
+    for cls in module_classes.values():
+        if cls in COVERED:
+            found[cls] = found.get(cls, 0) + 1
+    if not found:
+        return None
+    layers = ", ".join(f"{n} x {cls} ({COVERED[cls][0]})" for cls, n in found.items())
+    if sp == 1:
+        return f"{layers}: run per document of the packed row (no communication at sp 1)."
+    scans = sum(n for cls, n in found.items() if COVERED[cls][1] is None)
+    convs = sum(found.values()) - scans
+    mib = row_tokens * hidden * bytes_per_value / 2**20
+    text = (f"{layers}. Each gathers its input over the SP group: {mib:.1f} MiB received "
+            "per layer per rank in forward, the same reduce-scattered in backward")
+    if scans:
+        text += (f"; the {scans} scan layer(s) pass no state between ranks but rerun each "
+                 "document's prefix on every rank that holds part of it (on one long "
+                 "document the last rank scans the whole row, so their activations do not "
+                 "shrink with sp)")
+    if convs:
+        text += f"; the {convs} convolution layer(s) read only a halo of kernel - 1 tokens"
+    return text + "."
