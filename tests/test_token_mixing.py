@@ -5,6 +5,12 @@ training against the model's own per-document training, and generation."""
 from __future__ import annotations
 
 import copy
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,18 +42,31 @@ def test_rank_slices_gathered_in_rank_order_come_back_in_global_order(sp, shardi
     assert torch.equal(to_global_order(gathered, metas[0]), tokens)
 
 
+def _pools(metas: list, all_rows: list) -> list[torch.Tensor]:
+    """Each rank's pool of token values (here: global token ids), as `token_pool` builds it
+    from this rank's tokens and one all-gather."""
+    locals_ = [slice_sequence(torch.arange(64), m.ctx) for m in metas]
+    if len(metas) == 1:
+        return locals_
+    if all_rows[0].send is None:  # the whole row, gathered
+        return [torch.cat([mine, torch.arange(64)]) for mine in locals_]
+    sent = torch.cat([mine[rows.send] for mine, rows in zip(locals_, all_rows, strict=True)])
+    return [torch.cat([mine, sent]) for mine in locals_]
+
+
 @pytest.mark.parametrize("window", [None, 2])
 @pytest.mark.parametrize("sp", [1, 2, 4])
 @pytest.mark.parametrize("sharding", SHARDINGS, ids=lambda s: s["layout"])
 def test_each_local_token_reads_its_document_prefix_or_halo(sp, sharding, window) -> None:
     pos = _positions()
     doc_of = torch.cumsum(pos == 0, 0) - 1
-    for r in range(sp):
-        meta = make_sp_meta(pos, rank_state(r, sp, **sharding))
-        rows = mixer_rows(meta, window)
+    metas = [make_sp_meta(pos, rank_state(r, sp, **sharding)) for r in range(sp)]
+    all_rows = [mixer_rows(m, window) for m in metas]
+    for r, (meta, rows, pool) in enumerate(zip(metas, all_rows, _pools(metas, all_rows),
+                                               strict=True)):
         # What each batch cell holds (global token, -1 for padding), as the hook fills it.
         cells = torch.full((len(rows.starts) * rows.width,), -1, dtype=torch.long)
-        cells[rows.target] = rows.source
+        cells[rows.target] = pool[rows.source]
         cells = cells.view(len(rows.starts), rows.width)
         local = slice_sequence(torch.arange(64), meta.ctx)
         assert torch.equal(cells.flatten()[rows.take], local)  # every local token read back
@@ -66,6 +85,9 @@ def test_each_local_token_reads_its_document_prefix_or_halo(sp, sharding, window
             need = token - doc_start if window is None else min(window, token - doc_start)
             assert flat[cell] == token and col >= need, (r, token, col, need)
             assert torch.equal(before[col - need:], torch.arange(token - need, token))
+        if window is not None and sp > 1 and sharding["layout"] != "stripe":
+            # A convolution receives halos only: `window` tokens per piece at most.
+            assert rows.slots <= window * len(meta.local_ranges), rows.slots
 
 
 def _sp1_hidden(model_type: str, fields: dict, hooked: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +129,10 @@ def test_packed_row_is_the_models_own_per_document_forward_only_with_token_mixin
 
 
 HYBRIDS = ["lfm2", "qwen3_next", "falcon_h1"]
-SP4 = {
+LAYOUTS = {
+    "ring sp2, gradient checkpointing": {"sequence_parallel_degree": 2,
+                                         "ring_attn_func": "varlen_llama3",
+                                         "gradient_checkpointing": True},
     "ring sp4": {"sequence_parallel_degree": 4, "ring_attn_func": "varlen_llama3"},
     "ring zigzag sp4": {"sequence_parallel_degree": 4, "sp_sharding": "zigzag"},
     "P2P stripe sp4": {"sequence_parallel_degree": 4},
@@ -118,7 +143,7 @@ SP4 = {
 def _sp4_worker(rank: int, world: int) -> dict:
     out: dict = {}
     for family in (f for f in fm.FAMILIES if f.name in HYBRIDS):
-        for name, settings in SP4.items():
+        for name, settings in LAYOUTS.items():
             out[(family.name, name)] = fm.longctx_training(family, settings)
     return out
 
@@ -130,7 +155,8 @@ def _reference_worker(rank: int, world: int) -> dict:
 def test_hybrid_families_train_exactly_at_sp4() -> None:
     # The family matrix covers sp2 and hybrid sp4 (docs/families.md); here every strategy
     # splits each row four ways, so scans cross three rank boundaries and conv halos come
-    # from ranks that hold one token of every four (stripe).
+    # from ranks that hold one token of every four (stripe). And once with the layers
+    # recomputed in backward (the token mixers' hooks run again there).
     (references,) = run_distributed(_reference_worker, 1, timeout_s=300)
     runs = run_distributed(_sp4_worker, 4, timeout_s=600)[0]
     for (family, layout), run in runs.items():
@@ -169,3 +195,69 @@ def test_hybrid_model_generates_under_sp_what_generate_does() -> None:
     # Its scan state is not kept across a sharded prefill: it decodes by full SP forwards.
     for got, want in run_distributed(_generate_worker, 2, timeout_s=300):
         assert got == want and len(set(want)) > 1
+
+
+# ---- the example, as a user runs it ------------------------------------------------------
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_hybrid.yaml"
+
+
+def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-c", "from longctx_cli.cli import main; main()",
+                           *args], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=300)
+
+
+def test_validate_names_the_token_mixing_layers_and_their_cost(tmp_path) -> None:
+    result = _run("validate", str(EXAMPLE), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = " ".join(result.stdout.split())
+    assert "token mixing: 1 x Qwen3NextGatedDeltaNet" in out, out
+    assert "gather their input over the SP group (0.2 MiB received per layer" in out, out
+    assert "fidelity probe: passed" in out
+
+
+def test_the_hybrid_example_trains_under_sp_to_a_checkpoint_transformers_loads(tmp_path):
+    # `world_size: 2` in the config, no launcher flags: what a user types.
+    result = _run("train", str(EXAMPLE), "--max-steps", "4", "--save-steps", "4", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "outputs" / "tiny_hybrid" / "final")
+    assert type(model).__name__ == "Qwen3NextForCausalLM"
+    losses = [json.loads(line)["loss"] for line in
+              (tmp_path / "outputs" / "tiny_hybrid" / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    assert losses and all(math.isfinite(x) for x in losses)
+
+
+# ---- the optional kernels, through their stand-ins ---------------------------------------
+
+STANDIN = Path(__file__).resolve().parent / "mixer_kernels_standin"
+KERNEL_CHECK = """
+import torch
+import causal_conv1d, fla
+from tests.test_token_mixing import _sp1_hidden
+from tests import family_matrix as fm
+for family in ("lfm2", "qwen3_next"):
+    fields = next(f for f in fm.FAMILIES if f.name == family).fields
+    got, want = _sp1_hidden(family, fields, hooked=True)
+    assert (got - want).norm() / want.norm() < 1e-5, family
+print("conv", max(causal_conv1d.CALLS), "delta", max(fla.CALLS))
+"""
+
+
+def test_optional_kernels_run_the_document_rows_when_installed() -> None:
+    # causal-conv1d and flash-linear-attention are CUDA/Triton packages; transformers uses
+    # them when they import. Their CPU stand-ins (same signatures) must receive longctx's
+    # batch of document rows (batch size > 1: several documents in one call) and give the
+    # model's own per-document result.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(STANDIN), str(Path(__file__).resolve().parents[1]),
+         os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True,
+                            text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = dict(zip(*[iter(result.stdout.split())] * 2, strict=True))
+    assert int(counts["conv"]) > 1 and int(counts["delta"]) > 1, result.stdout

@@ -8,14 +8,15 @@ the model's own forward would run these layers across document boundaries.
 longctx runs each such part on whole document prefixes, so that its output at every local
 token is what the model's own forward over that token's document alone gives:
 
-1. the part's input is all-gathered over the SP group (a differentiable gather: its
-   backward reduce-scatters the gradient back to the owners), in global token order;
-2. for every document this rank holds tokens of, one row is cut: from the document's start
-   (or, for a convolution of kernel ``k``, from ``k - 1`` tokens before this rank's piece:
-   the halo) to this rank's last token of it. The rows are right-padded with zeros into one
-   batch and the model's own module runs on it, with its own kernels (``causal-conv1d``,
-   ``mamba-ssm``, ``flash-linear-attention`` when installed, PyTorch otherwise);
-3. this rank's tokens are read back out of the batch.
+1. for every document this rank holds tokens of, one row is cut: from the document's start
+   to this rank's last token of it (a scan), or from ``k - 1`` tokens before each of this
+   rank's pieces (a convolution of kernel ``k``: the halo);
+2. the tokens a rank does not hold arrive in one all-gather over the SP group, whose
+   backward reduce-scatters the gradient back to their owners: the whole row for a scan,
+   only the halo tokens for a convolution;
+3. the rows are right-padded with zeros into one batch and the model's own module runs on
+   it, with its own kernels (``causal-conv1d``, ``mamba-ssm``, ``flash-linear-attention``
+   when installed, PyTorch otherwise); this rank's tokens are read back out of the batch.
 
 Causality makes this exact: a causal layer's output at a token depends only on the tokens
 before it in its row, which are exactly its document's, and right padding comes after every
@@ -24,9 +25,9 @@ trainer like every other parameter's.
 
 The cost is recomputation instead of a state passed from rank to rank: a rank runs a scan
 over the whole prefix of each of its documents (on one long document, rank ``r`` of ``n``
-scans ``(r + 1) / n`` of it, the last rank all of it), and every part of this kind receives
-the whole row's input (``row x hidden``) per step. Convolutions only add their halo.
-:func:`describe_cost` states both for ``validate``.
+scans ``(r + 1) / n`` of it, the last rank all of it), and every scan layer receives the
+whole row's input (``row x hidden``) per step. Convolutions only add their halo.
+:func:`describe` states both for ``validate``.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .decode import DecodeMeta, DecodeUnsupported
-from .sharding import SPMeta, to_global_order, to_rank_order
+from .sharding import SPMeta, to_global_order
 
 # torch >= 2.13 renamed the tensor-in/tensor-out collectives; keep older releases working.
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -79,35 +80,26 @@ def mixer_kind(module: nn.Module) -> MixerKind | None:
     return MixerKind(what, None if window is None else int(window(module)))
 
 
-# ---- the differentiable gather of a row ----------------------------------------------------
+# ---- the differentiable exchange ------------------------------------------------------------
 
 
-class _GatherRow(torch.autograd.Function):
-    """``[local, ...]`` -> ``[row, ...]`` in global order; backward sums every rank's
-    gradient of a token onto its owner (reduce-scatter)."""
+class _AllGather(torch.autograd.Function):
+    """Every rank's ``[m, ...]`` stacked in rank order, ``[n * m, ...]``; backward sums each
+    rank's gradient of a received value onto its sender (reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, local: torch.Tensor, meta: SPMeta) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, part: torch.Tensor, meta: SPMeta) -> torch.Tensor:  # type: ignore[override]
         ctx.meta = meta
-        n = meta.ctx.sp_size
-        out = local.new_empty((local.shape[0] * n, *local.shape[1:]))
-        _all_gather(out, local.contiguous(), group=meta.ctx.sp_group)
-        return to_global_order(out, meta)
+        out = part.new_empty((part.shape[0] * meta.ctx.sp_size, *part.shape[1:]))
+        _all_gather(out, part.contiguous(), group=meta.ctx.sp_group)
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         meta = ctx.meta
-        src = to_rank_order(grad, meta).contiguous()
-        out = src.new_empty((src.shape[0] // meta.ctx.sp_size, *src.shape[1:]))
-        _reduce_scatter_sum(out, src, group=meta.ctx.sp_group)
+        out = grad.new_empty((grad.shape[0] // meta.ctx.sp_size, *grad.shape[1:]))
+        _reduce_scatter_sum(out, grad.contiguous(), group=meta.ctx.sp_group)
         return out, None
-
-
-def gather_row(local: torch.Tensor, meta: SPMeta) -> torch.Tensor:
-    """The whole row of a per-token tensor (dim 0), differentiably."""
-    if meta.ctx.sp_size == 1:
-        return local
-    return _GatherRow.apply(local, meta)
 
 
 # ---- which rows a rank runs ---------------------------------------------------------------
@@ -117,16 +109,21 @@ def gather_row(local: torch.Tensor, meta: SPMeta) -> torch.Tensor:
 class MixerRows:
     """The batch one rank runs a token-mixing part on, for one row and one reach.
 
-    Row ``i`` of the batch is the global tokens ``starts[i] .. ends[i]``; ``take`` indexes
-    the flattened ``[rows * width]`` output at this rank's local tokens, in local order.
+    Row ``i`` of the batch is the global tokens ``starts[i] .. ends[i]``. The hook builds a
+    pool of token values: this rank's own tokens, then what the exchange brought (the whole
+    row in global order for a scan; for a convolution only the halo tokens other ranks
+    ``send``, ``slots`` per rank). Cell ``target[j]`` of the flattened batch gets pool value
+    ``source[j]``; ``take`` reads the local tokens back out of the flattened output.
     """
 
     starts: tuple[int, ...]
     ends: tuple[int, ...]
     width: int
     take: torch.Tensor  # long [local_tokens]
-    source: torch.Tensor  # long [tokens in rows]: global token of each real batch cell
+    source: torch.Tensor  # long [tokens in rows]: pool index of each real batch cell
     target: torch.Tensor  # long [tokens in rows]: flat batch cell of each of them
+    send: torch.Tensor | None  # long [slots]: local tokens this rank sends (None: all, in order)
+    slots: int  # halo values each rank sends (padded to the largest)
 
 
 def mixer_rows(meta: SPMeta, window: int | None) -> MixerRows:
@@ -134,36 +131,90 @@ def mixer_rows(meta: SPMeta, window: int | None) -> MixerRows:
     return meta.derived(_new_mixer_rows, window)
 
 
-def _new_mixer_rows(meta: SPMeta, window: int | None) -> MixerRows:
-    # Each segment is a piece of one document held here: local [q_start, q_end) is global
-    # [k_end - length, k_end); its document starts at k_start.
-    pieces = []
-    for seg in meta.segments:
-        length = seg.q_end - seg.q_start
-        first = seg.k_end - length
-        reach = seg.k_start if window is None else max(seg.k_start, first - window)
-        pieces.append((seg.k_start, reach, first, seg.k_end, seg.q_start))
-    rows: list[list[int]] = []  # [start, end] per batch row
+def _rows_of(segments: Any, window: int | None) -> tuple[list[list[int]], list[tuple]]:
+    """Batch rows ``[start, end]`` (global) and where each local piece sits in them."""
+    rows: list[list[int]] = []
     where: list[tuple[int, int, int, int]] = []  # (row, global first, global end, local start)
     last_doc = None
-    for doc, reach, first, end, q_start in pieces:
-        if window is None and doc == last_doc:
-            rows[-1][1] = end  # one scan per document: its later pieces extend the same row
+    # A segment is a piece of one document held here: local [q_start, q_end) is global
+    # [k_end - length, k_end); its document starts at k_start.
+    for seg in segments:
+        first = seg.k_end - (seg.q_end - seg.q_start)
+        if window is None and seg.k_start == last_doc:
+            rows[-1][1] = seg.k_end  # one scan per document: later pieces extend its row
         else:
-            rows.append([reach, end])
-        last_doc = doc
-        where.append((len(rows) - 1, first, end, q_start))
+            reach = seg.k_start if window is None else max(seg.k_start, first - window)
+            rows.append([reach, seg.k_end])
+        last_doc = seg.k_start
+        where.append((len(rows) - 1, first, seg.k_end, seg.q_start))
+    return rows, where
+
+
+def _owners(meta: SPMeta) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
+    """Per global token: its SP rank and its index there; and every rank's segments."""
+    from .mesh import ParallelState
+    from .sharding import segments_for, slice_sequence
+
+    layout, total = meta.ctx.layout, meta.total_len
+    owner = torch.empty(total, dtype=torch.long)
+    index = torch.empty(total, dtype=torch.long)
+    segments = []
+    for rank in range(meta.ctx.sp_size):
+        held = slice_sequence(torch.arange(total), ParallelState(layout, sp_rank=rank))
+        owner[held] = rank
+        index[held] = torch.arange(held.numel())
+        segments.append(segments_for(meta.cu_host, layout.local_ranges(total, rank)))
+    return owner, index, segments
+
+
+def _new_mixer_rows(meta: SPMeta, window: int | None) -> MixerRows:
+    rows, where = _rows_of(meta.segments, window)
     width = max(e - s for s, e in rows)
     take = torch.empty(meta.local_len, dtype=torch.long)
     for row, first, end, q_start in where:
         offset = row * width + first - rows[row][0]
         take[q_start:q_start + end - first] = torch.arange(offset, offset + end - first)
-    source = torch.cat([torch.arange(s, e) for s, e in rows])
+    cells = torch.cat([torch.arange(s, e) for s, e in rows])  # global token of each cell
     target = torch.cat([torch.arange(i * width, i * width + e - s)
                         for i, (s, e) in enumerate(rows)])
+    n, me, send, slots = meta.ctx.sp_size, meta.ctx.sp_rank, None, 0
+    if n == 1:
+        source = cells
+    elif window is None:  # the whole row arrives; own tokens are read from it too
+        source = meta.local_len + cells
+    else:
+        # Halo exchange: every rank works out what each rank needs from each other one (the
+        # same arithmetic everywhere), and sends its part of it in one all-gather.
+        owner, index, segments = _owners(meta)
+        needed = torch.zeros(meta.total_len, dtype=torch.bool)
+        for rank in range(n):
+            rank_rows, _ = _rows_of(segments[rank], window)
+            for a, b in rank_rows:
+                span = torch.arange(a, b)
+                needed[span[owner[span] != rank]] = True
+        given = [needed.nonzero().flatten()[owner[needed] == r] for r in range(n)]
+        slots = max(1, max(g.numel() for g in given))
+        slot = torch.full((meta.total_len,), -1, dtype=torch.long)
+        for r, g in enumerate(given):
+            slot[g] = meta.local_len + r * slots + torch.arange(g.numel())
+        mine = owner[cells] == me
+        source = torch.where(mine, index[cells], slot[cells])
+        send = torch.zeros(slots, dtype=torch.long)  # padding re-sends token 0, unread
+        send[:given[me].numel()] = index[given[me]]
     device = meta.cu_seqlens.device
     return MixerRows(tuple(s for s, _ in rows), tuple(e for _, e in rows), width,
-                     take.to(device), source.to(device), target.to(device))
+                     take.to(device), source.to(device), target.to(device),
+                     None if send is None else send.to(device), slots)
+
+
+def token_pool(local: torch.Tensor, meta: SPMeta, rows: MixerRows) -> torch.Tensor:
+    """This rank's tokens ``[local, hidden]``, then what the exchange brings (see
+    :class:`MixerRows`), differentiably: gradients flow back to the senders."""
+    if meta.ctx.sp_size == 1:
+        return local
+    if rows.send is None:
+        return torch.cat([local, to_global_order(_AllGather.apply(local, meta), meta)])
+    return torch.cat([local, _AllGather.apply(local.index_select(0, rows.send), meta)])
 
 
 # ---- attaching it to a model --------------------------------------------------------------
@@ -180,7 +231,9 @@ class TokenMixerSP:
     def __init__(self, module: nn.Module, kind: MixerKind):
         self.kind = kind
         self.name = type(module).__name__
-        self._pending: list[tuple[MixerRows, torch.Size]] = []
+        # The rows of the call in flight. One slot: a module's forward never nests, and a
+        # recompute that activation checkpointing stops early just leaves it to be replaced.
+        self._rows: MixerRows | None = None
         self.handles = (
             module.register_forward_pre_hook(self._before, with_kwargs=True),
             module.register_forward_hook(self._after, with_kwargs=True),
@@ -210,11 +263,11 @@ class TokenMixerSP:
             raise ValueError(f"{self.name}: expected this rank's one row of {meta.local_len} "
                              f"tokens, got {tuple(hidden.shape[:2])}")
         rows = mixer_rows(meta, self.kind.window)
-        full = gather_row(hidden[0], meta)
-        cells = full.new_zeros((len(rows.starts) * rows.width, full.shape[-1]))
-        cells = cells.index_copy(0, rows.target, full.index_select(0, rows.source))
+        pool = token_pool(hidden[0], meta, rows)
+        cells = pool.new_zeros((len(rows.starts) * rows.width, pool.shape[-1]))
+        cells = cells.index_copy(0, rows.target, pool.index_select(0, rows.source))
         batch = cells.unflatten(0, (len(rows.starts), rows.width))
-        self._pending.append((rows, hidden.shape))
+        self._rows = rows
         if args:
             args[0] = batch
         else:
@@ -224,7 +277,9 @@ class TokenMixerSP:
         return tuple(args), kwargs
 
     def _after(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> torch.Tensor:
-        rows, _ = self._pending.pop()
+        rows, self._rows = self._rows, None
+        if rows is None:
+            raise RuntimeError(f"{self.name}: forward hook without its pre-hook")
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"{self.name} returned {type(out).__name__}, not a tensor")
         return out.flatten(0, 1).index_select(0, rows.take).unsqueeze(0)
@@ -262,13 +317,16 @@ def describe(module_classes: dict[str, str], sp: int, row_tokens: int, hidden: i
     scans = sum(n for cls, n in found.items() if COVERED[cls][1] is None)
     convs = sum(found.values()) - scans
     mib = row_tokens * hidden * bytes_per_value / 2**20
-    text = (f"{layers}. Each gathers its input over the SP group: {mib:.1f} MiB received "
-            "per layer per rank in forward, the same reduce-scattered in backward")
+    parts = []
     if scans:
-        text += (f"; the {scans} scan layer(s) pass no state between ranks but rerun each "
-                 "document's prefix on every rank that holds part of it (on one long "
-                 "document the last rank scans the whole row, so their activations do not "
-                 "shrink with sp)")
+        parts.append(
+            f"the {scans} scan layer(s) each gather their input over the SP group ({mib:.1f} "
+            "MiB received per layer per rank in forward, the same reduce-scattered in "
+            "backward) and pass no state between ranks: every rank reruns the prefix of each "
+            "document it holds part of (on one long document the last rank scans the whole "
+            "row, so these layers' activations do not shrink with sp)")
     if convs:
-        text += f"; the {convs} convolution layer(s) read only a halo of kernel - 1 tokens"
+        parts.append(f"the {convs} convolution layer(s) receive only a halo of kernel - 1 "
+                     "tokens per piece of a document from the rank before it")
+    text = f"{layers}: " + "; ".join(parts)
     return text + "."

@@ -1,0 +1,172 @@
+"""Hybrid models under SP on CPU: one training step per rank at sp 1, 2 and 4, next to a
+pure-attention model of the same size.
+
+    python benchmarks/hybrid.py --tokens 4096 --repeats 3
+
+Four gloo processes, one compute thread each, start once. Every model has hidden 256, 4
+layers, 4 heads of 64 (2 KV heads), vocab 4096, fp32; the hybrids keep one attention layer
+and put their token mixer in the other three (Falcon-H1: a Mamba2 mixer beside attention in
+every layer). Each layout fills the 4 ranks (sp 1: 4 data-parallel ranks; sp 4: one group),
+so every rank is busy in every measurement. The step is the trainer's own code
+(`build_model`, `shard_batch`, `forward_loss_sum`, backward, gradient sum over the SP group,
+AdamW) on one packed row of documents of 1/8 to 1/2 of the row.
+
+Reported per rank: wall seconds (slowest rank, median over repeats), compute-thread CPU
+seconds (largest rank: the work a rank does, which is the step time with a core per rank;
+the machine has fewer cores than ranks), and the peak resident-set growth during build +
+step (largest rank). The transformers fallbacks in pure PyTorch compute the scans on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_step import init_optimizer_state, peak_bytes, reset_peak, rss_bytes, synthetic_row
+
+from longctx_cli.config import config_from_dict
+from longctx_cli.config.rules import layout_for
+from longctx_cli.parallel import build_parallel_state, shard_batch
+from longctx_cli.runtime.model import build_model, decoder_and_head
+from longctx_cli.train.loss import valid_token_count
+from longctx_cli.train.step import forward_loss_sum
+
+WORLD = 4
+SIZE = {
+    "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096,
+    "max_position_embeddings": 131072, "tie_word_embeddings": False, "pad_token_id": 0,
+}
+THREE_THEN_ATTENTION = 3
+MODELS = {
+    "llama (attention only)": {"model_type": "llama"},
+    "lfm2 (3 conv + 1 attention)": {
+        "model_type": "lfm2", "conv_L_cache": 3,
+        "layer_types": ["conv"] * THREE_THEN_ATTENTION + ["full_attention"]},
+    "olmo_hybrid (3 gated delta-net + 1 attention)": {
+        "model_type": "olmo_hybrid", "eos_token_id": 1,
+        "layer_types": ["linear_attention"] * THREE_THEN_ATTENTION + ["full_attention"],
+        "linear_num_key_heads": 4, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64},
+    "falcon_h1 (Mamba2 beside attention x4)": {
+        "model_type": "falcon_h1", "mamba_d_ssm": 256, "mamba_n_heads": 4, "mamba_d_head": 64,
+        "mamba_d_state": 16, "mamba_n_groups": 1, "mamba_chunk_size": 256, "mamba_d_conv": 4},
+}
+SPS = (1, 2, 4)
+
+
+def config_for(model: str, sp: int, tokens: int):
+    return config_from_dict({
+        "model_config": {**SIZE, **MODELS[model]},
+        "dtype": "float32", "attention_kernel": "torch", "sequence_len": tokens,
+        "sequence_parallel_degree": sp, "sp_sharding": "zigzag" if sp > 1 else None,
+        "ring_attn_func": "varlen_llama3", "optimizer": "adamw",
+    })
+
+
+def step(model_name: str, sp: int, tokens: int, state) -> tuple[float, float, float]:
+    """Build and train one step on this rank: (wall s, peak growth bytes, CPU s)."""
+    config = config_for(model_name, sp, tokens)
+    gc.collect()
+    base = rss_bytes()
+    reset_peak()
+    model = build_model(config, state)
+    decoder, head = decoder_and_head(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    init_optimizer_state(params, optimizer)
+    batch = shard_batch(*synthetic_row(tokens, SIZE["vocab_size"]), state, 0)
+    count = torch.tensor([float(valid_token_count(batch.shift_labels))])
+    if state.sp_group is not None:
+        dist.all_reduce(count, group=state.sp_group)
+    start, cpu_start = time.perf_counter(), time.thread_time()
+    loss = forward_loss_sum(decoder, head, batch, config, state)
+    (loss / count).backward()
+    if state.sp_group is not None:
+        for p in params:
+            dist.all_reduce(p.grad, group=state.sp_group)
+    optimizer.step()
+    elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
+    grown = peak_bytes() - base
+    del model, decoder, head, params, optimizer, batch, loss
+    return elapsed, float(grown), cpu
+
+
+def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(store_dir, "store"), WORLD)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+    states = {sp: build_parallel_state(layout_for(config_for(next(iter(MODELS)), sp, 512),
+                                                  WORLD, None)) for sp in SPS}
+    results = []
+    for model_name in MODELS:
+        step(model_name, 1, 512, states[1])  # imports and one-off allocations
+        for sp in SPS:
+            runs = []
+            for _ in range(args.repeats):
+                stats = torch.tensor(step(model_name, sp, args.tokens, states[sp]),
+                                     dtype=torch.float64)
+                dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+                runs.append(stats.tolist())
+            row = {"model": model_name, "sp": sp, "tokens": args.tokens,
+                   "wall_s": [r[0] for r in runs], "peak_mib": [r[1] / 2**20 for r in runs],
+                   "cpu_s": [r[2] for r in runs]}
+            results.append(row)
+            if rank == 0:
+                print(f"{model_name:48s} sp{sp}: wall {statistics.median(row['wall_s']):.2f}s "
+                      f"cpu {statistics.median(row['cpu_s']):.2f}s "
+                      f"peak {statistics.median(row['peak_mib']):.0f} MiB", flush=True)
+    if rank == 0:
+        payload = {"size": SIZE, "models": MODELS, "world": WORLD, "threads_per_rank": 1,
+                   "machine": f"{platform.processor() or platform.machine()}, "
+                              f"{os.cpu_count()} cores", "repeats": args.repeats,
+                   "results": results}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(payload, indent=1))
+        print(table(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def table(results: list[dict]) -> str:
+    """Markdown: per model and sp, median wall / CPU seconds and peak MiB per rank, and the
+    ratio to the attention-only model at the same sp."""
+    base = {r["sp"]: r for r in results if r["model"] == next(iter(MODELS))}
+    lines = ["| model | sp | step wall s | step CPU s per rank | x attention-only CPU | "
+             "peak MiB per rank | x attention-only peak |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        b = base[r["sp"]]
+        cpu, peak = statistics.median(r["cpu_s"]), statistics.median(r["peak_mib"])
+        lines.append(
+            f"| {r['model']} | {r['sp']} | {statistics.median(r['wall_s']):.2f} | {cpu:.2f} | "
+            f"{cpu / statistics.median(b['cpu_s']):.2f} | {peak:.0f} | "
+            f"{peak / statistics.median(b['peak_mib']):.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096, help="row length (default 4096)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/results/hybrid.json")
+    args = parser.parse_args()
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    with tempfile.TemporaryDirectory(prefix="longctx-hybrid-") as tmp:
+        mp.start_processes(worker, args=(tmp, args), nprocs=WORLD, start_method="spawn")
+
+
+if __name__ == "__main__":
+    main()
