@@ -77,7 +77,8 @@ def config_for(model: str, sp: int, tokens: int):
     })
 
 
-def step(model_name: str, sp: int, tokens: int, state) -> tuple[float, float, float]:
+def step(model_name: str, sp: int, tokens: int, state,
+         one_document: bool = False) -> tuple[float, float, float]:
     """Build and train one step on this rank: (wall s, peak growth bytes, CPU s)."""
     config = config_for(model_name, sp, tokens)
     gc.collect()
@@ -88,7 +89,11 @@ def step(model_name: str, sp: int, tokens: int, state) -> tuple[float, float, fl
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     init_optimizer_state(params, optimizer)
-    batch = shard_batch(*synthetic_row(tokens, SIZE["vocab_size"]), state, 0)
+    ids, positions, labels = synthetic_row(tokens, SIZE["vocab_size"])
+    if one_document:  # the scans' worst case: every rank reruns the prefix before it
+        positions, labels = torch.arange(tokens), ids.clone()
+        labels[0] = -100
+    batch = shard_batch(ids, positions, labels, state, 0)
     count = torch.tensor([float(valid_token_count(batch.shift_labels))])
     if state.sp_group is not None:
         dist.all_reduce(count, group=state.sp_group)
@@ -105,6 +110,17 @@ def step(model_name: str, sp: int, tokens: int, state) -> tuple[float, float, fl
     return elapsed, float(grown), cpu
 
 
+def machine() -> str:
+    """The CPU's model name and core count (what the timings depend on)."""
+    name = platform.machine()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    return f"{name}, {os.cpu_count()} cores"
+
+
 def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(store_dir, "store"), WORLD)
@@ -117,8 +133,8 @@ def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
         for sp in SPS:
             runs = []
             for _ in range(args.repeats):
-                stats = torch.tensor(step(model_name, sp, args.tokens, states[sp]),
-                                     dtype=torch.float64)
+                stats = torch.tensor(step(model_name, sp, args.tokens, states[sp],
+                                          args.one_document), dtype=torch.float64)
                 dist.all_reduce(stats, op=dist.ReduceOp.MAX)
                 runs.append(stats.tolist())
             row = {"model": model_name, "sp": sp, "tokens": args.tokens,
@@ -131,8 +147,8 @@ def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
                       f"peak {statistics.median(row['peak_mib']):.0f} MiB", flush=True)
     if rank == 0:
         payload = {"size": SIZE, "models": MODELS, "world": WORLD, "threads_per_rank": 1,
-                   "machine": f"{platform.processor() or platform.machine()}, "
-                              f"{os.cpu_count()} cores", "repeats": args.repeats,
+                   "machine": machine(), "repeats": args.repeats,
+                   "row": "one document" if args.one_document else "packed documents",
                    "results": results}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(payload, indent=1))
@@ -141,20 +157,48 @@ def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def _span(values: list[float], fmt: str) -> str:
+    lo, hi = min(values), max(values)
+    return format(lo, fmt) if format(lo, fmt) == format(hi, fmt) else (
+        f"{format(lo, fmt)}-{format(hi, fmt)}")
+
+
 def table(results: list[dict]) -> str:
-    """Markdown: per model and sp, median wall / CPU seconds and peak MiB per rank, and the
-    ratio to the attention-only model at the same sp."""
+    """Markdown: per model and sp, the range over repeats of the slowest rank's wall seconds,
+    the busiest rank's compute-thread CPU seconds and the largest peak growth per rank, and
+    the medians' ratio to the attention-only model at the same sp."""
     base = {r["sp"]: r for r in results if r["model"] == next(iter(MODELS))}
-    lines = ["| model | sp | step wall s | step CPU s per rank | x attention-only CPU | "
-             "peak MiB per rank | x attention-only peak |", "|---|---|---|---|---|---|---|"]
+    lines = ["| model | sp | step wall s | step CPU s per rank | CPU / attention-only | "
+             "peak MiB per rank | peak / attention-only |", "|---|---|---|---|---|---|---|"]
     for r in results:
         b = base[r["sp"]]
-        cpu, peak = statistics.median(r["cpu_s"]), statistics.median(r["peak_mib"])
+        cpu = statistics.median(r["cpu_s"]) / statistics.median(b["cpu_s"])
+        peak = statistics.median(r["peak_mib"]) / statistics.median(b["peak_mib"])
         lines.append(
-            f"| {r['model']} | {r['sp']} | {statistics.median(r['wall_s']):.2f} | {cpu:.2f} | "
-            f"{cpu / statistics.median(b['cpu_s']):.2f} | {peak:.0f} | "
-            f"{peak / statistics.median(b['peak_mib']):.2f} |")
+            f"| {r['model']} | {r['sp']} | {_span(r['wall_s'], '.2f')} | "
+            f"{_span(r['cpu_s'], '.2f')} | {cpu:.2f} | {_span(r['peak_mib'], '.0f')} | "
+            f"{peak:.2f} |")
     return "\n".join(lines)
+
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "parallelism.md"
+MARKERS = ("<!-- hybrid-bench:start -->", "<!-- hybrid-bench:end -->")
+
+
+def write_docs(paths: list[Path]) -> None:
+    """Put the tables of results files between the markers in docs/parallelism.md."""
+    text = DOC.read_text()
+    head, rest = text.split(MARKERS[0])
+    _, tail = rest.split(MARKERS[1])
+    parts = []
+    for path in paths:
+        payload = json.loads(path.read_text())
+        parts.append(
+            f"{payload.get('row', 'packed documents').capitalize()} per row, "
+            f"{payload['results'][0]['tokens']} tokens ({payload['repeats']} repeats per cell, "
+            f"`{path.relative_to(DOC.parents[1])}`; {payload['machine']}, {payload['world']} "
+            f"ranks of one thread):\n\n{table(payload['results'])}")
+    DOC.write_text(f"{head}{MARKERS[0]}\n" + "\n\n".join(parts) + f"\n{MARKERS[1]}{tail}")
 
 
 def main() -> None:
@@ -162,7 +206,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="row length (default 4096)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/hybrid.json")
+    parser.add_argument("--one-document", action="store_true",
+                        help="one document per row (default: packed documents of 1/8 to 1/2 "
+                        "of the row)")
+    parser.add_argument("--docs", type=Path, nargs="+", metavar="RESULTS.json",
+                        help="only write these results files' tables into docs/parallelism.md")
     args = parser.parse_args()
+    if args.docs:
+        write_docs([p.resolve() for p in args.docs])
+        return
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     with tempfile.TemporaryDirectory(prefix="longctx-hybrid-") as tmp:
         mp.start_processes(worker, args=(tmp, args), nprocs=WORLD, start_method="spawn")

@@ -12,7 +12,6 @@ then reduce-scatters dK,dV back to their owners.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .kernels import (
     AttentionFeatures,
@@ -22,11 +21,13 @@ from .kernels import (
     out_like,
     sink_grad,
 )
-from .sharding import SPMeta, to_global_order, to_rank_order
-
-# torch >= 2.13 renamed the tensor-in/tensor-out collectives; keep older releases working.
-_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter_sum = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+from .sharding import (
+    SPMeta,
+    all_gather_tensor,
+    reduce_scatter_sum,
+    to_global_order,
+    to_rank_order,
+)
 
 
 class _Gather:
@@ -41,8 +42,8 @@ class _Gather:
         self.k = k.new_empty((k.shape[0] * n, *k.shape[1:]))
         self.v = v.new_empty((v.shape[0] * n, *v.shape[1:]))
         self.handles = [
-            _all_gather(self.k, k.contiguous(), group=group, async_op=True),
-            _all_gather(self.v, v.contiguous(), group=group, async_op=True),
+            all_gather_tensor(self.k, k.contiguous(), group=group, async_op=True),
+            all_gather_tensor(self.v, v.contiguous(), group=group, async_op=True),
         ]
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +57,7 @@ def _reduce_scatter(full: torch.Tensor, meta: SPMeta) -> torch.Tensor:
         return full
     src = to_rank_order(full, meta).contiguous()
     out = src.new_empty((src.shape[0] // meta.ctx.sp_size, *src.shape[1:]))
-    _reduce_scatter_sum(out, src, group=meta.ctx.sp_group)
+    reduce_scatter_sum(out, src, group=meta.ctx.sp_group)
     return out
 
 

@@ -27,6 +27,10 @@ from .mesh import ParallelState
 
 T = TypeVar("T")
 
+# torch >= 2.13 renamed the tensor-in/tensor-out collectives; keep older releases working.
+all_gather_tensor = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_sum = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 
 @dataclass
 class SPMeta:

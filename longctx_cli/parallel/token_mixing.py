@@ -36,15 +36,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .decode import DecodeMeta, DecodeUnsupported
-from .sharding import SPMeta, to_global_order
-
-# torch >= 2.13 renamed the tensor-in/tensor-out collectives; keep older releases working.
-_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter_sum = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+from .sharding import (
+    SPMeta,
+    all_gather_tensor,
+    reduce_scatter_sum,
+    to_global_order,
+)
 
 
 @dataclass(frozen=True)
@@ -91,14 +91,14 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx, part: torch.Tensor, meta: SPMeta) -> torch.Tensor:  # type: ignore[override]
         ctx.meta = meta
         out = part.new_empty((part.shape[0] * meta.ctx.sp_size, *part.shape[1:]))
-        _all_gather(out, part.contiguous(), group=meta.ctx.sp_group)
+        all_gather_tensor(out, part.contiguous(), group=meta.ctx.sp_group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         meta = ctx.meta
         out = grad.new_empty((grad.shape[0] // meta.ctx.sp_size, *grad.shape[1:]))
-        _reduce_scatter_sum(out, grad.contiguous(), group=meta.ctx.sp_group)
+        reduce_scatter_sum(out, grad.contiguous(), group=meta.ctx.sp_group)
         return out, None
 
 

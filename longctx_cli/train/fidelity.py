@@ -365,10 +365,12 @@ _TOKEN_MIXER_WORDS = frozenset({"Mamba", "Mamba2", "Mixer", "Delta", "Conv", "Li
 _CLASS_WORD = re.compile(r"[A-Z]+(?![a-z])\d*|[A-Z][a-z]+\d*|[a-z]+\d*|\d+")
 
 
-def _mixes_tokens(module: Any) -> bool:
+def _mixes_tokens(module: Any, family: str = "") -> bool:
+    """A Conv1d, or a class whose name (less the family's prefix: RecurrentGemmaRMSNorm is a
+    norm) names a scan, a recurrence, a convolution or linear attention."""
     if isinstance(module, torch.nn.Conv1d):
         return True
-    words = _CLASS_WORD.findall(type(module).__name__)
+    words = _CLASS_WORD.findall(type(module).__name__.removeprefix(family))
     pairs = set(zip(words, words[1:], strict=False))
     return bool(_TOKEN_MIXER_WORDS.intersection(words)) or ("Linear", "Attention") in pairs
 
@@ -383,12 +385,13 @@ def token_mixers(model: Any, covered: bool = False) -> dict[str, list[int]]:
     from longctx_cli.parallel.token_mixing import mixer_kind
     from longctx_cli.runtime.head import decoder_of
 
+    family = re.sub(r"(For[A-Z]\w*|Model)$", "", type(model).__name__)  # Jamba, Mamba2, ...
     found: dict[str, list[int]] = {}
     for index, layer in enumerate(getattr(decoder_of(model), "layers", [])):
         for name, module in layer.named_children():
             if (mixer_kind(module) is not None) != covered:
                 continue
-            if any(map(_mixes_tokens, module.modules())):
+            if any(_mixes_tokens(m, family) for m in module.modules()):
                 found.setdefault(f"`{name}` ({type(module).__name__})", []).append(index)
     return found
 
