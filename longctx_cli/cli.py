@@ -168,6 +168,10 @@ def validate(
 
 def _token_mixing(cfg: Any, plan: Any) -> str | None:
     """The hybrid model's layers that mix tokens outside attention, and what they cost."""
+    from longctx_cli.constants import HYBRID_MODEL_TYPES
+
+    if plan.model.model_type not in HYBRID_MODEL_TYPES:
+        return None  # no torch import: a plain model's plan stays instant
     from longctx_cli.config.memory import DTYPE_BYTES
     from longctx_cli.parallel.token_mixing import describe
     from longctx_cli.preflight import module_classes

@@ -3,3 +3,10 @@
 # The label of a token that carries no loss: torch's cross_entropy default ignore_index,
 # and what Hugging Face datasets and collators write.
 IGNORE_INDEX = -100
+
+# Model types whose layers that mix tokens outside attention longctx runs exactly
+# (`parallel/token_mixing.py`'s COVERED classes; tests/test_token_mixing.py checks the two
+# agree). `validate` builds such a model on the meta device to describe those layers; for
+# other model types its plan needs neither torch nor transformers.
+HYBRID_MODEL_TYPES = frozenset({"lfm2", "qwen3_next", "olmo_hybrid", "falcon_h1", "bamba",
+                                "granitemoehybrid"})

@@ -49,6 +49,10 @@ BASE = {
     "max_position_embeddings": 256,
     "initializer_range": 0.2,  # logits and scores O(1): caps and scales visibly matter
 }
+# A Mamba2 mixer of 4 heads of 16 (2 x hidden), state 16, scan chunks of 8 tokens (shorter
+# than most documents, so the scan carries its state across chunks).
+MAMBA2 = {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_expand": 2, "mamba_d_state": 16,
+          "mamba_n_groups": 1, "mamba_chunk_size": 8, "mamba_d_conv": 4}
 SLIDING_THEN_FULL = ["sliding_attention", "full_attention"]
 ALL_FULL = ["full_attention", "full_attention"]
 
@@ -180,6 +184,14 @@ FAMILIES = [
             "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_chunk_size": 16,
             "mamba_d_conv": 4},
            always_on=("Mamba2 beside attention",)),
+    # Bamba and Granite 4.0-H: Mamba2 layers (conv + SSM scan), then
+    # attention; Granite with MoE.
+    Family("bamba", "bamba", {**MAMBA2, "attn_layer_indices": [1]},
+           {"Mamba2 layer": {"attn_layer_indices": [0, 1]}}),
+    Family("granitemoehybrid", "granitemoehybrid",
+           {**MAMBA2, "layer_types": ["mamba", "attention"], "num_local_experts": 4,
+            "num_experts_per_tok": 2},
+           {"Mamba2 layer": {"layer_types": ["attention", "attention"]}}, always_on=("MoE",)),
     # Attention dropout: SP attention applies none, so validate refuses the model and names
     # the override; both trainings run with it.
     Family("llama (attention_dropout 0.1)", "llama", {"attention_dropout": 0.1},
@@ -508,12 +520,13 @@ def render() -> str:
         "Hybrid models, whose decoder layers also mix tokens outside attention, are in the "
         "table where longctx covers their token-mixing layer (`parallel/token_mixing.py`): "
         "LFM2's short convolutions (`Lfm2ShortConv`), Qwen3-Next's and OLMo hybrid's gated "
-        "delta-nets (`Qwen3NextGatedDeltaNet`, `OlmoHybridGatedDeltaNet`) and Falcon-H1's "
-        "Mamba2 mixer (`FalconH1Mixer`). Each runs the model's own module on whole document "
+        "delta-nets (`Qwen3NextGatedDeltaNet`, `OlmoHybridGatedDeltaNet`) and the Mamba2 "
+        "mixers of Falcon-H1, Bamba and Granite 4.0-H (`FalconH1Mixer`, `BambaMixer`, "
+        "`GraniteMoeHybridMambaLayer`). Each runs the model's own module on whole document "
         "prefixes gathered over the SP group (a convolution on its kernel's halo only), so "
         "packed documents and rank boundaries change nothing; docs/parallelism.md says what "
-        "that costs. Other hybrids (Mamba and Mamba2 scans in Jamba, Zamba, Bamba, Nemotron-H, "
-        "Granite 4; MiniMax's lightning attention; Kimi's delta attention) are refused by the "
+        "that costs. Other hybrids (Mamba and Mamba2 scans in Jamba, Zamba and Nemotron-H; "
+        "MiniMax's lightning attention; Kimi's delta attention) are refused by the "
         "probe, which names the layer (`tests/test_fidelity.py` checks jamba, zamba2 and "
         "minimax).",
         "",

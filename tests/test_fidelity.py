@@ -264,6 +264,9 @@ def test_latent_attention_and_chunked_attention_families_pass() -> None:
     ("lfm2", {"full_attn_idxs": [2, 5, 8, 10, 12, 14]}),
     ("qwen3_next", {}),  # gated delta-net
     ("falcon_h1", {}),  # Mamba2 beside attention in every layer
+    # Bamba-9B's pattern: attention at three layers, Mamba2 elsewhere (the probe keeps one
+    # attention layer after a Mamba2 layer).
+    ("bamba", {"attn_layer_indices": [9, 18, 27]}),
 ])
 def test_covered_hybrid_families_pass_on_packed_rows(model_type: str, fields: dict) -> None:
     # The model's own forward over a packed row would run its scans and convolutions across

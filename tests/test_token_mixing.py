@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from longctx_cli.constants import HYBRID_MODEL_TYPES
 from longctx_cli.parallel.sharding import make_sp_meta, slice_sequence, to_global_order
 from longctx_cli.parallel.token_mixing import mixer_rows
 from tests import family_matrix as fm
@@ -261,3 +262,19 @@ def test_optional_kernels_run_the_document_rows_when_installed() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     counts = dict(zip(*[iter(result.stdout.split())] * 2, strict=True))
     assert int(counts["conv"]) > 1 and int(counts["delta"]) > 1, result.stdout
+
+
+def test_validate_knows_every_model_type_whose_layers_are_covered() -> None:
+    # validate describes token mixing only for HYBRID_MODEL_TYPES (to stay torch-free for
+    # the rest): they must be exactly the matrix's families that hold covered layers.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longctx_cli.parallel.token_mixing import covered_mixers
+
+    found = set()
+    for family in fm.FAMILIES:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**family.config()))
+        if covered_mixers(model):
+            found.add(family.model_type)
+    assert found == HYBRID_MODEL_TYPES

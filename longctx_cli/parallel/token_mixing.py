@@ -1,9 +1,9 @@
 """Exact sequence parallelism and packing for decoder parts that mix tokens outside attention.
 
 Hybrid models put short causal convolutions (LFM2), state-space scans (Mamba2 in Falcon-H1,
-Bamba, Nemotron-H, Granite 4.0) or linear attention (Qwen3-Next's gated delta-net) next to
-their attention layers. Under SP a rank holds only a slice of the row, and in a packed row
-the model's own forward would run these layers across document boundaries.
+Bamba, Granite 4.0-H) or linear attention (the gated delta-nets of Qwen3-Next and OLMo
+hybrid) next to their attention layers. Under SP a rank holds only a slice of the row, and
+in a packed row the model's own forward would run these layers across document boundaries.
 
 longctx runs each such part on whole document prefixes, so that its output at every local
 token is what the model's own forward over that token's document alone gives:
@@ -68,6 +68,8 @@ COVERED: dict[str, tuple[str, Any]] = {
     "Qwen3NextGatedDeltaNet": ("gated delta-net (conv + linear-attention scan)", None),
     "FalconH1Mixer": ("Mamba2 (conv + SSM scan)", None),
     "OlmoHybridGatedDeltaNet": ("gated delta-net (conv + linear-attention scan)", None),
+    "BambaMixer": ("Mamba2 (conv + SSM scan)", None),
+    "GraniteMoeHybridMambaLayer": ("Mamba2 (conv + SSM scan)", None),
 }
 
 

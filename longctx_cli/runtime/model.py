@@ -326,13 +326,16 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 
 
 def cache_kwargs(decoder: nn.Module, cache: Any) -> dict[str, Any]:
-    """The keyword arguments that hand `cache` to the decoder's forward ({} for no cache).
+    """The keyword arguments that hand `cache` to the decoder's forward.
 
     transformers renamed the decoder's `past_key_values` argument to `cache` (5.2x; the
     old name warns until it is removed), so the name is read off the forward's signature.
+    Without a cache, `use_cache=False`: a training or scoring forward keeps no cache (models
+    otherwise build one by default, and a hybrid model whose tiny copy has only scan layers
+    cannot).
     """
     if cache is None:
-        return {}
+        return {"use_cache": False}
     name = "cache" if "cache" in inspect.signature(decoder.forward).parameters else (
         "past_key_values")
     return {name: cache, "use_cache": True}

@@ -37,6 +37,7 @@ PROBE_DOCS = (13, 24, 1, 26)  # 64 tokens; the one-token document has no target
 PROBE_VOCAB = 128
 PROBE_HEAD_DIM = 16
 PROBE_WINDOW = 6  # shorter than every multi-token probe document
+PROBE_MAMBA_CHUNK = 8  # Mamba2 scan chunks: the probe's documents span several
 PROBE_CAP = 1.0  # softcaps above this barely bend a tiny model's values: shrink to stay active
 PROBE_INIT_RANGE = 0.2  # weights large enough that logits and scores are O(1), features visible
 PROBE_EXPERTS = 4
@@ -175,10 +176,38 @@ def shrink_config(model_config: Any) -> Any:
         elif key.startswith("rope") and isinstance(value, dict):
             fields[key] = _shrink_rope_lists(value, old_half, new_half)
     _shrink_expert_groups(fields)
+    _shrink_mamba(fields)
     for key in _FIRST_MOE_LAYER_KEYS:
         if isinstance(fields.get(key), int) and fields[key] > 0:
             fields[key] = min(fields[key], new_layers - 1)
     return type(model_config).from_dict(fields)
+
+
+def _shrink_mamba(fields: dict[str, Any]) -> None:
+    """Mamba2 mixers (Bamba, Granite 4 hybrids, Nemotron-H, Falcon-H1): at most 4 heads whose
+    inner width matches the shrunk hidden size where the config ties them (``mamba_expand``;
+    the configs check it), one group, a small state and scan chunks shorter than the probe's
+    documents, so the chunked scan carries its state across chunks."""
+    heads_key = next((k for k in ("mamba_n_heads", "mamba_num_heads")
+                      if isinstance(fields.get(k), int)), None)
+    if heads_key is None:
+        return
+    heads = fields[heads_key] = min(fields[heads_key], 4)
+    if fields.get("attn_layer_indices"):  # Bamba: attention at these layers, Mamba2 elsewhere
+        fields["attn_layer_indices"] = [fields["num_hidden_layers"] - 1]
+    expand = fields.get("mamba_expand")
+    for key in ("mamba_d_head", "mamba_head_dim"):
+        if isinstance(fields.get(key), int):
+            fields[key] = (int(expand * fields["hidden_size"]) // heads
+                           if isinstance(expand, (int, float)) and not fields.get("mamba_d_ssm")
+                           else PROBE_HEAD_DIM)
+    if isinstance(fields.get("mamba_d_ssm"), int):
+        fields["mamba_d_ssm"] = heads * fields.get("mamba_d_head", PROBE_HEAD_DIM)
+    for key, most in (("mamba_n_groups", 1), ("n_groups", 1), ("mamba_d_state", 8),
+                      ("ssm_state_size", 8), ("mamba_chunk_size", PROBE_MAMBA_CHUNK),
+                      ("chunk_size", PROBE_MAMBA_CHUNK)):
+        if isinstance(fields.get(key), int) and not isinstance(fields[key], bool):
+            fields[key] = min(fields[key], most)
 
 
 def _scaled_dim(value: int, factor: float) -> int:
@@ -269,11 +298,11 @@ def _reference(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     for start, end in _documents(ids):
         doc = ids[start:end][None]
         with torch.no_grad():
-            hidden.append(decoder(input_ids=doc).last_hidden_state[0])
+            hidden.append(decoder(input_ids=doc, use_cache=False).last_hidden_state[0])
         if end - start < 2:  # no target: the model's mean loss would be 0/0
-            logits.append(model(input_ids=doc).logits[0].detach().float())
+            logits.append(model(input_ids=doc, use_cache=False).logits[0].detach().float())
             continue
-        out = model(input_ids=doc, labels=doc)
+        out = model(input_ids=doc, labels=doc, use_cache=False)
         logits.append(out.logits[0].detach().float())
         total = total + out.loss.float() * (end - start - 1)
         count += end - start - 1
