@@ -179,8 +179,8 @@ def _token_mixing(cfg: Any, plan: Any) -> str | None:
     classes = module_classes(cfg)
     if not classes:
         return None
-    return describe(classes, plan.sp, cfg.sequence_len, plan.model.hidden_size,
-                    DTYPE_BYTES[cfg.dtype])
+    return describe(classes, plan.sp, plan.layout.sharding, cfg.sequence_len,
+                    plan.model.hidden_size, DTYPE_BYTES[cfg.dtype])
 
 
 def _fidelity(cfg: Any, shape: Any, console: Console) -> str:

@@ -91,6 +91,67 @@ def test_each_local_token_reads_its_document_prefix_or_halo(sp, sharding, window
             assert rows.slots <= window * len(meta.local_ranges), rows.slots
 
 
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("sharding", SHARDINGS[:2], ids=lambda s: s["layout"])
+def test_state_relay_calls_cover_each_rank_and_chain_up(sp, sharding) -> None:
+    from longctx_cli.parallel.state_relay import relay_applies, relay_calls
+
+    pos = _positions()
+    metas = [make_sp_meta(pos, rank_state(r, sp, **sharding)) for r in range(sp)]
+    sent, received = [], []
+    for r, meta in enumerate(metas):
+        assert relay_applies(meta)
+        calls = relay_calls(meta)
+        covered = [t for call in calls for a, b in call.pieces for t in range(a, b)]
+        assert covered == list(range(meta.local_len))  # every local token once, in order
+        for call in calls:
+            if call.state_to is not None:
+                assert len(call.pieces) == 1  # the state comes from an unpadded row
+                sent.append((r, call.state_to))
+            if call.state_from is not None:
+                received.append((call.state_from, r))
+    # Every state sent is received by the rank it goes to, and one crosses each boundary a
+    # document runs across (DOCS: the 30-token document spans ranks at sp 2 and 4).
+    assert sorted(sent) == sorted(received) and sent
+
+
+def _relay_worker(rank: int, world: int, sharding: dict) -> tuple[float, int]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longctx_cli.parallel.attention import register_sp_attention
+    from longctx_cli.parallel.sharding import gather_sequence, shard_batch
+    from longctx_cli.parallel.token_mixing import attach_token_mixing
+    from longctx_cli.runtime.model import decoder_and_head, sp_hidden_states
+
+    family = next(f for f in fm.FAMILIES if f.name == "falcon_h1")
+    cfg = AutoConfig.for_model("falcon_h1", **{**fm.BASE, **family.fields})
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                            attn_implementation=register_sp_attention())
+    ours.load_state_dict(reference.state_dict())
+    hooks = attach_token_mixing(ours)
+    ids = torch.randint(3, 128, (sum(DOCS),), generator=torch.Generator().manual_seed(5))
+    state = sp_state(sp=world, **sharding)
+    with torch.no_grad():
+        want = torch.cat([decoder_and_head(reference)[0](input_ids=d[None]).last_hidden_state[0]
+                          for d in torch.split(ids, list(DOCS))])
+        batch = shard_batch(ids, _positions(), ids.clone(), state)
+        got = gather_sequence(sp_hidden_states(decoder_and_head(ours)[0], batch), state)
+    return float((got - want).norm() / want.norm()), sum(len(h._relay.received) for h in hooks)
+
+
+@pytest.mark.parametrize("sharding", SHARDINGS[:2], ids=lambda s: s["layout"])
+def test_scans_pass_their_state_between_ranks(sharding) -> None:
+    # Falcon-H1's Mamba2 mixers on contiguous and zigzag rows: states cross the ranks (each
+    # rank after the first receives at least one) and the hidden states are the model's own
+    # per-document forward.
+    results = run_distributed(_relay_worker, 2, sharding, timeout_s=300)
+    for err, _ in results:
+        assert err < 1e-5, results
+    assert results[1][1] > 0, results
+
+
 def _sp1_hidden(model_type: str, fields: dict, hooked: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(longctx's sp1 hidden states on a packed row, the model's own per document)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -215,7 +276,7 @@ def test_validate_names_the_token_mixing_layers_and_their_cost(tmp_path) -> None
     assert result.returncode == 0, result.stderr
     out = " ".join(result.stdout.split())
     assert "token mixing: 1 x Qwen3NextGatedDeltaNet" in out, out
-    assert "gather their input over the SP group (0.2 MiB received per layer" in out, out
+    assert "pass their state from rank to rank" in out, out  # zigzag rows
     assert "fidelity probe: passed" in out
 
 

@@ -45,6 +45,7 @@ from .sharding import (
     reduce_scatter_sum,
     to_global_order,
 )
+from .state_relay import Relay, relay_applies, run_relay
 
 
 @dataclass(frozen=True)
@@ -236,6 +237,8 @@ class TokenMixerSP:
         # The rows of the call in flight. One slot: a module's forward never nests, and a
         # recompute that activation checkpointing stops early just leaves it to be replaced.
         self._rows: MixerRows | None = None
+        self._relay = Relay()  # states received this row (scans that pass state)
+        self._relayed: torch.Tensor | None = None  # the output computed by state passing
         self.handles = (
             module.register_forward_pre_hook(self._before, with_kwargs=True),
             module.register_forward_hook(self._after, with_kwargs=True),
@@ -264,6 +267,17 @@ class TokenMixerSP:
         if hidden.shape[0] != 1 or hidden.shape[1] != meta.local_len:
             raise ValueError(f"{self.name}: expected this rank's one row of {meta.local_len} "
                              f"tokens, got {tuple(hidden.shape[:2])}")
+        if self.kind.window is None and relay_applies(meta):
+            # A scan on contiguous or zigzag rows: its state passes from rank to rank; the
+            # module's own call (its output replaced in _after) gets one token.
+            others = {k: v for k, v in kwargs.items() if k not in ("sp_meta", "hidden_states")}
+            self._relayed = run_relay(module, hidden[0], meta, self._relay, others)
+            self._rows = None
+            if args:
+                args[0] = hidden[:, :1]
+            else:
+                kwargs["hidden_states"] = hidden[:, :1]
+            return tuple(args), {k: v for k, v in kwargs.items() if k != "sp_meta"}
         rows = mixer_rows(meta, self.kind.window)
         pool = token_pool(hidden[0], meta, rows)
         cells = pool.new_zeros((len(rows.starts) * rows.width, pool.shape[-1]))
@@ -279,6 +293,9 @@ class TokenMixerSP:
         return tuple(args), kwargs
 
     def _after(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> torch.Tensor:
+        if self._relayed is not None:
+            relayed, self._relayed = self._relayed, None
+            return relayed
         rows, self._rows = self._rows, None
         if rows is None:
             raise RuntimeError(f"{self.name}: forward hook without its pre-hook")
@@ -302,8 +319,8 @@ def attach_token_mixing(model: nn.Module) -> list[TokenMixerSP]:
     return [TokenMixerSP(m, kind) for _, m, kind in covered_mixers(model)]
 
 
-def describe(module_classes: dict[str, str], sp: int, row_tokens: int, hidden: int,
-             bytes_per_value: int) -> str | None:
+def describe(module_classes: dict[str, str], sp: int, sharding: str, row_tokens: int,
+             hidden: int, bytes_per_value: int) -> str | None:
     """What ``validate`` says of a model's covered token-mixing layers (``module_classes``:
     module name -> class name, as built on the meta device): which they are and what they
     add per step on one rank. None for a model without any."""
@@ -320,13 +337,19 @@ def describe(module_classes: dict[str, str], sp: int, row_tokens: int, hidden: i
     convs = sum(found.values()) - scans
     mib = row_tokens * hidden * bytes_per_value / 2**20
     parts = []
-    if scans:
+    if scans and sharding == "stripe":
         parts.append(
             f"the {scans} scan layer(s) each gather their input over the SP group ({mib:.1f} "
             "MiB received per layer per rank in forward, the same reduce-scattered in "
-            "backward) and pass no state between ranks: every rank reruns the prefix of each "
-            "document it holds part of (on one long document the last rank scans the whole "
-            "row, so these layers' activations do not shrink with sp)")
+            "backward) and pass no state between ranks (a stripe row would hand it over at "
+            "every token): every rank reruns the prefix of each document it holds part of, "
+            "so these layers' work and activations do not shrink with sp; a contiguous or "
+            "zigzag `sp_sharding` passes the state instead")
+    elif scans:
+        parts.append(
+            f"the {scans} scan layer(s) pass their state from rank to rank (a conv and a "
+            "recurrent state per layer and document boundary, forward and backward): each "
+            "rank scans only its own tokens, one rank after another along the row")
     if convs:
         parts.append(f"the {convs} convolution layer(s) receive only a halo of kernel - 1 "
                      "tokens per piece of a document from the rank before it")
