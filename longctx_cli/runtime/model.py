@@ -334,10 +334,10 @@ def cache_kwargs(decoder: nn.Module, cache: Any) -> dict[str, Any]:
     otherwise build one by default, and a hybrid model whose tiny copy has only scan layers
     cannot).
     """
+    params = inspect.signature(decoder.forward).parameters
     if cache is None:
-        return {"use_cache": False}
-    name = "cache" if "cache" in inspect.signature(decoder.forward).parameters else (
-        "past_key_values")
+        return {"use_cache": False} if "use_cache" in params else {}
+    name = "cache" if "cache" in params else "past_key_values"
     return {name: cache, "use_cache": True}
 
 
