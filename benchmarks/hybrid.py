@@ -149,6 +149,7 @@ def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
         payload = {"size": SIZE, "models": MODELS, "world": WORLD, "threads_per_rank": 1,
                    "machine": machine(), "repeats": args.repeats,
                    "row": "one document" if args.one_document else "packed documents",
+                   "scans": "state passed from rank to rank (zigzag rows)",
                    "results": results}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(payload, indent=1))
@@ -194,6 +195,7 @@ def write_docs(paths: list[Path]) -> None:
     for path in paths:
         payload = json.loads(path.read_text())
         parts.append(
+            f"Scans: {payload['scans']}. "
             f"{payload.get('row', 'packed documents').capitalize()} per row, "
             f"{payload['results'][0]['tokens']} tokens ({payload['repeats']} repeats per cell, "
             f"`{path.relative_to(DOC.parents[1])}`; {payload['machine']}, {payload['world']} "

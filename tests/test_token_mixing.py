@@ -115,7 +115,10 @@ def test_state_relay_calls_cover_each_rank_and_chain_up(sp, sharding) -> None:
     assert sorted(sent) == sorted(received) and sent
 
 
-def _relay_worker(rank: int, world: int, sharding: dict) -> tuple[float, int]:
+def _relay_worker(rank: int, world: int, sharding: dict,
+                  family_name: str = "falcon_h1") -> tuple[float, int, int]:
+    """(rel. error of the gathered hidden states against the model's own per-document
+    forward, states this rank received, calls of the fla stand-in if it is loaded)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from longctx_cli.parallel.attention import register_sp_attention
@@ -123,8 +126,8 @@ def _relay_worker(rank: int, world: int, sharding: dict) -> tuple[float, int]:
     from longctx_cli.parallel.token_mixing import attach_token_mixing
     from longctx_cli.runtime.model import decoder_and_head, sp_hidden_states
 
-    family = next(f for f in fm.FAMILIES if f.name == "falcon_h1")
-    cfg = AutoConfig.for_model("falcon_h1", **{**fm.BASE, **family.fields})
+    family = next(f for f in fm.FAMILIES if f.name == family_name)
+    cfg = AutoConfig.for_model(family.model_type, **{**fm.BASE, **family.fields})
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     ours = AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
@@ -138,7 +141,9 @@ def _relay_worker(rank: int, world: int, sharding: dict) -> tuple[float, int]:
                           for d in torch.split(ids, list(DOCS))])
         batch = shard_batch(ids, _positions(), ids.clone(), state)
         got = gather_sequence(sp_hidden_states(decoder_and_head(ours)[0], batch), state)
-    return float((got - want).norm() / want.norm()), sum(len(h._relay.received) for h in hooks)
+    fla = sys.modules.get("fla")
+    return (float((got - want).norm() / want.norm()), sum(len(h._relay.received) for h in hooks),
+            len(fla.CALLS) if fla is not None else 0)
 
 
 @pytest.mark.parametrize("sharding", SHARDINGS[:2], ids=lambda s: s["layout"])
@@ -147,7 +152,7 @@ def test_scans_pass_their_state_between_ranks(sharding) -> None:
     # rank after the first receives at least one) and the hidden states are the model's own
     # per-document forward.
     results = run_distributed(_relay_worker, 2, sharding, timeout_s=300)
-    for err, _ in results:
+    for err, _, _ in results:
         assert err < 1e-5, results
     assert results[1][1] > 0, results
 
@@ -307,6 +312,13 @@ for family in ("lfm2", "qwen3_next"):
     got, want = _sp1_hidden(family, fields, hooked=True)
     assert (got - want).norm() / want.norm() < 1e-5, family
 print("conv", max(causal_conv1d.CALLS), "delta", max(fla.CALLS))
+# State passing at sp 2: the delta rule starts rank 1's document from rank 0's state.
+from tests.distributed import run_distributed
+from tests.test_token_mixing import _relay_worker
+results = run_distributed(_relay_worker, 2, {"layout": "contiguous"}, "qwen3_next",
+                          timeout_s=240)
+assert all(err < 1e-5 for err, _, _ in results), results
+assert results[1][1] > 0 and all(calls > 0 for _, _, calls in results), results
 """
 
 

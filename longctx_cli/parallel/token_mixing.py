@@ -5,29 +5,23 @@ Bamba, Granite 4.0-H) or linear attention (the gated delta-nets of Qwen3-Next an
 hybrid) next to their attention layers. Under SP a rank holds only a slice of the row, and
 in a packed row the model's own forward would run these layers across document boundaries.
 
-longctx runs each such part on whole document prefixes, so that its output at every local
-token is what the model's own forward over that token's document alone gives:
+longctx runs each such part so that its output at every local token is what the model's
+own forward over that token's document alone gives. Every document is its own batch row,
+right-padded with zeros, and the model's own module runs on the batch, with its own kernels
+(``causal-conv1d``, ``mamba-ssm``, ``flash-linear-attention`` when installed, PyTorch
+otherwise). Causality makes the padding harmless: it comes after every real token. What a
+rank's rows hold:
 
-1. for every document this rank holds tokens of, one row is cut: from the document's start
-   to this rank's last token of it (a scan), or from ``k - 1`` tokens before each of this
-   rank's pieces (a convolution of kernel ``k``: the halo);
-2. the tokens a rank does not hold arrive in one all-gather over the SP group, whose
-   backward reduce-scatters the gradient back to their owners: the whole row for a scan,
-   only the halo tokens for a convolution;
-3. the rows are right-padded with zeros into one batch and the model's own module runs on
-   it, with its own kernels (``causal-conv1d``, ``mamba-ssm``, ``flash-linear-attention``
-   when installed, PyTorch otherwise); this rank's tokens are read back out of the batch.
+* a scan on contiguous or zigzag rows: only this rank's tokens; the state at a rank
+  boundary passes from rank to rank (:mod:`.state_relay`);
+* a scan on stripe rows (a state would change hands at every token): each document's whole
+  prefix up to this rank's last token of it, the row's tokens arriving in one all-gather
+  whose backward reduce-scatters the gradients to their owners;
+* a convolution of kernel ``k``: its pieces with the ``k - 1`` tokens before each (the
+  halo), only those arriving from the ranks that hold them.
 
-Causality makes this exact: a causal layer's output at a token depends only on the tokens
-before it in its row, which are exactly its document's, and right padding comes after every
-real token. Parameter gradients are each rank's tokens' share, summed over ranks by the
-trainer like every other parameter's.
-
-The cost is recomputation instead of a state passed from rank to rank: a rank runs a scan
-over the whole prefix of each of its documents (on one long document, rank ``r`` of ``n``
-scans ``(r + 1) / n`` of it, the last rank all of it), and every scan layer receives the
-whole row's input (``row x hidden``) per step. Convolutions only add their halo.
-:func:`describe` states both for ``validate``.
+Parameter gradients are each rank's tokens' share, summed over ranks by the trainer like
+every other parameter's. :func:`describe` states the cost for ``validate``.
 """
 
 from __future__ import annotations

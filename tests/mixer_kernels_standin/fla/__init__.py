@@ -1,6 +1,7 @@
 """A CPU stand-in for `flash-linear-attention`'s gated delta rule (Triton, GPU only), with the
 package's signature: ``q, k`` ``[batch, tokens, heads, dk]``, ``v`` ``[batch, tokens, heads,
-dv]``, ``g`` and ``beta`` ``[batch, tokens, heads]``; returns ``(output, final_state)``.
+dv]``, ``g`` and ``beta`` ``[batch, tokens, heads]``, ``initial_state`` ``[batch, heads, dk,
+dv]`` (state passing between ranks starts from it); returns ``(output, final_state)``.
 
 It computes with transformers' own PyTorch reference of the same rule, so a test with this
 directory first on ``sys.path`` checks the interface longctx drives, not the kernel's math.
@@ -15,8 +16,8 @@ CALLS: list[int] = []
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                            output_final_state=False, cu_seqlens=None,
                            use_qk_l2norm_in_kernel=False, **kwargs):
-    if cu_seqlens is not None or initial_state is not None:
-        raise NotImplementedError("stand-in: varlen rows and initial states are not used")
+    if cu_seqlens is not None:
+        raise NotImplementedError("stand-in: varlen rows are not used by longctx")
     from transformers.models.qwen3_next import modeling_qwen3_next
 
     # The module's name for it is transformers' dispatcher (which calls this stand-in); the
@@ -27,7 +28,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
         raise NotImplementedError("stand-in: only the default scale 1/sqrt(dk)")
     CALLS.append(q.shape[0])
     return reference(
-        q, k, v, g=g, beta=beta, initial_state=None, output_final_state=output_final_state,
+        q, k, v, g=g, beta=beta, initial_state=initial_state,
+        output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
