@@ -174,12 +174,12 @@ def _token_mixing(cfg: Any, plan: Any) -> str | None:
         return None  # no torch import: a plain model's plan stays instant
     from longctx_cli.config.memory import DTYPE_BYTES
     from longctx_cli.parallel.token_mixing import describe
-    from longctx_cli.preflight import module_classes
+    from longctx_cli.preflight import meta_model
 
-    classes = module_classes(cfg)
-    if not classes:
+    model = meta_model(cfg)
+    if model is None:
         return None
-    return describe(classes, plan.sp, plan.layout.sharding, cfg.sequence_len,
+    return describe(model, plan.sp, plan.layout.sharding, cfg.sequence_len,
                     plan.model.hidden_size, DTYPE_BYTES[cfg.dtype])
 
 

@@ -149,8 +149,8 @@ def check_lora_targets(config: Config) -> None:
         )
 
 
-def module_classes(config: Config) -> dict[str, str] | None:
-    """{module name: class name} of the model, built on the meta device from its config."""
+def meta_model(config: Config) -> Any:
+    """The model built on the meta device from its config (no weights), or None."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -159,9 +159,16 @@ def module_classes(config: Config) -> dict[str, str] | None:
         return None
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(
+            return AutoModelForCausalLM.from_config(
                 hf, trust_remote_code=config.trust_remote_code)
     except Exception:  # noqa: BLE001 - a model transformers cannot skeletonise: not our check
+        return None
+
+
+def module_classes(config: Config) -> dict[str, str] | None:
+    """{module name: class name} of the model, built on the meta device from its config."""
+    model = meta_model(config)
+    if model is None:
         return None
     return {name: type(m).__name__ for name, m in model.named_modules() if name}
 

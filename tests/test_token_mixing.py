@@ -281,8 +281,16 @@ def test_validate_names_the_token_mixing_layers_and_their_cost(tmp_path) -> None
     assert result.returncode == 0, result.stderr
     out = " ".join(result.stdout.split())
     assert "token mixing: 1 x Qwen3NextGatedDeltaNet" in out, out
-    assert "pass their state from rank to rank" in out, out  # zigzag rows
+    # Zigzag rows: the state passes, and its size is the module's own (qwen3_next's conv
+    # state 128 x 4 and delta-rule state 4 x 16 x 16, in float32: 6 KiB).
+    assert "pass their state from rank to rank (6.0 KiB over all of them per document" in out
     assert "fidelity probe: passed" in out
+    stripe = _run("validate", str(EXAMPLE), "--sp-sharding", "stripe", "--fidelity-probe",
+                  "false", cwd=tmp_path)
+    out = " ".join(stripe.stdout.split())
+    assert stripe.returncode == 0, stripe.stderr
+    assert "gather their input over the SP group (0.2 MiB received per layer" in out, out
+    assert "every rank reruns the prefix" in out, out
 
 
 def test_the_hybrid_example_trains_under_sp_to_a_checkpoint_transformers_loads(tmp_path):

@@ -39,7 +39,7 @@ from .sharding import (
     reduce_scatter_sum,
     to_global_order,
 )
-from .state_relay import Relay, relay_applies, run_relay
+from .state_relay import Relay, StateCache, relay_applies, run_relay
 
 
 @dataclass(frozen=True)
@@ -313,22 +313,33 @@ def attach_token_mixing(model: nn.Module) -> list[TokenMixerSP]:
     return [TokenMixerSP(m, kind) for _, m, kind in covered_mixers(model)]
 
 
-def describe(module_classes: dict[str, str], sp: int, sharding: str, row_tokens: int,
-             hidden: int, bytes_per_value: int) -> str | None:
-    """What ``validate`` says of a model's covered token-mixing layers (``module_classes``:
-    module name -> class name, as built on the meta device): which they are and what they
-    add per step on one rank. None for a model without any."""
-    found: dict[str, int] = {}
-    for cls in module_classes.values():
-        if cls in COVERED:
-            found[cls] = found.get(cls, 0) + 1
-    if not found:
+def state_bytes(module: nn.Module, hidden: int, bytes_per_value: int) -> int:
+    """Bytes of the state a covered scan hands to the next rank per document boundary: its
+    conv state and recurrent state, shaped by its own forward on the meta device (the
+    recurrent state counted in float32, the dtype the scans keep it in)."""
+    cache = StateCache(None, None)
+    with torch.device("meta"):
+        module(torch.empty(1, 4, hidden, device="meta"), cache=cache)
+    conv = 0 if cache.conv_out is None else cache.conv_out.numel() * bytes_per_value
+    return conv + (0 if cache.recurrent_out is None else cache.recurrent_out.numel() * 4)
+
+
+def describe(model: nn.Module, sp: int, sharding: str, row_tokens: int, hidden: int,
+             bytes_per_value: int) -> str | None:
+    """What ``validate`` says of a model's covered token-mixing layers (``model`` built on
+    the meta device): which they are and what they add per step on one rank. None for a
+    model without any."""
+    mixers = covered_mixers(model)
+    if not mixers:
         return None
+    found: dict[str, int] = {}
+    for _, module, _ in mixers:
+        found[type(module).__name__] = found.get(type(module).__name__, 0) + 1
     layers = ", ".join(f"{n} x {cls} ({COVERED[cls][0]})" for cls, n in found.items())
     if sp == 1:
         return f"{layers}: run per document of the packed row (no communication at sp 1)."
-    scans = sum(n for cls, n in found.items() if COVERED[cls][1] is None)
-    convs = sum(found.values()) - scans
+    scan_modules = [m for _, m, kind in mixers if kind.window is None]
+    scans, convs = len(scan_modules), len(mixers) - len(scan_modules)
     mib = row_tokens * hidden * bytes_per_value / 2**20
     parts = []
     if scans and sharding == "stripe":
@@ -340,12 +351,12 @@ def describe(module_classes: dict[str, str], sp: int, sharding: str, row_tokens:
             "so these layers' work and activations do not shrink with sp; a contiguous or "
             "zigzag `sp_sharding` passes the state instead")
     elif scans:
+        kib = sum(state_bytes(m, hidden, bytes_per_value) for m in scan_modules) / 2**10
         parts.append(
-            f"the {scans} scan layer(s) pass their state from rank to rank (a conv and a "
-            "recurrent state per layer and document boundary, forward and backward): each "
-            "rank scans only its own tokens, one rank after another along the row")
+            f"the {scans} scan layer(s) pass their state from rank to rank ({kib:.1f} KiB "
+            "over all of them per document boundary, sent forward and its gradient back): "
+            "each rank scans only its own tokens, one rank after another along the row")
     if convs:
         parts.append(f"the {convs} convolution layer(s) receive only a halo of kernel - 1 "
                      "tokens per piece of a document from the rank before it")
-    text = f"{layers}: " + "; ".join(parts)
-    return text + "."
+    return f"{layers}: " + "; ".join(parts) + "."
