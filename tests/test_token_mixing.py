@@ -116,9 +116,9 @@ def test_state_relay_calls_cover_each_rank_and_chain_up(sp, sharding) -> None:
 
 
 def _relay_worker(rank: int, world: int, sharding: dict,
-                  family_name: str = "falcon_h1") -> tuple[float, int, int]:
+                  family_name: str = "falcon_h1") -> tuple[float, int, dict]:
     """(rel. error of the gathered hidden states against the model's own per-document
-    forward, states this rank received, calls of the fla stand-in if it is loaded)."""
+    forward, states this rank received, the calls each loaded kernel stand-in recorded)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from longctx_cli.parallel.attention import register_sp_attention
@@ -141,9 +141,10 @@ def _relay_worker(rank: int, world: int, sharding: dict,
                           for d in torch.split(ids, list(DOCS))])
         batch = shard_batch(ids, _positions(), ids.clone(), state)
         got = gather_sequence(sp_hidden_states(decoder_and_head(ours)[0], batch), state)
-    fla = sys.modules.get("fla")
+    standins = {name: list(sys.modules[name].CALLS)
+                for name in ("causal_conv1d", "fla", "mamba_ssm") if name in sys.modules}
     return (float((got - want).norm() / want.norm()), sum(len(h._relay.received) for h in hooks),
-            len(fla.CALLS) if fla is not None else 0)
+            standins)
 
 
 @pytest.mark.parametrize("sharding", SHARDINGS[:2], ids=lambda s: s["layout"])
@@ -310,6 +311,13 @@ def test_the_hybrid_example_trains_under_sp_to_a_checkpoint_transformers_loads(t
 # ---- the optional kernels, through their stand-ins ---------------------------------------
 
 STANDIN = Path(__file__).resolve().parent / "mixer_kernels_standin"
+
+
+def _standin_env() -> dict:
+    """The environment of a subprocess that imports the stand-ins as the real packages."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(STANDIN), str(Path(__file__).resolve().parents[1]),
+         os.environ.get("PYTHONPATH", "")])}
 KERNEL_CHECK = """
 import torch
 import causal_conv1d, fla
@@ -326,7 +334,7 @@ from tests.test_token_mixing import _relay_worker
 results = run_distributed(_relay_worker, 2, {"layout": "contiguous"}, "qwen3_next",
                           timeout_s=240)
 assert all(err < 1e-5 for err, _, _ in results), results
-assert results[1][1] > 0 and all(calls > 0 for _, _, calls in results), results
+assert results[1][1] > 0 and all(calls["fla"] for _, _, calls in results), results
 """
 
 
@@ -335,14 +343,52 @@ def test_optional_kernels_run_the_document_rows_when_installed() -> None:
     # them when they import. Their CPU stand-ins (same signatures) must receive longctx's
     # batch of document rows (batch size > 1: several documents in one call) and give the
     # model's own per-document result.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(STANDIN), str(Path(__file__).resolve().parents[1]),
-         os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True,
-                            text=True, env=env, timeout=300)
+                            text=True, env=_standin_env(), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     counts = dict(zip(*[iter(result.stdout.split())] * 2, strict=True))
     assert int(counts["conv"]) > 1 and int(counts["delta"]) > 1, result.stdout
+
+
+MAMBA_CHECK = """
+import mamba_ssm
+from tests.test_token_mixing import _sp1_hidden, _relay_worker
+from tests import family_matrix as fm
+from tests.distributed import run_distributed
+# sp 1, training mode: the packed row's documents go through the fused kernel, one batch row
+# each.
+for family in ("falcon_h1", "bamba", "granitemoehybrid"):
+    fields = next(f for f in fm.FAMILIES if f.name == family).fields
+    mamba_ssm.CALLS.clear()
+    got, want = _sp1_hidden(family, fields, hooked=True)
+    assert (got - want).norm() / want.norm() < 1e-5, family
+    assert max(b for f, b, _ in mamba_ssm.CALLS if f == "split_conv1d_scan") > 1, family
+# sp 2: contiguous rows pass the state through the chunked scan's initial and final states;
+# stripe rows run the fused kernel on each document's prefix.
+for layout in ("contiguous", "stripe"):
+    results = run_distributed(_relay_worker, 2, {"layout": layout}, "falcon_h1",
+                              timeout_s=240)
+    assert all(err < 1e-5 for err, _, _ in results), (layout, results)
+    calls = [c["mamba_ssm"] for _, _, c in results]
+    if layout == "contiguous":
+        assert results[1][1] > 0, results
+        assert any(f == "chunk_scan" and given for f, _, given in calls[1]), calls
+    else:
+        assert all(any(f == "split_conv1d_scan" and b > 1 for f, b, _ in c) for c in calls)
+print("ok")
+"""
+
+
+def test_mamba_kernels_run_the_document_rows_and_pass_state_when_installed() -> None:
+    # mamba-ssm's Mamba2 kernels (Triton, GPU only) are what transformers calls when the
+    # package imports: the fused conv-scan-norm kernel in training without a cache (sp 1 and
+    # the document-prefix path), the chunked scan with initial and final states under state
+    # passing. Their CPU stand-ins take the same arguments; the hidden states must be the
+    # model's own per document.
+    result = subprocess.run([sys.executable, "-c", MAMBA_CHECK], capture_output=True,
+                            text=True, env=_standin_env(), timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-1] == "ok", result.stdout
 
 
 def test_validate_knows_every_model_type_whose_layers_are_covered() -> None:
