@@ -9,4 +9,4 @@ IGNORE_INDEX = -100
 # agree). `validate` builds such a model on the meta device to describe those layers; for
 # other model types its plan needs neither torch nor transformers.
 HYBRID_MODEL_TYPES = frozenset({"lfm2", "qwen3_next", "olmo_hybrid", "falcon_h1", "bamba",
-                                "granitemoehybrid"})
+                                "granitemoehybrid", "nemotron_h"})

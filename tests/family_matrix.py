@@ -192,6 +192,13 @@ FAMILIES = [
            {**MAMBA2, "layer_types": ["mamba", "attention"], "num_local_experts": 4,
             "num_experts_per_tok": 2},
            {"Mamba2 layer": {"layer_types": ["attention", "attention"]}}, always_on=("MoE",)),
+    # Nemotron-H: a Mamba2 layer, an attention layer and an MLP layer (its blocks each hold
+    # one kind; the layer count is the length of the list).
+    Family("nemotron_h", "nemotron_h",
+           {"mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 1,
+            "chunk_size": 8, "conv_kernel": 4, "head_dim": 8, "num_hidden_layers": 3,
+            "layers_block_type": ["mamba", "attention", "mlp"]},
+           {"Mamba2 layer": {"layers_block_type": ["attention", "attention", "mlp"]}}),
     # Attention dropout: SP attention applies none, so validate refuses the model and names
     # the override; both trainings run with it.
     Family("llama (attention_dropout 0.1)", "llama", {"attention_dropout": 0.1},
@@ -520,14 +527,14 @@ def render() -> str:
         "Hybrid models, whose decoder layers also mix tokens outside attention, are in the "
         "table where longctx covers their token-mixing layer (`parallel/token_mixing.py`): "
         "LFM2's short convolutions (`Lfm2ShortConv`), Qwen3-Next's and OLMo hybrid's gated "
-        "delta-nets (`Qwen3NextGatedDeltaNet`, `OlmoHybridGatedDeltaNet`) and the Mamba2 "
-        "mixers of Falcon-H1, Bamba and Granite 4.0-H (`FalconH1Mixer`, `BambaMixer`, "
-        "`GraniteMoeHybridMambaLayer`). Each runs the model's own module per document: a scan "
-        "passes its state from rank to rank (on stripe rows it reruns each document's "
-        "prefix), a convolution reads its kernel's halo from the rank before, so packed "
-        "documents and rank boundaries change nothing; docs/parallelism.md says how and what "
-        "it costs. Other hybrids (Mamba and Mamba2 scans in Jamba, Zamba and Nemotron-H; "
-        "MiniMax's lightning attention; Kimi's delta attention) are refused by the "
+        "delta-nets (`Qwen3NextGatedDeltaNet`, `OlmoHybridGatedDeltaNet`) and the Mamba2 mixers"
+        " of Falcon-H1, Bamba, Granite 4.0-H and Nemotron-H (`FalconH1Mixer`, `BambaMixer`, "
+        "`GraniteMoeHybridMambaLayer`, `NemotronHMamba2Mixer`). Each runs the model's own "
+        "module per document: a scan passes its state from rank to rank (on stripe rows it "
+        "reruns each document's prefix), a convolution reads its kernel's halo from the rank "
+        "before, so packed documents and rank boundaries change nothing; docs/parallelism.md "
+        "says how and what it costs. Other hybrids (the Mamba and Mamba2 scans of Jamba and "
+        "Zamba; MiniMax's lightning attention; Kimi's delta attention) are refused by the "
         "probe, which names the layer (`tests/test_fidelity.py` checks jamba, zamba2 and "
         "minimax).",
         "",

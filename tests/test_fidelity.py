@@ -267,6 +267,9 @@ def test_latent_attention_and_chunked_attention_families_pass() -> None:
     # Bamba-9B's pattern: attention at three layers, Mamba2 elsewhere (the probe keeps one
     # attention layer after a Mamba2 layer).
     ("bamba", {"attn_layer_indices": [9, 18, 27]}),
+    # Nemotron-H's default pattern (Mamba2, MLP and attention blocks; the layer count is the
+    # pattern's length, not a config field).
+    ("nemotron_h", {}),
 ])
 def test_covered_hybrid_families_pass_on_packed_rows(model_type: str, fields: dict) -> None:
     # The model's own forward over a packed row would run its scans and convolutions across

@@ -357,7 +357,7 @@ from tests import family_matrix as fm
 from tests.distributed import run_distributed
 # sp 1, training mode: the packed row's documents go through the fused kernel, one batch row
 # each.
-for family in ("falcon_h1", "bamba", "granitemoehybrid"):
+for family in ("falcon_h1", "bamba", "granitemoehybrid", "nemotron_h"):
     fields = next(f for f in fm.FAMILIES if f.name == family).fields
     mamba_ssm.CALLS.clear()
     got, want = _sp1_hidden(family, fields, hooked=True)

@@ -1,7 +1,7 @@
 """Exact sequence parallelism and packing for decoder parts that mix tokens outside attention.
 
 Hybrid models put short causal convolutions (LFM2), state-space scans (Mamba2 in Falcon-H1,
-Bamba, Granite 4.0-H) or linear attention (the gated delta-nets of Qwen3-Next and OLMo
+Bamba, Granite 4.0-H, Nemotron-H) or linear attention (the gated delta-nets of Qwen3-Next and OLMo
 hybrid) next to their attention layers. Under SP a rank holds only a slice of the row, and
 in a packed row the model's own forward would run these layers across document boundaries.
 
@@ -65,6 +65,7 @@ COVERED: dict[str, tuple[str, Any]] = {
     "OlmoHybridGatedDeltaNet": ("gated delta-net (conv + linear-attention scan)", None),
     "BambaMixer": ("Mamba2 (conv + SSM scan)", None),
     "GraniteMoeHybridMambaLayer": ("Mamba2 (conv + SSM scan)", None),
+    "NemotronHMamba2Mixer": ("Mamba2 (conv + SSM scan)", None),
 }
 
 

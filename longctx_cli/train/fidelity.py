@@ -94,7 +94,7 @@ def _shrink_rope_lists(value: Any, old_half: int, new_half: int) -> Any:
 
 def _layer_count(fields: dict[str, Any], layers: int) -> int:
     """Enough leading layers to include every layer type (at least two)."""
-    types = fields.get("layer_types")
+    types = fields.get("layer_types") or fields.get("layers_block_type")  # the latter: Nemotron-H
     if not isinstance(types, list) or not types:
         return min(layers, 2)
     distinct = set(types)
@@ -120,7 +120,9 @@ def shrink_config(model_config: Any) -> Any:
         fields.pop(key, None)
     heads = int(fields.get("num_attention_heads") or 0)
     hidden = int(fields.get("hidden_size") or 0)
-    layers = int(fields.get("num_hidden_layers") or 0)
+    # Nemotron-H derives its layer count from its list of layer kinds (a property, not a field).
+    layers = int(fields.get("num_hidden_layers") or getattr(model_config, "num_hidden_layers", 0)
+                 or 0)
     if not heads or not hidden or not layers:
         raise ValueError("the config has no num_attention_heads / hidden_size / num_hidden_layers")
     kv = int(fields.get("num_key_value_heads") or heads)
