@@ -8,5 +8,8 @@ IGNORE_INDEX = -100
 # (`parallel/token_mixing.py`'s COVERED classes; tests/test_token_mixing.py checks the two
 # agree). `validate` builds such a model on the meta device to describe those layers; for
 # other model types its plan needs neither torch nor transformers.
-HYBRID_MODEL_TYPES = frozenset({"lfm2", "qwen3_next", "olmo_hybrid", "falcon_h1", "bamba",
-                                "granitemoehybrid", "nemotron_h"})
+HYBRID_MODEL_TYPES = frozenset({
+    "bamba", "falcon_h1", "granitemoehybrid", "kimi_linear", "lara_mini", "lfm2", "lfm2_moe",
+    "lfm3", "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text",
+    "qwen3_5_text", "qwen3_next", "zamba2",
+})

@@ -199,6 +199,13 @@ FAMILIES = [
             "chunk_size": 8, "conv_kernel": 4, "head_dim": 8, "num_hidden_layers": 3,
             "layers_block_type": ["mamba", "attention", "mlp"]},
            {"Mamba2 layer": {"layers_block_type": ["attention", "attention", "mlp"]}}),
+    # Zamba2: Mamba2 in every layer; a hybrid layer also runs the shared attention block
+    # (one set of weights for all such layers) on the hidden states and the embeddings.
+    Family("zamba2", "zamba2",
+           {"n_mamba_heads": 4, "mamba_headdim": 16, "mamba_d_state": 16, "mamba_ngroups": 1,
+            "chunk_size": 8, "mamba_d_conv": 4, "mamba_expand": 2, "num_key_value_heads": 4,
+            "layers_block_type": ["mamba", "hybrid"]},
+           always_on=("Mamba2 layers", "shared attention block")),
     # Attention dropout: SP attention applies none, so validate refuses the model and names
     # the override; both trainings run with it.
     Family("llama (attention_dropout 0.1)", "llama", {"attention_dropout": 0.1},
@@ -528,15 +535,20 @@ def render() -> str:
         "table where longctx covers their token-mixing layer (`parallel/token_mixing.py`): "
         "LFM2's short convolutions (`Lfm2ShortConv`), Qwen3-Next's and OLMo hybrid's gated "
         "delta-nets (`Qwen3NextGatedDeltaNet`, `OlmoHybridGatedDeltaNet`) and the Mamba2 mixers"
-        " of Falcon-H1, Bamba, Granite 4.0-H and Nemotron-H (`FalconH1Mixer`, `BambaMixer`, "
-        "`GraniteMoeHybridMambaLayer`, `NemotronHMamba2Mixer`). Each runs the model's own "
-        "module per document: a scan passes its state from rank to rank (on stripe rows it "
-        "reruns each document's prefix), a convolution reads its kernel's halo from the rank "
-        "before, so packed documents and rank boundaries change nothing; docs/parallelism.md "
-        "says how and what it costs. Other hybrids (the Mamba and Mamba2 scans of Jamba and "
-        "Zamba; MiniMax's lightning attention; Kimi's delta attention) are refused by the "
-        "probe, which names the layer (`tests/test_fidelity.py` checks jamba, zamba2 and "
-        "minimax).",
+        " of Falcon-H1, Bamba, Granite 4.0-H, Nemotron-H and Zamba2 (`FalconH1Mixer`, "
+        "`BambaMixer`, `GraniteMoeHybridMambaLayer`, `NemotronHMamba2Mixer`, "
+        "`Zamba2MambaMixer`). Each runs the model's own module per document: a scan passes its "
+        "state from rank to rank (on stripe rows it reruns each document's prefix), a "
+        "convolution reads its kernel's halo from the rank before, so packed documents and rank"
+        " boundaries change nothing; docs/parallelism.md says how and what it costs. The same "
+        "layers in newer families are covered too and checked outside this table, by the "
+        "fidelity probe (sp1 loss and gradients, `tests/test_fidelity.py`) and at sp2 against "
+        "the model's own forward on contiguous and zigzag rows (`tests/test_token_mixing.py`): "
+        "Qwen3.5 (`Qwen3_5GatedDeltaNet`), Kimi Linear (`KimiLinearDeltaAttention`), LaRA-mini "
+        "(`LaraMiniGatedDeltaNet`), LFM3 and LFM2-MoE (`Lfm3ShortConv`, `Lfm2MoeShortConv`). "
+        "Other hybrids (the Mamba scans of Jamba and Zamba, MiniMax's lightning attention) are "
+        "refused by the probe, which names the layer (`tests/test_fidelity.py` checks jamba and"
+        " minimax).",
         "",
         "| family | features active in the test | "
         + " | ".join(c.name for c in COLUMNS) + " |",

@@ -270,6 +270,19 @@ def test_latent_attention_and_chunked_attention_families_pass() -> None:
     # Nemotron-H's default pattern (Mamba2, MLP and attention blocks; the layer count is the
     # pattern's length, not a config field).
     ("nemotron_h", {}),
+    # Zamba2: its hybrid layers wrap a Mamba2 decoder layer (covered) beside the shared
+    # attention block.
+    ("zamba2", {}),
+    # The twins of the layers above in newer families: Qwen3.5's gated delta-net (its
+    # checkpoints' multimodal config; the causal LM is built from the text config inside),
+    # Kimi Linear's delta attention (beside latent attention), LaRA-mini's gated delta-net,
+    # LFM3's and LFM2-MoE's short convolutions.
+    ("qwen3_5", {}),
+    ("kimi_linear", {}),
+    ("lara_mini", {}),
+    ("lfm3", {}),
+    ("lfm2_moe", {"layer_types": ["conv", "full_attention", "conv", "full_attention"],
+                  "num_hidden_layers": 4}),
 ])
 def test_covered_hybrid_families_pass_on_packed_rows(model_type: str, fields: dict) -> None:
     # The model's own forward over a packed row would run its scans and convolutions across
@@ -280,8 +293,7 @@ def test_covered_hybrid_families_pass_on_packed_rows(model_type: str, fields: di
 
 
 @pytest.mark.parametrize(("model_type", "part"), [
-    ("jamba", "`mamba` (JambaMambaMixer)"),
-    ("zamba2", "`mamba` (Zamba2MambaMixer)"),
+    ("jamba", "`mamba` (JambaMambaMixer)"),  # Mamba1: no initial state in a multi-token call
     ("minimax", "`self_attn` (MiniMaxLightningAttention)"),  # lightning (linear) attention
 ])
 def test_uncovered_hybrid_families_are_refused_naming_the_layer(model_type: str,

@@ -115,19 +115,42 @@ def test_state_relay_calls_cover_each_rank_and_chain_up(sp, sharding) -> None:
     assert sorted(sent) == sorted(received) and sent
 
 
+# Families whose covered layer is the twin of a matrix row's (same module interface), with
+# the fields their default config lacks. Their tiny copy is the fidelity probe's own.
+TWINS = {
+    "qwen3_5_text": {},
+    "kimi_linear": {},
+    "lara_mini": {},
+    "lfm3": {},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"],
+                 "num_hidden_layers": 4},
+}
+
+
+def _tiny_config(name: str):
+    """The matrix row's config, or the probe's tiny copy of a twin family."""
+    from transformers import AutoConfig
+
+    if name in TWINS:
+        from longctx_cli.train.fidelity import shrink_config
+
+        return shrink_config(AutoConfig.for_model(name, **TWINS[name]))
+    family = next(f for f in fm.FAMILIES if f.name == name)
+    return AutoConfig.for_model(family.model_type, **{**fm.BASE, **family.fields})
+
+
 def _relay_worker(rank: int, world: int, sharding: dict,
                   family_name: str = "falcon_h1") -> tuple[float, int, dict]:
     """(rel. error of the gathered hidden states against the model's own per-document
     forward, states this rank received, the calls each loaded kernel stand-in recorded)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from longctx_cli.parallel.attention import register_sp_attention
     from longctx_cli.parallel.sharding import gather_sequence, shard_batch
     from longctx_cli.parallel.token_mixing import attach_token_mixing
     from longctx_cli.runtime.model import decoder_and_head, sp_hidden_states
 
-    family = next(f for f in fm.FAMILIES if f.name == family_name)
-    cfg = AutoConfig.for_model(family.model_type, **{**fm.BASE, **family.fields})
+    cfg = _tiny_config(family_name)
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     ours = AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
@@ -156,6 +179,58 @@ def test_scans_pass_their_state_between_ranks(sharding) -> None:
     for err, _, _ in results:
         assert err < 1e-5, results
     assert results[1][1] > 0, results
+
+
+def _twins_worker(rank: int, world: int) -> dict:
+    return {(name, layout): _relay_worker(rank, world, {"layout": layout}, name)[:2]
+            for name in TWINS for layout in ("contiguous", "zigzag")}
+
+
+def _own_handoff_error(name: str) -> float:
+    """How far the model's own forward moves when it hands its state over itself: a
+    40-token document as one forward against 20 tokens, then the other 20 from the cache
+    (rel. error of the second half's hidden states). The delta rule runs in float32 inside
+    the model's own code, and a state hand-off changes its chunking, so this is the noise
+    floor of any exact state passing."""
+    from transformers import AutoModelForCausalLM
+
+    from longctx_cli.runtime.model import decoder_and_head
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_tiny_config(name), attn_implementation="eager")
+    decoder = decoder_and_head(model.eval())[0]
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        whole = decoder(input_ids=ids).last_hidden_state[0, 20:]
+        first = decoder(input_ids=ids[:, :20], use_cache=True)
+        second = decoder(input_ids=ids[:, 20:], cache=first.past_key_values,
+                         use_cache=True).last_hidden_state[0]
+    return float((second - whole).norm() / whole.norm())
+
+
+def test_newer_families_twin_layers_are_exact_at_sp2() -> None:
+    # Qwen3.5, Kimi Linear, LaRA-mini (delta-net scans) and LFM3, LFM2-MoE (short
+    # convolutions) at sp 2: the hidden states are the model's own per document, and the
+    # scans' states cross the rank boundary. (Their sp 1 loss and gradients: the fidelity
+    # probe, tests/test_fidelity.py.) A scan's error may reach the model's own when it hands
+    # its state over to itself (a chunked prefill), not more.
+    from transformers import AutoModelForCausalLM
+
+    from longctx_cli.parallel.token_mixing import covered_mixers
+
+    results = run_distributed(_twins_worker, 2, timeout_s=500)
+    for name in TWINS:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(_tiny_config(name))
+        kinds = {kind.window is None for _, _, kind in covered_mixers(model)}
+        assert kinds, name  # the family's layer is covered
+        scan = True in kinds
+        tolerance = max(1e-5, 2 * _own_handoff_error(name)) if scan else 1e-5
+        for layout in ("contiguous", "zigzag"):
+            err, received = results[1][(name, layout)]
+            assert err < tolerance, (name, layout, err, tolerance)
+            if scan:  # rank 1 started from rank 0's state
+                assert received > 0, (name, layout, results[1])
 
 
 def _sp1_hidden(model_type: str, fields: dict, hooked: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -393,15 +468,26 @@ def test_mamba_kernels_run_the_document_rows_and_pass_state_when_installed() -> 
 
 def test_validate_knows_every_model_type_whose_layers_are_covered() -> None:
     # validate describes token mixing only for HYBRID_MODEL_TYPES (to stay torch-free for
-    # the rest): they must be exactly the matrix's families that hold covered layers.
-    from transformers import AutoConfig, AutoModelForCausalLM
+    # the rest): they must be exactly the causal-LM model types of transformers whose modeling
+    # code defines a covered layer.
+    import importlib
 
-    from longctx_cli.parallel.token_mixing import covered_mixers
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from longctx_cli.parallel.token_mixing import COVERED
 
     found = set()
-    for family in fm.FAMILIES:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**family.config()))
-        if covered_mixers(model):
-            found.add(family.model_type)
+    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        module = model_type_to_module_name(model_type)
+        try:
+            code = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+        except Exception:  # a model whose optional dependency is missing
+            continue
+        if any(hasattr(code, name) for name in COVERED):
+            found.add(model_type)
     assert found == HYBRID_MODEL_TYPES
+    # Every covered class is some model type's.
+    assert all(any(hasattr(importlib.import_module(
+        f"transformers.models.{model_type_to_module_name(t)}.modeling_"
+        f"{model_type_to_module_name(t)}"), name) for t in found) for name in COVERED)

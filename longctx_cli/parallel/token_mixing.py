@@ -1,9 +1,10 @@
 """Exact sequence parallelism and packing for decoder parts that mix tokens outside attention.
 
 Hybrid models put short causal convolutions (LFM2), state-space scans (Mamba2 in Falcon-H1,
-Bamba, Granite 4.0-H, Nemotron-H) or linear attention (the gated delta-nets of Qwen3-Next and OLMo
-hybrid) next to their attention layers. Under SP a rank holds only a slice of the row, and
-in a packed row the model's own forward would run these layers across document boundaries.
+Bamba, Granite 4.0-H, Nemotron-H, Zamba2) or linear attention (the gated delta-nets of
+Qwen3-Next, Qwen3.5 and OLMo hybrid) next to their attention layers. Under SP a rank holds
+only a slice of the row, and in a packed row the model's own forward would run these layers
+across document boundaries.
 
 longctx runs each such part so that its output at every local token is what the model's
 own forward over that token's document alone gives. Every document is its own batch row,
@@ -58,14 +59,24 @@ def _conv_window(module: nn.Module) -> int:
 # The token-mixing parts longctx runs exactly, by class name (transformers' own classes),
 # each with how far back it reads. Every one is tested against the model's own per-document
 # training (tests/test_token_mixing.py) and in the family matrix.
+_CONV = ("short convolution", _conv_window)
+_DELTA_NET = ("gated delta-net (conv + linear-attention scan)", None)
+_MAMBA2 = ("Mamba2 (conv + SSM scan)", None)
 COVERED: dict[str, tuple[str, Any]] = {
-    "Lfm2ShortConv": ("short convolution", _conv_window),
-    "Qwen3NextGatedDeltaNet": ("gated delta-net (conv + linear-attention scan)", None),
-    "FalconH1Mixer": ("Mamba2 (conv + SSM scan)", None),
-    "OlmoHybridGatedDeltaNet": ("gated delta-net (conv + linear-attention scan)", None),
-    "BambaMixer": ("Mamba2 (conv + SSM scan)", None),
-    "GraniteMoeHybridMambaLayer": ("Mamba2 (conv + SSM scan)", None),
-    "NemotronHMamba2Mixer": ("Mamba2 (conv + SSM scan)", None),
+    "Lfm2ShortConv": _CONV,
+    "Lfm2MoeShortConv": _CONV,
+    "Lfm3ShortConv": _CONV,
+    "Qwen3NextGatedDeltaNet": _DELTA_NET,
+    "Qwen3_5GatedDeltaNet": _DELTA_NET,
+    "Qwen3_5MoeGatedDeltaNet": _DELTA_NET,
+    "OlmoHybridGatedDeltaNet": _DELTA_NET,
+    "LaraMiniGatedDeltaNet": _DELTA_NET,
+    "KimiLinearDeltaAttention": ("Kimi delta attention (conv + linear-attention scan)", None),
+    "FalconH1Mixer": _MAMBA2,
+    "BambaMixer": _MAMBA2,
+    "GraniteMoeHybridMambaLayer": _MAMBA2,
+    "NemotronHMamba2Mixer": _MAMBA2,
+    "Zamba2MambaMixer": _MAMBA2,
 }
 
 

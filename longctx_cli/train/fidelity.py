@@ -49,6 +49,9 @@ _FIRST_MOE_LAYER_KEYS = ("first_k_dense_replace",)
 _DROP_KEYS = (
     "quantization_config", "_name_or_path", "dtype", "torch_dtype", "transformers_version"
 )
+# Sizes a config derives from its hidden size but saves too: dropped so that the shrunk
+# config derives them again (its saved values would win over the derivation).
+_DERIVED_KEYS = {"zamba2": ("attention_hidden_size", "attention_head_dim", "kv_channels")}
 _FIX = (
     "train this model where it is computed exactly (plain Hugging Face training without "
     "sequence parallelism), pick a family that docs/families.md lists as exact, or -- if you "
@@ -116,7 +119,7 @@ def shrink_config(model_config: Any) -> Any:
     ``topk_group``) shrink with the experts, and dense-then-MoE stacks keep both kinds.
     """
     fields = model_config.to_dict()
-    for key in _DROP_KEYS:
+    for key in (*_DROP_KEYS, *_DERIVED_KEYS.get(fields.get("model_type", ""), ())):
         fields.pop(key, None)
     heads = int(fields.get("num_attention_heads") or 0)
     hidden = int(fields.get("hidden_size") or 0)
@@ -186,11 +189,11 @@ def shrink_config(model_config: Any) -> Any:
 
 
 def _shrink_mamba(fields: dict[str, Any]) -> None:
-    """Mamba2 mixers (Bamba, Granite 4 hybrids, Nemotron-H, Falcon-H1): at most 4 heads whose
-    inner width matches the shrunk hidden size where the config ties them (``mamba_expand``;
-    the configs check it), one group, a small state and scan chunks shorter than the probe's
-    documents, so the chunked scan carries its state across chunks."""
-    heads_key = next((k for k in ("mamba_n_heads", "mamba_num_heads")
+    """Mamba2 mixers (Bamba, Granite 4 hybrids, Nemotron-H, Falcon-H1, Zamba2): at most 4 heads
+    whose inner width matches the shrunk hidden size where the config ties them
+    (``mamba_expand``; the configs check it), one group, a small state and scan chunks
+    shorter than the probe's documents, so the chunked scan carries its state across chunks."""
+    heads_key = next((k for k in ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads")
                       if isinstance(fields.get(k), int)), None)
     if heads_key is None:
         return
@@ -198,14 +201,15 @@ def _shrink_mamba(fields: dict[str, Any]) -> None:
     if fields.get("attn_layer_indices"):  # Bamba: attention at these layers, Mamba2 elsewhere
         fields["attn_layer_indices"] = [fields["num_hidden_layers"] - 1]
     expand = fields.get("mamba_expand")
-    for key in ("mamba_d_head", "mamba_head_dim"):
+    for key in ("mamba_d_head", "mamba_head_dim", "mamba_headdim"):
         if isinstance(fields.get(key), int):
             fields[key] = (int(expand * fields["hidden_size"]) // heads
                            if isinstance(expand, (int, float)) and not fields.get("mamba_d_ssm")
                            else PROBE_HEAD_DIM)
     if isinstance(fields.get("mamba_d_ssm"), int):
         fields["mamba_d_ssm"] = heads * fields.get("mamba_d_head", PROBE_HEAD_DIM)
-    for key, most in (("mamba_n_groups", 1), ("n_groups", 1), ("mamba_d_state", 8),
+    for key, most in (("mamba_n_groups", 1), ("n_groups", 1), ("mamba_ngroups", 1),
+                      ("mamba_d_state", 8),
                       ("ssm_state_size", 8), ("mamba_chunk_size", PROBE_MAMBA_CHUNK),
                       ("chunk_size", PROBE_MAMBA_CHUNK)):
         if isinstance(fields.get(key), int) and not isinstance(fields[key], bool):
@@ -363,11 +367,24 @@ def run_probe(model_config: Any, trust_remote_code: bool = False) -> ProbeResult
     model_type = str(getattr(model_config, "model_type", "") or type(model_config).__name__)
     with torch.random.fork_rng(devices=[]):
         try:
-            tiny = shrink_config(model_config)
+            tiny = shrink_config(_causal_lm_config(model_config))
         except Exception as e:  # any config class may reject our shrunk fields
             raise _unchecked(model_type, "longctx's own shrinking of the config to a tiny "
                              f"model failed ({type(e).__name__}: {_first_line(e)})") from None
         return _compare(model_type, tiny, trust_remote_code, started)
+
+
+def _causal_lm_config(model_config: Any) -> Any:
+    """The config transformers builds this model's causal LM from: a multimodal wrapper's
+    text config where its causal LM is the text model alone (Qwen3.5), else the config."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    text = (model_config.get_text_config() if hasattr(model_config, "get_text_config")
+            else model_config)
+    if text is model_config or type(model_config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return model_config
+    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)]
+    return text if isinstance(text, causal_lm.config_class) else model_config
 
 
 def _first_line(e: BaseException) -> str:
@@ -417,12 +434,23 @@ def token_mixers(model: Any, covered: bool = False) -> dict[str, list[int]]:
     from longctx_cli.runtime.head import decoder_of
 
     family = re.sub(r"(For[A-Z]\w*|Model)$", "", type(model).__name__)  # Jamba, Mamba2, ...
+
+    def holds_covered(module: Any) -> bool:
+        return any(mixer_kind(m) is not None for m in module.modules())
+
+    def mixes_uncovered(module: Any) -> bool:
+        # A covered mixer is run exactly; a module that only wraps covered ones (Zamba2's
+        # Mamba decoder layer inside its hybrid layer) is named like a mixer but is none.
+        if mixer_kind(module) is not None:
+            return False
+        if any(mixes_uncovered(child) for child in module.children()):
+            return True
+        return _mixes_tokens(module, family) and not holds_covered(module)
+
     found: dict[str, list[int]] = {}
     for index, layer in enumerate(getattr(decoder_of(model), "layers", [])):
         for name, module in layer.named_children():
-            if (mixer_kind(module) is not None) != covered:
-                continue
-            if any(_mixes_tokens(m, family) for m in module.modules()):
+            if holds_covered(module) if covered else mixes_uncovered(module):
                 found.setdefault(f"`{name}` ({type(module).__name__})", []).append(index)
     return found
 
