@@ -206,6 +206,14 @@ FAMILIES = [
             "chunk_size": 8, "mamba_d_conv": 4, "mamba_expand": 2, "num_key_value_heads": 4,
             "layers_block_type": ["mamba", "hybrid"]},
            always_on=("Mamba2 layers", "shared attention block")),
+    # Jamba: a Mamba layer (selective scan; it takes no starting state, so every sharding
+    # reruns document prefixes), then attention with experts.
+    Family("jamba", "jamba",
+           {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+            "expert_layer_offset": 1, "num_experts": 4, "num_experts_per_tok": 2,
+            "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 8},
+           {"Mamba layer": {"attn_layer_period": 1, "attn_layer_offset": 0}},
+           always_on=("MoE",)),
     # Attention dropout: SP attention applies none, so validate refuses the model and names
     # the override; both trainings run with it.
     Family("llama (attention_dropout 0.1)", "llama", {"attention_dropout": 0.1},
@@ -534,21 +542,22 @@ def render() -> str:
         "Hybrid models, whose decoder layers also mix tokens outside attention, are in the "
         "table where longctx covers their token-mixing layer (`parallel/token_mixing.py`): "
         "LFM2's short convolutions (`Lfm2ShortConv`), Qwen3-Next's and OLMo hybrid's gated "
-        "delta-nets (`Qwen3NextGatedDeltaNet`, `OlmoHybridGatedDeltaNet`) and the Mamba2 mixers"
-        " of Falcon-H1, Bamba, Granite 4.0-H, Nemotron-H and Zamba2 (`FalconH1Mixer`, "
+        "delta-nets (`Qwen3NextGatedDeltaNet`, `OlmoHybridGatedDeltaNet`), the Mamba2 mixers of"
+        " Falcon-H1, Bamba, Granite 4.0-H, Nemotron-H and Zamba2 (`FalconH1Mixer`, "
         "`BambaMixer`, `GraniteMoeHybridMambaLayer`, `NemotronHMamba2Mixer`, "
-        "`Zamba2MambaMixer`). Each runs the model's own module per document: a scan passes its "
-        "state from rank to rank (on stripe rows it reruns each document's prefix), a "
-        "convolution reads its kernel's halo from the rank before, so packed documents and rank"
-        " boundaries change nothing; docs/parallelism.md says how and what it costs. The same "
-        "layers in newer families are covered too and checked outside this table, by the "
-        "fidelity probe (sp1 loss and gradients, `tests/test_fidelity.py`) and at sp2 against "
-        "the model's own forward on contiguous and zigzag rows (`tests/test_token_mixing.py`): "
-        "Qwen3.5 (`Qwen3_5GatedDeltaNet`), Kimi Linear (`KimiLinearDeltaAttention`), LaRA-mini "
-        "(`LaraMiniGatedDeltaNet`), LFM3 and LFM2-MoE (`Lfm3ShortConv`, `Lfm2MoeShortConv`). "
-        "Other hybrids (the Mamba scans of Jamba and Zamba, MiniMax's lightning attention) are "
-        "refused by the probe, which names the layer (`tests/test_fidelity.py` checks jamba and"
-        " minimax).",
+        "`Zamba2MambaMixer`) and Jamba's Mamba (`JambaMambaMixer`). Each runs the model's own "
+        "module per document: a scan passes its state from rank to rank (on stripe rows, and "
+        "always for Jamba's Mamba, which takes no starting state, it reruns each document's "
+        "prefix), a convolution reads its kernel's halo from the rank before, so packed "
+        "documents and rank boundaries change nothing; docs/parallelism.md says how and what it"
+        " costs. The same layers in newer families are covered too and checked outside this "
+        "table, by the fidelity probe (sp1 loss and gradients, `tests/test_fidelity.py`) and at"
+        " sp2 against the model's own forward on contiguous and zigzag rows "
+        "(`tests/test_token_mixing.py`): Qwen3.5 (`Qwen3_5GatedDeltaNet`), Kimi Linear "
+        "(`KimiLinearDeltaAttention`), LaRA-mini (`LaraMiniGatedDeltaNet`), LFM3 and LFM2-MoE "
+        "(`Lfm3ShortConv`, `Lfm2MoeShortConv`). Other hybrids (MiniMax's lightning attention, "
+        "RecurrentGemma's recurrence) are refused by the probe, which names the layer "
+        "(`tests/test_fidelity.py` checks minimax and recurrent_gemma).",
         "",
         "| family | features active in the test | "
         + " | ".join(c.name for c in COLUMNS) + " |",

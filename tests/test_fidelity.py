@@ -283,6 +283,9 @@ def test_latent_attention_and_chunked_attention_families_pass() -> None:
     ("lfm3", {}),
     ("lfm2_moe", {"layer_types": ["conv", "full_attention", "conv", "full_attention"],
                   "num_hidden_layers": 4}),
+    # Jamba's pattern: attention every 8 layers at offset 4, experts every 2 (its Mamba
+    # takes no starting state: document prefixes on every sharding).
+    ("jamba", {}),
 ])
 def test_covered_hybrid_families_pass_on_packed_rows(model_type: str, fields: dict) -> None:
     # The model's own forward over a packed row would run its scans and convolutions across
@@ -293,7 +296,7 @@ def test_covered_hybrid_families_pass_on_packed_rows(model_type: str, fields: di
 
 
 @pytest.mark.parametrize(("model_type", "part"), [
-    ("jamba", "`mamba` (JambaMambaMixer)"),  # Mamba1: no initial state in a multi-token call
+    ("recurrent_gemma", "`temporal_block` (RecurrentGemmaRecurrentBlock)"),  # RG-LRU
     ("minimax", "`self_attn` (MiniMaxLightningAttention)"),  # lightning (linear) attention
 ])
 def test_uncovered_hybrid_families_are_refused_naming_the_layer(model_type: str,

@@ -222,14 +222,14 @@ def test_newer_families_twin_layers_are_exact_at_sp2() -> None:
     for name in TWINS:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(_tiny_config(name))
-        kinds = {kind.window is None for _, _, kind in covered_mixers(model)}
+        kinds = {kind.passes_state for _, _, kind in covered_mixers(model)}
         assert kinds, name  # the family's layer is covered
-        scan = True in kinds
-        tolerance = max(1e-5, 2 * _own_handoff_error(name)) if scan else 1e-5
+        passes = True in kinds
+        tolerance = max(1e-5, 2 * _own_handoff_error(name)) if passes else 1e-5
         for layout in ("contiguous", "zigzag"):
             err, received = results[1][(name, layout)]
             assert err < tolerance, (name, layout, err, tolerance)
-            if scan:  # rank 1 started from rank 0's state
+            if passes:  # rank 1 started from rank 0's state
                 assert received > 0, (name, layout, results[1])
 
 
@@ -369,6 +369,25 @@ def test_validate_names_the_token_mixing_layers_and_their_cost(tmp_path) -> None
     assert "every rank reruns the prefix" in out, out
 
 
+def test_validate_says_which_scans_pass_state_and_which_rerun_prefixes() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from longctx_cli.parallel.token_mixing import describe
+
+    def said(name: str, sharding: str) -> str:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(_tiny_config(name))
+        return describe(model, 2, sharding, 1024, model.config.hidden_size, 4)
+
+    jamba = said("jamba", "contiguous")  # its Mamba takes no starting state
+    assert "pass no state between ranks (the layer takes no starting state)" in jamba, jamba
+    assert "instead" not in jamba and "from rank to rank" not in jamba, jamba
+    bamba = said("bamba", "stripe")
+    assert "(a stripe row would hand it over at every token)" in bamba, bamba
+    assert "zigzag `sp_sharding` passes the state instead" in bamba, bamba
+    assert "scan layer(s) pass their state from rank to rank" in said("bamba", "zigzag")
+
+
 def test_the_hybrid_example_trains_under_sp_to_a_checkpoint_transformers_loads(tmp_path):
     # `world_size: 2` in the config, no launcher flags: what a user types.
     result = _run("train", str(EXAMPLE), "--max-steps", "4", "--save-steps", "4", cwd=tmp_path)
@@ -432,14 +451,18 @@ from tests import family_matrix as fm
 from tests.distributed import run_distributed
 # sp 1, training mode: the packed row's documents go through the fused kernel, one batch row
 # each.
-for family in ("falcon_h1", "bamba", "granitemoehybrid", "nemotron_h"):
+for family, kernel in (("falcon_h1", "split_conv1d_scan"), ("bamba", "split_conv1d_scan"),
+                       ("granitemoehybrid", "split_conv1d_scan"),
+                       ("nemotron_h", "split_conv1d_scan"), ("zamba2", "split_conv1d_scan"),
+                       ("jamba", "selective_scan")):
     fields = next(f for f in fm.FAMILIES if f.name == family).fields
     mamba_ssm.CALLS.clear()
     got, want = _sp1_hidden(family, fields, hooked=True)
     assert (got - want).norm() / want.norm() < 1e-5, family
-    assert max(b for f, b, _ in mamba_ssm.CALLS if f == "split_conv1d_scan") > 1, family
+    assert max(b for f, b, _ in mamba_ssm.CALLS if f == kernel) > 1, (family, mamba_ssm.CALLS)
 # sp 2: contiguous rows pass the state through the chunked scan's initial and final states;
-# stripe rows run the fused kernel on each document's prefix.
+# stripe rows run the fused kernel on each document's prefix; Jamba's selective scan runs
+# on document prefixes on contiguous rows too.
 for layout in ("contiguous", "stripe"):
     results = run_distributed(_relay_worker, 2, {"layout": layout}, "falcon_h1",
                               timeout_s=240)
@@ -450,16 +473,20 @@ for layout in ("contiguous", "stripe"):
         assert any(f == "chunk_scan" and given for f, _, given in calls[1]), calls
     else:
         assert all(any(f == "split_conv1d_scan" and b > 1 for f, b, _ in c) for c in calls)
+results = run_distributed(_relay_worker, 2, {"layout": "contiguous"}, "jamba", timeout_s=240)
+assert all(err < 1e-5 for err, _, _ in results), results
+assert all(any(f == "selective_scan" and b > 1 for f, b, _ in c["mamba_ssm"])
+           for _, _, c in results), results
 print("ok")
 """
 
 
 def test_mamba_kernels_run_the_document_rows_and_pass_state_when_installed() -> None:
-    # mamba-ssm's Mamba2 kernels (Triton, GPU only) are what transformers calls when the
-    # package imports: the fused conv-scan-norm kernel in training without a cache (sp 1 and
-    # the document-prefix path), the chunked scan with initial and final states under state
-    # passing. Their CPU stand-ins take the same arguments; the hidden states must be the
-    # model's own per document.
+    # mamba-ssm's kernels (Triton/CUDA, GPU only) are what transformers calls when the
+    # package imports: Mamba2's fused conv-scan-norm kernel in training without a cache (sp 1
+    # and the document-prefix path), its chunked scan with initial and final states under
+    # state passing, and Jamba's selective scan on document prefixes. Their CPU stand-ins
+    # take the same arguments; the hidden states must be the model's own per document.
     result = subprocess.run([sys.executable, "-c", MAMBA_CHECK], capture_output=True,
                             text=True, env=_standin_env(), timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]

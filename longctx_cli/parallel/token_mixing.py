@@ -13,11 +13,12 @@ right-padded with zeros, and the model's own module runs on the batch, with its 
 otherwise). Causality makes the padding harmless: it comes after every real token. What a
 rank's rows hold:
 
-* a scan on contiguous or zigzag rows: only this rank's tokens; the state at a rank
-  boundary passes from rank to rank (:mod:`.state_relay`);
-* a scan on stripe rows (a state would change hands at every token): each document's whole
-  prefix up to this rank's last token of it, the row's tokens arriving in one all-gather
-  whose backward reduce-scatters the gradients to their owners;
+* a scan that can start from a given state, on contiguous or zigzag rows: only this rank's
+  tokens; the state at a rank boundary passes from rank to rank (:mod:`.state_relay`);
+* a scan on stripe rows (a state would change hands at every token), or one that takes no
+  starting state (Jamba's Mamba): each document's whole prefix up to this rank's last token
+  of it, the row's tokens arriving in one all-gather whose backward reduce-scatters the
+  gradients to their owners;
 * a convolution of kernel ``k``: its pieces with the ``k - 1`` tokens before each (the
   halo), only those arriving from the ranks that hold them.
 
@@ -50,6 +51,9 @@ class MixerKind:
 
     what: str  # for messages and validate: "short convolution", "Mamba2 scan", ...
     window: int | None
+    # A scan that starts from a given state in a multi-token call (its cache interface) can
+    # pass its state between ranks; one that cannot (Jamba's Mamba) always reruns prefixes.
+    passes_state: bool = False
 
 
 def _conv_window(module: nn.Module) -> int:
@@ -59,10 +63,12 @@ def _conv_window(module: nn.Module) -> int:
 # The token-mixing parts longctx runs exactly, by class name (transformers' own classes),
 # each with how far back it reads. Every one is tested against the model's own per-document
 # training (tests/test_token_mixing.py) and in the family matrix.
-_CONV = ("short convolution", _conv_window)
-_DELTA_NET = ("gated delta-net (conv + linear-attention scan)", None)
-_MAMBA2 = ("Mamba2 (conv + SSM scan)", None)
-COVERED: dict[str, tuple[str, Any]] = {
+# (what it is, its reach: a window for a convolution, None for a scan; whether the scan can
+# pass its state between ranks)
+_CONV = ("short convolution", _conv_window, False)
+_DELTA_NET = ("gated delta-net (conv + linear-attention scan)", None, True)
+_MAMBA2 = ("Mamba2 (conv + SSM scan)", None, True)
+COVERED: dict[str, tuple[str, Any, bool]] = {
     "Lfm2ShortConv": _CONV,
     "Lfm2MoeShortConv": _CONV,
     "Lfm3ShortConv": _CONV,
@@ -71,12 +77,15 @@ COVERED: dict[str, tuple[str, Any]] = {
     "Qwen3_5MoeGatedDeltaNet": _DELTA_NET,
     "OlmoHybridGatedDeltaNet": _DELTA_NET,
     "LaraMiniGatedDeltaNet": _DELTA_NET,
-    "KimiLinearDeltaAttention": ("Kimi delta attention (conv + linear-attention scan)", None),
+    "KimiLinearDeltaAttention": ("Kimi delta attention (conv + linear-attention scan)", None,
+                                 True),
     "FalconH1Mixer": _MAMBA2,
     "BambaMixer": _MAMBA2,
     "GraniteMoeHybridMambaLayer": _MAMBA2,
     "NemotronHMamba2Mixer": _MAMBA2,
     "Zamba2MambaMixer": _MAMBA2,
+    # Its selective scan takes no starting state in a multi-token call.
+    "JambaMambaMixer": ("Mamba (conv + selective scan)", None, False),
 }
 
 
@@ -85,8 +94,8 @@ def mixer_kind(module: nn.Module) -> MixerKind | None:
     entry = COVERED.get(type(module).__name__)
     if entry is None:
         return None
-    what, window = entry
-    return MixerKind(what, None if window is None else int(window(module)))
+    what, window, passes_state = entry
+    return MixerKind(what, None if window is None else int(window(module)), passes_state)
 
 
 # ---- the differentiable exchange ------------------------------------------------------------
@@ -237,7 +246,7 @@ class TokenMixerSP:
     parameter names, checkpoints and adapters see the model's own module.
     """
 
-    def __init__(self, module: nn.Module, kind: MixerKind):
+    def __init__(self, module: nn.Module, kind: MixerKind, parent: nn.Module | None = None):
         self.kind = kind
         self.name = type(module).__name__
         # The rows of the call in flight. One slot: a module's forward never nests, and a
@@ -245,13 +254,22 @@ class TokenMixerSP:
         self._rows: MixerRows | None = None
         self._relay = Relay()  # states received this row (scans that pass state)
         self._relayed: torch.Tensor | None = None  # the output computed by state passing
+        # The row's layout as the enclosing layer received it, for a part its layer calls
+        # without the model's keyword arguments (Jamba's Mamba).
+        self._parent_meta: Any = None
         self.handles = (
             module.register_forward_pre_hook(self._before, with_kwargs=True),
             module.register_forward_hook(self._after, with_kwargs=True),
         )
+        if parent is not None:
+            self.handles += (parent.register_forward_pre_hook(self._enter_parent,
+                                                              with_kwargs=True),)
+
+    def _enter_parent(self, parent: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._parent_meta = kwargs.get("sp_meta")
 
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        meta = kwargs.get("sp_meta")
+        meta = kwargs.get("sp_meta", self._parent_meta)
         if isinstance(meta, DecodeMeta):
             # Its state is not kept across a sharded prefill: the caller decodes by full
             # forwards instead (the same tokens).
@@ -273,7 +291,7 @@ class TokenMixerSP:
         if hidden.shape[0] != 1 or hidden.shape[1] != meta.local_len:
             raise ValueError(f"{self.name}: expected this rank's one row of {meta.local_len} "
                              f"tokens, got {tuple(hidden.shape[:2])}")
-        if self.kind.window is None and relay_applies(meta):
+        if self.kind.passes_state and relay_applies(meta):
             # A scan on contiguous or zigzag rows: its state passes from rank to rank; the
             # module's own call (its output replaced in _after) gets one token.
             others = {k: v for k, v in kwargs.items() if k not in ("sp_meta", "hidden_states")}
@@ -322,7 +340,9 @@ def covered_mixers(model: nn.Module) -> list[tuple[str, nn.Module, MixerKind]]:
 
 def attach_token_mixing(model: nn.Module) -> list[TokenMixerSP]:
     """Hook every covered token-mixing part of ``model``; [] for pure-attention models."""
-    return [TokenMixerSP(m, kind) for _, m, kind in covered_mixers(model)]
+    modules = dict(model.named_modules())
+    return [TokenMixerSP(m, kind, modules.get(name.rpartition(".")[0]))
+            for name, m, kind in covered_mixers(model)]
 
 
 def state_bytes(module: nn.Module, hidden: int, bytes_per_value: int) -> int:
@@ -350,24 +370,30 @@ def describe(model: nn.Module, sp: int, sharding: str, row_tokens: int, hidden: 
     layers = ", ".join(f"{n} x {cls} ({COVERED[cls][0]})" for cls, n in found.items())
     if sp == 1:
         return f"{layers}: run per document of the packed row (no communication at sp 1)."
-    scan_modules = [m for _, m, kind in mixers if kind.window is None]
-    scans, convs = len(scan_modules), len(mixers) - len(scan_modules)
+    scan_kinds = [(m, kind) for _, m, kind in mixers if kind.window is None]
+    convs = len(mixers) - len(scan_kinds)
+    relayed = [m for m, kind in scan_kinds if kind.passes_state and sharding != "stripe"]
+    rerun = len(scan_kinds) - len(relayed)
     mib = row_tokens * hidden * bytes_per_value / 2**20
     parts = []
-    if scans and sharding == "stripe":
+    if rerun:
+        why = ("a stripe row would hand it over at every token" if sharding == "stripe"
+               else "the layer takes no starting state")
+        instead = ("; a contiguous or zigzag `sp_sharding` passes the state instead"
+                   if sharding == "stripe" and all(k.passes_state for _, k in scan_kinds)
+                   else "")
         parts.append(
-            f"the {scans} scan layer(s) each gather their input over the SP group ({mib:.1f} "
+            f"the {rerun} scan layer(s) each gather their input over the SP group ({mib:.1f} "
             "MiB received per layer per rank in forward, the same reduce-scattered in "
-            "backward) and pass no state between ranks (a stripe row would hand it over at "
-            "every token): every rank reruns the prefix of each document it holds part of, "
-            "so these layers' work and activations do not shrink with sp; a contiguous or "
-            "zigzag `sp_sharding` passes the state instead")
-    elif scans:
-        kib = sum(state_bytes(m, hidden, bytes_per_value) for m in scan_modules) / 2**10
+            f"backward) and pass no state between ranks ({why}): every rank reruns the "
+            "prefix of each document it holds part of, so these layers' work and activations "
+            f"do not shrink with sp{instead}")
+    if relayed:
+        kib = sum(state_bytes(m, hidden, bytes_per_value) for m in relayed) / 2**10
         parts.append(
-            f"the {scans} scan layer(s) pass their state from rank to rank ({kib:.1f} KiB "
-            "over all of them per document boundary, sent forward and its gradient back): "
-            "each rank scans only its own tokens, one rank after another along the row")
+            f"the {len(relayed)} scan layer(s) pass their state from rank to rank ({kib:.1f} "
+            "KiB over all of them per document boundary, sent forward and its gradient "
+            "back): each rank scans only its own tokens, one rank after another along the row")
     if convs:
         parts.append(f"the {convs} convolution layer(s) receive only a halo of kernel - 1 "
                      "tokens per piece of a document from the rank before it")

@@ -181,11 +181,22 @@ def shrink_config(model_config: Any) -> Any:
         elif key.startswith("rope") and isinstance(value, dict):
             fields[key] = _shrink_rope_lists(value, old_half, new_half)
     _shrink_expert_groups(fields)
+    _shrink_layer_periods(fields)
     _shrink_mamba(fields)
     for key in _FIRST_MOE_LAYER_KEYS:
         if isinstance(fields.get(key), int) and fields[key] > 0:
             fields[key] = min(fields[key], new_layers - 1)
     return type(model_config).from_dict(fields)
+
+
+def _shrink_layer_periods(fields: dict[str, Any]) -> None:
+    """Jamba: attention every ``attn_layer_period`` layers at ``attn_layer_offset``, Mamba
+    elsewhere, and experts likewise. The tiny copy keeps a Mamba layer, then attention and
+    experts on its last layer."""
+    layers = fields.get("num_hidden_layers")
+    for kind in ("attn", "expert"):
+        if isinstance(fields.get(f"{kind}_layer_period"), int) and isinstance(layers, int):
+            fields[f"{kind}_layer_period"], fields[f"{kind}_layer_offset"] = layers, layers - 1
 
 
 def _shrink_mamba(fields: dict[str, Any]) -> None:
