@@ -9,7 +9,7 @@ IGNORE_INDEX = -100
 # agree). `validate` builds such a model on the meta device to describe those layers; for
 # other model types its plan needs neither torch nor transformers.
 HYBRID_MODEL_TYPES = frozenset({
-    "bamba", "falcon_h1", "granitemoehybrid", "kimi_linear", "lara_mini", "lfm2", "lfm2_moe",
-    "lfm3", "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text",
-    "qwen3_5_text", "qwen3_next", "zamba2",
+    "bamba", "falcon_h1", "granitemoehybrid", "jamba", "kimi_linear", "lara_mini", "lfm2",
+    "lfm2_moe", "lfm3", "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
+    "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "zamba2",
 })
