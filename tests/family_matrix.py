@@ -533,8 +533,10 @@ def render() -> str:
         "A family that is not in this table is not assumed to work: before training (and in "
         "`longctx validate`) the *fidelity probe* builds a tiny random model of the user's "
         "family from its config and compares longctx's loss and gradients with the model's "
-        "own forward; any difference is refused with a message naming the model type and what "
-        "differs (`fidelity_probe: false` skips it). When the probe cannot build or run its "
+        "own forward; any difference beyond 1e-4 (or, for gradients alone, beyond 3x the "
+        "model's own float noise, at most 1e-3: docs/parallelism.md) is refused with a message "
+        "naming the model type and what differs (`fidelity_probe: false` skips it). When the "
+        "probe cannot build or run its "
         "tiny copy of a family at all (its own shrinking, or the model's own forward on the "
         "tiny copy, fails), it says that it could not check the family, with the error's "
         "gist; `fidelity_probe: false` is then the way to train it, unverified.",

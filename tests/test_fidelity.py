@@ -278,6 +278,8 @@ def test_latent_attention_and_chunked_attention_families_pass() -> None:
     # Kimi Linear's delta attention (beside latent attention), LaRA-mini's gated delta-net,
     # LFM3's and LFM2-MoE's short convolutions.
     ("qwen3_5", {}),
+    # Qwen3.5-MoE: its delta-net gradients pass within the model's own float noise.
+    ("qwen3_5_moe", {}),
     ("kimi_linear", {}),
     ("lara_mini", {}),
     ("lfm3", {}),
@@ -292,7 +294,31 @@ def test_covered_hybrid_families_pass_on_packed_rows(model_type: str, fields: di
     # documents; longctx runs them per document (parallel/token_mixing.py) and matches the
     # model's own per-document training.
     result = run_probe(AutoConfig.for_model(model_type, **fields))
-    assert result.loss_rel_error < 1e-5 and result.worst_gradient_rel_error < 1e-4, result
+    assert result.loss_rel_error < 1e-5, result
+    # Within the tolerance, or (Qwen3.5-MoE) within 3x the model's own float noise.
+    assert result.worst_gradient_rel_error < 1e-4 or (
+        result.own_noise is not None
+        and result.worst_gradient_rel_error <= 3 * result.own_noise), result
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_the_models_own_noise_is_tight_without_noisy_kernels(model_type: str) -> None:
+    # The allowance for gradients within the model's own float noise measures that noise as
+    # the model's own padded-batch training against its per-document training. For a plain
+    # attention model the two agree closely, so the allowance stays shut where no kernel
+    # is noisy.
+    from longctx_cli.train import fidelity
+
+    tiny = fidelity.shrink_config(AutoConfig.for_model(model_type))
+    ids, _, _ = fidelity._probe_row()
+    reference = fidelity._build(tiny, "eager", False)
+    fidelity._reference(reference, ids)[0].backward()
+    grads = torch.cat([p.grad.flatten() for p in reference.parameters() if p.grad is not None])
+    own = fidelity._own_padded_batch_errors(reference, tiny, ids, 1e-3 * float(grads.norm()),
+                                            False)
+    assert own is not None and len(own) == sum(
+        p.grad is not None for p in reference.parameters())
+    assert max(own.values()) < 1e-5, max(own.items(), key=lambda kv: kv[1])
 
 
 @pytest.mark.parametrize(("model_type", "part"), [

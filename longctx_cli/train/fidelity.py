@@ -33,6 +33,12 @@ import torch
 from longctx_cli.errors import UserError
 
 TOLERANCE = 1e-4
+# Where only gradients miss TOLERANCE while the forward agrees, the probe measures the
+# model's own float noise (its own training of the same documents as one padded batch against
+# its per-document training) and accepts a gradient within NOISE_FACTOR times that noise on
+# the same parameter, never beyond NOISE_CAP.
+NOISE_FACTOR = 3.0
+NOISE_CAP = 1e-3
 PROBE_DOCS = (13, 24, 1, 26)  # 64 tokens; the one-token document has no target
 PROBE_VOCAB = 128
 PROBE_HEAD_DIM = 16
@@ -71,14 +77,24 @@ class ProbeResult:
     worst_gradient_rel_error: float
     gradients_checked: int
     seconds: float
+    # Set when a gradient passed only within the model's own float noise: that noise at the
+    # worst gradient (see NOISE_FACTOR).
+    own_noise: float | None = None
 
     def summary(self) -> str:
         features = ", ".join(self.features) or "no attention/logit features"
+        tolerance = f"tolerance {TOLERANCE:g}"
+        if self.own_noise is not None:
+            tolerance += (
+                f"; `{self.worst_gradient}` passed within the model's own float noise: its own "
+                f"training of the same documents as one padded batch differs from its "
+                f"per-document training there by {self.own_noise:.1e}, and up to "
+                f"{NOISE_FACTOR:g}x that (at most {NOISE_CAP:g}) is accepted")
         return (
             f"passed: tiny random `{self.model_type}` ({self.layers} layers; {features}), "
             f"packed {sum(PROBE_DOCS)}-token row of {len(PROBE_DOCS)} documents: loss rel. err "
             f"{self.loss_rel_error:.1e}, {self.gradients_checked} parameter gradients worst "
-            f"{self.worst_gradient_rel_error:.1e} (tolerance {TOLERANCE:g}) against the model's "
+            f"{self.worst_gradient_rel_error:.1e} ({tolerance}) against the model's "
             f"own eager forward(labels=) ({self.seconds:.1f}s)"
         )
 
@@ -326,6 +342,35 @@ def _reference(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return total / count, torch.cat(hidden), torch.cat(logits)
 
 
+def _own_padded_batch_errors(reference: Any, tiny: Any, ids: torch.Tensor, floor: float,
+                             trust_remote_code: bool) -> dict[str, float] | None:
+    """The model's own float noise, per parameter: its training of the probe's documents as
+    one right-padded batch (attention_mask, the same token-weighted loss) against its
+    per-document training (``reference``, gradients already computed). None when the model
+    cannot run a padded batch."""
+    docs = _documents(ids)
+    width = max(end - start for start, end in docs)
+    batch = ids.new_zeros((len(docs), width))
+    labels = ids.new_full((len(docs), width), -100)
+    for row, (start, end) in enumerate(docs):
+        batch[row, :end - start] = labels[row, :end - start] = ids[start:end]
+    try:
+        model = _build(tiny, "eager", trust_remote_code)
+        model.load_state_dict(reference.state_dict())
+        model(input_ids=batch, attention_mask=(labels != -100).long(), labels=labels,
+              use_cache=False).loss.backward()
+    except Exception:  # the padded batch is only a yardstick; without it nothing is accepted
+        return None
+    own = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return {n: _grad_error(own[n], p.grad, floor) for n, p in reference.named_parameters()
+            if p.grad is not None and n in own}
+
+
+def _grad_error(grad: torch.Tensor, ref_grad: torch.Tensor, floor: float) -> float:
+    return (float((grad.double() - ref_grad.double()).norm())
+            / max(float(ref_grad.double().norm()), floor, 1e-30))
+
+
 def _longctx(model: Any, ids: torch.Tensor, pos: torch.Tensor, labels: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """longctx's sp=1 path, as the trainer computes it: (loss, hidden, logits)."""
@@ -532,16 +577,21 @@ def _compare(model_type: str, tiny: Any, trust_remote_code: bool, started: float
     # is pure float noise on both sides; measure every error against at least a small share of
     # the whole gradient's size so noise cannot refuse a model.
     floor = 1e-3 * float(torch.cat([g.double().flatten() for g in ref_grads.values()]).norm())
-    grad_errs = {
-        n: float((grads[n].double() - ref_grads[n].double()).norm())
-        / max(float(ref_grads[n].double().norm()), floor, 1e-30)
-        for n in ref_grads
-    }
+    grad_errs = {n: _grad_error(grads[n], ref_grads[n], floor) for n in ref_grads}
     worst = max(grad_errs, key=grad_errs.__getitem__)
+    noise: float | None = None  # the model's own noise at `worst`, when it was needed
+    hidden_err, logits_err = _rel(hidden, ref_hidden), _rel(logits, ref_logits)
+    forward_agrees = (math.isfinite(loss_err) and loss_err <= TOLERANCE
+                      and hidden_err <= TOLERANCE and logits_err <= TOLERANCE)
+    if forward_agrees and not grad_errs[worst] <= TOLERANCE:
+        own = _own_padded_batch_errors(reference, tiny, ids, floor, trust_remote_code)
+        if own is not None and all(
+                err <= max(TOLERANCE, min(NOISE_FACTOR * own.get(n, 0.0), NOISE_CAP))
+                for n, err in grad_errs.items()):
+            noise = own.get(worst, 0.0)
     bad = not math.isfinite(loss_err) or loss_err > TOLERANCE or not (
-        grad_errs[worst] <= TOLERANCE)
+        grad_errs[worst] <= TOLERANCE or noise is not None)
     if bad:
-        hidden_err, logits_err = _rel(hidden, ref_hidden), _rel(logits, ref_logits)
         if hidden_err > TOLERANCE:
             where = (f"the decoder's hidden states already differ (rel. err {hidden_err:.1e}): "
                      "an attention or layer feature longctx does not reproduce")
@@ -565,4 +615,5 @@ def _compare(model_type: str, tiny: Any, trust_remote_code: bool, started: float
         worst_gradient_rel_error=grad_errs[worst],
         gradients_checked=len(grad_errs),
         seconds=time.perf_counter() - started,
+        own_noise=noise,
     )
