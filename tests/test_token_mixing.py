@@ -412,6 +412,8 @@ def _standin_env() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(STANDIN), str(Path(__file__).resolve().parents[1]),
          os.environ.get("PYTHONPATH", "")])}
+
+
 KERNEL_CHECK = """
 import torch
 import causal_conv1d, fla
@@ -504,17 +506,14 @@ def test_validate_knows_every_model_type_whose_layers_are_covered() -> None:
 
     from longctx_cli.parallel.token_mixing import COVERED
 
-    found = set()
+    defines: dict[str, set[str]] = {}  # model type -> the covered classes its code defines
     for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         module = model_type_to_module_name(model_type)
         try:
             code = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
         except Exception:  # a model whose optional dependency is missing
             continue
-        if any(hasattr(code, name) for name in COVERED):
-            found.add(model_type)
-    assert found == HYBRID_MODEL_TYPES
-    # Every covered class is some model type's.
-    assert all(any(hasattr(importlib.import_module(
-        f"transformers.models.{model_type_to_module_name(t)}.modeling_"
-        f"{model_type_to_module_name(t)}"), name) for t in found) for name in COVERED)
+        if names := {name for name in COVERED if hasattr(code, name)}:
+            defines[model_type] = names
+    assert set(defines) == HYBRID_MODEL_TYPES
+    assert set().union(*defines.values()) == set(COVERED)  # every covered class is some type's

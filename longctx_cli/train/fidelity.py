@@ -348,22 +348,31 @@ def _own_padded_batch_errors(reference: Any, tiny: Any, ids: torch.Tensor, floor
     one right-padded batch (attention_mask, the same token-weighted loss) against its
     per-document training (``reference``, gradients already computed). None when the model
     cannot run a padded batch."""
+    from longctx_cli.constants import IGNORE_INDEX
+
     docs = _documents(ids)
     width = max(end - start for start, end in docs)
     batch = ids.new_zeros((len(docs), width))
-    labels = ids.new_full((len(docs), width), -100)
+    labels = ids.new_full((len(docs), width), IGNORE_INDEX)
     for row, (start, end) in enumerate(docs):
         batch[row, :end - start] = labels[row, :end - start] = ids[start:end]
     try:
         model = _build(tiny, "eager", trust_remote_code)
         model.load_state_dict(reference.state_dict())
-        model(input_ids=batch, attention_mask=(labels != -100).long(), labels=labels,
+        model(input_ids=batch, attention_mask=(labels != IGNORE_INDEX).long(), labels=labels,
               use_cache=False).loss.backward()
     except Exception:  # the padded batch is only a yardstick; without it nothing is accepted
         return None
     own = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return {n: _grad_error(own[n], p.grad, floor) for n, p in reference.named_parameters()
             if p.grad is not None and n in own}
+
+
+def gradient_floor(ref_grads: Any) -> float:
+    """The smallest size a gradient error is measured against: a small share of the whole
+    gradient (a gradient whose exact value is zero, such as a k_proj bias's, is pure float
+    noise on both sides, so noise cannot refuse a model)."""
+    return 1e-3 * float(torch.cat([g.double().flatten() for g in ref_grads]).norm())
 
 
 def _grad_error(grad: torch.Tensor, ref_grad: torch.Tensor, floor: float) -> float:
@@ -573,10 +582,7 @@ def _compare(model_type: str, tiny: Any, trust_remote_code: bool, started: float
                 f"longctx's computation uses {', '.join(only_ours[:4])} but the model's own "
                 "forward does not")
         raise _refuse(model_type, f"on {described}, {side} (no gradient on one side).")
-    # A gradient whose exact value is zero (a k_proj bias: softmax ignores a per-query shift)
-    # is pure float noise on both sides; measure every error against at least a small share of
-    # the whole gradient's size so noise cannot refuse a model.
-    floor = 1e-3 * float(torch.cat([g.double().flatten() for g in ref_grads.values()]).norm())
+    floor = gradient_floor(ref_grads.values())
     grad_errs = {n: _grad_error(grads[n], ref_grads[n], floor) for n in ref_grads}
     worst = max(grad_errs, key=grad_errs.__getitem__)
     noise: float | None = None  # the model's own noise at `worst`, when it was needed
