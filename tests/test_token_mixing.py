@@ -447,10 +447,25 @@ def test_optional_kernels_run_the_document_rows_when_installed() -> None:
 
 
 MAMBA_CHECK = """
+import torch
 import mamba_ssm
-from tests.test_token_mixing import _sp1_hidden, _relay_worker
+from transformers import AutoModelForCausalLM
+from longctx_cli.parallel.token_mixing import covered_mixers
+from tests.test_token_mixing import _sp1_hidden, _relay_worker, _tiny_config
 from tests import family_matrix as fm
 from tests.distributed import run_distributed
+# The fused stand-in is transformers' own computation: in training without a cache a Mamba2
+# mixer calls it; in eval mode the same mixer runs transformers' PyTorch steps (its chunked
+# scan through the stand-in, which is transformers' reference function).
+for family in ("falcon_h1", "bamba", "granitemoehybrid", "nemotron_h", "zamba2"):
+    torch.manual_seed(0)
+    _, mixer, _ = covered_mixers(AutoModelForCausalLM.from_config(_tiny_config(family)))[0]
+    x = torch.randn(3, 21, mixer.in_proj.in_features)
+    mamba_ssm.CALLS.clear()
+    fused = mixer.train()(x)
+    assert [f for f, _, _ in mamba_ssm.CALLS] == ["split_conv1d_scan"], mamba_ssm.CALLS
+    torch_path = mixer.eval()(x)
+    assert (fused - torch_path).norm() / torch_path.norm() < 1e-5, family
 # sp 1, training mode: the packed row's documents go through the fused kernel, one batch row
 # each.
 for family, kernel in (("falcon_h1", "split_conv1d_scan"), ("bamba", "split_conv1d_scan"),
