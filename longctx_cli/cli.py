@@ -145,14 +145,14 @@ def validate(
     """Print the plan, or a UserError naming the key to fix."""
     from longctx_cli.config import load_config
     from longctx_cli.config.fit import fit_report, parse_memory_size
-    from longctx_cli.config.plan import plan_for
+    from longctx_cli.preflight import check_run
 
     limit = parse_memory_size(memory_per_rank) if memory_per_rank is not None else None
     cfg = load_config(config, ctx.args)
-    plan = plan_for(cfg, nproc_per_node=nproc_per_node, nnodes=nnodes)
-    from longctx_cli.preflight import preflight
-
-    preflight(cfg)  # the world around the config: data files, output_dir, LoRA targets
+    # The checks every entry point and every rank runs: the plan, then the world around the
+    # config (data files, output_dir, LoRA targets).
+    cfg, plan = check_run(cfg, "validate", nproc_per_node, nnodes, overrides=list(ctx.args),
+                          assume_gpu=True)
     console = Console()
     console.print(plan.to_table())
     if limit is not None:
@@ -284,13 +284,17 @@ def train(
 @app.command(
     name="eval",
     help="Long-context evaluation: passkey retrieval grid and loss by position.\n\n"
-    "Optionally evaluates a second checkpoint (--compare) the same way, side by side.",
+    "Optionally evaluates a second checkpoint (--compare) the same way, side by side. The "
+    "SP degree is the machine's: by default one SP group over the ranks started (the "
+    "scores do not depend on it)." + OVERRIDES_HELP,
+    context_settings=OVERRIDES,
     epilog="Examples:\n\n"
     "  longctx eval examples/tiny_passkey.yaml --checkpoint outputs/tiny_passkey/final\n\n"
     "  longctx eval my.yaml --checkpoint out/final --compare base_model_dir",
 )
 @_user_errors
 def eval_(
+    ctx: typer.Context,
     config: ConfigArg,
     checkpoint: Annotated[
         Path,
@@ -312,6 +316,7 @@ def eval_(
             checkpoint=checkpoint,
             compare=compare,
             nproc_per_node=nproc_per_node,
+            overrides=list(ctx.args),
         )
     )
 
@@ -319,7 +324,9 @@ def eval_(
 @app.command(
     help="Greedy continuation of a prompt, computed sequence-parallel (exact for any number "
     "of ranks).\n\nThe continuation alone goes to stdout; the prompt's length and progress "
-    "to stderr.",
+    "to stderr. The SP degree is the machine's: by default one SP group over the ranks "
+    "started, whatever the run trained with." + OVERRIDES_HELP,
+    context_settings=OVERRIDES,
     epilog="Examples:\n\n"
     "  longctx generate my.yaml --checkpoint outputs/run/final --prompt-file prompt.txt\n\n"
     "  cat prompt.txt | longctx generate my.yaml --checkpoint outputs/run/merged "
@@ -327,6 +334,7 @@ def eval_(
 )
 @_user_errors
 def generate(
+    ctx: typer.Context,
     config: ConfigArg,
     checkpoint: Annotated[
         Path,
@@ -347,17 +355,20 @@ def generate(
     from longctx_cli.eval.generate import run_generate
 
     raise typer.Exit(run_generate(config, checkpoint, prompt_file, max_new_tokens,
-                                  nproc_per_node))
+                                  nproc_per_node, list(ctx.args)))
 
 
 @app.command(
     name="merge-lora",
-    help="Merge a LoRA/QLoRA adapter into its base: a plain Hugging Face model folder.",
+    help="Merge a LoRA/QLoRA adapter into its base: a plain Hugging Face model folder."
+    + OVERRIDES_HELP,
+    context_settings=OVERRIDES,
     epilog="Example:\n\n"
     "  longctx merge-lora my.yaml --checkpoint outputs/run/final --output outputs/run/merged",
 )
 @_user_errors
 def merge_lora(
+    ctx: typer.Context,
     config: ConfigArg,
     checkpoint: Annotated[
         Path,
@@ -373,14 +384,15 @@ def merge_lora(
     """Write base + adapter, in the config's dtype, with tokenizer and generation config."""
     from longctx_cli.eval.merge import run_merge
 
-    raise typer.Exit(run_merge(config, checkpoint, output))
+    raise typer.Exit(run_merge(config, checkpoint, output, list(ctx.args)))
 
 
 # Libraries transformers imports whatever the model log warnings at import that say nothing
 # about the run: torchao (which transformers imports where it is installed) failing to load
-# its kernels for other CPUs/GPUs, and torch deprecating how torchao registers its enums.
-# Silenced at their source, once per process (the CLI and every rank).
-QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+# its kernels for other CPUs/GPUs, torch deprecating how torchao registers its enums, and
+# bitsandbytes failing to fetch an optional CPU kernel from the hub (it falls back to its
+# own). Silenced at their source, once per process (the CLI and every rank).
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
 
 
 def main() -> None:

@@ -1,9 +1,16 @@
-"""Checks `validate` (and `train`, before any rank starts) can make without training.
+"""The one check path: `check_run` is what every entry point calls before it does anything.
 
-The schema and the plan check the config's shape; these look at the world around it: the
+`validate`, the launchers of `train`, `eval`, `generate` and `merge-lora`, and each rank
+however it was started (the CLI's own torchrun, a user's `torchrun`, `srun`) call
+`check_run`, so a config `validate` refuses is refused everywhere with the same paragraph.
+It builds the plan (`config/plan.py:plan_for`: the world, every rule against the model and
+the machine) and, for commands that read data, looks at the world around the config: the
 output folder can be written, local dataset files exist, can be read and are not empty, eval
 settings have eval data, and LoRA targets name modules the model has (read from a skeleton
 of the model on the meta device: no weights are loaded or downloaded).
+
+Forward-only commands (`eval`, `generate`, `merge-lora`) run the exported model: their SP
+degree is a choice of the machine, not of the training run (`forward_only_plan`).
 """
 
 from __future__ import annotations
@@ -17,9 +24,87 @@ from typing import TYPE_CHECKING, Any
 from longctx_cli.errors import UserError
 
 if TYPE_CHECKING:
+    from longctx_cli.config.plan import Plan
     from longctx_cli.config.schema import Config, DatasetConfig
 
 _TEXT_SUFFIXES = (".jsonl", ".json", ".txt")
+# Commands that only run the exported model forward: any SP degree gives the same result.
+FORWARD_ONLY = ("eval", "generate", "merge-lora")
+# Keys that set the SP degree on the command line (`--sequence-parallel-degree 4`).
+SP_DEGREE_KEYS = ("sequence_parallel_degree", "context_parallel_size")
+
+
+def check_run(
+    config: Config, command: str, nproc_per_node: int | None = None,
+    nnodes: int | None = None, *, overrides: list[str] | None = None, assume_gpu: bool = False,
+    world_checks: bool = True,
+) -> tuple[Config, Plan]:
+    """Every check of `command` on this world (flags, else torchrun's WORLD_SIZE, else the
+    config): the first problem raises a UserError. Returns the config the command runs (a
+    forward-only command's has the SP degree its ranks allow) and its plan.
+
+    `world_checks` False: the world around the config (data files, output_dir, LoRA
+    targets) is not looked at again; for ranks whose longctx launcher checked it."""
+    from longctx_cli.config.plan import plan_for
+
+    if command in FORWARD_ONLY:
+        config, plan = forward_only_plan(config, nproc_per_node, nnodes,
+                                         sp_given=sp_degree_given(overrides or []))
+    else:
+        plan = plan_for(config, nproc_per_node, nnodes, assume_gpu=assume_gpu)
+    if world_checks and command in ("validate", "train"):
+        preflight(config)
+    return config, plan
+
+
+def sp_degree_given(overrides: list[str]) -> bool:
+    """Whether the command line sets the SP degree (`--sequence-parallel-degree N`)."""
+    keys = (a.split("=", 1)[0].lstrip("-").replace("-", "_") for a in overrides
+            if a.startswith("--"))
+    return any(k in SP_DEGREE_KEYS for k in keys)
+
+
+def forward_only_plan(
+    config: Config, nproc_per_node: int | None, nnodes: int | None, sp_given: bool
+) -> tuple[Config, Plan]:
+    """The config and plan of a forward-only command on this world.
+
+    Evaluation and generation run the exported, unsharded model, so the training run's
+    tensor parallelism and data-parallel sharding do not apply, and the SP degree is the
+    machine's choice: the one given on the command line, else the largest that divides the
+    world and that the model allows (one SP group over every rank holds the longest rows;
+    the rest of the world, if any, forms data-parallel groups). Every degree computes the
+    same tokens and scores (exact SP)."""
+    from longctx_cli.config.plan import plan_for
+    from longctx_cli.config.world import resolve_world
+
+    config = config.model_copy(update={"tensor_parallel_size": 1, "fsdp": False,
+                                       "dp_shard_size": None, "dp_replicate_size": None})
+    if nproc_per_node is None and not os.environ.get("WORLD_SIZE"):
+        # Without flags or torchrun: as many ranks as the run trained with in one SP group.
+        nproc_per_node = config.world_size or config.sequence_parallel_degree
+    world, _ = resolve_world(config, nproc_per_node, nnodes)
+    if sp_given:
+        return config, plan_for(config, nproc_per_node, nnodes)
+    first_error: UserError | None = None
+    for sp in (d for d in range(world, 0, -1) if world % d == 0):
+        for candidate in _forward_layouts(config, sp):
+            try:
+                return candidate, plan_for(candidate, nproc_per_node, nnodes)
+            except UserError as e:
+                first_error = first_error or e
+    assert first_error is not None  # sp 1 on the configured mode failed: the model's fault
+    raise first_error
+
+
+def _forward_layouts(config: Config, sp: int) -> list[Config]:
+    """`config` at SP degree `sp`: its own mode first, then the plain default ring (a
+    hybrid's `ulysses_degree` or a Ulysses head split may not fit `sp`)."""
+    own = config.model_copy(update={"sequence_parallel_degree": sp})
+    if config.sequence_parallel_mode == "ring":
+        return [own]
+    return [own, own.model_copy(update={"sequence_parallel_mode": "ring",
+                                        "ulysses_degree": None})]
 
 
 def preflight(config: Config) -> None:

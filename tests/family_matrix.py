@@ -383,7 +383,7 @@ def longctx_training(family: Family, overrides: dict[str, Any]) -> dict[str, Any
     from longctx_cli.parallel.mesh import build_parallel_state
     from longctx_cli.parallel.sharding import shard_batch
     from longctx_cli.runtime.model import build_model, decoder_and_head
-    from longctx_cli.train.loop import check_fidelity
+    from longctx_cli.train.fidelity import check_fidelity
     from longctx_cli.train.optim import make_optimizer
     from longctx_cli.train.step import train_step
 

@@ -17,7 +17,7 @@ ALLOWED = {
     "__main__": {"cli"},
     "cli": LAYERS | LEAVES | {"hub", "integrity", "preflight"},
     "train": {"runtime", "parallel", "data", "config", "integrity", "preflight"} | LEAVES,
-    "eval": {"runtime", "parallel", "data", "config", "integrity"} | LEAVES,
+    "eval": {"runtime", "parallel", "data", "config", "integrity", "preflight"} | LEAVES,
     "runtime": {"parallel", "data", "config"} | LEAVES,
     "parallel": {"constants", "errors", "kernel_choice", "layout"},
     "data": {"config", "hub"} | LEAVES,

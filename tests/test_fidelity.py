@@ -25,8 +25,7 @@ from longctx_cli.config import Config
 from longctx_cli.errors import UserError
 from longctx_cli.runtime.head import LogitTransform
 from longctx_cli.runtime.model import decoder_and_head
-from longctx_cli.train.fidelity import TOLERANCE, run_probe, shrink_config
-from longctx_cli.train.loop import check_fidelity
+from longctx_cli.train.fidelity import TOLERANCE, check_fidelity, run_probe, shrink_config
 
 TINY = {
     "hidden_size": 32,

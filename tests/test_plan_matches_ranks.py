@@ -1,8 +1,10 @@
 """What `validate` prints is what the ranks run: the `Layout` in the plan built by
-`validate`'s code is the one every rank builds its process groups from."""
+`validate`'s code is the one every rank builds (through the same `check_run`, on the
+torchrun world) and builds its process groups from."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -36,11 +38,14 @@ def _rank_layouts(rank: int, world_size: int) -> dict[str, Any]:
     """Each case's layout as this rank builds it at start-up, and its SP group's ranks."""
     import torch.distributed as dist
 
-    from longctx_cli.runtime.distributed import init_parallel
+    from longctx_cli.parallel.mesh import build_parallel_state
+    from longctx_cli.preflight import check_run
 
+    os.environ["WORLD_SIZE"] = str(world_size)  # what torchrun sets for every rank
     out = {}
     for name, overrides in CASES.items():
-        state = init_parallel(_config(overrides), torch.device("cpu"))
+        _, plan = check_run(_config(overrides), "train", world_checks=False)  # as a rank does
+        state = build_parallel_state(plan.layout, torch.device("cpu"))
         sp_ranks = dist.get_process_group_ranks(state.sp_group) if state.sp_group else [rank]
         out[name] = (state.layout, state.sp_rank, sp_ranks)
     return out

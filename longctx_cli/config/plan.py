@@ -380,18 +380,16 @@ def _buffers_by_ring(
 
 
 def plan_for(
-    config: Config, nproc_per_node: int | None = None, nnodes: int | None = None
+    config: Config, nproc_per_node: int | None = None, nnodes: int | None = None, *,
+    assume_gpu: bool = False,
 ) -> Plan:
-    """What `longctx validate` does: resolve the world, read the model, build the plan."""
+    """The one plan of a run: resolve the world (flags, else torchrun's WORLD_SIZE, else the
+    config), read the model once, and apply every rule on this machine. `validate`, every
+    launcher and every rank build their plan here (through `preflight.check_run`).
+
+    `assume_gpu` (`validate` on a login node): a flash kernel is planned for a CUDA machine."""
     world, source = resolve_world(config, nproc_per_node, nnodes)
     check_without_model(config, world, source)  # fail fast, before transformers is imported
     shape = read_model_config(config)
     return build_plan(config, world, shape, nproc_per_node=nproc_per_node, world_source=source,
-                      assume_gpu=True)
-
-
-def plan_for_ranks(config: Config, world: int) -> Plan:
-    """The plan for `world` ranks of this machine (`eval`, `generate`): the rules `validate`
-    applies (SP degree vs world, heads, kernel), with `--nproc-per-node` as the world's source."""
-    return build_plan(config, world, read_model_config(config), nproc_per_node=world,
-                      world_source=f"--nproc-per-node {world}")
+                      assume_gpu=assume_gpu)

@@ -94,19 +94,25 @@ def check_heads(layout: Layout, shape: ModelShape) -> None:
         raise UserError(err.message, fix=err.fix) from None
 
 
+# The names transformers' families give the dropout on attention probabilities.
+ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob",
+                          "attn_dropout")
+
+
 def check_attention_dropout(shape: ModelShape) -> None:
     """SP attention computes no dropout on the attention probabilities: a model whose config
     asks for it is refused, never trained as another model."""
-    p = shape.config_value("attention_dropout")
-    if isinstance(p, (int, float)) and p > 0:
-        raise UserError(
-            f"the model's attention_dropout = {p:g}: longctx's sequence-parallel attention "
-            "applies no dropout to the attention probabilities, so it would train a different "
-            "model than the one you load.",
-            where="overrides_of_model_config",
-            fix="add `overrides_of_model_config: {attention_dropout: 0.0}` to train without "
-            "attention dropout (as long-context fine-tunes usually do).",
-        )
+    for key in ATTENTION_DROPOUT_KEYS:
+        p = shape.config_value(key)
+        if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
+            raise UserError(
+                f"the model's {key} = {p:g}: longctx's sequence-parallel attention applies no "
+                "dropout to the attention probabilities, so it would train a different model "
+                "than the one you load.",
+                where="overrides_of_model_config",
+                fix=f"add `overrides_of_model_config: {{{key}: 0.0}}` to train without "
+                "attention dropout (as long-context fine-tunes usually do).",
+            )
 
 
 def check_router_aux_loss(shape: ModelShape) -> None:

@@ -124,8 +124,11 @@ def _from_pretrained(source: str, config: Config) -> nn.Module:
 def _load_lora(path: Path, config: Config) -> nn.Module:
     from peft import PeftModel
 
+    from longctx_cli.runtime.model import peft_quietly
+
     base = _from_pretrained(lora_base_path(path), config)
-    return PeftModel.from_pretrained(base, str(path)).merge_and_unload()
+    with peft_quietly():
+        return PeftModel.from_pretrained(base, str(path)).merge_and_unload()
 
 
 def _load_dcp(path: Path, config: Config) -> nn.Module:

@@ -18,9 +18,13 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from longctx_cli.config import Config, load_config
 from longctx_cli.errors import UserError
+
+if TYPE_CHECKING:
+    from longctx_cli.config.plan import Plan
 
 
 def prompt_ids(tokenizer, text: str) -> list[int]:
@@ -31,26 +35,33 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
 
 
 def run_generate(config_path: Path, checkpoint: Path, prompt_file: Path | None,
-                 max_new_tokens: int, nproc_per_node: int | None) -> int:
-    """Entry of `longctx generate`; the process exit code."""
+                 max_new_tokens: int, nproc_per_node: int | None,
+                 overrides: list[str] | None = None) -> int:
+    """Entry of `longctx generate`; the process exit code. `overrides`: `--key value` config
+    overrides, passed on to every rank."""
+    from longctx_cli.preflight import check_run
     from longctx_cli.runtime.launch import in_torchrun, launch_torchrun, rank_errors
 
-    config = load_config(config_path).model_copy(update={"tensor_parallel_size": 1})
+    overrides = list(overrides or [])
+    config = load_config(config_path, overrides)
     if in_torchrun():
-        assert prompt_file is not None
+        if prompt_file is None:
+            raise UserError("ranks read the prompt from a file.", where="--prompt-file",
+                            fix="pass --prompt-file (or run `longctx generate` itself).")
+        with rank_errors(alike_on_every_rank=True):
+            config, plan = check_run(config, "generate", overrides=overrides)
         with rank_errors():
-            generate_on_ranks(config, checkpoint, prompt_file.read_text(encoding="utf-8"),
+            generate_on_ranks(config, plan, checkpoint, prompt_file.read_text(encoding="utf-8"),
                               max_new_tokens)
         return 0
-    from longctx_cli.config.plan import plan_for_ranks
     from longctx_cli.data.tokenizer import load_tokenizer
     from longctx_cli.eval.checkpoint_loading import check_intact, checkpoint_kind
 
     checkpoint_kind(checkpoint)
     check_intact(checkpoint)
     text = _read_prompt(prompt_file)
-    world = nproc_per_node or config.sequence_parallel_degree
-    plan_for_ranks(config, world)
+    # Forward only: the SP degree is the machine's (one SP group over the ranks by default).
+    config, plan = check_run(config, "generate", nproc_per_node, overrides=overrides)
     n = len(prompt_ids(load_tokenizer(config), text))
     limit = config.sequence_len
     if n + max_new_tokens > limit:
@@ -59,16 +70,17 @@ def run_generate(config_path: Path, checkpoint: Path, prompt_file: Path | None,
             f"would be {n + max_new_tokens:,}, beyond `sequence_len` = {limit:,} (what the "
             "plan budgets memory for).",
             where="--prompt-file",
-            fix="shorten the prompt, lower --max-new-tokens, or raise `sequence_len` (and "
-            "`sequence_parallel_degree` for memory).",
+            fix="shorten the prompt, lower --max-new-tokens, or raise `sequence_len` (e.g. "
+            f"`--sequence-len {n + max_new_tokens}` after the config; more ranks for memory).",
         )
-    print(f"prompt: {n:,} tokens; generating up to {max_new_tokens} on {world} rank(s)",
-          file=sys.stderr, flush=True)
+    world = plan.world_size
+    print(f"prompt: {n:,} tokens; generating up to {max_new_tokens} on {world} rank(s), "
+          f"sp {plan.sp}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="longctx-prompt-") as tmp:
         path = Path(tmp) / "prompt.txt"
         path.write_text(text, encoding="utf-8")
         args = ["generate", str(config_path), "--checkpoint", str(checkpoint), "--prompt-file",
-                str(path), "--max-new-tokens", str(max_new_tokens)]
+                str(path), "--max-new-tokens", str(max_new_tokens), *overrides]
         return launch_torchrun(args, world, world)
 
 
@@ -91,18 +103,20 @@ def _read_prompt(prompt_file: Path | None) -> str:
     return text
 
 
-def generate_on_ranks(config: Config, checkpoint: Path, text: str, max_new_tokens: int) -> None:
+def generate_on_ranks(config: Config, plan: Plan, checkpoint: Path, text: str,
+                      max_new_tokens: int) -> None:
     """Inside torchrun, every rank: greedy decoding, one SP forward per token."""
     import torch.distributed as dist
 
     from longctx_cli.data.tokenizer import load_tokenizer
     from longctx_cli.data.tokenizer import pad_id as tokenizer_pad_id
     from longctx_cli.eval.checkpoint_loading import load_for_eval
-    from longctx_cli.runtime.distributed import init_distributed, init_parallel
+    from longctx_cli.parallel.mesh import build_parallel_state
+    from longctx_cli.runtime.distributed import init_distributed
     from longctx_cli.runtime.model import decoder_and_head
 
     device = init_distributed(config)
-    state = init_parallel(config, device)
+    state = build_parallel_state(plan.layout, device)
     tokenizer = load_tokenizer(config)
     model = load_for_eval(config, checkpoint).to(device)
     decoder, lm_head = decoder_and_head(model)

@@ -38,7 +38,7 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
     from transformers import AutoModelForCausalLM
 
     from longctx_cli.data.tokenizer import load_tokenizer
-    from longctx_cli.runtime.model import DTYPES, bnb_quantization, load_device_map
+    from longctx_cli.runtime.model import DTYPES, bnb_quantization, load_device_map, peft_quietly
 
     output = output or default_output(config)
     kind = checkpoint_kind(checkpoint)
@@ -78,7 +78,8 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
         base = base.dequantize().to(dtype)
         say(f"dequantised the {'4' if config.load_in_4bit else '8'}-bit base to {config.dtype} "
             "(what the adapter was trained against) before merging")
-    merged = PeftModel.from_pretrained(base, str(checkpoint)).merge_and_unload()
+    with peft_quietly():
+        merged = PeftModel.from_pretrained(base, str(checkpoint)).merge_and_unload()
     merged.config.use_cache = True
     tmp = output.with_name(output.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -91,10 +92,16 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
     return output
 
 
-def run_merge(config_path: Path, checkpoint: Path, output: Path | None) -> int:
+def run_merge(config_path: Path, checkpoint: Path, output: Path | None,
+              overrides: list[str] | None = None) -> int:
+    """Entry of `longctx merge-lora` (one process): the checks every entry point runs, then
+    the merge."""
     from longctx_cli.config import load_config
+    from longctx_cli.preflight import check_run
 
-    config = load_config(config_path)
+    overrides = list(overrides or [])
+    config, _ = check_run(load_config(config_path, overrides), "merge-lora", 1,
+                          overrides=overrides)
     merge_lora(config, checkpoint, output, say=lambda line: print(line, file=sys.stderr))
     return 0
 

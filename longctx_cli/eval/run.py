@@ -11,6 +11,7 @@ tables and writes `<output_dir>/eval/`.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,23 +24,22 @@ if TYPE_CHECKING:
     from datasets import Dataset
     from transformers import PreTrainedTokenizerBase
 
+    from longctx_cli.config.plan import Plan
     from longctx_cli.eval.passkey_grid import GridSpec
     from longctx_cli.eval.report import ModelResult
     from longctx_cli.eval.ruler_eval import RulerSpec
     from longctx_cli.parallel.mesh import ParallelState
 
 
-def _no_held_out() -> UserError:
-    return UserError(
-        "per-position loss needs held-out rows, and this config has none.",
-        where="val_set_size",
-        fix="set `val_set_size` (e.g. 0.05) or add `eval_datasets`.",
-    )
+# Said when `position_loss` is skipped: the config holds no held-out rows.
+NO_HELD_OUT = ("position_loss skipped: it needs held-out rows and this config has none "
+               "(set `val_set_size`, e.g. 0.05, or add `eval_datasets`).")
 
 
-def _launch_args(config_path: Path, checkpoint: Path, compare: Path | None) -> list[str]:
+def _launch_args(config_path: Path, checkpoint: Path, compare: Path | None,
+                 overrides: list[str]) -> list[str]:
     args = ["eval", str(config_path), "--checkpoint", str(checkpoint)]
-    return args + (["--compare", str(compare)] if compare is not None else [])
+    return args + (["--compare", str(compare)] if compare is not None else []) + overrides
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,11 @@ class EvalSpecs:
     ruler: RulerSpec | None
 
 
-def eval_specs(config: Config, tokenizer: PreTrainedTokenizerBase) -> EvalSpecs:
+def eval_specs(config: Config, tokenizer: PreTrainedTokenizerBase,
+               held_out: bool = True) -> EvalSpecs:
     """The evaluations of `eval_tasks`, each checked against the config and tokenizer (an
-    impossible grid or task length fails here, before any rank starts)."""
+    impossible grid or task length fails here, before any rank starts). Without `held_out`
+    rows `position_loss` is left out (the caller says so), unless it was all there was."""
     from longctx_cli.config.model_shape import read_model_config
     from longctx_cli.eval.passkey_grid import default_lengths, grid_spec
     from longctx_cli.eval.ruler_eval import expand_tasks, ruler_spec
@@ -68,7 +70,20 @@ def eval_specs(config: Config, tokenizer: PreTrainedTokenizerBase) -> EvalSpecs:
         ruler = ruler_spec(config, tokenizer, ruler_tasks, default_lengths(config.sequence_len),
                            shape.max_position_embeddings)
     grid = grid_spec(config, tokenizer) if "passkey" in others else None
-    return EvalSpecs(grid, "position_loss" in others, ruler)
+    positions = "position_loss" in others
+    if positions and not held_out:
+        if grid is None and ruler is None:
+            raise UserError(NO_HELD_OUT.replace(" skipped:", " is all `eval_tasks` asks for, "
+                                                "and"), where="eval_tasks",
+                            fix="hold out rows as above, or add `passkey` or `ruler` to "
+                            "`eval_tasks`.")
+        positions = False
+    return EvalSpecs(grid, positions, ruler)
+
+
+def has_held_out(config: Config) -> bool:
+    """Whether the config names held-out rows (the cache says whether it holds any)."""
+    return bool(config.val_set_size or config.eval_datasets)
 
 
 def run_eval(
@@ -76,40 +91,41 @@ def run_eval(
     checkpoint: Path,
     compare: Path | None,
     nproc_per_node: int | None,
+    overrides: list[str] | None = None,
 ) -> int:
-    """Entry of `longctx eval`; returns the process exit code."""
+    """Entry of `longctx eval`; returns the process exit code. `overrides`: `--key value`
+    config overrides, passed on to every rank."""
+    from longctx_cli.preflight import check_run
     from longctx_cli.runtime.launch import in_torchrun, launch_torchrun, rank_errors
 
-    # Evaluation runs the exported, unsharded model with SP only: a training run's
-    # tensor_parallel_size does not apply (its ranks would otherwise slice the loss for TP).
-    config = load_config(config_path).model_copy(update={"tensor_parallel_size": 1})
+    overrides = list(overrides or [])
+    config = load_config(config_path, overrides)
     if in_torchrun():
+        with rank_errors(alike_on_every_rank=True):
+            config, plan = check_run(config, "eval", overrides=overrides)
         with rank_errors():
-            evaluate(config, checkpoint, compare)
+            evaluate(config, plan, checkpoint, compare)
         return 0
 
     for path in (checkpoint, compare):
         if path is not None:
             checkpoint_kind(path)
             check_intact(path)  # a damaged folder fails here, once, before any rank starts
-    # Forward only: SP so long rows fit; by default one SP group, more ranks add DP groups.
-    world = nproc_per_node or config.sequence_parallel_degree
-    from longctx_cli.config.plan import plan_for_ranks
+    # Forward only: the SP degree is the machine's (one SP group over the ranks by default).
+    config, plan = check_run(config, "eval", nproc_per_node, overrides=overrides)
     from longctx_cli.data.prepare import prepare
     from longctx_cli.data.tokenizer import load_tokenizer
 
-    plan_for_ranks(config, world)
     tokenizer = load_tokenizer(config)
-    specs = eval_specs(config, tokenizer)
-    if specs.positions:
-        if not config.val_set_size and not config.eval_datasets:
-            raise _no_held_out()
-        if prepare(config, tokenizer).eval is None:
-            raise _no_held_out()
-    return launch_torchrun(_launch_args(config_path, checkpoint, compare), world, world)
+    held_out = has_held_out(config) and prepare(config, tokenizer).eval is not None
+    specs = eval_specs(config, tokenizer, held_out)
+    if "position_loss" in config.eval_tasks and not specs.positions:
+        print(NO_HELD_OUT, file=sys.stderr, flush=True)
+    return launch_torchrun(_launch_args(config_path, checkpoint, compare, overrides),
+                           plan.world_size, plan.world_size)
 
 
-def evaluate(config: Config, checkpoint: Path, compare: Path | None) -> None:
+def evaluate(config: Config, plan: Plan, checkpoint: Path, compare: Path | None) -> None:
     """Inside torchrun, on every rank: evaluate the checkpoint(s) and write the results."""
     import torch.distributed as dist
     from rich.console import Console
@@ -117,23 +133,16 @@ def evaluate(config: Config, checkpoint: Path, compare: Path | None) -> None:
     from longctx_cli.data.tokenizer import load_tokenizer
     from longctx_cli.data.tokenizer import pad_id as tokenizer_pad_id
     from longctx_cli.eval import report
-    from longctx_cli.runtime.distributed import (
-        init_distributed,
-        init_parallel,
-        load_rows,
-    )
+    from longctx_cli.parallel.mesh import build_parallel_state
+    from longctx_cli.runtime.distributed import init_distributed, load_rows
 
     device = init_distributed(config)
-    state = init_parallel(config, device)
+    state = build_parallel_state(plan.layout, device)
     rank = dist.get_rank()
     tokenizer = load_tokenizer(config)
     pad_id = tokenizer_pad_id(tokenizer)
-    specs = eval_specs(config, tokenizer)
-    rows = None
-    if specs.positions:
-        _, rows = load_rows(config, tokenizer)
-        if rows is None:
-            raise _no_held_out()
+    rows = load_rows(config, tokenizer)[1] if has_held_out(config) else None
+    specs = eval_specs(config, tokenizer, rows is not None)
     paths = [checkpoint] + ([compare] if compare is not None else [])
     results = [
         evaluate_model(config, path, label, specs, tokenizer, rows, state, pad_id, rank == 0)

@@ -234,8 +234,6 @@ def longctx_attention_forward(
         )
     if query.shape[0] != 1:
         raise ValueError("SP attention takes one packed row per call (batch size 1)")
-    if dropout:
-        raise ValueError("attention dropout is not supported with SP attention; set it to 0")
     if attention_mask is not None:
         raise ValueError("SP attention builds document masks itself; attention_mask must be None")
     feats, sinks = attention_features(module, scaling, kwargs)

@@ -9,15 +9,31 @@ import torch
 import torch.distributed as dist
 
 from longctx_cli.config import Config
-from longctx_cli.config.model_shape import read_model_config
-from longctx_cli.config.rules import layout_for
-from longctx_cli.config.world import Platform
 from longctx_cli.data.prepare import prepare
-from longctx_cli.parallel.mesh import ParallelState, build_parallel_state
+
+# transformers' own bars while a model is read or written: every rank would draw them for
+# the same weights, in the middle of the run's log (whose summary names what was saved).
+TRANSFORMERS_BARS = ("Loading weights", "Writing model shards")
+
+
+def quiet_transformers_bars() -> None:
+    """Draw none of `TRANSFORMERS_BARS` in this process (other bars, e.g. a download's, stay)."""
+    from transformers.utils import logging as hf_logging
+
+    def hook(factory, args, kwargs):
+        if kwargs.get("desc") in TRANSFORMERS_BARS:
+            kwargs = {**kwargs, "disable": True}
+        return factory(*args, **kwargs)
+
+    if hasattr(hf_logging, "set_tqdm_hook"):
+        hf_logging.set_tqdm_hook(hook)
+    else:  # older transformers: no hook, so no bars of transformers at all on the ranks
+        hf_logging.disable_progress_bar()
 
 
 def init_distributed(config: Config) -> torch.device:
     """Join the torchrun job; bounded collective timeouts turn a dead peer into an error."""
+    quiet_transformers_bars()
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -28,14 +44,6 @@ def init_distributed(config: Config) -> torch.device:
             timeout=timedelta(seconds=config.collective_timeout_s),
         )
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-
-
-def init_parallel(config: Config, device: torch.device) -> ParallelState:
-    """This rank's place in the run: the plan's :class:`Layout` for the torchrun world (the
-    one `validate` prints), and the process groups built from it. A collective."""
-    layout = layout_for(config, dist.get_world_size(), Platform.detect(), "the torchrun world",
-                        read_model_config(config))
-    return build_parallel_state(layout, device)
 
 
 def load_rows(config: Config, tokenizer):

@@ -30,8 +30,20 @@ FAILURE_FILE_ENV = "LONGCTX_FAILURE_FILE"
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS})
 
 
+# How long a rank other than 0 waits before it exits on an error every rank raised alike
+# (a refused config under a user's torchrun or srun): torchrun stops the other ranks as soon
+# as one exits, and rank 0 must have printed the paragraph by then.
+AGREED_ERROR_WAIT_S = 3.0
+
+
 def in_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launched_by_longctx() -> bool:
+    """This rank was started by longctx's own launcher, which checked the world around the
+    config (data files, output_dir) before it started any rank."""
+    return os.environ.get(LAUNCHED_ENV) == "1"
 
 
 def torchrun_args(
@@ -135,12 +147,15 @@ def rank_threads(user_value: str | None, per_node: int, cpus: int) -> tuple[str,
 
 
 @contextlib.contextmanager
-def rank_errors() -> Iterator[None]:
+def rank_errors(alike_on_every_rank: bool = False) -> Iterator[None]:
     """Inside a rank: a UserError (or a full / read-only disk) ends this rank with status 2.
 
     Under our launcher the message goes to torchrun's per-rank error file
     (TORCHELASTIC_ERROR_FILE) and is not printed: the launcher prints the first one once,
-    with its rank, instead of once per rank. Under a user's own torchrun it is raised as usual.
+    with its rank, instead of once per rank. Under a user's own torchrun or srun it is raised
+    as usual (the CLI prints it as one paragraph), except that an error every rank raises
+    alike (`alike_on_every_rank`: the checks of `preflight.check_run`) is printed by rank 0
+    alone; the other ranks exit 2 without a word.
     """
     try:
         yield
@@ -157,6 +172,9 @@ def rank_errors() -> Iterator[None]:
         raise error from None
     except UserError as e:
         _hand_over(e)
+        if alike_on_every_rank and int(os.environ.get("RANK", "0")) != 0:
+            time.sleep(AGREED_ERROR_WAIT_S)
+            sys.exit(UserError.exit_code)
         raise
 
 

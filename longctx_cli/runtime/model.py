@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from longctx_cli.config import Config
-from longctx_cli.config.model_shape import apply_model_overrides
+from longctx_cli.config.model_shape import read_model_config
 from longctx_cli.config.schema import unfrozen_pattern
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
@@ -27,14 +29,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def model_config_of(config: Config) -> PretrainedConfig:
-    """The Hugging Face config of the model a run trains."""
-    if config.model_config_dict is not None:
-        fields = {**config.model_config_dict, **(config.overrides_of_model_config or {})}
-        return AutoConfig.for_model(fields.pop("model_type"), **fields)
-    return apply_model_overrides(AutoConfig.from_pretrained(
-        config.base_model_config or config.base_model,
-        trust_remote_code=config.trust_remote_code,
-    ), config.overrides_of_model_config)
+    """The Hugging Face config of the model a run trains, `overrides_of_model_config`
+    applied: the plan's (`read_model_config`), read anew. Ranks take it from their plan."""
+    return read_model_config(config).transformers_config()
 
 
 def is_mxfp4(hf_config: PretrainedConfig) -> bool:
@@ -75,11 +72,14 @@ def load_device_map() -> dict[str, object]:
 
 
 def load_base_model(
-    config: Config, attn_implementation: str, quantize: bool = True
+    config: Config, attn_implementation: str, quantize: bool = True,
+    hf_config: PretrainedConfig | None = None,
 ) -> PreTrainedModel:
     """Load `base_model`, or build `model_config` with weights drawn from `config.seed`;
-    quantized by bitsandbytes when `load_in_4bit`/`load_in_8bit` (and `quantize`) say so."""
+    quantized by bitsandbytes when `load_in_4bit`/`load_in_8bit` (and `quantize`) say so.
+    `hf_config`: the model's config as the plan read it (else read here)."""
     dtype = DTYPES[config.dtype]
+    hf_config = hf_config if hf_config is not None else model_config_of(config)
     quantization = bnb_quantization(config, dtype) if quantize else None
     if config.trust_remote_code:
         warnings.warn(
@@ -93,7 +93,7 @@ def load_base_model(
 
         with tempfile.TemporaryDirectory(prefix="longctx-base-") as tmp:
             # Every rank writes its own copy: save_pretrained would write on rank 0 only.
-            full = load_base_model(config, attn_implementation, quantize=False)
+            full = load_base_model(config, attn_implementation, False, hf_config)
             full.config.save_pretrained(tmp)
             save_model(full, f"{tmp}/model.safetensors", metadata={"format": "pt"})
             del full
@@ -105,12 +105,11 @@ def load_base_model(
         # Same seed on every rank -> identical initial weights without a broadcast.
         torch.manual_seed(config.seed)
         model = AutoModelForCausalLM.from_config(
-            model_config_of(config), attn_implementation=attn_implementation, dtype=dtype,
+            hf_config, attn_implementation=attn_implementation, dtype=dtype,
             trust_remote_code=config.trust_remote_code,
         )
     else:
         # The overridden config replaces the checkpoint's own (same weights).
-        hf_config = model_config_of(config)
         overridden = {"config": hf_config} if config.overrides_of_model_config else {}
         if quantization is not None:
             overridden.update(quantization_config=quantization, device_map=load_device_map())
@@ -137,13 +136,25 @@ def load_base_model(
     return model
 
 
+@contextlib.contextmanager
+def peft_quietly() -> Iterator[None]:
+    """Wrap a model with peft without its FutureWarning on every rank: peft reads
+    `model.is_gradient_checkpointing`, which transformers 5.24 deprecated (the model's
+    checkpointing is longctx's, set before)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        yield
+
+
 def apply_lora(model: PreTrainedModel, config: Config) -> nn.Module:
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if config.lora_model_dir:
         # Continue a saved adapter (Axolotl's lora_model_dir): its own LoRA settings apply.
         try:
-            return PeftModel.from_pretrained(model, config.lora_model_dir, is_trainable=True)
+            with peft_quietly():
+                return PeftModel.from_pretrained(model, config.lora_model_dir, is_trainable=True)
         except (OSError, ValueError) as e:
             raise UserError(
                 f"the adapter in `lora_model_dir` = {config.lora_model_dir!r} could not be "
@@ -163,7 +174,8 @@ def apply_lora(model: PreTrainedModel, config: Config) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, lora)
+        with peft_quietly():
+            return get_peft_model(model, lora)
     except ValueError as e:
         raise UserError(
             f"LoRA could not be applied: {e}",
@@ -277,20 +289,21 @@ def freeze_all_but(model: nn.Module, patterns: list[str]) -> None:
         )
 
 
-def build_model(config: Config, state: ParallelState | None = None) -> nn.Module:
-    """The model a run trains, with SP attention registered and every option applied.
+def build_model(config: Config, state: ParallelState | None = None,
+                hf_config: PretrainedConfig | None = None) -> nn.Module:
+    """The model a run trains, with SP attention registered and every option applied
+    (`hf_config`: the model's config as the plan read it, else read here).
 
     With `state`'s TP group the model is sharded with TP-sp before FSDP2, which then shards
     over `state.fsdp_mesh` (the ranks holding the same TP shard, or the world).
     """
     state = state or ParallelState()
     register_sp_attention()
-    model = load_base_model(config, ATTN_IMPLEMENTATION)
+    model = load_base_model(config, ATTN_IMPLEMENTATION, hf_config=hf_config)
     attach_token_mixing(model)  # hybrid models: scans and convolutions per document, exactly
     if config.gradient_checkpointing:
-        kwargs = {"use_reentrant": False, **(config.gradient_checkpointing_kwargs or {})}
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        model.config.use_cache = False
+        enable_checkpointing(model, {"use_reentrant": False,
+                                     **(config.gradient_checkpointing_kwargs or {})})
     if config.adapter is not None:
         model = apply_lora(model, config)
     if config.unfrozen_parameters is not None:
@@ -313,6 +326,16 @@ def build_model(config: Config, state: ParallelState | None = None) -> nn.Module
         apply_fsdp(model, state.fsdp_mesh, config)
     model.train()
     return model
+
+
+def enable_checkpointing(model: PreTrainedModel, kwargs: dict[str, Any]) -> None:
+    """Recompute each layer in backward: transformers' activation checkpointing (named
+    `gradient_checkpointing_enable` before 5.24, which now warns on every call)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.config.use_cache = False
 
 
 def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:

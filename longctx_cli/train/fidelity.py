@@ -623,3 +623,15 @@ def _compare(model_type: str, tiny: Any, trust_remote_code: bool, started: float
         seconds=time.perf_counter() - started,
         own_noise=noise,
     )
+
+
+def check_fidelity(config: Any, hf_config: Any = None) -> str:
+    """Run the probe on the run's model config (`hf_config`, else read from `config`);
+    UserError on a difference. Returns the line the start-up log prints."""
+    if not config.fidelity_probe:
+        return "skipped (`fidelity_probe: false`): exactness against the model is not checked"
+    if hf_config is None:
+        from longctx_cli.config.model_shape import read_model_config
+
+        hf_config = read_model_config(config).transformers_config()
+    return run_probe(hf_config, config.trust_remote_code).summary()

@@ -16,16 +16,16 @@ import torch
 import torch.distributed as dist
 
 from longctx_cli.config import Config
+from longctx_cli.config.plan import Plan
 from longctx_cli.data.stream import PackedStream
 from longctx_cli.data.tokenizer import load_tokenizer
 from longctx_cli.data.tokenizer import pad_id as tokenizer_pad_id
-from longctx_cli.parallel.mesh import ParallelState
+from longctx_cli.parallel.mesh import ParallelState, build_parallel_state
 from longctx_cli.runtime.batches import micro_batches
-from longctx_cli.runtime.distributed import init_distributed, init_parallel, load_rows
-from longctx_cli.runtime.model import build_model, decoder_and_head, model_config_of
+from longctx_cli.runtime.distributed import init_distributed, load_rows
+from longctx_cli.runtime.model import build_model, decoder_and_head
 from longctx_cli.train.checkpointing import Checkpointer
 from longctx_cli.train.evaluation import Evaluator
-from longctx_cli.train.fidelity import run_probe
 from longctx_cli.train.metrics import Metrics
 from longctx_cli.train.optim import is_plateau, make_optimizer, make_scheduler
 from longctx_cli.train.precision import Precision, setup_precision
@@ -36,18 +36,11 @@ from longctx_cli.train.stopping import EARLY_STOPPING, LOSS_WATCHDOG, Stopper, n
 from longctx_cli.train.summary import gather_peak_memory, summary_lines
 
 
-def check_fidelity(config: Config) -> str:
-    """Run the fidelity probe on the run's model config (UserError on a difference);
-    returns the line the start-up log prints."""
-    if not config.fidelity_probe:
-        return "skipped (`fidelity_probe: false`): exactness against the model is not checked"
-    return run_probe(model_config_of(config), config.trust_remote_code).summary()
-
-
-def setup_model(config: Config, state: ParallelState) -> tuple[torch.nn.Module, Precision, bool]:
+def setup_model(config: Config, plan: Plan, state: ParallelState
+                ) -> tuple[torch.nn.Module, Precision, bool]:
     """The model on its device, its precision, and whether FSDP2 syncs its gradients (its
     own reduce-scatter) instead of the step's `sum_gradients`."""
-    model = build_model(config, state)
+    model = build_model(config, state, plan.model.transformers_config())
     if not (config.load_in_4bit or config.load_in_8bit):  # bitsandbytes placed those already
         model.to(state.device)
     use_fsdp = config.fsdp and dist.get_world_size() > 1 and state.fsdp_mesh is not None
@@ -56,26 +49,34 @@ def setup_model(config: Config, state: ParallelState) -> tuple[torch.nn.Module, 
     return model, precision, use_fsdp
 
 
-def train(config: Config) -> None:
+def close_run(metrics: Metrics, progress: Progress) -> None:
+    """End the bar, the metric files and the heartbeat, then leave the process group
+    together (a rank leaving while another still talks to it aborts the job at exit)."""
+    metrics.close()
+    progress.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train(config: Config, plan: Plan, probe: str) -> None:
+    """The run on this rank: `plan` is the one `validate` prints, built and checked on this
+    rank (`preflight.check_run`); `probe` the fidelity probe's verdict."""
     # ---- setup ------------------------------------------------------------------------
     device = init_distributed(config)
-    state = init_parallel(config, device)
+    state = build_parallel_state(plan.layout, device)
     is_main = dist.get_rank() == 0
     torch.manual_seed(config.seed)
     random.seed(config.seed)
-    # Before any data or weights: refuse a family longctx would not train exactly. Every
-    # rank runs the (cheap, deterministic) probe, so all of them stop together on a refusal.
-    probe = check_fidelity(config)
     if is_main:  # what the ranks run: the same Layout `validate` printed
-        print(f"layout: {state.layout.describe()} ({state.layout.kernel_reason})", flush=True)
-        print(f"fidelity probe: {probe}", flush=True)
+        print(f"layout: {plan.layout.describe()} ({plan.layout.kernel_reason})\n"
+              f"fidelity probe: {probe}", flush=True)
     tokenizer = load_tokenizer(config)
     pad_id = tokenizer_pad_id(tokenizer)
     # pretraining_dataset: rows come from a stream packed on the fly, not from the cache.
     stream = PackedStream(config, tokenizer) if config.pretraining_dataset else None
     train_rows, eval_rows = (None, None) if stream else load_rows(config, tokenizer)
 
-    model, precision, use_fsdp = setup_model(config, state)
+    model, precision, use_fsdp = setup_model(config, plan, state)
     decoder, lm_head = decoder_and_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(config, params)
@@ -115,10 +116,7 @@ def train(config: Config) -> None:
         signal_name = preemption.agreed(device) if step + 1 < data.num_steps else None
         if signal_name is not None:  # every rank saw it at this step: save, then exit 75
             saved = checkpointer.preempt(step, metrics, signal_name)
-            metrics.close()
-            progress.close()
-            dist.barrier()
-            dist.destroy_process_group()
+            close_run(metrics, progress)
             raise Preempted(step + 1, saved, signal_name)
         if stop == LOSS_WATCHDOG:
             metrics.close()

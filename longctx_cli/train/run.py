@@ -1,5 +1,7 @@
-"""`longctx train` on the launcher: validate, preflight, build the data cache, then start the
-ranks through the shared torchrun launch; inside a rank, run the loop."""
+"""`longctx train` on the launcher: the checks of `validate` (`preflight.check_run`), the
+output folder, the data cache, then the ranks through the shared torchrun launch. Inside a
+rank, however it was started: the same checks (the plan, and where no longctx launcher ran
+them, the world around the config), then the loop."""
 
 from __future__ import annotations
 
@@ -8,11 +10,9 @@ import shutil
 from pathlib import Path
 
 from longctx_cli.config import Config, load_config
-from longctx_cli.config.model_shape import read_model_config
-from longctx_cli.config.plan import build_plan
-from longctx_cli.config.world import resolve_world_size
 from longctx_cli.errors import UserError
-from longctx_cli.runtime.launch import in_torchrun, rank_errors
+from longctx_cli.preflight import check_run
+from longctx_cli.runtime.launch import in_torchrun, launched_by_longctx, rank_errors
 from longctx_cli.runtime.supervise import Supervision, resume_setting, supervise
 
 # Things a finished or running job leaves in output_dir; their presence means "another run".
@@ -59,23 +59,9 @@ def run_train(
     overrides = list(overrides or [])
     config = load_config(config_path, overrides)
     if in_torchrun():
-        from longctx_cli.train.loop import train
-        from longctx_cli.train.preemption import Preempted
+        return _train_on_rank(config, overwrite, overrides)
 
-        try:
-            with rank_errors():
-                train(config)
-        except Preempted as done:
-            if int(os.environ.get("RANK", "0")) == 0:
-                print(done, flush=True)
-            return done.exit_code
-        return 0
-
-    world_size = resolve_world_size(config, nproc_per_node, nnodes)
-    build_plan(config, world_size, read_model_config(config))
-    from longctx_cli.preflight import preflight
-
-    preflight(config)
+    _, plan = check_run(config, "train", nproc_per_node, nnodes, overrides=overrides)
     check_output_dir(config, overwrite)
     if node_rank == 0 and not config.pretraining_dataset:  # streamed data has no cache
         # Build (or reuse) the data cache once here, with progress bars, before any rank starts.
@@ -83,6 +69,33 @@ def run_train(
 
         prepare(config)
     return supervise(
-        ["train", str(config_path), *overrides], world_size, nproc_per_node, nnodes or 1,
+        ["train", str(config_path), *overrides], plan.world_size, nproc_per_node, nnodes or 1,
         node_rank, rdzv_endpoint, Supervision.of(config),
     )
+
+
+def _train_on_rank(config: Config, overwrite: bool, overrides: list[str]) -> int:
+    """One rank: the plan for the torchrun world (every rule `validate` applies), then the
+    loop. Ranks a user's own torchrun or srun started also check what longctx's launcher
+    would have checked first: the world around the config and the output folder."""
+    from longctx_cli.train.fidelity import check_fidelity
+    from longctx_cli.train.loop import train
+    from longctx_cli.train.preemption import Preempted
+
+    rank = int(os.environ.get("RANK", "0"))
+    own_launcher = launched_by_longctx()
+    try:
+        with rank_errors(alike_on_every_rank=True):
+            _, plan = check_run(config, "train", overrides=overrides,
+                                world_checks=not own_launcher)
+            if not own_launcher and (rank == 0 or not overwrite):  # rank 0 alone deletes
+                check_output_dir(config, overwrite)
+            # Before any data or weights: refuse a family longctx would not train exactly.
+            probe = check_fidelity(config, plan.model.transformers_config())
+        with rank_errors():
+            train(config, plan, probe)
+    except Preempted as done:
+        if rank == 0:
+            print(done, flush=True)
+        return done.exit_code
+    return 0
