@@ -83,7 +83,7 @@ def _sp_step(ctx: Any, tokens: int, heads: int, dim: int) -> Callable[[], None]:
 
     from longctx_cli.parallel import make_sp_meta, sp_attention
 
-    local = tokens // ctx.sp_size
+    local = tokens // ctx.layout.sp
     g = torch.Generator().manual_seed(ctx.sp_rank)
     q, k, v, dout = (torch.randn(local, heads, dim, generator=g) for _ in range(4))
 
@@ -103,12 +103,12 @@ def _peer_step(ctx: Any, tokens: int, heads: int, dim: int) -> Callable[[], None
     from longctx_cli.parallel import make_sp_meta
     from longctx_cli.parallel.ulysses import build_exchange, heads_to_seq, seq_to_heads
 
-    local = tokens // ctx.sp_size
+    local = tokens // ctx.layout.sp
     g = torch.Generator().manual_seed(ctx.sp_rank)
     q, k, v, dout = (torch.randn(local, heads, dim, generator=g) for _ in range(4))
 
     def step() -> None:
-        ex = build_exchange(make_sp_meta(torch.arange(tokens), ctx), ctx.sp_group, ctx.sp_size)
+        ex = build_exchange(make_sp_meta(torch.arange(tokens), ctx), ctx.sp_group, ctx.layout.sp)
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         qh, kh, vh = (seq_to_heads(x, ex).transpose(0, 1).unsqueeze(0) for x in leaves)
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)

@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from longctx_cli.config import config_from_dict  # noqa: E402
-from longctx_cli.config.memory import attention_softcap, estimate_memory, tiled_scores_run  # noqa: E402
+from longctx_cli.config.memory_estimate import attention_softcap, estimate_memory, tiled_scores_run  # noqa: E402
 from longctx_cli.config.model_shape import ModelShape  # noqa: E402
 from longctx_cli.config.rules import layout_for  # noqa: E402
 from longctx_cli.kernel_choice import Platform, choose_kernel, flash_kernels_import  # noqa: E402
@@ -57,15 +57,15 @@ from longctx_cli.parallel import (  # noqa: E402
     make_sp_meta,
     shard_batch,
 )
-from longctx_cli.parallel.kernels import (  # noqa: E402
+from longctx_cli.parallel.sharding import segments_for  # noqa: E402
+from longctx_cli.parallel.torch_flash import flash_applies  # noqa: E402
+from longctx_cli.parallel.torch_kernel import (  # noqa: E402
     doc_causal_backward,
     doc_causal_forward,
     full_row_segments,
 )
-from longctx_cli.parallel.sharding import segments_for  # noqa: E402
-from longctx_cli.parallel.torch_flash import flash_applies  # noqa: E402
 from longctx_cli.runtime.batches import to_device  # noqa: E402
-from longctx_cli.runtime.memory import activation_offload  # noqa: E402
+from longctx_cli.runtime.memory_savers import activation_offload  # noqa: E402
 from longctx_cli.runtime.model import build_model, decoder_and_head, model_config_of  # noqa: E402
 from longctx_cli.train.step import forward_loss_sum  # noqa: E402
 
@@ -147,8 +147,8 @@ def emulate_p2p(kernel: str, name: str, cu: list[int], q, k, v, dout, feats
                 ) -> list[torch.Tensor]:
     """Out and dq/dk/dv of a P2P ring (``p2p<sp>_<ring_attn_func>``), every rank's every
     ring step computed serially on one device with the ring's own pieces and block functions."""
-    from longctx_cli.parallel.kernels import pieces_backward, pieces_forward
     from longctx_cli.parallel.ring_p2p import step_geometry
+    from longctx_cli.parallel.torch_kernel import pieces_backward, pieces_forward
 
     kind, _, func = name.partition("_")
     n = int(kind[len("p2p"):])

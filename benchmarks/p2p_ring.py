@@ -41,7 +41,7 @@ RINGS = {  # variant -> (ring_attn_func, layout)
 
 def _inputs(ctx: Any, tokens: int, heads: int, dim: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(ctx.sp_rank)
-    return [torch.randn(tokens // ctx.sp_size, heads, dim, generator=g) for _ in range(4)]
+    return [torch.randn(tokens // ctx.layout.sp, heads, dim, generator=g) for _ in range(4)]
 
 
 def _sp_step(ctx: Any, tokens: int, heads: int, dim: int) -> Callable[[], None]:
@@ -60,15 +60,15 @@ def _sp_step(ctx: Any, tokens: int, heads: int, dim: int) -> Callable[[], None]:
 def _compute_only_step(ctx: Any, tokens: int, heads: int, dim: int) -> Callable[[], None]:
     """The P2P ring's per-step kernels on the rank's own K/V: no transfer at all."""
     from longctx_cli.parallel import AttentionFeatures, make_sp_meta
-    from longctx_cli.parallel.kernels import pieces_backward, pieces_forward
     from longctx_cli.parallel.ring_p2p import step_geometry
+    from longctx_cli.parallel.torch_kernel import pieces_backward, pieces_forward
 
     q, k, v, dout = _inputs(ctx, tokens, heads, dim)
     feats = AttentionFeatures(scale=dim**-0.5)
 
     def step() -> None:
         meta = make_sp_meta(torch.arange(tokens), ctx)
-        geometry = [step_geometry(meta, s, feats) for s in range(ctx.sp_size)]
+        geometry = [step_geometry(meta, s, feats) for s in range(ctx.layout.sp)]
         out = torch.zeros(q.shape)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"))
         for pieces, f in geometry:

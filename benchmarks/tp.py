@@ -126,7 +126,7 @@ def run_step(name: str, tokens: int) -> tuple[float, float] | None:
     start = time.perf_counter()
     loss = forward_loss_sum(decoder, head, batch, config, ctx)
     (loss / count).backward()
-    if ctx.tp_size > 1:
+    if ctx.layout.tp > 1:
         # The TP partial sums, then the sum over this layout's SP ranks (not the idle ones).
         sum_gradients(params, dataclasses.replace(ctx, replica_group=ctx.sp_group))
     elif ctx.sp_group is not None:

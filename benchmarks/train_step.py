@@ -32,12 +32,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from longctx_cli.config import Config, config_from_dict
-from longctx_cli.config.memory import estimate_memory
+from longctx_cli.config.memory_estimate import estimate_memory
 from longctx_cli.config.model_shape import ModelShape
 from longctx_cli.config.rules import layout_for
 from longctx_cli.layout import Layout
 from longctx_cli.parallel import build_parallel_state, shard_batch
-from longctx_cli.runtime.memory import activation_offload, apply_tiled_mlp
+from longctx_cli.runtime.memory_savers import activation_offload, apply_tiled_mlp
 from longctx_cli.runtime.model import build_model, decoder_and_head, model_config_of
 from longctx_cli.train.loss import valid_token_count
 from longctx_cli.train.step import forward_loss_sum

@@ -172,7 +172,7 @@ def _token_mixing(cfg: Any, plan: Any) -> str | None:
 
     if plan.model.model_type not in HYBRID_MODEL_TYPES:
         return None  # no torch import: a plain model's plan stays instant
-    from longctx_cli.config.memory import DTYPE_BYTES
+    from longctx_cli.config.memory_estimate import DTYPE_BYTES
     from longctx_cli.parallel.token_mixing import describe
     from longctx_cli.preflight import meta_model
 

@@ -25,12 +25,15 @@ import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from longctx_cli.layout import P2P_SHARDING, flash_fits
+from longctx_cli.layout import CONCRETE_KERNELS, P2P_SHARDING, flash_fits
 
-KERNELS = ("auto", "torch", "flash", "torch_flash")
+# `attention_kernel`: a concrete kernel, or `auto` (chosen from the machine and the model).
+KERNELS: tuple[str, ...] = ("auto", *CONCRETE_KERNELS)
+KernelRequest = Literal[KERNELS]  # type: ignore[valid-type]
 HALF_DTYPES = ("bfloat16", "float16")
-# Query rows and keys per score tile of the tiled matmul path (parallel/kernels.py _TILE).
+# Query rows and keys per score tile of the tiled matmul path (parallel/torch_kernel.py _TILE).
 TILE = 1024
 # What PyTorch's flash op and flash-attn 2 both need (their kernels check the same).
 FLASH_MIN_CAPABILITY = (8, 0)

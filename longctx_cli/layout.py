@@ -20,14 +20,22 @@ The world is the mesh ``dp_replicate x dp_shard x ring x ulysses x tp``, ``tp`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-MODES = ("ring", "ulysses", "hybrid")
-SHARDINGS = ("contiguous", "zigzag", "stripe")
+# The allowed values of the layout's config keys: the schema's types, and (as tuples) what
+# the rules below list in their messages.
+Mode = Literal["ring", "ulysses", "hybrid"]
+Sharding = Literal["contiguous", "zigzag", "stripe"]
 # The ring algorithm (Axolotl's `ring_attn_func` names): llama3-style all-gather, or a P2P
 # ring whose sharding is in its name.
-RING_ATTN_FUNCS = ("varlen_llama3", "batch_ring", "batch_zigzag", "batch_stripe")
+RingAttnFunc = Literal["varlen_llama3", "batch_ring", "batch_zigzag", "batch_stripe"]
+# The attention kernels a layout runs (`attention_kernel: auto` resolves to one of them).
+Kernel = Literal["torch", "flash", "torch_flash"]
+MODES: tuple[str, ...] = get_args(Mode)
+SHARDINGS: tuple[str, ...] = get_args(Sharding)
+RING_ATTN_FUNCS: tuple[str, ...] = get_args(RingAttnFunc)
+CONCRETE_KERNELS: tuple[str, ...] = get_args(Kernel)
 P2P_SHARDING = {"batch_ring": "contiguous", "batch_zigzag": "zigzag", "batch_stripe": "stripe"}
-CONCRETE_KERNELS = ("torch", "flash", "torch_flash")
 # Mesh dimension names, outermost first (the rank order above).
 MESH_DIMS = ("dp_replicate", "dp_shard", "ring", "ulysses", "tp")
 
@@ -164,6 +172,43 @@ def check_world(sp: int, tp: int, world: int, source: str = "given") -> None:
             f"launch a multiple of {tp * sp} ranks, or change the two degrees so their "
             f"product divides {world}.",
         )
+
+
+def data_parallel_misfit(replicate: int | None, shard: int | None, world: int, sp: int,
+                         tp: int) -> LayoutError:
+    """The error of data-parallel degrees that do not fill the ranks ``sp x tp`` leave."""
+    given = " x ".join(f"{k} {v}" for k, v in (("dp_replicate_size", replicate),
+                                                 ("dp_shard_size", shard)) if v is not None)
+    return LayoutError(
+        "dp_shard_size",
+        f"{given} does not fit the {world // (sp * tp)} data-parallel ranks (world {world} / "
+        f"sequence_parallel_degree {sp}" + (f" / tensor_parallel_size {tp}" if tp > 1 else "")
+        + ").",
+        "make dp_replicate_size x dp_shard_size equal the data-parallel ranks (world / "
+        "sequence_parallel_degree / tensor_parallel_size), or leave one of them out.",
+    )
+
+
+def data_parallel_degrees(
+    world: int, sp: int, tp: int, fsdp: bool, replicate: int | None, shard: int | None
+) -> tuple[int, int]:
+    """(replicas, shards) of the ``world / (sp x tp)`` data-parallel ranks: Axolotl's
+    ``dp_replicate_size x dp_shard_size`` (given ones only); without FSDP every data-parallel
+    rank is a replica. ``world`` must split into ``sp x tp`` groups (:func:`check_world`)."""
+    dp = world // (sp * tp)
+    if replicate is not None and replicate > 1 and not fsdp:
+        raise LayoutError(
+            "dp_replicate_size",
+            f"`dp_replicate_size` = {replicate} replicates sharded weights, but FSDP is off.",
+            "set `dp_shard_size` > 1 or `fsdp: true` (HSDP), or drop dp_replicate_size.",
+        )
+    product = (replicate or 1) * (shard or 1)
+    if (replicate is not None and shard is not None and product != dp) or dp % product:
+        raise data_parallel_misfit(replicate, shard, world, sp, tp)
+    if not fsdp:
+        return dp, 1
+    replicas = replicate or 1
+    return replicas, dp // replicas
 
 
 @dataclass(frozen=True)
@@ -314,15 +359,7 @@ class Layout:
         """Check that this layout fills ``world`` ranks exactly; returns itself."""
         check_world(self.sp, self.tp, world, source)
         if self.world != world:
-            raise LayoutError(
-                "dp_shard_size",
-                f"dp_replicate_size {self.dp_replicate} x dp_shard_size {self.dp_shard} does "
-                f"not fit the {world // (self.sp * self.tp)} data-parallel ranks (world "
-                f"{world} / sequence_parallel_degree {self.sp}"
-                + (f" / tensor_parallel_size {self.tp}" if self.tp > 1 else "") + ").",
-                "make dp_replicate_size x dp_shard_size equal the data-parallel ranks, or "
-                "leave one of them out.",
-            )
+            raise data_parallel_misfit(self.dp_replicate, self.dp_shard, world, self.sp, self.tp)
         return self
 
     def check_heads(self, heads: int, kv_heads: int, key: str | None = None) -> None:

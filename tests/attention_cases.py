@@ -145,7 +145,7 @@ def run_case(
     read of its values, ``.tolist()`` or ``.item()``, raises). ``chunk``: Llama 4's chunked
     attention; ``v_dim``: a value head dim unlike q/k's ``DIM`` (multi-head latent attention).
     """
-    multiple = ctx.sp_size * (2 if ctx.sharding == "zigzag" else 1)
+    multiple = ctx.layout.sp * (2 if ctx.layout.sharding == "zigzag" else 1)
     pos, pos_padded, q, k, v, dout = make_inputs(lengths, hq, hkv, multiple, seed, v_dim)
     q = q * q_scale
     if autocast is not None:
@@ -166,7 +166,7 @@ def run_case(
     got = [gather_sequence(x, ctx) for x in (out.detach(), *(t.grad for t in local))]
     if sink_leaf is not None:  # each rank holds its tokens' share, as for any parameter
         dsinks = sink_leaf.grad.clone()
-        if ctx.sp_size > 1:
+        if ctx.layout.sp > 1:
             torch.distributed.all_reduce(dsinks, group=ctx.sp_group)
         got.append(dsinks)
 

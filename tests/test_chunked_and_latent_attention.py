@@ -75,7 +75,7 @@ def _runs(ctx: ParallelState, prefix: str, variants) -> dict[str, dict]:
     errors = {}
     for v in variants:
         chunk, window, softcap, sinks, v_dim = VARIANTS[v]
-        for i, name in enumerate(ROWS[ctx.sp_size]):
+        for i, name in enumerate(ROWS[ctx.layout.sp]):
             lengths, hq, hkv = CASES[name]
             errors[f"{prefix}/{v}/{name}"] = run_case(
                 ctx, lengths, hq, hkv, 300 + i, window, softcap, sinks, chunk=chunk,

@@ -190,7 +190,7 @@ def _perturb(model: nn.Module, only: str = "") -> None:
 
 def test_lora_final_and_dcp_checkpoint_load_the_trained_weights(tmp_path: Path):
     from longctx_cli.runtime.model import build_model, load_base_model
-    from longctx_cli.train.checkpoint import export_final, save_checkpoint
+    from longctx_cli.train.checkpoint_files import export_final, save_checkpoint
 
     config = _tiny_config(tmp_path, adapter="lora", lora_target_modules=["q_proj", "v_proj"])
     model = build_model(config)

@@ -15,7 +15,7 @@ from longctx_cli.data.tokenizer import load_tokenizer, pad_id
 from longctx_cli.eval.checkpoint_loading import load_for_eval
 from longctx_cli.eval.passkey_grid import grid_spec, run_passkey_grid
 from longctx_cli.eval.position_loss import position_loss
-from longctx_cli.train.checkpoint import save_checkpoint
+from longctx_cli.train.checkpoint_files import save_checkpoint
 from tests.layouts import rank_state
 from tests.train_helpers import TINY_LLAMA, run_longctx
 

@@ -17,7 +17,7 @@ import pytest
 
 from longctx_cli.errors import UserError
 from longctx_cli.integrity import MANIFEST, verify_files
-from longctx_cli.train.checkpoint import list_checkpoints, resolve_resume
+from longctx_cli.train.checkpoint_files import list_checkpoints, resolve_resume
 from tests.train_helpers import (
     assert_same_run,
     read_metrics,

@@ -52,7 +52,7 @@ from longctx_cli.kernel_choice import Platform
 from longctx_cli.parallel import AttentionFeatures, shard_batch, sp_attention
 from longctx_cli.layout import Layout
 from longctx_cli.parallel.mesh import ParallelState
-import longctx_cli.parallel.ring, longctx_cli.parallel.ulysses, longctx_cli.parallel.hybrid
+import longctx_cli.parallel.ring, longctx_cli.parallel.ulysses, longctx_cli.parallel.ulysses_ring
 import longctx_cli.parallel.ring_p2p, longctx_cli.runtime.model, longctx_cli.train.loop
 Platform.detect()
 state = ParallelState(Layout(kernel="torch_flash"))

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from longctx_cli.parallel import make_sp_meta
-from longctx_cli.parallel.hybrid import ring_meta
 from longctx_cli.parallel.ulysses import build_exchange
+from longctx_cli.parallel.ulysses_ring import ring_meta
 from tests.attention_cases import (
     CASES,
     FEATURE_CASES,
@@ -69,7 +69,7 @@ def test_ulysses_groups_hold_what_the_ring_expects(layout: str) -> None:
         ctx = rank_state(sp_rank=rank, sp_size=sp, mode="hybrid", layout=layout, ulysses_degree=u)
         meta = make_sp_meta(torch.arange(total), ctx)
         derived = ring_meta(meta, local_kv_heads=2)  # raises if the two layouts disagree
-        assert derived.ctx.sp_size == sp // u and derived.ctx.sp_rank == rank // u
+        assert derived.ctx.layout.sp == sp // u and derived.ctx.sp_rank == rank // u
         ex = build_exchange(meta, None, u)
         held = sum(ex.piece_len for _ in ex.starts)
         assert held == derived.local_len == total * u // sp
@@ -78,5 +78,5 @@ def test_ulysses_groups_hold_what_the_ring_expects(layout: str) -> None:
 def test_heads_k_stride_is_reduced_to_the_local_kv_heads() -> None:
     ctx = rank_state(sp_rank=0, sp_size=4, mode="hybrid", heads_k_stride=4, ulysses_degree=2)
     meta = make_sp_meta(torch.arange(64), ctx)
-    assert ring_meta(meta, local_kv_heads=2).ctx.heads_k_stride == 2
-    assert ring_meta(meta, local_kv_heads=1).ctx.heads_k_stride == 1
+    assert ring_meta(meta, local_kv_heads=2).ctx.layout.heads_k_stride == 2
+    assert ring_meta(meta, local_kv_heads=1).ctx.layout.heads_k_stride == 1

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from longctx_cli.runtime.memory import (
+from longctx_cli.runtime.memory_savers import (
     OffloadStats,
     activation_offload,
     apply_tiled_mlp,

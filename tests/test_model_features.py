@@ -123,7 +123,7 @@ def sp_run(family: str, ctx) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     full_weights = torch.cat([weights, weights.new_zeros(pad, VOCAB)])
     (logits * slice_sequence(full_weights, ctx)).sum().backward()
     grads = _grads(model)
-    if ctx.sp_size > 1:
+    if ctx.layout.sp > 1:
         for g in grads.values():
             dist.all_reduce(g, group=ctx.sp_group)  # each rank holds its tokens' share
     return gather_sequence(logits.detach(), ctx)[: ids.numel()], grads

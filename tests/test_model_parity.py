@@ -78,7 +78,7 @@ def sp_run(arch: str, ctx, checkpointing: bool) -> tuple[torch.Tensor, dict, int
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad.clone()
-        if ctx.sp_size > 1:
+        if ctx.layout.sp > 1:
             dist.all_reduce(g, group=ctx.sp_group)  # each rank holds its tokens' share
         grads[name] = g
     full_logits = gather_sequence(logits.detach(), ctx)

@@ -89,7 +89,7 @@ def _assert_checkpoint_loads(config_path: Path, checkpoint: Path, step: int) -> 
 
     from longctx_cli.config import load_config
     from longctx_cli.runtime.model import build_model
-    from longctx_cli.train.checkpoint import load_checkpoint, resolve_resume
+    from longctx_cli.train.checkpoint_files import load_checkpoint, resolve_resume
 
     assert resolve_resume("auto", checkpoint.parent) == checkpoint
     config = load_config(config_path)

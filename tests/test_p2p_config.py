@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from longctx_cli.config.memory import ring_buffer_bytes
+from longctx_cli.config.memory_estimate import ring_buffer_bytes
 from longctx_cli.config.model_shape import ModelShape
 from longctx_cli.errors import UserError
 from longctx_cli.layout import Layout, LayoutError
@@ -18,7 +18,7 @@ from tests.test_plan import CPU, GPU, cfg, plan, rule_error
 def test_p2p_ring_implies_its_layout(func: str, layout: str) -> None:
     assert cfg(ring_attn_func=func).sp_sharding == layout
     assert cfg(ring_attn_func=func, sp_sharding=layout).sp_sharding == layout
-    assert plan(sequence_parallel_degree=4, ring_attn_func=func).sharding == layout
+    assert plan(sequence_parallel_degree=4, ring_attn_func=func).layout.sharding == layout
 
 
 def test_contradictory_ring_and_layout_is_a_config_error() -> None:
@@ -56,7 +56,7 @@ def test_default_ring_is_the_balanced_one_where_it_runs(given: dict, want: tuple
     """Unnamed, the ring is batch_stripe; what only llama3 has, or where a stripe cannot run,
     keeps the all-gather ring. The plan (validate) and the ranks read one Layout."""
     p = plan(world=8, platform=GPU, sequence_parallel_degree=4, **given)
-    assert (p.ring_attn_func, p.layout.sharding) == want
+    assert (p.layout.ring_attn_func, p.layout.sharding) == want
     notes = " ".join(p.notes)
     assert ("ring_attn_func unset: batch_stripe" in notes) == (given == {})
 
@@ -76,19 +76,21 @@ def test_stripe_is_refused_outside_the_plain_ring(mode: str) -> None:
 def test_hybrid_with_p2p_ring_is_legal() -> None:
     p = plan(sequence_parallel_degree=4, sequence_parallel_mode="hybrid", ulysses_degree=2,
              ring_attn_func="batch_zigzag")
-    assert (p.ulysses, p.ring, p.sharding, p.ring_attn_func) == (2, 2, "zigzag", "batch_zigzag")
+    lay = p.layout
+    assert (lay.ulysses, lay.ring, lay.sharding, lay.ring_attn_func) == (2, 2, "zigzag",
+                                                                         "batch_zigzag")
 
 
 def test_flash_with_p2p_zigzag_is_legal_on_gpu() -> None:
     p = plan(platform=GPU, sequence_parallel_degree=2, ring_attn_func="batch_zigzag",
              attention_kernel="flash", sample_packing=False)
-    assert p.kernel == "flash"
+    assert p.layout.kernel == "flash"
     auto = plan(platform=GPU, sequence_parallel_degree=2, ring_attn_func="batch_zigzag",
                 sample_packing=False)
-    assert auto.kernel == "flash"
+    assert auto.layout.kernel == "flash"
     # Packed rows: ring-flash-attn's P2P functions take one sequence; PyTorch's op runs.
     packed = plan(platform=GPU, sequence_parallel_degree=2, ring_attn_func="batch_zigzag")
-    assert packed.kernel == "torch_flash" and "packed rows" in packed.kernel_reason
+    assert packed.layout.kernel == "torch_flash" and "packed rows" in packed.layout.kernel_reason
     assert "packed rows" in rule_error(platform=GPU, sequence_parallel_degree=2,
                                        ring_attn_func="batch_zigzag", attention_kernel="flash")
     assert "zigzag is not supported" in rule_error(

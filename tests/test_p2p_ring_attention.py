@@ -13,9 +13,9 @@ import torch
 
 from longctx_cli.layout import P2P_SHARDING
 from longctx_cli.parallel import AttentionFeatures, make_sp_meta
-from longctx_cli.parallel.kernels import Piece, full_row_segments, piece_blocks
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.ring_p2p import step_geometry
+from longctx_cli.parallel.torch_kernel import Piece, full_row_segments, piece_blocks
 from tests.attention_cases import (
     CASES,
     FEATURE_CASES,
@@ -45,7 +45,7 @@ def p2p_worker(rank: int, world_size: int, sp: int, funcs: tuple[str, ...]) -> d
         ctx = sp_state(
             sp=sp, layout=P2P_SHARDING[func], ring_attn_func=func, kernel="torch"
         )
-        assert ctx.p2p
+        assert ctx.layout.p2p
         errors.update(all_cases(ctx, f"dp{world_size // sp}_sp{sp}/{func}"))
     return errors
 

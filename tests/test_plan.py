@@ -11,7 +11,7 @@ from rich.console import Console
 
 from longctx_cli.config import config_from_dict
 from longctx_cli.config.fit import parse_memory_size, smallest_fitting_sp
-from longctx_cli.config.memory import estimate_memory, lora_parameter_count
+from longctx_cli.config.memory_estimate import estimate_memory, lora_parameter_count
 from longctx_cli.config.model_shape import ModelShape, read_model_config
 from longctx_cli.config.plan import Plan, build_plan
 from longctx_cli.config.rules import layout_for
@@ -115,7 +115,7 @@ def test_rule_heads_k_stride_against_kv_heads_left_after_ulysses():
 
 def test_rule_heads_k_stride_ignored_without_a_ring():
     p = plan(sequence_parallel_degree=2, sequence_parallel_mode="ulysses", heads_k_stride=3)
-    assert p.ring == 1
+    assert p.layout.ring == 1
 
 
 def test_rule_ulysses_heads_divisible():
@@ -143,7 +143,7 @@ def test_rule_ulysses_kv_heads_split_or_replicated():
 
 def test_rule_ulysses_replicates_fewer_kv_heads():
     p = plan(sequence_parallel_degree=4, sequence_parallel_mode="ulysses")  # 2 KV heads, 4 ranks
-    assert p.ulysses == 4
+    assert p.layout.ulysses == 4
     assert any("replicated" in n for n in p.notes)
 
 
@@ -157,7 +157,7 @@ def test_rule_sequence_len_multiple_of_twice_sp_for_zigzag():
     msg = rule_error(sequence_parallel_degree=4, sp_sharding="zigzag", sequence_len=4100)
     assert "`sequence_len` = 4100 is not a multiple of 8" in msg
     assert "zigzag" in msg
-    assert plan(sequence_parallel_degree=4, sequence_len=4100).sp == 4  # contiguous is fine
+    assert plan(sequence_parallel_degree=4, sequence_len=4100).layout.sp == 4  # contiguous is fine
 
 
 def test_rule_zigzag_not_with_flash_kernel():
@@ -222,26 +222,26 @@ def test_rule_model_config_bad_field():
 
 def test_auto_kernel_is_torch_without_cuda():
     p = plan(platform=CPU, sequence_parallel_degree=2)
-    assert (p.kernel, p.kernel_reason) == ("torch", "auto: no CUDA GPU")
+    assert (p.layout.kernel, p.layout.kernel_reason) == ("torch", "auto: no CUDA GPU")
 
 
 def test_auto_kernel_is_flash_with_cuda_and_ring_flash_attn():
     llama3 = {"sequence_parallel_degree": 2, "ring_attn_func": "varlen_llama3"}
-    assert plan(platform=GPU, **llama3).kernel == "flash"
-    assert plan(platform=GPU_NO_FLASH, **llama3).kernel == "torch_flash"
+    assert plan(platform=GPU, **llama3).layout.kernel == "flash"
+    assert plan(platform=GPU_NO_FLASH, **llama3).layout.kernel == "torch_flash"
     # The default ring (batch_stripe) on packed rows: PyTorch's op, whatever is installed.
-    assert plan(platform=GPU, sequence_parallel_degree=2).kernel == "torch_flash"
+    assert plan(platform=GPU, sequence_parallel_degree=2).layout.kernel == "torch_flash"
 
 
 def test_auto_kernel_with_zigzag_on_cuda_is_torch_flash():
     p = plan(platform=GPU, sequence_parallel_degree=2, sp_sharding="zigzag")
-    assert p.kernel == "torch_flash"
-    assert "zigzag" in p.kernel_reason
+    assert p.layout.kernel == "torch_flash"
+    assert "zigzag" in p.layout.kernel_reason
 
 
 def test_auto_kernel_float32_on_cuda_is_the_tiled_torch_path():
     p = plan(platform=GPU_NO_FLASH, sequence_parallel_degree=2, dtype="float32")
-    assert p.kernel == "torch" and "tiled" in p.kernel_reason
+    assert p.layout.kernel == "torch" and "tiled" in p.layout.kernel_reason
     assert p.memory.score_tiles > 0  # the estimate budgets the tiles that path holds
 
 
@@ -265,7 +265,7 @@ def test_flash_kernels_hold_no_score_tiles_but_softcap_does():
         num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=384,
     ))
     p = build_plan(cfg(attention_kernel="torch_flash"), 1, gemma2, platform=GPU)
-    assert p.kernel == "torch_flash" and "softcap" in p.kernel_reason
+    assert p.layout.kernel == "torch_flash" and "softcap" in p.layout.kernel_reason
     # 5 float32 tiles of [4 heads, 1024, 1024]: the ring (also at sp 1) computes one head
     # group at a time, heads_k_stride = 1 KV head = 4 query heads here.
     assert p.memory.score_tiles == 5 * 4 * 1024 * 1024 * 4
@@ -290,19 +290,20 @@ def test_world_size_precedence(monkeypatch):
 def test_plan_fields():
     p = plan(world=8, sequence_parallel_degree=4, micro_batch_size=2,
              gradient_accumulation_steps=3, sequence_len=8192)
-    assert (p.world_size, p.dp, p.sp, p.ulysses, p.ring) == (8, 2, 4, 1, 4)
+    lay = p.layout
+    assert (p.world_size, lay.dp, lay.sp, lay.ulysses, lay.ring) == (8, 2, 4, 1, 4)
     assert p.micro_batch_tokens == 2 * 8192
     assert p.global_batch_sequences == 2 * 3 * 2
     assert p.global_batch_tokens == 12 * 8192
     assert p.tokens_per_rank_per_forward == 2 * 8192 // 4
     assert p.tokens_per_rank_per_step == 3 * 2 * 8192 // 4
-    assert p.kernel in ("torch", "flash", "torch_flash")
+    assert p.layout.kernel in ("torch", "flash", "torch_flash")
 
 
 def test_plan_hybrid_split():
     p = plan(world=16, shape=LLAMA3_8B, sequence_parallel_degree=16,
              sequence_parallel_mode="hybrid", ulysses_degree=4, heads_k_stride=2)
-    assert (p.ulysses, p.ring, p.dp) == (4, 4, 1)
+    assert (p.layout.ulysses, p.layout.ring, p.layout.dp) == (4, 4, 1)
 
 
 def test_plan_notes_long_sequence_and_cross_node_all_to_all():
@@ -529,7 +530,7 @@ def test_attention_dropout_is_refused_and_overrides_of_model_config_turn_it_off(
                 overrides_of_model_config={"attention_dropout": 0.0})
     shape = read_model_config(fixed)
     assert shape.config_value("attention_dropout") == 0.0
-    assert build_plan(fixed, 1, shape, platform=CPU).kernel == "torch"
+    assert build_plan(fixed, 1, shape, platform=CPU).layout.kernel == "torch"
     from longctx_cli.runtime.model import model_config_of
 
     assert model_config_of(fixed).attention_dropout == 0.0  # what the ranks build
@@ -560,7 +561,7 @@ def test_router_aux_loss_is_refused_and_overrides_of_model_config_turn_it_off():
     assert "Fix: add `overrides_of_model_config: {output_router_logits: false}`" in msg
     fixed = cfg(model_config=moe, tokenizer="byte",
                 overrides_of_model_config={"output_router_logits": False})
-    assert build_plan(fixed, 1, read_model_config(fixed), platform=CPU).kernel == "torch"
+    assert build_plan(fixed, 1, read_model_config(fixed), platform=CPU).layout.kernel == "torch"
 
 
 def test_overrides_of_model_config_apply_to_a_saved_model(tmp_path):

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from longctx_cli.train.checkpoint import list_checkpoints, resolve_resume
+from longctx_cli.train.checkpoint_files import list_checkpoints, resolve_resume
 from tests.train_helpers import (
     assert_same_run,
     read_metrics,

@@ -15,7 +15,7 @@ import pytest
 
 from longctx_cli.errors import PREEMPTED_EXIT
 from longctx_cli.runtime.supervise import PREEMPTED_MARKER, find_hang
-from longctx_cli.train.checkpoint import list_checkpoints
+from longctx_cli.train.checkpoint_files import list_checkpoints
 from tests.test_nonfinite import FAULTS as NAN_FAULTS
 from tests.test_reliability_kill import (
     COMMON,

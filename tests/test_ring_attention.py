@@ -32,7 +32,8 @@ def all_runs(ctx: ParallelState) -> dict[str, dict]:
     for i, (name, (lengths, hq, hkv)) in enumerate(CASES.items()):
         for stride in [s for s in range(1, hkv + 1) if hkv % s == 0]:
             sub = ctx.with_layout(heads_k_stride=stride)
-            errors[f"{ctx.sharding}/{name}/stride{stride}"] = run_case(sub, lengths, hq, hkv, i)
+            key = f"{ctx.layout.sharding}/{name}/stride{stride}"
+            errors[key] = run_case(sub, lengths, hq, hkv, i)
     return errors
 
 
@@ -73,10 +74,10 @@ def test_single_process_features_match_reference(layout: str) -> None:
 
 def test_small_blocks_and_tiles_match_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """Row blocks and score tiles far smaller than the documents: every merge path runs."""
-    from longctx_cli.parallel import kernels
+    from longctx_cli.parallel import torch_kernel
 
-    monkeypatch.setattr(kernels, "_MAX_ROWS", 3)
-    monkeypatch.setattr(kernels, "_TILE", 4)
+    monkeypatch.setattr(torch_kernel, "_MAX_ROWS", 3)
+    monkeypatch.setattr(torch_kernel, "_TILE", 4)
     ctx = rank_state(layout="contiguous", heads_k_stride=1)
     assert_all_close(feature_runs(ctx, "small"))
 
@@ -85,14 +86,14 @@ def test_small_blocks_and_tiles_match_reference(monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.parametrize("shape", ["diagonal", "prefix", "edge"])
 def test_matmul_path_matches_cpu_kernel(shape: str, window: int | None) -> None:
     """The matmul path (CUDA, softcap) gives the CPU op's blocks, masks included."""
-    from longctx_cli.parallel import AttentionFeatures, kernels
+    from longctx_cli.parallel import AttentionFeatures, torch_kernel
 
     g = torch.Generator().manual_seed(7)
     # rows 0..7 sit at key positions 10..17; keys start at 10 (diagonal), 0 (prefix), 6 (edge)
     blk = {
-        "diagonal": kernels._Block(0, 8, 10, 18, 10, True),
-        "prefix": kernels._Block(0, 8, 0, 10, 10, False),
-        "edge": kernels._Block(0, 7, 10 - 3 + 1, 10 + 8 - 3, 10, True),
+        "diagonal": torch_kernel._Block(0, 8, 10, 18, 10, True),
+        "prefix": torch_kernel._Block(0, 8, 0, 10, 10, False),
+        "edge": torch_kernel._Block(0, 7, 10 - 3 + 1, 10 + 8 - 3, 10, True),
     }[shape]
     if shape == "edge" and window is None:
         pytest.skip("edge blocks exist only under a window")
@@ -101,10 +102,10 @@ def test_matmul_path_matches_cpu_kernel(shape: str, window: int | None) -> None:
     q = torch.randn(1, 8, rows, DIM, generator=g)
     k, v = (torch.randn(1, 2, keys, DIM, generator=g) for _ in range(2))
     dout = torch.randn(1, 8, rows, DIM, generator=g)
-    out, lse = kernels._block_fwd(q, k, v, blk, feats)
-    out_g, lse_g = kernels._block_fwd_generic(q, k, v, blk, feats)
+    out, lse = torch_kernel._block_fwd(q, k, v, blk, feats)
+    out_g, lse_g = torch_kernel._block_fwd_generic(q, k, v, blk, feats)
     assert rel_err(out_g, out) < TOL and rel_err(lse_g, lse) < TOL
-    grads = kernels._block_bwd(dout, q, k, v, out, lse, blk, feats)
-    grads_g = kernels._block_bwd_generic(dout, q, k, v, out, lse, blk, feats)
+    grads = torch_kernel._block_bwd(dout, q, k, v, out, lse, blk, feats)
+    grads_g = torch_kernel._block_bwd_generic(dout, q, k, v, out, lse, blk, feats)
     for a, b in zip(grads_g, grads, strict=True):
         assert a.shape == b.shape and rel_err(a, b) < TOL

@@ -105,7 +105,7 @@ def test_segments_cover_each_local_query_once(layout: str) -> None:
 def test_single_process_groups_without_distributed() -> None:
     ctx = sp_state(sp=1, kernel="auto")
     assert ctx.mesh is None and ctx.sp_group is None and ctx.replica_group is None
-    assert (ctx.sp_rank, ctx.sp_size, ctx.kernel) == (0, 1, "torch")
+    assert (ctx.sp_rank, ctx.layout.sp, ctx.layout.kernel) == (0, 1, "torch")
     with pytest.raises(ValueError):
         sp_state(sp=2, world=2)
 
@@ -120,7 +120,7 @@ def mesh_worker(rank: int, world_size: int) -> dict:
         "sp": ranks(ctx.sp_group),
         "dp": ranks(dp_group),
         "sp_rank": ctx.sp_rank,
-        "sp1": (one.sp_group, one.sp_size),
+        "sp1": (one.sp_group, one.layout.sp),
         "ulysses": ranks(hyb.ulysses_group),
         "ring": ranks(hyb.ring_group),
     }

@@ -21,14 +21,14 @@ import torch.nn.functional as F
 
 from longctx_cli.kernel_choice import Platform, choose_kernel
 from longctx_cli.layout import Layout, LayoutError
-from longctx_cli.parallel.kernels import (
+from longctx_cli.parallel.torch_flash import _runs, flash_ops, use_flash_ops
+from longctx_cli.parallel.torch_kernel import (
     AttentionFeatures,
     Segment,
     doc_causal_attention,
     doc_causal_backward,
     doc_causal_forward,
 )
-from longctx_cli.parallel.torch_flash import _runs, flash_ops, use_flash_ops
 from tests import torch_flash_standin as standin
 from tests.attention_cases import (
     CASES,
@@ -172,7 +172,7 @@ def test_the_real_ops_are_the_default_and_refuse_cpu_tensors() -> None:
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_single_process_matches_reference(standin_ops, layout: str) -> None:
     ctx = rank_state(layout=layout, kernel="torch_flash")
-    assert ctx.kernel == "torch_flash"
+    assert ctx.layout.kernel == "torch_flash"
     before = dict(standin_ops)
     for i, (lengths, hq, hkv) in enumerate(CASES.values()):
         errors = run_case(ctx, lengths, hq, hkv, seed=100 + i)
@@ -228,7 +228,7 @@ def flash_strategy_worker(rank: int, world_size: int) -> dict:
         for layout in ("contiguous", "zigzag"):
             ctx = sp_state(sp=world_size, mode=mode, ulysses_degree=u,
                                            layout=layout, kernel="torch_flash")
-            assert ctx.kernel == "torch_flash"
+            assert ctx.layout.kernel == "torch_flash"
             for i, (name, (lengths, hq, hkv)) in enumerate(CASES.items()):
                 strides = [s for s in range(1, hkv + 1) if hkv % s == 0] if mode == "ring" else [1]
                 for stride in strides:

@@ -42,7 +42,7 @@ def text_of(p) -> str:
 
 def test_layout_dp_cp_tp_with_tp_fastest():
     p = plan(8, tensor_parallel_size=2, sequence_parallel_degree=2)
-    assert (p.dp, p.sp, p.tp) == (2, 2, 2)
+    assert (p.layout.dp, p.layout.sp, p.layout.tp) == (2, 2, 2)
     text = text_of(p)
     assert "dp 2 x cp 2 x tp 2" in text
     assert "TP groups = 2 consecutive ranks, e.g. [0, 1]" in text

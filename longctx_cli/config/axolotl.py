@@ -529,7 +529,7 @@ SAME: tuple[str, ...] = (
     "datasets", "dataset_prepared_path", "val_set_size", "sequence_len", "sample_packing",
     "chat_template", "chat_template_jinja", "train_on_inputs", "shuffle_merged_datasets",
     "pretraining_dataset", "streaming", "sample_packing_sequentially", "curriculum_sampling",
-    "reinit_weights", "unfrozen_parameters", "merge_lora",
+    "reinit_weights", "unfrozen_parameters", "merge_lora", "rope_scaling", "rope_theta",
     "sequence_parallel_degree", "context_parallel_size", "heads_k_stride", "ring_attn_func",
     "fsdp", "fsdp_version", "fsdp_config", "deepspeed", "dp_shard_size", "dp_replicate_size",
     "tensor_parallel_size", "world_size", "micro_batch_size", "gradient_accumulation_steps",
@@ -589,7 +589,6 @@ RENAMES: dict[str, str] = {
     "load_in_4bits": "load_in_4bit",
     "load_in_8bits": "load_in_8bit",
     "warmup_steps_ratio": "warmup_ratio",
-    "rope_scaling": "model_config (an inline config), or a local copy of the model with it",
     "torch_dtype": "dtype",
     "precision": "dtype",
 }

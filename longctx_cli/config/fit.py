@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from longctx_cli.config.memory import GIB, estimate_memory
+from longctx_cli.config.memory_estimate import GIB, estimate_memory
 from longctx_cli.config.model_shape import ModelShape
 from longctx_cli.config.plan import Plan, format_gib
 from longctx_cli.config.rules import check_heads, check_sequence_len, layout_for
@@ -123,6 +123,7 @@ def fit_report(config: Config, plan: Plan, memory_per_rank: int) -> list[str]:
         lines.append(f"smallest sp that fits: {best.sp} ({format_gib(best.total or 0)} per rank), "
                      f"more than the {plan.world_size} ranks of this launch.")
     else:
+        sp = plan.layout.sp
         lines.append(f"smallest sp that fits: {best.sp} ({format_gib(best.total or 0)} per rank)"
-                     + ("" if best.sp == plan.sp else f"; the config uses sp {plan.sp}."))
+                     + ("" if best.sp == sp else f"; the config uses sp {sp}."))
     return lines

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from longctx_cli.config import known_models
+from longctx_cli.config.rope import context_line
 from longctx_cli.config.schema import Config
 from longctx_cli.errors import UserError
 from longctx_cli.hub import hub_reachable
@@ -51,6 +52,8 @@ class ModelShape:
     tie_word_embeddings: bool = False
     max_position_embeddings: int | None = None
     source: str = "model config"
+    # What validate prints about the context: native positions, and what RoPE scaling reaches.
+    context: str | None = None
     # The transformers config it was read from, for the fidelity probe (None when unknown).
     hf_config: Any = field(default=None, repr=False, compare=False)
     # The plain dict it was read from without transformers (see `_plain_shape`), if so.
@@ -112,6 +115,7 @@ class ModelShape:
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             max_position_embeddings=getattr(text, "max_position_embeddings", None),
             source=source,
+            context=context_line(text),
             hf_config=hf_config,
         )
 
@@ -263,16 +267,29 @@ def apply_model_overrides(hf_config: Any, overrides: dict[str, Any] | None) -> A
 
 
 def read_model_config(config: Config) -> ModelShape:
-    """The model's shape, `overrides_of_model_config` applied (see `_read_model_config`)."""
+    """The model's shape, `overrides_of_model_config`, `rope_scaling` and `rope_theta` applied
+    (see `_read_model_config`): the one builder of the model's config, for the plan, the
+    probe and the model every rank builds."""
     shape = _read_model_config(config)
     overrides = config.overrides_of_model_config
-    if not overrides or config.model_config_dict is not None:  # merged into the dict there
+    if config.model_config_dict is not None:
+        overrides = None  # merged into the dict there
+    rope_asked = config.rope_scaling is not None or config.rope_theta is not None
+    if not overrides and not rope_asked:
         return shape
     hf = shape.transformers_config()
     if hf is None:  # a built-in table shape: no config to override
         return shape
     hf = apply_model_overrides(copy.deepcopy(hf), overrides)
-    return ModelShape.from_hf_config(hf, source=f"{shape.source}, overrides_of_model_config")
+    source = shape.source + (", overrides_of_model_config" if overrides else "")
+    if rope_asked:
+        from longctx_cli.config.rope import rope_overrides
+
+        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+        hf = apply_model_overrides(hf, rope_overrides(text, config.rope_scaling,
+                                                      config.rope_theta, config.sequence_len))
+        source += ", rope_scaling" if config.rope_scaling is not None else ", rope_theta"
+    return ModelShape.from_hf_config(hf, source=source)
 
 
 def _read_model_config(config: Config) -> ModelShape:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from longctx_cli.config import tp_rules
-from longctx_cli.config.memory import (
+from longctx_cli.config.memory_estimate import (
     MemoryEstimate,
     attention_buffer_bytes,
     estimate_memory,
@@ -22,6 +22,7 @@ from longctx_cli.config.memory import (
     tiled_scores_run,
 )
 from longctx_cli.config.model_shape import ModelShape, read_model_config
+from longctx_cli.config.rope import check_context, check_rope_settings
 from longctx_cli.config.rules import (
     _advice,
     _check_adapter,
@@ -70,55 +71,6 @@ class Plan:
     # Attention buffers per rank had each ring algorithm been chosen (ring > 1 only).
     attention_buffers_by_ring: tuple[tuple[str, int], ...] = ()
 
-    # The layout's values, as the plan prints them.
-    @property
-    def dp(self) -> int:
-        return self.layout.dp
-
-    @property
-    def sp(self) -> int:
-        return self.layout.sp
-
-    @property
-    def tp(self) -> int:
-        return self.layout.tp
-
-    @property
-    def mode(self) -> str:
-        return self.layout.mode
-
-    @property
-    def ulysses(self) -> int:
-        return self.layout.ulysses
-
-    @property
-    def ring(self) -> int:
-        return self.layout.ring
-
-    @property
-    def heads_k_stride(self) -> int:
-        return self.layout.heads_k_stride
-
-    @property
-    def sharding(self) -> str:
-        return self.layout.sharding if self.sp > 1 else "none (sp = 1)"
-
-    @property
-    def kernel(self) -> str:
-        return self.layout.kernel
-
-    @property
-    def kernel_reason(self) -> str:
-        return self.layout.kernel_reason
-
-    @property
-    def ring_attn_func(self) -> str:
-        return self.layout.ring_attn_func
-
-    @property
-    def fsdp(self) -> bool:
-        return self.layout.fsdp
-
     def to_table(self) -> Table:
         """The plan as a rich Table (what `longctx validate` prints)."""
         from rich.table import Table
@@ -144,8 +96,8 @@ class Plan:
         return t
 
     def _sections(self, m: ModelShape) -> list[tuple[str, list[tuple[str, str]]]]:
-        mem = self.memory
-        split = f"{self.ulysses} ulysses x {self.ring} ring"
+        mem, lay = self.memory, self.layout
+        split = f"{lay.ulysses} ulysses x {lay.ring} ring"
         return [
             ("model", [
                 ("shape", f"{m.model_type}, {m.num_hidden_layers} layers, hidden {m.hidden_size}, "
@@ -153,18 +105,19 @@ class Plan:
                 ("parameters", f"{_count(mem.total_params)} ({_count(mem.trainable_params)} "
                                f"trainable{', LoRA' if self.adapter else ''}), {self.dtype}"),
                 ("shape from", m.source),
+                *([("context", m.context)] if m.context else []),
             ]),
             ("parallelism", [
                 ("world size", f"{self.world_size} ({self.world_source})"),
-                ("data parallel", str(self.dp)),
-                ("sequence parallel", f"{self.sp} ({self.mode}: {split})"),
-                *tp_rules.layout_rows(self.dp, self.sp, self.tp,
+                ("data parallel", str(lay.dp)),
+                ("sequence parallel", f"{lay.sp} ({lay.mode}: {split})"),
+                *tp_rules.layout_rows(lay.dp, lay.sp, lay.tp,
                                       self.tokens_per_rank_per_forward),
-                ("ring_attn_func", self.ring_attn_func if self.ring > 1 else "-"),
-                ("heads_k_stride", str(self.heads_k_stride)
-                 if self.ring > 1 and self.ring_attn_func == "varlen_llama3" else "-"),
-                ("sharding", self.sharding),
-                ("attention kernel", f"{self.kernel} ({self.kernel_reason})"),
+                ("ring_attn_func", lay.ring_attn_func if lay.ring > 1 else "-"),
+                ("heads_k_stride", str(lay.heads_k_stride)
+                 if lay.ring > 1 and lay.ring_attn_func == "varlen_llama3" else "-"),
+                ("sharding", lay.sharding if lay.sp > 1 else "none (sp = 1)"),
+                ("attention kernel", f"{lay.kernel} ({lay.kernel_reason})"),
                 ("fsdp", _fsdp_text(self)),
             ]),
             ("training", list(self.training)),
@@ -180,14 +133,14 @@ class Plan:
                 *[(name, format_gib(value)) for name, value in mem.parts()],
                 *[(f"  with {f} instead", f"SP attention buffers {format_gib(v)}")
                   for f, v in self.attention_buffers_by_ring
-                  if (f == "varlen_llama3") != (self.ring_attn_func == "varlen_llama3")],
+                  if (f == "varlen_llama3") != (lay.ring_attn_func == "varlen_llama3")],
                 ("total", f"[bold]{format_gib(mem.total)}[/]"),
             ]),
         ]
 
 
 def _fsdp_text(plan: Plan) -> str:
-    return plan.fsdp_detail if plan.fsdp else "no"
+    return plan.fsdp_detail if plan.layout.fsdp else "no"
 
 
 def _training_rows(config: Config) -> tuple[tuple[str, str], ...]:
@@ -268,6 +221,7 @@ def check_without_model(
     if config.tensor_parallel_size > 1:
         tp_rules.check_tp_config(config)
     check_sequence_len(config, layout)
+    check_rope_settings(config.rope_scaling)
     # No micro_batch_size rule: varlen_llama3 takes packed rows, and micro-batch rows are
     # concatenated into one row whose documents never attend across a row boundary.
     _check_adapter(config)
@@ -300,6 +254,9 @@ def build_plan(
     tp_rules.check_tp_model(config, shape)
     check_attention_dropout(shape)
     check_router_aux_loss(shape)
+    check_context(config.sequence_len, config.rope_scaling, shape.transformers_config()
+                  if config.rope_scaling is not None or shape.plain_fields is None else None,
+                  shape.max_position_embeddings)
     platform = platform or Platform.detect()
     assumed: list[str] = []
     if assume_gpu and not platform.cuda and config.attention_kernel == "flash":

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from longctx_cli.config import tp_rules
-from longctx_cli.config.memory import attention_softcap
+from longctx_cli.config.memory_estimate import attention_softcap
 from longctx_cli.config.model_shape import ModelShape
 from longctx_cli.config.schema import Config
 from longctx_cli.config.world import Platform
@@ -19,6 +19,7 @@ from longctx_cli.layout import (
     Layout,
     LayoutError,
     check_world,
+    data_parallel_degrees,
     default_ring,
     ulysses_degree_for,
 )
@@ -43,46 +44,25 @@ def layout_for(
     try:
         check_world(sp, tp, world, world_source)
         ulysses = ulysses_degree_for(config.sequence_parallel_mode, sp, config.ulysses_degree)
-        ring_attn_func, sharding = default_ring(
-            config.sequence_parallel_mode, tp, config.ring_attn_func, config.sp_sharding,
-            "heads_k_stride" in config.model_fields_set, config.attention_kernel)
+        if config.ring_attn_func is not None:  # named (or implied by sp_sharding): the
+            ring_attn_func, sharding = config.ring_attn_func, config.sp_sharding  # schema's
+        else:
+            ring_attn_func, sharding = default_ring(
+                config.sequence_parallel_mode, tp, None, None,
+                "heads_k_stride" in config.model_fields_set, config.attention_kernel)
         kernel, reason = _resolve_kernel(config, platform, sp // ulysses, shape,
                                          ring_attn_func, sharding)
-        dp = world // (sp * tp) if world % (sp * tp) == 0 else 1
-        replicas, shards = _data_parallel(config, dp, world, sp)
+        replicas, shards = data_parallel_degrees(world, sp, tp, config.fsdp,
+                                                 config.dp_replicate_size, config.dp_shard_size)
+        # Fills `world` by construction: the ranks check it again on the real world (mesh).
         return Layout(
             sp=sp, tp=tp, dp_replicate=replicas, dp_shard=shards, fsdp=config.fsdp,
             mode=config.sequence_parallel_mode, ulysses=ulysses, sharding=sharding,
             ring_attn_func=ring_attn_func, heads_k_stride=config.heads_k_stride,
             kernel=kernel, kernel_reason=reason,
-        ).for_world(world, world_source)
+        )
     except LayoutError as err:
         raise UserError(err.message, fix=err.fix) from None
-
-
-def _data_parallel(config: Config, dp: int, world: int, sp: int) -> tuple[int, int]:
-    """(replicas, shards) of the data-parallel ranks: Axolotl's dp_replicate_size x
-    dp_shard_size = world / sp (given ones only); without FSDP every dp rank is a replica."""
-    rep_, shard = config.dp_replicate_size, config.dp_shard_size
-    if rep_ is not None and rep_ > 1 and not config.fsdp:
-        raise UserError(
-            f"`dp_replicate_size` = {rep_} replicates sharded weights, but FSDP is off.",
-            fix="set `dp_shard_size` > 1 or `fsdp: true` (HSDP), or drop dp_replicate_size.",
-        )
-    product = (rep_ or 1) * (shard or 1)
-    if (rep_ is not None and shard is not None and product != dp) or dp % product:
-        given = " x ".join(f"{k} {v}" for k, v in (("dp_replicate_size", rep_),
-                                                     ("dp_shard_size", shard)) if v is not None)
-        raise UserError(
-            f"{given} does not fit the {dp} data-parallel ranks (world {world} / "
-            f"sequence_parallel_degree {sp}).",
-            fix="make dp_replicate_size x dp_shard_size equal world / sequence_parallel_degree, "
-            "or leave one of them out.",
-        )
-    if not config.fsdp:
-        return dp, 1
-    replicas = rep_ or 1
-    return replicas, dp // replicas
 
 
 def check_heads(layout: Layout, shape: ModelShape) -> None:
@@ -279,7 +259,9 @@ def _advice(
     if shape.max_position_embeddings and config.sequence_len > shape.max_position_embeddings:
         notes.append(
             f"sequence_len {config.sequence_len} exceeds the model's max_position_embeddings "
-            f"{shape.max_position_embeddings}; consider RoPE scaling or a larger rope_theta."
+            f"{shape.max_position_embeddings}: positions past it are ones the model never saw; "
+            "`rope_scaling: {type: yarn, factor: auto}` extends the context to sequence_len "
+            "(docs/context.md)."
         )
     if nproc_per_node and ulysses > nproc_per_node:
         notes.append(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import types
 import typing
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import (
     AliasChoices,
@@ -23,7 +23,8 @@ from pydantic import (
     model_validator,
 )
 
-from longctx_cli.layout import LayoutError, default_ring
+from longctx_cli.kernel_choice import KernelRequest
+from longctx_cli.layout import LayoutError, Mode, RingAttnFunc, Sharding, default_ring
 
 
 def _admits(annotation: Any, kinds: tuple[type, ...]) -> bool:
@@ -262,7 +263,7 @@ class FsdpConfig(_Strict):
         return data
 
 
-OPTIMIZERS = (
+Optimizer = Literal[
     # torch.optim
     "adamw", "adamw_torch", "adamw_torch_fused", "sgd",
     # bitsandbytes (runs on CPU too)
@@ -270,13 +271,8 @@ OPTIMIZERS = (
     "lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit",
     # torchao low-bit states
     "adamw_torch_8bit", "adamw_torch_4bit", "ao_adamw_8bit", "ao_adamw_4bit", "ao_adamw_fp8",
-)
-Optimizer = Literal[
-    "adamw", "adamw_torch", "adamw_torch_fused", "sgd",
-    "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "paged_adamw",
-    "lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit",
-    "adamw_torch_8bit", "adamw_torch_4bit", "ao_adamw_8bit", "ao_adamw_4bit", "ao_adamw_fp8",
 ]
+OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
 Scheduler = Literal[
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
     "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr",
@@ -321,6 +317,20 @@ class Config(_Strict):
         description="Fields that replace the model config's own before the model is built "
         "(Axolotl's key), e.g. `{attention_dropout: 0.0}`; `validate`, the fidelity probe and "
         "training all use the overridden config.",
+    )
+    rope_scaling: dict[str, Any] | None = Field(
+        None,
+        description="Extend the model's context (Axolotl's key): `{type: yarn | linear | "
+        "llama3, factor: N | auto, ...}` with the scaling's own fields (`beta_fast`, "
+        "`low_freq_factor`, `original_max_position_embeddings`, ...). `factor: auto` is "
+        "sequence_len / the model's native context, rounded up. Becomes the model config's "
+        "`rope_parameters`, so validate, training and every saved config.json carry it; "
+        "`dynamic` and `longrope` are refused (they depend on each forward's length).",
+    )
+    rope_theta: float | None = Field(
+        None, gt=0,
+        description="The RoPE base (Axolotl's key), replacing the model's own in "
+        "`rope_parameters` (training and saved configs).",
     )
     trust_remote_code: bool = Field(
         False,
@@ -427,7 +437,7 @@ class Config(_Strict):
         description="Ranks that share one sequence (alias: `context_parallel_size`). "
         "Must divide the world size.",
     )
-    sequence_parallel_mode: Literal["ring", "ulysses", "hybrid"] = Field(
+    sequence_parallel_mode: Mode = Field(
         "ring",
         description="ring: llama3-style all-gather of K,V; ulysses: all-to-all over heads; "
         "hybrid: ulysses inside groups of `ulysses_degree`, ring across them.",
@@ -444,7 +454,7 @@ class Config(_Strict):
         "`num_key_value_heads`. Larger = fewer, bigger messages and more memory.",
     )
     ring_attn_func: (
-        Literal["varlen_llama3", "batch_ring", "batch_zigzag", "batch_stripe"] | None
+        RingAttnFunc | None
     ) = Field(
         None,
         description="Ring algorithm. varlen_llama3: all-gather K,V (in `heads_k_stride` "
@@ -454,14 +464,14 @@ class Config(_Strict):
         "`sequence_parallel_mode: ring` without TP, `sp_sharding`, `heads_k_stride` or "
         "`attention_kernel: flash`; varlen_llama3 otherwise.",
     )
-    sp_sharding: Literal["contiguous", "zigzag", "stripe"] | None = Field(
+    sp_sharding: Sharding | None = Field(
         None,
         description="How a row is split across the SP group (unset: the layout "
         "`ring_attn_func` names; contiguous for varlen_llama3). zigzag and stripe (token i on "
         "rank i % sp, batch_stripe only) balance causal work (torch and torch_flash kernels; "
         "flash with the P2P rings); contiguous is what the flash kernel's llama3 ring expects.",
     )
-    attention_kernel: Literal["auto", "flash", "torch_flash", "torch"] = Field(
+    attention_kernel: KernelRequest = Field(
         "auto",
         description="flash: ring-flash-attn + flash-attn (CUDA, bf16/fp16, contiguous); "
         "torch_flash: PyTorch's own flash-attention op (CUDA, bf16/fp16, every sharding, no "
@@ -853,8 +863,9 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _ring_layout(self) -> Config:
-        # A P2P ring's name fixes its layout: derive sp_sharding, refuse a contradiction.
-        # Neither named: both stay unset until the plan picks the default ring.
+        # A named ring or sharding is resolved here, once (a P2P ring's name fixes its
+        # sharding; a contradiction is refused at its line). Neither named: both stay unset
+        # until the plan picks the default ring (`rules.layout_for`).
         try:
             if self.ring_attn_func is not None or self.sp_sharding is not None:
                 self.ring_attn_func, self.sp_sharding = default_ring(

@@ -93,7 +93,7 @@ def lora_base_path(adapter_dir: Path) -> str:
     return base
 
 
-def _from_pretrained(source: str, config: Config) -> nn.Module:
+def _from_pretrained(source: str, config: Config, hf_config=None) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     from longctx_cli.runtime.model import DTYPES
@@ -104,6 +104,7 @@ def _from_pretrained(source: str, config: Config) -> nn.Module:
             attn_implementation=ATTN_IMPLEMENTATION,
             dtype=DTYPES[config.dtype],
             trust_remote_code=config.trust_remote_code,
+            **({"config": hf_config} if hf_config is not None else {}),
         )
     except (OSError, ValueError, SafetensorError) as e:
         # SafetensorError: a weights file without a manifest that is truncated or corrupt.
@@ -124,9 +125,13 @@ def _from_pretrained(source: str, config: Config) -> nn.Module:
 def _load_lora(path: Path, config: Config) -> nn.Module:
     from peft import PeftModel
 
-    from longctx_cli.runtime.model import peft_quietly
+    from longctx_cli.runtime.model import changes_model_config, model_config_of, peft_quietly
 
-    base = _from_pretrained(lora_base_path(path), config)
+    # The adapter was trained on the base under the run's config (RoPE scaling, overrides);
+    # a bundled base_model/ was saved with it already.
+    run_config = model_config_of(config) if changes_model_config(config) and not (
+        path / "base_model").is_dir() else None
+    base = _from_pretrained(lora_base_path(path), config, run_config)
     with peft_quietly():
         return PeftModel.from_pretrained(base, str(path)).merge_and_unload()
 

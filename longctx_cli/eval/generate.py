@@ -75,7 +75,7 @@ def run_generate(config_path: Path, checkpoint: Path, prompt_file: Path | None,
         )
     world = plan.world_size
     print(f"prompt: {n:,} tokens; generating up to {max_new_tokens} on {world} rank(s), "
-          f"sp {plan.sp}", file=sys.stderr, flush=True)
+          f"sp {plan.layout.sp}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="longctx-prompt-") as tmp:
         path = Path(tmp) / "prompt.txt"
         path.write_text(text, encoding="utf-8")
@@ -164,7 +164,7 @@ def _agree(state, token: int | None, device) -> int:
 
     pick = torch.tensor([-1 if token is None or state.sp_rank != 0 else token],
                         dtype=torch.long, device=device)
-    if state.sp_size > 1:
+    if state.layout.sp > 1:
         dist.all_reduce(pick, op=dist.ReduceOp.MAX, group=state.sp_group)
     return int(pick.item())
 
@@ -188,7 +188,7 @@ def _prefill(decoder, lm_head, tokens: list[int], state, pad_id: int, device, ca
     pick = torch.tensor([-1], dtype=torch.long, device=device)
     if last is not None:
         pick[0] = lm_head(hidden[last:last + 1]).argmax(dim=-1)[0]
-    if state.sp_size > 1:
+    if state.layout.sp > 1:
         dist.all_reduce(pick, op=dist.ReduceOp.MAX, group=state.sp_group)
     return int(pick.item()), batch
 

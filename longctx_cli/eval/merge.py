@@ -38,7 +38,14 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
     from transformers import AutoModelForCausalLM
 
     from longctx_cli.data.tokenizer import load_tokenizer
-    from longctx_cli.runtime.model import DTYPES, bnb_quantization, load_device_map, peft_quietly
+    from longctx_cli.runtime.model import (
+        DTYPES,
+        bnb_quantization,
+        changes_model_config,
+        load_device_map,
+        model_config_of,
+        peft_quietly,
+    )
 
     output = output or default_output(config)
     kind = checkpoint_kind(checkpoint)
@@ -61,6 +68,10 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
     quantization = bnb_quantization(config, dtype)
     kwargs = {"dtype": dtype, "attn_implementation": MERGE_ATTENTION,
               "trust_remote_code": config.trust_remote_code}
+    if changes_model_config(config) and not (checkpoint / "base_model").is_dir():
+        # The adapter was trained on the base under the run's config (RoPE scaling, overrides);
+        # a bundled base_model/ was saved with it already.
+        kwargs["config"] = model_config_of(config)
     if quantization is not None:
         kwargs.update(quantization_config=quantization, device_map=load_device_map())
     say(f"loading the base model {base_path}"

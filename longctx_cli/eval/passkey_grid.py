@@ -24,7 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from longctx_cli.constants import IGNORE_INDEX
-from longctx_cli.data.passkey import PasskeySample, make_passkey_sample
+from longctx_cli.data.passkey import EVAL_DEPTHS, PasskeySample, make_passkey_sample
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import gather_sequence, shard_batch
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from longctx_cli.config import Config
 
 EVAL_SEED = "longctx-eval-passkey"
-DEFAULT_DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
 DEFAULT_KEY_LENGTH = 5
 
 
@@ -115,7 +114,7 @@ def key_length_of(config: Config) -> int:
 def grid_spec(config: Config, tokenizer: PreTrainedTokenizerBase) -> GridSpec:
     """The grid from the config, defaults derived from `sequence_len`; checked to be feasible."""
     key_length = key_length_of(config)
-    depths = config.eval_depths if config.eval_depths is not None else DEFAULT_DEPTHS
+    depths = config.eval_depths if config.eval_depths is not None else EVAL_DEPTHS
     bad_depths = [d for d in depths if not 0.0 <= d <= 1.0]
     if bad_depths or not depths:
         raise UserError(f"eval_depths must be a non-empty list of numbers in [0, 1], got {depths}.",
@@ -220,7 +219,7 @@ def run_passkey_grid(
 ) -> GridResult:
     """Score every cell; data-parallel groups split each cell's samples. Every rank returns
     the full result."""
-    ctx, dp_rank, dp_size, device = state, state.dp_rank, state.dp_size, state.device
+    ctx, dp_rank, dp_size, device = state, state.dp_rank, state.layout.dp, state.device
     mine: list[SampleResult] = []
     bar = tqdm(spec.cells, desc=f"passkey {label}".strip(), unit="cell",
                disable=None if show_progress else True, dynamic_ncols=True)

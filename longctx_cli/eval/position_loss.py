@@ -96,7 +96,7 @@ def position_loss(
     label: str = "",
 ) -> PositionLoss:
     """Per-bucket loss of `rows` (a prepared dataset); every rank returns the global result."""
-    dp_rank, dp_size, device = state.dp_rank, state.dp_size, state.device
+    dp_rank, dp_size, device = state.dp_rank, state.layout.dp, state.device
     starts, ends = bucket_edges(sequence_len, buckets)
     sums = torch.zeros(len(starts), dtype=torch.float64, device=device)
     counts = torch.zeros(len(starts), dtype=torch.float64, device=device)

@@ -155,7 +155,7 @@ def run_ruler(
                disable=None if show_progress else True, dynamic_ncols=True)
     for task, length in bar:
         budget = TASKS[task].max_new_tokens
-        for index in range(state.dp_rank, spec.samples, state.dp_size):
+        for index in range(state.dp_rank, spec.samples, state.layout.dp):
             sample = make_sample(task, tokenizer, length, index, RULER_SEED)
             new = greedy_tokens(decoder, lm_head, sample.prompt_ids, budget, state, pad_id,
                                 state.device, tokenizer.eos_token_id)

@@ -1,13 +1,6 @@
 """Sequence parallelism: process groups, row sharding and exact SP attention."""
 
 from .attention import ATTN_IMPLEMENTATION, register_sp_attention, sp_attention
-from .kernels import (
-    AttentionFeatures,
-    Segment,
-    doc_causal_attention,
-    doc_causal_backward,
-    doc_causal_forward,
-)
 from .mesh import ParallelState, build_parallel_state
 from .sharding import (
     ShardedBatch,
@@ -16,6 +9,13 @@ from .sharding import (
     make_sp_meta,
     shard_batch,
     slice_sequence,
+)
+from .torch_kernel import (
+    AttentionFeatures,
+    Segment,
+    doc_causal_attention,
+    doc_causal_backward,
+    doc_causal_forward,
 )
 
 __all__ = [

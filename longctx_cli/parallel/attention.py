@@ -40,11 +40,11 @@ class AttentionStrategy(Protocol):
 def ring_strategy(ctx: ParallelState) -> AttentionStrategy:
     """The ring a layout runs (alone, or across the Ulysses groups of hybrid): a P2P ring
     (``batch_*``), else ring-flash-attn's llama3 ring for the flash kernel, else ours."""
-    if ctx.p2p:
+    if ctx.layout.p2p:
         from .ring_p2p import p2p_ring_attention  # lazy: only P2P runs need it
 
         return p2p_ring_attention
-    if ctx.kernel == "flash":
+    if ctx.layout.kernel == "flash":
         from .ring_flash import flash_ring_attention  # lazy: needs ring_flash_attn
 
         return flash_ring_attention
@@ -53,17 +53,17 @@ def ring_strategy(ctx: ParallelState) -> AttentionStrategy:
 
 def strategy_for(ctx: ParallelState) -> AttentionStrategy:
     """The strategy function a rank with this state runs (Ulysses picks its kernel inside)."""
-    if ctx.mode == "ring":
+    if ctx.layout.mode == "ring":
         return ring_strategy(ctx)
-    if ctx.mode == "ulysses":
+    if ctx.layout.mode == "ulysses":
         from .ulysses import ulysses_attention
 
         return ulysses_attention
-    if ctx.mode == "hybrid":
-        from .hybrid import hybrid_attention
+    if ctx.layout.mode == "hybrid":
+        from .ulysses_ring import hybrid_attention
 
         return partial(hybrid_attention, ring=ring_strategy(ctx))
-    raise ValueError(f"unknown sequence_parallel_mode {ctx.mode!r}")
+    raise ValueError(f"unknown sequence_parallel_mode {ctx.layout.mode!r}")
 
 
 def sp_attention(
@@ -191,7 +191,7 @@ def _check_position_scaling(module: torch.nn.Module, meta: Any) -> None:
     floor = getattr(module, "floor_scale", None)
     if not isinstance(meta, SPMeta) or not floor:
         return
-    if meta.ctx.sp_size == 1 and len(meta.cu_host) == 2:
+    if meta.ctx.layout.sp == 1 and len(meta.cu_host) == 2:
         return  # one document from index 0: the index is the position
     if max(meta.local_len, meta.max_seqlen) >= floor:
         raise ValueError(

@@ -88,14 +88,14 @@ def decode_attention(
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # -inf where this rank holds no visible key
     m = lse.clone()
-    if meta.ctx.sp_size > 1:
+    if meta.ctx.layout.sp > 1:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=meta.ctx.sp_group)
     if sinks is not None:  # one value-less logit per head, counted once
         m = torch.maximum(m, sinks.float().view(kv_heads, group))
     probs = torch.exp(scores - m[..., None])  # 0 at masked keys
     numerator = torch.einsum("hgl,lhd->hgd", probs, vf)
     denominator = probs.sum(-1)
-    if meta.ctx.sp_size > 1:
+    if meta.ctx.layout.sp > 1:
         both = torch.cat([numerator.flatten(), denominator.flatten()])
         dist.all_reduce(both, group=meta.ctx.sp_group)
         numerator = both[:numerator.numel()].view_as(numerator)

@@ -47,47 +47,6 @@ class ParallelState:
         d, c, t = layout.coords(rank)
         return cls(layout, c, d, t, **groups)
 
-    # What the attention strategies and the trainer read, from the layout.
-    @property
-    def sp_size(self) -> int:
-        return self.layout.sp
-
-    @property
-    def dp_size(self) -> int:
-        return self.layout.dp
-
-    @property
-    def tp_size(self) -> int:
-        return self.layout.tp
-
-    @property
-    def mode(self) -> str:
-        return self.layout.mode
-
-    @property
-    def sharding(self) -> str:
-        return self.layout.sharding
-
-    @property
-    def kernel(self) -> str:
-        return self.layout.kernel
-
-    @property
-    def heads_k_stride(self) -> int:
-        return self.layout.heads_k_stride
-
-    @property
-    def ring_attn_func(self) -> str:
-        return self.layout.ring_attn_func
-
-    @property
-    def ulysses_degree(self) -> int:
-        return self.layout.ulysses
-
-    @property
-    def p2p(self) -> bool:
-        return self.layout.p2p
-
     def with_layout(self, **changes: object) -> ParallelState:
         """The same rank and groups under a layout with ``changes`` (e.g. another kernel)."""
         return replace(self, layout=replace(self.layout, **changes))

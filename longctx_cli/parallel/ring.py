@@ -13,20 +13,20 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import (
-    AttentionFeatures,
-    as_features,
-    doc_causal_backward,
-    doc_causal_forward,
-    out_like,
-    sink_grad,
-)
 from .sharding import (
     SPMeta,
     all_gather_tensor,
     reduce_scatter_sum,
     to_global_order,
     to_rank_order,
+)
+from .torch_kernel import (
+    AttentionFeatures,
+    as_features,
+    doc_causal_backward,
+    doc_causal_forward,
+    out_like,
+    sink_grad,
 )
 
 
@@ -35,7 +35,7 @@ class _Gather:
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, meta: SPMeta):
         self.meta = meta
-        group, n = meta.ctx.sp_group, meta.ctx.sp_size
+        group, n = meta.ctx.sp_group, meta.ctx.layout.sp
         if n == 1:
             self.k, self.v, self.handles = k, v, []
             return
@@ -53,10 +53,10 @@ class _Gather:
 
 
 def _reduce_scatter(full: torch.Tensor, meta: SPMeta) -> torch.Tensor:
-    if meta.ctx.sp_size == 1:
+    if meta.ctx.layout.sp == 1:
         return full
     src = to_rank_order(full, meta).contiguous()
-    out = src.new_empty((src.shape[0] // meta.ctx.sp_size, *src.shape[1:]))
+    out = src.new_empty((src.shape[0] // meta.ctx.layout.sp, *src.shape[1:]))
     reduce_scatter_sum(out, src, group=meta.ctx.sp_group)
     return out
 
@@ -74,7 +74,7 @@ def _head_groups(q: torch.Tensor, k: torch.Tensor, stride: int) -> list[tuple[sl
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, meta, feats):  # type: ignore[override]
-        groups = _head_groups(q, k, meta.ctx.heads_k_stride)
+        groups = _head_groups(q, k, meta.ctx.layout.heads_k_stride)
         out = out_like(q, v)  # v's head dim (multi-head latent attention: not q's)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
         pending = _Gather(k[:, groups[0][1]], v[:, groups[0][1]], meta)
@@ -86,7 +86,7 @@ class RingAttention(torch.autograd.Function):
             # Each local query sees every key it may attend to here, so sinks join now.
             o, lo = doc_causal_forward(
                 q[:, qh], kf, vf, meta.segments, feats, None if sinks is None else sinks[qh],
-                kernel=meta.ctx.kernel,
+                kernel=meta.ctx.layout.kernel,
             )
             out[:, qh] = o
             lse[qh] = lo
@@ -109,7 +109,7 @@ class RingAttention(torch.autograd.Function):
                 pending = _Gather(k[:, nxt], v[:, nxt], meta)
             dqi, dkf, dvf = doc_causal_backward(
                 dout[:, qh], q[:, qh], kf, vf, out[:, qh], lse[qh], meta.segments, ctx.feats,
-                kernel=meta.ctx.kernel,
+                kernel=meta.ctx.layout.kernel,
             )
             dq[:, qh] = dqi
             dk[:, kh] = _reduce_scatter(dkf, meta)

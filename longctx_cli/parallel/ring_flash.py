@@ -86,7 +86,7 @@ def _new_flash_params(
     meta: SPMeta, prepare: Callable[..., Any], device: torch.device
 ) -> tuple[Any, ...]:
     cu = meta.cu_seqlens.to(device=device, dtype=torch.int32)  # the kernels read it there
-    return prepare(cu, True, meta.ctx.sp_rank, meta.ctx.sp_size)
+    return prepare(cu, True, meta.ctx.sp_rank, meta.ctx.layout.sp)
 
 
 def flash_ring_attention(
@@ -106,7 +106,7 @@ def flash_ring_attention(
     feats = as_features(features)
     refuse_flash_sinks(sinks)
     q, k, v, v_dim = equal_head_dims(q, k, v)
-    if ctx.sp_size == 1:
+    if ctx.layout.sp == 1:
         return _flash_single(q, k, v, meta, feats)[..., :v_dim]
     if feats.softcap is not None:
         raise NotImplementedError(
@@ -129,7 +129,7 @@ def flash_ring_attention(
         cu_k,
         max_q,
         max_k,
-        ctx.heads_k_stride,
+        ctx.layout.heads_k_stride,
         k_slice,
         dropout_p=0.0,
         softmax_scale=feats.scale,
@@ -179,7 +179,7 @@ def flash_p2p_unfit(
         return "attention sinks: flash-attn 2 has no sink argument"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"{q.dtype}: flash-attn computes in float16/bfloat16 only"
-    if meta.ctx.ring_attn_func == "batch_ring" and q.dtype == torch.float16:
+    if meta.ctx.layout.ring_attn_func == "batch_ring" and q.dtype == torch.float16:
         return "float16: ring-flash-attn 0.1.8's batch_ring returns dq in bfloat16"
     return None
 
@@ -199,7 +199,7 @@ def flash_p2p_attention(
     """
     ctx = meta.ctx
     feats = as_features(features)
-    module, name = _P2P[ctx.ring_attn_func]
+    module, name = _P2P[ctx.layout.ring_attn_func]
     func = getattr(_import_module(module), name)
     q, k, v, v_dim = equal_head_dims(q, k, v)
     out = func(

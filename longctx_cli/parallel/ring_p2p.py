@@ -32,7 +32,9 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from .kernels import (
+from .mesh import ParallelState
+from .sharding import SPMeta, local_ranges
+from .torch_kernel import (
     AttentionFeatures,
     Piece,
     apply_sinks,
@@ -42,8 +44,6 @@ from .kernels import (
     pieces_forward,
     sink_grad,
 )
-from .mesh import ParallelState
-from .sharding import SPMeta, local_ranges
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class _Ring:
     """Batched sends to the next rank and receives from the previous one of an SP group."""
 
     def __init__(self, ctx: ParallelState):
-        n, r, group = ctx.sp_size, ctx.sp_rank, ctx.sp_group
+        n, r, group = ctx.layout.sp, ctx.sp_rank, ctx.sp_group
         self.group = group
         self.to = dist.get_global_rank(group, (r + 1) % n)
         self.frm = dist.get_global_rank(group, (r - 1) % n)
@@ -107,7 +107,7 @@ def _stripe_pieces(
 ) -> tuple[tuple[Piece, ...], int | None]:
     """stripe: the pieces and the window in block coordinates (see the module doc)."""
     ctx = meta.ctx
-    n, r, length = ctx.sp_size, ctx.sp_rank, meta.local_len
+    n, r, length = ctx.layout.sp, ctx.sp_rank, meta.local_len
     e = 1 if src > r else 0
     w = None if window is None else -e - (r - src - window) // n
     if w is not None and w <= 0:  # the window ends before any token of rank src
@@ -125,8 +125,8 @@ def _new_step_geometry(
     meta: SPMeta, step: int, window: int | None
 ) -> tuple[tuple[Piece, ...], int | None]:
     ctx = meta.ctx
-    src = (ctx.sp_rank - step) % ctx.sp_size
-    if ctx.sharding == "stripe":
+    src = (ctx.sp_rank - step) % ctx.layout.sp
+    if ctx.layout.sharding == "stripe":
         return _stripe_pieces(meta, src, window)
     return _run_pieces(meta, src), window
 
@@ -139,8 +139,8 @@ def block_kernel(kernel: str) -> str:
 
 
 def _warn_fallback(meta: SPMeta, why: str) -> None:
-    log.warning("%s: this row runs its blocks on PyTorch's flash op, not ring-flash-attn (%s)",
-                meta.ctx.ring_attn_func, why)
+    log.warning("P2P ring on %s rows: this row runs its blocks on PyTorch's flash op, not "
+                "ring-flash-attn (%s)", meta.ctx.layout.sharding, why)
 
 
 def step_geometry(
@@ -159,7 +159,7 @@ def step_geometry(
 class P2PRingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, meta, feats):  # type: ignore[override]
-        n = meta.ctx.sp_size
+        n = meta.ctx.layout.sp
         ring = _Ring(meta.ctx) if n > 1 else None
         out = out_like(q, v, torch.float32, 0.0)  # v's head dim (MLA: not q's)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
@@ -173,7 +173,7 @@ class P2PRingAttention(torch.autograd.Function):
             pieces, step_feats = step_geometry(meta, step, feats)
             if pieces:  # merged into the running result in place: no per-block copy
                 pieces_forward(q, cur[0], cur[1], pieces, step_feats, out, lse,
-                               kernel=block_kernel(meta.ctx.kernel))
+                               kernel=block_kernel(meta.ctx.layout.kernel))
             if pending is not None:
                 _wait(pending)
                 spare = None if step == 0 else cur  # never recycle the caller's own k, v
@@ -190,7 +190,7 @@ class P2PRingAttention(torch.autograd.Function):
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse, sinks = ctx.saved_tensors
         meta, feats = ctx.meta, ctx.feats
-        n = meta.ctx.sp_size
+        n = meta.ctx.layout.sp
         ring = _Ring(meta.ctx) if n > 1 else None
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -208,7 +208,7 @@ class P2PRingAttention(torch.autograd.Function):
             if pieces:  # dq straight into its accumulator; this block's dK/dV on their own
                 block = (dq, torch.zeros_like(cur[0]), torch.zeros_like(cur[1]))
                 pieces_backward(dout, q, cur[0], cur[1], out, lse, pieces, step_feats, block,
-                                kernel=block_kernel(meta.ctx.kernel))
+                                kernel=block_kernel(meta.ctx.layout.kernel))
             # This block's dK/dV so far: from the previous rank (in flight during the compute
             # above), or zero on the block's home rank.
             if step == 0:
@@ -250,7 +250,7 @@ def p2p_ring_attention(
 
     Same contract as :func:`.ring.ring_attention`: q ``[local_tokens, Hq, D]``, k/v
     ``[local_tokens, Hkv, D]`` (``Hq % Hkv == 0``), ``sinks`` ``[Hq]`` optional and
-    differentiable; the layout is ``meta.ctx.sharding`` (contiguous, zigzag or stripe).
+    differentiable; the layout is ``meta.ctx.layout.sharding`` (contiguous, zigzag or stripe).
     With the ``flash`` kernel, ring-flash-attn's P2P functions run where they are exact
     (see :func:`.ring_flash.flash_p2p_unfit`); other rows use this module's kernel.
     """
@@ -258,7 +258,7 @@ def p2p_ring_attention(
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} must be a multiple of KV heads {k.shape[1]}")
     ctx = meta.ctx
-    if ctx.kernel == "flash" and ctx.sp_size > 1:
+    if ctx.layout.kernel == "flash" and ctx.layout.sp > 1:
         from .ring_flash import flash_p2p_attention, flash_p2p_unfit
 
         why = flash_p2p_unfit(q, meta, feats, sinks)

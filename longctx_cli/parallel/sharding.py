@@ -55,7 +55,7 @@ class SPMeta:
 
     @property
     def local_len(self) -> int:
-        return self.total_len // self.ctx.sp_size
+        return self.total_len // self.ctx.layout.sp
 
     def derived(self, build: Callable[..., T], *args: Hashable) -> T:
         """``build(self, *args)``, computed once per row: every layer of the row needs the same
@@ -110,8 +110,8 @@ def segments_for(cu_seqlens: list[int], ranges: tuple[tuple[int, int], ...]) -> 
 
 def slice_sequence(full: torch.Tensor, ctx: ParallelState, dim: int = 0) -> torch.Tensor:
     """This rank's part of a full-row tensor (inverse of :func:`gather_sequence`)."""
-    if ctx.sharding == "stripe" and ctx.sp_size > 1:
-        n = ctx.sp_size
+    if ctx.layout.sharding == "stripe" and ctx.layout.sp > 1:
+        n = ctx.layout.sp
         if full.shape[dim] % n:
             raise ValueError(f"row length {full.shape[dim]} is not a multiple of {n}")
         return full.unflatten(dim, (full.shape[dim] // n, n)).select(dim + 1, ctx.sp_rank)
@@ -124,25 +124,25 @@ def gather_sequence(local: torch.Tensor, ctx: ParallelState, dim: int = 0) -> to
 
     Not differentiable; meant for evaluation and tests.
     """
-    if ctx.sp_size == 1:
+    if ctx.layout.sp == 1:
         return local
-    parts = [torch.empty_like(local) for _ in range(ctx.sp_size)]
+    parts = [torch.empty_like(local) for _ in range(ctx.layout.sp)]
     dist.all_gather(parts, local.contiguous(), group=ctx.sp_group)
-    if ctx.sharding == "contiguous":
+    if ctx.layout.sharding == "contiguous":
         return torch.cat(parts, dim=dim)
-    if ctx.sharding == "stripe":  # token i came from rank i % N
+    if ctx.layout.sharding == "stripe":  # token i came from rank i % N
         return torch.stack(parts, dim=dim + 1).flatten(dim, dim + 1)
     stored = [half for p in parts for half in p.chunk(2, dim=dim)]  # rank order
-    return torch.cat([stored[i] for i in zigzag_positions(ctx.sp_size)], dim=dim)
+    return torch.cat([stored[i] for i in zigzag_positions(ctx.layout.sp)], dim=dim)
 
 
 def to_global_order(gathered: torch.Tensor, meta: SPMeta) -> torch.Tensor:
     """A rank-ordered all-gather output (dim 0) in global token order, for every sharding."""
     ctx = meta.ctx
-    n = ctx.sp_size
-    if ctx.sharding == "contiguous" or n == 1:
+    n = ctx.layout.sp
+    if ctx.layout.sharding == "contiguous" or n == 1:
         return gathered
-    if ctx.sharding == "stripe":  # rank r's part holds tokens r, r + n, ...
+    if ctx.layout.sharding == "stripe":  # rank r's part holds tokens r, r + n, ...
         return gathered.unflatten(0, (n, -1)).transpose(0, 1).flatten(0, 1)
     stored = gathered.chunk(2 * n)
     return torch.cat([stored[i] for i in zigzag_positions(n)])
@@ -151,10 +151,10 @@ def to_global_order(gathered: torch.Tensor, meta: SPMeta) -> torch.Tensor:
 def to_rank_order(full: torch.Tensor, meta: SPMeta) -> torch.Tensor:
     """Inverse of :func:`to_global_order`: the layout a reduce-scatter expects."""
     ctx = meta.ctx
-    n = ctx.sp_size
-    if ctx.sharding == "contiguous" or n == 1:
+    n = ctx.layout.sp
+    if ctx.layout.sharding == "contiguous" or n == 1:
         return full
-    if ctx.sharding == "stripe":
+    if ctx.layout.sharding == "stripe":
         return full.unflatten(0, (-1, n)).transpose(0, 1).flatten(0, 1)
     chunks = full.chunk(2 * n)
     return torch.cat([chunks[j] for j in zigzag_order(n)])
@@ -223,7 +223,7 @@ def shard_batch(
         shift_labels=slice_sequence(shifted, ctx).unsqueeze(0),
         sp_meta=meta,
     )
-    if ctx.tp_size > 1:
+    if ctx.layout.tp > 1:
         from .tensor_parallel import tp_batch
 
         batch = tp_batch(batch, ctx)

@@ -57,8 +57,8 @@ def relay_applies(meta: SPMeta) -> bool:
     (a one-token call would take the modules' decode path). Stripe rows hand a state over
     at every token: they take the prefix path."""
     ctx = meta.ctx
-    links = ctx.sp_size * (2 if ctx.sharding == "zigzag" else 1)
-    return (ctx.sp_size > 1 and ctx.sharding in ("contiguous", "zigzag")
+    links = ctx.layout.sp * (2 if ctx.layout.sharding == "zigzag" else 1)
+    return (ctx.layout.sp > 1 and ctx.layout.sharding in ("contiguous", "zigzag")
             and meta.total_len // links >= 2)
 
 
@@ -70,8 +70,8 @@ def relay_calls(meta: SPMeta) -> tuple[Call, ...]:
 def _links(meta: SPMeta) -> list[tuple[int, int, int]]:
     """``(start, end, owner)`` of every link, in global order."""
     ctx, total = meta.ctx, meta.total_len
-    n = ctx.sp_size
-    if ctx.sharding == "contiguous":
+    n = ctx.layout.sp
+    if ctx.layout.sharding == "contiguous":
         size = total // n
         return [(r * size, (r + 1) * size, r) for r in range(n)]
     size = total // (2 * n)

@@ -233,9 +233,9 @@ def tp_batch(batch, tp: ParallelState):
     all), but loss targets only for its own contiguous `1/tp` of them (the slice its
     residual stream holds), so token counts and loss sums partition the row exactly."""
     labels = batch.shift_labels
-    if labels.shape[-1] % tp.tp_size:
-        raise ValueError(f"{labels.shape[-1]} local tokens do not split over tp {tp.tp_size}")
-    n = labels.shape[-1] // tp.tp_size
+    if labels.shape[-1] % tp.layout.tp:
+        raise ValueError(f"{labels.shape[-1]} local tokens do not split over tp {tp.layout.tp}")
+    n = labels.shape[-1] // tp.layout.tp
     return replace(batch, shift_labels=labels[..., tp.tp_rank * n : (tp.tp_rank + 1) * n])
 
 
@@ -280,7 +280,7 @@ class _VocabParallelCE(torch.autograd.Function):
 
 def _gather_tokens(x: torch.Tensor, tp: ParallelState) -> torch.Tensor:
     """Non-differentiable all-gather along dim 0 (labels)."""
-    out = x.new_empty((x.shape[0] * tp.tp_size, *x.shape[1:]))
+    out = x.new_empty((x.shape[0] * tp.layout.tp, *x.shape[1:]))
     dist.all_gather_into_tensor(out, x.contiguous(), group=tp.tp_group)
     return out
 
@@ -308,7 +308,7 @@ def tp_loss_sum(head: nn.Module, hidden: torch.Tensor, shift_labels: torch.Tenso
 
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = shift_labels.reshape(-1)
-    step = hidden.shape[0] if chunk_size is None else max(1, chunk_size // tp.tp_size)
+    step = hidden.shape[0] if chunk_size is None else max(1, chunk_size // tp.layout.tp)
     total = hidden.sum().float() * 0.0  # keeps every rank's backward through the decoder
     for start in range(0, hidden.shape[0], step):
         chunk_labels = labels[start : start + step]

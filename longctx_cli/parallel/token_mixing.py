@@ -108,14 +108,14 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, part: torch.Tensor, meta: SPMeta) -> torch.Tensor:  # type: ignore[override]
         ctx.meta = meta
-        out = part.new_empty((part.shape[0] * meta.ctx.sp_size, *part.shape[1:]))
+        out = part.new_empty((part.shape[0] * meta.ctx.layout.sp, *part.shape[1:]))
         all_gather_tensor(out, part.contiguous(), group=meta.ctx.sp_group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         meta = ctx.meta
-        out = grad.new_empty((grad.shape[0] // meta.ctx.sp_size, *grad.shape[1:]))
+        out = grad.new_empty((grad.shape[0] // meta.ctx.layout.sp, *grad.shape[1:]))
         reduce_scatter_sum(out, grad.contiguous(), group=meta.ctx.sp_group)
         return out, None
 
@@ -177,7 +177,7 @@ def _owners(meta: SPMeta) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
     owner = torch.empty(total, dtype=torch.long)
     index = torch.empty(total, dtype=torch.long)
     segments = []
-    for rank in range(meta.ctx.sp_size):
+    for rank in range(meta.ctx.layout.sp):
         held = slice_sequence(torch.arange(total), ParallelState(layout, sp_rank=rank))
         owner[held] = rank
         index[held] = torch.arange(held.numel())
@@ -195,7 +195,7 @@ def _new_mixer_rows(meta: SPMeta, window: int | None) -> MixerRows:
     cells = torch.cat([torch.arange(s, e) for s, e in rows])  # global token of each cell
     target = torch.cat([torch.arange(i * width, i * width + e - s)
                         for i, (s, e) in enumerate(rows)])
-    n, me, send, slots = meta.ctx.sp_size, meta.ctx.sp_rank, None, 0
+    n, me, send, slots = meta.ctx.layout.sp, meta.ctx.sp_rank, None, 0
     if n == 1:
         source = cells
     elif window is None:  # the whole row arrives; own tokens are read from it too
@@ -228,7 +228,7 @@ def _new_mixer_rows(meta: SPMeta, window: int | None) -> MixerRows:
 def token_pool(local: torch.Tensor, meta: SPMeta, rows: MixerRows) -> torch.Tensor:
     """This rank's tokens ``[local, hidden]``, then what the exchange brings (see
     :class:`MixerRows`), differentiably: gradients flow back to the senders."""
-    if meta.ctx.sp_size == 1:
+    if meta.ctx.layout.sp == 1:
         return local
     if rows.send is None:
         return torch.cat([local, to_global_order(_AllGather.apply(local, meta), meta)])

@@ -37,6 +37,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from longctx_cli.kernel_choice import FLASH_MAX_HEAD_DIM
+
 from .features import AttentionFeatures, Segment
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -45,7 +47,7 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 def _aten_supports(q: torch.Tensor) -> bool:
     """What PyTorch's CUDA flash kernel accepts (see the module doc)."""
     d = q.shape[-1]
-    return q.is_cuda and q.dtype in HALF_DTYPES and d % 8 == 0 and d <= 256
+    return q.is_cuda and q.dtype in HALF_DTYPES and d % 8 == 0 and d <= FLASH_MAX_HEAD_DIM
 
 
 @dataclass(frozen=True)

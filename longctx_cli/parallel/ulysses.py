@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .kernels import AttentionFeatures, as_features, doc_causal_attention
 from .ring_flash import equal_head_dims, flash_window, refuse_flash_sinks
 from .sharding import SPMeta, local_ranges
+from .torch_kernel import AttentionFeatures, as_features, doc_causal_attention
 
 
 @dataclass(frozen=True)
@@ -238,14 +238,14 @@ def ulysses_attention(
     """
     ctx = meta.ctx
     feats = as_features(features)
-    ex = build_exchange(meta, ctx.sp_group, ctx.sp_size)
+    ex = build_exchange(meta, ctx.sp_group, ctx.layout.sp)
     qh, kh, vh = heads_to_ranks(q, k, v, ex)
-    if ctx.kernel == "flash":
+    if ctx.layout.kernel == "flash":
         refuse_flash_sinks(sinks)
         out = _flash_full_row(qh, kh, vh, meta, feats)
     else:
         local_sinks = None if sinks is None else sinks[local_head_slice(q.shape[1], ex, meta)]
         out = doc_causal_attention(
-            qh, kh, vh, meta.cu_host, feats, local_sinks, kernel=ctx.kernel
+            qh, kh, vh, meta.cu_host, feats, local_sinks, kernel=ctx.layout.kernel
         )
     return heads_to_seq(out, ex)

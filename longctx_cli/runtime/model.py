@@ -21,7 +21,7 @@ from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_atte
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.token_mixing import attach_token_mixing
 from longctx_cli.runtime.head import decoder_of, model_head
-from longctx_cli.runtime.memory import apply_tiled_mlp
+from longctx_cli.runtime.memory_savers import apply_tiled_mlp
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,13 @@ def model_config_of(config: Config) -> PretrainedConfig:
     """The Hugging Face config of the model a run trains, `overrides_of_model_config`
     applied: the plan's (`read_model_config`), read anew. Ranks take it from their plan."""
     return read_model_config(config).transformers_config()
+
+
+def changes_model_config(config: Config) -> bool:
+    """The run changes the model's own config (`overrides_of_model_config`, `rope_scaling`,
+    `rope_theta`): whatever loads its base weights must load them with the run's config."""
+    return bool(config.overrides_of_model_config) or config.rope_scaling is not None or (
+        config.rope_theta is not None)
 
 
 def is_mxfp4(hf_config: PretrainedConfig) -> bool:
@@ -110,7 +117,7 @@ def load_base_model(
         )
     else:
         # The overridden config replaces the checkpoint's own (same weights).
-        overridden = {"config": hf_config} if config.overrides_of_model_config else {}
+        overridden = {"config": hf_config} if changes_model_config(config) else {}
         if quantization is not None:
             overridden.update(quantization_config=quantization, device_map=load_device_map())
         elif is_mxfp4(hf_config):
@@ -312,7 +319,7 @@ def build_model(config: Config, state: ParallelState | None = None,
         apply_tiled_mlp(model, config.tiled_mlp_tiles)
     if config.dtype == "float16":
         keep_float32_master_weights(model)
-    if state.tp_size > 1:
+    if state.layout.tp > 1:
         from longctx_cli.parallel.tensor_parallel import apply_tensor_parallel
 
         base = unwrap(model)

@@ -27,7 +27,7 @@ def eval_interval(config: Config, steps_per_epoch: int, num_steps: int) -> int |
 def evaluate_loss(decoder: torch.nn.Module, lm_head: torch.nn.Module, rows, config: Config,
                   state: ParallelState, pad_id: int) -> float:
     """Token-weighted eval loss over all ranks; every rank runs the same number of forwards."""
-    dp_rank, dp_size, device = state.dp_rank, state.dp_size, state.device
+    dp_rank, dp_size, device = state.dp_rank, state.layout.dp, state.device
     per_rank = math.ceil(len(rows) / dp_size)
     loss_sum, count = 0.0, 0
     for i in range(per_rank):

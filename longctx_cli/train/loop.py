@@ -3,7 +3,7 @@
 Runs inside every rank of a torchrun job. Each concern keeps its own cadence in its own
 module and the loop only calls it: the step (step.py), which rows a step reads
 (schedule.py), reports (metrics.py), evaluation (evaluation.py), stop rules (stopping.py)
-and checkpoints and the final export (checkpointing.py).
+and checkpoints and the final export (checkpointer.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from longctx_cli.parallel.mesh import ParallelState, build_parallel_state
 from longctx_cli.runtime.batches import micro_batches
 from longctx_cli.runtime.distributed import init_distributed, load_rows
 from longctx_cli.runtime.model import build_model, decoder_and_head
-from longctx_cli.train.checkpointing import Checkpointer
+from longctx_cli.train.checkpointer import Checkpointer
 from longctx_cli.train.evaluation import Evaluator
 from longctx_cli.train.metrics import Metrics
 from longctx_cli.train.optim import is_plateau, make_optimizer, make_scheduler
@@ -45,22 +45,29 @@ def setup_model(config: Config, plan: Plan, state: ParallelState
         model.to(state.device)
     use_fsdp = config.fsdp and dist.get_world_size() > 1 and state.fsdp_mesh is not None
     precision = setup_precision(model, config.dtype, state.device,
-                                sharded_grads=use_fsdp or state.tp_size > 1)
+                                sharded_grads=use_fsdp or state.layout.tp > 1)
     return model, precision, use_fsdp
 
 
-def close_run(metrics: Metrics, progress: Progress) -> None:
-    """End the bar, the metric files and the heartbeat, then leave the process group
-    together (a rank leaving while another still talks to it aborts the job at exit)."""
-    metrics.close()
-    progress.close()
+def leave_process_group() -> None:
+    """Every rank leaves together, after its last collective: a rank that exits while another
+    still talks to the group, or with the group alive, can abort at exit."""
     dist.barrier()
     dist.destroy_process_group()
 
 
+def close_run(metrics: Metrics, progress: Progress, end_trackers: bool) -> None:
+    """End the bar, the metric files and the heartbeat thread (and, with `end_trackers`, the
+    wandb run), then leave the process group: how a run that stops early ends."""
+    metrics.close()
+    progress.close()
+    if end_trackers:
+        metrics.finish()
+    leave_process_group()
+
+
 def train(config: Config, plan: Plan, probe: str) -> None:
-    """The run on this rank: `plan` is the one `validate` prints, built and checked on this
-    rank (`preflight.check_run`); `probe` the fidelity probe's verdict."""
+    """The run on this rank, under the plan `preflight.check_run` built; `probe`: its verdict."""
     # ---- setup ------------------------------------------------------------------------
     device = init_distributed(config)
     state = build_parallel_state(plan.layout, device)
@@ -80,7 +87,7 @@ def train(config: Config, plan: Plan, probe: str) -> None:
     decoder, lm_head = decoder_and_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(config, params)
-    data = DataPosition(config, state.dp_size, train_rows, stream)
+    data = DataPosition(config, state.layout.dp, train_rows, stream)
     scheduler = make_scheduler(config, optimizer, data.num_steps)
     checkpointer = Checkpointer(config, data, model, optimizer, scheduler)
     evaluator = Evaluator(config, state, decoder, lm_head, eval_rows, pad_id, scheduler,
@@ -116,11 +123,10 @@ def train(config: Config, plan: Plan, probe: str) -> None:
         signal_name = preemption.agreed(device) if step + 1 < data.num_steps else None
         if signal_name is not None:  # every rank saw it at this step: save, then exit 75
             saved = checkpointer.preempt(step, metrics, signal_name)
-            close_run(metrics, progress)
+            close_run(metrics, progress, end_trackers=False)  # wandb resumes the same run
             raise Preempted(step + 1, saved, signal_name)
         if stop == LOSS_WATCHDOG:
-            metrics.close()
-            metrics.finish()
+            close_run(metrics, progress, end_trackers=True)
             raise stopper.watchdog_error(step, checkpointer.last)
         if stop == EARLY_STOPPING:
             end_step = step + 1
@@ -138,5 +144,4 @@ def train(config: Config, plan: Plan, probe: str) -> None:
         lines = summary_lines(time.perf_counter() - run_started, end_step - start_step,
                               metrics.tokens, peaks, device, Path(config.output_dir), final)
         print("\n".join(lines), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()

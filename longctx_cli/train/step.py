@@ -18,7 +18,7 @@ import torch.distributed as dist
 from longctx_cli.config import Config
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import ShardedBatch
-from longctx_cli.runtime.memory import activation_offload
+from longctx_cli.runtime.memory_savers import activation_offload
 from longctx_cli.runtime.model import sp_hidden_states
 from longctx_cli.train.loss import lm_loss_sum, valid_token_count
 from longctx_cli.train.precision import Precision
@@ -45,7 +45,7 @@ def forward_loss_sum(decoder, lm_head, batch: ShardedBatch, config: Config,
     """Summed CE of this rank's shard of one micro-batch (the caller divides)."""
     hidden = sp_hidden_states(decoder, batch)
     chunk = config.loss_chunk_size if config.chunked_loss else None
-    if state.tp_size > 1:  # vocab-parallel CE over the TP group
+    if state.layout.tp > 1:  # vocab-parallel CE over the TP group
         from longctx_cli.parallel.tensor_parallel import tp_loss_sum
 
         return tp_loss_sum(lm_head, hidden, batch.shift_labels, state, chunk)
@@ -62,7 +62,7 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 def sum_gradients(params: list[torch.nn.Parameter], state: ParallelState) -> None:
     """Sum gradients over the ranks holding the same parameters (the loss is pre-divided),
     one flat buffer per dtype; under TP, DTensor's partial sums over the TP group first."""
-    if state.tp_size > 1:
+    if state.layout.tp > 1:
         from longctx_cli.parallel.tensor_parallel import finish_partial_gradients
 
         finish_partial_gradients(params)
@@ -118,7 +118,7 @@ def train_step(
     # FSDP2 averages gradients over its mesh (the world, or dp x cp with TP, whose own sums
     # DTensor does); the loss is already normalised by the global token count, so scale it
     # up to turn that average into the sum we need.
-    replicas = dist.get_world_size() // state.tp_size
+    replicas = dist.get_world_size() // state.layout.tp
     backward_divisor = divisor / replicas if use_fsdp else divisor
     local_loss = 0.0
     for i, batch in enumerate(batches):

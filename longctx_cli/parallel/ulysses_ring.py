@@ -53,10 +53,10 @@ def ring_meta(meta: SPMeta, local_kv_heads: int) -> SPMeta:
 
 def _new_ring_meta(meta: SPMeta, local_kv_heads: int) -> SPMeta:
     ctx = meta.ctx
-    u = ctx.ulysses_degree
+    u = ctx.layout.ulysses
     ring_ctx = replace(
         ctx,
-        layout=ctx.layout.ring_part(gcd(ctx.heads_k_stride, local_kv_heads)),
+        layout=ctx.layout.ring_part(gcd(ctx.layout.heads_k_stride, local_kv_heads)),
         sp_group=ctx.ring_group,
         sp_rank=ctx.sp_rank // u,
         ulysses_group=None,
@@ -93,7 +93,7 @@ def hybrid_attention(
     Needs ``H % U == 0`` and ``H_kv`` and ``U`` dividing one another. ``sinks`` ``[H]`` optional.
     """
     ctx = meta.ctx
-    u = ctx.ulysses_degree
+    u = ctx.layout.ulysses
     # The Layout refused stripe sharding and a ulysses degree not dividing sp.
     ex = build_exchange(meta, ctx.ulysses_group, u)
     qh, kh, vh = heads_to_ranks(q, k, v, ex)

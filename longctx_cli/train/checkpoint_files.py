@@ -151,6 +151,11 @@ def save_checkpoint(
         if rank == 0:
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2))
+            # The model's config as trained (overrides and RoPE scaling included): what the
+            # weights in state/ mean, readable without longctx.
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            base.config.save_pretrained(tmp)
+            _plain_attention_config(tmp)
         _barrier()
         digest = write_manifest(tmp)
         if rank == 0:

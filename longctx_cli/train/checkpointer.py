@@ -1,4 +1,4 @@
-"""When a run saves, using checkpoint.py's writers: resume at the start, a checkpoint every
+"""When a run saves, using checkpoint_files.py's writers: resume at the start, a checkpoint every
 `save_interval` steps (Axolotl's cadence) and one at the end when saving is on, then the
 Hugging Face export to `final/`. Every rank calls these: the saves are collective."""
 
@@ -13,7 +13,7 @@ import torch.distributed as dist
 from longctx_cli.config import Config
 from longctx_cli.runtime.model import load_base_model
 from longctx_cli.runtime.supervise import clear_marker, resume_setting, write_marker
-from longctx_cli.train.checkpoint import (
+from longctx_cli.train.checkpoint_files import (
     export_final,
     load_checkpoint,
     resolve_resume,
