@@ -179,7 +179,7 @@ def _token_mixing(cfg: Any, plan: Any) -> str | None:
     model = meta_model(cfg)
     if model is None:
         return None
-    return describe(model, plan.sp, plan.layout.sharding, cfg.sequence_len,
+    return describe(model, plan.layout.sp, plan.layout.sharding, cfg.sequence_len,
                     plan.model.hidden_size, DTYPE_BYTES[cfg.dtype])
 
 
