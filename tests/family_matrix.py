@@ -22,7 +22,6 @@ docs/families.md`); tests/test_family_matrix.py runs the matrix and checks the p
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -326,26 +325,14 @@ def reference_training(family: Family) -> dict[str, Any]:
     """The model's own training: eager attention, forward(labels=) per document."""
     from longctx_cli.runtime.model import load_base_model
     from longctx_cli.train.optim import make_optimizer
+    from tests.own_training import own_training
 
     config = make_config(family)
     model = load_base_model(config, "eager").train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(config, params)
-    max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
-    losses = []
-    for step in range(STEPS):
-        docs = [d for i in step_rows(step) for d in documents(i) if d.numel() > 1]
-        count = sum(d.numel() - 1 for d in docs)
-        total = 0.0
-        for doc in docs:
-            loss = model(input_ids=doc[None], labels=doc[None]).loss * ((doc.numel() - 1) / count)
-            loss.backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(total)
-    return {"losses": losses, "weights": _weights(model)}
+    optimizer = make_optimizer(config, [p for p in model.parameters() if p.requires_grad])
+    steps = [[(d, None) for i in step_rows(step) for d in documents(i) if d.numel() > 1]
+             for step in range(STEPS)]
+    return own_training(model, optimizer, steps, config.max_grad_norm)
 
 
 def feature_activity(family: Family) -> dict[str, float]:

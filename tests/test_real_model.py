@@ -12,7 +12,6 @@ ChatML template trains exactly the assistant turns.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -79,15 +78,15 @@ def _reference(config_path: Path) -> dict[str, Any]:
     from longctx_cli.data.prepare import prepare
     from longctx_cli.train.optim import make_optimizer
     from longctx_cli.train.schedule import DataPosition
+    from tests.own_training import own_training
 
     config = load_config(config_path)
     rows = prepare(config).train
     position = DataPosition(config, 1, rows, None)
     model = AutoModelForCausalLM.from_pretrained(config.base_model, dtype=torch.float32,
                                                  attn_implementation="eager").train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(config, params)
-    losses = []
+    optimizer = make_optimizer(config, [p for p in model.parameters() if p.requires_grad])
+    steps = []
     for step in range(STEPS):
         table, indices = position.step_rows(step)
         docs = []
@@ -96,21 +95,8 @@ def _reference(config_path: Path) -> dict[str, Any]:
                                 ("input_ids", "position_ids", "labels"))
             starts = [*(pos == 0).nonzero().flatten().tolist(), len(ids)]
             docs += [(ids[a:b], labels[a:b]) for a, b in zip(starts, starts[1:], strict=False)]
-        count = sum(int((lab[1:] != -100).sum()) for _, lab in docs)
-        total = 0.0
-        for ids, labels in docs:
-            targets = int((labels[1:] != -100).sum())
-            if targets == 0:
-                continue
-            loss = model(input_ids=ids[None], labels=labels[None]).loss * (targets / count)
-            loss.backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm or math.inf)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(total)
-    weights = {k: v.detach().double().numpy().copy() for k, v in model.named_parameters()}
-    return {"losses": losses, "weights": weights}
+        steps.append(docs)
+    return own_training(model, optimizer, steps, config.max_grad_norm)
 
 
 def _trained(out: Path) -> dict[str, Any]:

@@ -10,7 +10,6 @@ under the rings and Ulysses at sp 2. The scaling is active: without it the loss 
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import pytest
@@ -68,25 +67,14 @@ def reference(scaling: dict[str, Any] | None) -> dict[str, Any]:
     """The model's own training of the (scaled) model: eager attention, per document."""
     from longctx_cli.runtime.model import load_base_model
     from longctx_cli.train.optim import make_optimizer
+    from tests.own_training import own_training
 
     config = _config(scaling)
     model = load_base_model(config, "eager").train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(config, params)
-    losses = []
-    for step in range(STEPS):
-        docs = _documents(step)
-        count = sum(d.numel() - 1 for d in docs)
-        total = 0.0
-        for doc in docs:
-            loss = model(input_ids=doc[None], labels=doc[None]).loss * ((doc.numel() - 1) / count)
-            loss.backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm or math.inf)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(total)
-    return {"losses": losses, "weights": _weights(model), "config": model.config.to_dict()}
+    optimizer = make_optimizer(config, [p for p in model.parameters() if p.requires_grad])
+    steps = [[(d, None) for d in _documents(step)] for step in range(STEPS)]
+    return {**own_training(model, optimizer, steps, config.max_grad_norm),
+            "config": model.config.to_dict()}
 
 
 def _longctx(rank: int, world_size: int, scaling: dict[str, Any],

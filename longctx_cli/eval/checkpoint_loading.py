@@ -158,6 +158,20 @@ def _load_dcp(path: Path, config: Config) -> nn.Module:
     return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
 
 
+def _run_config_for_base(config: Config, path: Path):
+    """The run's model config when `path` is the run's own `base_model` and the run changes
+    its config (RoPE scaling, overrides): evaluating the base under the run's settings is the
+    "before" of the run. Any other full model keeps its own config.json."""
+    from longctx_cli.runtime.model import changes_model_config, model_config_of
+
+    base = config.base_model
+    if base is None or not changes_model_config(config):
+        return None
+    if Path(base).expanduser().resolve() != path.expanduser().resolve():
+        return None
+    return model_config_of(config)
+
+
 def load_for_eval(config: Config, path: Path) -> nn.Module:
     """The model in `path`, SP attention on, in eval mode, with gradients off."""
     register_sp_attention()
@@ -168,7 +182,7 @@ def load_for_eval(config: Config, path: Path) -> nn.Module:
     elif kind == LORA:
         model = _load_lora(path, config)
     else:
-        model = _from_pretrained(str(path), config)
+        model = _from_pretrained(str(path), config, _run_config_for_base(config, path))
     model.eval()
     model.requires_grad_(False)
     if getattr(model.config, "use_cache", False):

@@ -50,7 +50,9 @@ def run_generate(config_path: Path, checkpoint: Path, prompt_file: Path | None,
                             fix="pass --prompt-file (or run `longctx generate` itself).")
         with rank_errors(alike_on_every_rank=True):
             config, plan = check_run(config, "generate", overrides=overrides)
-        with rank_errors():
+        from longctx_cli.runtime.distributed import process_group_released
+
+        with rank_errors(), process_group_released():
             generate_on_ranks(config, plan, checkpoint, prompt_file.read_text(encoding="utf-8"),
                               max_new_tokens)
         return 0

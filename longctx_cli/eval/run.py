@@ -103,7 +103,9 @@ def run_eval(
     if in_torchrun():
         with rank_errors(alike_on_every_rank=True):
             config, plan = check_run(config, "eval", overrides=overrides)
-        with rank_errors():
+        from longctx_cli.runtime.distributed import process_group_released
+
+        with rank_errors(), process_group_released():
             evaluate(config, plan, checkpoint, compare)
         return 0
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -29,6 +32,24 @@ def quiet_transformers_bars() -> None:
         hf_logging.set_tqdm_hook(hook)
     else:  # older transformers: no hook, so no bars of transformers at all on the ranks
         hf_logging.disable_progress_bar()
+
+
+@contextlib.contextmanager
+def process_group_released() -> Iterator[None]:
+    """Run a rank's work; however it ends (done, refused, preempted, failed), destroy the
+    process group and collect what still holds its groups while the interpreter is alive.
+
+    A Gloo group alive when the process exits is torn down during interpreter finalization,
+    where its worker threads can end the process with `std::terminate` ("terminate called
+    without an active exception", SIGABRT) after a run that succeeded; `destroy_process_group`
+    alone leaves the group alive while a model, a device mesh or the parallel state (often in
+    reference cycles) still points at it."""
+    try:
+        yield
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
 
 
 def init_distributed(config: Config) -> torch.device:

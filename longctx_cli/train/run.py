@@ -78,6 +78,7 @@ def _train_on_rank(config: Config, overwrite: bool, overrides: list[str]) -> int
     """One rank: the plan for the torchrun world (every rule `validate` applies), then the
     loop. Ranks a user's own torchrun or srun started also check what longctx's launcher
     would have checked first: the world around the config and the output folder."""
+    from longctx_cli.runtime.distributed import process_group_released
     from longctx_cli.train.fidelity import check_fidelity
     from longctx_cli.train.loop import train
     from longctx_cli.train.preemption import Preempted
@@ -92,7 +93,7 @@ def _train_on_rank(config: Config, overwrite: bool, overrides: list[str]) -> int
                 check_output_dir(config, overwrite)
             # Before any data or weights: refuse a family longctx would not train exactly.
             probe = check_fidelity(config, plan.model.transformers_config())
-        with rank_errors():
+        with rank_errors(), process_group_released():
             train(config, plan, probe)
     except Preempted as done:
         if rank == 0:

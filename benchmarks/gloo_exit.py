@@ -1,0 +1,88 @@
+"""How often a gloo job aborts at exit when its process group is still alive.
+
+Each run starts 4 processes that join a gloo group, all-gather one tensor and exit, either
+leaving the group alive (torn down during interpreter finalization) or destroying it first
+(what `runtime/distributed.py:process_group_released` does on every longctx rank). A run
+counts as an abort when any process printed "terminate called without an active exception"
+or died of SIGABRT. Prints a table and writes JSON.
+
+    python benchmarks/gloo_exit.py --runs 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WORLD = 4
+ABORT_WORDS = ("terminate called", "SIGABRT", "signal 6")
+
+
+def _worker(rank: int, port: int, destroy: bool) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    out = [torch.empty(1) for _ in range(WORLD)]
+    dist.all_gather(out, torch.tensor([float(rank)]))
+    if destroy:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_run(destroy: bool) -> bool:
+    """Whether this run aborted at exit."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(rank), str(port),
+                               "destroy" if destroy else "keep"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(WORLD)]
+    aborted = False
+    for proc in procs:
+        out, _ = proc.communicate(timeout=120)
+        aborted |= proc.returncode == -6 or any(w in out for w in ABORT_WORDS)
+    return aborted
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "destroy")
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gloo_exit.json"))
+    args = parser.parse_args()
+    import torch
+
+    results = {}
+    for destroy in (False, True):
+        aborts = sum(one_run(destroy) for _ in range(args.runs))
+        results["destroyed" if destroy else "left alive"] = aborts
+    print(f"| process group at exit | aborted runs (of {args.runs}, {WORLD} processes each) |")
+    print("|---|---|")
+    for name, aborts in results.items():
+        print(f"| {name} | {aborts} |")
+    record = {"runs": args.runs, "world": WORLD, "aborted": results, "torch": torch.__version__,
+              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+              "date": time.strftime("%Y-%m-%d")}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
