@@ -1,10 +1,11 @@
 """How often a gloo job aborts at exit when its process group is still alive.
 
-Each run starts 4 processes that join a gloo group, all-gather one tensor and exit, either
-leaving the group alive (torn down during interpreter finalization) or destroying it first
-(what `runtime/distributed.py:process_group_released` does on every longctx rank). A run
-counts as an abort when any process printed "terminate called without an active exception"
-or died of SIGABRT. Prints a table and writes JSON.
+Each run starts 4 processes (`torch.multiprocessing`, spawn) that join a gloo group,
+all-gather one tensor and return, either leaving the group alive (torn down during
+interpreter finalization) or destroying it first (what `runtime/distributed.py:
+process_group_released` does on every longctx rank). A run counts as an abort when it printed
+"terminate called without an active exception" or a process died of SIGABRT. Prints a table
+and writes JSON.
 
     python benchmarks/gloo_exit.py --runs 16
 """
@@ -38,6 +39,13 @@ def _worker(rank: int, port: int, destroy: bool) -> None:
         dist.destroy_process_group()
 
 
+def _job(port: int, destroy: bool) -> None:
+    """One job: WORLD spawned workers (the parent raises if one dies)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_worker, args=(port, destroy), nprocs=WORLD, start_method="spawn")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -46,21 +54,16 @@ def _free_port() -> int:
 
 def one_run(destroy: bool) -> bool:
     """Whether this run aborted at exit."""
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(rank), str(port),
-                               "destroy" if destroy else "keep"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(WORLD)]
-    aborted = False
-    for proc in procs:
-        out, _ = proc.communicate(timeout=120)
-        aborted |= proc.returncode == -6 or any(w in out for w in ABORT_WORDS)
-    return aborted
+    job = subprocess.run([sys.executable, __file__, "--job", str(_free_port()),
+                          "destroy" if destroy else "keep"],
+                         capture_output=True, text=True, timeout=300)
+    out = job.stdout + job.stderr
+    return any(w in out for w in ABORT_WORDS)
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "destroy")
+    if len(sys.argv) > 1 and sys.argv[1] == "--job":
+        _job(int(sys.argv[2]), sys.argv[3] == "destroy")
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=16)
