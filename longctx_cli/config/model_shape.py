@@ -52,8 +52,9 @@ class ModelShape:
     tie_word_embeddings: bool = False
     max_position_embeddings: int | None = None
     source: str = "model config"
-    # What validate prints about the context: native positions, and what RoPE scaling reaches.
-    context: str | None = None
+    # What validate prints about the context: native positions, and what RoPE scaling reaches
+    # (a rendering of the config: not part of the shape's identity).
+    context: str | None = field(default=None, compare=False)
     # The transformers config it was read from, for the fidelity probe (None when unknown).
     hf_config: Any = field(default=None, repr=False, compare=False)
     # The plain dict it was read from without transformers (see `_plain_shape`), if so.
@@ -206,9 +207,18 @@ def _plain_shape(fields: dict[str, Any], source: str) -> ModelShape | None:
             "max_position_embeddings", defaults["max_position_embeddings"]
         ),
         source=source,
+        context=_plain_context(fields, defaults),
         plain_fields=dict(fields),
     )
 
+
+
+def _plain_context(fields: dict[str, Any], defaults: dict[str, Any]) -> str:
+    """The context line of a plain dict (no RoPE scaling: a dict with one is transformers')."""
+    positions = fields.get("max_position_embeddings", defaults["max_position_embeddings"])
+    theta = fields.get("rope_theta")
+    return (f"{positions:,} positions (native, no RoPE scaling"
+            + (f", rope theta {theta:g}" if theta is not None else "") + ")")
 
 
 def build_from_dict(fields: dict[str, Any], key: str) -> Any:
