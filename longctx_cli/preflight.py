@@ -59,9 +59,9 @@ def check_run(
 
 def sp_degree_given(overrides: list[str]) -> bool:
     """Whether the command line sets the SP degree (`--sequence-parallel-degree N`)."""
-    keys = (a.split("=", 1)[0].lstrip("-").replace("-", "_") for a in overrides
-            if a.startswith("--"))
-    return any(k in SP_DEGREE_KEYS for k in keys)
+    from longctx_cli.config.load import parse_overrides
+
+    return any(key in SP_DEGREE_KEYS for key, _, _ in parse_overrides(overrides))
 
 
 def forward_only_plan(
@@ -75,7 +75,8 @@ def forward_only_plan(
     world and that the model allows (one SP group over every rank holds the longest rows;
     the rest of the world, if any, forms data-parallel groups). Every degree computes the
     same tokens and scores (exact SP)."""
-    from longctx_cli.config.plan import plan_for
+    from longctx_cli.config.model_shape import read_model_config
+    from longctx_cli.config.plan import build_plan, plan_for
     from longctx_cli.config.world import resolve_world
 
     config = config.model_copy(update={"tensor_parallel_size": 1, "fsdp": False,
@@ -83,14 +84,17 @@ def forward_only_plan(
     if nproc_per_node is None and not os.environ.get("WORLD_SIZE"):
         # Without flags or torchrun: as many ranks as the run trained with in one SP group.
         nproc_per_node = config.world_size or config.sequence_parallel_degree
-    world, _ = resolve_world(config, nproc_per_node, nnodes)
     if sp_given:
         return config, plan_for(config, nproc_per_node, nnodes)
+    world, source = resolve_world(config, nproc_per_node, nnodes)
+    shape = read_model_config(config)  # the SP settings tried below do not change it
     first_error: UserError | None = None
     for sp in (d for d in range(world, 0, -1) if world % d == 0):
         for candidate in _forward_layouts(config, sp):
             try:
-                return candidate, plan_for(candidate, nproc_per_node, nnodes)
+                return candidate, build_plan(candidate, world, shape,
+                                             nproc_per_node=nproc_per_node,
+                                             world_source=source)
             except UserError as e:
                 first_error = first_error or e
     assert first_error is not None  # sp 1 on the configured mode failed: the model's fault

@@ -20,8 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from longctx_cli.data.tokenizer import byte_tokenizer
-from longctx_cli.eval.generate import prompt_ids
+from tests.test_generate import hf_greedy
 from tests.train_helpers import TINY_LLAMA, run_longctx, write_config, write_documents
 
 
@@ -155,15 +154,6 @@ def trained(tmp_path_factory, documents) -> tuple[Path, Path]:
     return config, tmp / "run" / "final"
 
 
-def _hf_greedy(final: Path) -> list[int]:
-    tok = byte_tokenizer()
-    model = AutoModelForCausalLM.from_pretrained(final, attn_implementation="eager").eval()
-    ids = torch.tensor([prompt_ids(tok, PROMPT)])
-    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
-                         eos_token_id=tok.eos_token_id)
-    return out[0, ids.shape[1]:].tolist()
-
-
 def test_generate_of_an_sp2_run_on_one_and_two_ranks(tmp_path, trained):
     config, final = trained
     prompt = tmp_path / "prompt.txt"
@@ -177,7 +167,7 @@ def test_generate_of_an_sp2_run_on_one_and_two_ranks(tmp_path, trained):
         assert result.returncode == 0, result.stderr[-3000:]
         assert f"on {nproc} rank(s), sp {nproc}" in result.stderr
         tokens[nproc] = json.loads((out / "generate.json").read_text())["new_token_ids"]
-    assert tokens["1"] == tokens["2"] == _hf_greedy(final)
+    assert tokens["1"] == tokens["2"] == hf_greedy(final, PROMPT, NEW)
 
 
 def test_eval_of_an_sp2_run_on_one_and_two_ranks(tmp_path, trained):

@@ -26,11 +26,12 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _expected(model_dir) -> list[int]:
+def hf_greedy(model_dir, prompt: str = PROMPT, new: int = NEW) -> list[int]:
+    """The model's own single-process greedy `generate` after `prompt` (byte tokenizer)."""
     tok = byte_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
-    ids = torch.tensor([prompt_ids(tok, PROMPT)])
-    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+    ids = torch.tensor([prompt_ids(tok, prompt)])
+    out = model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0,
                          eos_token_id=tok.eos_token_id)
     return out[0, ids.shape[1]:].tolist()
 
@@ -55,7 +56,7 @@ def test_generate_under_sp_equals_single_process_generate(tmp_path, model_dir, l
                          "--nproc-per-node", nproc)
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads((tmp_path / "out" / "generate.json").read_text())
-    assert record["new_token_ids"] == _expected(model_dir)
+    assert record["new_token_ids"] == hf_greedy(model_dir)
     assert record["prompt_tokens"] == len(prompt_ids(byte_tokenizer(), PROMPT))
     assert result.stdout.strip() == record["text"].strip()
     assert "prompt: " in result.stderr

@@ -67,7 +67,9 @@ class ModelShape:
             from transformers import AutoConfig
 
             fields = dict(self.plain_fields)
-            return AutoConfig.for_model(fields.pop("model_type"), **fields)
+            # Built once: the probe and the model of a rank read the same config object.
+            object.__setattr__(self, "hf_config",
+                               AutoConfig.for_model(fields.pop("model_type"), **fields))
         return self.hf_config
 
     def config_value(self, key: str) -> Any:

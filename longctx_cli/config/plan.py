@@ -254,8 +254,8 @@ def build_plan(
     tp_rules.check_tp_model(config, shape)
     check_attention_dropout(shape)
     check_router_aux_loss(shape)
-    check_context(config.sequence_len, config.rope_scaling, shape.transformers_config()
-                  if config.rope_scaling is not None or shape.plain_fields is None else None,
+    # A plain dict (no transformers config yet) holds no RoPE settings to check.
+    check_context(config.sequence_len, config.rope_scaling, shape.hf_config,
                   shape.max_position_embeddings)
     platform = platform or Platform.detect()
     assumed: list[str] = []
