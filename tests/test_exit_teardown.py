@@ -5,8 +5,9 @@ A Gloo process group still alive when a process exits is torn down during interp
 finalization, where its worker threads can call `std::terminate` (`benchmarks/gloo_exit.py`:
 1 of 16 plain gloo jobs that skip `destroy_process_group` aborted here, 0 of 16 that call
 it). Every rank path of longctx runs inside `runtime.distributed.process_group_released`,
-which destroys the group and collects what holds it before the interpreter finalizes. These loops run the paths where the
-abort was seen (a finished TP run, a run stopped early by a rule) several times each.
+which destroys the group and collects what holds it before the interpreter finalizes. These
+loops run the paths where the abort was seen (a finished TP run, a run stopped early by a
+rule) several times each.
 """
 
 from __future__ import annotations
