@@ -147,6 +147,21 @@ def _tokenizer_config(value: Any, data: dict[str, Any]) -> tuple[dict[str, Any],
 _CAUSAL_LM_CLASSES = ("AutoModelForCausalLM",)
 
 
+_RL_NOT_YET = {
+    "orpo": "ORPO (its NLL term over prompt and answer) is not supported yet",
+    "kto": "KTO (unpaired answers) is not supported yet",
+}
+
+
+def _rl_method(value: Any, data: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    if value in ("dpo", "ipo", "simpo"):
+        return {"rl": value}, f"rl: {value}"
+    why = _RL_NOT_YET.get(value, "it is an online method (it generates while training), "
+                          "which longctx does not run")
+    raise MappingProblem(f"`rl: {value}` cannot run: {why}; longctx trains rl: dpo, ipo or "
+                         "simpo")
+
+
 def _model_type(value: Any, data: dict[str, Any]) -> tuple[dict[str, Any], str]:
     if not isinstance(value, str) or not (
         value in _CAUSAL_LM_CLASSES or value.endswith("ForCausalLM")
@@ -222,7 +237,8 @@ _HUB = "uploading to the Hugging Face hub is not part of longctx; push output_di
 _TRACKER = "longctx logs to metrics.jsonl, TensorBoard and Weights & Biases only"
 _MEMORY = "a memory/speed setting of Axolotl's trainer that changes no result here"
 _DATALOADER = "longctx's data loader reads prepared rows directly; no workers are involved"
-_RL = "longctx fine-tunes with the causal-LM loss only; preference/RL training is not supported"
+_RL = ("online RL (TRL's `trl:` section: GRPO, PPO, reward models) is not supported; longctx "
+       "trains the causal-LM loss and the offline preference losses of `rl: dpo|ipo|simpo`")
 _MM = "multimodal training is not supported; longctx trains text causal LMs"
 
 AXOLOTL_KEYS: dict[str, Rule] = {
@@ -498,26 +514,24 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "dataloader_drop_last": Rule("ignored", "a step's last partial window is always dropped"),
     "dataset_exact_deduplication": Rule("refused", "deduplication is not supported"),
     # ---- RL and other trainers (math-changing)
-    "rl": Rule("refused", _RL),
+    "rl": Rule("mapped", "dpo, ipo and simpo train under every SP strategy (docs/preference.md)",
+               "rl", _rl_method, values=("dpo", "ipo", "simpo")),
     "trl": Rule("refused", _RL),
     "vllm": Rule("refused", _RL),
     "reward_model": Rule("refused", _RL),
     "process_reward_model": Rule("refused", _RL),
     "center_rewards_coefficient": Rule("refused", _RL),
     "num_labels": Rule("refused", "sequence classification is not supported"),
-    "dpo_beta": Rule("refused", _RL),
-    "dpo_label_smoothing": Rule("refused", _RL),
-    "dpo_use_weighting": Rule("refused", _RL),
-    "dpo_padding_free": Rule("refused", _RL),
-    "dpo_loss_type": Rule("refused", _RL),
-    "dpo_loss_weights": Rule("refused", _RL),
-    "precompute_ref_log_probs": Rule("refused", _RL),
-    "orpo_alpha": Rule("refused", _RL),
-    "simpo_gamma": Rule("refused", _RL),
-    "cpo_alpha": Rule("refused", _RL),
-    "kto_desirable_weight": Rule("refused", _RL),
-    "kto_undesirable_weight": Rule("refused", _RL),
-    "rl_beta": Rule("refused", _RL),
+    "dpo_use_weighting": Rule("refused", "WPO weighting is not supported"),
+    "dpo_padding_free": Rule("ignored", "longctx always packs pairs without padding"),
+    "precompute_ref_log_probs": Rule(
+        "refused", "precomputed reference log-probabilities are not supported yet; with an "
+        "adapter the reference is the base model with the adapter off (nothing to precompute)"),
+    "rl_adapter_ref_model": Rule(
+        "ignored", "with an adapter the reference is always the base with the adapter off"),
+    "orpo_alpha": Rule("refused", "ORPO is not supported yet (rl: dpo, ipo or simpo are)"),
+    "kto_desirable_weight": Rule("refused", "KTO is not supported yet"),
+    "kto_undesirable_weight": Rule("refused", "KTO is not supported yet"),
     "ebft": Rule("refused", _RL),
     "trainer_cls": Rule("refused", "longctx has one trainer"),
     "use_eaft": Rule("refused", "a modified loss is not supported"),
@@ -530,6 +544,8 @@ SAME: tuple[str, ...] = (
     "chat_template", "chat_template_jinja", "train_on_inputs", "shuffle_merged_datasets",
     "pretraining_dataset", "streaming", "sample_packing_sequentially", "curriculum_sampling",
     "reinit_weights", "unfrozen_parameters", "merge_lora", "rope_scaling", "rope_theta",
+    "rl_beta", "dpo_beta", "dpo_loss_type", "dpo_loss_weights", "dpo_label_smoothing",
+    "simpo_gamma", "cpo_alpha",
     "sequence_parallel_degree", "context_parallel_size", "heads_k_stride", "ring_attn_func",
     "fsdp", "fsdp_version", "fsdp_config", "deepspeed", "dp_shard_size", "dp_replicate_size",
     "tensor_parallel_size", "world_size", "micro_batch_size", "gradient_accumulation_steps",

@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from longctx_cli.data.preference import PREFERENCE_TYPES, is_preference_type
 from longctx_cli.kernel_choice import KernelRequest
 from longctx_cli.layout import LayoutError, Mode, RingAttnFunc, Sharding, default_ring
 
@@ -56,7 +57,12 @@ DatasetType = Literal[
     "alpaca", "alpaca:chat", "alpaca:chatml", "alpaca:phi", "alpaca_chat", "alpaca_instruct",
     "alpaca_instruct.load_no_prompt", "alpaca_w_system", "alpaca_w_system.load_instruct",
     "alpaca_w_system.load_chat",
+    # preference pairs (with `rl:`), see data/preference.py
+    "preference", "chat_template.default", "chatml.intel", "chatml.icr", "chatml.prompt_pairs",
+    "chatml.argilla", "llama3.intel", "llama3.icr", "llama3.prompt_pairs", "llama3.argilla",
 ]
+RlMethod = Literal["dpo", "ipo", "simpo"]
+DpoLossType = Literal["sigmoid", "hinge", "ipo", "robust"]
 TrainOnEos = Literal["turn", "last", "all", "none"]
 
 
@@ -140,6 +146,13 @@ class DatasetConfig(_Strict):
         description="chat_template: role -> the names your data uses for it, e.g. "
         "`{user: [human], assistant: [gpt]}` (default: human/user, gpt/assistant, system, "
         "tool). Replaces the default when given.",
+    )
+    field_chosen: str = Field(
+        "chosen", description="chat_template.default (rl): column of the chosen answer (a "
+        "message or a string)."
+    )
+    field_rejected: str = Field(
+        "rejected", description="chat_template.default (rl): column of the rejected answer."
     )
     roles_to_train: list[str] = Field(
         default_factory=lambda: ["assistant"],
@@ -643,6 +656,38 @@ class Config(_Strict):
     peft_use_dora: bool = Field(False, description="DoRA: weight-decomposed LoRA.")
     peft_use_rslora: bool = Field(False, description="rsLoRA: scale by alpha / sqrt(r).")
 
+    # ---- preference optimisation ---------------------------------------------------------
+    rl: RlMethod | None = Field(
+        None,
+        description="Train on preference pairs instead of the causal-LM loss: dpo (with "
+        "`dpo_loss_type`), ipo (dpo with the ipo loss), simpo (no reference model). Needs "
+        "preference datasets. See docs/preference.md.",
+    )
+    rl_beta: float | None = Field(
+        None, gt=0, validation_alias=AliasChoices("rl_beta", "dpo_beta"),
+        description="beta: how far the policy may move from the reference (dpo, ipo: the "
+        "regularisation tau); simpo: the reward scale (default 0.1, TRL's).",
+    )
+    dpo_loss_type: list[DpoLossType] | None = Field(
+        None, description="dpo: TRL's loss type(s): sigmoid (default), hinge, ipo, robust; "
+        "several are summed with `dpo_loss_weights`."
+    )
+    dpo_loss_weights: list[float] | None = Field(
+        None, description="dpo: weight of each `dpo_loss_type` (default 1 each)."
+    )
+    dpo_label_smoothing: float = Field(
+        0.0, ge=0.0, lt=0.5,
+        description="robust (dpo) and simpo: the probability that a preference label is "
+        "flipped.",
+    )
+    simpo_gamma: float = Field(
+        0.5, ge=0.0, description="simpo: the target reward margin gamma (TRL's default 0.5)."
+    )
+    cpo_alpha: float = Field(
+        0.0, ge=0.0, description="simpo: weight of an NLL term on the chosen sequences; only "
+        "0 (SimPO as published) is supported."
+    )
+
     # ---- evaluation ----------------------------------------------------------------------
     eval_steps: int | float | None = Field(
         None,
@@ -760,6 +805,73 @@ class Config(_Strict):
         "same family that longctx computes exactly the model's own loss and gradients; refuse "
         "to train on any difference. `false` skips the check (docs/families.md).",
     )
+
+    @field_validator("dpo_loss_type", mode="before")
+    @classmethod
+    def _loss_type_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _preference_rules(self) -> Config:
+        entries = [*self.datasets, *self.eval_datasets]
+        pairs = [e.type for e in entries if is_preference_type(e.type)]
+        if self.rl is None:
+            if pairs:
+                raise ValueError(f"`type: {pairs[0]}` holds preference pairs, which train with "
+                                 "`rl:` (dpo, ipo or simpo); set `rl`, or use an SFT type")
+            return self
+        others = [e.type for e in entries if not is_preference_type(e.type)]
+        if others or not self.datasets:
+            raise ValueError(f"`rl: {self.rl}` trains on preference pairs, but a dataset has "
+                             f"`type: {others[0] if others else '(none)'}`; use a preference type "
+                             f"({', '.join(PREFERENCE_TYPES)})")
+        if self.pretraining_dataset:
+            raise ValueError("`rl` trains on preference pairs, not a `pretraining_dataset`")
+        if self.excess_length_strategy == "truncate":
+            raise ValueError("`excess_length_strategy: truncate` would cut a pair's answers off; "
+                             "with `rl` pairs longer than sequence_len are dropped and counted "
+                             "(`drop`, the default)")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"`rl: {self.rl}` with `tensor_parallel_size` > 1 is not supported "
+                             "yet; use sequence parallelism (and fsdp) instead")
+        losses = self.dpo_loss_type
+        if self.rl == "ipo":
+            if losses not in (None, ["ipo"]):
+                raise ValueError(f"`rl: ipo` is dpo with the ipo loss; `dpo_loss_type: "
+                                 f"{losses}` contradicts it: drop it, or use `rl: dpo`")
+            losses = ["ipo"]
+        elif self.rl == "simpo":
+            if losses is not None:
+                raise ValueError("`dpo_loss_type` chooses a dpo loss; `rl: simpo` has its own: "
+                                 "drop it")
+            if self.cpo_alpha:
+                raise ValueError(f"`cpo_alpha: {self.cpo_alpha}` adds an NLL term over the "
+                                 "chosen prompt and answer, which longctx does not compute yet; "
+                                 "set it to 0 (SimPO as published)")
+        else:
+            losses = losses or ["sigmoid"]
+        if losses and self.dpo_loss_weights is not None and (
+                len(self.dpo_loss_weights) != len(losses)):
+            raise ValueError(f"`dpo_loss_weights` has {len(self.dpo_loss_weights)} weights for "
+                             f"{len(losses)} loss types; give one per `dpo_loss_type`")
+        if self.dpo_label_smoothing and losses and "robust" not in losses:
+            raise ValueError(f"`dpo_label_smoothing: {self.dpo_label_smoothing}` is read only by "
+                             f"the robust loss (TRL ignores it for {', '.join(losses)}); set "
+                             "`dpo_loss_type: robust`, or drop it")
+        self.dpo_loss_type = losses
+        if self.rl in ("dpo", "ipo"):
+            if self.adapter is None:
+                raise ValueError(
+                    f"`rl: {self.rl}` compares the policy with a reference model; longctx uses "
+                    "the base model with the adapter switched off, so it needs `adapter: lora` "
+                    "(or qlora); precomputed reference log-probabilities for a full fine-tune "
+                    "are not supported yet (or use `rl: simpo`, which needs no reference)")
+            if self.lora_model_dir:
+                raise ValueError(f"`rl: {self.rl}` with `lora_model_dir`: the reference would be "
+                                 "the loaded adapter, which longctx does not keep a copy of yet; "
+                                 "merge it into the base (`longctx merge-lora`) and train a new "
+                                 "adapter on the merged model")
+        return self
 
     @field_validator("pretraining_dataset", mode="before")
     @classmethod

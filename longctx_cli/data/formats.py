@@ -14,6 +14,7 @@ from dataclasses import field as dc_field
 from typing import TYPE_CHECKING, Any
 
 from longctx_cli.constants import IGNORE_INDEX
+from longctx_cli.data import preference
 from longctx_cli.errors import UserError
 
 if TYPE_CHECKING:
@@ -132,10 +133,15 @@ class FormatSpec:
     template: str = ""
     end_markers: tuple[str, ...] = ()
     thinking_key: str | None = None  # message key of a reasoning trace, trained with content
+    # preference types: the answer columns of chat_template.default
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
 
     @property
     def columns(self) -> tuple[str, ...]:
         """Columns every record must have."""
+        if preference.is_preference_type(self.type):
+            return ()  # which of several names a pair uses is read per record
         if self.type == "chat_template":
             return (self.messages_field,)
         if self.type in ("completion", "pretrain"):
@@ -172,14 +178,23 @@ def tokenize_batch(
         cut = max_chars is not None and chars > max_chars
         if cut:
             record = cut_record(record, spec, max_chars)
-        ids, labels, skip = _one_record(record, spec, tok, where(i))
+        positions = None  # from 0 for the whole sample, except for a pair's two sequences
+        if preference.is_preference_type(spec.type):
+            texts = preference.pair_texts(record, spec.type, where(i), tok=tok,
+                                          messages_field=spec.messages_field,
+                                          chosen_field=spec.chosen_field,
+                                          rejected_field=spec.rejected_field,
+                                          template=spec.template or None)
+            ids, labels, positions, skip = preference.pair_sample(tok, *texts)
+        else:
+            ids, labels, skip = _one_record(record, spec, tok, where(i))
         if cut and not skip:
             _check_cut(ids, chars, max_chars, where(i))
         if skip:
             ids, labels = [], []
         elif all(label == IGNORE_INDEX for label in labels):
             ids, labels, skip = [], [], "no target tokens"
-        _append(out, ids, labels)
+        _append(out, ids, labels, positions if ids else None)
         out["skip"].append(skip)
     return out
 
@@ -192,6 +207,8 @@ def _texts(record: dict[str, Any], spec: FormatSpec) -> list[tuple[Any, Any]]:
         segments = record.get("segments")
         return [(s, "text") for s in segments if isinstance(s, dict)] if isinstance(
             segments, list) else []
+    if preference.is_preference_type(spec.type):
+        return [(record, k) for k, v in record.items() if isinstance(v, str)]
     if spec.type == "chat_template":
         turns = record.get(spec.messages_field)
         content = spec.mappings.get("content", "content")
@@ -236,6 +253,7 @@ def _one_record(
         return input_output(record, spec, tok, where)
     if spec.type == "chat_template":
         return chat(record, spec, tok, where)
+
     return alpaca(record, spec, tok, where)
 
 
@@ -572,10 +590,11 @@ def _render(tok: PreTrainedTokenizerBase, template: str, messages: list[dict],
         ) from None
 
 
-def _append(out: dict[str, list], ids: list[int], labels: list[int]) -> None:
+def _append(out: dict[str, list], ids: list[int], labels: list[int],
+            positions: list[int] | None = None) -> None:
     out["input_ids"].append(ids)
     out["labels"].append(labels)
-    out["position_ids"].append(list(range(len(ids))))
+    out["position_ids"].append(list(range(len(ids))) if positions is None else positions)
 
 
 def render_chat(

@@ -392,7 +392,11 @@ def format_spec(
     spec = formats.FormatSpec(entry.type, field=entry.field,
                               train_on_inputs=config.train_on_inputs,
                               messages_field=entry.messages_field,
-                              train_on_eos=entry.train_on_eos)
+                              train_on_eos=entry.train_on_eos,
+                              chosen_field=entry.field_chosen,
+                              rejected_field=entry.field_rejected)
+    if entry.type == "chat_template.default":  # preference pairs rendered with the template
+        spec.template = chat_templates.resolve_template(config, entry, tok)[0]
     if entry.type != "chat_template":
         return spec
     mappings = dict(entry.message_property_mappings or {"role": "role", "content": "content"})

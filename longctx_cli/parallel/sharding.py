@@ -72,6 +72,7 @@ class ShardedBatch:
     position_ids: torch.Tensor  # [1, L], global positions (restart at 0 per document)
     shift_labels: torch.Tensor  # [1, L], target of each local token, -100 = no loss
     sp_meta: SPMeta
+    num_documents: int = 0  # documents in the row before padding (pairs: twice the pairs)
 
 
 def zigzag_positions(n: int) -> list[int]:
@@ -197,6 +198,7 @@ def shard_batch(
     if not input_ids.numel() == position_ids.numel() == labels.numel():
         raise ValueError("input_ids, position_ids and labels must have the same length")
     length = input_ids.numel()
+    num_documents = int((position_ids == 0).sum())
     multiple = ctx.layout.row_multiple
     extra = -length % multiple
     input_ids = _pad(input_ids, extra, pad_token_id)
@@ -222,6 +224,7 @@ def shard_batch(
         position_ids=slice_sequence(position_ids, ctx).unsqueeze(0),
         shift_labels=slice_sequence(shifted, ctx).unsqueeze(0),
         sp_meta=meta,
+        num_documents=num_documents,
     )
     if ctx.layout.tp > 1:
         from .tensor_parallel import tp_batch

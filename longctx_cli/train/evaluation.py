@@ -1,5 +1,6 @@
 """Evaluation during training: when (Axolotl's eval cadence), the token-weighted eval loss
-over the held-out rows, and the `reduce_lr_on_plateau` schedule that steps on it."""
+over the held-out rows (a preference run: the pair-weighted loss and TRL's metrics over the
+held-out pairs), and the `reduce_lr_on_plateau` schedule that steps on it."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import shard_batch
 from longctx_cli.runtime.batches import collate, to_device
+from longctx_cli.runtime.model import decoder_and_head
 from longctx_cli.train.loss import valid_token_count
 from longctx_cli.train.optim import is_plateau
+from longctx_cli.train.preference import PreferenceLoss, preference_loss_sum
 from longctx_cli.train.schedule import interval
 from longctx_cli.train.step import all_reduce_sum, forward_loss_sum
 
@@ -43,24 +46,54 @@ def evaluate_loss(decoder: torch.nn.Module, lm_head: torch.nn.Module, rows, conf
     return total_loss / total_count if total_count else float("nan")
 
 
+@torch.no_grad()
+def evaluate_pairs(model: torch.nn.Module, rows, config: Config, state: ParallelState,
+                   pad_id: int, objective: PreferenceLoss) -> tuple[float, dict[str, float]]:
+    """Pair-weighted eval loss and TRL's metrics (as `eval_<name>`) over the held-out pairs."""
+    decoder, lm_head = decoder_and_head(model)
+    dp_rank, dp_size, device = state.dp_rank, state.layout.dp, state.device
+    counted = state.sp_rank == 0  # a pair's values are alike on every rank of its SP group
+    sums: dict[str, float] = {"loss": 0.0, "pairs": 0.0}
+    for i in range(math.ceil(len(rows) / dp_size)):
+        index = dp_rank + i * dp_size
+        real = index < len(rows) and counted  # keep collectives in step, count real rows once
+        batch = to_device(shard_batch(*collate(rows.select([min(index, len(rows) - 1)])),
+                                      state, pad_id), device)
+        result = preference_loss_sum(model, decoder, lm_head, batch, config, state, objective)
+        for key, value in {"loss": result.loss_sum.item(), "pairs": result.pairs,
+                           **result.metric_sums}.items():
+            sums[key] = sums.get(key, 0.0) + value * real
+    totals = dict(zip(sums, all_reduce_sum(list(sums.values()), device), strict=True))
+    pairs = totals.pop("pairs")
+    loss = totals.pop("loss") / pairs if pairs else float("nan")
+    return loss, {f"eval_{k}": v / pairs for k, v in totals.items()} if pairs else {}
+
+
 class Evaluator:
     """Evaluates every `eval_interval` steps when the run has eval rows (`val_set_size`)."""
 
-    def __init__(self, config: Config, state: ParallelState, decoder: torch.nn.Module,
-                 lm_head: torch.nn.Module, rows, pad_id: int, scheduler,
+    def __init__(self, config: Config, state: ParallelState, model: torch.nn.Module,
+                 preference: PreferenceLoss | None, rows, pad_id: int, scheduler,
                  steps_per_epoch: int, num_steps: int):
         self.config, self.state, self.pad_id = config, state, pad_id
-        self.decoder, self.lm_head, self.rows = decoder, lm_head, rows
+        self.model, self.preference, self.rows = model, preference, rows
+        self.decoder, self.lm_head = decoder_and_head(model)
         self.scheduler = scheduler
         self.every = eval_interval(config, steps_per_epoch, num_steps)
+        self.metrics: dict[str, float] = {}  # the last evaluation's extra metrics
 
     def maybe_eval(self, step: int) -> float | None:
         """The eval loss after optimizer step `step` (0-based) if it is an eval step, else
         None; a plateau schedule steps on it (every rank evaluates: it is a collective)."""
+        self.metrics = {}
         if not self.every or self.rows is None or (step + 1) % self.every:
             return None
-        eval_loss = evaluate_loss(self.decoder, self.lm_head, self.rows, self.config,
-                                  self.state, self.pad_id)
+        if self.preference is not None:
+            eval_loss, self.metrics = evaluate_pairs(self.model, self.rows, self.config,
+                                                     self.state, self.pad_id, self.preference)
+        else:
+            eval_loss = evaluate_loss(self.decoder, self.lm_head, self.rows, self.config,
+                                      self.state, self.pad_id)
         if is_plateau(self.config):
             self.scheduler.step(eval_loss)
         return eval_loss

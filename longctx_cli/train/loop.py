@@ -30,6 +30,7 @@ from longctx_cli.train.metrics import Metrics
 from longctx_cli.train.optim import is_plateau, make_optimizer, make_scheduler
 from longctx_cli.train.precision import Precision, setup_precision
 from longctx_cli.train.preemption import Preempted, PreemptionSignals, Progress
+from longctx_cli.train.preference import PreferenceLoss
 from longctx_cli.train.schedule import DataPosition
 from longctx_cli.train.step import NonFiniteError, train_step
 from longctx_cli.train.stopping import EARLY_STOPPING, LOSS_WATCHDOG, Stopper, nonfinite_error
@@ -85,12 +86,13 @@ def train(config: Config, plan: Plan, probe: str) -> None:
 
     model, precision, use_fsdp = setup_model(config, plan, state)
     decoder, lm_head = decoder_and_head(model)
+    preference = PreferenceLoss.from_config(config)  # None: the causal-LM loss
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(config, params)
     data = DataPosition(config, state.layout.dp, train_rows, stream)
     scheduler = make_scheduler(config, optimizer, data.num_steps)
     checkpointer = Checkpointer(config, data, model, optimizer, scheduler)
-    evaluator = Evaluator(config, state, decoder, lm_head, eval_rows, pad_id, scheduler,
+    evaluator = Evaluator(config, state, model, preference, eval_rows, pad_id, scheduler,
                           data.steps_per_epoch, data.num_steps)
     stopper = Stopper(config)
     start_step = checkpointer.resume()
@@ -109,7 +111,7 @@ def train(config: Config, plan: Plan, probe: str) -> None:
         started = time.perf_counter()
         try:
             result = train_step(model, decoder, lm_head, params, optimizer, batches, config,
-                                state, use_fsdp, precision)
+                                state, use_fsdp, precision, preference)
         except NonFiniteError as e:
             raise nonfinite_error(step, e, checkpointer.last) from None
         if not is_plateau(config):  # a plateau schedule steps on the eval loss instead
@@ -117,7 +119,7 @@ def train(config: Config, plan: Plan, probe: str) -> None:
         seconds = time.perf_counter() - started
         eval_loss = evaluator.maybe_eval(step)
         stop = stopper.check(result.loss, eval_loss)
-        metrics.log(step, result, lr, seconds, eval_loss, stop)
+        metrics.log(step, result, lr, seconds, eval_loss, stop, evaluator.metrics)
         checkpointer.maybe_save(step, metrics)
         progress.step_done(step + 1)
         signal_name = preemption.agreed(device) if step + 1 < data.num_steps else None

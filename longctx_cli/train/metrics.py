@@ -14,6 +14,7 @@ from longctx_cli.config.plan import wandb_enabled
 from longctx_cli.errors import UserError
 from longctx_cli.train.step import StepResult
 
+ACCURACY = "rewards/accuracies"  # the preference metric the progress bar shows
 
 class MetricsLog:
     """metrics.jsonl (+ TensorBoard) on rank 0; appends so a resumed run continues the file."""
@@ -129,8 +130,10 @@ class Metrics:
             self.progress.write(line)
 
     def log(self, step: int, result: StepResult, lr: float, seconds: float,
-            eval_loss: float | None = None, stopped: str | None = None) -> None:
-        """Report optimizer step `step` (0-based): the record, the bar and the log line."""
+            eval_loss: float | None = None, stopped: str | None = None,
+            eval_metrics: dict[str, float] | None = None) -> None:
+        """Report optimizer step `step` (0-based): the record, the bar and the log line
+        (a preference run adds TRL's metrics, and their `eval_` twins at eval steps)."""
         self.tokens += result.tokens
         record = {
             "step": step + 1,
@@ -140,20 +143,27 @@ class Metrics:
             "tokens": result.tokens,
             "tokens_per_sec": result.tokens / seconds if seconds > 0 else 0.0,
         }
+        record.update(result.metrics)
         if result.skipped:
             record["skipped"] = True
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
+            record.update(eval_metrics or {})
         if stopped is not None:
             record["stopped"] = stopped
         self.file.write(record)
         self.tracker.log(record)
         self.progress.update(1)
+        accuracy = {"acc": f"{result.metrics[ACCURACY]:.2f}"} if ACCURACY in result.metrics else {}
         self.progress.set_postfix(
-            loss=f"{result.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_sec']:.0f}"
+            loss=f"{result.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_sec']:.0f}",
+            **accuracy,
         )
         if (step + 1) % self.logging_steps == 0 or step + 1 == self.num_steps:
-            extra = f" eval_loss {eval_loss:.4f}" if eval_loss is not None else ""
+            extra = "".join(f" {k} {v:.4f}" for k, v in result.metrics.items())
+            extra += f" eval_loss {eval_loss:.4f}" if eval_loss is not None else ""
+            extra += "".join(f" {k} {v:.4f}" for k, v in (eval_metrics or {}).items()
+                             if eval_loss is not None)
             self.write(
                 f"step {step + 1}/{self.num_steps} loss {result.loss:.4f} lr {lr:.2e} "
                 f"grad_norm {result.grad_norm:.3f} tokens/s {record['tokens_per_sec']:.0f}{extra}"

@@ -4,13 +4,14 @@ clip, and the optimizer update (or a skip when something is NaN/inf).
 The loss of a step is the single-device mean over every valid target token of the step: each
 rank sums CE over its own shard, the divisor is the exact valid-token count over the SP
 group, the DP group and the accumulation window, and gradients are summed over the ranks
-holding the same parameters.
+holding the same parameters. A preference run (`rl:`) divides its summed pair losses by the
+step's pair count instead (`train/preference.py`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from longctx_cli.runtime.memory_savers import activation_offload
 from longctx_cli.runtime.model import sp_hidden_states
 from longctx_cli.train.loss import lm_loss_sum, valid_token_count
 from longctx_cli.train.precision import Precision
+from longctx_cli.train.preference import PreferenceLoss, preference_loss_sum
 
 
 @dataclass
@@ -30,6 +32,7 @@ class StepResult:
     tokens: int
     grad_norm: float
     skipped: bool
+    metrics: dict[str, float] = field(default_factory=dict)  # a preference run's TRL metrics
 
 
 class NonFiniteError(Exception):
@@ -106,30 +109,41 @@ def train_step(
     model: torch.nn.Module, decoder: torch.nn.Module, lm_head: torch.nn.Module,
     params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
     batches: list[ShardedBatch], config: Config, state: ParallelState, use_fsdp: bool,
-    precision: Precision | None = None,
+    precision: Precision | None = None, preference: PreferenceLoss | None = None,
 ) -> StepResult:
     """One optimizer step over `batches` (this rank's micro-batches of the step); raises
     NonFiniteError under `on_nonfinite: stop`, else skips the update of a bad step."""
     device = state.device
     precision = precision or Precision(device.type)
     local_count = sum(valid_token_count(b.shift_labels) for b in batches)
-    (global_count,) = all_reduce_sum([local_count], device)
-    divisor = max(global_count, 1.0)
+    # A pair's loss is the same on every rank of its SP group: count it (and report it) once.
+    counts_pairs = preference is not None and state.sp_rank == 0
+    local_pairs = sum(b.num_documents // 2 for b in batches) if counts_pairs else 0
+    global_count, global_pairs = all_reduce_sum([local_count, local_pairs], device)
+    divisor = max(global_pairs if preference is not None else global_count, 1.0)
     # FSDP2 averages gradients over its mesh (the world, or dp x cp with TP, whose own sums
     # DTensor does); the loss is already normalised by the global token count, so scale it
     # up to turn that average into the sum we need.
     replicas = dist.get_world_size() // state.layout.tp
     backward_divisor = divisor / replicas if use_fsdp else divisor
     local_loss = 0.0
+    metric_sums: dict[str, float] = {}
     for i, batch in enumerate(batches):
         if use_fsdp:
             # Reduce-scatter only after the last micro-batch of the window.
             model.set_requires_gradient_sync(i == len(batches) - 1)
         with activation_offload(config.activation_offloading):
             with precision.autocast():
-                loss_sum = forward_loss_sum(decoder, lm_head, batch, config, state)
+                if preference is None:
+                    loss_sum = forward_loss_sum(decoder, lm_head, batch, config, state)
+                else:
+                    pairs = preference_loss_sum(model, decoder, lm_head, batch, config, state,
+                                                preference)
+                    loss_sum = pairs.loss_sum
+                    for key, value in pairs.metric_sums.items():
+                        metric_sums[key] = metric_sums.get(key, 0.0) + value * counts_pairs
             precision.scale(loss_sum / backward_divisor).backward()
-        local_loss += loss_sum.item()
+        local_loss += loss_sum.item() * (counts_pairs or preference is None)
     # The one gradient sync: FSDP2's own reduce-scatter did it above, else sum here.
     if not use_fsdp:
         sum_gradients(params, state)
@@ -150,4 +164,8 @@ def train_step(
         precision.step(optimizer)
     precision.update()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum_global / divisor, int(global_count), grad_norm, skipped)
+    metrics = {}
+    if preference is not None:
+        sums = all_reduce_sum(list(metric_sums.values()), device) if metric_sums else []
+        metrics = {k: v / divisor for k, v in zip(metric_sums, sums, strict=True)}
+    return StepResult(loss_sum_global / divisor, int(global_count), grad_norm, skipped, metrics)

@@ -1,0 +1,151 @@
+"""Preference pairs: one record -> one sample holding its chosen and its rejected sequence.
+
+A pair sample is two documents back to back, `[prompt + chosen]` then `[prompt + rejected]`,
+positions from 0 in each, targets only on the answer tokens. Packing moves a pair as one
+unit, so in every row (and every micro-batch, rows being whole) document `2k` is the chosen
+and `2k + 1` the rejected sequence of the same pair; the trainer reads the pairing from
+that order alone (`train/preference.py`).
+
+Tokenization is TRL's (`DPOTrainer`) for text prompts: an eos is appended to each answer
+that does not end with one, `prompt` and `prompt + answer` are tokenized whole, and the
+answer starts where the two token lists first differ (a merge across the boundary moves it
+back, as it does in TRL). The prompt strings of the `chatml.*` and `llama3.*` types are
+Axolotl's; `chat_template.default` renders `field_messages` with the model's own template.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from longctx_cli.constants import IGNORE_INDEX
+from longctx_cli.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# The prompt templates of Axolotl's preference types: (system block, user block + opening of
+# the assistant turn, end of an answer).
+_TEMPLATES = {
+    "chatml": ("<|im_start|>system\n{system}<|im_end|>\n",
+               "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n", "<|im_end|>"),
+    "llama3": ("<|start_header_id|>system<|end_header_id|>\n\n{system}<|eot_id|>",
+               "<|start_header_id|>user<|end_header_id|>\n\n{prompt}<|eot_id|>"
+               "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
+}
+# type suffix -> (prompt keys tried in order, chosen keys, rejected keys)
+_FIELDS = {
+    "intel": (("question",), ("chosen",), ("rejected",)),
+    "icr": (("input",), ("chosen",), ("rejected",)),
+    "prompt_pairs": (("prompt",), ("chosen",), ("rejected",)),
+    "argilla": (("prompt", "input", "question", "instruction"), ("chosen", "chosen_response"),
+                ("rejected", "rejected_response")),
+}
+PREFERENCE_TYPES = (
+    "preference", "chat_template.default",
+    *(f"{style}.{kind}" for style in _TEMPLATES for kind in _FIELDS),
+)
+
+
+def is_preference_type(type_: str) -> bool:
+    return type_ in PREFERENCE_TYPES
+
+
+def _field(record: dict[str, Any], keys: tuple[str, ...], where: str, what: str) -> str:
+    for key in keys:
+        value = record.get(key)
+        if value is not None:
+            if not isinstance(value, str):
+                raise UserError(
+                    f"the {what} field `{key}` must be a string, found {type(value).__name__}.",
+                    where=where, fix="store the text as a string.")
+            return value
+    names = " or ".join(f"`{k}`" for k in keys)
+    raise UserError(f"a preference pair has no {what} ({names} is missing or null).",
+                    where=where, fix=f"give every record a string {names}, or drop the record.")
+
+
+def pair_texts(record: dict[str, Any], type_: str, where: str, *,
+               tok: PreTrainedTokenizerBase, messages_field: str = "messages",
+               chosen_field: str = "chosen", rejected_field: str = "rejected",
+               template: str | None = None) -> tuple[str, str, str]:
+    """(prompt, chosen, rejected) text of one record of a preference type."""
+    if type_ == "preference":  # TRL's standard text format
+        return tuple(_field(record, (k,), where, k) for k in ("prompt", "chosen", "rejected"))
+    if type_ == "chat_template.default":
+        return _chat_template_texts(record, where, tok, messages_field, chosen_field,
+                                    rejected_field, template)
+    style, kind = type_.split(".")
+    system_block, user_block, end = _TEMPLATES[style]
+    prompt_keys, chosen_keys, rejected_keys = _FIELDS[kind]
+    system = record.get("system")
+    prompt = (system_block.format(system=system) if system else "") + user_block.format(
+        prompt=_field(record, prompt_keys, where, "prompt"))
+    return (prompt, _field(record, chosen_keys, where, "chosen") + end,
+            _field(record, rejected_keys, where, "rejected") + end)
+
+
+def _chat_template_texts(record: dict[str, Any], where: str, tok: PreTrainedTokenizerBase,
+                         messages_field: str, chosen_field: str, rejected_field: str,
+                         template: str | None) -> tuple[str, str, str]:
+    messages = record.get(messages_field)
+    if not isinstance(messages, list) or not messages:
+        raise UserError(f"a preference pair has no conversation in `{messages_field}`.",
+                        where=where, fix="set `field_messages` to the column holding the prompt "
+                        "turns, a list of {role, content} messages.")
+    answers = []
+    for key in (chosen_field, rejected_field):
+        answer = record.get(key)
+        if isinstance(answer, dict):
+            answer = answer.get("content")
+        if not isinstance(answer, str):
+            raise UserError(f"a preference pair has no answer in `{key}` (a message or a "
+                            "string).", where=where,
+                            fix="set `field_chosen` / `field_rejected` to the columns holding "
+                            "the two assistant answers.")
+        answers.append(answer)
+    prompt = tok.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                     add_generation_prompt=True)
+    texts = []
+    for answer in answers:
+        full = tok.apply_chat_template(
+            [*messages, {"role": "assistant", "content": answer}], chat_template=template,
+            tokenize=False)
+        if not full.startswith(prompt):
+            raise UserError("the chat template renders the prompt differently when an answer "
+                            "follows it, so the answer's tokens cannot be told apart.",
+                            where=where, fix="use a template that renders the prompt turns "
+                            "the same way with and without the assistant's answer.")
+        texts.append(full[len(prompt):])
+    return prompt, texts[0], texts[1]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def pair_sample(tok: PreTrainedTokenizerBase, prompt: str, chosen: str, rejected: str,
+                ) -> tuple[list[int], list[int], list[int], str]:
+    """(input_ids, labels, position_ids, why skipped or "") of one pair: both sequences."""
+    eos = tok.eos_token
+    if eos:
+        chosen = chosen if chosen.endswith(eos) else chosen + eos
+        rejected = rejected if rejected.endswith(eos) else rejected + eos
+    prompt_ids = list(tok(prompt)["input_ids"])
+    with_chosen = list(tok(prompt + chosen)["input_ids"])
+    with_rejected = list(tok(prompt + rejected)["input_ids"])
+    start = min(_common_prefix(prompt_ids, with_chosen), _common_prefix(prompt_ids, with_rejected))
+    if with_chosen[start:] == with_rejected[start:]:
+        return [], [], [], "chosen identical to rejected"
+    ids, labels, positions = [], [], []
+    for full in (with_chosen, with_rejected):
+        if len(full) == start:
+            return [], [], [], "empty answer"
+        ids += full
+        labels += [IGNORE_INDEX] * start + full[start:]
+        positions += list(range(len(full)))
+    return ids, labels, positions, ""

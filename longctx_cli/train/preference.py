@@ -1,0 +1,211 @@
+"""Preference losses on rows sharded over an SP group: DPO (TRL's loss types), IPO, SimPO.
+
+A row holds whole pairs, document `2k` the chosen and `2k + 1` the rejected sequence of pair
+`k` (`data/preference.py`). Each rank sums the log-probabilities of its own targets per
+document (labels were shifted once on the full row, as for SFT); one all-reduce over the SP
+group gives every rank the whole sequences' sums, and no rank ever holds the full row's
+`[tokens, vocab]` logits. That all-reduce passes gradients straight through: every rank
+computes the same pair losses from the same sums, and the backward of rank `r` reaches only
+the tokens it holds, so the gradient sync that sums over the SP group (as for SFT) adds the
+shares up to the single-device gradient.
+
+The losses are TRL's (DPOTrainer for dpo/ipo, CPOTrainer's `simpo` for simpo), so are the
+metric names. The reference model of dpo/ipo is the base model with the adapter switched
+off, run under `no_grad` on the same sharded rows.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from longctx_cli.config import Config
+from longctx_cli.constants import IGNORE_INDEX
+from longctx_cli.parallel.mesh import ParallelState
+from longctx_cli.parallel.sharding import ShardedBatch, slice_sequence
+from longctx_cli.runtime.model import sp_hidden_states
+
+# TRL's names, in the order the metrics file and the summary show them.
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+           "logps/chosen", "logps/rejected")
+
+
+@dataclass(frozen=True)
+class PreferenceLoss:
+    """The preference objective of a run (`rl:` and its keys)."""
+
+    method: str  # dpo, ipo, simpo
+    loss_types: tuple[str, ...]  # dpo/ipo: TRL's loss types, summed with `loss_weights`
+    loss_weights: tuple[float, ...]
+    beta: float
+    label_smoothing: float
+    simpo_gamma: float
+
+    @classmethod
+    def from_config(cls, config: Config) -> PreferenceLoss | None:
+        if config.rl is None:
+            return None
+        types = tuple(config.dpo_loss_type or ())
+        weights = tuple(config.dpo_loss_weights or [1.0] * len(types))
+        beta = config.rl_beta if config.rl_beta is not None else 0.1
+        return cls(config.rl, types, weights, beta, config.dpo_label_smoothing,
+                   config.simpo_gamma)
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.method != "simpo"
+
+    def pair_losses(self, policy: SequenceLogps, reference: SequenceLogps | None,
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-pair losses `[pairs]` and the per-pair values behind TRL's metrics."""
+        beta, smoothing = self.beta, self.label_smoothing
+        if self.method == "simpo":  # CPOTrainer, loss_type simpo: length-averaged log-probs
+            chosen, rejected = policy.chosen_mean, policy.rejected_mean
+            logits = chosen - rejected - self.simpo_gamma / beta
+            losses = (-F.logsigmoid(beta * logits) * (1 - smoothing)
+                      - F.logsigmoid(-beta * logits) * smoothing)
+            chosen_rewards, rejected_rewards = beta * chosen, beta * rejected
+            shown = (chosen, rejected)
+        else:
+            assert reference is not None
+            chosen_ratio = policy.chosen - reference.chosen
+            rejected_ratio = policy.rejected - reference.rejected
+            delta = chosen_ratio - rejected_ratio
+            losses = torch.zeros_like(delta)
+            for loss_type, weight in zip(self.loss_types, self.loss_weights, strict=True):
+                losses = losses + weight * _dpo_loss(loss_type, delta, policy, reference, beta,
+                                                     smoothing)
+            chosen_rewards, rejected_rewards = beta * chosen_ratio, beta * rejected_ratio
+            shown = (policy.chosen, policy.rejected)
+        chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
+        values = dict(zip(METRICS, (
+            chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).float(),
+            chosen_rewards - rejected_rewards, shown[0].detach(), shown[1].detach()),
+            strict=True))
+        return losses, values
+
+
+def _dpo_loss(loss_type: str, delta: torch.Tensor, policy: SequenceLogps,
+              reference: SequenceLogps, beta: float, smoothing: float) -> torch.Tensor:
+    """One of TRL's DPO losses per pair (its `reverse_kl` scores: the plain log-ratios)."""
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * delta)
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * delta)
+    if loss_type == "ipo":  # TRL normalises IPO's log-ratios by the answer lengths
+        chosen = (policy.chosen - reference.chosen) / policy.chosen_tokens
+        rejected = (policy.rejected - reference.rejected) / policy.rejected_tokens
+        return (chosen - rejected - 1 / (2 * beta)) ** 2
+    if loss_type == "robust":
+        clean = -(1 - smoothing) * F.logsigmoid(beta * delta)
+        flipped = -smoothing * F.logsigmoid(-beta * delta)
+        return (clean - flipped) / (1 - 2 * smoothing)
+    raise ValueError(f"unknown dpo loss type {loss_type!r}")
+
+
+@dataclass
+class SequenceLogps:
+    """Whole-sequence log-probabilities of a micro-batch's pairs (every SP rank alike)."""
+
+    chosen: torch.Tensor  # [pairs], summed over the answer's tokens
+    rejected: torch.Tensor
+    chosen_tokens: torch.Tensor  # [pairs], answer lengths
+    rejected_tokens: torch.Tensor
+
+    @property
+    def chosen_mean(self) -> torch.Tensor:
+        return self.chosen / self.chosen_tokens
+
+    @property
+    def rejected_mean(self) -> torch.Tensor:
+        return self.rejected / self.rejected_tokens
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) forward; the gradient passes through unchanged (see module doc)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _token_logps(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                 ) -> torch.Tensor:
+    """log p(label) per token, 0 where the label is -100."""
+    return -F.cross_entropy(head(hidden).float(), labels, ignore_index=IGNORE_INDEX,
+                            reduction="none")
+
+
+def local_document_ids(batch: ShardedBatch) -> torch.Tensor:
+    """The document (index in the row) of each of this rank's tokens, in local order."""
+    meta = batch.sp_meta
+    positions = slice_sequence(torch.arange(meta.total_len), meta.ctx)
+    bounds = torch.tensor(meta.cu_host[1:])
+    return torch.searchsorted(bounds, positions, right=True)
+
+
+def sequence_logps(head: torch.nn.Module, hidden: torch.Tensor, batch: ShardedBatch,
+                   state: ParallelState, chunk_size: int | None) -> SequenceLogps:
+    """Every pair's summed answer log-probabilities, from this rank's hidden states."""
+    labels = batch.shift_labels.reshape(-1)
+    device = hidden.device
+    if chunk_size is None or hidden.shape[0] <= chunk_size:
+        token_logps = _token_logps(head, hidden, labels)
+    else:  # one chunk's [chunk, vocab] logits at a time, in forward and in backward
+        pieces = [checkpoint(_token_logps, head, hidden[s : s + chunk_size],
+                             labels[s : s + chunk_size], use_reentrant=False)
+                  for s in range(0, hidden.shape[0], chunk_size)]
+        token_logps = torch.cat(pieces)
+    docs = len(batch.sp_meta.cu_host) - 1
+    ids = local_document_ids(batch).to(device)
+    sums = token_logps.new_zeros(docs).index_add(0, ids, token_logps)
+    counts = token_logps.new_zeros(docs).index_add(0, ids, (labels != IGNORE_INDEX).to(sums))
+    both = torch.stack([sums, counts])
+    if state.layout.sp > 1:
+        both = _SumOverGroup.apply(both, state.sp_group)
+    sums, counts = both[0], both[1].detach()
+    pairs = batch.num_documents // 2
+    return SequenceLogps(sums[0 : 2 * pairs : 2], sums[1 : 2 * pairs : 2],
+                         counts[0 : 2 * pairs : 2], counts[1 : 2 * pairs : 2])
+
+
+@dataclass
+class PairsResult:
+    loss_sum: torch.Tensor  # sum of the pair losses (the same on every SP rank)
+    pairs: int
+    metric_sums: dict[str, float]  # sums over the pairs of TRL's metrics
+
+
+def preference_loss_sum(model: torch.nn.Module, decoder: torch.nn.Module,
+                        head: torch.nn.Module, batch: ShardedBatch, config: Config,
+                        state: ParallelState, objective: PreferenceLoss) -> PairsResult:
+    """The summed pair losses of one micro-batch (the caller divides by the step's pairs)."""
+    chunk = config.loss_chunk_size if config.chunked_loss else None
+    policy = sequence_logps(head, sp_hidden_states(decoder, batch), batch, state, chunk)
+    reference = None
+    if objective.uses_reference:
+        with torch.no_grad(), reference_model(model):
+            reference = sequence_logps(head, sp_hidden_states(decoder, batch), batch, state,
+                                       chunk)
+    losses, values = objective.pair_losses(policy, reference)
+    return PairsResult(losses.sum(), int(losses.numel()),
+                       {k: float(v.sum()) for k, v in values.items()})
+
+
+def reference_model(model: torch.nn.Module) -> AbstractContextManager:
+    """A context in which `model` computes the reference: its adapter switched off."""
+    disable = getattr(model, "disable_adapter", None)
+    if disable is None:  # the config rules refuse this; never compare the policy with itself
+        raise RuntimeError("a reference model needs an adapter to switch off")
+    return disable()

@@ -1,0 +1,243 @@
+"""Preference losses under every SP strategy against TRL's own computation of the same pairs.
+
+The reference is TRL itself, in this process: `DPOTrainer` (its tokenization, collator and
+`compute_loss`, the reference being the PEFT model with its adapter disabled) for the dpo loss
+types and `rl: ipo`; `CPOTrainer`'s `get_batch_logps` and `cpo_loss` on the model's own
+logits for simpo. longctx packs the same pairs into one row, shards it over the SP group of
+each layout and computes the loss, TRL's metrics and the adapter's gradients; they must match
+TRL's within float32 noise.
+"""
+
+from __future__ import annotations
+
+import types
+import zlib
+
+import pytest
+import torch
+
+from longctx_cli.data.preference import pair_sample
+from tests.distributed import run_distributed
+from tests.layouts import sp_state
+
+trl = pytest.importorskip("trl")
+
+TOL = 2e-5  # loss
+# Gradients: relative error of all adapter gradients as one vector. The float32 rounding of
+# the rings' merge order alone moves this tiny adapter's gradients by up to 9e-5 on these
+# rows (the same row's SFT gradient, stripe vs sp1), and DPO's cancellation between chosen
+# and rejected magnifies it (measured up to 1.4e-4). A real fault (a pair mis-assigned, a
+# share counted twice, a shifted label) moves them by O(1).
+GRAD_TOL = 3e-4
+BETA = 0.2
+PAIRS = [  # prompts longer than the answers, as in long-context preference data
+    ("A pass key is hidden in this text. The grass is green. The key is 4721. The sky is "
+     "blue. What is the key?", " 4721.", " 9130, I think."),
+    ("Name the colour of the sky on a clear day, in one word, after reading this line.",
+     " Blue.", " Green."),
+    ("Two plus two is", " four.", " five, or maybe six."),
+]
+LOSSES = {  # name -> (rl, dpo loss types, label smoothing)
+    "sigmoid": ("dpo", ["sigmoid"], 0.0),
+    "hinge": ("dpo", ["hinge"], 0.0),
+    "ipo": ("ipo", ["ipo"], 0.0),
+    "robust": ("dpo", ["robust"], 0.1),
+    "sigmoid+hinge": ("dpo", ["sigmoid", "hinge"], 0.0),
+    "simpo": ("simpo", [], 0.1),
+}
+LAYOUTS = {  # name -> (world, layout keywords)
+    "sp1": (1, {"sp": 1}),
+    "ring-contiguous": (2, {"sp": 2, "layout": "contiguous"}),
+    "ring-zigzag": (2, {"sp": 2, "layout": "zigzag"}),
+    "p2p-stripe": (2, {"sp": 2, "ring_attn_func": "batch_stripe"}),
+    "ulysses": (2, {"sp": 2, "mode": "ulysses"}),
+    "hybrid": (4, {"sp": 4, "mode": "hybrid", "ulysses_degree": 2}),
+    "dp2-x-sp2": (4, {"sp": 2, "layout": "zigzag"}),
+    "ring-sp4": (4, {"sp": 4, "layout": "zigzag"}),
+}
+SIMPO_GAMMA = 0.5
+
+
+def tokenizer():
+    from longctx_cli.data.tokenizer import byte_tokenizer
+
+    return byte_tokenizer()
+
+
+def base_model(attn: str = "eager"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      attn_implementation=attn)
+    return LlamaForCausalLM(cfg).float()
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+def trained_adapter(model) -> None:
+    """Give the new adapter seeded values (B is zero at creation, A drawn from the global
+    RNG), as after some training: the policy then differs from the reference (the base with
+    the adapter off), and TRL's copy and ours hold the same weights."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+
+
+def policy_model(attn: str = "eager"):
+    """The tiny Llama with a LoRA adapter whose B is not zero (policy != reference)."""
+    from peft import get_peft_model
+
+    model = get_peft_model(base_model(attn), lora_config())
+    trained_adapter(model)
+    return model
+
+
+def adapter_grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def trl_dpo(loss_types: list[str], smoothing: float) -> dict:
+    """TRL's DPOTrainer on PAIRS: token ids, loss, metrics and the adapter's gradients."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    data = Dataset.from_list([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS])
+    args = DPOConfig(output_dir="/tmp/longctx-trl-dpo", report_to=[], use_cpu=True,
+                     per_device_train_batch_size=len(PAIRS), loss_type=loss_types, beta=BETA,
+                     label_smoothing=smoothing, max_length=None)
+    trainer = DPOTrainer(model=base_model(), args=args, train_dataset=data,
+                         processing_class=tokenizer(), peft_config=lora_config())
+    model = trainer.model
+    trained_adapter(model)
+    rows = [trainer.train_dataset[i] for i in range(len(PAIRS))]
+    batch = trainer.data_collator(rows)
+    model.train()
+    loss = trainer.compute_loss(model, batch)
+    loss.backward()
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    ids = [(r["prompt_ids"], r["chosen_ids"], r["rejected_ids"]) for r in rows]
+    return {"loss": loss.item(), "metrics": metrics, "grads": adapter_grads(model), "ids": ids}
+
+
+def trl_simpo(smoothing: float) -> dict:
+    """TRL's CPOTrainer simpo loss (`get_batch_logps` averaged, `cpo_loss`) on the model's
+    own logits of each sequence (padded batch, answer-only labels)."""
+    from trl.experimental.cpo import CPOTrainer
+
+    model = policy_model()
+    tok = tokenizer()
+    seqs, labels = [], []
+    for prompt, chosen, rejected in PAIRS:
+        ids, labs, pos, _ = pair_sample(tok, prompt, chosen, rejected)
+        split = pos.index(0, 1)
+        seqs += [ids[:split], ids[split:]]
+        labels += [labs[:split], labs[split:]]
+    order = list(range(0, len(seqs), 2)) + list(range(1, len(seqs), 2))  # chosen, then rejected
+    width = max(len(s) for s in seqs)
+    input_ids = torch.tensor([seqs[i] + [0] * (width - len(seqs[i])) for i in order])
+    mask = torch.tensor([[1] * len(seqs[i]) + [0] * (width - len(seqs[i])) for i in order])
+    label_t = torch.tensor([labels[i] + [-100] * (width - len(labels[i])) for i in order])
+    logits = model(input_ids=input_ids, attention_mask=mask).logits
+    logps = CPOTrainer.get_batch_logps(logits, label_t, average_log_prob=True)
+    chosen, rejected = logps.chunk(2)
+    stub = types.SimpleNamespace(alpha=0.0, beta=BETA, simpo_gamma=SIMPO_GAMMA,
+                                 label_smoothing=smoothing, loss_type="simpo",
+                                 accelerator=types.SimpleNamespace(device="cpu"))
+    losses, chosen_r, rejected_r = CPOTrainer.cpo_loss(stub, chosen, rejected)
+    loss = losses.mean()
+    loss.backward()
+    metrics = {"rewards/chosen": chosen_r.mean().item(),
+               "rewards/rejected": rejected_r.mean().item(),
+               "rewards/accuracies": (chosen_r > rejected_r).float().mean().item(),
+               "rewards/margins": (chosen_r - rejected_r).mean().item(),
+               "logps/chosen": chosen.mean().item(), "logps/rejected": rejected.mean().item()}
+    return {"loss": loss.item(), "metrics": metrics, "grads": adapter_grads(model)}
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, dict]:
+    out = {}
+    for name, (rl, loss_types, smoothing) in LOSSES.items():
+        out[name] = trl_simpo(smoothing) if rl == "simpo" else trl_dpo(loss_types, smoothing)
+    return out
+
+
+def packed_pairs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every pair in one row, chosen then rejected, as longctx's data pipeline packs them."""
+    from longctx_cli.data.pack import make_row
+
+    tok = tokenizer()
+    row = make_row(pair_sample(tok, *pair)[:3] for pair in PAIRS)
+    return tuple(torch.tensor(row[k]) for k in ("input_ids", "position_ids", "labels"))
+
+
+def longctx_worker(rank: int, world: int, layout: dict, losses: dict) -> dict:
+    import torch.distributed as dist
+
+    from longctx_cli.parallel import register_sp_attention, shard_batch
+    from longctx_cli.runtime.model import decoder_and_head
+    from longctx_cli.train.preference import PreferenceLoss, preference_loss_sum
+
+    state = sp_state(kernel="torch", **layout)
+    ids, pos, labels = packed_pairs()
+    # DP ranks each take the same row here: their sums are divided by the DP degree.
+    batch = shard_batch(ids, pos, labels, state)
+    out = {}
+    for name, (rl, loss_types, smoothing) in losses.items():
+        model = policy_model(register_sp_attention())
+        decoder, head = decoder_and_head(model)
+        objective = PreferenceLoss(rl, tuple(loss_types), (1.0,) * len(loss_types), BETA,
+                                   smoothing, SIMPO_GAMMA)
+        config = types.SimpleNamespace(chunked_loss=name == "hinge", loss_chunk_size=16)
+        result = preference_loss_sum(model, decoder, head, batch, config, state, objective)
+        (result.loss_sum / result.pairs / state.layout.dp).backward()
+        grads = adapter_grads(model)
+        for g in grads.values():
+            dist.all_reduce(g)  # the step's gradient sync (over SP and DP)
+        out[name] = {"loss": result.loss_sum.item() / result.pairs,
+                     "grads": {n: g.numpy() for n, g in grads.items()},  # tensors die with us
+                     "metrics": {k: v / result.pairs for k, v in result.metric_sums.items()}}
+    return out if rank == 0 else {}
+
+
+def test_tokenization_matches_trl(references):
+    tok = tokenizer()
+    for (prompt, chosen, rejected), (p_ids, c_ids, r_ids) in zip(
+            PAIRS, references["sigmoid"]["ids"], strict=True):
+        ids, labels, pos, skip = pair_sample(tok, prompt, chosen, rejected)
+        assert not skip
+        assert ids == p_ids + c_ids + p_ids + r_ids
+        assert pos == list(range(len(p_ids + c_ids))) + list(range(len(p_ids + r_ids)))
+        assert [t for t in labels if t != -100] == c_ids + r_ids
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_matches_trl(layout, references):
+    world, kwargs = LAYOUTS[layout]
+    (got, *_) = run_distributed(longctx_worker, world, kwargs, LOSSES, timeout_s=240)
+    for name, ref in references.items():
+        mine = got[name]
+        assert abs(mine["loss"] - ref["loss"]) < TOL * max(1.0, abs(ref["loss"])), (name, mine,
+                                                                                    ref["loss"])
+        for key, value in mine["metrics"].items():
+            assert abs(value - ref["metrics"][key]) < 1e-4 * max(1.0, abs(value)), (name, key)
+        assert set(mine["grads"]) == set(ref["grads"])
+        mine_flat = torch.cat([torch.from_numpy(mine["grads"][n]).flatten() for n in ref["grads"]])
+        ref_flat = torch.cat([g.flatten() for g in ref["grads"].values()])
+        error = float((mine_flat - ref_flat).norm() / ref_flat.norm())
+        assert error < GRAD_TOL, (name, error)
+        assert ref["loss"] != pytest.approx(0.0)
+
+
+def test_reference_differs_from_policy(references):
+    """The adapter is on for the policy and off for the reference: rewards are not zero."""
+    assert abs(references["sigmoid"]["metrics"]["rewards/margins"]) > 1e-4
