@@ -1,0 +1,136 @@
+"""`longctx train` with `rl:` end to end: the same run at sp 1 and sp 2, TRL's metric names,
+held-out pairs, and the paragraphs bad preference input gets."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from tests.train_helpers import (
+    assert_same_run,
+    read_metrics,
+    run_longctx,
+    train,
+    write_config,
+)
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+           "logps/chosen", "logps/rejected")
+
+
+def write_pairs(path: Path, count: int = 48, seed: int = 0) -> Path:
+    """chatml.intel records: prompts of very different lengths (some longer than the rank's
+    slice, so pairs cross rank boundaries), short answers."""
+    rng = random.Random(seed)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    with path.open("w") as f:
+        for i in range(count):
+            question = " ".join(rng.choice(words) for _ in range(rng.choice([2, 9, 30])))
+            record = {"question": f"{i}: {question}?", "chosen": rng.choice(words),
+                      "rejected": rng.choice(words) + " no"}
+            if i % 3 == 0:
+                record["system"] = "Be brief."
+            f.write(json.dumps(record) + "\n")
+    return path
+
+
+def dpo_config(tmp_path: Path, name: str, data: Path, **overrides) -> Path:
+    settings = {
+        "datasets": [{"path": str(data), "type": "chatml.intel"}],
+        "rl": "dpo", "rl_beta": 0.5, "adapter": "lora", "lora_r": 4, "lora_alpha": 8,
+        "lora_target_modules": ["q_proj", "v_proj", "o_proj"], "sequence_len": 256,
+        "gradient_accumulation_steps": 2, "max_steps": 3, "val_set_size": 4, "eval_steps": 3,
+        "learning_rate": 0.05,
+    }
+    return write_config(tmp_path, name, data, **{**settings, **overrides})
+
+
+def test_dpo_sp2_trains_as_sp1(tmp_path):
+    """The DPO run split over 2 ranks (zigzag) matches the single-process run step by step,
+    and reports TRL's metrics for training and the held-out pairs."""
+    data = write_pairs(tmp_path / "pairs.jsonl")
+    one = dpo_config(tmp_path, "sp1", data)
+    two = dpo_config(tmp_path, "sp2", data, sequence_parallel_degree=2, sp_sharding="zigzag")
+    train(one, 1)
+    train(two, 2)
+    assert_same_run(tmp_path / "sp2", tmp_path / "sp1", adapter=True, tol=1e-4)
+    records = read_metrics(tmp_path / "sp2")
+    assert all(name in r for r in records for name in METRICS)
+    last = records[-1]
+    assert all(f"eval_{name}" in last for name in METRICS) and "eval_loss" in last
+    assert 0.0 <= last["rewards/accuracies"] <= 1.0
+    # The adapter moves the policy away from the reference (the base): rewards are not zero.
+    assert abs(records[-1]["rewards/margins"]) > 0
+    assert (tmp_path / "sp2" / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_simpo_ring_hybrid(tmp_path):
+    """simpo (no reference, full fine-tune) over sp 4 as ulysses 2 x ring 2 equals sp 1."""
+    data = write_pairs(tmp_path / "pairs.jsonl", seed=1)
+    base = {"rl": "simpo", "adapter": None, "rl_beta": 2.0, "val_set_size": 0,
+            "eval_steps": None, "max_steps": 2}
+    one = dpo_config(tmp_path, "sp1", data, **base)
+    four = dpo_config(tmp_path, "sp4", data, **base, sequence_parallel_degree=4,
+                      sequence_parallel_mode="hybrid", ulysses_degree=2)
+    train(one, 1)
+    train(four, 4)
+    assert_same_run(tmp_path / "sp4", tmp_path / "sp1", tol=1e-4)
+
+
+def refusal(tmp_path: Path, records: list[dict] | None = None, command: str = "validate",
+            **overrides) -> str:
+    data = tmp_path / "pairs.jsonl"
+    if records is None:
+        write_pairs(data)
+    else:
+        data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = dpo_config(tmp_path, "bad", data, **overrides)
+    result = run_longctx(command, str(config))
+    assert result.returncode != 0, result.stdout
+    text = result.stdout + result.stderr
+    assert "Traceback" not in text, text
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ({"rl": "orpo"}, "ORPO"),
+    ({"rl": "kto"}, "KTO"),
+    ({"rl": "grpo"}, "online method"),
+    ({"adapter": None}, "adapter: lora"),
+    ({"datasets": None}, "preference type"),
+    ({"rl": None}, "set `rl`"),
+    ({"excess_length_strategy": "truncate"}, "dropped and counted"),
+    ({"dpo_label_smoothing": 0.1}, "robust"),
+    ({"dpo_loss_type": ["sigmoid", "hinge"], "dpo_loss_weights": [1.0]}, "one per"),
+    ({"rl": "ipo", "dpo_loss_type": "hinge"}, "ipo loss"),
+])
+def test_config_refusals(tmp_path, overrides, expected):
+    if "datasets" in overrides:  # an SFT dataset type with rl
+        overrides = {"datasets": [{"path": str(tmp_path / "pairs.jsonl"),
+                                   "type": "completion", "field": "question"}]}
+    assert expected in refusal(tmp_path, **overrides)
+
+
+def test_pair_without_field(tmp_path):
+    text = refusal(tmp_path, [{"question": "q", "chosen": "a", "rejected": "b"},
+                              {"question": "q", "chosen": "a"}], command="preprocess")
+    assert "pairs.jsonl:2" in text and "`rejected`" in text
+
+
+def test_dropped_pairs_are_counted(tmp_path):
+    """Identical answers and pairs that leave no room in sequence_len are dropped and
+    counted in the data report, not trained on."""
+    records = [{"question": f"q{i}", "chosen": "yes", "rejected": "no"} for i in range(20)]
+    records += [{"question": "same", "chosen": "x", "rejected": "x"}] * 2
+    records += [{"question": "long " * 60, "chosen": "yes", "rejected": "no"}] * 3
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = dpo_config(tmp_path, "drops", data)
+    result = run_longctx("preprocess", str(config), env={"COLUMNS": "200"})
+    text = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 0, text
+    assert "2 (chosen identical to rejected)" in text and "3 dropped" in text, text
+    assert "Packing 20 samples" in text, text
