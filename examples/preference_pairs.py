@@ -6,7 +6,7 @@ the rejected one is the same word in the other case. To prefer the chosen answer
 must carry one fact from the start of a long prompt to its end, so held-out reward accuracy
 is at chance (about 50%) until it does. Records are Axolotl's `chatml.intel` shape.
 
-    python examples/preference_pairs.py data/preference_pairs.jsonl --pairs 3000
+    python examples/preference_pairs.py data/preference_pairs.jsonl
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import json
 import random
 from pathlib import Path
 
-INSTRUCTIONS = {"upper": "Answer in capital letters.", "lower": "Answer in small letters."}
+# Each instruction ends in a character that occurs nowhere else in the data, so the fact to
+# carry is one token a tiny model can find by content from anywhere in the prompt.
+INSTRUCTIONS = {"upper": "Answer in capital letters ^", "lower": "Answer in small letters ~"}
 FILLER = ["The river runs past the old mill.", "A cart rolls down the lane.",
           "Bees hum over the clover.", "The baker opens the shop at dawn.",
           "Rain taps on the tin roof.", "Two crows argue on the fence.",
@@ -37,9 +39,9 @@ def pair(rng: random.Random, filler_sentences: int) -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--pairs", type=int, default=3000)
-    parser.add_argument("--min-sentences", type=int, default=8)
-    parser.add_argument("--max-sentences", type=int, default=24)
+    parser.add_argument("--pairs", type=int, default=4000)
+    parser.add_argument("--min-sentences", type=int, default=4)
+    parser.add_argument("--max-sentences", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)

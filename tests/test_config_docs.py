@@ -33,7 +33,7 @@ def test_groups_follow_the_schema_comments():
     headings = [line for line in text.splitlines() if line.startswith("## ")]
     assert headings == [
         "## Model", "## Data", "## Parallelism", "## Training", "## Adapter",
-        "## Evaluation", "## Output", "## Dataset entries",
+        "## Preference optimisation", "## Evaluation", "## Output", "## Dataset entries",
     ]
 
 

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+from transformers import AutoModelForCausalLM
 
 from tests.train_helpers import (
     assert_same_run,
@@ -53,10 +54,13 @@ def test_dpo_sp2_trains_as_sp1(tmp_path):
     and reports TRL's metrics for training and the held-out pairs."""
     data = write_pairs(tmp_path / "pairs.jsonl")
     one = dpo_config(tmp_path, "sp1", data)
-    two = dpo_config(tmp_path, "sp2", data, sequence_parallel_degree=2, sp_sharding="zigzag")
+    two = dpo_config(tmp_path, "sp2", data, sequence_parallel_degree=2, sp_sharding="zigzag",
+                     merge_lora=True)
     train(one, 1)
     train(two, 2)
     assert_same_run(tmp_path / "sp2", tmp_path / "sp1", adapter=True, tol=1e-4)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "sp2" / "merged")  # as after SFT
+    assert merged.config.model_type == "llama"
     records = read_metrics(tmp_path / "sp2")
     assert all(name in r for r in records for name in METRICS)
     last = records[-1]
@@ -65,6 +69,20 @@ def test_dpo_sp2_trains_as_sp1(tmp_path):
     # The adapter moves the policy away from the reference (the base): rewards are not zero.
     assert abs(records[-1]["rewards/margins"]) > 0
     assert (tmp_path / "sp2" / "final" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_dpo_fsdp_qlora(tmp_path):
+    """DPO on a 4-bit base whose packed weights FSDP2 shards, at sp 2, equals the
+    single-process QLoRA run: the adapter-off reference runs through the sharded layers."""
+    pytest.importorskip("bitsandbytes")
+    data = write_pairs(tmp_path / "pairs.jsonl", seed=2)
+    qlora = {"adapter": "qlora", "lora_target_linear": True, "lora_target_modules": None}
+    one = dpo_config(tmp_path, "sp1", data, **qlora)
+    two = dpo_config(tmp_path, "fsdp", data, **qlora, sequence_parallel_degree=2, fsdp=True)
+    train(one, 1)
+    train(two, 2)
+    assert_same_run(tmp_path / "fsdp", tmp_path / "sp1", adapter=True, tol=1e-4)
 
 
 def test_simpo_ring_hybrid(tmp_path):

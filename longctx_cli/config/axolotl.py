@@ -147,21 +147,6 @@ def _tokenizer_config(value: Any, data: dict[str, Any]) -> tuple[dict[str, Any],
 _CAUSAL_LM_CLASSES = ("AutoModelForCausalLM",)
 
 
-_RL_NOT_YET = {
-    "orpo": "ORPO (its NLL term over prompt and answer) is not supported yet",
-    "kto": "KTO (unpaired answers) is not supported yet",
-}
-
-
-def _rl_method(value: Any, data: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    if value in ("dpo", "ipo", "simpo"):
-        return {"rl": value}, f"rl: {value}"
-    why = _RL_NOT_YET.get(value, "it is an online method (it generates while training), "
-                          "which longctx does not run")
-    raise MappingProblem(f"`rl: {value}` cannot run: {why}; longctx trains rl: dpo, ipo or "
-                         "simpo")
-
-
 def _model_type(value: Any, data: dict[str, Any]) -> tuple[dict[str, Any], str]:
     if not isinstance(value, str) or not (
         value in _CAUSAL_LM_CLASSES or value.endswith("ForCausalLM")
@@ -514,8 +499,6 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "dataloader_drop_last": Rule("ignored", "a step's last partial window is always dropped"),
     "dataset_exact_deduplication": Rule("refused", "deduplication is not supported"),
     # ---- RL and other trainers (math-changing)
-    "rl": Rule("mapped", "dpo, ipo and simpo train under every SP strategy (docs/preference.md)",
-               "rl", _rl_method, values=("dpo", "ipo", "simpo")),
     "trl": Rule("refused", _RL),
     "vllm": Rule("refused", _RL),
     "reward_model": Rule("refused", _RL),
@@ -544,7 +527,7 @@ SAME: tuple[str, ...] = (
     "chat_template", "chat_template_jinja", "train_on_inputs", "shuffle_merged_datasets",
     "pretraining_dataset", "streaming", "sample_packing_sequentially", "curriculum_sampling",
     "reinit_weights", "unfrozen_parameters", "merge_lora", "rope_scaling", "rope_theta",
-    "rl_beta", "dpo_beta", "dpo_loss_type", "dpo_loss_weights", "dpo_label_smoothing",
+    "rl", "rl_beta", "dpo_beta", "dpo_loss_type", "dpo_loss_weights", "dpo_label_smoothing",
     "simpo_gamma", "cpo_alpha",
     "sequence_parallel_degree", "context_parallel_size", "heads_k_stride", "ring_attn_func",
     "fsdp", "fsdp_version", "fsdp_config", "deepspeed", "dp_shard_size", "dp_replicate_size",

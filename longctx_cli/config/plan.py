@@ -148,6 +148,7 @@ def _training_rows(config: Config) -> tuple[tuple[str, str], ...]:
     warmup = (f"{config.warmup_ratio:g} of the steps" if config.warmup_ratio is not None
               else f"{config.warmup_steps or 0} steps")
     rows = [
+        ("objective", objective_text(config)),
         ("optimizer", f"{config.optimizer}, lr {config.learning_rate:g}, "
                       f"weight decay {config.weight_decay:g}"),
         ("schedule", f"{config.lr_scheduler}, warm-up {warmup}"),
@@ -168,7 +169,8 @@ def _training_rows(config: Config) -> tuple[tuple[str, str], ...]:
              if config.eval_strategy == "epoch" else f"{config.evals_per_epoch} per epoch"
              if config.evals_per_epoch else f"every {config.eval_steps:g} steps"
              if config.eval_steps else "none")
-    rows += [("checkpoints", save), ("eval loss", evals)]
+    rows += [("checkpoints", save),
+             ("eval loss" + (" + rewards" if config.rl else ""), evals)]
     stops = []
     if config.early_stopping_patience:
         stops.append(f"early stopping after {config.early_stopping_patience} evals without "
@@ -182,6 +184,19 @@ def _training_rows(config: Config) -> tuple[tuple[str, str], ...]:
         [f"wandb ({config.wandb_project})"] if wandb_enabled(config) else [])
     rows.append(("logging", ", ".join(trackers)))
     return tuple(rows)
+
+
+def objective_text(config: Config) -> str:
+    """What the run minimises, and for a preference run where its reference comes from."""
+    if config.rl is None:
+        return "causal-LM loss (mean over target tokens)"
+    beta = config.rl_beta if config.rl_beta is not None else 0.1
+    if config.rl == "simpo":
+        return (f"simpo, beta {beta:g}, gamma {config.simpo_gamma:g} (mean over pairs); "
+                "no reference model")
+    losses = " + ".join(config.dpo_loss_type or ["sigmoid"])
+    return (f"{config.rl} ({losses}), beta {beta:g} (mean over pairs); reference: the base "
+            "model with the adapter off, one extra no-grad forward per micro-batch, no copy")
 
 
 def wandb_enabled(config: Config) -> bool:

@@ -62,6 +62,10 @@ DatasetType = Literal[
     "chatml.argilla", "llama3.intel", "llama3.icr", "llama3.prompt_pairs", "llama3.argilla",
 ]
 RlMethod = Literal["dpo", "ipo", "simpo"]
+_RL_NOT_YET = {
+    "orpo": "ORPO (its NLL term over prompt and answer) is not supported yet",
+    "kto": "KTO (unpaired answers) is not supported yet",
+}
 DpoLossType = Literal["sigmoid", "hinge", "ipo", "robust"]
 TrainOnEos = Literal["turn", "last", "all", "none"]
 
@@ -805,6 +809,16 @@ class Config(_Strict):
         "same family that longctx computes exactly the model's own loss and gradients; refuse "
         "to train on any difference. `false` skips the check (docs/families.md).",
     )
+
+    @field_validator("rl", mode="before")
+    @classmethod
+    def _rl_method(cls, value: Any) -> Any:
+        if value is None or value in get_args(RlMethod):
+            return value
+        why = _RL_NOT_YET.get(value, "it is an online method (it generates while it trains), "
+                              "which longctx does not run")
+        raise ValueError(f"`rl: {value}` cannot run: {why}; longctx trains "
+                         f"{', '.join(get_args(RlMethod))}")
 
     @field_validator("dpo_loss_type", mode="before")
     @classmethod
