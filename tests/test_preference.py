@@ -241,3 +241,42 @@ def test_matches_trl(layout, references):
 def test_reference_differs_from_policy(references):
     """The adapter is on for the policy and off for the reference: rewards are not zero."""
     assert abs(references["sigmoid"]["metrics"]["rewards/margins"]) > 1e-4
+
+
+@pytest.mark.parametrize("type_, record, prompt", [
+    ("chatml.intel", {"system": "S", "question": "Q", "chosen": "A", "rejected": "B"},
+     "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"),
+    ("chatml.argilla", {"instruction": "Q", "chosen_response": "A", "rejected_response": "B"},
+     "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"),
+    ("llama3.prompt_pairs", {"prompt": "Q", "chosen": "A", "rejected": "B"},
+     "<|start_header_id|>user<|end_header_id|>\n\nQ<|eot_id|>"
+     "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+    ("chatml.ultra", {"prompt": "Q", "chosen": [{"role": "user", "content": "Q"},
+                                                {"role": "assistant", "content": "A"}],
+                      "rejected": [{"role": "user", "content": "Q"},
+                                   {"role": "assistant", "content": "B"}]},
+     "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"),
+    ("llama3.argilla_chat", {"chosen": [{"role": "user", "content": "Q"},
+                                        {"role": "assistant", "content": "A"}],
+                             "rejected": [{"role": "user", "content": "Q"},
+                                          {"role": "assistant", "content": "B"}]},
+     "<|start_header_id|>user<|end_header_id|>\n\nQ<|eot_id|>"
+     "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+])
+def test_axolotl_prompt_strings(type_, record, prompt):
+    """Axolotl's preference types: its prompt wording, answers closed by the turn's end."""
+    from longctx_cli.data.preference import pair_texts
+
+    end = "<|im_end|>" if type_.startswith("chatml") else "<|eot_id|>"
+    assert pair_texts(record, type_, "r:1", tok=tokenizer()) == (prompt, "A" + end, "B" + end)
+
+
+def test_chat_template_default_renders_with_the_template():
+    from longctx_cli.data.preference import pair_texts
+    from longctx_cli.data.tokenizer import BYTE_CHAT_TEMPLATE
+
+    record = {"conversation": [{"role": "user", "content": "Q"}],
+              "chosen": {"role": "assistant", "content": "A"}, "rejected": "B"}
+    texts = pair_texts(record, "chat_template.default", "r:1", tok=tokenizer(),
+                       messages_field="conversation", template=BYTE_CHAT_TEMPLATE)
+    assert texts == ("<|user|>\nQ\n<|assistant|>\n", "A</s>", "B</s>")

@@ -59,7 +59,8 @@ DatasetType = Literal[
     "alpaca_w_system.load_chat",
     # preference pairs (with `rl:`), see data/preference.py
     "preference", "chat_template.default", "chatml.intel", "chatml.icr", "chatml.prompt_pairs",
-    "chatml.argilla", "llama3.intel", "llama3.icr", "llama3.prompt_pairs", "llama3.argilla",
+    "chatml.argilla", "chatml.ultra", "chatml.argilla_chat", "llama3.intel", "llama3.icr",
+    "llama3.prompt_pairs", "llama3.argilla", "llama3.ultra", "llama3.argilla_chat",
 ]
 RlMethod = Literal["dpo", "ipo", "simpo"]
 _RL_NOT_YET = {

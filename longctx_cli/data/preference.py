@@ -40,9 +40,13 @@ _FIELDS = {
     "argilla": (("prompt", "input", "question", "instruction"), ("chosen", "chosen_response"),
                 ("rejected", "rejected_response")),
 }
+# Types whose answers are conversations `[{user turn}, {assistant turn}]`: the answer is the
+# assistant turn's content; `ultra` reads the prompt from `prompt`, `argilla_chat` from the
+# chosen conversation's user turn.
+_CONVERSATION_KINDS = ("ultra", "argilla_chat")
 PREFERENCE_TYPES = (
     "preference", "chat_template.default",
-    *(f"{style}.{kind}" for style in _TEMPLATES for kind in _FIELDS),
+    *(f"{style}.{kind}" for style in _TEMPLATES for kind in (*_FIELDS, *_CONVERSATION_KINDS)),
 )
 
 
@@ -76,12 +80,33 @@ def pair_texts(record: dict[str, Any], type_: str, where: str, *,
                                     rejected_field, template)
     style, kind = type_.split(".")
     system_block, user_block, end = _TEMPLATES[style]
-    prompt_keys, chosen_keys, rejected_keys = _FIELDS[kind]
-    system = record.get("system")
+    if kind in _CONVERSATION_KINDS:
+        chosen = _turn(record, "chosen", 1, where)
+        rejected = _turn(record, "rejected", 1, where)
+        question = (_turn(record, "chosen", 0, where) if kind == "argilla_chat"
+                    else _field(record, ("prompt",), where, "prompt"))
+    else:
+        prompt_keys, chosen_keys, rejected_keys = _FIELDS[kind]
+        question = _field(record, prompt_keys, where, "prompt")
+        chosen = _field(record, chosen_keys, where, "chosen")
+        rejected = _field(record, rejected_keys, where, "rejected")
+    system = record.get("system") if kind != "argilla_chat" else None
     prompt = (system_block.format(system=system) if system else "") + user_block.format(
-        prompt=_field(record, prompt_keys, where, "prompt"))
-    return (prompt, _field(record, chosen_keys, where, "chosen") + end,
-            _field(record, rejected_keys, where, "rejected") + end)
+        prompt=question)
+    return prompt, chosen + end, rejected + end
+
+
+def _turn(record: dict[str, Any], key: str, index: int, where: str) -> str:
+    """The content of turn `index` of the conversation in `key` (0: user, 1: assistant)."""
+    turns = record.get(key)
+    content = (turns[index].get("content") if isinstance(turns, list) and len(turns) > index
+               and isinstance(turns[index], dict) else None)
+    if not isinstance(content, str):
+        raise UserError(f"`{key}` must be a conversation whose turn {index + 1} has a string "
+                        "`content`.", where=where,
+                        fix=f"give `{key}` as [{{role: user, content: ...}}, {{role: assistant, "
+                        "content: ...}}].")
+    return content
 
 
 def _chat_template_texts(record: dict[str, Any], where: str, tok: PreTrainedTokenizerBase,
