@@ -507,9 +507,6 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "num_labels": Rule("refused", "sequence classification is not supported"),
     "dpo_use_weighting": Rule("refused", "WPO weighting is not supported"),
     "dpo_padding_free": Rule("ignored", "longctx always packs pairs without padding"),
-    "precompute_ref_log_probs": Rule(
-        "refused", "precomputed reference log-probabilities are not supported yet; with an "
-        "adapter the reference is the base model with the adapter off (nothing to precompute)"),
     "rl_adapter_ref_model": Rule(
         "ignored", "with an adapter the reference is always the base with the adapter off"),
     "orpo_alpha": Rule("refused", "ORPO is not supported yet (rl: dpo, ipo or simpo are)"),
@@ -528,7 +525,7 @@ SAME: tuple[str, ...] = (
     "pretraining_dataset", "streaming", "sample_packing_sequentially", "curriculum_sampling",
     "reinit_weights", "unfrozen_parameters", "merge_lora", "rope_scaling", "rope_theta",
     "rl", "rl_beta", "dpo_beta", "dpo_loss_type", "dpo_loss_weights", "dpo_label_smoothing",
-    "simpo_gamma", "cpo_alpha",
+    "simpo_gamma", "cpo_alpha", "precompute_ref_log_probs",
     "sequence_parallel_degree", "context_parallel_size", "heads_k_stride", "ring_attn_func",
     "fsdp", "fsdp_version", "fsdp_config", "deepspeed", "dp_shard_size", "dp_replicate_size",
     "tensor_parallel_size", "world_size", "micro_batch_size", "gradient_accumulation_steps",

@@ -195,8 +195,11 @@ def objective_text(config: Config) -> str:
         return (f"simpo, beta {beta:g}, gamma {config.simpo_gamma:g} (mean over pairs); "
                 "no reference model")
     losses = " + ".join(config.dpo_loss_type or ["sigmoid"])
-    return (f"{config.rl} ({losses}), beta {beta:g} (mean over pairs); reference: the base "
-            "model with the adapter off, one extra no-grad forward per micro-batch, no copy")
+    reference = ("every pair's log-probabilities under the initial weights, one no-grad SP "
+                 "pass over the rows before training (kept in output_dir)"
+                 if config.precomputed_reference else "the base model with the adapter off, "
+                 "one extra no-grad forward per micro-batch, no copy")
+    return f"{config.rl} ({losses}), beta {beta:g} (mean over pairs); reference: {reference}"
 
 
 def wandb_enabled(config: Config) -> bool:

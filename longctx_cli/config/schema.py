@@ -692,6 +692,11 @@ class Config(_Strict):
         0.0, ge=0.0, description="simpo: weight of an NLL term on the chosen sequences; only "
         "0 (SimPO as published) is supported."
     )
+    precompute_ref_log_probs: bool = Field(
+        False, description="dpo/ipo with a new adapter: compute the reference log-probabilities "
+        "once before training instead of switching the adapter off at every step (a full "
+        "fine-tune or `lora_model_dir` always does; saved in output_dir for resumes)."
+    )
 
     # ---- evaluation ----------------------------------------------------------------------
     eval_steps: int | float | None = Field(
@@ -874,18 +879,6 @@ class Config(_Strict):
                              f"the robust loss (TRL ignores it for {', '.join(losses)}); set "
                              "`dpo_loss_type: robust`, or drop it")
         self.dpo_loss_type = losses
-        if self.rl in ("dpo", "ipo"):
-            if self.adapter is None:
-                raise ValueError(
-                    f"`rl: {self.rl}` compares the policy with a reference model; longctx uses "
-                    "the base model with the adapter switched off, so it needs `adapter: lora` "
-                    "(or qlora); precomputed reference log-probabilities for a full fine-tune "
-                    "are not supported yet (or use `rl: simpo`, which needs no reference)")
-            if self.lora_model_dir:
-                raise ValueError(f"`rl: {self.rl}` with `lora_model_dir`: the reference would be "
-                                 "the loaded adapter, which longctx does not keep a copy of yet; "
-                                 "merge it into the base (`longctx merge-lora`) and train a new "
-                                 "adapter on the merged model")
         return self
 
     @field_validator("pretraining_dataset", mode="before")
@@ -1034,6 +1027,15 @@ class Config(_Strict):
     def random_init(self) -> bool:
         """The weights are drawn from `seed`: an inline `model_config`, or `reinit_weights`."""
         return self.model_config_dict is not None or self.reinit_weights
+
+    @property
+    def precomputed_reference(self) -> bool:
+        """dpo/ipo take the reference from log-probabilities computed before training (not
+        the adapter switched off at every step): always without an adapter (a full
+        fine-tune) or with a loaded one (switching it off would not give the initial model),
+        and on request (`precompute_ref_log_probs`)."""
+        return self.rl in ("dpo", "ipo") and (
+            self.adapter is None or bool(self.lora_model_dir) or self.precompute_ref_log_probs)
 
     @property
     def prepared_path(self) -> str:

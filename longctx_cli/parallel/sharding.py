@@ -73,6 +73,7 @@ class ShardedBatch:
     shift_labels: torch.Tensor  # [1, L], target of each local token, -100 = no loss
     sp_meta: SPMeta
     num_documents: int = 0  # documents in the row before padding (pairs: twice the pairs)
+    rows: tuple[int, ...] = ()  # the dataset rows collated into this batch, in order
 
 
 def zigzag_positions(n: int) -> list[int]:

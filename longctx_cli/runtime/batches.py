@@ -44,9 +44,9 @@ def micro_batches(rows, indices: list[int], config: Config, state: ParallelState
     mine = indices[state.dp_rank * mbs * ga : (state.dp_rank + 1) * mbs * ga]
     batches = []
     for i in range(ga):
-        input_ids, position_ids, labels = collate(rows.select(mine[i * mbs : (i + 1) * mbs]))
-        sharded = shard_batch(input_ids, position_ids, labels, state, pad_id)
-        batches.append(to_device(sharded, state.device))
+        chosen = mine[i * mbs : (i + 1) * mbs]
+        sharded = shard_batch(*collate(rows.select(chosen)), state, pad_id)
+        batches.append(to_device(replace(sharded, rows=tuple(chosen)), state.device))
     return batches
 
 

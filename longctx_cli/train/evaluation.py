@@ -5,6 +5,7 @@ held-out pairs), and the `reduce_lr_on_plateau` schedule that steps on it."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -57,9 +58,11 @@ def evaluate_pairs(model: torch.nn.Module, rows, config: Config, state: Parallel
     for i in range(math.ceil(len(rows) / dp_size)):
         index = dp_rank + i * dp_size
         real = index < len(rows) and counted  # keep collectives in step, count real rows once
-        batch = to_device(shard_batch(*collate(rows.select([min(index, len(rows) - 1)])),
-                                      state, pad_id), device)
-        result = preference_loss_sum(model, decoder, lm_head, batch, config, state, objective)
+        row = min(index, len(rows) - 1)
+        batch = to_device(replace(shard_batch(*collate(rows.select([row])), state, pad_id),
+                                  rows=(row,)), device)
+        result = preference_loss_sum(model, decoder, lm_head, batch, config, state, objective,
+                                     split="eval")
         for key, value in {"loss": result.loss_sum.item(), "pairs": result.pairs,
                            **result.metric_sums}.items():
             sums[key] = sums.get(key, 0.0) + value * real

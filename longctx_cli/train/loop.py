@@ -30,7 +30,7 @@ from longctx_cli.train.metrics import Metrics
 from longctx_cli.train.optim import is_plateau, make_optimizer, make_scheduler
 from longctx_cli.train.precision import Precision, setup_precision
 from longctx_cli.train.preemption import Preempted, PreemptionSignals, Progress
-from longctx_cli.train.preference import PreferenceLoss
+from longctx_cli.train.preference import PreferenceLoss, reference_table
 from longctx_cli.train.schedule import DataPosition
 from longctx_cli.train.step import NonFiniteError, train_step
 from longctx_cli.train.stopping import EARLY_STOPPING, LOSS_WATCHDOG, Stopper, nonfinite_error
@@ -87,6 +87,10 @@ def train(config: Config, plan: Plan, probe: str) -> None:
     model, precision, use_fsdp = setup_model(config, plan, state)
     decoder, lm_head = decoder_and_head(model)
     preference = PreferenceLoss.from_config(config)  # None: the causal-LM loss
+    if preference is not None:  # before a resume: a precomputed reference is the initial model
+        splits = {"train": train_rows, **({"eval": eval_rows} if eval_rows is not None else {})}
+        preference = reference_table(model, splits, config, state, pad_id, preference,
+                                     say=lambda line: is_main and print(line, flush=True))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(config, params)
     data = DataPosition(config, state.layout.dp, train_rows, stream)

@@ -10,14 +10,18 @@ the tokens it holds, so the gradient sync that sums over the SP group (as for SF
 shares up to the single-device gradient.
 
 The losses are TRL's (DPOTrainer for dpo/ipo, CPOTrainer's `simpo` for simpo), so are the
-metric names. The reference model of dpo/ipo is the base model with the adapter switched
-off, run under `no_grad` on the same sharded rows.
+metric names. The reference of dpo/ipo is either the base model with the adapter switched
+off, run under `no_grad` on the same sharded rows, or (a full fine-tune, a continued adapter,
+or `precompute_ref_log_probs`) every pair's log-probabilities under the initial weights,
+computed once before training in one SP pass and kept in `output_dir` for resumes.
 """
 
 from __future__ import annotations
 
+import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,8 +31,11 @@ from torch.utils.checkpoint import checkpoint
 from longctx_cli.config import Config
 from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.parallel.mesh import ParallelState
-from longctx_cli.parallel.sharding import ShardedBatch, slice_sequence
+from longctx_cli.parallel.sharding import ShardedBatch, shard_batch, slice_sequence
+from longctx_cli.runtime.batches import collate, to_device
 from longctx_cli.runtime.model import sp_hidden_states
+
+REFERENCE_FILE = "reference_logps.pt"
 
 # TRL's names, in the order the metrics file and the summary show them.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -45,6 +52,8 @@ class PreferenceLoss:
     beta: float
     label_smoothing: float
     simpo_gamma: float
+    precomputed: bool = False  # reference log-probs from `table`, not the adapter switched off
+    table: ReferenceTable | None = None
 
     @classmethod
     def from_config(cls, config: Config) -> PreferenceLoss | None:
@@ -54,7 +63,7 @@ class PreferenceLoss:
         weights = tuple(config.dpo_loss_weights or [1.0] * len(types))
         beta = config.rl_beta if config.rl_beta is not None else 0.1
         return cls(config.rl, types, weights, beta, config.dpo_label_smoothing,
-                   config.simpo_gamma)
+                   config.simpo_gamma, config.precomputed_reference)
 
     @property
     def uses_reference(self) -> bool:
@@ -189,12 +198,17 @@ class PairsResult:
 
 def preference_loss_sum(model: torch.nn.Module, decoder: torch.nn.Module,
                         head: torch.nn.Module, batch: ShardedBatch, config: Config,
-                        state: ParallelState, objective: PreferenceLoss) -> PairsResult:
-    """The summed pair losses of one micro-batch (the caller divides by the step's pairs)."""
+                        state: ParallelState, objective: PreferenceLoss,
+                        split: str = "train") -> PairsResult:
+    """The summed pair losses of one micro-batch (the caller divides by the step's pairs);
+    `split` names the rows `batch.rows` index, for a precomputed reference."""
     chunk = config.loss_chunk_size if config.chunked_loss else None
     policy = sequence_logps(head, sp_hidden_states(decoder, batch), batch, state, chunk)
     reference = None
-    if objective.uses_reference:
+    if objective.uses_reference and objective.precomputed:
+        assert objective.table is not None, "the reference table is computed before training"
+        reference = objective.table.lookup(split, batch.rows, policy)
+    elif objective.uses_reference:
         with torch.no_grad(), reference_model(model):
             reference = sequence_logps(head, sp_hidden_states(decoder, batch), batch, state,
                                        chunk)
@@ -209,3 +223,74 @@ def reference_model(model: torch.nn.Module) -> AbstractContextManager:
     if disable is None:  # the config rules refuse this; never compare the policy with itself
         raise RuntimeError("a reference model needs an adapter to switch off")
     return disable()
+
+
+# ---- precomputed reference log-probabilities ------------------------------------------
+
+
+@dataclass
+class ReferenceTable:
+    """Every pair's (chosen, rejected) reference log-probabilities, per split and row."""
+
+    rows: dict[str, dict[int, torch.Tensor]]  # split -> row -> [pairs in the row, 2]
+
+    def lookup(self, split: str, rows: tuple[int, ...], policy: SequenceLogps) -> SequenceLogps:
+        both = torch.cat([self.rows[split][r] for r in rows]).to(policy.chosen)
+        return SequenceLogps(both[:, 0], both[:, 1], policy.chosen_tokens,
+                             policy.rejected_tokens)
+
+
+def _fingerprint(splits: dict[str, object], config: Config) -> dict:
+    """What the table depends on: the model, the rows (their cache fingerprints and counts)."""
+    return {"model": config.base_model or repr(config.model_config_dict),
+            "seed": config.seed if config.random_init else None,
+            "lora_model_dir": config.lora_model_dir,
+            "rows": {k: (getattr(v, "_fingerprint", None), len(v)) for k, v in splits.items()}}
+
+
+@torch.no_grad()
+def reference_table(model: torch.nn.Module, splits: dict[str, object], config: Config,
+                    state: ParallelState, pad_id: int, objective: PreferenceLoss,
+                    say) -> PreferenceLoss:
+    """`objective` with its reference table: read from `output_dir` when it was computed for
+    these rows and this model (a resumed run must not recompute it from trained weights),
+    else computed now, before any training, from the initial weights, and saved."""
+    if not (objective.uses_reference and objective.precomputed):
+        return objective
+    from longctx_cli.runtime.model import decoder_and_head
+
+    path = Path(config.output_dir) / REFERENCE_FILE
+    fingerprint = _fingerprint(splits, config)
+    found = [None]  # rank 0 decides for every rank: they must all compute, or none
+    if dist.get_rank() == 0 and path.is_file():
+        saved = torch.load(path, weights_only=True)
+        if saved.get("fingerprint") == fingerprint:
+            found = [saved["rows"]]
+    dist.broadcast_object_list(found, src=0)
+    if found[0] is not None:
+        say(f"reference log-probabilities: read from {path}")
+        return replace(objective, table=ReferenceTable(found[0]))
+    decoder, head = decoder_and_head(model)
+    chunk = config.loss_chunk_size if config.chunked_loss else None
+    started = time.perf_counter()
+    mine: dict[str, dict[int, torch.Tensor]] = {}
+    for split, rows in splits.items():
+        mine[split] = {}
+        for index in range(state.dp_rank, len(rows), state.layout.dp):
+            batch = to_device(shard_batch(*collate(rows.select([index])), state, pad_id),
+                              state.device)
+            logps = sequence_logps(head, sp_hidden_states(decoder, batch), batch, state, chunk)
+            mine[split][index] = torch.stack([logps.chosen, logps.rejected], 1).double().cpu()
+    gathered: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(gathered, mine)
+    table = {split: {i: t for part in gathered for i, t in part[split].items()}
+             for split in splits}
+    if dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"fingerprint": fingerprint, "rows": table}, tmp)
+        tmp.replace(path)
+    count = sum(len(t) for t in table.values())
+    say(f"reference log-probabilities: {count} rows through the initial model in "
+        f"{time.perf_counter() - started:.1f}s, saved to {path}")
+    return replace(objective, table=ReferenceTable(table))
