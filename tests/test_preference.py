@@ -20,8 +20,6 @@ from longctx_cli.data.preference import pair_sample
 from tests.distributed import run_distributed
 from tests.layouts import sp_state
 
-trl = pytest.importorskip("trl")
-
 TOL = 2e-5  # loss
 # Gradients: relative error of all adapter gradients as one vector. The float32 rounding of
 # the rings' merge order alone moves this tiny adapter's gradients by up to 9e-5 on these
