@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from dataclasses import field as dc_field
+from os.path import commonprefix  # any two sequences, not only paths
 from typing import TYPE_CHECKING, Any
 
 from longctx_cli.constants import IGNORE_INDEX
@@ -514,7 +515,7 @@ def _locate(
                                     *messages[n + 1:]], where) for p in _PROBES)
     if a == b and key != "content":
         return None
-    head = _common_prefix(a, b)
+    head = len(commonprefix([a, b]))
     tail = len(a) - head - 1
     ok = (len(a) == len(b) and a[head + 1:] == b[head + 1:] and full.startswith(a[:head])
           and full.endswith(a[head + 1:]) and len(full) >= head + tail)
@@ -526,15 +527,6 @@ def _locate(
             fix="use a template that inserts each turn's content as is (e.g. `chat_template: "
             "chatml`), or pre-render the text and use `type: input_output`.")
     return head, len(full) - tail
-
-
-def _common_prefix(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -15,6 +15,7 @@ Axolotl's; `chat_template.default` renders `field_messages` with the model's own
 
 from __future__ import annotations
 
+from os.path import commonprefix  # any two sequences, token lists included
 from typing import TYPE_CHECKING, Any
 
 from longctx_cli.constants import IGNORE_INDEX
@@ -144,15 +145,6 @@ def _chat_template_texts(record: dict[str, Any], where: str, tok: PreTrainedToke
     return prompt, texts[0], texts[1]
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def pair_sample(tok: PreTrainedTokenizerBase, prompt: str, chosen: str, rejected: str,
                 ) -> tuple[list[int], list[int], list[int], str]:
     """(input_ids, labels, position_ids, why skipped or "") of one pair: both sequences."""
@@ -163,7 +155,8 @@ def pair_sample(tok: PreTrainedTokenizerBase, prompt: str, chosen: str, rejected
     prompt_ids = list(tok(prompt)["input_ids"])
     with_chosen = list(tok(prompt + chosen)["input_ids"])
     with_rejected = list(tok(prompt + rejected)["input_ids"])
-    start = min(_common_prefix(prompt_ids, with_chosen), _common_prefix(prompt_ids, with_rejected))
+    start = min(len(commonprefix([prompt_ids, with_chosen])),
+                len(commonprefix([prompt_ids, with_rejected])))
     if with_chosen[start:] == with_rejected[start:]:
         return [], [], [], "chosen identical to rejected"
     ids, labels, positions = [], [], []
