@@ -207,6 +207,13 @@ def longctx_worker(rank: int, world: int, layout: dict, losses: dict) -> dict:
     return out if rank == 0 else {}
 
 
+def test_every_declared_type_is_rendered():
+    from longctx_cli.config.schema import PREFERENCE_TYPES
+    from longctx_cli.data.preference import RENDERED_TYPES
+
+    assert sorted(PREFERENCE_TYPES) == sorted(RENDERED_TYPES)
+
+
 def test_tokenization_matches_trl(references):
     tok = tokenizer()
     for (prompt, chosen, rejected), (p_ids, c_ids, r_ids) in zip(

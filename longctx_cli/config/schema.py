@@ -23,7 +23,6 @@ from pydantic import (
     model_validator,
 )
 
-from longctx_cli.data.preference import PREFERENCE_TYPES, is_preference_type
 from longctx_cli.kernel_choice import KernelRequest
 from longctx_cli.layout import LayoutError, Mode, RingAttnFunc, Sharding, default_ring
 
@@ -62,6 +61,14 @@ DatasetType = Literal[
     "chatml.argilla", "chatml.ultra", "chatml.argilla_chat", "llama3.intel", "llama3.icr",
     "llama3.prompt_pairs", "llama3.argilla", "llama3.ultra", "llama3.argilla_chat",
 ]
+PREFERENCE_TYPES = get_args(DatasetType)[get_args(DatasetType).index("preference"):]
+
+
+def is_preference_type(type_: str) -> bool:
+    """Whether a dataset type holds preference pairs (chosen and rejected answers)."""
+    return type_ in PREFERENCE_TYPES
+
+
 RlMethod = Literal["dpo", "ipo", "simpo"]
 _RL_NOT_YET = {
     "orpo": "ORPO (its NLL term over prompt and answer) is not supported yet",

@@ -14,6 +14,7 @@ from dataclasses import field as dc_field
 from os.path import commonprefix  # any two sequences, not only paths
 from typing import TYPE_CHECKING, Any
 
+from longctx_cli.config.schema import is_preference_type
 from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.data import preference
 from longctx_cli.errors import UserError
@@ -141,7 +142,7 @@ class FormatSpec:
     @property
     def columns(self) -> tuple[str, ...]:
         """Columns every record must have."""
-        if preference.is_preference_type(self.type):
+        if is_preference_type(self.type):
             return ()  # which of several names a pair uses is read per record
         if self.type == "chat_template":
             return (self.messages_field,)
@@ -180,7 +181,7 @@ def tokenize_batch(
         if cut:
             record = cut_record(record, spec, max_chars)
         positions = None  # from 0 for the whole sample, except for a pair's two sequences
-        if preference.is_preference_type(spec.type):
+        if is_preference_type(spec.type):
             texts = preference.pair_texts(record, spec.type, where(i), tok=tok,
                                           messages_field=spec.messages_field,
                                           chosen_field=spec.chosen_field,
@@ -208,7 +209,7 @@ def _texts(record: dict[str, Any], spec: FormatSpec) -> list[tuple[Any, Any]]:
         segments = record.get("segments")
         return [(s, "text") for s in segments if isinstance(s, dict)] if isinstance(
             segments, list) else []
-    if preference.is_preference_type(spec.type):
+    if is_preference_type(spec.type):
         return [(record, k) for k, v in record.items() if isinstance(v, str)]
     if spec.type == "chat_template":
         turns = record.get(spec.messages_field)

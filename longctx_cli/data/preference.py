@@ -45,14 +45,11 @@ _FIELDS = {
 # assistant turn's content; `ultra` reads the prompt from `prompt`, `argilla_chat` from the
 # chosen conversation's user turn.
 _CONVERSATION_KINDS = ("ultra", "argilla_chat")
-PREFERENCE_TYPES = (
+# The types this module renders; config.schema declares them (PREFERENCE_TYPES).
+RENDERED_TYPES = (
     "preference", "chat_template.default",
     *(f"{style}.{kind}" for style in _TEMPLATES for kind in (*_FIELDS, *_CONVERSATION_KINDS)),
 )
-
-
-def is_preference_type(type_: str) -> bool:
-    return type_ in PREFERENCE_TYPES
 
 
 def _field(record: dict[str, Any], keys: tuple[str, ...], where: str, what: str) -> str:
