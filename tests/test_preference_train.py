@@ -87,6 +87,18 @@ def test_dpo_full_finetune_precomputed_reference(tmp_path):
     assert abs(read_metrics(tmp_path / "sp2")[-1]["rewards/margins"]) > 0
 
 
+def test_dpo_tensor_parallel(tmp_path):
+    """TP-sp: each TP rank scores its part of the SP shard vocab-parallel; tp 2 x sp 2 (the
+    adapter-off reference included) equals the single-process run."""
+    data = write_pairs(tmp_path / "pairs.jsonl", seed=4)
+    one = dpo_config(tmp_path, "sp1", data)
+    four = dpo_config(tmp_path, "tp2sp2", data, tensor_parallel_size=2,
+                      sequence_parallel_degree=2)
+    train(one, 1)
+    train(four, 4)
+    assert_same_run(tmp_path / "tp2sp2", tmp_path / "sp1", adapter=True, tol=1e-4)
+
+
 @pytest.mark.slow
 def test_dpo_fsdp_qlora(tmp_path):
     """DPO on a 4-bit base whose packed weights FSDP2 shards, at sp 2, equals the

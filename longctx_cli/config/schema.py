@@ -858,9 +858,6 @@ class Config(_Strict):
             raise ValueError("`excess_length_strategy: truncate` would cut a pair's answers off; "
                              "with `rl` pairs longer than sequence_len are dropped and counted "
                              "(`drop`, the default)")
-        if self.tensor_parallel_size > 1:
-            raise ValueError(f"`rl: {self.rl}` with `tensor_parallel_size` > 1 is not supported "
-                             "yet; use sequence parallelism (and fsdp) instead")
         losses = self.dpo_loss_type
         if self.rl == "ipo":
             if losses not in (None, ["ipo"]):

@@ -285,14 +285,34 @@ def _gather_tokens(x: torch.Tensor, tp: ParallelState) -> torch.Tensor:
     return out
 
 
-def _chunk_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
-                tp: ParallelState) -> torch.Tensor:
+def _chunk_token_losses(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                        tp: ParallelState) -> torch.Tensor:
+    """CE of each of this TP rank's tokens in the chunk (0 where the label is -100)."""
     all_labels = _gather_tokens(labels, tp)
     logits = head(hidden)  # [tp * chunk, vocab / tp], the input gathered by lm_head's plan
     vocab_start = tp.tp_rank * logits.shape[-1]
     losses = _VocabParallelCE.apply(logits, all_labels, vocab_start, tp.tp_group)
     n = labels.shape[0]
-    return losses[tp.tp_rank * n : (tp.tp_rank + 1) * n].sum()
+    return losses[tp.tp_rank * n : (tp.tp_rank + 1) * n]
+
+
+def _chunk_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                tp: ParallelState) -> torch.Tensor:
+    return _chunk_token_losses(head, hidden, labels, tp).sum()
+
+
+def tp_token_losses(head: nn.Module, hidden: torch.Tensor, shift_labels: torch.Tensor,
+                    tp: ParallelState, chunk_size: int | None = None) -> torch.Tensor:
+    """CE of every token of this TP rank's slice, vocab-parallel (what a preference loss
+    sums per sequence); chunks as in `tp_loss_sum`, none skipped."""
+    from torch.utils.checkpoint import checkpoint
+
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = shift_labels.reshape(-1)
+    step = hidden.shape[0] if chunk_size is None else max(1, chunk_size // tp.layout.tp)
+    return torch.cat([checkpoint(_chunk_token_losses, head, hidden[s : s + step],
+                                 labels[s : s + step], tp, use_reentrant=False)
+                      for s in range(0, hidden.shape[0], step)])
 
 
 def tp_loss_sum(head: nn.Module, hidden: torch.Tensor, shift_labels: torch.Tensor,

@@ -53,7 +53,7 @@ def evaluate_pairs(model: torch.nn.Module, rows, config: Config, state: Parallel
     """Pair-weighted eval loss and TRL's metrics (as `eval_<name>`) over the held-out pairs."""
     decoder, lm_head = decoder_and_head(model)
     dp_rank, dp_size, device = state.dp_rank, state.layout.dp, state.device
-    counted = state.sp_rank == 0  # a pair's values are alike on every rank of its SP group
+    counted = state.sp_rank == 0 and state.tp_rank == 0  # alike on its SP x TP group
     sums: dict[str, float] = {"loss": 0.0, "pairs": 0.0}
     for i in range(math.ceil(len(rows) / dp_size)):
         index = dp_rank + i * dp_size

@@ -2,12 +2,13 @@
 
 A row holds whole pairs, document `2k` the chosen and `2k + 1` the rejected sequence of pair
 `k` (`data/preference.py`). Each rank sums the log-probabilities of its own targets per
-document (labels were shifted once on the full row, as for SFT); one all-reduce over the SP
-group gives every rank the whole sequences' sums, and no rank ever holds the full row's
-`[tokens, vocab]` logits. That all-reduce passes gradients straight through: every rank
-computes the same pair losses from the same sums, and the backward of rank `r` reaches only
-the tokens it holds, so the gradient sync that sums over the SP group (as for SFT) adds the
-shares up to the single-device gradient.
+document (labels were shifted once on the full row, as for SFT; under TP-sp, its part of the
+SP shard, vocab-parallel); all-reducing over the SP (and TP) group gives every rank the whole
+sequences' sums, and no rank ever holds the full row's `[tokens, vocab]` logits. That
+all-reduce passes gradients straight through: every rank computes the same pair losses from
+the same sums, and the backward of rank `r` reaches only the tokens it holds, so the
+gradient sync that sums over the ranks of a replica (as for SFT) adds the shares up to the
+single-device gradient.
 
 The losses are TRL's (DPOTrainer for dpo/ipo, CPOTrainer's `simpo` for simpo), so are the
 metric names. The reference of dpo/ipo is either the base model with the adapter switched
@@ -156,10 +157,14 @@ def _token_logps(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tens
                             reduction="none")
 
 
-def local_document_ids(batch: ShardedBatch) -> torch.Tensor:
-    """The document (index in the row) of each of this rank's tokens, in local order."""
+def local_document_ids(batch: ShardedBatch, state: ParallelState) -> torch.Tensor:
+    """The document (index in the row) of each token this rank scores, in local order: its
+    SP shard, and under TP its own contiguous part of that (the labels `tp_batch` kept)."""
     meta = batch.sp_meta
     positions = slice_sequence(torch.arange(meta.total_len), meta.ctx)
+    if state.layout.tp > 1:
+        n = positions.numel() // state.layout.tp
+        positions = positions[state.tp_rank * n : (state.tp_rank + 1) * n]
     bounds = torch.tensor(meta.cu_host[1:])
     return torch.searchsorted(bounds, positions, right=True)
 
@@ -169,7 +174,11 @@ def sequence_logps(head: torch.nn.Module, hidden: torch.Tensor, batch: ShardedBa
     """Every pair's summed answer log-probabilities, from this rank's hidden states."""
     labels = batch.shift_labels.reshape(-1)
     device = hidden.device
-    if chunk_size is None or hidden.shape[0] <= chunk_size:
+    if state.layout.tp > 1:  # vocab-parallel over the TP group, this rank's tokens
+        from longctx_cli.parallel.tensor_parallel import tp_token_losses
+
+        token_logps = -tp_token_losses(head, hidden, batch.shift_labels, state, chunk_size)
+    elif chunk_size is None or hidden.shape[0] <= chunk_size:
         token_logps = _token_logps(head, hidden, labels)
     else:  # one chunk's [chunk, vocab] logits at a time, in forward and in backward
         pieces = [checkpoint(_token_logps, head, hidden[s : s + chunk_size],
@@ -177,12 +186,13 @@ def sequence_logps(head: torch.nn.Module, hidden: torch.Tensor, batch: ShardedBa
                   for s in range(0, hidden.shape[0], chunk_size)]
         token_logps = torch.cat(pieces)
     docs = len(batch.sp_meta.cu_host) - 1
-    ids = local_document_ids(batch).to(device)
+    ids = local_document_ids(batch, state).to(device)
     sums = token_logps.new_zeros(docs).index_add(0, ids, token_logps)
     counts = token_logps.new_zeros(docs).index_add(0, ids, (labels != IGNORE_INDEX).to(sums))
     both = torch.stack([sums, counts])
-    if state.layout.sp > 1:
-        both = _SumOverGroup.apply(both, state.sp_group)
+    for size, group in ((state.layout.tp, state.tp_group), (state.layout.sp, state.sp_group)):
+        if size > 1:  # each rank of the SP x TP group holds other tokens of the row
+            both = _SumOverGroup.apply(both, group)
     sums, counts = both[0], both[1].detach()
     pairs = batch.num_documents // 2
     return SequenceLogps(sums[0 : 2 * pairs : 2], sums[1 : 2 * pairs : 2],

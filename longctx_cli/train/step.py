@@ -117,7 +117,7 @@ def train_step(
     precision = precision or Precision(device.type)
     local_count = sum(valid_token_count(b.shift_labels) for b in batches)
     # A pair's loss is the same on every rank of its SP group: count it (and report it) once.
-    counts_pairs = preference is not None and state.sp_rank == 0
+    counts_pairs = preference is not None and state.sp_rank == 0 and state.tp_rank == 0
     local_pairs = sum(b.num_documents // 2 for b in batches) if counts_pairs else 0
     global_count, global_pairs = all_reduce_sum([local_count, local_pairs], device)
     divisor = max(global_pairs if preference is not None else global_count, 1.0)
