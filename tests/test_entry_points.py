@@ -121,6 +121,7 @@ def test_srun_style_ranks_refuse_once_with_status_2(tmp_path, documents):
     assert "error" not in rank1.stderr and "Traceback" not in rank1.stderr, rank1.stderr
 
 
+@pytest.mark.slow  # the same check path as the refusals above, on the output_dir
 def test_srun_style_ranks_check_the_output_dir(tmp_path, documents):
     """The launcher's output-folder check runs on ranks no longctx launcher started."""
     config = write_config(tmp_path, "run", documents, sequence_parallel_degree=2)

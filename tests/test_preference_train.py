@@ -87,16 +87,16 @@ def test_dpo_full_finetune_precomputed_reference(tmp_path):
     assert abs(read_metrics(tmp_path / "sp2")[-1]["rewards/margins"]) > 0
 
 
-def test_dpo_tensor_parallel(tmp_path):
-    """TP-sp: each TP rank scores its part of the SP shard vocab-parallel; tp 2 x sp 2 (the
+@pytest.mark.parametrize("sp, world", [(1, 2), pytest.param(2, 4, marks=pytest.mark.slow)])
+def test_dpo_tensor_parallel(tmp_path, sp, world):
+    """TP-sp: each TP rank scores its part of the SP shard vocab-parallel; tp 2 (x sp 2, the
     adapter-off reference included) equals the single-process run."""
     data = write_pairs(tmp_path / "pairs.jsonl", seed=4)
     one = dpo_config(tmp_path, "sp1", data)
-    four = dpo_config(tmp_path, "tp2sp2", data, tensor_parallel_size=2,
-                      sequence_parallel_degree=2)
+    tp = dpo_config(tmp_path, "tp", data, tensor_parallel_size=2, sequence_parallel_degree=sp)
     train(one, 1)
-    train(four, 4)
-    assert_same_run(tmp_path / "tp2sp2", tmp_path / "sp1", adapter=True, tol=1e-4)
+    train(tp, world)
+    assert_same_run(tmp_path / "tp", tmp_path / "sp1", adapter=True, tol=1e-4)
 
 
 @pytest.mark.slow
@@ -113,6 +113,7 @@ def test_dpo_fsdp_qlora(tmp_path):
     assert_same_run(tmp_path / "fsdp", tmp_path / "sp1", adapter=True, tol=1e-4)
 
 
+@pytest.mark.slow
 def test_simpo_ring_hybrid(tmp_path):
     """simpo (no reference, full fine-tune) over sp 4 as ulysses 2 x ring 2 equals sp 1."""
     data = write_pairs(tmp_path / "pairs.jsonl", seed=1)
