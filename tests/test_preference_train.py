@@ -61,6 +61,13 @@ def test_dpo_sp2_trains_as_sp1(tmp_path):
     assert_same_run(tmp_path / "sp2", tmp_path / "sp1", adapter=True, tol=1e-4)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "sp2" / "merged")  # as after SFT
     assert merged.config.model_type == "llama"
+    # `longctx eval` runs on the adapter as after SFT; the held-out pairs are not rows whose
+    # loss by position means anything, and it says so.
+    result = run_longctx("eval", str(two), "--checkpoint", str(tmp_path / "sp2" / "final"),
+                         "--eval-context-lengths", "[256]", "--eval-samples-per-cell", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "position_loss skipped: the held-out rows are preference pairs" in result.stderr
+    assert (tmp_path / "sp2" / "eval" / "passkey.json").is_file()
     records = read_metrics(tmp_path / "sp2")
     assert all(name in r for r in records for name in METRICS)
     last = records[-1]

@@ -31,9 +31,17 @@ if TYPE_CHECKING:
     from longctx_cli.parallel.mesh import ParallelState
 
 
-# Said when `position_loss` is skipped: the config holds no held-out rows.
+# Said when `position_loss` is skipped: the config holds no held-out rows, or (`rl:`) rows of
+# preference pairs, whose loss by position means nothing.
 NO_HELD_OUT = ("position_loss skipped: it needs held-out rows and this config has none "
                "(set `val_set_size`, e.g. 0.05, or add `eval_datasets`).")
+PAIRS_HELD_OUT = ("position_loss skipped: the held-out rows are preference pairs; training "
+                  "reports their loss and rewards (`eval_loss`, `eval_rewards/*` in "
+                  "metrics.jsonl).")
+
+
+def skipped_positions(config: Config) -> str:
+    return PAIRS_HELD_OUT if config.rl else NO_HELD_OUT
 
 
 def _launch_args(config_path: Path, checkpoint: Path, compare: Path | None,
@@ -73,8 +81,8 @@ def eval_specs(config: Config, tokenizer: PreTrainedTokenizerBase,
     positions = "position_loss" in others
     if positions and not held_out:
         if grid is None and ruler is None:
-            raise UserError(NO_HELD_OUT.replace(" skipped:", " is all `eval_tasks` asks for, "
-                                                "and"), where="eval_tasks",
+            raise UserError(skipped_positions(config).replace(
+                " skipped:", " is all `eval_tasks` asks for, and"), where="eval_tasks",
                             fix="hold out rows as above, or add `passkey` or `ruler` to "
                             "`eval_tasks`.")
         positions = False
@@ -82,8 +90,9 @@ def eval_specs(config: Config, tokenizer: PreTrainedTokenizerBase,
 
 
 def has_held_out(config: Config) -> bool:
-    """Whether the config names held-out rows (the cache says whether it holds any)."""
-    return bool(config.val_set_size or config.eval_datasets)
+    """Whether the config names held-out rows `position_loss` can read (the cache says
+    whether it holds any); preference pairs (`rl:`) are not such rows."""
+    return bool(config.val_set_size or config.eval_datasets) and config.rl is None
 
 
 def run_eval(
@@ -122,7 +131,7 @@ def run_eval(
     held_out = has_held_out(config) and prepare(config, tokenizer).eval is not None
     specs = eval_specs(config, tokenizer, held_out)
     if "position_loss" in config.eval_tasks and not specs.positions:
-        print(NO_HELD_OUT, file=sys.stderr, flush=True)
+        print(skipped_positions(config), file=sys.stderr, flush=True)
     return launch_torchrun(_launch_args(config_path, checkpoint, compare, overrides),
                            plan.world_size, plan.world_size)
 
