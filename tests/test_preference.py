@@ -207,6 +207,13 @@ def longctx_worker(rank: int, world: int, layout: dict, losses: dict) -> dict:
     return out if rank == 0 else {}
 
 
+def test_every_shipped_chat_template_is_declared():
+    from longctx_cli.config.schema import SHIPPED_CHAT_TEMPLATES
+    from longctx_cli.data.chat_templates import END_OF_TURN, TEMPLATES
+
+    assert sorted(TEMPLATES) == sorted(END_OF_TURN) == sorted(SHIPPED_CHAT_TEMPLATES)
+
+
 def test_every_declared_type_is_rendered():
     from longctx_cli.config.schema import PREFERENCE_TYPES
     from longctx_cli.data.preference import RENDERED_TYPES

@@ -64,6 +64,19 @@ DatasetType = Literal[
 PREFERENCE_TYPES = get_args(DatasetType)[get_args(DatasetType).index("preference"):]
 
 
+# The chat templates longctx ships (data/chat_templates.py holds their text).
+SHIPPED_CHAT_TEMPLATES = ("chatml", "llama3", "qwen3", "gemma3", "phi_3")
+CHAT_TEMPLATE_FALLBACK = "tokenizer_default_fallback_"
+
+
+def known_chat_template(name: str) -> bool:
+    """A `chat_template` value longctx can render: the tokenizer's own, a shipped one, a
+    fallback to a shipped one, or `jinja`."""
+    if name.startswith(CHAT_TEMPLATE_FALLBACK):
+        name = name[len(CHAT_TEMPLATE_FALLBACK):]
+    return name in ("tokenizer_default", "jinja", *SHIPPED_CHAT_TEMPLATES)
+
+
 def is_preference_type(type_: str) -> bool:
     """Whether a dataset type holds preference pairs (chosen and rejected answers)."""
     return type_ in PREFERENCE_TYPES
@@ -822,6 +835,20 @@ class Config(_Strict):
         "same family that longctx computes exactly the model's own loss and gradients; refuse "
         "to train on any difference. `false` skips the check (docs/families.md).",
     )
+
+    @model_validator(mode="after")
+    def _chat_template_names(self) -> Config:
+        # Checked where a dataset renders with it: a config may name a template it never uses.
+        for entry in [*self.datasets, *self.eval_datasets]:
+            name = entry.chat_template or self.chat_template
+            if entry.type in ("chat_template", "chat_template.default") and not (
+                    known_chat_template(name)):
+                raise ValueError(
+                    f"`chat_template: {name}` is not a template longctx has; it ships "
+                    f"{', '.join(SHIPPED_CHAT_TEMPLATES)}: use one of them, tokenizer_default "
+                    "(the tokenizer's own), or `jinja` with the template's text in "
+                    "`chat_template_jinja`")
+        return self
 
     @field_validator("rl", mode="before")
     @classmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from longctx_cli.config.schema import CHAT_TEMPLATE_FALLBACK
 from longctx_cli.errors import UserError
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3, "qwen3": QWEN3, "gemma3": GEMMA
              "phi_3": PHI_3}
 END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "qwen3": "<|im_end|>",
                "gemma3": "<end_of_turn>", "phi_3": "<|end|>"}
-_FALLBACK = "tokenizer_default_fallback_"
+_FALLBACK = CHAT_TEMPLATE_FALLBACK
 
 
 def resolve_template(
