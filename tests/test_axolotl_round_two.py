@@ -228,6 +228,7 @@ def test_unfrozen_parameters_train_only_what_they_match(tmp_path: Path) -> None:
     assert "drop one of them" in _error({"unfrozen_parameters": ["x"], "adapter": "lora"})
 
 
+@pytest.mark.slow  # suite budget; unfrozen_parameters' plan and rules stay in the default run
 def test_unfrozen_parameters_under_sp_equal_one_process_and_leave_the_rest(tmp_path):
     from safetensors.torch import load_file
 

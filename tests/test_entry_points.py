@@ -111,6 +111,7 @@ def test_plain_torchrun_refuses_what_validate_refuses(tmp_path, documents, name)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow  # the plain-torchrun refusals above run the same check path by default
 def test_srun_style_ranks_refuse_once_with_status_2(tmp_path, documents):
     overrides, _ = REFUSED["attention_dropout"]
     config = write_config(tmp_path, "run", documents, **overrides)

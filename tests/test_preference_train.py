@@ -54,20 +54,10 @@ def test_dpo_sp2_trains_as_sp1(tmp_path):
     and reports TRL's metrics for training and the held-out pairs."""
     data = write_pairs(tmp_path / "pairs.jsonl")
     one = dpo_config(tmp_path, "sp1", data)
-    two = dpo_config(tmp_path, "sp2", data, sequence_parallel_degree=2, sp_sharding="zigzag",
-                     merge_lora=True)
+    two = dpo_config(tmp_path, "sp2", data, sequence_parallel_degree=2, sp_sharding="zigzag")
     train(one, 1)
     train(two, 2)
     assert_same_run(tmp_path / "sp2", tmp_path / "sp1", adapter=True, tol=1e-4)
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "sp2" / "merged")  # as after SFT
-    assert merged.config.model_type == "llama"
-    # `longctx eval` runs on the adapter as after SFT; the held-out pairs are not rows whose
-    # loss by position means anything, and it says so.
-    result = run_longctx("eval", str(two), "--checkpoint", str(tmp_path / "sp2" / "final"),
-                         "--eval-context-lengths", "[256]", "--eval-samples-per-cell", "1")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "position_loss skipped: the held-out rows are preference pairs" in result.stderr
-    assert (tmp_path / "sp2" / "eval" / "passkey.json").is_file()
     records = read_metrics(tmp_path / "sp2")
     assert all(name in r for r in records for name in METRICS)
     last = records[-1]
@@ -76,6 +66,23 @@ def test_dpo_sp2_trains_as_sp1(tmp_path):
     # The adapter moves the policy away from the reference (the base): rewards are not zero.
     assert abs(records[-1]["rewards/margins"]) > 0
     assert (tmp_path / "sp2" / "final" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_dpo_result_merges_and_evaluates(tmp_path):
+    """After dpo, `merge_lora` writes a plain model and `longctx eval` runs on the adapter as
+    after SFT; the held-out pairs are not rows whose loss by position means anything, and it
+    says so."""
+    data = write_pairs(tmp_path / "pairs.jsonl")
+    config = dpo_config(tmp_path, "sp2", data, sequence_parallel_degree=2, merge_lora=True)
+    train(config, 2)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "sp2" / "merged")
+    assert merged.config.model_type == "llama"
+    result = run_longctx("eval", str(config), "--checkpoint", str(tmp_path / "sp2" / "final"),
+                         "--eval-context-lengths", "[256]", "--eval-samples-per-cell", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "position_loss skipped: the held-out rows are preference pairs" in result.stderr
+    assert (tmp_path / "sp2" / "eval" / "passkey.json").is_file()
 
 
 def test_dpo_full_finetune_precomputed_reference(tmp_path):
