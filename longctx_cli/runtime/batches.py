@@ -50,6 +50,13 @@ def micro_batches(rows, indices: list[int], config: Config, state: ParallelState
     return batches
 
 
+def row_batch(rows, index: int, state: ParallelState, pad_id: int) -> ShardedBatch:
+    """Row `index` alone, sharded for this rank and on its device (evaluation, reference
+    passes): `rows` records which row it is."""
+    sharded = shard_batch(*collate(rows.select([index])), state, pad_id)
+    return to_device(replace(sharded, rows=(index,)), state.device)
+
+
 def to_device(batch: ShardedBatch, device: torch.device) -> ShardedBatch:
     """A copy of `batch` on `device`; the input batch (and its meta) is left as it was."""
     if device.type == "cpu":

@@ -5,15 +5,13 @@ held-out pairs), and the `reduce_lr_on_plateau` schedule that steps on it."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 
 from longctx_cli.config import Config
 from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.parallel.mesh import ParallelState
-from longctx_cli.parallel.sharding import shard_batch
-from longctx_cli.runtime.batches import collate, to_device
+from longctx_cli.runtime.batches import row_batch
 from longctx_cli.runtime.model import decoder_and_head
 from longctx_cli.train.loss import valid_token_count
 from longctx_cli.train.optim import is_plateau
@@ -27,23 +25,26 @@ def eval_interval(config: Config, steps_per_epoch: int, num_steps: int) -> int |
                     steps_per_epoch, num_steps)
 
 
+def rank_rows(count: int, state: ParallelState) -> list[tuple[int, bool]]:
+    """(row, real) this DP rank evaluates: every rank runs the same number of forwards, a
+    rank past the end repeats row 0 and counts nothing (it keeps the collectives in step)."""
+    return [(index, True) if index < count else (0, False)
+            for index in range(state.dp_rank, math.ceil(count / state.layout.dp)
+                               * state.layout.dp, state.layout.dp)]
+
+
 @torch.no_grad()
 def evaluate_loss(decoder: torch.nn.Module, lm_head: torch.nn.Module, rows, config: Config,
                   state: ParallelState, pad_id: int) -> float:
     """Token-weighted eval loss over all ranks; every rank runs the same number of forwards."""
-    dp_rank, dp_size, device = state.dp_rank, state.layout.dp, state.device
-    per_rank = math.ceil(len(rows) / dp_size)
     loss_sum, count = 0.0, 0
-    for i in range(per_rank):
-        index = dp_rank + i * dp_size
-        real = index < len(rows)
-        row = collate(rows.select([index if real else 0]))
-        batch = to_device(shard_batch(*row, state, pad_id), device)
+    for index, real in rank_rows(len(rows), state):
+        batch = row_batch(rows, index, state, pad_id)
         if not real:  # keep collectives in step, contribute nothing
             batch.shift_labels.fill_(IGNORE_INDEX)
         loss_sum += forward_loss_sum(decoder, lm_head, batch, config, state).item()
         count += valid_token_count(batch.shift_labels)
-    total_loss, total_count = all_reduce_sum([loss_sum, count], device)
+    total_loss, total_count = all_reduce_sum([loss_sum, count], state.device)
     return total_loss / total_count if total_count else float("nan")
 
 
@@ -52,21 +53,16 @@ def evaluate_pairs(model: torch.nn.Module, rows, config: Config, state: Parallel
                    pad_id: int, objective: PreferenceLoss) -> tuple[float, dict[str, float]]:
     """Pair-weighted eval loss and TRL's metrics (as `eval_<name>`) over the held-out pairs."""
     decoder, lm_head = decoder_and_head(model)
-    dp_rank, dp_size, device = state.dp_rank, state.layout.dp, state.device
     counted = state.sp_rank == 0 and state.tp_rank == 0  # alike on its SP x TP group
     sums: dict[str, float] = {"loss": 0.0, "pairs": 0.0}
-    for i in range(math.ceil(len(rows) / dp_size)):
-        index = dp_rank + i * dp_size
-        real = index < len(rows) and counted  # keep collectives in step, count real rows once
-        row = min(index, len(rows) - 1)
-        batch = to_device(replace(shard_batch(*collate(rows.select([row])), state, pad_id),
-                                  rows=(row,)), device)
+    for index, real in rank_rows(len(rows), state):
+        batch = row_batch(rows, index, state, pad_id)
         result = preference_loss_sum(model, decoder, lm_head, batch, config, state, objective,
                                      split="eval")
         for key, value in {"loss": result.loss_sum.item(), "pairs": result.pairs,
                            **result.metric_sums}.items():
-            sums[key] = sums.get(key, 0.0) + value * real
-    totals = dict(zip(sums, all_reduce_sum(list(sums.values()), device), strict=True))
+            sums[key] = sums.get(key, 0.0) + value * (real and counted)
+    totals = dict(zip(sums, all_reduce_sum(list(sums.values()), state.device), strict=True))
     pairs = totals.pop("pairs")
     loss = totals.pop("loss") / pairs if pairs else float("nan")
     return loss, {f"eval_{k}": v / pairs for k, v in totals.items()} if pairs else {}

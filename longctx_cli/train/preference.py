@@ -32,9 +32,9 @@ from torch.utils.checkpoint import checkpoint
 from longctx_cli.config import Config
 from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.parallel.mesh import ParallelState
-from longctx_cli.parallel.sharding import ShardedBatch, shard_batch, slice_sequence
-from longctx_cli.runtime.batches import collate, to_device
-from longctx_cli.runtime.model import sp_hidden_states
+from longctx_cli.parallel.sharding import ShardedBatch, SPMeta, slice_sequence
+from longctx_cli.runtime.batches import row_batch
+from longctx_cli.runtime.model import decoder_and_head, sp_hidden_states
 
 REFERENCE_FILE = "reference_logps.pt"
 
@@ -159,14 +159,18 @@ def _token_logps(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tens
 
 def local_document_ids(batch: ShardedBatch, state: ParallelState) -> torch.Tensor:
     """The document (index in the row) of each token this rank scores, in local order: its
-    SP shard, and under TP its own contiguous part of that (the labels `tp_batch` kept)."""
-    meta = batch.sp_meta
+    SP shard, and under TP its own contiguous part of that (the labels `tp_batch` kept).
+    Built once per row: the policy and the reference pass share it."""
+    return batch.sp_meta.derived(_document_ids, state.tp_rank, state.layout.tp)
+
+
+def _document_ids(meta: SPMeta, tp_rank: int, tp: int) -> torch.Tensor:
     positions = slice_sequence(torch.arange(meta.total_len), meta.ctx)
-    if state.layout.tp > 1:
-        n = positions.numel() // state.layout.tp
-        positions = positions[state.tp_rank * n : (state.tp_rank + 1) * n]
+    if tp > 1:
+        n = positions.numel() // tp
+        positions = positions[tp_rank * n : (tp_rank + 1) * n]
     bounds = torch.tensor(meta.cu_host[1:])
-    return torch.searchsorted(bounds, positions, right=True)
+    return torch.searchsorted(bounds, positions.contiguous(), right=True)
 
 
 def sequence_logps(head: torch.nn.Module, hidden: torch.Tensor, batch: ShardedBatch,
@@ -267,8 +271,6 @@ def reference_table(model: torch.nn.Module, splits: dict[str, object], config: C
     else computed now, before any training, from the initial weights, and saved."""
     if not (objective.uses_reference and objective.precomputed):
         return objective
-    from longctx_cli.runtime.model import decoder_and_head
-
     path = Path(config.output_dir) / REFERENCE_FILE
     fingerprint = _fingerprint(splits, config)
     found = [None]  # rank 0 decides for every rank: they must all compute, or none
@@ -287,8 +289,7 @@ def reference_table(model: torch.nn.Module, splits: dict[str, object], config: C
     for split, rows in splits.items():
         mine[split] = {}
         for index in range(state.dp_rank, len(rows), state.layout.dp):
-            batch = to_device(shard_batch(*collate(rows.select([index])), state, pad_id),
-                              state.device)
+            batch = row_batch(rows, index, state, pad_id)
             logps = sequence_logps(head, sp_hidden_states(decoder, batch), batch, state, chunk)
             mine[split][index] = torch.stack([logps.chosen, logps.rejected], 1).double().cpu()
     gathered: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
