@@ -23,6 +23,7 @@ import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,9 @@ from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import ShardedBatch, SPMeta, slice_sequence
 from longctx_cli.runtime.batches import row_batch
 from longctx_cli.runtime.model import decoder_and_head, sp_hidden_states
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 REFERENCE_FILE = "reference_logps.pt"
 
@@ -254,16 +258,18 @@ class ReferenceTable:
                              policy.rejected_tokens)
 
 
-def _fingerprint(splits: dict[str, object], config: Config) -> dict:
-    """What the table depends on: the model, the rows (their cache fingerprints and counts)."""
+def _fingerprint(splits: dict[str, Dataset], config: Config) -> dict:
+    """What the table depends on: the model, and the rows: their files in the prepared-data
+    cache (whose folder is named by the fingerprint of every input to the rows) and counts."""
     return {"model": config.base_model or repr(config.model_config_dict),
             "seed": config.seed if config.random_init else None,
             "lora_model_dir": config.lora_model_dir,
-            "rows": {k: (getattr(v, "_fingerprint", None), len(v)) for k, v in splits.items()}}
+            "rows": {k: (sorted(f["filename"] for f in v.cache_files), len(v))
+                     for k, v in splits.items()}}
 
 
 @torch.no_grad()
-def reference_table(model: torch.nn.Module, splits: dict[str, object], config: Config,
+def reference_table(model: torch.nn.Module, splits: dict[str, Dataset], config: Config,
                     state: ParallelState, pad_id: int, objective: PreferenceLoss,
                     say) -> PreferenceLoss:
     """`objective` with its reference table: read from `output_dir` when it was computed for
