@@ -106,10 +106,16 @@ def main() -> None:
         cells = [f"{results[n]['buckets'][i]['loss']:.3f}" for n in names]
         print(f"| {bucket['start']:,}-{bucket['end']:,} | {bucket['tokens']:,} | "
               + " | ".join(cells) + " |")
-    record = {"length": args.length, "documents": args.documents, "native": NATIVE_CONTEXT,
-              "results": results, "date": time.strftime("%Y-%m-%d"),
+    save_record("context_extension", {"length": args.length, "documents": args.documents,
+                                      "native": NATIVE_CONTEXT, "results": results})
+
+
+def save_record(stem: str, record: dict) -> None:
+    """`record` with the date and the machine, as benchmarks/results/<stem>-<date>.json."""
+    date = time.strftime("%Y-%m-%d")
+    record = {**record, "date": date,
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"}
-    out = ROOT / "benchmarks" / "results" / f"context_extension-{time.strftime('%Y-%m-%d')}.json"
+    out = ROOT / "benchmarks" / "results" / f"{stem}-{date}.json"
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out.relative_to(ROOT)}")
 

@@ -12,7 +12,7 @@ drawn from the run's seed, then the same eval on the trained adapter; once per s
     python benchmarks/context_finetune.py --seeds 1 2 --steps 6
 
 A training step reads one 12,288-token row: about 4 minutes on 2 CPU cores, an eval about 5;
-the whole script takes about an hour there. Prints a table and writes JSON
+the whole script took 77 minutes there. Prints a table and writes JSON
 (benchmarks/results/context_finetune-<date>.json).
 
 What it measures: whether a few steps at the new length teach the model to retrieve from
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.context_extension import save_record  # noqa: E402
 from tests.real_model import NATIVE_CONTEXT, smollm2_folder  # noqa: E402
 
 SCALINGS = {"none": None, "linear auto": {"type": "linear", "factor": "auto"},
@@ -139,14 +139,10 @@ def main() -> None:
         cells = [f"{row['by_depth'][d][0]}/{row['by_depth'][d][1]}" for d in depths]
         print(f"| {row['model']} | {row['scaling']} | {row['training']} | "
               f"{row['correct']}/{row['total']} | " + " | ".join(cells) + " |")
-    record = {"length": args.length, "native": NATIVE_CONTEXT, "steps": args.steps,
-              "learning_rate": args.learning_rate, "scaling": args.scaling,
-              "seeds": args.seeds, "rows": rows,
-              "date": time.strftime("%Y-%m-%d"),
-              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"}
-    out = ROOT / "benchmarks" / "results" / f"context_finetune-{time.strftime('%Y-%m-%d')}.json"
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out.relative_to(ROOT)}")
+    save_record("context_finetune", {
+        "length": args.length, "native": NATIVE_CONTEXT, "steps": args.steps,
+        "learning_rate": args.learning_rate, "scaling": args.scaling, "seeds": args.seeds,
+        "rows": rows})
 
 
 if __name__ == "__main__":

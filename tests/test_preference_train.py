@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,22 @@ def test_dpo_full_finetune_precomputed_reference(tmp_path):
     assert (tmp_path / "sp2" / "reference_logps.pt").is_file()
     assert_same_run(tmp_path / "sp2", tmp_path / "sp1", tol=1e-4)
     assert abs(read_metrics(tmp_path / "sp2")[-1]["rewards/margins"]) > 0
+
+
+@pytest.mark.slow
+def test_precomputed_reference_is_read_on_resume(tmp_path):
+    """A resumed full fine-tune reads the reference table the first run saved (the same rows
+    in the prepared-data cache, the same model) and ends where the uninterrupted run ends."""
+    data = write_pairs(tmp_path / "pairs.jsonl", seed=5)
+    full = {"adapter": None, "rl_beta": 0.2, "learning_rate": 0.01, "max_steps": 4,
+            "save_steps": 2}
+    train(dpo_config(tmp_path, "straight", data, **full), 1)
+    shutil.copytree(tmp_path / "straight", tmp_path / "resumed",
+                    ignore=shutil.ignore_patterns("final", "checkpoint-4"))
+    resumed = dpo_config(tmp_path, "resumed", data, **full, resume_from_checkpoint="auto")
+    result = train(resumed, 1)
+    assert "reference log-probabilities: read from" in result.stdout
+    assert_same_run(tmp_path / "resumed", tmp_path / "straight", tol=1e-5)
 
 
 @pytest.mark.parametrize("sp, world", [(1, 2), pytest.param(2, 4, marks=pytest.mark.slow)])
