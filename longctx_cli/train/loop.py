@@ -24,6 +24,7 @@ from longctx_cli.parallel.mesh import ParallelState, build_parallel_state
 from longctx_cli.runtime.batches import micro_batches
 from longctx_cli.runtime.distributed import init_distributed, load_rows
 from longctx_cli.runtime.model import build_model, decoder_and_head
+from longctx_cli.runtime.startup import StartupClock
 from longctx_cli.train.checkpointer import Checkpointer
 from longctx_cli.train.evaluation import Evaluator
 from longctx_cli.train.metrics import Metrics
@@ -67,11 +68,14 @@ def close_run(metrics: Metrics, progress: Progress, end_trackers: bool) -> None:
     leave_process_group()
 
 
-def train(config: Config, plan: Plan, probe: str) -> None:
-    """The run on this rank, under the plan `preflight.check_run` built; `probe`: its verdict."""
+def train(config: Config, plan: Plan, probe: str, clock: StartupClock | None = None) -> None:
+    """The run on this rank, under the plan `preflight.check_run` built; `probe`: its verdict;
+    `clock`: the startup phases so far (rank 0 reports them at the first step)."""
     # ---- setup ------------------------------------------------------------------------
+    clock = clock or StartupClock.of_this_process()
     device = init_distributed(config)
     state = build_parallel_state(plan.layout, device)
+    clock.mark("process group")
     is_main = dist.get_rank() == 0
     torch.manual_seed(config.seed)
     random.seed(config.seed)
@@ -83,8 +87,10 @@ def train(config: Config, plan: Plan, probe: str) -> None:
     # pretraining_dataset: rows come from a stream packed on the fly, not from the cache.
     stream = PackedStream(config, tokenizer) if config.pretraining_dataset else None
     train_rows, eval_rows = (None, None) if stream else load_rows(config, tokenizer)
+    clock.mark("data")
 
     model, precision, use_fsdp = setup_model(config, plan, state)
+    clock.mark("model")
     decoder, lm_head = decoder_and_head(model)
     preference = PreferenceLoss.from_config(config)  # None: the causal-LM loss
     if preference is not None:  # before a resume: a precomputed reference is the initial model
@@ -103,6 +109,8 @@ def train(config: Config, plan: Plan, probe: str) -> None:
     metrics = Metrics(config, model, data.num_steps, start_step, is_main)
     if checkpointer.resumed_from is not None:
         metrics.write(f"resumed from {checkpointer.resumed_from} at step {start_step}")
+    clock.mark("optimizer, checkpoint, metrics")
+    metrics.startup(clock, Path(config.output_dir))
 
     # ---- loop -------------------------------------------------------------------------
     end_step = data.num_steps  # unless a stop rule ends the run early

@@ -2,6 +2,12 @@
 
 The trainer divides by the exact global valid-token count itself, so these functions return
 a *sum*, never a mean: a mean per rank or per micro-batch would weight short shards wrongly.
+
+A plain linear head (the usual case) trains through `LinearCrossEntropy`: logits are built a
+block of tokens at a time and the block's gradient is taken at once, so no `[tokens, vocab]`
+tensor exists, nothing is recomputed, and one logits buffer serves every block. Other heads
+(LoRA'd, quantized, FSDP2-sharded, a family's logit transform) and autocast take the
+autograd path, whole or, with `chunked_loss`, in checkpointed chunks.
 """
 
 from __future__ import annotations
@@ -12,6 +18,96 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from longctx_cli.constants import IGNORE_INDEX
+
+# Logits per block of the fused loss, in bytes (float32): small enough to stay a small part
+# of a step's memory at any vocabulary, large enough that the block's matmuls run at speed.
+FUSED_BLOCK_BYTES = 64 * 2**20
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Sum of CE(hidden @ weight.T + bias, labels) over labels != -100, float32.
+
+    The forward also computes the gradients of that sum with respect to `hidden`, `weight`
+    and `bias` (the gradient of a block's CE with respect to its logits is softmax minus the
+    one-hot label, made in place in the logits buffer); the backward only scales them by the
+    incoming gradient, so they are exact for any loss scale or divisor applied after.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                labels: torch.Tensor, block: int) -> torch.Tensor:
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_bias = bias is not None and ctx.needs_input_grad[2]
+        wide = torch.float32  # logits, their gradient, and the weight gradient's accumulator
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=wide) if need_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=wide) if need_bias else None
+        buffer = (torch.empty(min(block, hidden.shape[0]), weight.shape[0], dtype=wide,
+                              device=hidden.device) if weight.dtype == wide else None)
+        total = torch.zeros((), dtype=wide, device=hidden.device)
+        for start in range(0, hidden.shape[0], block):
+            y = labels[start : start + block]
+            valid = y != IGNORE_INDEX
+            if not bool(valid.any()):  # no loss and no gradient in this block
+                continue
+            h = hidden[start : start + block]
+            if buffer is not None:
+                logits = torch.mm(h, weight.t(), out=buffer[: h.shape[0]])
+                if bias is not None:
+                    logits.add_(bias)
+            else:
+                logits = F.linear(h, weight, bias).to(wide)
+            target = y.clamp(min=0).unsqueeze(1)
+            keep = valid.to(wide).unsqueeze(1)
+            target_logit = logits.gather(1, target)
+            # log-sum-exp with the exponentials kept in place: they become the softmax.
+            peak = logits.amax(dim=1, keepdim=True)
+            exps = logits.sub_(peak).exp_()
+            sums = exps.sum(dim=1, keepdim=True)
+            total += ((sums.log() + peak - target_logit) * keep).sum()
+            # d(CE sum)/d(logits): softmax - one_hot(label) on valid rows, zero on the others.
+            grad_logits = exps.mul_(keep / sums)
+            grad_logits.scatter_add_(1, target, -keep)
+            g = grad_logits.to(weight.dtype)
+            if need_hidden:
+                torch.mm(g, weight, out=grad_hidden[start : start + block])
+            if need_weight:
+                grad_weight.addmm_(grad_logits.t(), h.to(wide))
+            if need_bias:
+                grad_bias += grad_logits.sum(0)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        weight_dtype, bias_dtype = ctx.dtypes
+        return (
+            grad_hidden * grad_total.to(grad_hidden.dtype) if grad_hidden is not None else None,
+            (grad_weight * grad_total).to(weight_dtype) if grad_weight is not None else None,
+            (grad_bias * grad_total).to(bias_dtype) if grad_bias is not None else None,
+            None, None,
+        )
+
+
+def fused_head(head: nn.Module, hidden: torch.Tensor) -> nn.Linear | None:
+    """The plain `nn.Linear` behind `head` when `LinearCrossEntropy` computes exactly what
+    `head` + CE would under autograd; None otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    from longctx_cli.runtime.head import ModelHead
+
+    linear = head.lm_head if isinstance(head, ModelHead) else head
+    if isinstance(head, ModelHead) and not head.transform.is_identity:
+        return None
+    if type(linear) is not nn.Linear or isinstance(linear.weight, DTensor):
+        return None  # LoRA / quantized layers have their own forward; FSDP2 gathers in hooks
+    if not (torch.is_grad_enabled() and hidden.requires_grad):
+        return None  # evaluation: the autograd path keeps no graph anyway
+    if torch.is_autocast_enabled(hidden.device.type):
+        return None  # autocast picks the matmul dtype; the autograd path follows it
+    return linear
 
 
 def _ce_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -29,12 +125,18 @@ def lm_loss_sum(
     """Sum of next-token CE over tokens whose label is not -100.
 
     `hidden` is `[tokens, hidden_size]` (or with a leading batch dim of 1) and `shift_labels`
-    is already shifted (label of position t is the token at t+1). With `chunk_size`, lm_head
-    and CE run chunk by chunk under activation checkpointing, so only one chunk's
-    `[chunk, vocab]` logits exist at a time, in forward and in backward.
+    is already shifted (label of position t is the token at t+1). A plain linear head runs
+    fused (`LinearCrossEntropy`, in blocks of `chunk_size` tokens, else of
+    `FUSED_BLOCK_BYTES` of logits). Otherwise, with `chunk_size`, lm_head and CE run chunk by
+    chunk under activation checkpointing, so only one chunk's `[chunk, vocab]` logits exist
+    at a time, in forward and in backward.
     """
     hidden = hidden.reshape(-1, hidden.shape[-1])
     shift_labels = shift_labels.reshape(-1)
+    linear = fused_head(lm_head, hidden)
+    if linear is not None:
+        block = chunk_size or max(1, FUSED_BLOCK_BYTES // (4 * linear.out_features))
+        return LinearCrossEntropy.apply(hidden, linear.weight, linear.bias, shift_labels, block)
     if chunk_size is None or hidden.shape[0] <= chunk_size:
         return _ce_sum(lm_head, hidden, shift_labels)
     # Start from a zero that is connected to `hidden`: every rank must run the backward

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from longctx_cli.config import Config
 from longctx_cli.config.plan import wandb_enabled
 from longctx_cli.errors import UserError
+from longctx_cli.runtime.startup import StartupClock
 from longctx_cli.train.step import StepResult
 
 ACCURACY = "rewards/accuracies"  # the preference metric the progress bar shows
@@ -168,6 +169,13 @@ class Metrics:
                 f"step {step + 1}/{self.num_steps} loss {result.loss:.4f} lr {lr:.2e} "
                 f"grad_norm {result.grad_norm:.3f} tokens/s {record['tokens_per_sec']:.0f}{extra}"
             )
+
+    def startup(self, clock: StartupClock, output_dir: Path) -> None:
+        """The time from the command to the first step, by phase: a log line and
+        output_dir/startup.json."""
+        if self.is_main:
+            (output_dir / "startup.json").write_text(json.dumps(clock.record(), indent=1))
+            self.write(clock.line())
 
     def artifact(self, path: Path, name: str) -> None:
         """A saved model as a wandb artifact (with `wandb_log_model`; rank 0 only)."""

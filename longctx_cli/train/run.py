@@ -13,6 +13,7 @@ from longctx_cli.config import Config, load_config
 from longctx_cli.errors import UserError
 from longctx_cli.preflight import check_run
 from longctx_cli.runtime.launch import in_torchrun, launched_by_longctx, rank_errors
+from longctx_cli.runtime.startup import STARTUP_ENV, StartupClock
 from longctx_cli.runtime.supervise import Supervision, resume_setting, supervise
 
 # Things a finished or running job leaves in output_dir; their presence means "another run".
@@ -57,24 +58,30 @@ def run_train(
     """Entry of `longctx train`; returns the process exit code. `overrides` are `--key value`
     arguments after the config; every rank receives them too."""
     overrides = list(overrides or [])
+    clock = StartupClock.of_this_process()
+    clock.mark("launcher imports" if not in_torchrun() else "imports")
     config = load_config(config_path, overrides)
     if in_torchrun():
-        return _train_on_rank(config, overwrite, overrides)
+        return _train_on_rank(config, overwrite, overrides, clock)
 
     _, plan = check_run(config, "train", nproc_per_node, nnodes, overrides=overrides)
     check_output_dir(config, overwrite)
+    clock.mark("launcher plan")
     if node_rank == 0 and not config.pretraining_dataset:  # streamed data has no cache
         # Build (or reuse) the data cache once here, with progress bars, before any rank starts.
         from longctx_cli.data.prepare import prepare
 
         prepare(config)
+        clock.mark("data cache")
+    os.environ[STARTUP_ENV] = clock.handed_on()  # the ranks go on with this clock
     return supervise(
         ["train", str(config_path), *overrides], plan.world_size, nproc_per_node, nnodes or 1,
         node_rank, rdzv_endpoint, Supervision.of(config),
     )
 
 
-def _train_on_rank(config: Config, overwrite: bool, overrides: list[str]) -> int:
+def _train_on_rank(config: Config, overwrite: bool, overrides: list[str],
+                   clock: StartupClock) -> int:
     """One rank: the plan for the torchrun world (every rule `validate` applies), then the
     loop. Ranks a user's own torchrun or srun started also check what longctx's launcher
     would have checked first: the world around the config and the output folder."""
@@ -91,10 +98,12 @@ def _train_on_rank(config: Config, overwrite: bool, overrides: list[str]) -> int
                                 world_checks=not own_launcher)
             if not own_launcher and (rank == 0 or not overwrite):  # rank 0 alone deletes
                 check_output_dir(config, overwrite)
+            clock.mark("plan")
             # Before any data or weights: refuse a family longctx would not train exactly.
             probe = check_fidelity(config, plan.model.transformers_config())
+            clock.mark("fidelity probe")
         with rank_errors(), process_group_released():
-            train(config, plan, probe)
+            train(config, plan, probe, clock)
     except Preempted as done:
         if rank == 0:
             print(done, flush=True)

@@ -1,0 +1,318 @@
+"""longctx against DeepSpeed ALST on the same work, with plain Hugging Face as the yardstick.
+
+    python benchmarks/peers.py                       # every row, 3 alternated runs per tool
+    python benchmarks/peers.py --rows llama-8k --runs 6
+
+Each row is one model and one row of tokens, trained by full fine-tuning with AdamW in
+float32 for a few steps by each tool, from the same initial weights (a `save_pretrained`
+folder) and the same tokens (longctx's prepared row, read back from its cache and handed to
+the others):
+
+- longctx, `sequence_parallel_mode: ulysses` and the default ring, at sp 2, through
+  `longctx train` as a user runs it;
+- DeepSpeed ALST (Ulysses SP for Hugging Face models) at sp 2 under torchrun, ZeRO stage 0,
+  the loss tiled (`benchmarks/peer_worker.py`), from its own virtual environment
+  (`~/.cache/longctx-bench/peers-deepspeed`, built on first use with the same torch and
+  transformers versions, so DeepSpeed never becomes a dependency of longctx);
+- plain transformers in one process: the model's own forward and loss over the whole row.
+
+Every rank runs one compute thread, so sp 2 uses two cores and plain HF one: the limit for
+sp 2 is plain HF's time per step / 2. Tools run alternately, run after run; a run's time per
+step is the median of its steps after `--warmup`, and the table shows the min / median / max
+of those medians over runs. Peak memory is each rank process's resident-set high-water mark
+(VmHWM), read from /proc while it runs. The first step's loss of every tool must agree with
+plain HF's (same weights, same tokens), and so must the third's (the updates agree too).
+Startup is the time from the command to the start of the first step (longctx's ranks
+record when that is, with the phases before it: see docs/benchmarks.md).
+
+What it does not show: GPU speed (kernels, NCCL and overlap differ there), other ZeRO
+stages' memory at scale, or a model larger than a CPU can train in minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.context_extension import save_record  # noqa: E402
+
+DEEPSPEED = "0.19.8"
+PEER_VENV = Path.home() / ".cache" / "longctx-bench" / "peers-deepspeed"
+WORKER = ROOT / "benchmarks" / "peer_worker.py"
+LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 1024,
+         "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
+         "vocab_size": 32000, "max_position_embeddings": 131072, "tie_word_embeddings": False}
+# name -> (model config, tokens per row); the tied row has a large vocabulary, where the loss
+# path (full logits or not, one weight for two roles) matters most.
+ROWS = {
+    "llama-8k": (LLAMA, 8192),
+    "llama-32k": (LLAMA, 32768),
+    "tied-vocab128k-8k": ({**LLAMA, "vocab_size": 128256, "tie_word_embeddings": True}, 8192),
+}
+TOOLS = ("longctx-ulysses", "longctx-ring", "alst-zero0", "hf")
+SP = 2
+LR = 1e-4
+MAX_GRAD_NORM = 1.0
+
+
+def ensure_peer_venv() -> Path:
+    """The peer's own virtual environment: DeepSpeed with longctx's torch and transformers."""
+    import torch
+    import transformers
+
+    python = PEER_VENV / "bin" / "python"
+    stamp = PEER_VENV / "longctx-peers.txt"
+    wanted = (f"torch=={torch.__version__.split('+')[0]} "
+              f"transformers=={transformers.__version__} deepspeed=={DEEPSPEED}")
+    if python.exists() and stamp.exists() and stamp.read_text() == wanted:
+        return python
+    print(f"building the peer environment in {PEER_VENV}: {wanted}", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(PEER_VENV)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", *wanted.split()], check=True)
+    stamp.write_text(wanted)
+    return python
+
+
+def one_thread_env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+# ---- the workload ---------------------------------------------------------------------------
+
+def longctx_config(work: Path, model_dir: Path, tokens: int, steps: int, mode: str) -> dict:
+    return {
+        "base_model": str(model_dir), "tokenizer": "byte", "dtype": "float32",
+        "datasets": [{"path": str(work / "text.jsonl"), "type": "completion"}],
+        "dataset_prepared_path": str(work / "prepared"),
+        "sequence_len": tokens, "sample_packing": True, "val_set_size": 0,
+        "sequence_parallel_degree": SP, "world_size": SP,
+        **({"sequence_parallel_mode": mode} if mode else {}),
+        "micro_batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": steps,
+        "optimizer": "adamw_torch", "learning_rate": LR, "lr_scheduler": "constant",
+        "weight_decay": 0.0, "max_grad_norm": MAX_GRAD_NORM, "seed": 0,
+        "output_dir": str(work / f"out-{mode or 'ring'}"), "save_strategy": "no",
+        "logging_steps": 1,
+    }
+
+
+def prepare_workload(name: str, work: Path, steps: int) -> tuple[Path, dict[str, Path]]:
+    """Initial weights, the row (as longctx prepares it) and longctx's configs of one row."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longctx_cli.config import load_config
+    from longctx_cli.data.prepare import prepare
+
+    model_config, tokens = ROWS[name]
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = work / "model"
+    if not (model_dir / "config.json").exists():
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(**model_config)
+        AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    # One document of printable bytes filling the row exactly (the byte tokenizer adds eos).
+    text = "".join(chr(32 + (i * 7919 + i // 13) % 95) for i in range(tokens - 1))
+    (work / "text.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    configs = {}
+    for tool, mode in (("longctx-ulysses", "ulysses"), ("longctx-ring", "")):
+        path = work / f"{tool}.yaml"
+        path.write_text(yaml.safe_dump(longctx_config(work, model_dir, tokens, steps, mode)))
+        configs[tool] = path
+    prepared = prepare(load_config(configs["longctx-ring"]), progress=False)
+    row = prepared.train[0]
+    assert prepared.train.num_rows == 1 and len(row["input_ids"]) == tokens, prepared.train
+    torch.save({k: torch.tensor(row[k]) for k in ("input_ids", "labels", "position_ids")},
+               work / "row.pt")
+    return model_dir, configs
+
+
+# ---- running and watching one tool ------------------------------------------------------------
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            child = int(stat.parent.name)
+            out += [child, *_children(child)]
+    return out
+
+
+def _peak_kib(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _is_rank(pid: int) -> bool:
+    try:
+        return b"LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+
+
+def run_watched(cmd: list[str], log: Path) -> tuple[float, dict[int, int]]:
+    """Run `cmd`; its wall start and every rank process's peak resident set (KiB). A rank is
+    a process torchrun started (LOCAL_RANK in its environment), else the command itself."""
+    peaks: dict[int, int] = {}
+    ranks: set[int] = set()
+    started = time.time()
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=one_thread_env(),
+                                cwd=ROOT)
+
+        def watch() -> None:
+            while proc.poll() is None:
+                for pid in [proc.pid, *_children(proc.pid)]:
+                    kib = _peak_kib(pid)
+                    if kib is not None:
+                        peaks[pid] = max(peaks.get(pid, 0), kib)
+                        if pid not in ranks and _is_rank(pid):
+                            ranks.add(pid)
+                time.sleep(0.2)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        code = proc.wait()
+        watcher.join()
+    if code != 0:
+        raise SystemExit(f"{' '.join(cmd[:4])} ... failed ({code}); see {log}")
+    chosen = ranks or {proc.pid}
+    return started, {pid: kib for pid, kib in peaks.items() if pid in chosen}
+
+
+def run_tool(tool: str, name: str, work: Path, model_dir: Path, configs: dict[str, Path],
+             steps: int, run: int, peer_python: Path | None) -> dict:
+    log = work / f"{tool}-run{run}.log"
+    out = work / f"{tool}-run{run}.json"
+    if tool.startswith("longctx"):
+        cmd = [sys.executable, "-m", "longctx_cli", "train", str(configs[tool]), "--overwrite"]
+        started, peaks = run_watched(cmd, log)
+        config = yaml.safe_load(configs[tool].read_text())
+        records = [json.loads(line) for line in
+                   (Path(config["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        steps_done = [r for r in records if "tokens_per_sec" in r]
+        seconds = [r["tokens"] / r["tokens_per_sec"] for r in steps_done]
+        losses = [r["loss"] for r in steps_done]
+        startup = json.loads((Path(config["output_dir"]) / "startup.json").read_text())
+        first_step = startup["first_step_at"] - started
+    else:
+        common = ["--model", str(model_dir), "--row", str(work / "row.pt"), "--steps",
+                  str(steps), "--lr", str(LR), "--max-grad-norm", str(MAX_GRAD_NORM),
+                  "--out", str(out)]
+        if tool == "hf":
+            cmd = [sys.executable, str(WORKER), "--tool", "hf", *common]
+        else:
+            cmd = [str(peer_python), "-m", "torch.distributed.run", f"--nproc-per-node={SP}",
+                   str(WORKER), "--tool", "alst", "--zero", tool.removeprefix("alst-zero"),
+                   *common]
+        started, peaks = run_watched(cmd, log)
+        result = json.loads(out.read_text())
+        seconds, losses, startup, first_step = result["seconds"], result["losses"], None, None
+    return {"seconds": seconds, "losses": losses, "peak_mib": sorted(k / 1024 for k in
+                                                                     peaks.values()),
+            "startup": startup, "first_step_s": first_step}
+
+
+# ---- the table ---------------------------------------------------------------------------------
+
+def summarize(runs: list[dict], warmup: int) -> dict:
+    medians = [statistics.median(r["seconds"][warmup:]) for r in runs]
+    peaks = [p for r in runs for p in r["peak_mib"]]
+    firsts = [r["first_step_s"] for r in runs if r["first_step_s"] is not None]
+    return {"s_per_step": [min(medians), statistics.median(medians), max(medians)],
+            "peak_mib": [min(peaks), max(peaks)], "losses": runs[0]["losses"][:3],
+            "first_step_s": [min(firsts), max(firsts)] if firsts else None}
+
+
+def table(rows: dict[str, dict]) -> str:
+    lines = ["| row | tool | s/step min / median / max | of the limit | peak RSS per rank "
+             "(MiB) | step 1 / 3 loss |", "|---|---|---|---|---|---|"]
+    for name, by_tool in rows.items():
+        limit = by_tool["hf"]["s_per_step"][1] / SP
+        for tool, s in by_tool.items():
+            lo, med, hi = s["s_per_step"]
+            share = "" if tool == "hf" else f"{limit / med:.1%}"
+            losses = s["losses"]
+            lines.append(f"| {name} | {tool} | {lo:.2f} / {med:.2f} / {hi:.2f} | {share} | "
+                         f"{s['peak_mib'][0]:,.0f}-{s['peak_mib'][1]:,.0f} | "
+                         f"{losses[0]:.5f} / {losses[2]:.5f} |")
+    return "\n".join(lines)
+
+
+def check_losses(name: str, by_tool: dict[str, dict]) -> None:
+    """Same weights and tokens: every tool's step 1 and step 3 loss match plain HF's."""
+    ref = by_tool["hf"]["losses"]
+    for tool, s in by_tool.items():
+        for i in (0, 2):
+            if abs(s["losses"][i] - ref[i]) > 1e-4 * abs(ref[i]) + 1e-5:
+                raise SystemExit(f"{name}: {tool}'s step {i + 1} loss {s['losses'][i]:.6f} "
+                                 f"differs from plain HF's {ref[i]:.6f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
+    p.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS))
+    p.add_argument("--runs", type=int, default=3, help="alternated runs per tool")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
+    p.add_argument("--work", type=Path, default=ROOT / "outputs" / "peers")
+    p.add_argument("--stem", default="peers")
+    args = p.parse_args()
+    assert args.steps > args.warmup >= 0 and args.steps >= 3 and "hf" in args.tools
+
+    peer_python = ensure_peer_venv() if any(t.startswith("alst") for t in args.tools) else None
+    results: dict[str, dict] = {}
+    raw: dict[str, dict] = {}
+    begun = time.time()
+    for name in args.rows:
+        work = args.work / name
+        model_dir, configs = prepare_workload(name, work, args.steps)
+        runs: dict[str, list[dict]] = {tool: [] for tool in args.tools}
+        for run in range(args.runs):
+            order = args.tools[run % len(args.tools):] + args.tools[:run % len(args.tools)]
+            for tool in order:
+                r = run_tool(tool, name, work, model_dir, configs, args.steps, run, peer_python)
+                runs[tool].append(r)
+                print(f"{name} run {run + 1}/{args.runs} {tool}: "
+                      f"{statistics.median(r['seconds'][args.warmup:]):.2f} s/step, peak "
+                      f"{max(r['peak_mib']):,.0f} MiB, losses "
+                      f"{', '.join(f'{x:.5f}' for x in r['losses'][:3])}", flush=True)
+        results[name] = {tool: summarize(rs, args.warmup) for tool, rs in runs.items()}
+        raw[name] = runs
+        check_losses(name, results[name])
+    print(table(results))
+    save_record(args.stem, {
+        "command": " ".join(["python", "benchmarks/peers.py", *sys.argv[1:]]),
+        "sp": SP, "threads_per_rank": 1, "steps": args.steps, "warmup": args.warmup,
+        "runs": args.runs, "deepspeed": DEEPSPEED, "models": {n: ROWS[n][0] for n in args.rows},
+        "tokens": {n: ROWS[n][1] for n in args.rows}, "results": results, "raw": raw,
+        "total_s": round(time.time() - begun),
+    })
+
+
+if __name__ == "__main__":
+    main()
