@@ -55,7 +55,7 @@ def run_hf(args: argparse.Namespace, row: dict) -> dict:
     model.train()
     optimizer = adamw(model.parameters(), args.lr)
     batch = {k: v.unsqueeze(0) for k, v in row.items()}
-    losses, seconds = [], []
+    losses, seconds, first_step_at = [], [], time.time()
     for _ in range(args.steps):
         started = time.perf_counter()
         loss = model(**batch).loss
@@ -65,7 +65,7 @@ def run_hf(args: argparse.Namespace, row: dict) -> dict:
         optimizer.zero_grad(set_to_none=True)
         seconds.append(time.perf_counter() - started)
         losses.append(float(loss))
-    return {"losses": losses, "seconds": seconds}
+    return {"losses": losses, "seconds": seconds, "first_step_at": first_step_at}
 
 
 def run_alst(args: argparse.Namespace, row: dict) -> dict:
@@ -111,7 +111,7 @@ def run_alst(args: argparse.Namespace, row: dict) -> dict:
     module = engine.module
     vocab = module.config.vocab_size
 
-    losses, seconds = [], []
+    losses, seconds, first_step_at = [], [], time.time()
     for _ in range(args.steps):
         batch = next(loader)
         shift_labels = batch["shift_labels"]
@@ -136,7 +136,7 @@ def run_alst(args: argparse.Namespace, row: dict) -> dict:
         engine.step()
         seconds.append(time.perf_counter() - started)
         losses.append(float(total))
-    return {"losses": losses, "seconds": seconds}
+    return {"losses": losses, "seconds": seconds, "first_step_at": first_step_at}
 
 
 def main() -> None:

@@ -166,11 +166,21 @@ def _peak_kib(pid: int) -> int | None:
     return None
 
 
-def _is_rank(pid: int) -> bool:
+def _has_local_rank(pid: int) -> bool:
     try:
         return b"LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return False
+
+
+def _is_rank(pid: int) -> bool:
+    """A process torchrun started: LOCAL_RANK in its environment and not in its parent's
+    (a rank's own helpers, e.g. a compiler building an op, inherit it)."""
+    try:
+        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return False
+    return _has_local_rank(pid) and not _has_local_rank(parent)
 
 
 def run_watched(cmd: list[str], log: Path) -> tuple[float, dict[int, int]]:
@@ -230,7 +240,8 @@ def run_tool(tool: str, name: str, work: Path, model_dir: Path, configs: dict[st
                    *common]
         started, peaks = run_watched(cmd, log)
         result = json.loads(out.read_text())
-        seconds, losses, startup, first_step = result["seconds"], result["losses"], None, None
+        seconds, losses, startup = result["seconds"], result["losses"], None
+        first_step = result["first_step_at"] - started
     return {"seconds": seconds, "losses": losses, "peak_mib": sorted(k / 1024 for k in
                                                                      peaks.values()),
             "startup": startup, "first_step_s": first_step}
@@ -249,15 +260,17 @@ def summarize(runs: list[dict], warmup: int) -> dict:
 
 def table(rows: dict[str, dict]) -> str:
     lines = ["| row | tool | s/step min / median / max | of the limit | peak RSS per rank "
-             "(MiB) | step 1 / 3 loss |", "|---|---|---|---|---|---|"]
+             "(MiB) | first step after (s) | step 1 / 3 loss |", "|---|---|---|---|---|---|---|"]
     for name, by_tool in rows.items():
         limit = by_tool["hf"]["s_per_step"][1] / SP
         for tool, s in by_tool.items():
             lo, med, hi = s["s_per_step"]
             share = "" if tool == "hf" else f"{limit / med:.1%}"
             losses = s["losses"]
+            first = s["first_step_s"]
             lines.append(f"| {name} | {tool} | {lo:.2f} / {med:.2f} / {hi:.2f} | {share} | "
                          f"{s['peak_mib'][0]:,.0f}-{s['peak_mib'][1]:,.0f} | "
+                         f"{f'{first[0]:.1f}-{first[1]:.1f}' if first else '-'} | "
                          f"{losses[0]:.5f} / {losses[2]:.5f} |")
     return "\n".join(lines)
 
@@ -281,7 +294,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     p.add_argument("--work", type=Path, default=ROOT / "outputs" / "peers")
     p.add_argument("--stem", default="peers")
+    p.add_argument("--table", type=Path, help="only print the table of a saved JSON")
     args = p.parse_args()
+    if args.table:
+        print(table(json.loads(args.table.read_text())["results"]))
+        return
     assert args.steps > args.warmup >= 0 and args.steps >= 3 and "hf" in args.tools
 
     peer_python = ensure_peer_venv() if any(t.startswith("alst") for t in args.tools) else None

@@ -13,3 +13,11 @@ HYBRID_MODEL_TYPES = frozenset({
     "lfm2_moe", "lfm3", "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
     "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "zamba2",
 })
+
+# The fused lm_head + cross-entropy (`train/loss.py`) builds logits this many bytes (float32)
+# at a time: small beside a step's memory at any vocabulary, large enough that the block's
+# matmuls run at speed. `validate`'s memory estimate counts the same block.
+FUSED_LOSS_BLOCK_BYTES = 64 * 2**20
+# Model-config keys of a logit transform after lm_head (`runtime/head.py`): such a head takes
+# the autograd loss path, not the fused one.
+LOGIT_TRANSFORM_KEYS = ("logit_scale", "logits_scaling", "final_logit_softcapping")

@@ -14,6 +14,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -210,6 +211,7 @@ def test_eval_without_held_out_rows_runs_what_it_can(tmp_path, trained):
 # Every line a training run prints, as longctx writes it (rank 0 only).
 LONGCTX_LINES = (
     r"layout: dp \d+, sp \d+ .*", r"fidelity probe: passed: .*", r"Tokenizing .*",
+    r"first step [\d.]+ s after the command \(launcher imports .*\)",
     r"Packing [\d,]+ samples into [\d,]+ rows", r"step \d+/\d+ loss .*",
     r"done: \d+ steps in .*", r"peak memory per rank \(resident set\): .*",
     r"outputs in .*", r"final model \(Hugging Face format\): .*",
@@ -234,10 +236,19 @@ def test_a_lora_run_of_a_saved_model_prints_only_longctx_lines(tmp_path, documen
                           adapter="lora", lora_r=4, lora_alpha=8, max_steps=2, save_steps=1,
                           lora_target_modules=["q_proj", "v_proj"], gradient_checkpointing=True,
                           sequence_parallel_degree=2, eval_steps=None, val_set_size=0)
+    started = time.time()
     result = run_longctx("train", str(config), "--nproc-per-node", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert _foreign_lines(result) == []
     assert result.stdout.count("step 2/2") == 1  # rank 0 alone reports
+    # The way to the first step, phase by phase, from the launcher through the ranks.
+    startup = json.loads((tmp_path / "run" / "startup.json").read_text())
+    phases = startup["phases"]
+    assert list(phases)[:4] == ["launcher imports", "launcher plan", "data cache", "torchrun"]
+    assert {"plan", "fidelity probe", "data", "model"} <= phases.keys()
+    assert all(s >= 0 for s in phases.values())
+    assert abs(sum(phases.values()) - startup["seconds"]) < 0.01 * len(phases)
+    assert startup["seconds"] < time.time() - started
 
 
 @pytest.mark.slow

@@ -434,3 +434,23 @@ def test_eval_position_loss_applies_the_head() -> None:
         want = sum(float(model(input_ids=d[None], labels=d[None]).loss) * (d.numel() - 1)
                    for d in docs) / sum(d.numel() - 1 for d in docs)
     assert abs(result.overall - want) <= 1e-5 * want, (result.overall, want)
+
+
+def test_a_pass_is_remembered_per_model_config(tmp_path, monkeypatch) -> None:
+    """The verdict file is keyed on the model config (and longctx's source and the library
+    versions): the same config reads it back, another config probes again, and a failure
+    is never written."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    base = {"model_config": {"model_type": "llama", **TINY}, "datasets": [{"path": "x"}]}
+    first = check_fidelity(Config(**base))
+    assert first.startswith("passed") and "remembered" not in first
+    assert len(list((tmp_path / "longctx" / "fidelity").glob("*.txt"))) == 1
+    again = check_fidelity(Config(**base))
+    assert again == f"{first}; remembered from an earlier probe of this model config"
+    other = {**base, "model_config": {"model_type": "llama", **TINY, "rope_theta": 500.0}}
+    assert "remembered" not in check_fidelity(Config(**other))
+    altered = {"model_type": "probe_gain_head", **TINY, "output_gain": 2.0}
+    for _ in range(2):
+        with pytest.raises(UserError, match="probe_gain_head"):
+            check_fidelity(Config(model_config=altered, datasets=[{"path": "x"}]))
+    assert len(list((tmp_path / "longctx" / "fidelity").glob("*.txt"))) == 2

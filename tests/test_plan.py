@@ -427,8 +427,31 @@ def test_memory_activations_scale_with_tokens_per_rank():
     assert _memory(sp=4, world=4).activations == 2 * _memory(sp=8).activations
 
 
-def test_memory_chunked_loss_lowers_logits():
-    full, chunked = _memory(), _memory(chunked_loss=True, loss_chunk_size=1024)
+def test_memory_fused_loss_holds_one_block_of_logits():
+    """A plain head's loss is fused: one 64 MiB float32 block of logits (+ its bf16 source),
+    the head's float32 weight gradient and the hidden states' gradient, never the shard's
+    [tokens, vocab] logits (8192 local tokens here)."""
+    vocab, hidden, tokens = LLAMA3_8B.vocab_size, LLAMA3_8B.hidden_size, 8192
+    block = 64 * 2**20 // (4 * vocab)
+    fused = _memory()
+    assert fused.logits == block * vocab * 6 + 4 * vocab * hidden + tokens * hidden * 2
+    chunked = _memory(chunked_loss=True, loss_chunk_size=1024)
+    assert chunked.logits == 1024 * vocab * 6 + 4 * vocab * hidden + tokens * hidden * 2
+    # A LoRA run trains no head weight: no head gradient.
+    lora = _memory(adapter="lora", lora_target_modules=["q_proj"])
+    assert lora.logits == fused.logits - 4 * vocab * hidden
+
+
+@pytest.mark.parametrize("overrides", [
+    {"fsdp": True}, {"dtype": "float16"},
+    {"adapter": "lora", "lora_target_modules": ["q_proj", "lm_head"]},
+    {"adapter": "lora", "lora_target_modules": ["q_proj"], "lora_modules_to_save": ["lm_head"]},
+])
+def test_memory_other_heads_hold_the_shard_logits_unless_chunked(overrides):
+    b = 2  # bf16 / fp16 logits, then two float32 copies
+    full = _memory(**overrides)
+    assert full.logits == 8192 * LLAMA3_8B.vocab_size * (b + 8)
+    chunked = _memory(chunked_loss=True, loss_chunk_size=1024, **overrides)
     assert chunked.logits * 8 == full.logits  # 8192 local tokens vs chunks of 1024
 
 

@@ -322,7 +322,8 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     # ---- kernels and plugins
     "plugins": Rule(
         "ignored", "Axolotl plugins (Liger, Cut Cross Entropy, ...) are fused kernels for the "
-        "same loss; longctx bounds logits memory with `chunked_loss` instead"
+        "same loss; longctx fuses a plain head's loss itself (no full logits), and bounds "
+        "other heads' logits memory with `chunked_loss`"
     ),
     "liger_rope": Rule("ignored", _KERNEL),
     "liger_rms_norm": Rule("ignored", _KERNEL),

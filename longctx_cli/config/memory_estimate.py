@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from longctx_cli.config import tp_rules
 from longctx_cli.config.model_shape import LINEAR_MODULES, ModelShape
 from longctx_cli.config.schema import Config
+from longctx_cli.constants import FUSED_LOSS_BLOCK_BYTES, LOGIT_TRANSFORM_KEYS
 from longctx_cli.kernel_choice import TILE
 from longctx_cli.layout import Layout
 
@@ -140,9 +141,28 @@ def _activation_bytes(
     return shape.num_hidden_layers * layer, tile
 
 
+def fused_loss(config: Config, shape: ModelShape) -> bool:
+    """Whether the trainer's loss will run fused (`train/loss.py:fused_head`: a plain linear
+    head, no autocast, no FSDP2 or TP sharding, no logit transform, no adapter on it)."""
+    targets = config.lora_target_modules
+    adapted = [*(targets if isinstance(targets, list) else [targets or ""]),
+               *(config.lora_modules_to_save or [])]
+    head_adapted = config.adapter is not None and any("lm_head" in m for m in adapted)
+    return (config.tensor_parallel_size == 1 and not config.fsdp
+            and config.dtype != "float16" and not head_adapted
+            and not any(shape.config_value(k) for k in LOGIT_TRANSFORM_KEYS))
+
+
 def _logits_bytes(config: Config, shape: ModelShape, local_tokens: int) -> int:
+    b = DTYPE_BYTES[config.dtype]
+    if fused_loss(config, shape):  # one block of logits (+ its float32 copy below fp32)
+        block = (config.loss_chunk_size if config.chunked_loss
+                 else max(1, FUSED_LOSS_BLOCK_BYTES // (4 * shape.vocab_size)))
+        logits = min(local_tokens, block) * shape.vocab_size * (4 + (b if b != 4 else 0))
+        head_grad = 4 * shape.vocab_size * shape.hidden_size if config.adapter is None else 0
+        return logits + head_grad + local_tokens * shape.hidden_size * b
     tokens = min(local_tokens, config.loss_chunk_size) if config.chunked_loss else local_tokens
-    return tokens * shape.vocab_size * (DTYPE_BYTES[config.dtype] + 4 * LOGITS_FP32_COPIES)
+    return tokens * shape.vocab_size * (b + 4 * LOGITS_FP32_COPIES)
 
 
 def ring_buffer_bytes(

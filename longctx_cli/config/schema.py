@@ -604,11 +604,15 @@ class Config(_Strict):
     )
     chunked_loss: bool = Field(
         False,
-        description="Compute lm_head + cross-entropy in token chunks with recomputation, "
-        "never materialising the [tokens, vocab] logits.",
+        description="For heads the fused loss does not serve (LoRA'd or quantized head, "
+        "FSDP2, TP, a logit transform, fp16): lm_head + cross-entropy in token chunks with "
+        "recomputation, never materialising the [tokens, vocab] logits. A plain head's loss "
+        "is always fused (blocks of logits, no recompute); this sets its block to "
+        "`loss_chunk_size` tokens.",
     )
     loss_chunk_size: int = Field(
-        4096, ge=1, description="Tokens per chunk when `chunked_loss` is on."
+        4096, ge=1, description="Tokens per chunk (and per fused-loss block) when "
+        "`chunked_loss` is on."
     )
     activation_offloading: bool = Field(
         False,

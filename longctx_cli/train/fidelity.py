@@ -26,6 +26,7 @@ import math
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -627,11 +628,55 @@ def _compare(model_type: str, tiny: Any, trust_remote_code: bool, started: float
 
 def check_fidelity(config: Any, hf_config: Any = None) -> str:
     """Run the probe on the run's model config (`hf_config`, else read from `config`);
-    UserError on a difference. Returns the line the start-up log prints."""
+    UserError on a difference. Returns the line the start-up log prints.
+
+    A pass is remembered (`verdict_path`) for the same model config, longctx source and torch
+    and transformers versions, which decide it alone; a failure is never remembered, and
+    models with remote code (which can change under the same config) are probed every time."""
     if not config.fidelity_probe:
         return "skipped (`fidelity_probe: false`): exactness against the model is not checked"
     if hf_config is None:
         from longctx_cli.config.model_shape import read_model_config
 
         hf_config = read_model_config(config).transformers_config()
-    return run_probe(hf_config, config.trust_remote_code).summary()
+    path = None if config.trust_remote_code else verdict_path(hf_config)
+    if path is not None and path.is_file():
+        return f"{path.read_text()}; remembered from an earlier probe of this model config"
+    summary = run_probe(hf_config, config.trust_remote_code).summary()
+    if path is not None:
+        _remember(path, summary)
+    return summary
+
+
+def verdict_path(hf_config: Any) -> Path:
+    """Where a pass of the probe on this model config is remembered: a file named by the
+    digest of the config, longctx's source files and the library versions."""
+    import hashlib
+    import os
+
+    import transformers
+
+    package = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for part in (hf_config.to_json_string(use_diff=False), torch.__version__,
+                 transformers.__version__):
+        digest.update(part.encode())
+    for source in sorted(package.rglob("*.py")):
+        digest.update(str(source.relative_to(package)).encode())
+        digest.update(source.read_bytes())
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "longctx" / "fidelity" / f"{digest.hexdigest()[:32]}.txt"
+
+
+def _remember(path: Path, summary: str) -> None:
+    """Write atomically (every rank may write the same verdict); a cache that cannot be
+    written only costs the probe next time."""
+    import os
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(summary)
+        os.replace(tmp, path)
+    except OSError:
+        pass

@@ -17,11 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from longctx_cli.constants import IGNORE_INDEX
-
-# Logits per block of the fused loss, in bytes (float32): small enough to stay a small part
-# of a step's memory at any vocabulary, large enough that the block's matmuls run at speed.
-FUSED_BLOCK_BYTES = 64 * 2**20
+from longctx_cli.constants import FUSED_LOSS_BLOCK_BYTES, IGNORE_INDEX
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -38,10 +34,12 @@ class LinearCrossEntropy(torch.autograd.Function):
                 labels: torch.Tensor, block: int) -> torch.Tensor:
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_bias = bias is not None and ctx.needs_input_grad[2]
-        wide = torch.float32  # logits, their gradient, and the weight gradient's accumulator
-        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight, dtype=wide) if need_weight else None
-        grad_bias = torch.zeros_like(bias, dtype=wide) if need_bias else None
+        wide = torch.float32  # logits and their gradient, as the autograd path's `.float()`
+        acc = torch.promote_types(weight.dtype, wide)  # the weight gradient's accumulator
+        grad_hidden = (torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+                       if need_hidden else None)
+        grad_weight = torch.zeros_like(weight, dtype=acc) if need_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=acc) if need_bias else None
         buffer = (torch.empty(min(block, hidden.shape[0]), weight.shape[0], dtype=wide,
                               device=hidden.device) if weight.dtype == wide else None)
         total = torch.zeros((), dtype=wide, device=hidden.device)
@@ -72,9 +70,9 @@ class LinearCrossEntropy(torch.autograd.Function):
             if need_hidden:
                 torch.mm(g, weight, out=grad_hidden[start : start + block])
             if need_weight:
-                grad_weight.addmm_(grad_logits.t(), h.to(wide))
+                grad_weight.addmm_(grad_logits.t().to(acc), h.to(acc))
             if need_bias:
-                grad_bias += grad_logits.sum(0)
+                grad_bias += grad_logits.sum(0).to(acc)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         return total
@@ -127,15 +125,15 @@ def lm_loss_sum(
     `hidden` is `[tokens, hidden_size]` (or with a leading batch dim of 1) and `shift_labels`
     is already shifted (label of position t is the token at t+1). A plain linear head runs
     fused (`LinearCrossEntropy`, in blocks of `chunk_size` tokens, else of
-    `FUSED_BLOCK_BYTES` of logits). Otherwise, with `chunk_size`, lm_head and CE run chunk by
-    chunk under activation checkpointing, so only one chunk's `[chunk, vocab]` logits exist
-    at a time, in forward and in backward.
+    `FUSED_LOSS_BLOCK_BYTES` of float32 logits). Otherwise, with `chunk_size`, lm_head and
+    CE run chunk by chunk under activation checkpointing, so only one chunk's
+    `[chunk, vocab]` logits exist at a time, in forward and in backward.
     """
     hidden = hidden.reshape(-1, hidden.shape[-1])
     shift_labels = shift_labels.reshape(-1)
     linear = fused_head(lm_head, hidden)
     if linear is not None:
-        block = chunk_size or max(1, FUSED_BLOCK_BYTES // (4 * linear.out_features))
+        block = chunk_size or max(1, FUSED_LOSS_BLOCK_BYTES // (4 * linear.out_features))
         return LinearCrossEntropy.apply(hidden, linear.weight, linear.bias, shift_labels, block)
     if chunk_size is None or hidden.shape[0] <= chunk_size:
         return _ce_sum(lm_head, hidden, shift_labels)

@@ -1,0 +1,112 @@
+"""The fused lm_head + cross-entropy (`train/loss.py:LinearCrossEntropy`) against autograd
+through the model's own head and torch's cross_entropy: the loss and every gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longctx_cli.runtime.head import LogitTransform, ModelHead
+from longctx_cli.train.loss import LinearCrossEntropy, fused_head, lm_loss_sum
+
+
+def _case(dtype: torch.dtype, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    linear = nn.Linear(48, 500, bias=bias).to(dtype)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(500, 48, generator=g))
+        if bias:
+            linear.bias.copy_(torch.randn(500, generator=g))
+    hidden = torch.randn(203, 48, generator=g).to(dtype).requires_grad_()
+    labels = torch.randint(0, 500, (203,), generator=g)
+    labels[::5] = -100
+    labels[64:128] = -100  # a whole block without a target
+    return linear, hidden, labels
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-5) -> bool:
+    """Relative error of the whole tensor (float32 sums in another order differ in ulps)."""
+    return bool((got.double() - want.double()).norm() <= rtol * want.double().norm())
+
+
+def _autograd(linear, hidden, labels, scale):
+    hidden = hidden.detach().clone().requires_grad_()
+    linear.zero_grad()
+    loss = F.cross_entropy(linear(hidden).float(), labels, ignore_index=-100, reduction="sum")
+    (loss * scale).backward()
+    return loss.detach(), hidden.grad, linear.weight.grad.clone(), (
+        linear.bias.grad.clone() if linear.bias is not None else None)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("block", [1, 64, 100, 1000])
+def test_loss_and_gradients_match_autograd_float32(bias, block):
+    linear, hidden, labels = _case(torch.float32, bias)
+    want = _autograd(linear, hidden, labels, scale=0.37)
+    linear.zero_grad()
+    loss = lm_loss_sum(ModelHead(linear, LogitTransform()), hidden, labels, block)
+    (loss * 0.37).backward()
+    assert torch.allclose(loss, want[0], rtol=1e-6)
+    assert _close(hidden.grad, want[1]) and _close(linear.weight.grad, want[2])
+    if bias:
+        assert _close(linear.bias.grad, want[3])
+    assert hidden.grad[64:128:5].abs().sum() == 0  # ignored tokens get no gradient
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-6), (torch.bfloat16, 2e-2)])
+def test_other_dtypes_follow_the_autograd_path(dtype, rtol):
+    linear, hidden, labels = _case(dtype, bias=True)
+    want = _autograd(linear, hidden, labels, scale=1.0)
+    linear.zero_grad()
+    loss = LinearCrossEntropy.apply(hidden, linear.weight, linear.bias, labels, 64)
+    loss.backward()
+    assert torch.allclose(loss, want[0], rtol=rtol)
+    assert hidden.grad.dtype == dtype and linear.weight.grad.dtype == dtype
+    assert _close(hidden.grad, want[1], rtol) and _close(linear.weight.grad, want[2], rtol)
+
+
+def test_tied_weight_sums_both_roles_gradients():
+    torch.manual_seed(0)
+    embed = nn.Embedding(300, 32)
+    head = nn.Linear(32, 300, bias=False)
+    head.weight = embed.weight  # tied, as tie_word_embeddings does
+    ids = torch.randint(0, 300, (90,))
+    labels = torch.roll(ids, -1)
+    grads = []
+    for fused in (True, False):
+        embed.zero_grad()
+        hidden = torch.tanh(embed(ids))
+        loss = (lm_loss_sum(head, hidden, labels, 16) if fused else
+                F.cross_entropy(head(hidden).float(), labels, reduction="sum"))
+        loss.backward()
+        grads.append(embed.weight.grad.clone())
+    assert _close(grads[0], grads[1])
+
+
+def test_frozen_head_gets_no_weight_gradient():
+    linear, hidden, labels = _case(torch.float32, bias=False)
+    linear.weight.requires_grad_(False)
+    loss = lm_loss_sum(linear, hidden, labels, 32)
+    loss.backward()
+    assert linear.weight.grad is None
+    want = _autograd(linear.requires_grad_(True), hidden, labels, 1.0)
+    assert _close(hidden.grad, want[1])
+
+
+def test_only_a_plain_linear_head_in_training_is_fused():
+    linear, hidden, _ = _case(torch.float32, bias=False)
+    assert fused_head(ModelHead(linear, LogitTransform()), hidden) is linear
+    # a family's logit transform, a layer with its own forward, no graph, autocast: autograd
+    assert fused_head(ModelHead(linear, LogitTransform(softcap=30.0)), hidden) is None
+
+    class Adapted(nn.Linear):
+        pass
+
+    assert fused_head(Adapted(48, 500), hidden) is None
+    with torch.no_grad():
+        assert fused_head(linear, hidden) is None
+    assert fused_head(linear, hidden.detach()) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fused_head(linear, hidden) is None
