@@ -1,7 +1,8 @@
 """longctx against DeepSpeed ALST on the same work, with plain Hugging Face as the yardstick.
 
-    python benchmarks/peers.py                       # every row, 3 alternated runs per tool
-    python benchmarks/peers.py --rows llama-8k --runs 6
+    python benchmarks/peers.py --rows llama-8k tied-vocab128k-8k   # 53 min on 2 cores
+    python benchmarks/peers.py --rows llama-32k --runs 1 --steps 3 --warmup 1
+    python benchmarks/peers.py --table benchmarks/results/peers-2026-11-26.json
 
 Each row is one model and one row of tokens, trained by full fine-tuning with AdamW in
 float32 for a few steps by each tool, from the same initial weights (a `save_pretrained`
@@ -22,8 +23,9 @@ step is the median of its steps after `--warmup`, and the table shows the min / 
 of those medians over runs. Peak memory is each rank process's resident-set high-water mark
 (VmHWM), read from /proc while it runs. The first step's loss of every tool must agree with
 plain HF's (same weights, same tokens), and so must the third's (the updates agree too).
-Startup is the time from the command to the start of the first step (longctx's ranks
-record when that is, with the phases before it: see docs/benchmarks.md).
+"First step after" is the time from the command to the start of the first step (longctx's
+rank 0 records it with the phases before it in output_dir/startup.json, see
+docs/training.md; the peers' workers record when their first step starts).
 
 What it does not show: GPU speed (kernels, NCCL and overlap differ there), other ZeRO
 stages' memory at scale, or a model larger than a CPU can train in minutes.
@@ -290,7 +292,7 @@ def main() -> None:
     p.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     p.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS))
     p.add_argument("--runs", type=int, default=3, help="alternated runs per tool")
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     p.add_argument("--work", type=Path, default=ROOT / "outputs" / "peers")
     p.add_argument("--stem", default="peers")
