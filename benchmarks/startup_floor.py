@@ -1,0 +1,124 @@
+"""The least time any rank of a training job needs before its first step: its imports.
+
+    python benchmarks/startup_floor.py            # about 1 minute on 2 cores
+
+`longctx train` records its own start-up, phase by phase (output_dir/startup.json;
+`benchmarks/peers.py` reports it as "first step after"). This script measures what no
+launcher design can remove: the time from a Python process's creation until it has imported
+what a rank of the peer benchmark's job runs on,
+
+- `torch`,
+- the model's own code (`transformers`, `datasets` for the prepared rows, the model class),
+- transformers' learning-rate schedules (`transformers.optimization`, which imports
+  `transformers.trainer_utils` and with it peft, bitsandbytes and torch's inductor when they
+  are installed),
+- longctx's training loop,
+
+each in a fresh process, one at a time and then as many at once as the job has ranks on a
+node (`--ranks`, 2 for the peer benchmark's sp 2), and torchrun's agent (`import
+torch.distributed.run`), which starts before the ranks. One compute thread per process, as
+in the benchmark. Every figure is the min / median / max over `--runs` runs; the table and
+JSON (benchmarks/results/startup-floor-<date>.json) say on which machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# What each measured process imports, cumulatively (each step includes the ones before).
+STAGES = {
+    "python": "",
+    "torch": "import torch",
+    "model code": "import torch, transformers, datasets\n"
+                  "from transformers import LlamaForCausalLM",
+    "+ HF schedules": "import torch, transformers, datasets\n"
+                      "from transformers import LlamaForCausalLM\n"
+                      "import transformers.optimization",
+    "+ longctx loop": "import torch, transformers, datasets\n"
+                      "from transformers import LlamaForCausalLM\n"
+                      "import transformers.optimization\n"
+                      "import longctx_cli.train.loop",
+    "torchrun agent": "import torch.distributed.run",
+}
+# Printed by each measured process: seconds since its creation (Linux /proc).
+PROBE = """
+from longctx_cli.runtime.startup import process_created_at
+_origin = process_created_at()
+{imports}
+import time
+print(f"SECONDS {{time.time() - _origin:.4f}}")
+"""
+
+
+def one_thread_env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def start(imports: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", PROBE.format(imports=imports)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=one_thread_env())
+
+
+def seconds(proc: subprocess.Popen) -> float:
+    out, _ = proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"a measured process failed (exit {proc.returncode})")
+    return float(next(line.split()[1] for line in out.splitlines()
+                      if line.startswith("SECONDS")))
+
+
+def spread(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values),
+            "runs": values}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--ranks", type=int, default=2, help="processes started at once")
+    p.add_argument("--out", type=Path,
+                   default=ROOT / "benchmarks" / "results"
+                   / f"startup-floor-{time.strftime('%Y-%m-%d')}.json")
+    args = p.parse_args()
+
+    alone: dict[str, list[float]] = {name: [] for name in STAGES}
+    together: list[float] = []  # slowest of `ranks` processes importing the rank's modules
+    for _ in range(args.runs):  # stages alternate, run after run
+        for name, imports in STAGES.items():
+            alone[name].append(seconds(start(imports)))
+        procs = [start(STAGES["+ longctx loop"]) for _ in range(args.ranks)]
+        together.append(max(seconds(proc) for proc in procs))
+
+    rows = {f"{name}, one process": spread(v) for name, v in alone.items()}
+    rows[f"+ longctx loop, {args.ranks} processes at once (slowest)"] = spread(together)
+    width = max(map(len, rows))
+    print(f"{'imports, from process creation':<{width}}  s (min / median / max)")
+    for name, row in rows.items():
+        print(f"{name:<{width}}  {row['min']:.2f} / {row['median']:.2f} / {row['max']:.2f}")
+    record = {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                   f"Python {platform.python_version()}",
+        "ranks": args.ranks, "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
