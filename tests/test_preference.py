@@ -3,7 +3,8 @@
 The reference is TRL itself, in this process: `DPOTrainer` (its tokenization, collator and
 `compute_loss`, the reference being the PEFT model with its adapter disabled) for the dpo loss
 types and `rl: ipo`; `CPOTrainer`'s `get_batch_logps` and `cpo_loss` on the model's own
-logits for simpo. longctx packs the same pairs into one row, shards it over the SP group of
+logits for simpo; `ORPOTrainer` (its tokenization, collator and `get_batch_loss_metrics`)
+for orpo. longctx packs the same pairs into one row, shards it over the SP group of
 each layout and computes the loss, TRL's metrics and the adapter's gradients; they must match
 TRL's within float32 noise.
 """
@@ -16,7 +17,8 @@ import zlib
 import pytest
 import torch
 
-from longctx_cli.data.preference import pair_sample
+from longctx_cli.data.preference import orpo_pair_sample, pair_sample
+from longctx_cli.errors import UserError
 from tests.distributed import run_distributed
 from tests.layouts import sp_state
 
@@ -42,6 +44,7 @@ LOSSES = {  # name -> (rl, dpo loss types, label smoothing)
     "robust": ("dpo", ["robust"], 0.1),
     "sigmoid+hinge": ("dpo", ["sigmoid", "hinge"], 0.0),
     "simpo": ("simpo", [], 0.1),
+    "orpo": ("orpo", [], 0.0),
 }
 LAYOUTS = {  # name -> (world, layout keywords)
     "sp1": (1, {"sp": 1}),
@@ -161,20 +164,44 @@ def trl_simpo(smoothing: float) -> dict:
     return {"loss": loss.item(), "metrics": metrics, "grads": adapter_grads(model)}
 
 
+def trl_orpo() -> dict:
+    """TRL's ORPOTrainer on PAIRS (LoRA, no reference): token ids, loss, metrics, gradients."""
+    from datasets import Dataset
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    data = Dataset.from_list([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS])
+    args = ORPOConfig(output_dir="/tmp/longctx-trl-orpo", report_to=[], use_cpu=True,
+                      per_device_train_batch_size=len(PAIRS), beta=BETA)
+    trainer = ORPOTrainer(model=base_model(), args=args, train_dataset=data,
+                          processing_class=tokenizer(), peft_config=lora_config())
+    model = trainer.model
+    trained_adapter(model)
+    rows = [trainer.train_dataset[i] for i in range(len(PAIRS))]
+    model.train()
+    loss, metrics = trainer.get_batch_loss_metrics(model, trainer.data_collator(rows))
+    loss.backward()
+    ids = [(r["chosen_input_ids"], r["chosen_labels"], r["rejected_input_ids"],
+            r["rejected_labels"]) for r in rows]
+    return {"loss": loss.item(), "metrics": metrics, "grads": adapter_grads(model), "ids": ids}
+
+
 @pytest.fixture(scope="module")
 def references() -> dict[str, dict]:
     out = {}
     for name, (rl, loss_types, smoothing) in LOSSES.items():
-        out[name] = trl_simpo(smoothing) if rl == "simpo" else trl_dpo(loss_types, smoothing)
+        out[name] = (trl_simpo(smoothing) if rl == "simpo" else trl_orpo() if rl == "orpo"
+                     else trl_dpo(loss_types, smoothing))
     return out
 
 
-def packed_pairs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every pair in one row, chosen then rejected, as longctx's data pipeline packs them."""
+def packed_pairs(rl: str = "dpo") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every pair in one row, chosen then rejected, as longctx's data pipeline packs them
+    (tokenized as TRL's trainer of `rl` does)."""
     from longctx_cli.data.pack import make_row
 
     tok = tokenizer()
-    row = make_row(pair_sample(tok, *pair)[:3] for pair in PAIRS)
+    sample = orpo_pair_sample if rl == "orpo" else pair_sample
+    row = make_row(sample(tok, *pair)[:3] for pair in PAIRS)
     return tuple(torch.tensor(row[k]) for k in ("input_ids", "position_ids", "labels"))
 
 
@@ -183,20 +210,23 @@ def longctx_worker(rank: int, world: int, layout: dict, losses: dict) -> dict:
 
     from longctx_cli.parallel import register_sp_attention, shard_batch
     from longctx_cli.runtime.model import decoder_and_head
-    from longctx_cli.train.preference import PreferenceLoss, preference_loss_sum
+    from longctx_cli.train.preference import PreferenceLoss, chosen_targets, preference_loss_sum
 
     state = sp_state(kernel="torch", **layout)
-    ids, pos, labels = packed_pairs()
-    # DP ranks each take the same row here: their sums are divided by the DP degree.
-    batch = shard_batch(ids, pos, labels, state)
     out = {}
     for name, (rl, loss_types, smoothing) in losses.items():
+        # DP ranks each take the same row here: their sums are divided by the DP degree.
+        batch = shard_batch(*packed_pairs(rl), state, next_tokens=rl == "orpo")
         model = policy_model(register_sp_attention())
         decoder, head = decoder_and_head(model)
         objective = PreferenceLoss(rl, tuple(loss_types), (1.0,) * len(loss_types), BETA,
                                    smoothing, SIMPO_GAMMA)
-        config = types.SimpleNamespace(chunked_loss=name == "hinge", loss_chunk_size=16)
-        result = preference_loss_sum(model, decoder, head, batch, config, state, objective)
+        config = types.SimpleNamespace(chunked_loss=name in ("hinge", "orpo"),
+                                       loss_chunk_size=16)
+        # The step's weight (train_step): pairs / chosen targets, here of the one row.
+        nll_weight = len(PAIRS) / chosen_targets(batch)
+        result = preference_loss_sum(model, decoder, head, batch, config, state, objective,
+                                     nll_weight=nll_weight)
         (result.loss_sum / result.pairs / state.layout.dp).backward()
         grads = adapter_grads(model)
         for g in grads.values():
@@ -248,12 +278,47 @@ def test_matches_trl(layout, references):
                                                                                     ref["loss"])
         for key, value in mine["metrics"].items():
             assert abs(value - ref["metrics"][key]) < 1e-4 * max(1.0, abs(value)), (name, key)
+        if name == "orpo":  # all of ORPOTrainer's, but the means of the full logits
+            assert {k for k in ref["metrics"] if not k.startswith("logits/")} == set(
+                mine["metrics"])
         assert set(mine["grads"]) == set(ref["grads"])
         mine_flat = torch.cat([torch.from_numpy(mine["grads"][n]).flatten() for n in ref["grads"]])
         ref_flat = torch.cat([g.flatten() for g in ref["grads"].values()])
         error = float((mine_flat - ref_flat).norm() / ref_flat.norm())
         assert error < GRAD_TOL, (name, error)
         assert ref["loss"] != pytest.approx(0.0)
+
+
+def test_orpo_tokenization_matches_trl(references):
+    tok = tokenizer()
+    for pair, (c_ids, c_labels, r_ids, r_labels) in zip(PAIRS, references["orpo"]["ids"],
+                                                       strict=True):
+        ids, labels, pos, skip = orpo_pair_sample(tok, *pair)
+        assert not skip
+        assert (ids, labels) == (c_ids + r_ids, c_labels + r_labels)
+        assert pos == list(range(len(c_ids))) + list(range(len(r_ids)))
+
+
+def test_orpo_tokenization_with_bos_and_a_merge():
+    """A tokenizer with a bos token and an answer whose first piece merges with the prompt's
+    last: the bos before both sequences, the answer starting one token earlier, as in TRL."""
+    from transformers import PreTrainedTokenizerFast
+    from trl.experimental.orpo import ORPOTrainer
+
+    from tests.real_model import smollm2_folder
+
+    tok = PreTrainedTokenizerFast.from_pretrained(smollm2_folder())
+    tok.bos_token = "<|im_start|>"
+    stub = types.SimpleNamespace(processing_class=tok, is_encoder_decoder=False, max_length=512)
+    stub.build_tokenized_answer = types.MethodType(ORPOTrainer.build_tokenized_answer, stub)
+    pair = ("The answer is", "n't four.", " four.")
+    row = ORPOTrainer.tokenize_row(stub, {"prompt": pair[0], "chosen": pair[1],
+                                          "rejected": pair[2]})
+    ids, labels, _, skip = orpo_pair_sample(tok, *pair)
+    assert not skip
+    assert ids == row["chosen_input_ids"] + row["rejected_input_ids"]
+    assert labels == row["chosen_labels"] + row["rejected_labels"]
+    assert ids[0] == tok.bos_token_id
 
 
 def test_reference_differs_from_policy(references):
@@ -298,6 +363,24 @@ def test_chat_template_default_renders_with_the_template():
     texts = pair_texts(record, "chat_template.default", "r:1", tok=tokenizer(),
                        messages_field="conversation", template=BYTE_CHAT_TEMPLATE)
     assert texts == ("<|user|>\nQ\n<|assistant|>\n", "A</s>", "B</s>")
+
+
+def test_chat_template_argilla_renders_the_conversations():
+    """Axolotl's ORPO type: the prompt is the chosen conversation up to its last answer (the
+    user turns from `prompt` when given), after `system`; the answers are the last turns."""
+    from longctx_cli.data.preference import pair_texts
+    from longctx_cli.data.tokenizer import BYTE_CHAT_TEMPLATE
+
+    record = {"system": "S", "prompt": "Q2",
+              "chosen": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}],
+              "rejected": [{"role": "user", "content": "Q"},
+                           {"role": "assistant", "content": "B"}]}
+    texts = pair_texts(record, "chat_template.argilla", "r:1", tok=tokenizer(),
+                       template=BYTE_CHAT_TEMPLATE)
+    assert texts == ("<|system|>\nS\n<|user|>\nQ2\n<|assistant|>\n", "A</s>", "B</s>")
+    with pytest.raises(UserError, match="conversations"):
+        pair_texts({"chosen": "A", "rejected": "B"}, "chat_template.argilla", "r:1",
+                   tok=tokenizer(), template=BYTE_CHAT_TEMPLATE)
 
 
 # ---- a full fine-tune: the reference precomputed before training -------------------------

@@ -144,6 +144,38 @@ def test_dpo_fsdp_qlora(tmp_path):
     assert_same_run(tmp_path / "fsdp", tmp_path / "sp1", adapter=True, tol=1e-4)
 
 
+def test_orpo_tensor_parallel(tmp_path):
+    """orpo (NLL over the chosen prompt and answer, odds ratio) at tp 2, each TP rank scoring
+    its part of the tokens vocab-parallel, with 2 micro-batches a step and held-out pairs,
+    equals the single-process run; ORPOTrainer's metric names are reported."""
+    data = write_pairs(tmp_path / "pairs.jsonl", seed=6)
+    orpo = {"rl": "orpo", "orpo_alpha": 0.5, "rl_beta": None}
+    one = dpo_config(tmp_path, "sp1", data, **orpo)
+    tp = dpo_config(tmp_path, "tp", data, **orpo, tensor_parallel_size=2)
+    plan = run_longctx("validate", str(tp), "--nproc-per-node", "2")
+    assert "orpo, beta 0.5" in " ".join(plan.stdout.split()), plan.stdout
+    train(one, 1)
+    train(tp, 2)
+    assert_same_run(tmp_path / "tp", tmp_path / "sp1", adapter=True, tol=1e-4)
+    last = read_metrics(tmp_path / "tp")[-1]
+    names = (*METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen")
+    assert all(name in last and f"eval_{name}" in last for name in names), sorted(last)
+    assert last["nll_loss"] > 0 and last["log_odds_ratio"] < 0
+
+
+@pytest.mark.slow
+def test_orpo_ring_sp2(tmp_path):
+    """orpo, a full fine-tune, over the zigzag ring at sp 2 equals sp 1."""
+    data = write_pairs(tmp_path / "pairs.jsonl", seed=7)
+    orpo = {"rl": "orpo", "adapter": None, "rl_beta": 0.3, "learning_rate": 0.01}
+    one = dpo_config(tmp_path, "sp1", data, **orpo)
+    two = dpo_config(tmp_path, "sp2", data, **orpo, sequence_parallel_degree=2,
+                     sp_sharding="zigzag")
+    train(one, 1)
+    train(two, 2)
+    assert_same_run(tmp_path / "sp2", tmp_path / "sp1", tol=1e-4)
+
+
 @pytest.mark.slow
 def test_simpo_ring_hybrid(tmp_path):
     """simpo (no reference, full fine-tune) over sp 4 as ulysses 2 x ring 2 equals sp 1."""
@@ -174,8 +206,10 @@ def refusal(tmp_path: Path, records: list[dict] | None = None, command: str = "v
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    ({"rl": "orpo"}, "ORPO"),
     ({"rl": "kto"}, "KTO"),
+    ({"rl": "orpo", "dpo_loss_type": "sigmoid"}, "has its own"),
+    ({"rl": "orpo", "orpo_alpha": 0.2, "rl_beta": 0.3}, "keep one"),
+    ({"orpo_alpha": 0.2}, "set `rl: orpo`"),
     ({"rl": "grpo"}, "online method"),
     ({"datasets": None}, "preference type"),
     ({"rl": None}, "set `rl`"),

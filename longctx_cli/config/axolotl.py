@@ -223,7 +223,7 @@ _TRACKER = "longctx logs to metrics.jsonl, TensorBoard and Weights & Biases only
 _MEMORY = "a memory/speed setting of Axolotl's trainer that changes no result here"
 _DATALOADER = "longctx's data loader reads prepared rows directly; no workers are involved"
 _RL = ("online RL (TRL's `trl:` section: GRPO, PPO, reward models) is not supported; longctx "
-       "trains the causal-LM loss and the offline preference losses of `rl: dpo|ipo|simpo`")
+       "trains the causal-LM loss and the offline preference losses of `rl: dpo|ipo|simpo|orpo`")
 _MM = "multimodal training is not supported; longctx trains text causal LMs"
 
 AXOLOTL_KEYS: dict[str, Rule] = {
@@ -510,7 +510,6 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "dpo_padding_free": Rule("ignored", "longctx always packs pairs without padding"),
     "rl_adapter_ref_model": Rule(
         "ignored", "with an adapter the reference is always the base with the adapter off"),
-    "orpo_alpha": Rule("refused", "ORPO is not supported yet (rl: dpo, ipo or simpo are)"),
     "kto_desirable_weight": Rule("refused", "KTO is not supported yet"),
     "kto_undesirable_weight": Rule("refused", "KTO is not supported yet"),
     "ebft": Rule("refused", _RL),
@@ -526,7 +525,7 @@ SAME: tuple[str, ...] = (
     "pretraining_dataset", "streaming", "sample_packing_sequentially", "curriculum_sampling",
     "reinit_weights", "unfrozen_parameters", "merge_lora", "rope_scaling", "rope_theta",
     "rl", "rl_beta", "dpo_beta", "dpo_loss_type", "dpo_loss_weights", "dpo_label_smoothing",
-    "simpo_gamma", "cpo_alpha", "precompute_ref_log_probs",
+    "simpo_gamma", "cpo_alpha", "precompute_ref_log_probs", "orpo_alpha",
     "sequence_parallel_degree", "context_parallel_size", "heads_k_stride", "ring_attn_func",
     "fsdp", "fsdp_version", "fsdp_config", "deepspeed", "dp_shard_size", "dp_replicate_size",
     "tensor_parallel_size", "world_size", "micro_batch_size", "gradient_accumulation_steps",

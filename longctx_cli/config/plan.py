@@ -190,7 +190,11 @@ def objective_text(config: Config) -> str:
     """What the run minimises, and for a preference run where its reference comes from."""
     if config.rl is None:
         return "causal-LM loss (mean over target tokens)"
-    beta = config.rl_beta if config.rl_beta is not None else 0.1
+    beta = config.preference_beta
+    if config.rl == "orpo":
+        return (f"orpo, beta {beta:g}: NLL of the chosen sequences (mean over their targets, "
+                "prompt included) minus beta x log-sigmoid of the log odds ratio (mean over "
+                "pairs); no reference model")
     if config.rl == "simpo":
         return (f"simpo, beta {beta:g}, gamma {config.simpo_gamma:g} (mean over pairs); "
                 "no reference model")

@@ -57,11 +57,14 @@ DatasetType = Literal[
     "alpaca_instruct.load_no_prompt", "alpaca_w_system", "alpaca_w_system.load_instruct",
     "alpaca_w_system.load_chat",
     # preference pairs (with `rl:`), see data/preference.py
-    "preference", "chat_template.default", "chatml.intel", "chatml.icr", "chatml.prompt_pairs",
-    "chatml.argilla", "chatml.ultra", "chatml.argilla_chat", "llama3.intel", "llama3.icr",
-    "llama3.prompt_pairs", "llama3.argilla", "llama3.ultra", "llama3.argilla_chat",
+    "preference", "chat_template.default", "chat_template.argilla", "chatml.intel",
+    "chatml.icr", "chatml.prompt_pairs", "chatml.argilla", "chatml.ultra", "chatml.argilla_chat",
+    "llama3.intel", "llama3.icr", "llama3.prompt_pairs", "llama3.argilla", "llama3.ultra",
+    "llama3.argilla_chat",
 ]
 PREFERENCE_TYPES = get_args(DatasetType)[get_args(DatasetType).index("preference"):]
+# The types rendered with the config's (or the entry's) `chat_template`.
+RENDERED_WITH_TEMPLATE = ("chat_template", "chat_template.default", "chat_template.argilla")
 
 
 # The chat templates longctx ships (data/chat_templates.py holds their text).
@@ -82,9 +85,8 @@ def is_preference_type(type_: str) -> bool:
     return type_ in PREFERENCE_TYPES
 
 
-RlMethod = Literal["dpo", "ipo", "simpo"]
+RlMethod = Literal["dpo", "ipo", "simpo", "orpo"]
 _RL_NOT_YET = {
-    "orpo": "ORPO (its NLL term over prompt and answer) is not supported yet",
     "kto": "KTO (unpaired answers) is not supported yet",
 }
 DpoLossType = Literal["sigmoid", "hinge", "ipo", "robust"]
@@ -689,13 +691,19 @@ class Config(_Strict):
     rl: RlMethod | None = Field(
         None,
         description="Train on preference pairs instead of the causal-LM loss: dpo (with "
-        "`dpo_loss_type`), ipo (dpo with the ipo loss), simpo (no reference model). Needs "
+        "`dpo_loss_type`), ipo (dpo with the ipo loss), simpo (no reference model), orpo (NLL "
+        "of the chosen sequences plus an odds-ratio term; no reference model). Needs "
         "preference datasets. See docs/preference.md.",
     )
     rl_beta: float | None = Field(
         None, gt=0, validation_alias=AliasChoices("rl_beta", "dpo_beta"),
         description="beta: how far the policy may move from the reference (dpo, ipo: the "
-        "regularisation tau); simpo: the reward scale (default 0.1, TRL's).",
+        "regularisation tau); simpo: the reward scale; orpo: the odds-ratio term's weight, "
+        "also set by `orpo_alpha` (default 0.1, TRL's).",
+    )
+    orpo_alpha: float | None = Field(
+        None, gt=0, description="orpo: the weight of the odds-ratio term (TRL's ORPO `beta`; "
+        "Axolotl's name for it). The same as `rl_beta` there.",
     )
     dpo_loss_type: list[DpoLossType] | None = Field(
         None, description="dpo: TRL's loss type(s): sigmoid (default), hinge, ipo, robust; "
@@ -845,7 +853,7 @@ class Config(_Strict):
         # Checked where a dataset renders with it: a config may name a template it never uses.
         for entry in [*self.datasets, *self.eval_datasets]:
             name = entry.chat_template or self.chat_template
-            if entry.type in ("chat_template", "chat_template.default") and not (
+            if entry.type in RENDERED_WITH_TEMPLATE and not (
                     known_chat_template(name)):
                 raise ValueError(
                     f"`chat_template: {name}` is not a template longctx has; it ships "
@@ -876,7 +884,7 @@ class Config(_Strict):
         if self.rl is None:
             if pairs:
                 raise ValueError(f"`type: {pairs[0]}` holds preference pairs, which train with "
-                                 "`rl:` (dpo, ipo or simpo); set `rl`, or use an SFT type")
+                                 "`rl:` (dpo, ipo, simpo or orpo); set `rl`, or use an SFT type")
             return self
         others = [e.type for e in entries if not is_preference_type(e.type)]
         if others or not self.datasets:
@@ -889,8 +897,26 @@ class Config(_Strict):
             raise ValueError("`excess_length_strategy: truncate` would cut a pair's answers off; "
                              "with `rl` pairs longer than sequence_len are dropped and counted "
                              "(`drop`, the default)")
+        if self.orpo_alpha is not None and self.rl != "orpo":
+            raise ValueError(f"`orpo_alpha: {self.orpo_alpha}` weighs ORPO's odds-ratio term; "
+                             f"`rl: {self.rl}` does not read it: drop it, or set `rl: orpo`")
         losses = self.dpo_loss_type
-        if self.rl == "ipo":
+        if self.rl == "orpo":
+            if losses is not None:
+                raise ValueError("`dpo_loss_type` chooses a dpo loss; `rl: orpo` has its own: "
+                                 "drop it")
+            if (self.orpo_alpha is not None and self.rl_beta is not None
+                    and self.orpo_alpha != self.rl_beta):
+                raise ValueError(f"`orpo_alpha: {self.orpo_alpha}` and `rl_beta: "
+                                 f"{self.rl_beta}` both set ORPO's beta; keep one")
+            if self.dpo_label_smoothing:
+                raise ValueError(f"`dpo_label_smoothing: {self.dpo_label_smoothing}` is not "
+                                 "read by ORPO (TRL's ORPOTrainer has no label smoothing): drop "
+                                 "it")
+            if self.precompute_ref_log_probs:
+                raise ValueError("`precompute_ref_log_probs: true`: ORPO has no reference "
+                                 "model; drop it")
+        elif self.rl == "ipo":
             if losses not in (None, ["ipo"]):
                 raise ValueError(f"`rl: ipo` is dpo with the ipo loss; `dpo_loss_type: "
                                  f"{losses}` contradicts it: drop it, or use `rl: dpo`")
@@ -1062,6 +1088,12 @@ class Config(_Strict):
     def random_init(self) -> bool:
         """The weights are drawn from `seed`: an inline `model_config`, or `reinit_weights`."""
         return self.model_config_dict is not None or self.reinit_weights
+
+    @property
+    def preference_beta(self) -> float:
+        """beta of the preference loss: `rl_beta` (or ORPO's `orpo_alpha`), else TRL's 0.1."""
+        given = self.orpo_alpha if self.orpo_alpha is not None else self.rl_beta
+        return given if given is not None else 0.1
 
     @property
     def precomputed_reference(self) -> bool:

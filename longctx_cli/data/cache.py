@@ -108,6 +108,8 @@ def fingerprint_parts(
                                                        strict=True)],
         "eval_datasets": [_entry_part(e, s) for e, s in zip(config.eval_datasets, eval_sources,
                                                             strict=True)],
+        # ORPO tokenizes pairs its own way (only then, so other caches keep their names).
+        **({"pair_tokenization": "orpo"} if config.rl == "orpo" else {}),
     }
 
 

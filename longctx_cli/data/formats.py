@@ -138,6 +138,7 @@ class FormatSpec:
     # preference types: the answer columns of chat_template.default
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
+    orpo: bool = False  # pairs tokenized as TRL's ORPOTrainer does (`rl: orpo`)
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -187,7 +188,8 @@ def tokenize_batch(
                                           chosen_field=spec.chosen_field,
                                           rejected_field=spec.rejected_field,
                                           template=spec.template or None)
-            ids, labels, positions, skip = preference.pair_sample(tok, *texts)
+            sample = preference.orpo_pair_sample if spec.orpo else preference.pair_sample
+            ids, labels, positions, skip = sample(tok, *texts)
         else:
             ids, labels, skip = _one_record(record, spec, tok, where(i))
         if cut and not skip:

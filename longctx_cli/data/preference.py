@@ -9,8 +9,11 @@ that order alone (`train/preference.py`).
 Tokenization is TRL's (`DPOTrainer`) for text prompts: an eos is appended to each answer
 that does not end with one, `prompt` and `prompt + answer` are tokenized whole, and the
 answer starts where the two token lists first differ (a merge across the boundary moves it
-back, as it does in TRL). The prompt strings of the `chatml.*` and `llama3.*` types are
-Axolotl's; `chat_template.default` renders `field_messages` with the model's own template.
+back, as it does in TRL). `rl: orpo` tokenizes as TRL's `ORPOTrainer` does instead
+(`orpo_pair_sample`): without the tokenizer's special tokens, the bos id put before each
+sequence that does not start with it, the eos id after each answer. The prompt strings of
+the `chatml.*` and `llama3.*` types are Axolotl's; `chat_template.default` renders
+`field_messages` with the model's own template.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ _FIELDS = {
 _CONVERSATION_KINDS = ("ultra", "argilla_chat")
 # The types this module renders; config.schema declares them (PREFERENCE_TYPES).
 RENDERED_TYPES = (
-    "preference", "chat_template.default",
+    "preference", "chat_template.default", "chat_template.argilla",
     *(f"{style}.{kind}" for style in _TEMPLATES for kind in (*_FIELDS, *_CONVERSATION_KINDS)),
 )
 
@@ -76,6 +79,8 @@ def pair_texts(record: dict[str, Any], type_: str, where: str, *,
     if type_ == "chat_template.default":
         return _chat_template_texts(record, where, tok, messages_field, chosen_field,
                                     rejected_field, template)
+    if type_ == "chat_template.argilla":
+        return _rendered_pair(*_argilla_conversation(record, where), where, tok, template)
     style, kind = type_.split(".")
     system_block, user_block, end = _TEMPLATES[style]
     if kind in _CONVERSATION_KINDS:
@@ -126,6 +131,38 @@ def _chat_template_texts(record: dict[str, Any], where: str, tok: PreTrainedToke
                             fix="set `field_chosen` / `field_rejected` to the columns holding "
                             "the two assistant answers.")
         answers.append(answer)
+    return _rendered_pair(messages, answers, where, tok, template)
+
+
+def _argilla_conversation(record: dict[str, Any], where: str,
+                          ) -> tuple[list[dict[str, str]], list[str]]:
+    """Axolotl's `chat_template.argilla` (its ORPO type): `chosen` and `rejected` are
+    conversations ending in the assistant's answer; the prompt turns are the chosen
+    conversation's before it (the user turns replaced by `prompt` when given), after an
+    optional `system`."""
+    chosen, rejected = record.get("chosen"), record.get("rejected")
+    if not (isinstance(chosen, list) and isinstance(rejected, list) and len(chosen) >= 2
+            and len(chosen) % 2 == 0 and rejected and all(
+                isinstance(t, dict) and isinstance(t.get("content"), str)
+                for t in (*chosen, rejected[-1]))):
+        raise UserError("`chosen` and `rejected` must be conversations of {role, content} "
+                        "turns, user and assistant alternating, each ending with the "
+                        "assistant's answer.", where=where,
+                        fix="give both as [{role: user, content: ...}, {role: assistant, "
+                        "content: ...}, ...].")
+    messages = [{"role": "system", "content": record["system"]}] if record.get("system") else []
+    prompt = record.get("prompt")
+    for i, turn in enumerate(chosen[:-1]):
+        user = i % 2 == 0
+        content = prompt if user and isinstance(prompt, str) else turn["content"]
+        messages.append({"role": "user" if user else "assistant", "content": content})
+    return messages, [chosen[-1]["content"], rejected[-1]["content"]]
+
+
+def _rendered_pair(messages: list[dict[str, str]], answers: list[str], where: str,
+                   tok: PreTrainedTokenizerBase, template: str | None) -> tuple[str, str, str]:
+    """(prompt, chosen, rejected) text: the prompt turns rendered with the chat template and
+    the opening of the assistant's turn, each answer as the template renders it after them."""
     prompt = tok.apply_chat_template(messages, chat_template=template, tokenize=False,
                                      add_generation_prompt=True)
     texts = []
@@ -163,4 +200,36 @@ def pair_sample(tok: PreTrainedTokenizerBase, prompt: str, chosen: str, rejected
         ids += full
         labels += [IGNORE_INDEX] * start + full[start:]
         positions += list(range(len(full)))
+    return ids, labels, positions, ""
+
+
+def orpo_pair_sample(tok: PreTrainedTokenizerBase, prompt: str, chosen: str, rejected: str,
+                     ) -> tuple[list[int], list[int], list[int], str]:
+    """`pair_sample` as TRL's `ORPOTrainer.tokenize_row` tokenizes a pair: each answer's
+    sequence is `prompt + answer` tokenized whole without special tokens, its prompt part the
+    prompt's own tokens (one fewer when the last one merged with the answer's first), the
+    bos id before it (when the tokenizer has one and it is not there) and the eos id after
+    the answer (when it does not end with it)."""
+    prompt_ids = list(tok(prompt, add_special_tokens=False)["input_ids"])
+    sequences = []
+    for answer in (chosen, rejected):
+        full = list(tok(prompt + answer, add_special_tokens=False)["input_ids"])
+        start = len(prompt_ids) - (full[: len(prompt_ids)] != prompt_ids)
+        head, tail = full[:start], full[start:]
+        if tok.bos_token_id is not None and (not head or head[0] != tok.bos_token_id):
+            head = [tok.bos_token_id, *head]
+        if not tail or tail[-1] != tok.eos_token_id:
+            tail = [*tail, tok.eos_token_id]
+        sequences.append((head, tail))
+    (chosen_head, chosen_tail), (rejected_head, rejected_tail) = sequences
+    differing = sum(a != b for a, b in zip(chosen_head, rejected_head, strict=False))
+    if differing > 1 or abs(len(chosen_head) - len(rejected_head)) > 1:
+        return [], [], [], "prompt tokenized differently before the two answers"
+    if chosen_head + chosen_tail == rejected_head + rejected_tail:
+        return [], [], [], "chosen identical to rejected"
+    ids, labels, positions = [], [], []
+    for head, tail in sequences:
+        ids += head + tail
+        labels += [IGNORE_INDEX] * len(head) + tail
+        positions += list(range(len(head) + len(tail)))
     return ids, labels, positions, ""

@@ -394,8 +394,9 @@ def format_spec(
                               messages_field=entry.messages_field,
                               train_on_eos=entry.train_on_eos,
                               chosen_field=entry.field_chosen,
-                              rejected_field=entry.field_rejected)
-    if entry.type == "chat_template.default":  # preference pairs rendered with the template
+                              rejected_field=entry.field_rejected,
+                              orpo=config.rl == "orpo")
+    if entry.type in ("chat_template.default", "chat_template.argilla"):  # pairs, rendered
         spec.template = chat_templates.resolve_template(config, entry, tok)[0]
     if entry.type != "chat_template":
         return spec

@@ -74,6 +74,9 @@ class ShardedBatch:
     sp_meta: SPMeta
     num_documents: int = 0  # documents in the row before padding (pairs: twice the pairs)
     rows: tuple[int, ...] = ()  # the dataset rows collated into this batch, in order
+    # The next token of each local token within its document, -100 at a document's end;
+    # only when asked for (`rl: orpo` scores the chosen prompt too), else None.
+    next_tokens: torch.Tensor | None = None
 
 
 def zigzag_positions(n: int) -> list[int]:
@@ -193,8 +196,10 @@ def shard_batch(
     labels: torch.Tensor,
     ctx: ParallelState,
     pad_token_id: int = 0,
+    next_tokens: bool = False,
 ) -> ShardedBatch:
-    """Pad, shift labels globally and slice one packed row for this rank (see module doc)."""
+    """Pad, shift labels globally and slice one packed row for this rank (see module doc);
+    `next_tokens`: also every token's successor in its document, shifted the same way."""
     input_ids, position_ids, labels = (t.reshape(-1) for t in (input_ids, position_ids, labels))
     if not input_ids.numel() == position_ids.numel() == labels.numel():
         raise ValueError("input_ids, position_ids and labels must have the same length")
@@ -226,6 +231,8 @@ def shard_batch(
         shift_labels=slice_sequence(shifted, ctx).unsqueeze(0),
         sp_meta=meta,
         num_documents=num_documents,
+        next_tokens=(slice_sequence(shift_labels_globally(input_ids, cu_seqlens), ctx)
+                     .unsqueeze(0) if next_tokens else None),
     )
     if ctx.layout.tp > 1:
         from .tensor_parallel import tp_batch

@@ -236,7 +236,10 @@ def tp_batch(batch, tp: ParallelState):
     if labels.shape[-1] % tp.layout.tp:
         raise ValueError(f"{labels.shape[-1]} local tokens do not split over tp {tp.layout.tp}")
     n = labels.shape[-1] // tp.layout.tp
-    return replace(batch, shift_labels=labels[..., tp.tp_rank * n : (tp.tp_rank + 1) * n])
+    mine = slice(tp.tp_rank * n, (tp.tp_rank + 1) * n)
+    successors = batch.next_tokens
+    return replace(batch, shift_labels=labels[..., mine],
+                   next_tokens=None if successors is None else successors[..., mine])
 
 
 class _VocabParallelCE(torch.autograd.Function):

@@ -45,15 +45,17 @@ def micro_batches(rows, indices: list[int], config: Config, state: ParallelState
     batches = []
     for i in range(ga):
         chosen = mine[i * mbs : (i + 1) * mbs]
-        sharded = shard_batch(*collate(rows.select(chosen)), state, pad_id)
+        sharded = shard_batch(*collate(rows.select(chosen)), state, pad_id,
+                              next_tokens=config.rl == "orpo")
         batches.append(to_device(replace(sharded, rows=tuple(chosen)), state.device))
     return batches
 
 
-def row_batch(rows, index: int, state: ParallelState, pad_id: int) -> ShardedBatch:
+def row_batch(rows, index: int, state: ParallelState, pad_id: int,
+              next_tokens: bool = False) -> ShardedBatch:
     """Row `index` alone, sharded for this rank and on its device (evaluation, reference
     passes): `rows` records which row it is."""
-    sharded = shard_batch(*collate(rows.select([index])), state, pad_id)
+    sharded = shard_batch(*collate(rows.select([index])), state, pad_id, next_tokens)
     return to_device(replace(sharded, rows=(index,)), state.device)
 
 
@@ -69,4 +71,5 @@ def to_device(batch: ShardedBatch, device: torch.device) -> ShardedBatch:
         position_ids=batch.position_ids.to(device),
         shift_labels=batch.shift_labels.to(device),
         sp_meta=meta,
+        next_tokens=None if batch.next_tokens is None else batch.next_tokens.to(device),
     )

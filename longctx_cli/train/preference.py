@@ -1,4 +1,5 @@
-"""Preference losses on rows sharded over an SP group: DPO (TRL's loss types), IPO, SimPO.
+"""Preference losses on rows sharded over an SP group: DPO (TRL's loss types), IPO, SimPO,
+ORPO.
 
 A row holds whole pairs, document `2k` the chosen and `2k + 1` the rejected sequence of pair
 `k` (`data/preference.py`). Each rank sums the log-probabilities of its own targets per
@@ -10,8 +11,13 @@ the same sums, and the backward of rank `r` reaches only the tokens it holds, so
 gradient sync that sums over the ranks of a replica (as for SFT) adds the shares up to the
 single-device gradient.
 
-The losses are TRL's (DPOTrainer for dpo/ipo, CPOTrainer's `simpo` for simpo), so are the
-metric names. The reference of dpo/ipo is either the base model with the adapter switched
+The losses are TRL's (DPOTrainer for dpo/ipo, CPOTrainer's `simpo` for simpo, ORPOTrainer
+for orpo), so are the metric names. ORPO adds the negative log-likelihood of the chosen
+sequences, prompt included, as a mean over all their targets in the step: each rank also
+sums the log-probabilities of every token's successor in the chosen documents (the batch's
+`next_tokens`), and the step hands in the weight that turns those sums into that mean.
+
+The reference of dpo/ipo is either the base model with the adapter switched
 off, run under `no_grad` on the same sharded rows, or (a full fine-tune, a continued adapter,
 or `precompute_ref_log_probs`) every pair's log-probabilities under the initial weights,
 computed once before training in one SP pass and kept in `output_dir` for resumes.
@@ -19,6 +25,7 @@ computed once before training in one SP pass and kept in `output_dir` for resume
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
@@ -45,13 +52,15 @@ REFERENCE_FILE = "reference_logps.pt"
 # TRL's names, in the order the metrics file and the summary show them.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
            "logps/chosen", "logps/rejected")
+# What ORPOTrainer logs besides (its `logits/*` means need the full logits: not shown).
+ORPO_METRICS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
 @dataclass(frozen=True)
 class PreferenceLoss:
     """The preference objective of a run (`rl:` and its keys)."""
 
-    method: str  # dpo, ipo, simpo
+    method: str  # dpo, ipo, simpo, orpo
     loss_types: tuple[str, ...]  # dpo/ipo: TRL's loss types, summed with `loss_weights`
     loss_weights: tuple[float, ...]
     beta: float
@@ -66,18 +75,36 @@ class PreferenceLoss:
             return None
         types = tuple(config.dpo_loss_type or ())
         weights = tuple(config.dpo_loss_weights or [1.0] * len(types))
-        beta = config.rl_beta if config.rl_beta is not None else 0.1
-        return cls(config.rl, types, weights, beta, config.dpo_label_smoothing,
+        return cls(config.rl, types, weights, config.preference_beta, config.dpo_label_smoothing,
                    config.simpo_gamma, config.precomputed_reference)
 
     @property
     def uses_reference(self) -> bool:
-        return self.method != "simpo"
+        return self.method in ("dpo", "ipo")
+
+    @property
+    def scores_prompts(self) -> bool:
+        """Whether the loss needs every token's successor (ORPO's NLL over the prompt too)."""
+        return self.method == "orpo"
 
     def pair_losses(self, policy: SequenceLogps, reference: SequenceLogps | None,
-                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Per-pair losses `[pairs]` and the per-pair values behind TRL's metrics."""
+                    nll_weight: float = 1.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-pair losses `[pairs]` and the per-pair values behind TRL's metrics.
+
+        `nll_weight` (orpo): pairs / chosen targets of the step, so that the pairs' mean of
+        `-nll_weight * chosen_full` is the step's NLL, a mean over the chosen targets."""
         beta, smoothing = self.beta, self.label_smoothing
+        if self.method == "orpo":  # ORPOTrainer: odds ratio of length-averaged log-probs
+            chosen, rejected = policy.chosen_mean, policy.rejected_mean
+            log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+            ratio = F.logsigmoid(log_odds)
+            nll = -nll_weight * policy.chosen_full
+            losses = nll - beta * ratio
+            chosen_rewards, rejected_rewards = beta * chosen, beta * rejected
+            values = _metrics(chosen_rewards, rejected_rewards, chosen, rejected)
+            values.update(zip(ORPO_METRICS, (nll.detach(), ratio.detach(), log_odds.detach()),
+                              strict=True))
+            return losses, values
         if self.method == "simpo":  # CPOTrainer, loss_type simpo: length-averaged log-probs
             chosen, rejected = policy.chosen_mean, policy.rejected_mean
             logits = chosen - rejected - self.simpo_gamma / beta
@@ -96,12 +123,23 @@ class PreferenceLoss:
                                                      smoothing)
             chosen_rewards, rejected_rewards = beta * chosen_ratio, beta * rejected_ratio
             shown = (policy.chosen, policy.rejected)
-        chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
-        values = dict(zip(METRICS, (
-            chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).float(),
-            chosen_rewards - rejected_rewards, shown[0].detach(), shown[1].detach()),
-            strict=True))
-        return losses, values
+        return losses, _metrics(chosen_rewards, rejected_rewards, *shown)
+
+
+def _metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
+             chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
+             ) -> dict[str, torch.Tensor]:
+    """TRL's per-pair reward and log-probability values (`METRICS`)."""
+    chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
+    return dict(zip(METRICS, (
+        chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).float(),
+        chosen_rewards - rejected_rewards, chosen_logps.detach(), rejected_logps.detach()),
+        strict=True))
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, each branch where it keeps its precision (as TRL's)."""
+    return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
 def _dpo_loss(loss_type: str, delta: torch.Tensor, policy: SequenceLogps,
@@ -130,6 +168,8 @@ class SequenceLogps:
     rejected: torch.Tensor
     chosen_tokens: torch.Tensor  # [pairs], answer lengths
     rejected_tokens: torch.Tensor
+    # orpo: summed over every target of the chosen sequence, prompt included; else None
+    chosen_full: torch.Tensor | None = None
 
     @property
     def chosen_mean(self) -> torch.Tensor:
@@ -161,6 +201,13 @@ def _token_logps(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tens
                             reduction="none")
 
 
+def chosen_targets(batch: ShardedBatch) -> int:
+    """Targets of the batch's chosen sequences, prompt included: each sequence's tokens but
+    its last (ORPO's NLL divides by their count over the step)."""
+    bounds = batch.sp_meta.cu_host
+    return sum(bounds[d + 1] - bounds[d] - 1 for d in range(0, batch.num_documents - 1, 2))
+
+
 def local_document_ids(batch: ShardedBatch, state: ParallelState) -> torch.Tensor:
     """The document (index in the row) of each token this rank scores, in local order: its
     SP shard, and under TP its own contiguous part of that (the labels `tp_batch` kept).
@@ -179,32 +226,38 @@ def _document_ids(meta: SPMeta, tp_rank: int, tp: int) -> torch.Tensor:
 
 def sequence_logps(head: torch.nn.Module, hidden: torch.Tensor, batch: ShardedBatch,
                    state: ParallelState, chunk_size: int | None) -> SequenceLogps:
-    """Every pair's summed answer log-probabilities, from this rank's hidden states."""
-    labels = batch.shift_labels.reshape(-1)
+    """Every pair's summed answer log-probabilities, from this rank's hidden states; with
+    the batch's `next_tokens` (orpo), also the chosen sequences' sums over all targets."""
+    answer_labels = batch.shift_labels.reshape(-1)
+    # Every successor is scored when asked for; on answer tokens it is the answer label.
+    scored = answer_labels if batch.next_tokens is None else batch.next_tokens.reshape(-1)
     device = hidden.device
     if state.layout.tp > 1:  # vocab-parallel over the TP group, this rank's tokens
         from longctx_cli.parallel.tensor_parallel import tp_token_losses
 
-        token_logps = -tp_token_losses(head, hidden, batch.shift_labels, state, chunk_size)
+        token_logps = -tp_token_losses(head, hidden, scored, state, chunk_size)
     elif chunk_size is None or hidden.shape[0] <= chunk_size:
-        token_logps = _token_logps(head, hidden, labels)
+        token_logps = _token_logps(head, hidden, scored)
     else:  # one chunk's [chunk, vocab] logits at a time, in forward and in backward
         pieces = [checkpoint(_token_logps, head, hidden[s : s + chunk_size],
-                             labels[s : s + chunk_size], use_reentrant=False)
+                             scored[s : s + chunk_size], use_reentrant=False)
                   for s in range(0, hidden.shape[0], chunk_size)]
         token_logps = torch.cat(pieces)
     docs = len(batch.sp_meta.cu_host) - 1
     ids = local_document_ids(batch, state).to(device)
-    sums = token_logps.new_zeros(docs).index_add(0, ids, token_logps)
-    counts = token_logps.new_zeros(docs).index_add(0, ids, (labels != IGNORE_INDEX).to(sums))
-    both = torch.stack([sums, counts])
+    answer = (answer_labels != IGNORE_INDEX).to(token_logps)
+    per_doc = [token_logps * answer, answer.detach()]
+    if batch.next_tokens is not None:
+        per_doc.append(token_logps)
+    both = torch.stack([token_logps.new_zeros(docs).index_add(0, ids, v) for v in per_doc])
     for size, group in ((state.layout.tp, state.tp_group), (state.layout.sp, state.sp_group)):
         if size > 1:  # each rank of the SP x TP group holds other tokens of the row
             both = _SumOverGroup.apply(both, group)
     sums, counts = both[0], both[1].detach()
     pairs = batch.num_documents // 2
-    return SequenceLogps(sums[0 : 2 * pairs : 2], sums[1 : 2 * pairs : 2],
-                         counts[0 : 2 * pairs : 2], counts[1 : 2 * pairs : 2])
+    chosen, rejected = slice(0, 2 * pairs, 2), slice(1, 2 * pairs, 2)
+    return SequenceLogps(sums[chosen], sums[rejected], counts[chosen], counts[rejected],
+                         both[2][chosen] if batch.next_tokens is not None else None)
 
 
 @dataclass
@@ -217,9 +270,10 @@ class PairsResult:
 def preference_loss_sum(model: torch.nn.Module, decoder: torch.nn.Module,
                         head: torch.nn.Module, batch: ShardedBatch, config: Config,
                         state: ParallelState, objective: PreferenceLoss,
-                        split: str = "train") -> PairsResult:
+                        split: str = "train", nll_weight: float = 1.0) -> PairsResult:
     """The summed pair losses of one micro-batch (the caller divides by the step's pairs);
-    `split` names the rows `batch.rows` index, for a precomputed reference."""
+    `split` names the rows `batch.rows` index, for a precomputed reference; `nll_weight`:
+    see `PreferenceLoss.pair_losses`."""
     chunk = config.loss_chunk_size if config.chunked_loss else None
     policy = sequence_logps(head, sp_hidden_states(decoder, batch), batch, state, chunk)
     reference = None
@@ -230,7 +284,7 @@ def preference_loss_sum(model: torch.nn.Module, decoder: torch.nn.Module,
         with torch.no_grad(), reference_model(model):
             reference = sequence_logps(head, sp_hidden_states(decoder, batch), batch, state,
                                        chunk)
-    losses, values = objective.pair_losses(policy, reference)
+    losses, values = objective.pair_losses(policy, reference, nll_weight)
     return PairsResult(losses.sum(), int(losses.numel()),
                        {k: float(v.sum()) for k, v in values.items()})
 

@@ -23,7 +23,11 @@ from longctx_cli.runtime.memory_savers import activation_offload
 from longctx_cli.runtime.model import sp_hidden_states
 from longctx_cli.train.loss import lm_loss_sum, valid_token_count
 from longctx_cli.train.precision import Precision
-from longctx_cli.train.preference import PreferenceLoss, preference_loss_sum
+from longctx_cli.train.preference import (
+    PreferenceLoss,
+    chosen_targets,
+    preference_loss_sum,
+)
 
 
 @dataclass
@@ -119,8 +123,13 @@ def train_step(
     # A pair's loss is the same on every rank of its SP group: count it (and report it) once.
     counts_pairs = preference is not None and state.sp_rank == 0 and state.tp_rank == 0
     local_pairs = sum(b.num_documents // 2 for b in batches) if counts_pairs else 0
-    global_count, global_pairs = all_reduce_sum([local_count, local_pairs], device)
+    scores_prompts = preference is not None and preference.scores_prompts
+    local_chosen = sum(map(chosen_targets, batches)) if counts_pairs and scores_prompts else 0
+    global_count, global_pairs, global_chosen = all_reduce_sum(
+        [local_count, local_pairs, local_chosen], device)
     divisor = max(global_pairs if preference is not None else global_count, 1.0)
+    # orpo: the pairs' mean of the NLL shares must be the mean over the step's chosen targets.
+    nll_weight = global_pairs / global_chosen if global_chosen else 1.0
     # FSDP2 averages gradients over its mesh (the world, or dp x cp with TP, whose own sums
     # DTensor does); the loss is already normalised by the global token count, so scale it
     # up to turn that average into the sum we need.
@@ -138,7 +147,7 @@ def train_step(
                     loss_sum = forward_loss_sum(decoder, lm_head, batch, config, state)
                 else:
                     pairs = preference_loss_sum(model, decoder, lm_head, batch, config, state,
-                                                preference)
+                                                preference, nll_weight=nll_weight)
                     loss_sum = pairs.loss_sum
                     for key, value in pairs.metric_sums.items():
                         metric_sums[key] = metric_sums.get(key, 0.0) + value * counts_pairs
