@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.context_extension import save_record  # noqa: E402
+from benchmarks.train_step import peak_bytes  # noqa: E402
 
 DEEPSPEED = "0.19.8"
 PEER_VENV = Path.home() / ".cache" / "longctx-bench" / "peers-deepspeed"
@@ -159,13 +160,11 @@ def _children(pid: int) -> list[int]:
 
 
 def _peak_kib(pid: int) -> int | None:
+    """The process's VmHWM in KiB, or None once it is gone."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    except OSError:
+        return peak_bytes(pid) // 1024
+    except (OSError, RuntimeError):
         return None
-    return None
 
 
 def _has_local_rank(pid: int) -> bool:

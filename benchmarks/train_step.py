@@ -145,12 +145,13 @@ def reset_peak() -> None:
         f.write("5")  # resets VmHWM to the current resident set
 
 
-def peak_bytes() -> int:
-    with open("/proc/self/status") as f:
+def peak_bytes(pid: int | str = "self") -> int:
+    """The resident-set high-water mark (VmHWM) of process `pid` (this one by default)."""
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    raise RuntimeError(f"no VmHWM in /proc/{pid}/status")
 
 
 def synthetic_row(tokens: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from longctx_cli.constants import LOGIT_TRANSFORM_KEYS
+
 
 @dataclass(frozen=True)
 class LogitTransform:
@@ -30,14 +32,15 @@ class LogitTransform:
         text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else (
             model_config)
         multiplier = 1.0
-        # Cohere: `logits * logit_scale`; Granite: `logits / logits_scaling`.
-        scale = getattr(text, "logit_scale", None)
+        # Cohere: `logits * logit_scale`; Granite: `logits / logits_scaling`; Gemma: softcap.
+        scale_key, divisor_key, softcap_key = LOGIT_TRANSFORM_KEYS
+        scale = getattr(text, scale_key, None)
         if scale is not None:
             multiplier *= float(scale)
-        divisor = getattr(text, "logits_scaling", None)
+        divisor = getattr(text, divisor_key, None)
         if divisor is not None:
             multiplier /= float(divisor)
-        softcap = getattr(text, "final_logit_softcapping", None)
+        softcap = getattr(text, softcap_key, None)
         return cls(multiplier, float(softcap) if softcap else None)
 
     @property

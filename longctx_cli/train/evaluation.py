@@ -55,15 +55,17 @@ def evaluate_pairs(model: torch.nn.Module, rows, config: Config, state: Parallel
     decoder, lm_head = decoder_and_head(model)
     counted = state.sp_rank == 0 and state.tp_rank == 0  # alike on its SP x TP group
     sums: dict[str, float] = {"loss": 0.0, "pairs": 0.0}
-    batches = [(row_batch(rows, index, state, pad_id, objective.scores_prompts), real)
-               for index, real in rank_rows(len(rows), state)]
     nll_weight = 1.0
     if objective.scores_prompts:  # orpo: the NLL is a mean over all held-out chosen targets
-        pairs, chosen = all_reduce_sum(
-            [sum(b.num_documents // 2 for b, real in batches if real and counted),
-             sum(chosen_targets(b) for b, real in batches if real and counted)], state.device)
+        pairs = chosen = 0
+        for index, real in rank_rows(len(rows), state):
+            if real and counted:
+                batch = row_batch(rows, index, state, pad_id)
+                pairs, chosen = pairs + batch.num_documents // 2, chosen + chosen_targets(batch)
+        pairs, chosen = all_reduce_sum([pairs, chosen], state.device)
         nll_weight = pairs / chosen if chosen else 1.0
-    for batch, real in batches:
+    for index, real in rank_rows(len(rows), state):
+        batch = row_batch(rows, index, state, pad_id, objective.scores_prompts)
         result = preference_loss_sum(model, decoder, lm_head, batch, config, state, objective,
                                      split="eval", nll_weight=nll_weight)
         for key, value in {"loss": result.loss_sum.item(), "pairs": result.pairs,

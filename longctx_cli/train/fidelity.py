@@ -22,6 +22,7 @@ exact or refused.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import re
 import time
@@ -648,6 +649,19 @@ def check_fidelity(config: Any, hf_config: Any = None) -> str:
     return summary
 
 
+@functools.cache
+def _source_digest() -> str:
+    """The digest of longctx's own source files, read once per process."""
+    import hashlib
+
+    package = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for source in sorted(package.rglob("*.py")):
+        digest.update(str(source.relative_to(package)).encode())
+        digest.update(source.read_bytes())
+    return digest.hexdigest()
+
+
 def verdict_path(hf_config: Any) -> Path:
     """Where a pass of the probe on this model config is remembered: a file named by the
     digest of the config, longctx's source files and the library versions."""
@@ -656,14 +670,10 @@ def verdict_path(hf_config: Any) -> Path:
 
     import transformers
 
-    package = Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()
     for part in (hf_config.to_json_string(use_diff=False), torch.__version__,
-                 transformers.__version__):
+                 transformers.__version__, _source_digest()):
         digest.update(part.encode())
-    for source in sorted(package.rglob("*.py")):
-        digest.update(str(source.relative_to(package)).encode())
-        digest.update(source.read_bytes())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "longctx" / "fidelity" / f"{digest.hexdigest()[:32]}.txt"
 

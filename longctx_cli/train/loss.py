@@ -15,9 +15,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from longctx_cli.constants import FUSED_LOSS_BLOCK_BYTES, IGNORE_INDEX
+from longctx_cli.runtime.head import ModelHead
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -92,10 +94,6 @@ class LinearCrossEntropy(torch.autograd.Function):
 def fused_head(head: nn.Module, hidden: torch.Tensor) -> nn.Linear | None:
     """The plain `nn.Linear` behind `head` when `LinearCrossEntropy` computes exactly what
     `head` + CE would under autograd; None otherwise."""
-    from torch.distributed.tensor import DTensor
-
-    from longctx_cli.runtime.head import ModelHead
-
     linear = head.lm_head if isinstance(head, ModelHead) else head
     if isinstance(head, ModelHead) and not head.transform.is_identity:
         return None
