@@ -45,7 +45,12 @@ LOSSES = {  # name -> (rl, dpo loss types, label smoothing)
     "sigmoid+hinge": ("dpo", ["sigmoid", "hinge"], 0.0),
     "simpo": ("simpo", [], 0.1),
     "orpo": ("orpo", [], 0.0),
+    # prefix_sharing: the prompt once per pair; TRL's unshared computation is the reference
+    "sigmoid-shared": ("dpo", ["sigmoid"], 0.0),
+    "ipo-shared": ("ipo", ["ipo"], 0.0),
+    "simpo-shared": ("simpo", [], 0.1),
 }
+SHARED_PROMPT = {"sigmoid-shared": "sigmoid", "ipo-shared": "ipo", "simpo-shared": "simpo"}
 LAYOUTS = {  # name -> (world, layout keywords)
     "sp1": (1, {"sp": 1}),
     "ring-contiguous": (2, {"sp": 2, "layout": "contiguous"}),
@@ -189,19 +194,25 @@ def trl_orpo() -> dict:
 def references() -> dict[str, dict]:
     out = {}
     for name, (rl, loss_types, smoothing) in LOSSES.items():
+        if name in SHARED_PROMPT:
+            continue
         out[name] = (trl_simpo(smoothing) if rl == "simpo" else trl_orpo() if rl == "orpo"
                      else trl_dpo(loss_types, smoothing))
     return out
 
 
-def packed_pairs(rl: str = "dpo") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def packed_pairs(rl: str = "dpo", share_prompt: bool = False,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every pair in one row, chosen then rejected, as longctx's data pipeline packs them
-    (tokenized as TRL's trainer of `rl` does)."""
+    (tokenized as TRL's trainer of `rl` does; `share_prompt`: with `prefix_sharing`)."""
     from longctx_cli.data.pack import make_row
 
     tok = tokenizer()
-    sample = orpo_pair_sample if rl == "orpo" else pair_sample
-    row = make_row(sample(tok, *pair)[:3] for pair in PAIRS)
+    if rl == "orpo":
+        samples = (orpo_pair_sample(tok, *pair) for pair in PAIRS)
+    else:
+        samples = (pair_sample(tok, *pair, share_prompt=share_prompt) for pair in PAIRS)
+    row = make_row(sample[:3] for sample in samples)
     return tuple(torch.tensor(row[k]) for k in ("input_ids", "position_ids", "labels"))
 
 
@@ -215,8 +226,13 @@ def longctx_worker(rank: int, world: int, layout: dict, losses: dict) -> dict:
     state = sp_state(kernel="torch", **layout)
     out = {}
     for name, (rl, loss_types, smoothing) in losses.items():
+        if name in SHARED_PROMPT and state.layout.p2p:
+            continue  # refused (test_prefix_sharing_refusals)
         # DP ranks each take the same row here: their sums are divided by the DP degree.
-        batch = shard_batch(*packed_pairs(rl), state, next_tokens=rl == "orpo")
+        batch = shard_batch(*packed_pairs(rl, name in SHARED_PROMPT), state,
+                            next_tokens=rl == "orpo")
+        if name in SHARED_PROMPT:  # every pair's rejected answer is a branch of its prompt
+            assert len(batch.sp_meta.prefixes) == len(PAIRS)
         model = policy_model(register_sp_attention())
         decoder, head = decoder_and_head(model)
         objective = PreferenceLoss(rl, tuple(loss_types), (1.0,) * len(loss_types), BETA,
@@ -251,6 +267,24 @@ def test_every_declared_type_is_rendered():
     assert sorted(PREFERENCE_TYPES) == sorted(RENDERED_TYPES)
 
 
+def test_shared_prompt_sample():
+    """prefix_sharing: the rejected sequence keeps the prompt's last token, positions going
+    on from the prompt's; the targets are those of the unshared pair."""
+    tok = tokenizer()
+    for pair in PAIRS:
+        ids, labels, pos, _ = pair_sample(tok, *pair)
+        shared_ids, shared_labels, shared_pos, skip = pair_sample(tok, *pair, share_prompt=True)
+        assert not skip
+        split = pos.index(0, 1)
+        shared_split = next(i for i in range(1, len(shared_pos))
+                            if shared_pos[i] != shared_pos[i - 1] + 1)
+        assert shared_ids[:shared_split] == ids[:split]
+        start = shared_pos[shared_split]  # the prompt's last token
+        assert ids[split:][start:] == shared_ids[shared_split:]
+        assert shared_pos[shared_split:] == list(range(start, len(ids) - split))
+        assert [t for t in shared_labels if t != -100] == [t for t in labels if t != -100]
+
+
 def test_tokenization_matches_trl(references):
     tok = tokenizer()
     for (prompt, chosen, rejected), (p_ids, c_ids, r_ids) in zip(
@@ -272,8 +306,8 @@ SLOW_LAYOUTS = ("ring-contiguous", "ring-sp4", "dp2-x-sp2")
 def test_matches_trl(layout, references):
     world, kwargs = LAYOUTS[layout]
     (got, *_) = run_distributed(longctx_worker, world, kwargs, LOSSES, timeout_s=240)
-    for name, ref in references.items():
-        mine = got[name]
+    for name in got:
+        ref, mine = references[SHARED_PROMPT.get(name, name)], got[name]
         assert abs(mine["loss"] - ref["loss"]) < TOL * max(1.0, abs(ref["loss"])), (name, mine,
                                                                                     ref["loss"])
         for key, value in mine["metrics"].items():

@@ -28,6 +28,7 @@ from longctx_cli.config.rules import (
     _check_adapter,
     check_attention_dropout,
     check_heads,
+    check_prefix_sharing,
     check_query_position_scaling,
     check_router_aux_loss,
     check_sequence_len,
@@ -301,6 +302,7 @@ def build_plan(
         )
     check_heads(layout, shape)  # SP works on the heads TP left on the rank
     check_query_position_scaling(config, shape, layout)
+    check_prefix_sharing(config, shape, layout)
     sp = layout.sp
     tiled = tiled_scores_run(layout.kernel, platform.cuda, shape, layout.p2p and layout.ring > 1)
     memory, memory_notes = estimate_memory(

@@ -724,6 +724,14 @@ class Config(_Strict):
         0.0, ge=0.0, description="simpo: weight of an NLL term on the chosen sequences; only "
         "0 (SimPO as published) is supported."
     )
+    prefix_sharing: bool = Field(
+        False, description="rl (not orpo): each pair's prompt once in the row, the rejected "
+        "answer a branch after it that attends to the prompt and to itself, not to the chosen "
+        "answer (positions go on from the prompt). The same losses and gradients as unshared "
+        "pairs, one prompt's worth of compute and memory less per pair. Needs attention in "
+        "every layer, no sliding window, and the default ring or Ulysses with the torch or "
+        "torch_flash kernel. See docs/preference.md.",
+    )
     precompute_ref_log_probs: bool = Field(
         False, description="dpo/ipo with a new adapter: compute the reference log-probabilities "
         "once before training instead of switching the adapter off at every step (a full "
@@ -881,6 +889,9 @@ class Config(_Strict):
     def _preference_rules(self) -> Config:
         entries = [*self.datasets, *self.eval_datasets]
         pairs = [e.type for e in entries if is_preference_type(e.type)]
+        if self.rl is None and self.prefix_sharing:
+            raise ValueError("`prefix_sharing: true` shares a preference pair's prompt between "
+                             "its answers; set `rl` (dpo, ipo or simpo), or drop it")
         if self.rl is None:
             if pairs:
                 raise ValueError(f"`type: {pairs[0]}` holds preference pairs, which train with "
@@ -897,6 +908,10 @@ class Config(_Strict):
             raise ValueError("`excess_length_strategy: truncate` would cut a pair's answers off; "
                              "with `rl` pairs longer than sequence_len are dropped and counted "
                              "(`drop`, the default)")
+        if self.prefix_sharing and self.rl == "orpo":
+            raise ValueError("`prefix_sharing: true` with `rl: orpo`: ORPO's NLL scores the "
+                             "prompt of each chosen sequence, which sharing would leave out of "
+                             "the rejected one's row; drop one of them")
         if self.orpo_alpha is not None and self.rl != "orpo":
             raise ValueError(f"`orpo_alpha: {self.orpo_alpha}` weighs ORPO's odds-ratio term; "
                              f"`rl: {self.rl}` does not read it: drop it, or set `rl: orpo`")

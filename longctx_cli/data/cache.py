@@ -110,6 +110,7 @@ def fingerprint_parts(
                                                             strict=True)],
         # ORPO tokenizes pairs its own way (only then, so other caches keep their names).
         **({"pair_tokenization": "orpo"} if config.rl == "orpo" else {}),
+        **({"prefix_sharing": True} if config.prefix_sharing else {}),
     }
 
 

@@ -139,6 +139,7 @@ class FormatSpec:
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
     orpo: bool = False  # pairs tokenized as TRL's ORPOTrainer does (`rl: orpo`)
+    share_prompt: bool = False  # a pair's prompt once, both answers after it (prefix_sharing)
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -188,8 +189,11 @@ def tokenize_batch(
                                           chosen_field=spec.chosen_field,
                                           rejected_field=spec.rejected_field,
                                           template=spec.template or None)
-            sample = preference.orpo_pair_sample if spec.orpo else preference.pair_sample
-            ids, labels, positions, skip = sample(tok, *texts)
+            if spec.orpo:
+                ids, labels, positions, skip = preference.orpo_pair_sample(tok, *texts)
+            else:
+                ids, labels, positions, skip = preference.pair_sample(
+                    tok, *texts, share_prompt=spec.share_prompt)
         else:
             ids, labels, skip = _one_record(record, spec, tok, where(i))
         if cut and not skip:

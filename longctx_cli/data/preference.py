@@ -180,8 +180,13 @@ def _rendered_pair(messages: list[dict[str, str]], answers: list[str], where: st
 
 
 def pair_sample(tok: PreTrainedTokenizerBase, prompt: str, chosen: str, rejected: str,
-                ) -> tuple[list[int], list[int], list[int], str]:
-    """(input_ids, labels, position_ids, why skipped or "") of one pair: both sequences."""
+                share_prompt: bool = False) -> tuple[list[int], list[int], list[int], str]:
+    """(input_ids, labels, position_ids, why skipped or "") of one pair: both sequences.
+
+    `share_prompt` (`prefix_sharing`): the rejected sequence keeps only the prompt's last
+    token before its answer, positions going on from the prompt's; attention takes it as a
+    branch of the chosen sequence's first prompt tokens (`parallel.sharding.SPMeta.prefixes`).
+    That last token is kept in both: its two copies predict the two answers' first tokens."""
     eos = tok.eos_token
     if eos:
         chosen = chosen if chosen.endswith(eos) else chosen + eos
@@ -194,12 +199,14 @@ def pair_sample(tok: PreTrainedTokenizerBase, prompt: str, chosen: str, rejected
     if with_chosen[start:] == with_rejected[start:]:
         return [], [], [], "chosen identical to rejected"
     ids, labels, positions = [], [], []
-    for full in (with_chosen, with_rejected):
+    for i, full in enumerate((with_chosen, with_rejected)):
         if len(full) == start:
             return [], [], [], "empty answer"
-        ids += full
-        labels += [IGNORE_INDEX] * start + full[start:]
-        positions += list(range(len(full)))
+        # The rejected sequence from the prompt's last token when it shares the prompt.
+        first = start - 1 if share_prompt and i == 1 and start > 1 else 0
+        ids += full[first:]
+        labels += [IGNORE_INDEX] * (start - first) + full[start:]
+        positions += list(range(first, len(full)))
     return ids, labels, positions, ""
 
 

@@ -395,7 +395,8 @@ def format_spec(
                               train_on_eos=entry.train_on_eos,
                               chosen_field=entry.field_chosen,
                               rejected_field=entry.field_rejected,
-                              orpo=config.rl == "orpo")
+                              orpo=config.rl == "orpo",
+                              share_prompt=config.prefix_sharing)
     if entry.type in ("chat_template.default", "chat_template.argilla"):  # pairs, rendered
         spec.template = chat_templates.resolve_template(config, entry, tok)[0]
     if entry.type != "chat_template":

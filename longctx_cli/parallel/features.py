@@ -43,9 +43,17 @@ def as_features(features: AttentionFeatures | float) -> AttentionFeatures:
 
 
 class Segment(NamedTuple):
-    """Queries ``q[q_start:q_end]`` attend to keys ``k[k_start:k_end]`` (bottom-right causal)."""
+    """Queries ``q[q_start:q_end]`` attend to keys ``k[k_start:k_end]`` (bottom-right causal)
+    and, for a document that branches off a shared prefix (`SPMeta.prefixes`), to every key
+    of ``k[p_start:p_end]`` as well."""
 
     q_start: int
     q_end: int
     k_start: int
     k_end: int
+    p_start: int = 0
+    p_end: int = 0
+
+    @property
+    def has_prefix(self) -> bool:
+        return self.p_end > self.p_start

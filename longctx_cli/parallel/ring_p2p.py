@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .mesh import ParallelState
-from .sharding import SPMeta, local_ranges
+from .sharding import SPMeta, local_ranges, refuse_prefixes
 from .torch_kernel import (
     AttentionFeatures,
     Piece,
@@ -257,6 +257,7 @@ def p2p_ring_attention(
     feats = as_features(features)
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} must be a multiple of KV heads {k.shape[1]}")
+    refuse_prefixes(meta, "the P2P ring (`ring_attn_func: batch_*`)")
     ctx = meta.ctx
     if ctx.layout.kernel == "flash" and ctx.layout.sp > 1:
         from .ring_flash import flash_p2p_attention, flash_p2p_unfit

@@ -44,6 +44,10 @@ class SPMeta:
     # cu_seqlens as host ints, read once from the CPU row: layers never read the (device)
     # tensor back, which would stall the GPU once per layer.
     cu_host: tuple[int, ...] = ()
+    # (document start, prefix start, prefix end), global, of every document that branches
+    # off the first tokens of an earlier one (a preference pair's answers sharing the
+    # prompt): its queries also see every key of that prefix. Empty for ordinary rows.
+    prefixes: tuple[tuple[int, int, int], ...] = ()
     # Values derived from this row, built once and read by every layer (see `derived`).
     _derived: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
     attention_calls: int = 0  # incremented by the transformers entry point
@@ -92,12 +96,15 @@ def local_ranges(total_len: int, ctx: ParallelState) -> tuple[tuple[int, int], .
     return ctx.local_ranges(total_len)
 
 
-def segments_for(cu_seqlens: list[int], ranges: tuple[tuple[int, int], ...]) -> tuple[Segment, ...]:
+def segments_for(cu_seqlens: list[int], ranges: tuple[tuple[int, int], ...],
+                 prefixes: tuple[tuple[int, int, int], ...] = ()) -> tuple[Segment, ...]:
     """Split the owned ranges at document boundaries: one segment per (range, document) piece.
 
     Query indices are local rows; key indices are global, so a segment's keys start at the
-    start of its document, which may live on another rank.
+    start of its document, which may live on another rank (and, for a branch document, its
+    prefix's keys, see `SPMeta.prefixes`).
     """
+    shared = {start: (p0, p1) for start, p0, p1 in prefixes}
     out: list[Segment] = []
     offset = 0
     for g0, g1 in ranges:
@@ -107,7 +114,8 @@ def segments_for(cu_seqlens: list[int], ranges: tuple[tuple[int, int], ...]) -> 
             ds, de = cu_seqlens[d], cu_seqlens[d + 1]
             a, b = max(g0, ds), min(g1, de)
             if a < b:
-                out.append(Segment(offset + a - g0, offset + b - g0, ds, b))
+                out.append(Segment(offset + a - g0, offset + b - g0, ds, b,
+                                   *shared.get(ds, (0, 0))))
             d += 1
         offset += g1 - g0
     return tuple(out)
@@ -166,12 +174,38 @@ def to_rank_order(full: torch.Tensor, meta: SPMeta) -> torch.Tensor:
 
 
 def document_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
-    """Segment boundaries of a 1-D row: a segment starts at 0 and wherever position_ids == 0."""
-    starts = (position_ids == 0).nonzero().flatten()
-    if starts.numel() == 0 or starts[0] != 0:
-        starts = torch.cat([starts.new_zeros(1), starts])
-    end = starts.new_tensor([position_ids.numel()])
-    return torch.cat([starts, end]).to(torch.int32)
+    """Segment boundaries of a 1-D row: a segment starts at 0 and wherever the positions do
+    not go on by one (a restart at 0, or a branch, see `document_prefixes`)."""
+    starts = ((position_ids[1:] != position_ids[:-1] + 1) | (position_ids[1:] == 0))
+    starts = starts.nonzero().flatten() + 1
+    return torch.cat([starts.new_zeros(1), starts,
+                      starts.new_tensor([position_ids.numel()])]).to(torch.int32)
+
+
+def refuse_prefixes(meta: SPMeta, what: str) -> None:
+    """Stop where a row's shared pair prompts (`prefix_sharing`) would be computed wrongly."""
+    if meta.prefixes:
+        raise NotImplementedError(
+            f"{what} cannot compute shared pair prompts (`prefix_sharing: true`): its kernels "
+            "take one causal key range per document. Use the default ring or Ulysses with "
+            "attention_kernel torch or torch_flash, or set `prefix_sharing: false`.")
+
+
+def document_prefixes(position_ids: torch.Tensor, cu_host: tuple[int, ...],
+                      ) -> tuple[tuple[int, int, int], ...]:
+    """The branches of a row: a document whose positions start at `s > 0` continues the first
+    `s` tokens of the last document that started at 0 (its prefix, which it sees whole)."""
+    out, root = [], 0
+    for start, end in zip(cu_host[:-1], cu_host[1:], strict=True):
+        first = int(position_ids[start])
+        if first == 0:
+            root = start
+            continue
+        if first > end - root or root + first > start:
+            raise ValueError(f"the document at {start} continues {first} tokens of the one at "
+                             f"{root}, which has fewer")
+        out.append((start, root, root + first))
+    return tuple(out)
 
 
 def shift_labels_globally(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -204,7 +238,7 @@ def shard_batch(
     if not input_ids.numel() == position_ids.numel() == labels.numel():
         raise ValueError("input_ids, position_ids and labels must have the same length")
     length = input_ids.numel()
-    num_documents = int((position_ids == 0).sum())
+    num_documents = len(document_cu_seqlens(position_ids)) - 1 if length else 0
     multiple = ctx.layout.row_multiple
     extra = -length % multiple
     input_ids = _pad(input_ids, extra, pad_token_id)
@@ -217,13 +251,15 @@ def shard_batch(
     total = input_ids.numel()
     ranges = local_ranges(total, ctx)
     cu_host = tuple(cu_seqlens.tolist())  # the row is still on the host here
+    prefixes = document_prefixes(position_ids, cu_host)
     meta = SPMeta(
         ctx=ctx,
         cu_seqlens=cu_seqlens,
         total_len=total,
         local_ranges=ranges,
-        segments=segments_for(cu_host, ranges),
+        segments=segments_for(cu_host, ranges, prefixes),
         cu_host=cu_host,
+        prefixes=prefixes,
     )
     batch = ShardedBatch(
         input_ids=slice_sequence(input_ids, ctx).unsqueeze(0),
@@ -263,6 +299,9 @@ def chunked_meta(meta: SPMeta, chunk: int) -> SPMeta:
 
 
 def _new_chunked_meta(meta: SPMeta, chunk: int) -> SPMeta:
+    if meta.prefixes:
+        raise ValueError("chunked local attention with shared pair prompts (`prefix_sharing`) "
+                         "is not supported")
     bounds = chunk_bounds(meta.cu_host, chunk)
     if bounds == meta.cu_host:  # no document is longer than a chunk
         return meta
@@ -279,8 +318,10 @@ def _new_chunked_meta(meta: SPMeta, chunk: int) -> SPMeta:
 
 def make_sp_meta(position_ids: torch.Tensor, ctx: ParallelState) -> SPMeta:
     """Metadata for a full (already padded) 1-D position row, without touching tokens."""
-    cu_seqlens = document_cu_seqlens(position_ids.reshape(-1))
+    position_ids = position_ids.reshape(-1)
+    cu_seqlens = document_cu_seqlens(position_ids)
     cu_host = tuple(cu_seqlens.tolist())
+    prefixes = document_prefixes(position_ids, cu_host)
     ranges = local_ranges(cu_host[-1], ctx)
-    return SPMeta(ctx, cu_seqlens, cu_host[-1], ranges, segments_for(cu_host, ranges),
-                  cu_host=cu_host)
+    return SPMeta(ctx, cu_seqlens, cu_host[-1], ranges, segments_for(cu_host, ranges, prefixes),
+                  cu_host=cu_host, prefixes=prefixes)

@@ -39,6 +39,7 @@ from .sharding import (
     SPMeta,
     all_gather_tensor,
     reduce_scatter_sum,
+    refuse_prefixes,
     to_global_order,
 )
 from .state_relay import Relay, StateCache, relay_applies, run_relay
@@ -291,6 +292,7 @@ class TokenMixerSP:
         if hidden.shape[0] != 1 or hidden.shape[1] != meta.local_len:
             raise ValueError(f"{self.name}: expected this rank's one row of {meta.local_len} "
                              f"tokens, got {tuple(hidden.shape[:2])}")
+        refuse_prefixes(meta, f"{self.name} (a token mixer with a state, not attention)")
         if self.kind.passes_state and relay_applies(meta):
             # A scan on contiguous or zigzag rows: its state passes from rank to rank; the
             # module's own call (its output replaced in _after) gets one token.

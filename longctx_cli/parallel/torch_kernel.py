@@ -138,10 +138,14 @@ class _Block(NamedTuple):
     masked: bool
 
 
-def full_row_segments(cu_seqlens: Sequence[int] | torch.Tensor) -> tuple[Segment, ...]:
-    """Segments for a full row where queries and keys are the same tokens (one per document)."""
+def full_row_segments(cu_seqlens: Sequence[int] | torch.Tensor,
+                      prefixes: tuple[tuple[int, int, int], ...] = ()) -> tuple[Segment, ...]:
+    """Segments for a full row where queries and keys are the same tokens (one per document;
+    a branch document's with its prefix, see `SPMeta.prefixes`)."""
     bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
-    return tuple(Segment(a, b, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a)
+    shared = {start: (p0, p1) for start, p0, p1 in prefixes}
+    return tuple(Segment(a, b, a, b, *shared.get(a, (0, 0)))
+                 for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a)
 
 
 def _segment_blocks(seg: Segment, window: int | None) -> list[list[_Block]]:
@@ -153,10 +157,15 @@ def _segment_blocks(seg: Segment, window: int | None) -> list[list[_Block]]:
     if n == 0:
         return []
     diag = seg.k_end - n
+    if seg.has_prefix and window is not None:
+        raise ValueError("sliding-window attention with shared pair prompts (`prefix_sharing`) "
+                         "is not supported")
     if window is None or window >= seg.k_end - seg.k_start:  # the window clips nothing here
         blocks = [_Block(seg.q_start, seg.q_end, diag, seg.k_end, diag, True)]
         if diag > seg.k_start:
             blocks.append(_Block(seg.q_start, seg.q_end, seg.k_start, diag, diag, False))
+        if seg.has_prefix:  # a branch: the shared prefix is visible to every row
+            blocks.append(_Block(seg.q_start, seg.q_end, seg.p_start, seg.p_end, diag, False))
         return [blocks]
     rows = min(window, _MAX_ROWS)  # <= window: the diagonal stays plain causal
     groups = []
@@ -535,7 +544,7 @@ def _whole_block(
         return None
     seg = segments[0]
     n = q.shape[0]
-    if seg.q_start != 0 or seg.q_end != n or seg.k_end - seg.k_start != n:
+    if seg.q_start != 0 or seg.q_end != n or seg.k_end - seg.k_start != n or seg.has_prefix:
         return None
     if feats.window is not None and feats.window < n:
         return None
@@ -648,7 +657,8 @@ def doc_causal_forward(
     """
     feats = as_features(features)
     if kernel == "torch_flash":
-        if flash_applies(q, feats, v):
+        # PyTorch's flash op takes one causal key range per query: branches take the blocks.
+        if flash_applies(q, feats, v) and not any(seg.has_prefix for seg in segments):
             out, lse = varlen_forward(q, k, v, segments, feats)
             return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
     whole = _whole_block(segments, q, feats)
@@ -711,7 +721,7 @@ def doc_causal_backward(
     """
     feats = as_features(features)
     if kernel == "torch_flash":
-        if flash_applies(q, feats, v):
+        if flash_applies(q, feats, v) and not any(seg.has_prefix for seg in segments):
             return varlen_backward(dout, q, k, v, out, lse, segments, feats)
     if _whole_block(segments, q, feats) == slice(0, k.shape[0]):
         # Every key is read by the one causal block: its gradients are the whole dk, dv.
@@ -757,12 +767,14 @@ def doc_causal_attention(
     features: AttentionFeatures | float,
     sinks: torch.Tensor | None = None,
     kernel: str = "torch",
+    prefixes: tuple[tuple[int, int, int], ...] = (),
 ) -> torch.Tensor:
     """Differentiable document-causal attention over a full packed row.
 
     q: ``[T, Hq, D]``, k/v: ``[T, Hkv, D]``; documents are ``cu_seqlens[i]:cu_seqlens[i+1]``;
-    ``sinks`` ``[Hq]`` (optional) gets a gradient too; ``kernel``: ``torch`` or ``torch_flash``.
+    ``sinks`` ``[Hq]`` (optional) gets a gradient too; ``kernel``: ``torch`` or ``torch_flash``;
+    ``prefixes``: the row's branch documents (`SPMeta.prefixes`).
     """
     feats = as_features(features)
-    segments = full_row_segments(cu_seqlens)
+    segments = full_row_segments(cu_seqlens, prefixes)
     return _DocCausalAttention.apply(q, k, v, sinks, segments, feats, kernel)

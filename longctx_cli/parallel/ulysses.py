@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .ring_flash import equal_head_dims, flash_window, refuse_flash_sinks
-from .sharding import SPMeta, local_ranges
+from .sharding import SPMeta, local_ranges, refuse_prefixes
 from .torch_kernel import AttentionFeatures, as_features, doc_causal_attention
 
 
@@ -242,10 +242,12 @@ def ulysses_attention(
     qh, kh, vh = heads_to_ranks(q, k, v, ex)
     if ctx.layout.kernel == "flash":
         refuse_flash_sinks(sinks)
+        refuse_prefixes(meta, "the flash-attn kernel")
         out = _flash_full_row(qh, kh, vh, meta, feats)
     else:
         local_sinks = None if sinks is None else sinks[local_head_slice(q.shape[1], ex, meta)]
         out = doc_causal_attention(
-            qh, kh, vh, meta.cu_host, feats, local_sinks, kernel=ctx.layout.kernel
+            qh, kh, vh, meta.cu_host, feats, local_sinks, kernel=ctx.layout.kernel,
+            prefixes=meta.prefixes,
         )
     return heads_to_seq(out, ex)

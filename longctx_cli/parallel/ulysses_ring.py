@@ -72,8 +72,9 @@ def _new_ring_meta(meta: SPMeta, local_kv_heads: int) -> SPMeta:
         cu_seqlens=meta.cu_seqlens,
         total_len=meta.total_len,
         local_ranges=ranges,
-        segments=segments_for(meta.cu_host, ranges),
+        segments=segments_for(meta.cu_host, ranges, meta.prefixes),
         cu_host=meta.cu_host,
+        prefixes=meta.prefixes,
     )
 
 

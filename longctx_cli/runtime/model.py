@@ -307,7 +307,13 @@ def build_model(config: Config, state: ParallelState | None = None,
     state = state or ParallelState()
     register_sp_attention()
     model = load_base_model(config, ATTN_IMPLEMENTATION, hf_config=hf_config)
-    attach_token_mixing(model)  # hybrid models: scans and convolutions per document, exactly
+    mixers = attach_token_mixing(model)  # hybrid models: scans and convolutions per document
+    if mixers and config.prefix_sharing:
+        raise UserError(
+            f"`prefix_sharing: true`, but this model mixes tokens with {mixers[0].name} (a scan "
+            "or convolution, not attention), whose state at the end of the prompt would have to "
+            "start both answers; longctx does not carry it over.",
+            where="prefix_sharing", fix="set `prefix_sharing: false` for this model.")
     if config.gradient_checkpointing:
         enable_checkpointing(model, {"use_reentrant": False,
                                      **(config.gradient_checkpointing_kwargs or {})})
