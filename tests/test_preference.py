@@ -56,6 +56,7 @@ LAYOUTS = {  # name -> (world, layout keywords)
     "ring-contiguous": (2, {"sp": 2, "layout": "contiguous"}),
     "ring-zigzag": (2, {"sp": 2, "layout": "zigzag"}),
     "p2p-stripe": (2, {"sp": 2, "ring_attn_func": "batch_stripe"}),
+    "p2p-zigzag": (2, {"sp": 2, "ring_attn_func": "batch_zigzag", "layout": "zigzag"}),
     "ulysses": (2, {"sp": 2, "mode": "ulysses"}),
     "hybrid": (4, {"sp": 4, "mode": "hybrid", "ulysses_degree": 2}),
     "dp2-x-sp2": (4, {"sp": 2, "layout": "zigzag"}),
@@ -226,8 +227,6 @@ def longctx_worker(rank: int, world: int, layout: dict, losses: dict) -> dict:
     state = sp_state(kernel="torch", **layout)
     out = {}
     for name, (rl, loss_types, smoothing) in losses.items():
-        if name in SHARED_PROMPT and state.layout.p2p:
-            continue  # refused (test_prefix_sharing_refusals)
         # DP ranks each take the same row here: their sums are divided by the DP degree.
         batch = shard_batch(*packed_pairs(rl, name in SHARED_PROMPT), state,
                             next_tokens=rl == "orpo")

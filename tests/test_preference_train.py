@@ -144,6 +144,23 @@ def test_dpo_fsdp_qlora(tmp_path):
     assert_same_run(tmp_path / "fsdp", tmp_path / "sp1", adapter=True, tol=1e-4)
 
 
+def test_prefix_sharing_trains_as_unshared(tmp_path):
+    """prefix_sharing over Ulysses sp 2 (each pair's prompt once, the rejected answer a
+    branch) equals the unshared single-process run step by step: losses, TRL's metrics,
+    held-out pairs and the final adapter. One pair a row, so both runs step the same pairs."""
+    data = write_pairs(tmp_path / "pairs.jsonl", seed=8)
+    # Long enough for every unshared pair: both runs keep the same pairs.
+    rows = {"sample_packing": False, "sequence_len": 640}
+    one = dpo_config(tmp_path, "sp1", data, **rows)
+    shared = dpo_config(tmp_path, "shared", data, **rows, prefix_sharing=True,
+                        sequence_parallel_degree=2, sequence_parallel_mode="ulysses")
+    train(one, 1)
+    train(shared, 2)
+    assert_same_run(tmp_path / "shared", tmp_path / "sp1", adapter=True, tol=1e-4)
+    last = read_metrics(tmp_path / "shared")[-1]
+    assert all(f"eval_{name}" in last for name in METRICS)
+
+
 def test_orpo_tensor_parallel(tmp_path):
     """orpo (NLL over the chosen prompt and answer, odds ratio) at tp 2, each TP rank scoring
     its part of the tokens vocab-parallel, with 2 micro-batches a step and held-out pairs,
@@ -210,6 +227,10 @@ def refusal(tmp_path: Path, records: list[dict] | None = None, command: str = "v
     ({"rl": "orpo", "dpo_loss_type": "sigmoid"}, "has its own"),
     ({"rl": "orpo", "orpo_alpha": 0.2, "rl_beta": 0.3}, "keep one"),
     ({"orpo_alpha": 0.2}, "set `rl: orpo`"),
+    ({"rl": None, "prefix_sharing": True}, "set `rl`"),
+    ({"rl": "orpo", "prefix_sharing": True}, "ORPO's NLL"),
+    ({"prefix_sharing": True, "attention_kernel": "flash", "dtype": "bfloat16",
+      "sequence_parallel_degree": 2, "world_size": 2}, "flash-attn"),
     ({"rl": "grpo"}, "online method"),
     ({"datasets": None}, "preference type"),
     ({"rl": None}, "set `rl`"),

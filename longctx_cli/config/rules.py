@@ -148,21 +148,20 @@ def check_query_position_scaling(config: Config, shape: ModelShape, layout: Layo
 def check_prefix_sharing(config: Config, shape: ModelShape, layout: Layout) -> None:
     """Shared pair prompts need kernels that take a second, fully visible key range per
     branch document: the torch block kernel (torch_flash falls back to it for those rows)
-    under the all-gather ring, Ulysses or both; no window or chunk to clip it."""
+    under every ring, Ulysses or both; no window or chunk to clip it."""
     if not config.prefix_sharing:
         return
     attention = model_attention(shape)
     why = ("`attention_kernel: flash` (flash-attn's kernels take one causal key range per "
            "document)" if layout.kernel == "flash" else
-           f"the P2P ring (`ring_attn_func: {layout.ring_attn_func}`)" if layout.p2p else
            "the model's sliding-window attention" if attention.window else
            "the model's chunked local attention" if attention.chunked else None)
     if why:
         raise UserError(f"`prefix_sharing: true` cannot run with {why}: a shared prompt is a "
                         "second key range every answer token sees whole.",
                         where="prefix_sharing",
-                        fix="set `prefix_sharing: false`, or use the default ring (varlen_llama3) "
-                        "or Ulysses with attention_kernel torch or torch_flash.")
+                        fix="set `prefix_sharing: false`, or use attention_kernel torch or "
+                        "torch_flash.")
 
 
 def check_sequence_len(config: Config, layout: Layout) -> None:

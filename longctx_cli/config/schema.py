@@ -729,8 +729,8 @@ class Config(_Strict):
         "answer a branch after it that attends to the prompt and to itself, not to the chosen "
         "answer (positions go on from the prompt). The same losses and gradients as unshared "
         "pairs, one prompt's worth of compute and memory less per pair. Needs attention in "
-        "every layer, no sliding window, and the default ring or Ulysses with the torch or "
-        "torch_flash kernel. See docs/preference.md.",
+        "every layer, no sliding window, and the torch or torch_flash kernel. See "
+        "docs/preference.md.",
     )
     precompute_ref_log_probs: bool = Field(
         False, description="dpo/ipo with a new adapter: compute the reference log-probabilities "

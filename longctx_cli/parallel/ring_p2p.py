@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .mesh import ParallelState
-from .sharding import SPMeta, local_ranges, refuse_prefixes
+from .sharding import SPMeta, local_ranges
 from .torch_kernel import (
     AttentionFeatures,
     Piece,
@@ -85,19 +85,23 @@ def _run_pieces(meta: SPMeta, src: int) -> tuple[Piece, ...]:
             local += b - a
         return out
 
+    shared = {start: (p0, p1) for start, p0, p1 in meta.prefixes}
     pieces = []
     for qg0, qg1, ql in runs(ctx.sp_rank):
         for kg0, kg1, kl in runs(src):
             if kg0 >= qg1:  # every key comes after every query
                 continue
+            off = kl - kg0  # global position -> index in the received block
             d = bisect_right(cu, qg0) - 1
             while d + 1 < len(cu) and cu[d] < qg1:
                 a, b = max(qg0, cu[d]), min(qg1, cu[d + 1])
-                first_key = max(kg0, cu[d])  # a document's queries never see earlier documents
-                if a < b and first_key < kg1 and first_key < b:
-                    off = kl - kg0  # global position -> index in the received block
-                    pieces.append(Piece(ql + a - qg0, ql + b - qg0, a + off, first_key + off,
-                                        kg1 + off))
+                # A document's queries never see earlier documents, but a branch sees its
+                # prefix (wholly: it lies before every query of the branch).
+                for k0, k1 in ((cu[d], kg1), shared.get(cu[d], (0, 0))):
+                    first, last = max(kg0, k0), min(kg1, k1)
+                    if a < b and first < last and first < b:
+                        pieces.append(Piece(ql + a - qg0, ql + b - qg0, a + off, first + off,
+                                            last + off))
                 d += 1
     return tuple(pieces)
 
@@ -113,11 +117,17 @@ def _stripe_pieces(
     if w is not None and w <= 0:  # the window ends before any token of rank src
         return (), w
     cu = meta.cu_host
+    shared = {start: (p0, p1) for start, p0, p1 in meta.prefixes}
     pieces = []
     for ds, de in zip(cu[:-1], cu[1:], strict=True):
         j0, j1 = max(0, _ceil_div(ds - r, n)), min(length, _ceil_div(de - r, n))
         if j0 < j1:
             pieces.append(Piece(j0, j1, j0 - e, max(0, _ceil_div(ds - src, n)), length))
+            if ds in shared:  # a branch: its prefix's keys of rank src, all before its rows
+                p0, p1 = shared[ds]
+                k0, k1 = max(0, _ceil_div(p0 - src, n)), min(length, _ceil_div(p1 - src, n))
+                if k0 < k1:
+                    pieces.append(Piece(j0, j1, j0 - e, k0, k1))
     return tuple(pieces), w
 
 
@@ -257,7 +267,6 @@ def p2p_ring_attention(
     feats = as_features(features)
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} must be a multiple of KV heads {k.shape[1]}")
-    refuse_prefixes(meta, "the P2P ring (`ring_attn_func: batch_*`)")
     ctx = meta.ctx
     if ctx.layout.kernel == "flash" and ctx.layout.sp > 1:
         from .ring_flash import flash_p2p_attention, flash_p2p_unfit

@@ -187,8 +187,8 @@ def refuse_prefixes(meta: SPMeta, what: str) -> None:
     if meta.prefixes:
         raise NotImplementedError(
             f"{what} cannot compute shared pair prompts (`prefix_sharing: true`): its kernels "
-            "take one causal key range per document. Use the default ring or Ulysses with "
-            "attention_kernel torch or torch_flash, or set `prefix_sharing: false`.")
+            "take one causal key range per document. Use attention_kernel torch or "
+            "torch_flash, or set `prefix_sharing: false`.")
 
 
 def document_prefixes(position_ids: torch.Tensor, cu_host: tuple[int, ...],
