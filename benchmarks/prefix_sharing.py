@@ -4,7 +4,7 @@
     python benchmarks/prefix_sharing.py --prompt-tokens 12000 --runs 3
 
 The same DPO run (LoRA, the reference being the base with the adapter off) through `longctx
-train` at sp 2 (the default ring), once with every pair's prompt in both of its sequences and
+train` at sp 2 (the default ring: on CPU the P2P stripe ring), once with every pair's prompt in both of its sequences and
 once with `prefix_sharing: true` (the prompt once, the rejected answer a branch after it):
 a Llama from config (hidden 256, 4 layers, 8 heads, vocabulary 32,000), float32, one pair a
 step, pairs whose prompt is `--prompt-tokens` bytes and whose answers are about 60. The runs
@@ -117,7 +117,8 @@ def main() -> None:
         rows["shared" if shared else "unshared"] = {
             "s_per_step": [min(medians), statistics.median(medians), max(medians)],
             "peak_mib": [min(peaks), max(peaks)], "losses": results[0]["losses"]}
-    print(f"\nDPO + LoRA, sp 2 (ring), one pair a step, prompt {args.prompt_tokens} tokens")
+    print(f"\nDPO + LoRA, sp 2 (the default ring), one pair a step, prompt {args.prompt_tokens} "
+          "tokens")
     print(f"{'':10} {'s/step min / median / max':>28} {'peak RSS per rank (MiB)':>26}")
     for name, row in rows.items():
         s, m = row["s_per_step"], row["peak_mib"]

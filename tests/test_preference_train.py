@@ -12,6 +12,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from tests.train_helpers import (
+    TINY_LLAMA,
     assert_same_run,
     read_metrics,
     run_longctx,
@@ -228,9 +229,9 @@ def refusal(tmp_path: Path, records: list[dict] | None = None, command: str = "v
     ({"rl": "orpo", "orpo_alpha": 0.2, "rl_beta": 0.3}, "keep one"),
     ({"orpo_alpha": 0.2}, "set `rl: orpo`"),
     ({"rl": None, "prefix_sharing": True}, "set `rl`"),
-    ({"rl": "orpo", "prefix_sharing": True}, "ORPO's NLL"),
-    ({"prefix_sharing": True, "attention_kernel": "flash", "dtype": "bfloat16",
-      "sequence_parallel_degree": 2, "world_size": 2}, "flash-attn"),
+    ({"rl": "orpo", "prefix_sharing": True}, "ORPO tokenizes"),
+    ({"prefix_sharing": True, "model_config": {**TINY_LLAMA, "model_type": "mistral",
+                                               "sliding_window": 16}}, "sliding-window"),
     ({"rl": "grpo"}, "online method"),
     ({"datasets": None}, "preference type"),
     ({"rl": None}, "set `rl`"),

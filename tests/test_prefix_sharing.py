@@ -3,8 +3,10 @@
 A branch document (positions starting at `s > 0`) sees the first `s` keys of the last
 document that started at 0, then itself causally. The kernels must compute exactly that:
 checked here against dense attention with that mask written out (float64), forward and
-gradients, for the torch kernel and for torch_flash (through the CPU stand-in of PyTorch's
-flash op, whose varlen calls cannot take a second key range, so branch rows use the blocks).
+gradients, for the torch kernel, for torch_flash (through the CPU stand-in of PyTorch's flash
+op: its varlen calls over the documents, one more unmasked call per branch for the prefix,
+merged through the log-sum-exp) and for the flash kernel, whose flash-attn functions cannot
+take a second key range and hand such rows to PyTorch's flash op.
 Whole-model exactness against TRL's unshared computation, in every strategy, is in
 tests/test_preference.py; `longctx train` with it in tests/test_preference_train.py.
 """
@@ -14,10 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longctx_cli.parallel.sharding import document_cu_seqlens, document_prefixes
+from longctx_cli.parallel.attention import sp_attention
+from longctx_cli.parallel.sharding import document_cu_seqlens, document_prefixes, make_sp_meta
 from longctx_cli.parallel.torch_flash import use_flash_ops
 from longctx_cli.parallel.torch_kernel import doc_causal_attention
 from tests import torch_flash_standin as standin
+from tests.layouts import sp_state
 
 # A row: a 12-token document, a branch continuing its first 7 tokens (5 of its own), a plain
 # 4-token document, and a branch of that one's first 2 tokens (3 of its own).
@@ -55,7 +59,7 @@ def test_row_structure():
         document_prefixes(bad, tuple(document_cu_seqlens(bad).tolist()))
 
 
-@pytest.mark.parametrize("kernel", ["torch", "torch_flash"])
+@pytest.mark.parametrize("kernel", ["torch", "torch_flash", "flash-ring", "flash-ulysses"])
 def test_kernel_matches_dense_mask(kernel):
     torch.manual_seed(0)
     n, hq, hk, d = len(POSITIONS), 4, 2, 8
@@ -67,11 +71,15 @@ def test_kernel_matches_dense_mask(kernel):
 
     previous = use_flash_ops(standin.OPS)
     try:
-        out = doc_causal_attention(q, k, v, cu, scale, kernel=kernel, prefixes=prefixes)
+        if kernel.startswith("flash"):  # the strategies' flash path, one rank
+            state = sp_state(kernel="flash", mode=kernel.split("-")[1])
+            out = sp_attention(q, k, v, make_sp_meta(pos, state), scale)
+        else:
+            out = doc_causal_attention(q, k, v, cu, scale, kernel=kernel, prefixes=prefixes)
+        grad_out = torch.randn_like(out)
+        mine = torch.autograd.grad(out, (q, k, v), grad_out)
     finally:
         use_flash_ops(previous)
-    grad_out = torch.randn_like(out)
-    mine = torch.autograd.grad(out, (q, k, v), grad_out)
 
     rep = hq // hk
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))

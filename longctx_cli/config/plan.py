@@ -191,6 +191,13 @@ def objective_text(config: Config) -> str:
     """What the run minimises, and for a preference run where its reference comes from."""
     if config.rl is None:
         return "causal-LM loss (mean over target tokens)"
+    text = _preference_text(config)
+    if config.prefix_sharing:
+        text += "; each pair's prompt once in the row (prefix_sharing)"
+    return text
+
+
+def _preference_text(config: Config) -> str:
     beta = config.preference_beta
     if config.rl == "orpo":
         return (f"orpo, beta {beta:g}: NLL of the chosen sequences (mean over their targets, "

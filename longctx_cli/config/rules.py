@@ -146,22 +146,19 @@ def check_query_position_scaling(config: Config, shape: ModelShape, layout: Layo
 
 
 def check_prefix_sharing(config: Config, shape: ModelShape, layout: Layout) -> None:
-    """Shared pair prompts need kernels that take a second, fully visible key range per
-    branch document: the torch block kernel (torch_flash falls back to it for those rows)
-    under every ring, Ulysses or both; no window or chunk to clip it."""
+    """Shared pair prompts are a second, fully visible key range per branch document, which
+    every strategy and kernel computes (flash-attn's rows on PyTorch's flash op); a window
+    or a chunk would clip it."""
     if not config.prefix_sharing:
         return
     attention = model_attention(shape)
-    why = ("`attention_kernel: flash` (flash-attn's kernels take one causal key range per "
-           "document)" if layout.kernel == "flash" else
-           "the model's sliding-window attention" if attention.window else
+    why = ("the model's sliding-window attention" if attention.window else
            "the model's chunked local attention" if attention.chunked else None)
     if why:
         raise UserError(f"`prefix_sharing: true` cannot run with {why}: a shared prompt is a "
-                        "second key range every answer token sees whole.",
-                        where="prefix_sharing",
-                        fix="set `prefix_sharing: false`, or use attention_kernel torch or "
-                        "torch_flash.")
+                        "key range every answer token sees whole, which a window or a chunk "
+                        "would cut.", where="prefix_sharing",
+                        fix="set `prefix_sharing: false` for this model.")
 
 
 def check_sequence_len(config: Config, layout: Layout) -> None:

@@ -729,8 +729,7 @@ class Config(_Strict):
         "answer a branch after it that attends to the prompt and to itself, not to the chosen "
         "answer (positions go on from the prompt). The same losses and gradients as unshared "
         "pairs, one prompt's worth of compute and memory less per pair. Needs attention in "
-        "every layer, no sliding window, and the torch or torch_flash kernel. See "
-        "docs/preference.md.",
+        "every layer and no sliding window or chunked attention. See docs/preference.md.",
     )
     precompute_ref_log_probs: bool = Field(
         False, description="dpo/ipo with a new adapter: compute the reference log-probabilities "
@@ -909,9 +908,10 @@ class Config(_Strict):
                              "with `rl` pairs longer than sequence_len are dropped and counted "
                              "(`drop`, the default)")
         if self.prefix_sharing and self.rl == "orpo":
-            raise ValueError("`prefix_sharing: true` with `rl: orpo`: ORPO's NLL scores the "
-                             "prompt of each chosen sequence, which sharing would leave out of "
-                             "the rejected one's row; drop one of them")
+            raise ValueError("`prefix_sharing: true` with `rl: orpo`: ORPO tokenizes each "
+                             "answer's prompt on its own (the two may differ in their last "
+                             "token), and sharing is not implemented for that; drop one of "
+                             "them")
         if self.orpo_alpha is not None and self.rl != "orpo":
             raise ValueError(f"`orpo_alpha: {self.orpo_alpha}` weighs ORPO's odds-ratio term; "
                              f"`rl: {self.rl}` does not read it: drop it, or set `rl: orpo`")

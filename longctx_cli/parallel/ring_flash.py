@@ -18,7 +18,7 @@ import torch
 from longctx_cli.kernel_choice import import_ring_flash_module
 
 from .features import AttentionFeatures, as_features
-from .sharding import SPMeta, refuse_prefixes
+from .sharding import SPMeta, on_torch_flash
 from .torch_flash import pad_head_dim
 
 _MODULE = "ring_flash_attn.llama3_flash_attn_varlen"
@@ -102,7 +102,10 @@ def flash_ring_attention(
     Sliding windows are passed to the kernel (``window_size``); softcapping only at sp=1
     (ring-flash-attn 0.1.8's llama3 path has no softcap argument); sinks never.
     """
-    refuse_prefixes(meta, "the flash-attn kernel")
+    if meta.prefixes:  # two key ranges per branch: PyTorch's flash op through our ring
+        from .ring import ring_attention
+
+        return ring_attention(q, k, v, on_torch_flash(meta), features, sinks)
     ctx = meta.ctx
     feats = as_features(features)
     refuse_flash_sinks(sinks)

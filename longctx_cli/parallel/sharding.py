@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
@@ -186,9 +186,15 @@ def refuse_prefixes(meta: SPMeta, what: str) -> None:
     """Stop where a row's shared pair prompts (`prefix_sharing`) would be computed wrongly."""
     if meta.prefixes:
         raise NotImplementedError(
-            f"{what} cannot compute shared pair prompts (`prefix_sharing: true`): its kernels "
-            "take one causal key range per document. Use attention_kernel torch or "
-            "torch_flash, or set `prefix_sharing: false`.")
+            f"{what} cannot compute shared pair prompts (`prefix_sharing: true`). Set "
+            "`prefix_sharing: false` for this model.")
+
+
+def on_torch_flash(meta: SPMeta) -> SPMeta:
+    """`meta` for PyTorch's flash op (`torch_flash`): where a flash-attn kernel cannot take
+    a row (shared pair prompts: two key ranges per branch), the row runs on that op."""
+    layout = replace(meta.ctx.layout, kernel="torch_flash")
+    return replace(meta, ctx=replace(meta.ctx, layout=layout), _derived={})
 
 
 def document_prefixes(position_ids: torch.Tensor, cu_host: tuple[int, ...],

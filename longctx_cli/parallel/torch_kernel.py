@@ -657,9 +657,9 @@ def doc_causal_forward(
     """
     feats = as_features(features)
     if kernel == "torch_flash":
-        # PyTorch's flash op takes one causal key range per query: branches take the blocks.
-        if flash_applies(q, feats, v) and not any(seg.has_prefix for seg in segments):
+        if flash_applies(q, feats, v):
             out, lse = varlen_forward(q, k, v, segments, feats)
+            out, lse = _merge_prefix_blocks(q, k, v, segments, feats, out, lse)
             return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
     whole = _whole_block(segments, q, feats)
     if whole is not None:
@@ -673,6 +673,28 @@ def doc_causal_forward(
     groups = (g for seg in segments for g in _segment_blocks(seg, feats.window))
     _forward_groups(q, k, v, groups, feats, out, lse)
     return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
+
+
+def _merge_prefix_blocks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Sequence[Segment],
+    feats: AttentionFeatures, out: torch.Tensor, lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flash op's results over each segment's own keys, merged with every branch
+    segment's prefix keys (one block with no mask per branch segment, also on the op)."""
+    branches = [seg for seg in segments if seg.has_prefix]
+    if not branches:
+        return out, lse
+    if feats.window is not None:
+        raise ValueError("sliding-window attention with shared pair prompts (`prefix_sharing`) "
+                         "is not supported")
+    out, lse = out.clone(), lse.clone()  # never write into the op's own tensors
+    for seg in branches:
+        rows, keys = slice(seg.q_start, seg.q_end), slice(seg.p_start, seg.p_end)
+        o, lo = block_forward(q[rows], k[keys], v[keys], False, feats)
+        merged, lse[:, rows] = _merge_f32(out[rows].transpose(0, 1).float(), lse[:, rows],
+                                          o.transpose(0, 1).float(), lo)
+        out[rows] = merged.transpose(0, 1).to(out.dtype)
+    return out, lse
 
 
 def _backward_groups(
@@ -721,8 +743,16 @@ def doc_causal_backward(
     """
     feats = as_features(features)
     if kernel == "torch_flash":
-        if flash_applies(q, feats, v) and not any(seg.has_prefix for seg in segments):
-            return varlen_backward(dout, q, k, v, out, lse, segments, feats)
+        if flash_applies(q, feats, v):
+            dq, dk, dv = varlen_backward(dout, q, k, v, out, lse, segments, feats)
+            for seg in (seg for seg in segments if seg.has_prefix):
+                rows, keys = slice(seg.q_start, seg.q_end), slice(seg.p_start, seg.p_end)
+                dq1, dk1, dv1 = block_backward(dout[rows], q[rows], k[keys], v[keys], out[rows],
+                                               lse[:, rows], False, feats)
+                dq[rows] += dq1
+                dk[keys] += dk1
+                dv[keys] += dv1
+            return dq, dk, dv
     if _whole_block(segments, q, feats) == slice(0, k.shape[0]):
         # Every key is read by the one causal block: its gradients are the whole dk, dv.
         dq1, dk1, dv1 = _cpu_bwd(

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .ring_flash import equal_head_dims, flash_window, refuse_flash_sinks
-from .sharding import SPMeta, local_ranges, refuse_prefixes
+from .sharding import SPMeta, local_ranges
 from .torch_kernel import AttentionFeatures, as_features, doc_causal_attention
 
 
@@ -240,14 +240,13 @@ def ulysses_attention(
     feats = as_features(features)
     ex = build_exchange(meta, ctx.sp_group, ctx.layout.sp)
     qh, kh, vh = heads_to_ranks(q, k, v, ex)
-    if ctx.layout.kernel == "flash":
+    if ctx.layout.kernel == "flash" and not meta.prefixes:
         refuse_flash_sinks(sinks)
-        refuse_prefixes(meta, "the flash-attn kernel")
         out = _flash_full_row(qh, kh, vh, meta, feats)
-    else:
+    else:  # flash-attn cannot take shared pair prompts: PyTorch's flash op can
+        kernel = "torch_flash" if ctx.layout.kernel == "flash" else ctx.layout.kernel
         local_sinks = None if sinks is None else sinks[local_head_slice(q.shape[1], ex, meta)]
         out = doc_causal_attention(
-            qh, kh, vh, meta.cu_host, feats, local_sinks, kernel=ctx.layout.kernel,
-            prefixes=meta.prefixes,
+            qh, kh, vh, meta.cu_host, feats, local_sinks, kernel=kernel, prefixes=meta.prefixes,
         )
     return heads_to_seq(out, ex)
