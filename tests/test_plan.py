@@ -603,3 +603,16 @@ def test_overrides_of_model_config_apply_to_a_saved_model(tmp_path):
     assert load_base_model(config, "sdpa").config.attention_dropout == 0.0
     plain = config.model_copy(update={"overrides_of_model_config": None})
     assert read_model_config(plain).config_value("attention_dropout") == 0.1
+
+
+def test_memory_preference_counts_the_shards_logits():
+    """A preference run scores every token of its shard at once (its pair losses need the
+    per-token log-probabilities): its logits term is the unfused one, far above SFT's block."""
+    from longctx_cli.config.memory_estimate import DTYPE_BYTES, LOGITS_FP32_COPIES
+
+    lora = {"adapter": "lora", "lora_target_modules": "all-linear", "dtype": "bfloat16"}
+    pairs = {"rl": "dpo", "datasets": [{"path": "pairs.jsonl", "type": "chatml.intel"}]}
+    sft, dpo = _memory(**lora), _memory(**lora, **pairs)
+    per_token = LLAMA3_8B.vocab_size * (DTYPE_BYTES["bfloat16"] + 4 * LOGITS_FP32_COPIES)
+    assert dpo.logits == 65536 // 8 * per_token
+    assert dpo.logits > 10 * sft.logits

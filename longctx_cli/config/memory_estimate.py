@@ -143,7 +143,12 @@ def _activation_bytes(
 
 def fused_loss(config: Config, shape: ModelShape) -> bool:
     """Whether the trainer's loss will run fused (`train/loss.py:fused_head`: a plain linear
-    head, no autocast, no FSDP2 or TP sharding, no logit transform, no adapter on it)."""
+    head, no autocast, no FSDP2 or TP sharding, no logit transform, no adapter on it). A
+    preference run (`rl`) never does: its per-token log-probabilities feed per-pair losses
+    (`train/preference.py`), so the shard's logits exist at once (a chunk's with
+    `chunked_loss`)."""
+    if config.rl is not None:
+        return False
     targets = config.lora_target_modules
     adapted = [*(targets if isinstance(targets, list) else [targets or ""]),
                *(config.lora_modules_to_save or [])]
