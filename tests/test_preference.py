@@ -61,6 +61,8 @@ LAYOUTS = {  # name -> (world, layout keywords)
     "hybrid": (4, {"sp": 4, "mode": "hybrid", "ulysses_degree": 2}),
     "dp2-x-sp2": (4, {"sp": 2, "layout": "zigzag"}),
     "ring-sp4": (4, {"sp": 4, "layout": "zigzag"}),
+    "tp2": (2, {"tp": 2}),  # TP-sp: each TP rank scores its part of the tokens vocab-parallel
+    "tp2-x-sp2": (4, {"sp": 2, "tp": 2, "mode": "ulysses"}),
 }
 SIMPO_GAMMA = 0.5
 
@@ -221,8 +223,10 @@ def longctx_worker(rank: int, world: int, layout: dict, losses: dict) -> dict:
     import torch.distributed as dist
 
     from longctx_cli.parallel import register_sp_attention, shard_batch
-    from longctx_cli.runtime.model import decoder_and_head
+    from longctx_cli.parallel.tensor_parallel import apply_tensor_parallel
+    from longctx_cli.runtime.model import decoder_and_head, decoder_of
     from longctx_cli.train.preference import PreferenceLoss, chosen_targets, preference_loss_sum
+    from longctx_cli.train.step import sum_gradients
 
     state = sp_state(kernel="torch", **layout)
     out = {}
@@ -233,6 +237,10 @@ def longctx_worker(rank: int, world: int, layout: dict, losses: dict) -> dict:
         if name in SHARED_PROMPT:  # every pair's rejected answer is a branch of its prompt
             assert len(batch.sp_meta.prefixes) == len(PAIRS)
         model = policy_model(register_sp_attention())
+        if state.layout.tp > 1:  # as build_model does: the adapter first, then TP
+            base = model.get_base_model()
+            apply_tensor_parallel(decoder_of(base), base.get_output_embeddings(), state,
+                                  base.config)
         decoder, head = decoder_and_head(model)
         objective = PreferenceLoss(rl, tuple(loss_types), (1.0,) * len(loss_types), BETA,
                                    smoothing, SIMPO_GAMMA)
@@ -243,9 +251,13 @@ def longctx_worker(rank: int, world: int, layout: dict, losses: dict) -> dict:
         result = preference_loss_sum(model, decoder, head, batch, config, state, objective,
                                      nll_weight=nll_weight)
         (result.loss_sum / result.pairs / state.layout.dp).backward()
-        grads = adapter_grads(model)
-        for g in grads.values():
-            dist.all_reduce(g)  # the step's gradient sync (over SP and DP)
+        if state.layout.tp > 1:  # the trainer's sync: TP partial sums, then SP and DP
+            sum_gradients([p for p in model.parameters() if p.requires_grad], state)
+            grads = {n: g.full_tensor() for n, g in adapter_grads(model).items()}
+        else:
+            grads = adapter_grads(model)
+            for g in grads.values():
+                dist.all_reduce(g)  # the step's gradient sync (over SP and DP)
         out[name] = {"loss": result.loss_sum.item() / result.pairs,
                      "grads": {n: g.numpy() for n, g in grads.items()},  # tensors die with us
                      "metrics": {k: v / result.pairs for k, v in result.metric_sums.items()}}
