@@ -309,7 +309,7 @@ def test_tokenization_matches_trl(references):
 
 # The default run keeps one layout of each kind (the step's DP arithmetic is covered by the
 # CLI tests; this row only divides by dp itself).
-SLOW_LAYOUTS = ("ring-contiguous", "ring-sp4", "dp2-x-sp2", "tp2-x-sp2")
+SLOW_LAYOUTS = ("ring-contiguous", "ring-sp4", "dp2-x-sp2", "tp2-x-sp2", "p2p-zigzag")
 
 
 # The dpo loss types differ only in the formula applied to the same summed log-probs: every

@@ -53,20 +53,28 @@ def dpo_config(tmp_path: Path, name: str, data: Path, **overrides) -> Path:
 
 def test_dpo_sp2_trains_as_sp1(tmp_path):
     """The DPO run split over 2 ranks (zigzag) matches the single-process run step by step,
-    and reports TRL's metrics for training and the held-out pairs."""
+    and reports TRL's metrics for training and the held-out pairs; so does the same run with
+    `prefix_sharing` over Ulysses sp 2 (each pair's prompt once, the rejected answer a
+    branch). One pair a row, long enough for every unshared pair: all runs step the same
+    pairs."""
     data = write_pairs(tmp_path / "pairs.jsonl")
-    one = dpo_config(tmp_path, "sp1", data)
-    two = dpo_config(tmp_path, "sp2", data, sequence_parallel_degree=2, sp_sharding="zigzag")
-    train(one, 1)
-    train(two, 2)
-    assert_same_run(tmp_path / "sp2", tmp_path / "sp1", adapter=True, tol=1e-4)
-    records = read_metrics(tmp_path / "sp2")
-    assert all(name in r for r in records for name in METRICS)
-    last = records[-1]
-    assert all(f"eval_{name}" in last for name in METRICS) and "eval_loss" in last
-    assert 0.0 <= last["rewards/accuracies"] <= 1.0
-    # The adapter moves the policy away from the reference (the base): rewards are not zero.
-    assert abs(records[-1]["rewards/margins"]) > 0
+    rows = {"sample_packing": False, "sequence_len": 640}
+    one = dpo_config(tmp_path, "sp1", data, **rows)
+    two = dpo_config(tmp_path, "sp2", data, **rows, sequence_parallel_degree=2,
+                     sp_sharding="zigzag")
+    shared = dpo_config(tmp_path, "shared", data, **rows, prefix_sharing=True,
+                        sequence_parallel_degree=2, sequence_parallel_mode="ulysses")
+    for config, ranks in ((one, 1), (two, 2), (shared, 2)):
+        train(config, ranks)
+    for run in ("sp2", "shared"):
+        assert_same_run(tmp_path / run, tmp_path / "sp1", adapter=True, tol=1e-4)
+        records = read_metrics(tmp_path / run)
+        assert all(name in r for r in records for name in METRICS)
+        last = records[-1]
+        assert all(f"eval_{name}" in last for name in METRICS) and "eval_loss" in last
+        assert 0.0 <= last["rewards/accuracies"] <= 1.0
+        # The adapter moves the policy away from the reference (the base): rewards move.
+        assert abs(last["rewards/margins"]) > 0
     assert (tmp_path / "sp2" / "final" / "adapter_model.safetensors").is_file()
 
 
@@ -119,7 +127,10 @@ def test_precomputed_reference_is_read_on_resume(tmp_path):
     assert_same_run(tmp_path / "resumed", tmp_path / "straight", tol=1e-5)
 
 
-@pytest.mark.parametrize("sp, world", [(1, 2), pytest.param(2, 4, marks=pytest.mark.slow)])
+# Default runs check TP-sp's loss against TRL (tests/test_preference.py, tp2) and its
+# training with orpo (test_orpo_tensor_parallel); these add dpo's adapter-off reference.
+@pytest.mark.slow
+@pytest.mark.parametrize("sp, world", [(1, 2), (2, 4)])
 def test_dpo_tensor_parallel(tmp_path, sp, world):
     """TP-sp: each TP rank scores its part of the SP shard vocab-parallel; tp 2 (x sp 2, the
     adapter-off reference included) equals the single-process run."""
@@ -143,23 +154,6 @@ def test_dpo_fsdp_qlora(tmp_path):
     train(one, 1)
     train(two, 2)
     assert_same_run(tmp_path / "fsdp", tmp_path / "sp1", adapter=True, tol=1e-4)
-
-
-def test_prefix_sharing_trains_as_unshared(tmp_path):
-    """prefix_sharing over Ulysses sp 2 (each pair's prompt once, the rejected answer a
-    branch) equals the unshared single-process run step by step: losses, TRL's metrics,
-    held-out pairs and the final adapter. One pair a row, so both runs step the same pairs."""
-    data = write_pairs(tmp_path / "pairs.jsonl", seed=8)
-    # Long enough for every unshared pair: both runs keep the same pairs.
-    rows = {"sample_packing": False, "sequence_len": 640}
-    one = dpo_config(tmp_path, "sp1", data, **rows)
-    shared = dpo_config(tmp_path, "shared", data, **rows, prefix_sharing=True,
-                        sequence_parallel_degree=2, sequence_parallel_mode="ulysses")
-    train(one, 1)
-    train(shared, 2)
-    assert_same_run(tmp_path / "shared", tmp_path / "sp1", adapter=True, tol=1e-4)
-    last = read_metrics(tmp_path / "shared")[-1]
-    assert all(f"eval_{name}" in last for name in METRICS)
 
 
 def test_orpo_tensor_parallel(tmp_path):
