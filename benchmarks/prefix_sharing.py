@@ -1,17 +1,17 @@
 """What `prefix_sharing` saves on long-prompt preference pairs: time per step and memory.
 
-    python benchmarks/prefix_sharing.py                      # about 6 minutes on 2 cores
+    python benchmarks/prefix_sharing.py                      # about 10 minutes on 2 cores
     python benchmarks/prefix_sharing.py --prompt-tokens 12000 --runs 3
 
 The same DPO run (LoRA, the reference being the base with the adapter off) through `longctx
-train` at sp 2 (the default ring: on CPU the P2P stripe ring), once with every pair's prompt in both of its sequences and
-once with `prefix_sharing: true` (the prompt once, the rejected answer a branch after it):
-a Llama from config (hidden 256, 4 layers, 8 heads, vocabulary 32,000), float32, one pair a
-step, pairs whose prompt is `--prompt-tokens` bytes and whose answers are about 60. The runs
-alternate; a run's time per step is the median of its steps after the first, and the table
-shows the min / median / max of those over runs, with each rank process's peak resident set
-(VmHWM). Both must train the same pairs to the same losses (checked at every step), which
-is what makes the saving a saving.
+train` at sp 2 (the default ring: on CPU the P2P stripe ring), once with every pair's prompt
+in both of its sequences and once with `prefix_sharing: true` (the prompt once, the rejected
+answer a branch after it): a Llama from config (hidden 256, 4 layers, 8 heads, vocabulary
+32,000), float32, one pair a step, pairs whose prompt is `--prompt-tokens` bytes and whose
+answers are about 60. The runs alternate; a run's time per step is the median of its steps
+after the first, and the table shows the min / median / max of those over runs, with each
+rank process's peak resident set (VmHWM). Both must train the same pairs to the same losses
+(checked at every step), which is what makes the saving a saving.
 """
 
 from __future__ import annotations

@@ -24,16 +24,17 @@ JSON (benchmarks/results/startup-floor-<date>.json) say on which machine.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.context_extension import save_record  # noqa: E402
+from benchmarks.peers import one_thread_env  # noqa: E402
 
 # What each measured process imports, cumulatively (each step includes the ones before).
 STAGES = {
@@ -60,12 +61,6 @@ print(f"SECONDS {{time.time() - _origin:.4f}}")
 """
 
 
-def one_thread_env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
 def start(imports: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", PROBE.format(imports=imports)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -89,9 +84,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--ranks", type=int, default=2, help="processes started at once")
-    p.add_argument("--out", type=Path,
-                   default=ROOT / "benchmarks" / "results"
-                   / f"startup-floor-{time.strftime('%Y-%m-%d')}.json")
     args = p.parse_args()
 
     alone: dict[str, list[float]] = {name: [] for name in STAGES}
@@ -108,16 +100,9 @@ def main() -> None:
     print(f"{'imports, from process creation':<{width}}  s (min / median / max)")
     for name, row in rows.items():
         print(f"{name:<{width}}  {row['min']:.2f} / {row['median']:.2f} / {row['max']:.2f}")
-    record = {
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                   f"Python {platform.python_version()}",
-        "ranks": args.ranks, "rows": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    save_record("startup-floor", {
+        "command": " ".join(["benchmarks/startup_floor.py", *sys.argv[1:]]),
+        "python": platform.python_version(), "ranks": args.ranks, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -202,8 +202,8 @@ def document_prefixes(position_ids: torch.Tensor, cu_host: tuple[int, ...],
     """The branches of a row: a document whose positions start at `s > 0` continues the first
     `s` tokens of the last document that started at 0 (its prefix, which it sees whole)."""
     out, root = [], 0
-    for start, end in zip(cu_host[:-1], cu_host[1:], strict=True):
-        first = int(position_ids[start])
+    firsts = position_ids[list(cu_host[:-1])].tolist()  # one read for the whole row
+    for start, end, first in zip(cu_host[:-1], cu_host[1:], firsts, strict=True):
         if first == 0:
             root = start
             continue
@@ -244,7 +244,6 @@ def shard_batch(
     if not input_ids.numel() == position_ids.numel() == labels.numel():
         raise ValueError("input_ids, position_ids and labels must have the same length")
     length = input_ids.numel()
-    num_documents = len(document_cu_seqlens(position_ids)) - 1 if length else 0
     multiple = ctx.layout.row_multiple
     extra = -length % multiple
     input_ids = _pad(input_ids, extra, pad_token_id)
@@ -257,6 +256,8 @@ def shard_batch(
     total = input_ids.numel()
     ranges = local_ranges(total, ctx)
     cu_host = tuple(cu_seqlens.tolist())  # the row is still on the host here
+    # Documents before padding (the padding tail is one more).
+    num_documents = len(cu_host) - 1 - (extra > 0) if length else 0
     prefixes = document_prefixes(position_ids, cu_host)
     meta = SPMeta(
         ctx=ctx,
