@@ -312,10 +312,10 @@ def test_hybrid_families_train_exactly_at_sp4() -> None:
 def _generate_worker(rank: int, world: int) -> tuple[list[int], list[int]]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from longctx_cli.eval.generate import greedy_tokens
     from longctx_cli.parallel.attention import register_sp_attention
     from longctx_cli.parallel.token_mixing import attach_token_mixing
     from longctx_cli.runtime.model import decoder_and_head
+    from longctx_cli.runtime.sampling import greedy_tokens
 
     family = next(f for f in fm.FAMILIES if f.name == "qwen3_next")
     cfg = AutoConfig.for_model("qwen3_next", **{**fm.BASE, **family.fields})

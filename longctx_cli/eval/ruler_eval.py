@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from longctx_cli.data.ruler import TASKS, make_sample, min_length, ruler_average, score
 from longctx_cli.errors import UserError
-from longctx_cli.eval.generate import greedy_tokens
+from longctx_cli.runtime.sampling import greedy_tokens
 
 if TYPE_CHECKING:
     from torch import nn

@@ -223,10 +223,10 @@ def longctx_attention_forward(
     meta = kwargs.get("sp_meta")
     if isinstance(meta, DecodeMeta):  # one new token after an SP prefill (KV cache kept)
         feats, sinks = attention_features(module, scaling, kwargs)
-        out = decode_attention(query[0, :, -1], key[0].transpose(0, 1), value[0].transpose(0, 1),
-                               meta, feats, sinks)
+        out = decode_attention(query[:, :, -1], key.transpose(1, 2), value.transpose(1, 2),
+                               meta, feats, sinks, getattr(module, "layer_idx", None))
         meta.attention_calls += 1
-        return out[None, None], None
+        return out[:, None], None
     if not isinstance(meta, SPMeta):
         raise RuntimeError(
             f"attn_implementation={ATTN_IMPLEMENTATION!r} needs the batch's SP metadata: call the "
