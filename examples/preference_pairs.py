@@ -6,7 +6,7 @@ the rejected one is the same word in the other case. To prefer the chosen answer
 must carry one fact from the start of a long prompt to its end, so held-out reward accuracy
 is at chance (about 50%) until it does. Records are Axolotl's `chatml.intel` shape.
 
-    python examples/preference_pairs.py data/preference_pairs.jsonl
+    python examples/preference_pairs.py examples/data/preference_pairs.jsonl
 """
 
 from __future__ import annotations
