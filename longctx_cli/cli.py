@@ -21,14 +21,37 @@ from longctx_cli.errors import UserError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+class _FlagsWithoutValues:
+    """Show a flag (`--overwrite`, `--help`) bare in help tables: Typer's rich help prints
+    a `<bool>` beside it, as though it took a value."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        params = super().get_params(ctx)  # type: ignore[misc]
+        for param in params:
+            if getattr(param, "is_flag", False):
+                param.metavar = ""  # an empty metavar is what the help table prints
+        return params
+
+
+class _Group(_FlagsWithoutValues, typer.core.TyperGroup):
+    pass
+
+
+class _Command(_FlagsWithoutValues, typer.core.TyperCommand):
+    pass
+
+
 app = typer.Typer(
     name="longctx",
+    cls=_Group,
     help="Fine-tune Hugging Face causal LMs on very long sequences with sequence "
     "parallelism, from one YAML config.\n\n"
     "Start with [bold]validate[/] to see the resolved plan and memory estimate, then "
     "[bold]preprocess[/], [bold]train[/] and [bold]eval[/].",
+    # Nothing under docs/ ships in the wheel: point at what an installed longctx has.
     epilog="Example: [bold]longctx validate examples/tiny_passkey.yaml --nproc-per-node 2[/]  "
-    "Config keys: docs/config.md. Commands: docs/cli.md.",
+    "Each command: [bold]longctx COMMAND --help[/]. Every config key: "
+    "[bold]python -m longctx_cli.config.docs[/].",
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
     no_args_is_help=True,
@@ -40,7 +63,7 @@ ConfigArg = Annotated[
     Path,
     typer.Argument(
         metavar="CONFIG",
-        help="YAML config file (see examples/ and docs/config.md).",
+        help="YAML config file (its keys: `python -m longctx_cli.config.docs`).",
         show_default=False,
     ),
 ]
@@ -54,13 +77,28 @@ NprocOpt = Annotated[
         show_default=False,
     ),
 ]
+# eval and generate start one SP group of the training run's size when nothing else says
+# how many ranks (preflight.forward_only_plan).
+ForwardNprocOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--nproc-per-node",
+        min=1,
+        help="Ranks (processes) per node. Default: torchrun's WORLD_SIZE, else `world_size` "
+        "in the config, else its `sequence_parallel_degree`.",
+        show_default=False,
+    ),
+]
 # Any top-level config key can follow the config file as `--key value` (Axolotl's way):
 # Click leaves unknown options in ctx.args, and load_config validates them like the file.
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
-OVERRIDES_HELP = (
-    "\n\nAny top-level config key can be overridden after CONFIG, e.g. "
-    "[bold]--learning-rate 2e-5 --micro-batch-size 2[/] (dashes or underscores)."
-)
+
+
+def overrides_help(example: str) -> str:
+    """The help paragraph on config overrides, with an example that suits the command."""
+    return ("\n\nAny top-level config key can be overridden after CONFIG, e.g. "
+            f"[bold]{example}[/] (dashes or underscores).")
+
 
 NnodesOpt = Annotated[
     int | None,
@@ -116,10 +154,16 @@ def _root(
 
 
 @app.command(
+    cls=_Command,
     help="Check a config against the world size and the model, and print the resolved plan."
-    "\n\nThe plan shows the data x sequence parallel layout, tokens per rank, the attention "
-    "kernel and a rough per-rank memory estimate. Only the model's config is read (a few "
-    "well-known models work offline)." + OVERRIDES_HELP,
+    "\n\nThe plan shows the data x sequence parallel layout, the ring and why, tokens per "
+    "rank, the attention kernel and a rough per-rank memory estimate. Nothing is trained and "
+    "no weights are downloaded: the model's config is read (a few well-known models work "
+    "offline from a built-in table), local data files must exist and hold records, "
+    "output_dir must be writable and LoRA targets must exist in the model. Then the fidelity "
+    "probe compares the loss and gradients of a tiny random model of the same family under "
+    "longctx with the model's own forward (seconds)."
+    + overrides_help("--sequence-len 131072 --sequence-parallel-degree 8"),
     context_settings=OVERRIDES,
     epilog="Examples:\n\n"
     "  longctx validate examples/tiny_passkey.yaml --nproc-per-node 2\n\n"
@@ -198,10 +242,11 @@ def _fidelity(cfg: Any, shape: Any, console: Console) -> str:
 
 
 @app.command(
+    cls=_Command,
     help="Tokenize and pack the datasets once, and cache them for `train`.\n\n"
     "The cache goes to `dataset_prepared_path` (default `<output_dir>/prepared`) and is "
     "reused by `train` while the data, tokenizer and packing options are unchanged."
-    + OVERRIDES_HELP,
+    + overrides_help("--sequence-len 8192 --dataset-prepared-path /scratch/prepared"),
     context_settings=OVERRIDES,
     epilog="Examples:\n\n"
     "  longctx preprocess examples/tiny_passkey.yaml\n\n"
@@ -227,11 +272,12 @@ def preprocess(
 
 
 @app.command(
+    cls=_Command,
     help="Train with torchrun: one process per rank, Hugging Face checkpoints in output_dir."
     "\n\nWrites output_dir/metrics.jsonl (one line per optimizer step), resumable "
     "output_dir/checkpoint-<step>/ folders and the final model in output_dir/final/. For "
     "several nodes, run the same command on every node with its own --node-rank."
-    + OVERRIDES_HELP,
+    + overrides_help("--learning-rate 2e-5 --max-steps 100"),
     context_settings=OVERRIDES,
     epilog="Examples:\n\n"
     "  longctx train examples/tiny_passkey.yaml --nproc-per-node 2\n\n"
@@ -283,10 +329,11 @@ def train(
 
 @app.command(
     name="eval",
+    cls=_Command,
     help="Long-context evaluation: passkey retrieval grid and loss by position.\n\n"
     "Optionally evaluates a second checkpoint (--compare) the same way, side by side. The "
     "SP degree is the machine's: by default one SP group over the ranks started (the "
-    "scores do not depend on it)." + OVERRIDES_HELP,
+    "scores do not depend on it)." + overrides_help("--eval-samples-per-cell 20"),
     context_settings=OVERRIDES,
     epilog="Examples:\n\n"
     "  longctx eval examples/tiny_passkey.yaml --checkpoint outputs/tiny_passkey/final\n\n"
@@ -305,7 +352,7 @@ def eval_(
         typer.Option("--compare", help="A second checkpoint to evaluate side by side.",
                      show_default=False),
     ] = None,
-    nproc_per_node: NprocOpt = None,
+    nproc_per_node: ForwardNprocOpt = None,
 ) -> None:
     """Hand over to the evaluator; its return value is the exit status."""
     from longctx_cli.eval.run import run_eval
@@ -322,10 +369,11 @@ def eval_(
 
 
 @app.command(
+    cls=_Command,
     help="Greedy continuation of a prompt, computed sequence-parallel (exact for any number "
     "of ranks).\n\nThe continuation alone goes to stdout; the prompt's length and progress "
     "to stderr. The SP degree is the machine's: by default one SP group over the ranks "
-    "started, whatever the run trained with." + OVERRIDES_HELP,
+    "started, whatever the run trained with." + overrides_help("--sequence-len 32768"),
     context_settings=OVERRIDES,
     epilog="Examples:\n\n"
     "  longctx generate my.yaml --checkpoint outputs/run/final --prompt-file prompt.txt\n\n"
@@ -349,7 +397,7 @@ def generate(
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", min=1, help="Most tokens to generate.")
     ] = 64,
-    nproc_per_node: NprocOpt = None,
+    nproc_per_node: ForwardNprocOpt = None,
 ) -> None:
     """Hand over to the generator; its return value is the exit status."""
     from longctx_cli.eval.generate import run_generate
@@ -360,8 +408,9 @@ def generate(
 
 @app.command(
     name="merge-lora",
+    cls=_Command,
     help="Merge a LoRA/QLoRA adapter into its base: a plain Hugging Face model folder."
-    + OVERRIDES_HELP,
+    + overrides_help("--dtype float16"),
     context_settings=OVERRIDES,
     epilog="Example:\n\n"
     "  longctx merge-lora my.yaml --checkpoint outputs/run/final --output outputs/run/merged",

@@ -108,6 +108,47 @@ def test_help_reads_well(command):
     assert "Example" in out
 
 
+COMMANDS = ["validate", "preprocess", "train", "eval", "generate", "merge-lora"]
+
+
+def help_text(*command: str) -> str:
+    result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return flat(result.output)
+
+
+@pytest.mark.parametrize("command", [[], *[[c] for c in COMMANDS]])
+def test_flags_show_no_value(command):
+    """`--overwrite`, `--force`, `--version` and `--help` take no value: no `<bool>`."""
+    assert "<bool>" not in help_text(*command)
+
+
+def test_each_command_has_its_own_override_example():
+    examples = {c: help_text(c).split("overridden after CONFIG, e.g. ")[1].split(" (dashes")[0]
+                for c in COMMANDS}
+    assert len(set(examples.values())) == len(COMMANDS), examples
+
+
+@pytest.mark.parametrize(("command", "fallback"), [
+    ("validate", "else 1."), ("train", "else 1."),
+    ("eval", "else its `sequence_parallel_degree`."),
+    ("generate", "else its `sequence_parallel_degree`."),
+])
+def test_nproc_per_node_help_names_the_real_fallback(command, fallback):
+    text = help_text(command)
+    assert "Default: torchrun's WORLD_SIZE, else `world_size` in the config, " + fallback in text
+
+
+def test_help_points_at_what_an_installed_longctx_has():
+    """A wheel has no docs/ folder: the help names commands that exist after `pip install`."""
+    for command in [[], *[[c] for c in COMMANDS]]:
+        assert "docs/" not in help_text(*command)
+    assert "python -m longctx_cli.config.docs" in help_text()
+    validate = help_text("validate")
+    assert "data files" in validate and "fidelity probe" in validate
+    assert "Only the model's config is read" not in validate
+
+
 def test_no_arguments_shows_help():
     result = runner.invoke(app, [])
     assert "validate" in result.output and "train" in result.output
