@@ -21,6 +21,7 @@ from longctx_cli.errors import UserError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+
 class _FlagsWithoutValues:
     """Show a flag (`--overwrite`, `--help`) bare in help tables: Typer's rich help prints
     a `<bool>` beside it, as though it took a value."""

@@ -92,11 +92,47 @@ def default_ring(
     stripe) and tensor parallelism."""
     if ring_attn_func is not None:
         return ring_attn_func, ring_sharding(ring_attn_func, sharding)
-    stripe_fits = (mode == "ring" and tp == 1 and not heads_k_stride_given
-                   and kernel != "flash")
+    stripe_fits = not stripe_blockers(mode, tp, heads_k_stride_given, kernel)
     if sharding == "stripe" or (sharding is None and stripe_fits):
         return "batch_stripe", "stripe"
     return "varlen_llama3", ring_sharding("varlen_llama3", sharding)
+
+
+def stripe_blockers(mode: str, tp: int, heads_k_stride_given: bool = False,
+                    kernel: str = "auto") -> list[str]:
+    """Why a config naming no ring runs ``varlen_llama3`` instead of the balanced
+    ``batch_stripe`` (empty: it runs ``batch_stripe``); the reasons ``default_ring`` applies,
+    worded for the plan."""
+    blockers = []
+    if mode != "ring":
+        blockers.append(f"`sequence_parallel_mode: {mode}`: a Ulysses group's tokens are not "
+                        "one stripe of the ring")
+    if tp > 1:
+        blockers.append(f"`tensor_parallel_size: {tp}`: the stripe does not run with tensor "
+                        "parallelism")
+    if heads_k_stride_given:
+        # Axolotl configs often carry `heads_k_stride: 1`, its default: written, it still asks
+        # for the ring that reads it, as it does in Axolotl.
+        blockers.append("`heads_k_stride` is given (even at its default 1): only this ring "
+                        "reads it; leave it out for batch_stripe")
+    if kernel == "flash":
+        blockers.append("`attention_kernel: flash`: ring-flash-attn takes packed rows only "
+                        "in its llama3 function")
+    return blockers
+
+
+def ring_reason(
+    mode: str, tp: int, named_by_config: bool, heads_k_stride_given: bool = False,
+    kernel: str = "auto",
+) -> str:
+    """Why the run's ring is the one it is, for the plan: the config names it (through
+    ``ring_attn_func`` or the ``sp_sharding`` it runs on), or :func:`default_ring` chose it."""
+    if named_by_config:
+        return "named by the config's `ring_attn_func` / `sp_sharding`"
+    blockers = stripe_blockers(mode, tp, heads_k_stride_given, kernel)
+    if not blockers:
+        return "the default (ring_attn_func unset): the balanced ring"
+    return "ring_attn_func unset, not batch_stripe: " + "; ".join(blockers)
 
 
 def ulysses_degree_for(mode: str, sp: int, given: int | None) -> int:

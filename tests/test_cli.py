@@ -108,6 +108,45 @@ def test_help_reads_well(command):
     assert "Example" in out
 
 
+def ring_row(tmp_path: Path, drop: tuple[str, ...] = (), **overrides) -> str:
+    """The plan's ring and why, for the CPU example with `drop` keys left out."""
+    data = yaml.safe_load(TINY.read_text())
+    for key in drop:
+        data.pop(key)
+    data.update(overrides)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    result = runner.invoke(app, ["validate", str(path), "--fidelity-probe", "false",
+                                 "--output-dir", str(tmp_path / "out")],
+                           env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    rows = {flat(line.split("│")[1]): flat(line.split("│")[2])
+            for line in result.output.splitlines() if line.count("│") == 3}
+    return f"{rows['ring_attn_func']} ({rows['why this ring']})"
+
+
+UNNAMED = ("sp_sharding", "heads_k_stride")  # the CPU example names both
+
+
+@pytest.mark.parametrize(("drop", "overrides", "row"), [
+    (UNNAMED, {}, "batch_stripe (the default (ring_attn_func unset): the balanced ring)"),
+    # Axolotl's default value, written: still the ring that reads it, and the plan says why.
+    (("sp_sharding",), {"heads_k_stride": 1},
+     "varlen_llama3 (ring_attn_func unset, not batch_stripe: `heads_k_stride` is given (even "
+     "at its default 1): only this ring reads it; leave it out for batch_stripe)"),
+    (UNNAMED, {"sequence_parallel_degree": 4, "sequence_parallel_mode": "hybrid",
+               "ulysses_degree": 2, "world_size": 4},
+     "varlen_llama3 (ring_attn_func unset, not batch_stripe: `sequence_parallel_mode: "
+     "hybrid`: a Ulysses group's tokens are not one stripe of the ring)"),
+    (("heads_k_stride",), {}, "varlen_llama3 (named by the config's `ring_attn_func` / "
+                              "`sp_sharding`)"),
+    (UNNAMED, {"ring_attn_func": "batch_zigzag"},
+     "batch_zigzag (named by the config's `ring_attn_func` / `sp_sharding`)"),
+])
+def test_plan_says_why_the_ring_is_what_it_is(tmp_path, drop, overrides, row):
+    assert ring_row(tmp_path, drop, **overrides) == row
+
+
 COMMANDS = ["validate", "preprocess", "train", "eval", "generate", "merge-lora"]
 
 

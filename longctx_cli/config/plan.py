@@ -36,7 +36,7 @@ from longctx_cli.config.rules import (
 )
 from longctx_cli.config.schema import Config
 from longctx_cli.config.world import Platform, resolve_world
-from longctx_cli.layout import Layout
+from longctx_cli.layout import Layout, ring_reason
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -71,6 +71,7 @@ class Plan:
     assumed: tuple[str, ...] = field(default_factory=tuple)  # what validate assumed
     # Attention buffers per rank had each ring algorithm been chosen (ring > 1 only).
     attention_buffers_by_ring: tuple[tuple[str, int], ...] = ()
+    ring_reason: str = ""  # why that ring (printed next to it): a config key or the default
 
     def to_table(self) -> Table:
         """The plan as a rich Table (what `longctx validate` prints)."""
@@ -115,6 +116,7 @@ class Plan:
                 *tp_rules.layout_rows(lay.dp, lay.sp, lay.tp,
                                       self.tokens_per_rank_per_forward),
                 ("ring_attn_func", lay.ring_attn_func if lay.ring > 1 else "-"),
+                *([("why this ring", self.ring_reason)] if lay.ring > 1 else []),
                 ("heads_k_stride", str(lay.heads_k_stride)
                  if lay.ring > 1 and lay.ring_attn_func == "varlen_llama3" else "-"),
                 ("sharding", lay.sharding if lay.sp > 1 else "none (sp = 1)"),
@@ -351,6 +353,10 @@ def build_plan(
         axolotl=tuple(config.axolotl_notes),
         assumed=tuple(assumed),
         attention_buffers_by_ring=_buffers_by_ring(config, shape, layout),
+        ring_reason=ring_reason(config.sequence_parallel_mode, config.tensor_parallel_size,
+                                config.ring_attn_func is not None,
+                                "heads_k_stride" in config.model_fields_set,
+                                config.attention_kernel),
     )
 
 

@@ -479,8 +479,9 @@ class Config(_Strict):
     )
     sequence_parallel_mode: Mode = Field(
         "ring",
-        description="ring: llama3-style all-gather of K,V; ulysses: all-to-all over heads; "
-        "hybrid: ulysses inside groups of `ulysses_degree`, ring across them.",
+        description="ring: every rank keeps its queries and sees the others' K,V through the "
+        "ring algorithm `ring_attn_func` (unset: batch_stripe); ulysses: all-to-all over "
+        "heads; hybrid: ulysses inside groups of `ulysses_degree`, ring across them.",
     )
     ulysses_degree: int | None = Field(
         None,
@@ -490,8 +491,10 @@ class Config(_Strict):
     heads_k_stride: int = Field(
         1,
         ge=1,
-        description="ring: KV heads gathered per communication step; must divide the model's "
-        "`num_key_value_heads`. Larger = fewer, bigger messages and more memory.",
+        description="varlen_llama3 ring: KV heads gathered per communication step; must "
+        "divide the model's `num_key_value_heads`. Larger = fewer, bigger messages and more "
+        "memory. Written (even at its default 1) while `ring_attn_func` is unset, it picks "
+        "varlen_llama3 over batch_stripe, as in Axolotl; validate's plan says why.",
     )
     ring_attn_func: (
         RingAttnFunc | None
@@ -501,13 +504,15 @@ class Config(_Strict):
         "chunks); batch_ring / batch_zigzag / batch_stripe: pass K/V blocks rank to rank "
         "(two blocks per rank, not the whole sequence) on a contiguous / zigzag / stripe "
         "layout, which sets `sp_sharding`. Unset: batch_stripe (the balanced layout) for "
-        "`sequence_parallel_mode: ring` without TP, `sp_sharding`, `heads_k_stride` or "
-        "`attention_kernel: flash`; varlen_llama3 otherwise.",
+        "`sequence_parallel_mode: ring` without TP, `sp_sharding`, `heads_k_stride` (even "
+        "at 1) or `attention_kernel: flash`; varlen_llama3 otherwise.",
     )
     sp_sharding: Sharding | None = Field(
         None,
         description="How a row is split across the SP group (unset: the layout "
-        "`ring_attn_func` names; contiguous for varlen_llama3). zigzag and stripe (token i on "
+        "`ring_attn_func` names: stripe for the default batch_stripe, contiguous for "
+        "varlen_llama3). contiguous or zigzag with `ring_attn_func` unset picks varlen_llama3. "
+        "zigzag and stripe (token i on "
         "rank i % sp, batch_stripe only) balance causal work (torch and torch_flash kernels; "
         "flash with the P2P rings); contiguous is what the flash kernel's llama3 ring expects.",
     )
