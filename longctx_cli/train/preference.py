@@ -194,6 +194,15 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
+def sum_over_row(local: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """Per-document sums of this rank's tokens -> the whole row's, on every rank of the
+    SP x TP group (each holds other tokens of the row); gradients pass through unchanged."""
+    for size, group in ((state.layout.tp, state.tp_group), (state.layout.sp, state.sp_group)):
+        if size > 1:
+            local = _SumOverGroup.apply(local, group)
+    return local
+
+
 def _token_logps(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
                  ) -> torch.Tensor:
     """log p(label) per token, 0 where the label is -100."""
@@ -249,10 +258,8 @@ def sequence_logps(head: torch.nn.Module, hidden: torch.Tensor, batch: ShardedBa
     per_doc = [token_logps * answer, answer.detach()]
     if batch.next_tokens is not None:
         per_doc.append(token_logps)
-    both = torch.stack([token_logps.new_zeros(docs).index_add(0, ids, v) for v in per_doc])
-    for size, group in ((state.layout.tp, state.tp_group), (state.layout.sp, state.sp_group)):
-        if size > 1:  # each rank of the SP x TP group holds other tokens of the row
-            both = _SumOverGroup.apply(both, group)
+    both = sum_over_row(torch.stack([token_logps.new_zeros(docs).index_add(0, ids, v)
+                                     for v in per_doc]), state)
     sums, counts = both[0], both[1].detach()
     pairs = batch.num_documents // 2
     chosen, rejected = slice(0, 2 * pairs, 2), slice(1, 2 * pairs, 2)

@@ -1,0 +1,264 @@
+"""GRPO-family losses on rollout rows sharded over an SP group (TRL's `GRPOTrainer`).
+
+A rollout row holds whole prompt groups: each prompt once, its first completion after it,
+every other completion a branch document that sees the prompt and itself (the row layout of
+`prefix_sharing`, with `num_generations` branches instead of one; `rollout.group_row`). Every
+document is one completion, its targets the completion's tokens.
+
+Each rank scores the targets of its own shard through the head in blocks, with the logits
+divided by the sampling temperature (as TRL scores them): the log-probability of each target
+and the entropy of its distribution; no rank ever holds the row's `[tokens, vocab]` logits.
+The per-token terms of TRL's `_compute_loss` (importance ratio against the rollout's log-
+probabilities, clipping, k3 KL to the reference) are computed on the rank's own tokens and
+summed per completion; summing those over the SP (and TP) group with the gradient passed
+through (`preference.sum_over_row`) gives every rank the completions' sums, from which it
+computes the same loss; the backward of each rank then reaches only its own tokens, and the
+step's gradient sync adds the shares up to the single-device gradient. Sequence-level
+importance sampling (GSPO) sums the log-ratios per completion the same way first.
+
+Loss aggregation is TRL's for one optimizer step of `M` micro-batches of `B` completions each
+(a micro-batch is TRL's `per_device_train_batch_size`, one process's share; its processes
+are longctx's DP ranks): `grpo`/`sapo` average each completion's token mean, `bnpo` the
+micro-batch's token mean, `dr_grpo` divides by `B * max_completion_length`, `luspo` averages
+the completions' sums, each then averaged over the `M` micro-batches; `dapo`/`cispo` divide by
+the step's completion tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from longctx_cli.constants import IGNORE_INDEX
+from longctx_cli.parallel.mesh import ParallelState
+from longctx_cli.parallel.sharding import ShardedBatch
+from longctx_cli.train.preference import local_document_ids, sum_over_row
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+# Ratio-clipped losses (TRL logs their clip ratios).
+_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+_MEAN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                 "clip_ratio/region_mean", "cispo_clip_ratio")
+
+
+@dataclass(frozen=True)
+class GrpoLoss:
+    """TRL's GRPO loss settings (the `trl:` keys of a `rl: grpo` run)."""
+
+    loss_type: str = "dapo"
+    beta: float = 0.0
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float | None = None
+    importance_sampling_level: str = "token"
+    temperature: float = 1.0
+    max_completion_length: int = 512
+    use_bias_correction_kl: bool = True
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+
+    def completion_weights(self, tokens: torch.Tensor, micro_batches: int,
+                           step_tokens: float) -> torch.Tensor:
+        """The weight of each completion's summed token losses in the step's loss:
+        `tokens` `[completions]` counts each completion's scored tokens (one micro-batch);
+        `micro_batches` and `step_tokens`: the step's (every DP rank's) micro-batches and
+        scored tokens."""
+        count = tokens.numel()
+        if self.loss_type in ("grpo", "sapo"):
+            return 1.0 / (micro_batches * count * tokens.clamp(min=1.0))
+        if self.loss_type == "bnpo":
+            return torch.full_like(tokens, 1.0 / (micro_batches * max(float(tokens.sum()), 1.0)))
+        if self.loss_type == "dr_grpo":
+            return torch.full_like(tokens, 1.0 / (micro_batches * count
+                                                  * self.max_completion_length))
+        if self.loss_type == "luspo":
+            return torch.full_like(tokens, 1.0 / (micro_batches * count))
+        return torch.full_like(tokens, 1.0 / max(step_tokens, 1.0))  # dapo, cispo
+
+    def policy_terms(self, coef: torch.Tensor, advantages: torch.Tensor,
+                     logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the policy loss of each token, or of each sequence, the ratio after `delta`):
+        `coef` the importance ratio, `advantages` alike in shape, `logps` the scored
+        log-probabilities (cispo multiplies them; a sequence-level cispo passes their sums)."""
+        if self.loss_type == "cispo":
+            clamped = coef.clamp(max=self.epsilon_high).detach()
+            return -clamped * advantages * logps, coef
+        if self.loss_type == "sapo":
+            temps = torch.where(advantages > 0, self.sapo_temperature_pos,
+                                self.sapo_temperature_neg)
+            return -torch.sigmoid(temps * (coef - 1)) * 4 / temps * advantages, coef
+        clipped = coef.clamp(1 - self.epsilon_low, 1 + self.epsilon_high)
+        if self.delta is not None:
+            coef = coef.clamp(max=self.delta)
+        return -torch.min(coef * advantages, clipped * advantages), coef
+
+
+@dataclass
+class RolloutBatch:
+    """One micro-batch of rollouts: the sharded row and what each completion carries."""
+
+    batch: ShardedBatch
+    advantages: torch.Tensor  # [documents] float32 (0 on the padding tail)
+    tokens: torch.Tensor  # [documents] scored tokens of each completion (after masking)
+    completions: int  # B: the completions in the row
+    old_logps: torch.Tensor | None = None  # this rank's scored tokens, rollout-time policy
+    ref_logps: torch.Tensor | None = None  # this rank's scored tokens, reference model
+
+
+@dataclass
+class GrpoResult:
+    loss: torch.Tensor  # this micro-batch's share of the step loss (alike on the SP group)
+    metric_sums: dict[str, tuple[float, float]]  # name -> (numerator, denominator)
+    extremes: dict[str, float]  # clip_ratio/low_min and /high_max over the completions
+
+
+class _ScaledHead(torch.nn.Module):
+    """The model's head with its logits divided by the sampling temperature (TRL's scoring)."""
+
+    def __init__(self, head: torch.nn.Module, temperature: float):
+        super().__init__()
+        self.head, self.temperature = head, temperature
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden) / self.temperature
+
+
+def _scored_block(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(target), entropy) of each token of a block; the entropy without gradient."""
+    logits = head(hidden).float()
+    lse = logits.logsumexp(-1)
+    logps = logits.gather(1, targets.clamp(min=0)[:, None])[:, 0] - lse
+    with torch.no_grad():
+        entropy = lse - (torch.softmax(logits, -1) * logits).sum(-1)
+    return logps, entropy
+
+
+def score_tokens(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                 state: ParallelState, chunk_size: int | None, temperature: float,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each local token's log-probability of its target (with gradient) and entropy (None
+    under TP), the logits divided by `temperature`, a block of tokens at a time."""
+    scaled = _ScaledHead(head, temperature)
+    if state.layout.tp > 1:  # vocab-parallel over the TP group
+        from longctx_cli.parallel.tensor_parallel import tp_token_losses
+
+        return -tp_token_losses(scaled, hidden, targets, state, chunk_size), None
+    if chunk_size is None or hidden.shape[0] <= chunk_size:
+        return _scored_block(scaled, hidden, targets)
+    pieces = [checkpoint(_scored_block, scaled, hidden[s : s + chunk_size],
+                         targets[s : s + chunk_size], use_reentrant=False)
+              for s in range(0, hidden.shape[0], chunk_size)]
+    return torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
+
+
+def grpo_loss(head: torch.nn.Module, hidden: torch.Tensor, rollout: RolloutBatch,
+              objective: GrpoLoss, state: ParallelState, chunk_size: int | None,
+              micro_batches: int = 1, step_tokens: float | None = None) -> GrpoResult:
+    """This micro-batch's share of the step's GRPO loss and TRL's metrics, from this rank's
+    hidden states (see the module doc; `step_tokens` defaults to this micro-batch's)."""
+    batch = rollout.batch
+    targets = batch.shift_labels.reshape(-1)
+    logps, entropy = score_tokens(head, hidden, targets, state, chunk_size,
+                                  objective.temperature)
+    mask = (targets != IGNORE_INDEX).to(logps)
+    ids = local_document_ids(batch, state).to(logps.device)
+    docs = rollout.advantages.numel()
+
+    def per_document(*values: torch.Tensor) -> torch.Tensor:
+        return sum_over_row(torch.stack([mask.new_zeros(docs).index_add(0, ids, v * mask)
+                                         for v in values]), state)
+
+    old = rollout.old_logps if rollout.old_logps is not None else logps.detach()
+    log_ratio = logps - old
+    advantages = rollout.advantages.to(logps)
+    token_advantages = advantages[ids]
+    tokens = rollout.tokens.to(logps)
+    kl = None
+    if objective.beta != 0.0:
+        assert rollout.ref_logps is not None, "beta != 0 needs the reference log-probabilities"
+        diff = rollout.ref_logps - logps
+        kl = torch.exp(diff) - diff - 1
+    if objective.importance_sampling_level == "token":
+        coef = torch.exp(log_ratio)
+        if kl is not None and objective.use_bias_correction_kl:
+            kl = kl * coef
+        policy, coef = objective.policy_terms(coef, token_advantages, logps)
+        per_token = policy if kl is None else policy + objective.beta * kl
+        sums = per_document(per_token)[0]
+        token_coef = coef
+    else:  # GSPO: one ratio per completion, the mean of its tokens' log-ratios
+        wanted = [log_ratio, logps] + ([kl] if kl is not None else [])
+        sums_all = per_document(*wanted)
+        seq_coef = torch.exp(sums_all[0] / tokens.clamp(min=1.0))
+        policy, seq_coef_clamped = objective.policy_terms(seq_coef, advantages, sums_all[1])
+        sums = policy if objective.loss_type == "cispo" else policy * tokens
+        if kl is not None:
+            seq_kl = sums_all[2] * (seq_coef if objective.use_bias_correction_kl else 1.0)
+            sums = sums + objective.beta * seq_kl
+            kl = kl * (seq_coef[ids].detach() if objective.use_bias_correction_kl else 1.0)
+        token_coef = seq_coef_clamped
+    weights = objective.completion_weights(
+        tokens[:rollout.completions], micro_batches,
+        float(tokens[:rollout.completions].sum()) if step_tokens is None else step_tokens)
+    loss = (sums[:rollout.completions] * weights).sum()
+    metrics, extremes = _metrics(objective, token_coef, advantages, token_advantages, kl,
+                                 entropy, mask, ids, tokens, rollout.completions, per_document)
+    return GrpoResult(loss, metrics, extremes)
+
+
+@torch.no_grad()
+def _metrics(objective: GrpoLoss, coef: torch.Tensor, advantages: torch.Tensor,
+             token_advantages: torch.Tensor, kl: torch.Tensor | None,
+             entropy: torch.Tensor | None, mask: torch.Tensor, ids: torch.Tensor,
+             tokens: torch.Tensor, completions: int, per_document,
+             ) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
+    """TRL's loss metrics as (numerator, denominator) over this micro-batch (token means, or
+    completion means for sequence-level ratios) and the clip ratios' extremes."""
+    sequence_level = coef.shape != mask.shape
+    adv = advantages if sequence_level else token_advantages
+    flags: dict[str, torch.Tensor] = {}
+    if objective.loss_type in _CLIPPED:
+        low = (coef < 1 - objective.epsilon_low) & (adv < 0)
+        high = (coef > 1 + objective.epsilon_high) & (adv > 0)
+        flags = {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high,
+                 "clip_ratio/region_mean": low | high}
+    elif objective.loss_type == "cispo":
+        flags = {"cispo_clip_ratio": (coef > objective.epsilon_high) & (adv > 0)}
+    token_values = {}
+    if kl is not None:
+        token_values["kl"] = kl.detach()
+    if entropy is not None:
+        token_values["entropy"] = entropy
+    if not sequence_level:
+        token_values.update({k: v.float() for k, v in flags.items()})
+    names = list(token_values)
+    sums = per_document(*[token_values[k] for k in names]) if names else None
+    n = tokens[:completions]
+    total = float(n.sum())
+    out: dict[str, tuple[float, float]] = {}
+    for i, name in enumerate(names):
+        out[name] = (float(sums[i][:completions].sum()), total)
+    extremes: dict[str, float] = {}
+    if flags:
+        for name, flag in flags.items():
+            if sequence_level:  # one value per completion, a mean over all of them
+                out[name] = (float(flag[:completions].float().sum()), float(completions))
+        if "clip_ratio/low_mean" in flags:
+            if sequence_level:
+                low_seq = flags["clip_ratio/low_mean"][:completions].float()
+                high_seq = flags["clip_ratio/high_mean"][:completions].float()
+            else:
+                low_seq = sums[names.index("clip_ratio/low_mean")][:completions] / n
+                high_seq = sums[names.index("clip_ratio/high_mean")][:completions] / n
+            extremes["clip_ratio/low_min"] = float(_nan_extreme(low_seq, min))
+            extremes["clip_ratio/high_max"] = float(_nan_extreme(high_seq, max))
+    return out, extremes
+
+
+def _nan_extreme(values: torch.Tensor, pick) -> float:
+    """min/max ignoring NaN (a completion with no scored token); NaN when all are."""
+    finite = [v for v in values.tolist() if v == v]
+    return pick(finite) if finite else float("nan")

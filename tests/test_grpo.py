@@ -1,0 +1,265 @@
+"""GRPO losses under every SP strategy against TRL's own `GRPOTrainer._compute_loss`.
+
+TRL computes the loss, its metrics and the adapter's gradients of a padded batch of prompt +
+completion rows (each prompt repeated per completion) with the model's own Hugging Face
+forward; longctx lays the same completions out in one row, each prompt once and every further
+completion a branch after it (or, unshared, each completion after its own prompt copy), shards
+it over the SP group of each layout and computes the same from each rank's own tokens. They
+must match within float32 noise, for every loss type, token- and sequence-level ratios, with
+and without the KL term, with rollout-time log-probabilities (num_iterations > 1) or without.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.layouts import sp_state
+from tests.test_preference import (
+    GRAD_TOL,
+    adapter_grads,
+    base_model,
+    lora_config,
+    policy_model,
+    tokenizer,
+    trained_adapter,
+)
+
+TOL = 2e-5
+TEMPERATURE = 0.8
+G = 3  # num_generations
+PROMPT_LEN = 24
+COMPLETION_LENGTHS = [[5, 9, 3], [7, 2, 8]]  # per prompt
+ADVANTAGES = [0.9, -1.1, 0.3, -0.4, 1.2, -0.7]
+MASKED = (4,)  # a truncated completion, masked out (mask_truncated_completions)
+CASES = {  # name -> (TRL GRPOConfig keys, rollout-time log-probs given, prompt shared)
+    "grpo": ({"loss_type": "grpo"}, True, True),
+    "grpo-kl": ({"loss_type": "grpo", "beta": 0.1}, True, True),
+    "grpo-unshared": ({"loss_type": "grpo", "beta": 0.1}, True, False),
+    "bnpo": ({"loss_type": "bnpo", "beta": 0.05}, True, True),
+    "dr_grpo": ({"loss_type": "dr_grpo"}, True, True),
+    "dapo": ({"loss_type": "dapo", "beta": 0.1, "epsilon_high": 0.28}, True, True),
+    "dapo-on-policy": ({"loss_type": "dapo", "beta": 0.1}, False, True),
+    "cispo": ({"loss_type": "cispo", "epsilon_high": 1.2}, True, True),
+    "sapo": ({"loss_type": "sapo"}, True, True),
+    "luspo": ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, True, True),
+    "gspo": ({"loss_type": "grpo", "importance_sampling_level": "sequence", "beta": 0.1},
+             True, True),
+    "gspo-dapo": ({"loss_type": "dapo", "importance_sampling_level": "sequence"}, True, True),
+    "grpo-delta": ({"loss_type": "grpo", "delta": 1.1}, True, True),
+}
+PER_LAYOUT = ("grpo-kl", "dapo", "gspo", "cispo", "grpo-unshared")  # on every layout
+LAYOUTS = {  # name -> (world, layout keywords)
+    "sp1": (1, {"sp": 1}),
+    "ring-zigzag": (2, {"sp": 2, "layout": "zigzag"}),
+    "p2p-stripe": (2, {"sp": 2, "ring_attn_func": "batch_stripe"}),
+    "ulysses": (2, {"sp": 2, "mode": "ulysses"}),
+    "hybrid": (4, {"sp": 4, "mode": "hybrid", "ulysses_degree": 2}),
+    "dp2-x-sp2": (4, {"sp": 2, "layout": "zigzag"}),
+    "ring-sp4": (4, {"sp": 4, "layout": "contiguous"}),
+    "tp2": (2, {"tp": 2}),
+    "tp2-x-sp2": (4, {"sp": 2, "tp": 2, "mode": "ulysses"}),
+}
+SLOW_LAYOUTS = ("ring-sp4", "tp2-x-sp2")
+
+
+def rollouts() -> dict:
+    """Prompts, completions (the last of some ending in EOS), their rollout-time and
+    reference log-probability offsets, drawn from a fixed seed."""
+    g = torch.Generator().manual_seed(11)
+    eos = tokenizer().eos_token_id
+    prompts = [torch.randint(3, 250, (PROMPT_LEN,), generator=g).tolist() for _ in range(2)]
+    completions = []
+    for lengths in COMPLETION_LENGTHS:
+        for n in lengths:
+            ids = torch.randint(3, 250, (n,), generator=g).tolist()
+            completions.append(ids[:-1] + [eos] if n % 2 else ids)
+    noise = [torch.randn(len(c), generator=g) for c in completions]
+    ref_noise = [torch.randn(len(c), generator=g) for c in completions]
+    return {"prompts": prompts, "completions": completions,
+            "old_noise": [0.3 * n for n in noise], "ref_noise": [0.5 * n for n in ref_noise]}
+
+
+def own_logps(model, data: dict) -> list[list[float]]:
+    """Each completion token's log-probability under `model` (its own forward, the logits
+    divided by the temperature): the base of the rollout-time and reference values."""
+    out = []
+    with torch.no_grad():
+        for i, completion in enumerate(data["completions"]):
+            prompt = data["prompts"][i // G]
+            logits = model(torch.tensor([prompt + completion])).logits[0] / TEMPERATURE
+            picked = torch.log_softmax(logits[len(prompt) - 1:-1], -1)
+            out.append(picked.gather(1, torch.tensor(completion)[:, None])[:, 0].tolist())
+    return out
+
+
+def side_logps(data: dict) -> tuple[list[list[float]], list[list[float]]]:
+    """(rollout-time, reference) log-probabilities: the policy's own, moved by fixed noise
+    (ratios away from 1, some clipped)."""
+    model = policy_model()
+    base = own_logps(model, data)
+    old = [[b + n for b, n in zip(bs, ns.tolist(), strict=True)]
+           for bs, ns in zip(base, data["old_noise"], strict=True)]
+    ref = [[b + n for b, n in zip(bs, ns.tolist(), strict=True)]
+           for bs, ns in zip(base, data["ref_noise"], strict=True)]
+    return old, ref
+
+
+def trl_loss(keys: dict, with_old: bool, data: dict, old: list, ref: list) -> dict:
+    """TRL's `_compute_loss` on the padded batch: loss, metrics, adapter gradients."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    def no_reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    b = len(data["completions"])
+    longest = max(len(c) for c in data["completions"])
+    args = GRPOConfig(output_dir="/tmp/longctx-trl-grpo", report_to=[], use_cpu=True,
+                      bf16=False, per_device_train_batch_size=b, num_generations=G,
+                      max_completion_length=longest + 3, temperature=TEMPERATURE,
+                      **{"beta": 0.0, **keys})
+    trainer = GRPOTrainer(model=base_model(), reward_funcs=no_reward, args=args,
+                          train_dataset=Dataset.from_list([{"prompt": "x"}] * b),
+                          processing_class=tokenizer(), peft_config=lora_config())
+    model = trainer.model
+    trained_adapter(model)
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1
+
+    def padded(rows: list[list[float]], value: float, dtype) -> torch.Tensor:
+        return torch.tensor([r + [value] * (longest - len(r)) for r in rows], dtype=dtype)
+
+    mask = [[0 if i in MASKED else 1] * len(c) for i, c in enumerate(data["completions"])]
+    inputs = {
+        "prompt_ids": torch.tensor([data["prompts"][i // G] for i in range(b)]),
+        "prompt_mask": torch.ones(b, PROMPT_LEN, dtype=torch.long),
+        "completion_ids": padded(data["completions"], 0, torch.long),
+        "completion_mask": padded(mask, 0, torch.long),
+        "advantages": torch.tensor(ADVANTAGES),
+        "num_items_in_batch": torch.tensor(float(sum(map(sum, mask)))),
+    }
+    if with_old:
+        inputs["old_per_token_logps"] = padded(old, 0.0, torch.float32)
+    if args.beta:
+        inputs["ref_per_token_logps"] = padded(ref, 0.0, torch.float32)
+    loss = trainer._compute_loss(model, inputs)
+    loss.backward()
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return {"loss": loss.item(), "metrics": metrics, "grads": adapter_grads(model)}
+
+
+def objective_of(keys: dict):
+    from longctx_cli.train.grpo import GrpoLoss
+
+    epsilon = keys.get("epsilon", 0.2)
+    longest = max(max(lengths) for lengths in COMPLETION_LENGTHS)
+    return GrpoLoss(loss_type=keys["loss_type"], beta=keys.get("beta", 0.0),
+                    epsilon_low=epsilon, epsilon_high=keys.get("epsilon_high", epsilon),
+                    delta=keys.get("delta"),
+                    importance_sampling_level=keys.get("importance_sampling_level", "token"),
+                    temperature=TEMPERATURE, max_completion_length=longest + 3)
+
+
+def longctx_worker(rank: int, world: int, layout: dict, cases: dict, data: dict, old: list,
+                   ref: list) -> dict:
+    import torch.distributed as dist
+
+    from longctx_cli.parallel import register_sp_attention, shard_batch
+    from longctx_cli.parallel.tensor_parallel import apply_tensor_parallel
+    from longctx_cli.runtime.model import decoder_and_head, decoder_of, sp_hidden_states
+    from longctx_cli.train.grpo import RolloutBatch, grpo_loss
+    from longctx_cli.train.rollout_rows import group_row, local_tokens, token_values
+    from longctx_cli.train.step import sum_gradients
+
+    state = sp_state(kernel="torch", **layout)
+    b = len(data["completions"])
+    kept = [i not in MASKED for i in range(b)]
+    out = {}
+    for name, (keys, with_old, shared) in cases.items():
+        groups = [(data["prompts"][p], data["completions"][p * G:(p + 1) * G],
+                   kept[p * G:(p + 1) * G]) for p in range(len(data["prompts"]))]
+        ids, positions, labels, scored = group_row(groups, shared)
+        batch = shard_batch(ids, positions, labels, state)
+        assert len(batch.sp_meta.prefixes) == (2 * (G - 1) if shared else 0)
+        total = batch.sp_meta.total_len
+        docs = len(batch.sp_meta.cu_host) - 1
+
+        def local(values: list[list[float]], labels=labels, total=total) -> torch.Tensor:
+            scored_values = [v if kept[i] else [] for i, v in enumerate(values)]
+            return local_tokens(token_values(scored_values, labels, total), state)
+
+        rollout = RolloutBatch(
+            batch, torch.tensor(ADVANTAGES + [0.0] * (docs - b)),
+            torch.tensor(scored + [0] * (docs - b), dtype=torch.float32), b,
+            old_logps=local(old) if with_old else None,
+            ref_logps=local(ref) if keys.get("beta") else None)
+        model = policy_model(register_sp_attention())
+        if state.layout.tp > 1:  # as build_model does: the adapter first, then TP
+            base = model.get_base_model()
+            apply_tensor_parallel(decoder_of(base), base.get_output_embeddings(), state,
+                                  base.config)
+        decoder, head = decoder_and_head(model)
+        chunk = 16 if name in ("dapo", "gspo") else None  # scored a block at a time
+        result = grpo_loss(head, sp_hidden_states(decoder, batch), rollout, objective_of(keys),
+                           state, chunk)
+        (result.loss / state.layout.dp).backward()
+        if state.layout.tp > 1:  # the trainer's sync: TP partial sums, then SP and DP
+            sum_gradients([p for p in model.parameters() if p.requires_grad], state)
+            grads = {n: g.full_tensor() for n, g in adapter_grads(model).items()}
+        else:
+            grads = adapter_grads(model)
+            for g in grads.values():
+                dist.all_reduce(g)  # the step's gradient sync (over SP and DP)
+        metrics = {k: n / d for k, (n, d) in result.metric_sums.items()}
+        out[name] = {"loss": result.loss.item(), "metrics": {**metrics, **result.extremes},
+                     "grads": {n: g.numpy() for n, g in grads.items()}}
+    return out if rank == 0 else {}
+
+
+@pytest.fixture(scope="module")
+def inputs() -> dict:
+    data = rollouts()
+    old, ref = side_logps(data)
+    return {"data": data, "old": old, "ref": ref}
+
+
+@pytest.fixture(scope="module")
+def references(inputs) -> dict:
+    return {name: trl_loss(keys, with_old, inputs["data"], inputs["old"], inputs["ref"])
+            for name, (keys, with_old, _) in CASES.items()}
+
+
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow)
+                                    if name in SLOW_LAYOUTS else name for name in LAYOUTS])
+def test_matches_trl(layout, inputs, references):
+    world, kwargs = LAYOUTS[layout]
+    every = layout == "sp1" or layout in SLOW_LAYOUTS
+    cases = {k: v for k, v in CASES.items() if every or k in PER_LAYOUT}
+    (got, *_) = run_distributed(longctx_worker, world, kwargs, cases, inputs["data"],
+                                inputs["old"], inputs["ref"], timeout_s=300)
+    assert set(got) == set(cases)
+    for name, mine in got.items():
+        ref = references[name]
+        assert abs(mine["loss"] - ref["loss"]) < TOL * max(1.0, abs(ref["loss"])), (
+            name, mine["loss"], ref["loss"])
+        shown = {k for k in ref["metrics"] if not (layout.startswith("tp") and k == "entropy")}
+        assert set(mine["metrics"]) == shown, (name, set(mine["metrics"]) ^ shown)
+        for key in shown:
+            expected, value = ref["metrics"][key], mine["metrics"][key]
+            assert abs(value - expected) < 1e-4 * max(1.0, abs(expected)), (name, key, value,
+                                                                           expected)
+        mine_flat = torch.cat([torch.from_numpy(mine["grads"][n]).flatten() for n in ref["grads"]])
+        ref_flat = torch.cat([g.flatten() for g in ref["grads"].values()])
+        error = float((mine_flat - ref_flat).norm() / ref_flat.norm())
+        assert error < GRAD_TOL, (name, error)
+        assert ref["loss"] != pytest.approx(0.0)
+
+
+def test_cases_clip_and_differ(references):
+    """The inputs exercise clipping and the KL term (a loss that ignored them would not
+    match TRL by chance)."""
+    assert references["grpo"]["metrics"]["clip_ratio/region_mean"] > 0.05
+    assert references["grpo-kl"]["metrics"]["kl"] > 0.01
+    assert references["grpo"]["loss"] != pytest.approx(references["grpo-kl"]["loss"])
