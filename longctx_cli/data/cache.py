@@ -39,8 +39,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EVAL_DIR", "FINGERPRINT_FILE", "PIPELINE_VERSION", "REPORT_FILE", "SCRATCH_DIR", "TRAIN_DIR",
-    "Prepared", "compute_fingerprint", "digest", "entry_path", "find_entry", "fingerprint_parts",
-    "write_entry",
+    "DATA_CACHE_ENV", "INPUTS_DIR", "Prepared", "WarmEntry", "compute_fingerprint",
+    "confirm_warm", "digest", "entry_handed_to_this_rank", "entry_path", "find_entry",
+    "fingerprint_parts", "handed_over", "inputs_key", "inputs_parts", "read_entry",
+    "remember_inputs", "witness", "write_entry",
 ]
 
 # Bump when the meaning of a cached row changes, so old caches are rebuilt, not misread.
@@ -88,9 +90,20 @@ def fingerprint_parts(
     eval_sources: list[load.Source | None],
 ) -> dict[str, Any]:
     """Everything that determines the prepared rows, as a JSON-able dict."""
+    return {**_run_parts(config, train_sources, eval_sources, load.content_hash),
+            "tokenizer": tokenizer_fingerprint(tok)}
+
+
+def _run_parts(
+    config: Config,
+    train_sources: list[load.Source | None],
+    eval_sources: list[load.Source | None],
+    identify: Callable[[load.Source, DatasetConfig], str],
+) -> dict[str, Any]:
+    """The parts of the fingerprint besides the tokenizer; `identify` names a data source's
+    content (its bytes' hash for the fingerprint, its files' sizes and times for a witness)."""
     return {
         "pipeline": PIPELINE_VERSION,
-        "tokenizer": tokenizer_fingerprint(tok),
         "sequence_len": config.sequence_len,
         "sample_packing": config.sample_packing,
         "sample_packing_sequentially": config.sample_packing_sequentially,
@@ -104,10 +117,10 @@ def fingerprint_parts(
         "chat_template_jinja": _jinja_part(config),
         "named_templates": hashlib.sha256(json.dumps(chat_templates.TEMPLATES, sort_keys=True)
                                           .encode()).hexdigest()[:16],
-        "datasets": [_entry_part(e, s) for e, s in zip(config.datasets, train_sources,
-                                                       strict=True)],
-        "eval_datasets": [_entry_part(e, s) for e, s in zip(config.eval_datasets, eval_sources,
-                                                            strict=True)],
+        "datasets": [_entry_part(e, s, identify)
+                     for e, s in zip(config.datasets, train_sources, strict=True)],
+        "eval_datasets": [_entry_part(e, s, identify)
+                          for e, s in zip(config.eval_datasets, eval_sources, strict=True)],
         # ORPO tokenizes pairs its own way (only then, so other caches keep their names).
         **({"pair_tokenization": "orpo"} if config.rl == "orpo" else {}),
         **({"prefix_sharing": True} if config.prefix_sharing else {}),
@@ -119,10 +132,11 @@ def digest(parts: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _entry_part(entry: DatasetConfig, source: load.Source | None) -> dict[str, Any]:
+def _entry_part(entry: DatasetConfig, source: load.Source | None,
+                identify: Callable[[load.Source, DatasetConfig], str]) -> dict[str, Any]:
     part = entry.model_dump(mode="json")
     if source is not None:
-        part["content"] = load.content_hash(source, entry)
+        part["content"] = identify(source, entry)
     return part
 
 
@@ -217,6 +231,222 @@ def _compared_with_siblings(target: Path, parts: dict[str, Any]) -> str:
     changed = _differences(recorded, parts)
     return (f"no cache yet for these inputs (the newest cache there, {newest.name}, differs "
             f"in: {', '.join(changed) or 'fingerprint'})")
+
+
+# ---- a warm entry confirmed from its inputs (no tokenizer, no `datasets`) -------------------
+#
+# The fingerprint needs the tokenizer loaded (its vocabulary, its output on a probe) and
+# `prepare` reads the entry back with `datasets`: seconds before the first step, spent on
+# the launcher and again on every rank. The *inputs key* names the same inputs by what the
+# tokenizer is built from instead (its files' bytes, the library versions, longctx's
+# tokenizer code, `special_tokens`). After a full check found or built an entry for a set of
+# inputs, the key is recorded in it (`INPUTS_DIR`); the same key later confirms the entry
+# without the tokenizer. The launcher then hands the entry to its ranks (`DATA_CACHE_ENV`)
+# with a *witness* of the inputs (the data and tokenizer files' sizes and modification
+# times, and the config's parts), which each rank recomputes: only a match is trusted.
+
+INPUTS_DIR = "inputs"
+DATA_CACHE_ENV = "LONGCTX_DATA_CACHE"
+# Files of a tokenizer folder the tokenizer never reads (a model folder's weights): left out.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack",
+                    ".onnx", ".ckpt")
+# Larger files (never a real tokenizer's) are named by size and time, not hashed.
+_HASHED_FILE_LIMIT = 64 << 20
+# Libraries whose version can change what a tokenizer produces from the same files.
+_TOKENIZER_LIBRARIES = ("transformers", "tokenizers", "sentencepiece", "tiktoken")
+
+
+@dataclass(frozen=True)
+class WarmEntry:
+    """A complete cache entry confirmed for a run's inputs."""
+
+    path: Path
+    fingerprint: str
+    key: str  # the inputs key it was confirmed by
+    witness: str  # digest of the inputs' witness parts when it was confirmed
+
+
+def _file_stat(path: Path) -> list[Any]:
+    st = path.stat()
+    return [str(path), st.st_size, st.st_mtime_ns]
+
+
+def _file_content(path: Path) -> str | list[Any]:
+    if path.stat().st_size > _HASHED_FILE_LIMIT:
+        return _file_stat(path)
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def _stat_identity(source: load.Source, entry: DatasetConfig) -> str:
+    """A data source named by its files' sizes and modification times (hub: coordinates)."""
+    if source.kind == "hub":
+        return load.content_hash(source, entry)
+    return json.dumps([_file_stat(f) for f in source.files])
+
+
+def _library_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _tokenizer_source(config: Config, identify: Callable[[Path], Any]) -> dict[str, Any] | None:
+    """What `load_tokenizer(config)` builds its tokenizer from, each file named by
+    `identify`; None where that cannot be pinned without loading it: a hub id (its files
+    can change on the hub) or remote code."""
+    from longctx_cli.data import tokenizer as tokenizer_module
+
+    source = config.tokenizer_source
+    if source is None or config.trust_remote_code:
+        return None
+    if source == tokenizer_module.BYTE:
+        files: Any = tokenizer_module.BYTE
+    else:
+        folder = Path(source).expanduser()
+        if not folder.is_dir():
+            return None
+        files = {f.name: identify(f) for f in sorted(folder.iterdir())
+                 if f.is_file() and f.suffix.lower() not in _WEIGHT_SUFFIXES}
+    special = config.special_tokens
+    return {
+        "files": files,
+        "libraries": {name: _library_version(name) for name in _TOKENIZER_LIBRARIES},
+        "code": identify(Path(tokenizer_module.__file__)),
+        "special_tokens": special.model_dump(mode="json") if special is not None else None,
+        "trust_remote_code": config.trust_remote_code,
+    }
+
+
+def _sources(config: Config) -> tuple[list[load.Source | None], list[load.Source | None]]:
+    return ([load.source_of(e) for e in config.datasets],
+            [load.source_of(e) for e in config.eval_datasets])
+
+
+def inputs_parts(config: Config) -> dict[str, Any] | None:
+    """The inputs key's parts: the fingerprint's, with the tokenizer's source (hashed files)
+    in place of the loaded tokenizer; None when the tokenizer must be loaded to know it."""
+    tokenizer = _tokenizer_source(config, _file_content)
+    if tokenizer is None:
+        return None
+    return {**_run_parts(config, *_sources(config), load.content_hash),
+            "tokenizer_source": tokenizer}
+
+
+def witness(config: Config) -> str | None:
+    """Digest of the inputs as the file system shows them (sizes and modification times, no
+    reading): cheap enough for every rank to check a handed-over entry against."""
+    tokenizer = _tokenizer_source(config, _file_stat)
+    if tokenizer is None:
+        return None
+    return digest({**_run_parts(config, *_sources(config), _stat_identity),
+                   "tokenizer_source": tokenizer})
+
+
+def _is_sealed(target: Path, fp: str) -> bool:
+    """`target` is a complete entry of fingerprint `fp` whose datasets' files are all there
+    (what `datasets.load_from_disk` reads, checked without importing it)."""
+    try:
+        if (target / COMPLETE_MARKER).read_text().strip() != fp:
+            return False
+        if json.loads((target / FINGERPRINT_FILE).read_text()).get("fingerprint") != fp:
+            return False
+        json.loads((target / REPORT_FILE).read_text())
+        for split in (TRAIN_DIR, EVAL_DIR):
+            folder = target / split
+            if split == EVAL_DIR and not folder.exists():
+                continue
+            state = json.loads((folder / "state.json").read_text())
+            names = [f["filename"] for f in state["_data_files"]]
+            if not names or not all((folder / n).is_file() for n in names):
+                return False
+            if not (folder / "dataset_info.json").is_file():
+                return False
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+def confirm_warm(config: Config) -> WarmEntry | None:
+    """The complete entry recorded for `config`'s inputs key, or None (no key for these
+    inputs, none recorded, or the entry is not sealed): then `prepare` decides."""
+    before = witness(config)
+    parts = inputs_parts(config)
+    if before is None or parts is None:
+        return None
+    key = digest(parts)
+    root = Path(config.prepared_path)
+    for record in sorted(root.glob(f"*/{INPUTS_DIR}/{key}.json")) if root.is_dir() else []:
+        target = record.parent.parent
+        if _FINGERPRINT_NAME.match(target.name) and _is_sealed(target, target.name):
+            if witness(config) != before:  # a file changed while it was hashed
+                return None
+            return WarmEntry(target, target.name, key, before)
+    return None
+
+
+def remember_inputs(config: Config, target: Path, fp: str, key_before: str | None,
+                    witness_before: str | None) -> WarmEntry | None:
+    """Record in the entry `target` (fingerprint `fp`, just confirmed or built by `prepare`)
+    that the inputs key `key_before` leads to it, when the inputs are unchanged since that
+    key was taken (so the full check saw the same inputs); the entry as a WarmEntry then."""
+    if key_before is None or witness_before is None or not _is_sealed(target, fp):
+        return None
+    parts = inputs_parts(config)
+    if parts is None or digest(parts) != key_before or witness(config) != witness_before:
+        return None
+    folder = target / INPUTS_DIR
+    try:
+        folder.mkdir(exist_ok=True)
+        tmp = folder / f".{key_before}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.write_text(json.dumps({"fingerprint": fp, "parts": parts}, indent=1,
+                                  sort_keys=True))
+        os.replace(tmp, folder / f"{key_before}.json")  # whole or absent for a reader
+    except OSError:
+        return None  # a read-only cache: the next run checks it in full, as before
+    return WarmEntry(target, fp, key_before, witness_before)
+
+
+def inputs_key(config: Config) -> str | None:
+    """The digest of `inputs_parts`, or None."""
+    parts = inputs_parts(config)
+    return digest(parts) if parts is not None else None
+
+
+def handed_over(entry: WarmEntry) -> str:
+    """The value of `DATA_CACHE_ENV` that hands `entry` to the ranks."""
+    return json.dumps({"path": str(entry.path), "fingerprint": entry.fingerprint,
+                       "key": entry.key, "witness": entry.witness})
+
+
+def entry_handed_to_this_rank(config: Config) -> WarmEntry | None:
+    """The entry the launcher confirmed for this run, if it handed one over and this rank's
+    own witness of the inputs matches the launcher's (else None: check in full)."""
+    raw = os.environ.get(DATA_CACHE_ENV)
+    if not raw:
+        return None
+    try:
+        state = json.loads(raw)
+        entry = WarmEntry(Path(state["path"]), str(state["fingerprint"]), str(state["key"]),
+                          str(state["witness"]))
+    except (ValueError, KeyError, TypeError):
+        return None
+    if Path(entry.path).parent != Path(config.prepared_path):
+        return None
+    if not (entry.path / INPUTS_DIR / f"{entry.key}.json").is_file():
+        return None
+    if not _is_sealed(entry.path, entry.fingerprint) or witness(config) != entry.witness:
+        return None
+    return entry
+
+
+def read_entry(target: Path, fp: str) -> Prepared | None:
+    """The rows of the complete entry `target` with fingerprint `fp` (read with `datasets`),
+    or None when it is not one."""
+    prepared, _ = _load_entry(target, fp, {})
+    return prepared
 
 
 # ---- writing an entry --------------------------------------------------------------------

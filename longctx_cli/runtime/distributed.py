@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from longctx_cli.config import Config
-from longctx_cli.data.prepare import prepare
 
 # transformers' own bars while a model is read or written: every rank would draw them for
 # the same weights, in the middle of the run's log (whose summary names what was saved).
@@ -68,10 +67,22 @@ def init_distributed(config: Config) -> torch.device:
 
 
 def load_rows(config: Config, tokenizer):
-    """Rank 0 builds (or reuses) the cache first; the others then read it."""
-    if dist.get_rank() == 0:
+    """Rank 0 builds (or reuses) the cache first; the others then read the entry it used.
+
+    An entry the launcher confirmed (`cache.DATA_CACHE_ENV`) is read directly by a rank
+    whose own witness of the inputs matches the launcher's; the others, and every rank
+    without one, check the cache in full (`prepare`)."""
+    from longctx_cli.data.cache import entry_handed_to_this_rank, read_entry
+    from longctx_cli.data.prepare import prepare
+
+    handed = entry_handed_to_this_rank(config)
+    prepared = read_entry(handed.path, handed.fingerprint) if handed is not None else None
+    if dist.get_rank() == 0 and prepared is None:
         prepared = prepare(config, tokenizer, progress=True)
-    dist.barrier()
-    if dist.get_rank() != 0:
+    # Rank 0's entry, which the others wait for (it may be building it): a rank reads the
+    # entry it was handed only when it is that one.
+    used = [prepared.path if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(used, src=0)
+    if dist.get_rank() != 0 and (prepared is None or str(prepared.path) != used[0]):
         prepared = prepare(config, tokenizer, progress=False)
     return prepared.train, prepared.eval

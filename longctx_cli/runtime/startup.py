@@ -6,15 +6,19 @@ the process group, the data, the model). The launcher hands its clock to the ran
 the environment (`STARTUP_ENV`); rank 0 reports the whole, from the moment the command's
 process was created, in the log and in output_dir/startup.json. Ranks a
 user's own torchrun or srun started count from their own creation.
+
+It also decides what a rank need not import (`needs_torchao`, `hide_torchao`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 STARTUP_ENV = "LONGCTX_STARTUP"
 
@@ -81,3 +85,57 @@ class StartupClock:
     def line(self) -> str:
         parts = ", ".join(f"{name} {s:.1f}" for name, s in self.phases)
         return f"first step {self.total:.1f} s after the command ({parts})"
+
+
+# ---- what a rank imports -------------------------------------------------------------------
+
+def _quant_method(fields: Any) -> str | None:
+    quant = fields.get("quantization_config") if isinstance(fields, dict) else None
+    return str(quant.get("quant_method")).lower() if isinstance(quant, dict) else None
+
+
+def _checkpoint_config(model_id: str) -> dict | None:
+    """A checkpoint's config.json as a dict, from a local folder or the local Hugging Face
+    cache (never the network); None when it is not at hand."""
+    folder = Path(model_id).expanduser()
+    path: Any = folder / "config.json" if folder.is_dir() else None
+    if path is None:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            path = try_to_load_from_cache(model_id, "config.json")
+        except Exception:  # noqa: BLE001 - an id the hub client rejects: not at hand
+            return None
+        if not isinstance(path, str):
+            return None
+    try:
+        fields = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return fields if isinstance(fields, dict) else None
+
+
+def needs_torchao(config: Any, optimizer_uses_it: bool) -> bool:
+    """Whether a run can use torchao: its optimizer, or a checkpoint quantized with it (or
+    one whose config is not at hand, or remote code, which could be either)."""
+    if optimizer_uses_it or config.trust_remote_code:
+        return True
+    if config.model_config_dict is not None:
+        return _quant_method(config.model_config_dict) == "torchao"
+    for model_id in {str(m) for m in (config.base_model, config.base_model_config) if m}:
+        fields = _checkpoint_config(model_id)
+        if fields is None or _quant_method(fields) == "torchao":
+            return True
+    return False
+
+
+def hide_torchao() -> bool:
+    """Make torchao look absent to this process, before transformers is imported: where it
+    is installed, transformers imports it with its model code to offer torchao quantization
+    (half a second of every rank's start-up on a 2-core Xeon), which a run that uses neither
+    its optimizers nor its quantization never calls. False (nothing done) once transformers
+    or torchao is imported: transformers may have taken note of torchao already."""
+    if "transformers" in sys.modules or "torchao" in sys.modules:
+        return False
+    sys.modules["torchao"] = None  # type: ignore[assignment]  # find_spec then says "absent"
+    return True

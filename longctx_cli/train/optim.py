@@ -40,6 +40,9 @@ _TORCHAO = {
 }
 
 
+# Optimizer names that need torchao (a rank of any other run never imports it).
+TORCHAO_OPTIMIZERS = frozenset(_TORCHAO)
+
 # What `make_scheduler` returns: a LambdaLR, or ReduceLROnPlateau (stepped on the eval loss).
 Schedule = LRScheduler | ReduceLROnPlateau
 

@@ -10,10 +10,19 @@ import shutil
 from pathlib import Path
 
 from longctx_cli.config import Config, load_config
+from longctx_cli.data.cache import (
+    DATA_CACHE_ENV,
+    WarmEntry,
+    confirm_warm,
+    handed_over,
+    inputs_key,
+    remember_inputs,
+    witness,
+)
 from longctx_cli.errors import UserError
 from longctx_cli.preflight import check_run
 from longctx_cli.runtime.launch import in_torchrun, launched_by_longctx, rank_errors
-from longctx_cli.runtime.startup import STARTUP_ENV, StartupClock
+from longctx_cli.runtime.startup import STARTUP_ENV, StartupClock, hide_torchao, needs_torchao
 from longctx_cli.runtime.supervise import Supervision, resume_setting, supervise
 
 # Things a finished or running job leaves in output_dir; their presence means "another run".
@@ -46,6 +55,25 @@ def check_output_dir(config: Config, overwrite: bool) -> None:
     )
 
 
+def confirm_data_cache(config: Config) -> WarmEntry | None:
+    """Build (or reuse) the data cache once, with progress bars, before any rank starts; the
+    entry to hand to the ranks, when its inputs could be pinned without the tokenizer.
+
+    A warm cache whose inputs key was recorded is confirmed from the inputs alone (no
+    tokenizer, no `datasets`); otherwise `prepare` checks it in full (or builds it) and the
+    key is recorded for the next run."""
+    warm = confirm_warm(config)
+    if warm is not None:
+        return warm
+    from longctx_cli.data.prepare import prepare
+
+    witness_before = witness(config)  # before the key: a file changed in between shows
+    key_before = inputs_key(config)
+    prepared = prepare(config)
+    path = Path(prepared.path)
+    return remember_inputs(config, path, path.name, key_before, witness_before)
+
+
 def run_train(
     config_path: Path,
     nproc_per_node: int | None,
@@ -67,12 +95,15 @@ def run_train(
     _, plan = check_run(config, "train", nproc_per_node, nnodes, overrides=overrides)
     check_output_dir(config, overwrite)
     clock.mark("launcher plan")
+    handed = None
     if node_rank == 0 and not config.pretraining_dataset:  # streamed data has no cache
-        # Build (or reuse) the data cache once here, with progress bars, before any rank starts.
-        from longctx_cli.data.prepare import prepare
-
-        prepare(config)
+        handed = confirm_data_cache(config)
         clock.mark("data cache")
+    # The ranks read the entry confirmed here instead of checking the cache again (each
+    # verifies the witness first); a value inherited from elsewhere is never passed on.
+    os.environ.pop(DATA_CACHE_ENV, None)
+    if handed is not None:
+        os.environ[DATA_CACHE_ENV] = handed_over(handed)
     os.environ[STARTUP_ENV] = clock.handed_on()  # the ranks go on with this clock
     return supervise(
         ["train", str(config_path), *overrides], plan.world_size, nproc_per_node, nnodes or 1,
@@ -85,6 +116,10 @@ def _train_on_rank(config: Config, overwrite: bool, overrides: list[str],
     """One rank: the plan for the torchrun world (every rule `validate` applies), then the
     loop. Ranks a user's own torchrun or srun started also check what longctx's launcher
     would have checked first: the world around the config and the output folder."""
+    from longctx_cli.train.optim import TORCHAO_OPTIMIZERS
+
+    if not needs_torchao(config, config.optimizer in TORCHAO_OPTIMIZERS):
+        hide_torchao()  # before the imports below bring in transformers' model code
     from longctx_cli.runtime.distributed import process_group_released
     from longctx_cli.train.fidelity import check_fidelity
     from longctx_cli.train.loop import train
