@@ -23,9 +23,11 @@ step is the median of its steps after `--warmup`, and the table shows the min / 
 of those medians over runs. Peak memory is each rank process's resident-set high-water mark
 (VmHWM), read from /proc while it runs. The first step's loss of every tool must agree with
 plain HF's (same weights, same tokens), and so must the third's (the updates agree too).
-"First step after" is the time from the command to the start of the first step (longctx's
+"First step after" is the time from the command to the start of the first step, recorded
+for every run of every tool and printed as it finishes (longctx through its own launcher:
 rank 0 records it with the phases before it in output_dir/startup.json, see
-docs/training.md; the peers' workers record when their first step starts).
+docs/training.md; ALST's script under torchrun and plain HF: their workers record when
+their first step starts); the table shows its min / median / max over the runs.
 
 What it does not show: GPU speed (kernels, NCCL and overlap differ there), other ZeRO
 stages' memory at scale, or a model larger than a CPU can train in minutes.
@@ -256,22 +258,32 @@ def summarize(runs: list[dict], warmup: int) -> dict:
     firsts = [r["first_step_s"] for r in runs if r["first_step_s"] is not None]
     return {"s_per_step": [min(medians), statistics.median(medians), max(medians)],
             "peak_mib": [min(peaks), max(peaks)], "losses": runs[0]["losses"][:3],
-            "first_step_s": [min(firsts), max(firsts)] if firsts else None}
+            "first_step_s": ([min(firsts), statistics.median(firsts), max(firsts)]
+                             if firsts else None)}
+
+
+def first_step_cell(first: list[float] | None) -> str:
+    """min / median / max seconds to the first step (a record older than the median: min-max)."""
+    if not first:
+        return "-"
+    if len(first) == 2:
+        return f"{first[0]:.1f}-{first[1]:.1f}"
+    return " / ".join(f"{x:.1f}" for x in first)
 
 
 def table(rows: dict[str, dict]) -> str:
     lines = ["| row | tool | s/step min / median / max | of the limit | peak RSS per rank "
-             "(MiB) | first step after (s) | step 1 / 3 loss |", "|---|---|---|---|---|---|---|"]
+             "(MiB) | first step after (s) min / median / max | step 1 / 3 loss |",
+             "|---|---|---|---|---|---|---|"]
     for name, by_tool in rows.items():
         limit = by_tool["hf"]["s_per_step"][1] / SP
         for tool, s in by_tool.items():
             lo, med, hi = s["s_per_step"]
             share = "" if tool == "hf" else f"{limit / med:.1%}"
             losses = s["losses"]
-            first = s["first_step_s"]
             lines.append(f"| {name} | {tool} | {lo:.2f} / {med:.2f} / {hi:.2f} | {share} | "
                          f"{s['peak_mib'][0]:,.0f}-{s['peak_mib'][1]:,.0f} | "
-                         f"{f'{first[0]:.1f}-{first[1]:.1f}' if first else '-'} | "
+                         f"{first_step_cell(s['first_step_s'])} | "
                          f"{losses[0]:.5f} / {losses[2]:.5f} |")
     return "\n".join(lines)
 
@@ -315,7 +327,8 @@ def main() -> None:
             for tool in order:
                 r = run_tool(tool, name, work, model_dir, configs, args.steps, run, peer_python)
                 runs[tool].append(r)
-                print(f"{name} run {run + 1}/{args.runs} {tool}: "
+                print(f"{name} run {run + 1}/{args.runs} {tool}: first step "
+                      f"{r['first_step_s']:.1f} s after the command, "
                       f"{statistics.median(r['seconds'][args.warmup:]):.2f} s/step, peak "
                       f"{max(r['peak_mib']):,.0f} MiB, losses "
                       f"{', '.join(f'{x:.5f}' for x in r['losses'][:3])}", flush=True)

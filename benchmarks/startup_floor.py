@@ -9,10 +9,11 @@ what a rank of the peer benchmark's job runs on,
 
 - `torch`,
 - the model's own code (`transformers`, `datasets` for the prepared rows, the model class),
-- transformers' learning-rate schedules (`transformers.optimization`, which imports
-  `transformers.trainer_utils` and with it peft, bitsandbytes and torch's inductor when they
-  are installed),
-- longctx's training loop,
+  as transformers loads it where torchao is installed (it imports torchao to offer its
+  quantization) and as a longctx rank loads it (torchao hidden: the run uses neither its
+  optimizers nor its quantization),
+- longctx's training loop (its schedules are built on torch's LambdaLR: no
+  `transformers.optimization`, which would import peft and bitsandbytes),
 
 each in a fresh process, one at a time and then as many at once as the job has ranks on a
 node (`--ranks`, 2 for the peer benchmark's sp 2), and torchrun's agent (`import
@@ -37,18 +38,17 @@ from benchmarks.context_extension import save_record  # noqa: E402
 from benchmarks.peers import one_thread_env  # noqa: E402
 
 # What each measured process imports, cumulatively (each step includes the ones before).
+# A rank hides torchao from transformers first (longctx_cli.runtime.startup.hide_torchao):
+# "model code" shows what transformers costs with it, as other tools pay it.
+HIDE_TORCHAO = "from longctx_cli.runtime.startup import hide_torchao\nhide_torchao()\n"
+MODEL_CODE = ("import torch, transformers, datasets\n"
+              "from transformers import LlamaForCausalLM\n")
 STAGES = {
     "python": "",
     "torch": "import torch",
-    "model code": "import torch, transformers, datasets\n"
-                  "from transformers import LlamaForCausalLM",
-    "+ HF schedules": "import torch, transformers, datasets\n"
-                      "from transformers import LlamaForCausalLM\n"
-                      "import transformers.optimization",
-    "+ longctx loop": "import torch, transformers, datasets\n"
-                      "from transformers import LlamaForCausalLM\n"
-                      "import transformers.optimization\n"
-                      "import longctx_cli.train.loop",
+    "model code": MODEL_CODE,
+    "model code, torchao hidden": HIDE_TORCHAO + MODEL_CODE,
+    "+ longctx loop": HIDE_TORCHAO + MODEL_CODE + "import longctx_cli.train.loop",
     "torchrun agent": "import torch.distributed.run",
 }
 # Printed by each measured process: seconds since its creation (Linux /proc).
