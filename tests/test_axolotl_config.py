@@ -211,7 +211,7 @@ def test_ignored_and_refused_keys():
                             "use_kernels": True, "hub_model_id": "me/x", "rl": None})
     notes = dict(cfg.axolotl_notes)
     assert all(notes[k].startswith("ignored") for k in ("plugins", "use_kernels", "hub_model_id"))
-    for key, value in (("trl", {"beta": 0.1}), ("processor_type", "AutoProcessor"),
+    for key, value in (("vllm", {"host": "0.0.0.0"}), ("processor_type", "AutoProcessor"),
                        ("neftune_noise_alpha", 5)):
         assert f"`{key}` is not supported" in _error(config_from_dict, {**TINY, key: value})
 
@@ -224,7 +224,7 @@ def test_every_problem_in_one_report_with_locations(tmp_path):
         "model_config: {model_type: llama}\n"
         "sequence_parallel_degree: true\n"
         "max_seq_length: 4096\n"
-        "rl: grpo\n"
+        "rl: kto\n"
         "optimizer: adafactor\n"
         "seed: 1\n"
         "seed: 2\n"
@@ -236,7 +236,7 @@ def test_every_problem_in_one_report_with_locations(tmp_path):
     assert "6 problems" in text
     assert f"{path}:2:27: `sequence_parallel_degree` = True is invalid" in text
     assert f"{path}:3:1: unknown key `max_seq_length`; did you mean `sequence_len`?" in text
-    assert f"{path}:4:5: `rl` = 'grpo' is invalid: `rl: grpo` cannot run" in text
+    assert f"{path}:4:5: `rl` = 'kto' is invalid: `rl: kto` cannot run" in text
     assert f"{path}:5:12: `optimizer` = 'adafactor' is invalid" in text
     assert f"{path}:7:1: duplicate key `seed` (first at line 6)" in text
     assert "did you mean `fsdp_config`?" in text

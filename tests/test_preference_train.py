@@ -226,7 +226,7 @@ def refusal(tmp_path: Path, records: list[dict] | None = None, command: str = "v
     ({"rl": "orpo", "prefix_sharing": True}, "ORPO tokenizes"),
     ({"prefix_sharing": True, "model_config": {**TINY_LLAMA, "model_type": "mistral",
                                                "sliding_window": 16}}, "sliding-window"),
-    ({"rl": "grpo"}, "online method"),
+    ({"rl": "grpo"}, "needs a `trl:` section"),
     ({"datasets": None}, "preference type"),
     ({"rl": None}, "set `rl`"),
     ({"excess_length_strategy": "truncate"}, "dropped and counted"),

@@ -222,8 +222,11 @@ _HUB = "uploading to the Hugging Face hub is not part of longctx; push output_di
 _TRACKER = "longctx logs to metrics.jsonl, TensorBoard and Weights & Biases only"
 _MEMORY = "a memory/speed setting of Axolotl's trainer that changes no result here"
 _DATALOADER = "longctx's data loader reads prepared rows directly; no workers are involved"
-_RL = ("online RL (TRL's `trl:` section: GRPO, PPO, reward models) is not supported; longctx "
-       "trains the causal-LM loss and the offline preference losses of `rl: dpo|ipo|simpo|orpo`")
+_RL = ("reward models, PPO and other online trainers are not supported; longctx trains the "
+       "causal-LM loss, the preference losses of `rl: dpo|ipo|simpo|orpo` and `rl: grpo` with "
+       "reward functions")
+_VLLM_SERVER = ("rollouts are sampled by longctx itself under SP (the prompt prefilled across "
+                "the SP group); a vLLM server is not used: drop the `vllm:` section")
 _MM = "multimodal training is not supported; longctx trains text causal LMs"
 
 AXOLOTL_KEYS: dict[str, Rule] = {
@@ -500,8 +503,7 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "dataloader_drop_last": Rule("ignored", "a step's last partial window is always dropped"),
     "dataset_exact_deduplication": Rule("refused", "deduplication is not supported"),
     # ---- RL and other trainers (math-changing)
-    "trl": Rule("refused", _RL),
-    "vllm": Rule("refused", _RL),
+    "vllm": Rule("refused", _VLLM_SERVER),
     "reward_model": Rule("refused", _RL),
     "process_reward_model": Rule("refused", _RL),
     "center_rewards_coefficient": Rule("refused", _RL),
@@ -525,7 +527,7 @@ SAME: tuple[str, ...] = (
     "pretraining_dataset", "streaming", "sample_packing_sequentially", "curriculum_sampling",
     "reinit_weights", "unfrozen_parameters", "merge_lora", "rope_scaling", "rope_theta",
     "rl", "rl_beta", "dpo_beta", "dpo_loss_type", "dpo_loss_weights", "dpo_label_smoothing",
-    "simpo_gamma", "cpo_alpha", "precompute_ref_log_probs", "orpo_alpha",
+    "simpo_gamma", "cpo_alpha", "precompute_ref_log_probs", "orpo_alpha", "trl",
     "sequence_parallel_degree", "context_parallel_size", "heads_k_stride", "ring_attn_func",
     "fsdp", "fsdp_version", "fsdp_config", "deepspeed", "dp_shard_size", "dp_replicate_size",
     "tensor_parallel_size", "world_size", "micro_batch_size", "gradient_accumulation_steps",

@@ -457,4 +457,6 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
                 ))
             data[key] = value
             locations.set_override(key, where)
-    return config_from_dict(data, where=str(path), _locations=locations, _problems=problems)
+    config = config_from_dict(data, where=str(path), _locations=locations, _problems=problems)
+    config._source_dir = str(path.resolve().parent)  # where its `module.function`s are found
+    return config

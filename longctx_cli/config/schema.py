@@ -61,8 +61,11 @@ DatasetType = Literal[
     "chatml.icr", "chatml.prompt_pairs", "chatml.argilla", "chatml.ultra", "chatml.argilla_chat",
     "llama3.intel", "llama3.icr", "llama3.prompt_pairs", "llama3.argilla", "llama3.ultra",
     "llama3.argilla_chat",
+    # prompts to roll out (with `rl: grpo`), see data/prompts.py
+    "prompt",
 ]
-PREFERENCE_TYPES = get_args(DatasetType)[get_args(DatasetType).index("preference"):]
+PREFERENCE_TYPES = get_args(DatasetType)[
+    get_args(DatasetType).index("preference"):get_args(DatasetType).index("prompt")]
 # The types rendered with the config's (or the entry's) `chat_template`.
 RENDERED_WITH_TEMPLATE = ("chat_template", "chat_template.default", "chat_template.argilla")
 
@@ -85,7 +88,8 @@ def is_preference_type(type_: str) -> bool:
     return type_ in PREFERENCE_TYPES
 
 
-RlMethod = Literal["dpo", "ipo", "simpo", "orpo"]
+RlMethod = Literal["dpo", "ipo", "simpo", "orpo", "grpo"]
+GrpoLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"]
 _RL_NOT_YET = {
     "kto": "KTO (unpaired answers) is not supported yet",
 }
@@ -224,9 +228,25 @@ class DatasetConfig(_Strict):
         "(default: 0.0, 0.1, ..., 1.0).",
     )
     key_length: int = Field(5, ge=1, le=64, description="passkey: number of digits of the key.")
+    transform: str | None = Field(
+        None, description="prompt (rl: grpo): an Axolotl GRPO dataset transform, "
+        "`module.function` importable from the config's folder or the Python path; "
+        "`function(cfg)` returns `transform_fn(example, tokenizer=None) -> {'prompt': ..., "
+        "...}` (or that and `{'remove_columns': [...]}`). Written as `type: module.function`, "
+        "as Axolotl does.",
+    )
     seed: int | None = Field(
         None, description="passkey: generator seed (default: the top-level `seed`)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _transform_type(cls, data: Any) -> Any:
+        # Axolotl names a GRPO dataset's Python transform in `type` (`rewards.gsm8k_transform`).
+        if isinstance(data, dict) and isinstance(data.get("type"), str) and (
+                data["type"] not in get_args(DatasetType)) and _is_import_path(data["type"]):
+            data = {**data, "type": "prompt", "transform": data["type"]}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> DatasetConfig:
@@ -236,6 +256,11 @@ class DatasetConfig(_Strict):
         if self.path is None and self.data_files is None and self.type != "passkey":
             raise ValueError(f"a `{self.type}` dataset needs a `path` or `data_files`")
         return self
+
+
+def _is_import_path(value: str) -> bool:
+    """`module.function` (dotted Python names, at least one dot)."""
+    return bool(re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", value))
 
 
 def _as_entries(value: Any) -> Any:
@@ -318,6 +343,146 @@ Scheduler = Literal[
     "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr",
     "cosine_warmup_with_min_lr", "warmup_stable_decay",
 ]
+
+
+_VLLM = ("longctx samples the rollouts itself, the prompt prefilled across the SP group; "
+         "vLLM is not used")
+# `trl:` keys accepted and listed in the plan because they change nothing longctx computes.
+TRL_IGNORED: dict[str, str] = {
+    "log_completions": "sample completions with their rewards are always written to "
+    "output_dir/completions.jsonl at logging steps",
+    "wandb_log_unique_prompts": "completions are logged to output_dir/completions.jsonl",
+    "use_liger_loss": "longctx scores each rank's tokens through the head in blocks itself",
+    "cast_lm_head_to_fp32": "longctx's head computes its log-probabilities in float32",
+    "shuffle_dataset": "prompts are shuffled each epoch from `seed` (curriculum_sampling: not)",
+    "disable_dropout": "rollouts run in eval mode; set dropout in the model config",
+    "ds3_gather_for_generation": "rollouts run under FSDP2/SP, not DeepSpeed",
+    "generation_batch_size": "one generation batch per optimizer step (checked below)",
+    **{k: _VLLM for k in ("vllm_mode", "vllm_server_host", "vllm_server_port",
+                          "vllm_server_timeout", "vllm_server_base_url", "vllm_group_port",
+                          "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
+                          "vllm_enable_sleep_mode", "vllm_max_model_length",
+                          "vllm_model_impl", "vllm_importance_sampling_correction",
+                          "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
+                          "vllm_importance_sampling_clip_min",
+                          "vllm_importance_sampling_clip_max",
+                          "vllm_guided_decoding_regex", "vllm_structured_outputs_regex")},
+}
+# `trl:` keys that would change what is computed, refused unless off.
+TRL_REFUSED: dict[str, str] = {
+    "use_vllm": "rollouts are sampled by longctx under SP (the prompt prefilled across the SP "
+    "group, so a prompt longer than one device holds can be rolled out); serving them from "
+    "vLLM is not implemented. Drop `use_vllm` (and the `vllm:` section)",
+    "rollout_func": "custom rollout functions are not supported; longctx samples completions "
+    "itself",
+    "sync_ref_model": "TR-DPO-style reference updates are not supported",
+    "ref_model_mixup_alpha": "TR-DPO-style reference updates are not supported",
+    "ref_model_sync_steps": "TR-DPO-style reference updates are not supported",
+    "entropy_coef": "the entropy bonus is not supported",
+    "use_adaptive_entropy": "the entropy bonus is not supported",
+    "off_policy_mask_threshold": "off-policy sequence masking is not supported",
+    "generation_kwargs": "extra generation arguments are not supported; use temperature, "
+    "top_p, top_k, min_p, repetition_penalty",
+    "chat_template_kwargs": "chat template arguments are not supported",
+    "max_prompt_length": "prompts are kept whole; a prompt with no room for "
+    "max_completion_length within sequence_len is dropped and counted",
+    "environment_factory": "environments and tool calls are not supported",
+    "tools": "tool calls are not supported",
+    "reward_processing_classes": "reward models are not supported; give reward functions",
+    "num_generations_eval": "held-out rollouts are not supported yet",
+}
+
+
+class TrlConfig(_Strict):
+    """Axolotl's `trl:` section for `rl: grpo`: TRL's GRPOConfig names, defaults and meaning."""
+
+    reward_funcs: list[str] = Field(
+        ..., min_length=1, description="Reward functions, `module.function` importable from the "
+        "config's folder or the Python path, with TRL's signature: `f(prompts, completions, "
+        "completion_ids, **columns) -> list[float | None]` (None: not applicable).",
+    )
+    reward_weights: list[float] | None = Field(
+        None, description="Weight of each reward function (default 1 each).")
+    num_generations: int = Field(
+        8, ge=2, description="Completions sampled per prompt (a group); `micro_batch_size` "
+        "counts completions and must be a multiple of it.")
+    max_completion_length: int = Field(512, ge=1, description="New tokens per completion.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; the "
+                               "log-probabilities are scored at it too (as TRL does).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
+    top_k: int | None = Field(0, ge=0, description="Top-k sampling (0 or null: off).")
+    min_p: float | None = Field(None, ge=0, le=1, description="Min-p sampling.")
+    repetition_penalty: float = Field(1.0, gt=0, description="Repetition penalty.")
+    beta: float = Field(0.0, ge=0, description="Weight of the k3 KL to the reference model "
+                        "(0: no reference pass).")
+    epsilon: float = Field(0.2, ge=0, description="Lower clip of the importance ratio.")
+    epsilon_high: float | None = Field(
+        None, ge=0, description="Upper clip (default: `epsilon`); cispo: the ratio's cap.")
+    delta: float | None = Field(None, gt=0, description="Two-sided clipping: cap the ratio.")
+    num_iterations: int = Field(
+        1, ge=1, description="Optimizer steps per generation batch (> 1: the rollout-time "
+        "log-probabilities are kept for the importance ratio).")
+    scale_rewards: Literal["group", "batch", "none"] | bool = Field(
+        "group", description="Divide advantages by the reward std of the group, the batch, or "
+        "not at all (true: group, false: none).")
+    loss_type: GrpoLossType = Field(
+        "dapo", description="TRL's loss aggregation: grpo, bnpo, dr_grpo, dapo, cispo, sapo, "
+        "luspo.")
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="sequence: one ratio per completion (GSPO).")
+    mask_truncated_completions: bool = Field(
+        False, description="Leave completions cut at max_completion_length out of the loss.")
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        "sum_then_normalize", description="How several reward functions become advantages.")
+    use_bias_correction_kl: bool = Field(
+        True, description="Multiply the per-token KL by the importance ratio (TRL's default).")
+    sapo_temperature_pos: float = Field(1.0, gt=0, description="sapo: positive advantages.")
+    sapo_temperature_neg: float = Field(1.05, gt=0, description="sapo: negative advantages.")
+    steps_per_generation: int | None = Field(
+        None, ge=1, description="Micro-batches per generation batch; longctx generates once "
+        "per optimizer step (this must equal gradient_accumulation_steps when given).")
+    num_completions_to_print: int | None = Field(
+        None, ge=0, description="Completions written per logging step (default: every one).")
+    _ignored: list[tuple[str, str]] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _axolotl_trl_keys(cls, data: Any, handler: Any) -> TrlConfig:
+        ignored = []
+        if isinstance(data, dict):
+            data = dict(data)
+            for key in list(data):
+                if key in TRL_IGNORED:
+                    ignored.append((key, TRL_IGNORED[key]))
+                    data.pop(key)
+                elif key in TRL_REFUSED:
+                    value = data.pop(key)
+                    if value not in (None, False, 0, "", [], {}) or (
+                            key == "max_prompt_length" and value):
+                        raise ValueError(f"`trl.{key}: {value}` cannot run: "
+                                         f"{TRL_REFUSED[key]}")
+        model = handler(data)
+        model._ignored = ignored
+        return model
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrlConfig:
+        if self.reward_weights is not None and len(self.reward_weights) != len(
+                self.reward_funcs):
+            raise ValueError(f"`reward_weights` has {len(self.reward_weights)} weights for "
+                             f"{len(self.reward_funcs)} reward functions; give one per "
+                             "function")
+        for name in self.reward_funcs:
+            if not _is_import_path(name):
+                raise ValueError(f"reward function `{name}` must be `module.function` (e.g. "
+                                 "`rewards.passkey_digits` for rewards.py beside the config)")
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards,
+                                                               self.scale_rewards)
+        return self
+
+    @property
+    def epsilon_upper(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
 class Config(_Strict):
@@ -697,8 +862,14 @@ class Config(_Strict):
         None,
         description="Train on preference pairs instead of the causal-LM loss: dpo (with "
         "`dpo_loss_type`), ipo (dpo with the ipo loss), simpo (no reference model), orpo (NLL "
-        "of the chosen sequences plus an odds-ratio term; no reference model). Needs "
-        "preference datasets. See docs/preference.md.",
+        "of the chosen sequences plus an odds-ratio term; no reference model); these need "
+        "preference datasets (docs/preference.md). grpo: online RL on prompt datasets, "
+        "completions sampled under SP and scored by the `trl.reward_funcs` (docs/rl.md).",
+    )
+    trl: TrlConfig | None = Field(
+        None, description="rl: grpo: the GRPO settings, under TRL's and Axolotl's names "
+        "(`reward_funcs`, `num_generations`, `max_completion_length`, `beta`, `loss_type`, "
+        "...). See docs/rl.md.",
     )
     rl_beta: float | None = Field(
         None, gt=0, validation_alias=AliasChoices("rl_beta", "dpo_beta"),
@@ -734,7 +905,9 @@ class Config(_Strict):
         "answer a branch after it that attends to the prompt and to itself, not to the chosen "
         "answer (positions go on from the prompt). The same losses and gradients as unshared "
         "pairs, one prompt's worth of compute and memory less per pair. Needs attention in "
-        "every layer and no sliding window or chunked attention. See docs/preference.md.",
+        "every layer and no sliding window or chunked attention. See docs/preference.md. "
+        "rl: grpo: on unless set to false (each prompt once for its `num_generations` "
+        "completions; docs/rl.md).",
     )
     precompute_ref_log_probs: bool = Field(
         False, description="dpo/ipo with a new adapter: compute the reference log-probabilities "
@@ -892,6 +1065,17 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _preference_rules(self) -> Config:
         entries = [*self.datasets, *self.eval_datasets]
+        if self.trl is not None and self.rl != "grpo":
+            raise ValueError("`trl:` holds the settings of `rl: grpo`; set `rl: grpo`, or drop "
+                             "the section")
+        if self.rl == "grpo":
+            return self._grpo_rules()
+        prompts = [e for e in entries if e.type == "prompt"]
+        if prompts:
+            what = (f"`type: {prompts[0].transform}` (a Python transform)" if
+                    prompts[0].transform else "`type: prompt`")
+            raise ValueError(f"{what} holds prompts to roll out, which train with `rl: grpo`; "
+                             "set `rl: grpo` (and its `trl:` section), or use an SFT type")
         pairs = [e.type for e in entries if is_preference_type(e.type)]
         if self.rl is None and self.prefix_sharing:
             raise ValueError("`prefix_sharing: true` shares a preference pair's prompt between "
@@ -962,6 +1146,61 @@ class Config(_Strict):
         self.dpo_loss_type = losses
         return self
 
+    def _grpo_rules(self) -> Config:
+        if self.trl is None:
+            raise ValueError("`rl: grpo` needs a `trl:` section with at least `reward_funcs` "
+                             "(e.g. `trl: {reward_funcs: [rewards.passkey_digits], "
+                             "num_generations: 4}`); see docs/rl.md")
+        if not self.datasets or self.pretraining_dataset:
+            raise ValueError("`rl: grpo` rolls out the prompts of `datasets` (`type: prompt`, "
+                             "or an Axolotl transform `type: module.function`); add one")
+        for entry in self.datasets:
+            if "type" not in entry.model_fields_set:
+                entry.type = "prompt"  # a GRPO dataset is a prompt dataset
+            if entry.type != "prompt":
+                raise ValueError(f"`rl: grpo` rolls out prompts, but a dataset has `type: "
+                                 f"{entry.type}`; use `type: prompt` (a `prompt` column: text "
+                                 "or chat messages) or an Axolotl transform "
+                                 "`type: module.function`")
+        if self.eval_datasets or self.val_set_size:
+            raise ValueError("held-out rollouts are not supported yet with `rl: grpo`: drop "
+                             "`eval_datasets` / `val_set_size` (evaluate the saved model with "
+                             "`longctx eval`)")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("`rl: grpo` with `tensor_parallel_size` > 1: rollouts decode one "
+                             "token at a time across the SP group, and under tensor parallelism "
+                             "each token's heads and vocabulary are split across ranks, which "
+                             "the sampler does not handle yet; use sequence (and data) "
+                             "parallelism, with FSDP for memory")
+        for key in ("rl_beta", "orpo_alpha", "dpo_loss_type"):
+            if getattr(self, key) is not None:
+                raise ValueError(f"`{key}` is a preference-loss key; `rl: grpo` reads its "
+                                 f"settings from `trl:` (the KL weight is `trl.beta`): drop it")
+        trl = self.trl
+        if self.micro_batch_size % trl.num_generations:
+            raise ValueError(
+                f"`micro_batch_size: {self.micro_batch_size}` counts completions (TRL's "
+                f"per_device_train_batch_size) and must be a multiple of "
+                f"`trl.num_generations: {trl.num_generations}` so that every prompt's group "
+                f"sits in one row with the prompt once; set micro_batch_size to "
+                f"{trl.num_generations} (or a multiple)")
+        if trl.steps_per_generation not in (None, self.gradient_accumulation_steps):
+            raise ValueError(
+                f"`trl.steps_per_generation: {trl.steps_per_generation}`: longctx samples one "
+                "generation batch per optimizer step (steps_per_generation = "
+                f"gradient_accumulation_steps = {self.gradient_accumulation_steps}); drop it, "
+                "or use `trl.num_iterations` to reuse a batch for several steps")
+        if trl.max_completion_length >= self.sequence_len:
+            raise ValueError(
+                f"`trl.max_completion_length: {trl.max_completion_length}` leaves no room for "
+                f"a prompt within `sequence_len: {self.sequence_len}` (prompt + completion); "
+                "raise sequence_len or lower max_completion_length")
+        if "prefix_sharing" not in self.model_fields_set:
+            self.prefix_sharing = True  # the long prompt once per group, unless asked not to
+        self._axolotl_notes.extend((f"trl.{key}", f"ignored: {why}")
+                                   for key, why in trl._ignored)
+        return self
+
     @field_validator("pretraining_dataset", mode="before")
     @classmethod
     def _pretraining_entries(cls, value: Any) -> Any:
@@ -990,6 +1229,9 @@ class Config(_Strict):
     # (key, how it was handled) for every Axolotl key the loader mapped or ignored, and the
     # DeepSpeed mapping; the plan prints them.
     _axolotl_notes: list[tuple[str, str]] = PrivateAttr(default_factory=list)
+    # The folder of the config file (set by `load_config`): reward functions and dataset
+    # transforms (`module.function`) are imported from it first.
+    _source_dir: str | None = PrivateAttr(default=None)
 
     @field_validator("activation_offloading", mode="before")
     @classmethod
@@ -1103,6 +1345,10 @@ class Config(_Strict):
                                  "of a parameter, which needs whole parameters on each rank: "
                                  "not with `fsdp` or `tensor_parallel_size` > 1")
         return self
+
+    @property
+    def source_dir(self) -> str | None:
+        return self._source_dir
 
     @property
     def random_init(self) -> bool:

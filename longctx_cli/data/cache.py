@@ -124,7 +124,15 @@ def _run_parts(
         # ORPO tokenizes pairs its own way (only then, so other caches keep their names).
         **({"pair_tokenization": "orpo"} if config.rl == "orpo" else {}),
         **({"prefix_sharing": True} if config.prefix_sharing else {}),
+        # rl: grpo keeps prompts, not packed rows (data/prompts.py).
+        **({"grpo_prompts": _prompts_part(config)} if config.rl == "grpo" else {}),
     }
+
+
+def _prompts_part(config: Config) -> dict[str, Any]:
+    from longctx_cli.data.prompts import fingerprint
+
+    return fingerprint(config)
 
 
 def digest(parts: dict[str, Any]) -> str:

@@ -146,6 +146,12 @@ def _build(
     work.mkdir()
     report = PrepareReport(config.sequence_len, config.sample_packing,
                            config.excess_length_strategy)
+    if config.rl == "grpo":  # prompts to roll out, not packed rows
+        from longctx_cli.data.prompts import prompt_rows
+
+        prompt_rows(config, tok, train_sources, report, str(work)).save_to_disk(
+            str(tmp / cache.TRAIN_DIR))
+        return report
     train_rows, hist = _split_rows("train", config.datasets, train_sources, config, tok, work,
                                    progress, report)
     report.length_histogram = hist

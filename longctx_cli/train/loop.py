@@ -21,7 +21,6 @@ from longctx_cli.data.stream import PackedStream
 from longctx_cli.data.tokenizer import load_tokenizer
 from longctx_cli.data.tokenizer import pad_id as tokenizer_pad_id
 from longctx_cli.parallel.mesh import ParallelState, build_parallel_state
-from longctx_cli.runtime.batches import micro_batches
 from longctx_cli.runtime.distributed import init_distributed, load_rows
 from longctx_cli.runtime.model import build_model, decoder_and_head
 from longctx_cli.runtime.startup import StartupClock
@@ -32,8 +31,9 @@ from longctx_cli.train.optim import is_plateau, make_optimizer, make_scheduler
 from longctx_cli.train.precision import Precision, setup_precision
 from longctx_cli.train.preemption import Preempted, PreemptionSignals, Progress
 from longctx_cli.train.preference import PreferenceLoss, reference_table
-from longctx_cli.train.schedule import DataPosition
-from longctx_cli.train.step import NonFiniteError, train_step
+from longctx_cli.train.rollout import GrpoSteps
+from longctx_cli.train.schedule import DataPosition, steps_per_batch
+from longctx_cli.train.step import NonFiniteError, RowSteps
 from longctx_cli.train.stopping import EARLY_STOPPING, LOSS_WATCHDOG, Stopper, nonfinite_error
 from longctx_cli.train.summary import gather_peak_memory, summary_lines
 
@@ -49,6 +49,16 @@ def setup_model(config: Config, plan: Plan, state: ParallelState
     precision = setup_precision(model, config.dtype, state.device,
                                 sharded_grads=use_fsdp or state.layout.tp > 1)
     return model, precision, use_fsdp
+
+
+def grpo_reference(config: Config, plan: Plan, state: ParallelState) -> torch.nn.Module | None:
+    """GRPO's reference model where switching the adapter off does not give it (a full
+    fine-tune, a continued adapter): a frozen copy of the initial model; else None."""
+    if not config.trl.beta or (config.adapter is not None and not config.lora_model_dir):
+        return None
+    reference, _, _ = setup_model(config, plan, state)
+    reference.requires_grad_(False)
+    return reference.eval()
 
 
 def leave_process_group() -> None:
@@ -100,6 +110,12 @@ def train(config: Config, plan: Plan, probe: str, clock: StartupClock | None = N
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(config, params)
     data = DataPosition(config, state.layout.dp, train_rows, stream)
+    # What one optimizer step runs: rows through train_step, or GRPO's rollouts and update.
+    steps = (GrpoSteps(config, state, model, decoder, lm_head, tokenizer, train_rows,
+                       data.steps_per_epoch // steps_per_batch(config),
+                       grpo_reference(config, plan, state), pad_id)
+             if config.rl == "grpo" else
+             RowSteps(config, state, data, pad_id, model, decoder, lm_head, preference))
     scheduler = make_scheduler(config, optimizer, data.num_steps)
     checkpointer = Checkpointer(config, data, model, optimizer, scheduler)
     evaluator = Evaluator(config, state, model, preference, eval_rows, pad_id, scheduler,
@@ -118,12 +134,10 @@ def train(config: Config, plan: Plan, probe: str, clock: StartupClock | None = N
     preemption = PreemptionSignals(config.preemption_signals)
     progress = Progress(Path(config.output_dir), dist.get_rank())  # read by the launcher
     for step in range(start_step, data.num_steps):
-        batches = micro_batches(*data.step_rows(step), config, state, pad_id)
         lr = optimizer.param_groups[0]["lr"]
         started = time.perf_counter()
         try:
-            result = train_step(model, decoder, lm_head, params, optimizer, batches, config,
-                                state, use_fsdp, precision, preference)
+            result = steps.step(step, params, optimizer, use_fsdp, precision)
         except NonFiniteError as e:
             raise nonfinite_error(step, e, checkpointer.last) from None
         if not is_plateau(config):  # a plateau schedule steps on the eval loss instead

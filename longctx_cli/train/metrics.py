@@ -156,12 +156,16 @@ class Metrics:
         self.tracker.log(record)
         self.progress.update(1)
         accuracy = {"acc": f"{result.metrics[ACCURACY]:.2f}"} if ACCURACY in result.metrics else {}
+        if "reward" in result.metrics:  # rl: grpo
+            accuracy["reward"] = f"{result.metrics['reward']:.3f}"
         self.progress.set_postfix(
             loss=f"{result.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_sec']:.0f}",
             **accuracy,
         )
         if (step + 1) % self.logging_steps == 0 or step + 1 == self.num_steps:
-            extra = "".join(f" {k} {v:.4f}" for k, v in result.metrics.items())
+            shown = result.metrics if result.shown is None else {
+                k: result.metrics[k] for k in result.shown if k in result.metrics}
+            extra = "".join(f" {k} {v:.4f}" for k, v in shown.items())
             extra += f" eval_loss {eval_loss:.4f}" if eval_loss is not None else ""
             extra += "".join(f" {k} {v:.4f}" for k, v in (eval_metrics or {}).items()
                              if eval_loss is not None)

@@ -71,7 +71,7 @@ class PreferenceLoss:
 
     @classmethod
     def from_config(cls, config: Config) -> PreferenceLoss | None:
-        if config.rl is None:
+        if config.rl is None or config.rl == "grpo":  # grpo: train/rollout.py
             return None
         types = tuple(config.dpo_loss_type or ())
         weights = tuple(config.dpo_loss_weights or [1.0] * len(types))

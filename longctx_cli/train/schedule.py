@@ -19,18 +19,31 @@ if TYPE_CHECKING:
 
 
 def rows_per_step(config: Config, dp_size: int) -> int:
-    return dp_size * config.micro_batch_size * config.gradient_accumulation_steps
+    """Rows one optimizer step reads (`rl: grpo`: prompts of a generation batch, whose
+    `micro_batch_size` counts completions, `num_generations` per prompt)."""
+    per_micro = config.micro_batch_size
+    if config.rl == "grpo":
+        per_micro //= config.trl.num_generations
+    return dp_size * per_micro * config.gradient_accumulation_steps
+
+
+def steps_per_batch(config: Config) -> int:
+    """Optimizer steps on one step's rows (`rl: grpo`: `trl.num_iterations`, else 1)."""
+    return config.trl.num_iterations if config.rl == "grpo" else 1
 
 
 def total_steps(config: Config, num_rows: int, dp_size: int) -> tuple[int, int]:
     """(steps per epoch, total optimizer steps); the last partial step of an epoch is dropped."""
     per_step = rows_per_step(config, dp_size)
-    steps_per_epoch = num_rows // per_step
+    steps_per_epoch = num_rows // per_step * steps_per_batch(config)
     if steps_per_epoch == 0:
+        what = "prompts" if config.rl == "grpo" else "packed rows"
         raise UserError(
-            f"the training set has {num_rows} packed rows but one optimizer step needs "
-            f"{per_step} (dp {dp_size} x micro_batch_size {config.micro_batch_size} x "
-            f"gradient_accumulation_steps {config.gradient_accumulation_steps}).",
+            f"the training set has {num_rows} {what} but one optimizer step needs "
+            f"{per_step} (dp {dp_size} x micro_batch_size {config.micro_batch_size}"
+            + (f" / num_generations {config.trl.num_generations}" if config.rl == "grpo"
+               else "")
+            + f" x gradient_accumulation_steps {config.gradient_accumulation_steps}).",
             where="datasets",
             fix="add data, or lower micro_batch_size / gradient_accumulation_steps.",
         )

@@ -37,6 +37,7 @@ class StepResult:
     grad_norm: float
     skipped: bool
     metrics: dict[str, float] = field(default_factory=dict)  # a preference run's TRL metrics
+    shown: tuple[str, ...] | None = None  # the metrics the step line shows (None: all)
 
 
 class NonFiniteError(Exception):
@@ -109,6 +110,38 @@ def first_nonfinite_grad(model: torch.nn.Module) -> str | None:
     return None
 
 
+def apply_update(model: torch.nn.Module, params: list[torch.nn.Parameter],
+                 optimizer: torch.optim.Optimizer, config: Config, state: ParallelState,
+                 use_fsdp: bool, precision: Precision, local_loss: float,
+                 ) -> tuple[float, float, bool]:
+    """After the step's backward passes: the one gradient sync, the NaN/inf check, clipping
+    and the optimizer update (or a skip). `local_loss`: this rank's share of the loss, as
+    counted once per replica. Returns (the world's loss sum, grad norm, skipped); raises
+    NonFiniteError under `on_nonfinite: stop`."""
+    device = state.device
+    # The one gradient sync: FSDP2's own reduce-scatter did it in backward, else sum here.
+    if not use_fsdp:
+        sum_gradients(params, state)
+    bad = nonfinite_ranks(local_loss, device)
+    (loss_sum_global,) = all_reduce_sum([local_loss], device)
+    max_norm = config.max_grad_norm if config.max_grad_norm is not None else float("inf")
+    precision.unscale(optimizer)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    skipped = bool(bad) or not math.isfinite(grad_norm)
+    if skipped and config.on_nonfinite == "stop" and not (
+        not bad and precision.overflowed(grad_norm)  # fp16 loss scaling backs off instead
+    ):
+        if bad:
+            raise NonFiniteError(f"the loss on rank(s) {bad}")
+        name = first_nonfinite_grad(model)
+        raise NonFiniteError(f"the gradient of `{name}`" if name else "the gradient norm")
+    if not skipped:
+        precision.step(optimizer)
+    precision.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum_global, grad_norm, skipped
+
+
 def train_step(
     model: torch.nn.Module, decoder: torch.nn.Module, lm_head: torch.nn.Module,
     params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
@@ -153,28 +186,32 @@ def train_step(
                         metric_sums[key] = metric_sums.get(key, 0.0) + value * counts_pairs
             precision.scale(loss_sum / backward_divisor).backward()
         local_loss += loss_sum.item() * (counts_pairs or preference is None)
-    # The one gradient sync: FSDP2's own reduce-scatter did it above, else sum here.
-    if not use_fsdp:
-        sum_gradients(params, state)
-    bad = nonfinite_ranks(local_loss, device)
-    (loss_sum_global,) = all_reduce_sum([local_loss], device)
-    max_norm = config.max_grad_norm if config.max_grad_norm is not None else float("inf")
-    precision.unscale(optimizer)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    skipped = bool(bad) or not math.isfinite(grad_norm)
-    if skipped and config.on_nonfinite == "stop" and not (
-        not bad and precision.overflowed(grad_norm)  # fp16 loss scaling backs off instead
-    ):
-        if bad:
-            raise NonFiniteError(f"the loss on rank(s) {bad}")
-        name = first_nonfinite_grad(model)
-        raise NonFiniteError(f"the gradient of `{name}`" if name else "the gradient norm")
-    if not skipped:
-        precision.step(optimizer)
-    precision.update()
-    optimizer.zero_grad(set_to_none=True)
+    loss_sum_global, grad_norm, skipped = apply_update(model, params, optimizer, config, state,
+                                                       use_fsdp, precision, local_loss)
     metrics = {}
     if preference is not None:
         sums = all_reduce_sum(list(metric_sums.values()), device) if metric_sums else []
         metrics = {k: v / divisor for k, v in zip(metric_sums, sums, strict=True)}
     return StepResult(loss_sum_global / divisor, int(global_count), grad_norm, skipped, metrics)
+
+
+class RowSteps:
+    """The optimizer steps of a run on prepared rows (SFT, preference): each step reads its
+    rows (`DataPosition`) and runs `train_step` (`rl: grpo` runs `rollout.GrpoSteps`)."""
+
+    def __init__(self, config: Config, state: ParallelState, data, pad_id: int,
+                 model: torch.nn.Module, decoder: torch.nn.Module, lm_head: torch.nn.Module,
+                 preference: PreferenceLoss | None):
+        self.config, self.state, self.data, self.pad_id = config, state, data, pad_id
+        self.model, self.decoder, self.lm_head = model, decoder, lm_head
+        self.preference = preference
+
+    def step(self, step: int, params: list[torch.nn.Parameter],
+             optimizer: torch.optim.Optimizer, use_fsdp: bool,
+             precision: Precision) -> StepResult:
+        from longctx_cli.runtime.batches import micro_batches
+
+        batches = micro_batches(*self.data.step_rows(step), self.config, self.state,
+                                self.pad_id)
+        return train_step(self.model, self.decoder, self.lm_head, params, optimizer, batches,
+                          self.config, self.state, use_fsdp, precision, self.preference)

@@ -1,0 +1,22 @@
+"""The reward function of examples/tiny_grpo.yaml, with TRL's signature.
+
+    trl:
+      reward_funcs: [rewards.passkey_digits]
+
+`longctx` imports `rewards` from the config's folder. Each call gets the prompts, the
+completions (text), their token ids and every other column of the prompt records as lists;
+here the `key` column holds each prompt's pass key.
+"""
+
+from __future__ import annotations
+
+
+def passkey_digits(completions: list[str], key: list[str], **kwargs) -> list[float]:
+    """The share of the key's digits the completion gets right, in place, before its `]`
+    (1.0: the whole key; a completion with extra digits loses the excess)."""
+    rewards = []
+    for completion, answer in zip(completions, key, strict=True):
+        said = completion.split("]")[0].strip()
+        right = sum(a == b for a, b in zip(said, answer, strict=False))
+        rewards.append(max(0.0, right - max(0, len(said) - len(answer))) / len(answer))
+    return rewards

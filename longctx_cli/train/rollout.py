@@ -1,0 +1,330 @@
+"""One optimizer step of `rl: grpo`: rollouts under SP (when due), rewards, advantages, then
+the update on rows that hold each prompt once (TRL's GRPOTrainer, the prompt never gathered).
+
+Every `trl.num_iterations` steps a generation batch is rolled out: this DP rank's prompts of
+the step (`micro_batch_size / num_generations` per micro-batch, `gradient_accumulation_steps`
+micro-batches), each prefilled across its SP group and continued `num_generations` times
+from that one prefill (`runtime/sampling.py`), seeded per prompt from `seed`, the step and the
+prompt's place in the step, so every layout samples alike. The first rank of each SP group
+scores its completions with the reward functions; every rank gathers all rewards and computes
+the advantages (groups, or the batch, for the std), as TRL does over its processes. With
+`num_iterations > 1` the rollout-time log-probabilities are computed once in a `no_grad` SP
+pass; with `beta > 0` so are the reference's (the adapter switched off, or a frozen copy of
+the initial model). Each step then runs its micro-batches through `grpo.grpo_loss` and one
+update (`step.apply_update`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from longctx_cli.config import Config
+from longctx_cli.errors import UserError
+from longctx_cli.parallel.mesh import ParallelState
+from longctx_cli.parallel.sharding import shard_batch
+from longctx_cli.runtime.batches import step_row_indices, to_device
+from longctx_cli.runtime.memory_savers import activation_offload
+from longctx_cli.runtime.model import sp_hidden_states
+from longctx_cli.runtime.sampling import Sampling, decode
+from longctx_cli.train.grpo import GrpoLoss, RolloutBatch, grpo_loss, score_tokens
+from longctx_cli.train.precision import Precision
+from longctx_cli.train.preference import reference_model
+from longctx_cli.train.rewards import RewardFunctions, advantages, function_metrics
+from longctx_cli.train.rollout_rows import group_row
+from longctx_cli.train.step import StepResult, all_reduce_sum, apply_update
+
+COMPLETIONS_FILE = "completions.jsonl"
+# What the step line shows of the run's metrics (metrics.jsonl and trackers get them all).
+SHOWN = ("reward", "reward_std", "completions/mean_length", "kl", "entropy",
+         "clip_ratio/region_mean", "rollout_s", "update_s")
+
+
+def grpo_loss_of(config: Config) -> GrpoLoss:
+    trl = config.trl
+    return GrpoLoss(loss_type=trl.loss_type, beta=trl.beta, epsilon_low=trl.epsilon,
+                    epsilon_high=trl.epsilon_upper, delta=trl.delta,
+                    importance_sampling_level=trl.importance_sampling_level,
+                    temperature=trl.temperature,
+                    max_completion_length=trl.max_completion_length,
+                    use_bias_correction_kl=trl.use_bias_correction_kl,
+                    sapo_temperature_pos=trl.sapo_temperature_pos,
+                    sapo_temperature_neg=trl.sapo_temperature_neg)
+
+
+def sampling_of(config: Config) -> Sampling:
+    trl = config.trl
+    return Sampling(do_sample=True, temperature=trl.temperature, top_k=trl.top_k or 0,
+                    top_p=trl.top_p, min_p=trl.min_p,
+                    repetition_penalty=trl.repetition_penalty)
+
+
+@dataclass
+class Generation:
+    """A rolled-out generation batch: this rank's micro-batches and what the step logs."""
+
+    index: int
+    batches: list[RolloutBatch]
+    step_tokens: float  # scored completion tokens of the step, every DP rank's
+    metrics: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class GrpoSteps:
+    """The optimizer steps of a `rl: grpo` run (what the loop calls instead of `train_step`)."""
+
+    def __init__(self, config: Config, state: ParallelState, model: torch.nn.Module,
+                 decoder: torch.nn.Module, head: torch.nn.Module, tokenizer, rows,
+                 steps_per_generation_batch: int, reference: torch.nn.Module | None,
+                 pad_id: int):
+        self.config, self.state, self.model = config, state, model
+        self.decoder, self.head, self.tokenizer, self.rows = decoder, head, tokenizer, rows
+        self.pad_id = pad_id
+        self.trl = config.trl
+        self.loss = grpo_loss_of(config)
+        self.sampling = sampling_of(config)
+        self.rewards = RewardFunctions.from_config(config)
+        self.reference = reference  # a frozen copy, or None: the adapter switched off
+        self.per_micro = config.micro_batch_size // self.trl.num_generations  # prompts
+        self.prompts_per_step = (state.layout.dp * config.gradient_accumulation_steps
+                                 * self.per_micro)
+        self.generations_per_epoch = steps_per_generation_batch
+        self.chunk = config.loss_chunk_size if config.chunked_loss else None
+        generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos = {tokenizer.eos_token_id} | set(
+            generation_eos if isinstance(generation_eos, list) else [generation_eos])
+        self.eos_ids = tuple(sorted(e for e in eos if e is not None))
+        self.generation: Generation | None = None
+        self.input_tokens_seen = 0
+        self.counted = state.sp_rank == 0 and state.tp_rank == 0  # once per SP x TP group
+
+    # ---- the step -----------------------------------------------------------------------
+
+    def step(self, step: int, params: list[torch.nn.Parameter],
+             optimizer: torch.optim.Optimizer, use_fsdp: bool,
+             precision: Precision) -> StepResult:
+        index = step // self.trl.num_iterations
+        if self.generation is None or self.generation.index != index:
+            self.generation = self.roll_out(index, step)
+            rollout_s = self.generation.seconds
+        else:
+            rollout_s = 0.0
+        started = time.perf_counter()
+        batches = self.generation.batches
+        micro_batches = self.state.layout.dp * len(batches)
+        replicas = dist.get_world_size() // self.state.layout.tp
+        local_loss = 0.0
+        sums: dict[str, list[float]] = {}
+        extremes: dict[str, list[float]] = {}
+        for i, rollout in enumerate(batches):
+            if use_fsdp:  # FSDP2 averages over its replicas; the loss is already the share
+                self.model.set_requires_gradient_sync(i == len(batches) - 1)
+            with activation_offload(self.config.activation_offloading):
+                with precision.autocast():
+                    hidden = sp_hidden_states(self.decoder, rollout.batch)
+                    result = grpo_loss(self.head, hidden, rollout, self.loss, self.state,
+                                       self.chunk, micro_batches, self.generation.step_tokens)
+                precision.scale(result.loss * (replicas if use_fsdp else 1)).backward()
+            local_loss += result.loss.item() * self.counted
+            for key, (num, den) in result.metric_sums.items():
+                total = sums.setdefault(key, [0.0, 0.0])
+                total[0] += num * self.counted
+                total[1] += den * self.counted
+            for key, value in result.extremes.items():
+                extremes.setdefault(key, []).append(value)
+        loss, grad_norm, skipped = apply_update(self.model, params, optimizer, self.config,
+                                                self.state, use_fsdp, precision, local_loss)
+        metrics = dict(self.generation.metrics) if rollout_s else {
+            k: v for k, v in self.generation.metrics.items() if not k.startswith("rewards/")
+            and k not in ("reward", "reward_std", "frac_reward_zero_std")}
+        keys = sorted(sums)
+        totals = all_reduce_sum([v for k in keys for v in sums[k]], self.state.device)
+        for i, key in enumerate(keys):
+            if totals[2 * i + 1]:
+                metrics[key] = totals[2 * i] / totals[2 * i + 1]
+        metrics.update(self._extremes(extremes))
+        metrics["rollout_s"] = rollout_s
+        metrics["update_s"] = time.perf_counter() - started
+        return StepResult(loss, int(self.generation.step_tokens), grad_norm, skipped, metrics,
+                          shown=SHOWN)
+
+    def _extremes(self, extremes: dict[str, list[float]]) -> dict[str, float]:
+        out = {}
+        for key, op in (("clip_ratio/low_min", dist.ReduceOp.MIN),
+                        ("clip_ratio/high_max", dist.ReduceOp.MAX)):
+            values = [v for v in extremes.get(key, []) if v == v]
+            if key not in extremes:
+                continue
+            fill = float("inf") if op == dist.ReduceOp.MIN else float("-inf")
+            t = torch.tensor([(min if op == dist.ReduceOp.MIN else max)(values, default=fill)],
+                             dtype=torch.float64, device=self.state.device)
+            dist.all_reduce(t, op=op)
+            out[key] = float(t) if abs(float(t)) != float("inf") else float("nan")
+        return out
+
+    # ---- rollouts -------------------------------------------------------------------------
+
+    def roll_out(self, index: int, step: int) -> Generation:
+        """Sample, score and lay out this rank's share of generation batch `index`."""
+        started = time.perf_counter()
+        state, config, g = self.state, self.config, self.trl.num_generations
+        order = step_row_indices(index, self.generations_per_epoch, self.prompts_per_step,
+                                 len(self.rows), config.seed,
+                                 not config.curriculum_sampling)
+        mine = order[state.dp_rank * len(order) // state.layout.dp:
+                     (state.dp_rank + 1) * len(order) // state.layout.dp]
+        first = state.dp_rank * len(mine)  # the place of my first prompt in the step
+        records = [self.rows[i] for i in mine]
+        self.model.eval()  # no dropout, and a KV cache even with gradient checkpointing
+        samples: list[list[list[int]]] = []
+        for k, record in enumerate(records):
+            generator = None
+            if state.sp_rank == 0:
+                generator = torch.Generator(device=state.device).manual_seed(
+                    zlib.crc32(f"{config.seed}:{index}:{first + k}".encode()))
+            samples.append(decode(self.decoder, self.head, record["prompt_ids"],
+                                  self.trl.max_completion_length, state, self.pad_id,
+                                  state.device, self.eos_ids, self.sampling, g,
+                                  generator).tokens)
+        self.model.train()
+        local = self._score(records, samples, step)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, local if self.counted else None)
+        leaders = [part for part in everyone if part is not None]
+        problem = next((p["error"] for p in leaders if "error" in p), None)
+        if problem is not None:
+            raise UserError(problem)
+        leaders.sort(key=lambda p: p["dp_rank"])
+        rewards = torch.tensor([r for p in leaders for r in p["rewards"]], dtype=torch.float32)
+        advantage, metrics = advantages(rewards, self.rewards.weights, g,
+                                        self.trl.scale_rewards,
+                                        self.trl.multi_objective_aggregation)
+        metrics.update(function_metrics(rewards, self.rewards.names))
+        lengths = torch.tensor([n for p in leaders for n in p["lengths"]], dtype=torch.float32)
+        truncated = torch.tensor([t for p in leaders for t in p["truncated"]])
+        metrics.update(_length_metrics(lengths, truncated))
+        prompt_tokens = sum(p["prompt_tokens"] for p in leaders)
+        self.input_tokens_seen += prompt_tokens + int(lengths.sum())
+        metrics["num_tokens"] = float(self.input_tokens_seen)
+        for name, values in self.rewards.logged.items():  # the functions' own log_metric
+            metrics[name] = sum(values) / len(values)
+        self.rewards.logged.clear()
+        mask = ~truncated if self.trl.mask_truncated_completions else torch.ones_like(truncated)
+        step_tokens = float((lengths * mask).sum())
+        offset = state.dp_rank * len(mine) * g
+        my_advantages = advantage[offset:offset + len(mine) * g].tolist()
+        my_mask = mask[offset:offset + len(mine) * g].tolist()
+        if state.dp_rank == 0 and self.counted and step % config.logging_steps == 0:
+            self._write_completions(step, leaders, advantage)
+        batches = self._rows(records, samples, my_advantages, my_mask)
+        return Generation(index, batches, step_tokens, metrics,
+                          time.perf_counter() - started)
+
+    def _score(self, records: list[dict], samples: list[list[list[int]]], step: int) -> dict:
+        """This SP group's completions, rewards and lengths (its first rank's work)."""
+        if not self.counted:
+            return {}
+        g = self.trl.num_generations
+        prompts, completions, ids, columns, where = [], [], [], [], []
+        for record, group in zip(records, samples, strict=True):
+            prompt = json.loads(record["prompt"])
+            texts = self.tokenizer.batch_decode(group, skip_special_tokens=True)
+            for text, completion in zip(texts, group, strict=True):
+                prompts.append(prompt)
+                completions.append([{"role": "assistant", "content": text}]
+                                   if isinstance(prompt, list) else text)
+                ids.append(completion)
+                columns.append(json.loads(record["columns"]))
+                where.append(record["where"])
+        out = {"dp_rank": self.state.dp_rank, "prompts": prompts, "completions": completions,
+               "lengths": [len(c) for c in ids],
+               "truncated": [bool(c) and c[-1] not in (*self.eos_ids, self.pad_id)
+                             for c in ids],
+               "prompt_tokens": sum(len(r["prompt_ids"]) for r in records) * g}
+        try:
+            out["rewards"] = self.rewards.score(prompts, completions, ids, columns, step, where)
+        except UserError as e:
+            out["error"] = str(e)
+        return out
+
+    def _rows(self, records: list[dict], samples: list[list[list[int]]],
+              advantage: list[float], mask: list[bool]) -> list[RolloutBatch]:
+        """This rank's micro-batches: rows of whole groups, with their per-token passes."""
+        g, per = self.trl.num_generations, self.per_micro
+        out = []
+        for start in range(0, len(records), per):
+            groups = [(records[k]["prompt_ids"], samples[k], mask[k * g:(k + 1) * g])
+                      for k in range(start, start + per)]
+            ids, positions, labels, scored = group_row(groups, self.config.prefix_sharing)
+            batch = to_device(shard_batch(ids, positions, labels, self.state, self.pad_id),
+                              self.state.device)
+            docs = len(batch.sp_meta.cu_host) - 1
+            b = len(scored)
+            rollout = RolloutBatch(
+                batch, torch.tensor(advantage[start * g:start * g + b] + [0.0] * (docs - b)),
+                torch.tensor(scored + [0] * (docs - b), dtype=torch.float32), b)
+            self._side_passes(rollout)
+            out.append(rollout)
+        return out
+
+    @torch.no_grad()
+    def _side_passes(self, rollout: RolloutBatch) -> None:
+        """The rollout-time (num_iterations > 1) and reference (beta > 0) log-probabilities
+        of this rank's tokens, in `no_grad` SP passes over the same row."""
+        targets = rollout.batch.shift_labels.reshape(-1)
+
+        def scored(decoder, head) -> torch.Tensor:
+            hidden = sp_hidden_states(decoder, rollout.batch)
+            return score_tokens(head, hidden, targets, self.state, self.chunk,
+                                self.loss.temperature)[0]
+
+        if self.trl.num_iterations > 1:
+            rollout.old_logps = scored(self.decoder, self.head)
+        if self.loss.beta != 0.0:
+            if self.reference is not None:
+                from longctx_cli.runtime.model import decoder_and_head
+
+                rollout.ref_logps = scored(*decoder_and_head(self.reference))
+            else:
+                with reference_model(self.model):
+                    rollout.ref_logps = scored(self.decoder, self.head)
+
+    def _write_completions(self, step: int, leaders: list[dict], advantage: torch.Tensor,
+                           ) -> None:
+        """Sample completions with their rewards and advantages (TRL's completions table)."""
+        limit = self.trl.num_completions_to_print
+        path = Path(self.config.output_dir) / COMPLETIONS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        i = 0
+        with path.open("a", encoding="utf-8") as f:
+            for part in leaders:
+                for prompt, completion, rewards in zip(part["prompts"], part["completions"],
+                                                       part["rewards"], strict=True):
+                    if limit is not None and i >= limit:
+                        return
+                    f.write(json.dumps({
+                        "step": step + 1, "prompt": prompt, "completion": completion,
+                        "rewards": dict(zip(self.rewards.names, rewards, strict=True)),
+                        "advantage": float(advantage[i])}, default=str) + "\n")
+                    i += 1
+
+
+def _length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+    """TRL's `completions/*` over the generation batch."""
+    terminated = lengths[~truncated]
+    if terminated.numel() == 0:
+        terminated = torch.zeros(1)
+    return {"completions/mean_length": float(lengths.mean()),
+            "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float(truncated.float().mean()),
+            "completions/mean_terminated_length": float(terminated.mean()),
+            "completions/min_terminated_length": float(terminated.min()),
+            "completions/max_terminated_length": float(terminated.max())}
