@@ -205,3 +205,27 @@ def test_a_rank_without_torchao_builds_its_model():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip().splitlines()[-1] == "None"
+
+
+def test_an_error_every_rank_raised_alike_names_the_lowest_rank(tmp_path):
+    """Ranks that read a handed entry reach their first checks together, so which of them
+    reports an error they all raise first is a matter of clocks: the line names the lowest."""
+    import time
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from longctx_cli.runtime.launch import describe_failure
+
+    def failure(rank: int, message: str, at: float) -> ProcessFailure:
+        path = tmp_path / f"error-{rank}.json"
+        path.write_text(json.dumps({"message": message, "timestamp": int(at),
+                                    "longctx": {"user_error": True, "time": at}}))
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=2,
+                              error_file=str(path))
+
+    now = time.time()
+    alike = "datasets: the training set has 15 packed rows"
+    assert describe_failure({0: failure(0, alike, now + 0.2),
+                             1: failure(1, alike, now)}) == f"rank 0: {alike}"
+    assert describe_failure({0: failure(0, "other", now + 0.2),
+                             1: failure(1, alike, now)}) == f"rank 1: {alike}"

@@ -203,12 +203,16 @@ def describe_failure(failures: dict, command: str = "train") -> str:
     """One line naming the rank that failed first and how, from torchrun's `ProcessFailure`s.
 
     A rank that stopped on a UserError is the cause when there is one (the earliest, if
-    several ranks raised one): its message is shown once, with its rank.
+    several ranks raised one): its message is shown once, with its rank, the lowest of the
+    ranks that raised the same message (ranks that read the same rows fail alike, in
+    whichever order their clocks say).
     """
     reported = {r: e for r, f in failures.items() if (e := _user_error(f)) is not None}
     if reported:
-        rank = min(reported, key=lambda r: (reported[r][1], r))
-        return f"rank {rank}: {reported[rank][0]}"
+        first = min(reported, key=lambda r: (reported[r][1], r))
+        message = reported[first][0]
+        rank = min(r for r, (text, _) in reported.items() if text == message)
+        return f"rank {rank}: {message}"
     # torchrun stops the surviving ranks with SIGTERM: those deaths are not the cause.
     causes = {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
     rank = min(causes, key=lambda r: (causes[r].timestamp, r))
