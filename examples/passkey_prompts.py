@@ -18,7 +18,7 @@ from pathlib import Path
 from longctx_cli.data.passkey import DEFAULT_DEPTHS, make_passkey_sample
 from longctx_cli.data.tokenizer import byte_tokenizer
 
-LENGTHS = (320, 384, 448, 512)  # the SFT example trained on 176-256 tokens
+LENGTHS = (272, 288, 304, 320)  # the SFT example trained on 176-256 tokens
 
 
 def records(count: int, seed: int, lengths: tuple[int, ...] = LENGTHS) -> list[dict]:

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 
 def passkey_digits(completions: list[str], key: list[str], **kwargs) -> list[float]:
-    """The share of the key's digits the completion gets right, in place, before its `]`
-    (1.0: the whole key; a completion with extra digits loses the excess)."""
+    """1.0 for the whole key closed by `]`; else half the share of the key's digits the
+    completion gets right, in place (a completion with extra digits loses the excess)."""
     rewards = []
     for completion, answer in zip(completions, key, strict=True):
         said = completion.split("]")[0].strip()
+        if said == answer and "]" in completion:
+            rewards.append(1.0)
+            continue
         right = sum(a == b for a, b in zip(said, answer, strict=False))
-        rewards.append(max(0.0, right - max(0, len(said) - len(answer))) / len(answer))
+        rewards.append(0.5 * max(0, right - max(0, len(said) - len(answer))) / len(answer))
     return rewards

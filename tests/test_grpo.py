@@ -81,13 +81,13 @@ def rollouts() -> dict:
             "old_noise": [0.3 * n for n in noise], "ref_noise": [0.5 * n for n in ref_noise]}
 
 
-def own_logps(model, data: dict) -> list[list[float]]:
+def own_logps(model, data: dict, group: int = G) -> list[list[float]]:
     """Each completion token's log-probability under `model` (its own forward, the logits
     divided by the temperature): the base of the rollout-time and reference values."""
     out = []
     with torch.no_grad():
         for i, completion in enumerate(data["completions"]):
-            prompt = data["prompts"][i // G]
+            prompt = data["prompts"][i // group]
             logits = model(torch.tensor([prompt + completion])).logits[0] / TEMPERATURE
             picked = torch.log_softmax(logits[len(prompt) - 1:-1], -1)
             out.append(picked.gather(1, torch.tensor(completion)[:, None])[:, 0].tolist())
@@ -263,3 +263,142 @@ def test_cases_clip_and_differ(references):
     assert references["grpo"]["metrics"]["clip_ratio/region_mean"] > 0.05
     assert references["grpo-kl"]["metrics"]["kl"] > 0.01
     assert references["grpo"]["loss"] != pytest.approx(references["grpo-kl"]["loss"])
+
+
+# ---- a real pretrained model: SmolLM2-135M-Instruct (tests/real_model.py) ---------------
+
+REAL_QUESTION = [{"role": "user", "content": "Name the capital of France in one word."}]
+REAL_G, REAL_NEW = 4, 10
+
+
+def _small_adapter(model) -> None:
+    """Seeded adapter values small enough to keep the real model's outputs sensible."""
+    import zlib
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+
+
+def _real_worker(rank: int, world: int, folder: str) -> dict:
+    """At sp 2: sample the group from one sharded prefill, score the reference (the model's
+    own eager forward, adapter off), compute the dapo loss with the KL and its gradients."""
+    import torch.distributed as dist
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from longctx_cli.parallel import register_sp_attention, shard_batch
+    from longctx_cli.runtime.model import decoder_and_head, sp_hidden_states
+    from longctx_cli.runtime.sampling import Sampling, decode
+    from longctx_cli.train.grpo import GrpoLoss, RolloutBatch, grpo_loss
+    from longctx_cli.train.rollout_rows import group_row, local_tokens, token_values
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompt = list(tok.apply_chat_template(REAL_QUESTION, add_generation_prompt=True,
+                                          tokenize=True, return_dict=True)["input_ids"])
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation=register_sp_attention()),
+        lora_config())
+    _small_adapter(model)
+    state = sp_state(kernel="torch", sp=2, layout="zigzag")
+    decoder, head = decoder_and_head(model)
+    torch.manual_seed(5)
+    sampled = decode(decoder, head, prompt, REAL_NEW, state, tok.pad_token_id or 0,
+                     torch.device("cpu"), (tok.eos_token_id,),
+                     Sampling(do_sample=True, temperature=TEMPERATURE, top_k=50), REAL_G)
+    own = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                               attn_implementation="eager")
+    ref = own_logps(own, {"prompts": [prompt], "completions": sampled.tokens}, REAL_G)
+    ids, positions, labels, scored = group_row([(prompt, sampled.tokens, [True] * REAL_G)],
+                                               True)
+    batch = shard_batch(ids, positions, labels, state, tok.pad_token_id or 0)
+    docs = len(batch.sp_meta.cu_host) - 1
+    rollout = RolloutBatch(batch, torch.tensor([0.8, -0.3, 0.5, -1.0] + [0.0] * (docs - 4)),
+                           torch.tensor(scored + [0] * (docs - 4), dtype=torch.float32), 4,
+                           ref_logps=local_tokens(token_values(ref, labels,
+                                                               batch.sp_meta.total_len), state))
+    objective = GrpoLoss(loss_type="dapo", beta=0.1, temperature=TEMPERATURE,
+                         max_completion_length=REAL_NEW)
+    model.train()
+    result = grpo_loss(head, sp_hidden_states(decoder, batch), rollout, objective, state, 64)
+    result.loss.backward()
+    grads = adapter_grads(model)
+    for g in grads.values():
+        dist.all_reduce(g)
+    return {"prompt": prompt, "tokens": sampled.tokens, "ref": ref, "loss": result.loss.item(),
+            "metrics": {k: n / d for k, (n, d) in result.metric_sums.items()},
+            "grads": {n: g.numpy() for n, g in grads.items()}}
+
+
+def test_smollm2_grpo_step_matches_trl():
+    """SmolLM2-135M-Instruct with a LoRA adapter, its chat-templated prompt: the 4 completions
+    longctx samples at sp 2 from one sharded prefill are those of the model's own
+    `generate(do_sample=True)` under the same seed, and the dapo loss with the KL, its metrics
+    and the adapter's gradients on them equal TRL's `_compute_loss`."""
+    from datasets import Dataset
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tests.real_model import smollm2_folder
+
+    folder = str(smollm2_folder())
+    got = run_distributed(_real_worker, 2, folder, timeout_s=300)[0]
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompt = got["prompt"]
+    policy = get_peft_model(AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"), lora_config())
+    _small_adapter(policy)
+    torch.manual_seed(5)
+    out = policy.generate(torch.tensor([prompt]), max_new_tokens=REAL_NEW, do_sample=True,
+                          temperature=TEMPERATURE, top_k=50, top_p=1.0,
+                          num_return_sequences=REAL_G, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id)
+    expected = []
+    for ids in out[:, len(prompt):].tolist():
+        end = next((i + 1 for i, t in enumerate(ids) if t == tok.eos_token_id), len(ids))
+        expected.append(ids[:end])
+    assert got["tokens"] == expected
+
+    def no_reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    args = GRPOConfig(output_dir="/tmp/longctx-trl-grpo-real", report_to=[], use_cpu=True,
+                      bf16=False, per_device_train_batch_size=REAL_G, num_generations=REAL_G,
+                      max_completion_length=REAL_NEW, temperature=TEMPERATURE,
+                      loss_type="dapo", beta=0.1)
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                attn_implementation="eager")
+    trainer = GRPOTrainer(model=base, reward_funcs=no_reward, args=args,
+                          train_dataset=Dataset.from_list([{"prompt": "x"}] * REAL_G),
+                          processing_class=tok, peft_config=lora_config())
+    model = trainer.model
+    _small_adapter(model)
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    width = max(len(t) for t in got["tokens"])
+    pad = tok.pad_token_id
+
+    def padded(rows, value, dtype):
+        return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
+
+    mask = [[1] * len(t) for t in got["tokens"]]
+    inputs = {"prompt_ids": torch.tensor([prompt] * REAL_G),
+              "prompt_mask": torch.ones(REAL_G, len(prompt), dtype=torch.long),
+              "completion_ids": padded(got["tokens"], pad, torch.long),
+              "completion_mask": padded(mask, 0, torch.long),
+              "advantages": torch.tensor([0.8, -0.3, 0.5, -1.0]),
+              "num_items_in_batch": torch.tensor(float(sum(map(sum, mask)))),
+              "ref_per_token_logps": padded(got["ref"], 0.0, torch.float32)}
+    loss = trainer._compute_loss(model, inputs)
+    loss.backward()
+    assert got["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-6)
+    logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    for key in ("kl", "entropy", "clip_ratio/region_mean"):
+        assert got["metrics"][key] == pytest.approx(logged[key], rel=1e-4, abs=1e-6), key
+    ref_grads = adapter_grads(model)
+    mine = torch.cat([torch.from_numpy(got["grads"][n]).flatten() for n in ref_grads])
+    theirs = torch.cat([g.flatten() for g in ref_grads.values()])
+    assert float((mine - theirs).norm() / theirs.norm()) < GRAD_TOL

@@ -277,7 +277,7 @@ def estimate_memory(
     # TP: weights, projections, attention heads and logits columns are 1/tp per rank.
     shape = tp_rules.tp_local_shape(shape, tp)
     base = shape.parameter_count()
-    local_tokens = config.micro_batch_size * config.sequence_len // sp
+    local_tokens = config.row_tokens // sp
     # The base's weights as stored. bitsandbytes packs the decoder's linear weights into 4
     # or 8 bits and keeps their scales on the modules (attributes, which FSDP2 does not
     # shard); embeddings, norms and lm_head keep the dtype.
@@ -324,8 +324,11 @@ def estimate_memory(
     saved, recompute = _activation_bytes(config, shape, local_tokens, not host_is_device)
     if tp > 1 and config.gradient_checkpointing:
         saved //= tp  # the layer inputs kept are the residual stream: 1/tp of the tokens
+    # rl: grpo with a KL term and no adapter to switch off: a frozen copy of the model.
+    copies = 2 if config.rl == "grpo" and config.trl.beta and (
+        config.adapter is None or config.lora_model_dir) else 1
     estimate = MemoryEstimate(
-        parameters=param_bytes // shard + replicated + gathered,
+        parameters=copies * (param_bytes // shard + replicated) + gathered,
         gradients=trainable * train_bytes // shard,
         optimizer=int(moments * trainable * train_bytes * state_scale) // shard,
         activations=saved,

@@ -126,7 +126,10 @@ class Plan:
             ("training", list(self.training)),
             ("batch", [
                 ("micro batch", f"{self.micro_batch_size} x {self.sequence_len:,} = "
-                                f"{self.micro_batch_tokens:,} tokens per SP group"),
+                                f"{self.micro_batch_tokens:,} tokens per SP group"
+                 if self.micro_batch_tokens == self.micro_batch_size * self.sequence_len else
+                 f"{self.micro_batch_size} completions in rows of up to "
+                 f"{self.micro_batch_tokens:,} tokens per SP group (each prompt once)"),
                 ("global batch", f"{self.global_batch_sequences} sequences = "
                                  f"{self.global_batch_tokens:,} tokens per step"),
                 ("tokens per rank", f"{self.tokens_per_rank_per_forward:,} per forward, "
@@ -193,9 +196,32 @@ def objective_text(config: Config) -> str:
     """What the run minimises, and for a preference run where its reference comes from."""
     if config.rl is None:
         return "causal-LM loss (mean over target tokens)"
+    if config.rl == "grpo":
+        return _grpo_text(config)
     text = _preference_text(config)
     if config.prefix_sharing:
         text += "; each pair's prompt once in the row (prefix_sharing)"
+    return text
+
+
+def _grpo_text(config: Config) -> str:
+    trl = config.trl
+    text = (f"grpo ({trl.loss_type}, {trl.importance_sampling_level}-level ratios, epsilon "
+            f"{trl.epsilon:g}/{trl.epsilon_upper:g}); {trl.num_generations} completions of up "
+            f"to {trl.max_completion_length} tokens per prompt, sampled under SP from one "
+            f"prefill (temperature {trl.temperature:g}); rewards: "
+            f"{', '.join(trl.reward_funcs)}")
+    if trl.num_iterations > 1:
+        text += (f"; {trl.num_iterations} steps per generation batch (rollout-time "
+                 "log-probabilities: one no-grad pass)")
+    if trl.beta:
+        frozen = config.adapter is None or bool(config.lora_model_dir)
+        text += (f"; KL to the reference, beta {trl.beta:g}: " + (
+            "a frozen copy of the initial model (one more model in memory), one no-grad "
+            "pass per micro-batch" if frozen else "the base model with the adapter off, one "
+            "no-grad pass per micro-batch, no copy"))
+    text += ("; each prompt once in its group's row (prefix_sharing)" if config.prefix_sharing
+             else "; each completion after its own prompt copy (prefix_sharing: false)")
     return text
 
 
@@ -320,7 +346,7 @@ def build_plan(
     )
 
     dp = layout.dp
-    row_tokens = config.micro_batch_size * config.sequence_len
+    row_tokens = config.row_tokens
     sequences = config.micro_batch_size * config.gradient_accumulation_steps * dp
     notes = []
     if "built-in table" in shape.source:
@@ -341,7 +367,7 @@ def build_plan(
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         micro_batch_tokens=row_tokens,
         global_batch_sequences=sequences,
-        global_batch_tokens=sequences * config.sequence_len,
+        global_batch_tokens=row_tokens * config.gradient_accumulation_steps * dp,
         tokens_per_rank_per_forward=row_tokens // sp,
         tokens_per_rank_per_step=row_tokens // sp * config.gradient_accumulation_steps,
         model=shape,

@@ -1347,6 +1347,18 @@ class Config(_Strict):
         return self
 
     @property
+    def row_tokens(self) -> int:
+        """Tokens of the longest row a micro-batch runs: `micro_batch_size` packed rows of
+        `sequence_len`; rl: grpo, its prompt groups (each prompt, at most `sequence_len -
+        max_completion_length` tokens, once with `prefix_sharing`, then its completions)."""
+        if self.rl != "grpo":
+            return self.micro_batch_size * self.sequence_len
+        g, new = self.trl.num_generations, self.trl.max_completion_length
+        if not self.prefix_sharing:
+            return self.micro_batch_size * self.sequence_len
+        return self.micro_batch_size // g * (self.sequence_len - new + g * (new + 1))
+
+    @property
     def source_dir(self) -> str | None:
         return self._source_dir
 

@@ -40,7 +40,13 @@ PAIRS_HELD_OUT = ("position_loss skipped: the held-out rows are preference pairs
                   "metrics.jsonl).")
 
 
+PROMPTS_ONLY = ("position_loss skipped: `rl: grpo` trains on prompts, which hold no "
+                "held-out text to score by position.")
+
+
 def skipped_positions(config: Config) -> str:
+    if config.rl == "grpo":
+        return PROMPTS_ONLY
     return PAIRS_HELD_OUT if config.rl else NO_HELD_OUT
 
 
