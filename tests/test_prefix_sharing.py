@@ -26,6 +26,10 @@ from tests.layouts import sp_state
 # A row: a 12-token document, a branch continuing its first 7 tokens (5 of its own), a plain
 # 4-token document, and a branch of that one's first 2 tokens (3 of its own).
 POSITIONS = [*range(12), *range(7, 12), *range(4), *range(2, 5)]
+# GRPO's rows: a 7-token prompt with a 3-token completion after it, three more completions
+# as branches from the prompt's last token (position 6), then a second group of two.
+GROUP_POSITIONS = [*range(10), *range(6, 9), *range(6, 10), *range(6, 8),
+                   *range(6), *range(5, 9)]
 
 
 def visible(positions: list[int]) -> torch.Tensor:
@@ -59,12 +63,13 @@ def test_row_structure():
         document_prefixes(bad, tuple(document_cu_seqlens(bad).tolist()))
 
 
+@pytest.mark.parametrize("positions", [POSITIONS, GROUP_POSITIONS], ids=["pairs", "groups"])
 @pytest.mark.parametrize("kernel", ["torch", "torch_flash", "flash-ring", "flash-ulysses"])
-def test_kernel_matches_dense_mask(kernel):
+def test_kernel_matches_dense_mask(kernel, positions):
     torch.manual_seed(0)
-    n, hq, hk, d = len(POSITIONS), 4, 2, 8
+    n, hq, hk, d = len(positions), 4, 2, 8
     q, k, v = (torch.randn(n, h, d, requires_grad=True) for h in (hq, hk, hk))
-    pos = torch.tensor(POSITIONS)
+    pos = torch.tensor(positions)
     cu = document_cu_seqlens(pos)
     prefixes = document_prefixes(pos, tuple(cu.tolist()))
     scale = d ** -0.5
@@ -85,7 +90,7 @@ def test_kernel_matches_dense_mask(kernel):
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     kr, vr = k64.repeat_interleave(rep, 1), v64.repeat_interleave(rep, 1)
     scores = torch.einsum("qhd,khd->hqk", q64, kr) * scale
-    scores = scores.masked_fill(~visible(POSITIONS), float("-inf"))
+    scores = scores.masked_fill(~visible(positions), float("-inf"))
     dense = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vr)
     ref = torch.autograd.grad(dense, (q64, k64, v64), grad_out.double())
     for got, want in zip((out, *mine), (dense, *ref), strict=True):

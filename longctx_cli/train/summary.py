@@ -50,7 +50,8 @@ def summary_lines(
     per_rank = ", ".join(f"rank {r} {p / MIB:,.0f} MiB" for r, p in enumerate(peaks))
     checkpoints = sorted((p.name for p in output_dir.glob("checkpoint-*") if p.is_dir()),
                          key=lambda name: (len(name), name))  # checkpoint-500 before -1000
-    outputs = ["metrics.jsonl", *(f"{c}/" for c in checkpoints), f"{final.name}/"]
+    samples = ["completions.jsonl"] if (output_dir / "completions.jsonl").is_file() else []
+    outputs = ["metrics.jsonl", *samples, *(f"{c}/" for c in checkpoints), f"{final.name}/"]
     return [
         f"done: {steps:,} steps in {_duration(seconds)}, {tokens:,} target tokens, "
         f"{rate:,.0f} tokens/s",
