@@ -85,6 +85,7 @@ def prompt_rows(config: Config, tok: PreTrainedTokenizerBase, sources: list,
             where="datasets",
             fix="raise sequence_len, or lower trl.max_completion_length.")
     report.train = RowStats(len(ids), sum(map(len, ids)), 0, 0.0)
+    report.prompts = True
     if report.datasets[0].dropped:
         report.notes.append(f"{sum(s.dropped for s in report.datasets)} prompt(s) longer than "
                             f"sequence_len - max_completion_length ({room}) were dropped.")

@@ -51,6 +51,7 @@ class PrepareReport:
     reason: str = ""  # why the cache was (re)built, or "fingerprint matches"
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    prompts: bool = False  # rl: grpo: the rows are prompts to roll out, not packed rows
 
     # ---- serialisation (the cache keeps its report so a reuse can print it) -------------
     def to_dict(self) -> dict[str, Any]:
@@ -124,6 +125,12 @@ class PrepareReport:
     def _rows_table(self) -> Any:
         from rich.table import Table
 
+        if self.prompts:
+            table = Table(title="Prompts, rolled out when drawn", title_justify="left")
+            for name in ("split", "prompts", "tokens"):
+                table.add_column(name, justify="left" if name == "split" else "right")
+            table.add_row("train", f"{self.train.rows:,}", f"{self.train.tokens:,}")
+            return table
         mode = "packed (FFD)" if self.sample_packing else "one sample per row"
         table = Table(title=f"Rows of {self.sequence_len:,} tokens, {mode}", title_justify="left")
         for name in ("split", "rows", "tokens", "target tokens", "packing efficiency"):
