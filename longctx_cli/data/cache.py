@@ -8,7 +8,9 @@ to the target and renamed into place, so a failed or interrupted run never leave
 that a later run would accept, nor damages a good one.
 
 This module decides where an entry lives, whether it can be reused (and why not), and how it
-is written; what goes into `train/` and `eval/` is `prepare`'s business.
+is written; what goes into `train/` and `eval/` is `prepare`'s business. It also keys an
+entry by its inputs (`confirm_warm`, `remember_inputs`), so that the launcher confirms a warm
+cache without loading the tokenizer or `datasets` and hands it to the ranks.
 """
 
 from __future__ import annotations
