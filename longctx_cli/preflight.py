@@ -47,12 +47,6 @@ def check_run(
     targets) is not looked at again; for ranks whose longctx launcher checked it."""
     from longctx_cli.config.plan import plan_for
 
-    if command == "validate" and not config.trust_remote_code:
-        # validate builds only tiny random models of the family (the probe, LoRA targets):
-        # transformers' import of torchao for its quantization is half a second of nothing.
-        from longctx_cli.runtime.startup import hide_torchao
-
-        hide_torchao()
     if command in FORWARD_ONLY:
         config, plan = forward_only_plan(config, nproc_per_node, nnodes,
                                          sp_given=sp_degree_given(overrides or []))
@@ -123,21 +117,6 @@ def preflight(config: Config) -> None:
     check_datasets(config)
     check_eval_data(config)
     check_lora_targets(config)
-    check_user_code(config)
-
-
-def check_user_code(config: Config) -> None:
-    """`rl: grpo`: every reward function and dataset transform the config names imports (from
-    the config's folder or the Python path) and is a function; called only while training."""
-    if config.rl != "grpo":
-        return
-    from longctx_cli.user_code import resolve_callable
-
-    for i, name in enumerate(config.trl.reward_funcs):
-        resolve_callable(name, config.source_dir, f"trl.reward_funcs[{i}]")
-    for i, entry in enumerate(config.datasets):
-        if entry.transform:
-            resolve_callable(entry.transform, config.source_dir, f"datasets[{i}].type")
 
 
 # ---- output_dir ------------------------------------------------------------------------
