@@ -117,6 +117,21 @@ def preflight(config: Config) -> None:
     check_datasets(config)
     check_eval_data(config)
     check_lora_targets(config)
+    check_user_code(config)
+
+
+def check_user_code(config: Config) -> None:
+    """`rl: grpo`: every reward function and dataset transform the config names imports (from
+    the config's folder or the Python path) and is a function; called only while training."""
+    if config.rl != "grpo":
+        return
+    from longctx_cli.user_code import resolve_callable
+
+    for i, name in enumerate(config.trl.reward_funcs):
+        resolve_callable(name, config.source_dir, f"trl.reward_funcs[{i}]")
+    for i, entry in enumerate(config.datasets):
+        if entry.transform:
+            resolve_callable(entry.transform, config.source_dir, f"datasets[{i}].type")
 
 
 # ---- output_dir ------------------------------------------------------------------------
