@@ -7,7 +7,7 @@ The same `rl: grpo` run (LoRA, `num_generations` 4, the KL to the base with the 
 through `longctx train` at sp 2 (the default ring), once with `prefix_sharing: false` (each
 completion after its own copy of the prompt, as TRL and the other trainers lay them out) and
 once with the prompt shared (the default: the prompt once, every further completion a branch
-after it): a Llama from config (hidden 256, 4 layers, 8 heads, vocabulary 32,000), float32,
+after it): a Llama from config (hidden 256, 4 layers, 8 heads, the byte vocabulary), float32,
 one prompt of `--prompt-tokens` bytes a step, 16-token completions. Rollouts are the same in
 both (sampling always prefills a prompt once for its group, seeded alike), so the runs train
 the same completions to the same losses (checked at every step). The runs alternate; a run's
@@ -32,6 +32,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.context_extension import save_record  # noqa: E402
 from benchmarks.peers import run_watched  # noqa: E402
 from benchmarks.prefix_sharing import MODEL, WORDS  # noqa: E402
+
+# The byte tokenizer decodes the sampled completions for the reward: a vocabulary it covers.
+MODEL = {**MODEL, "vocab_size": 384}
 
 REWARD = '''
 def vowels(completions, **kwargs):

@@ -17,6 +17,7 @@ update (`step.apply_update`).
 from __future__ import annotations
 
 import json
+import math
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -156,17 +157,17 @@ class GrpoSteps:
                           shown=SHOWN)
 
     def _extremes(self, extremes: dict[str, list[float]]) -> dict[str, float]:
+        """The step's clip-ratio extremes over every rank's completions (NaN: none scored)."""
         out = {}
-        for key, op in (("clip_ratio/low_min", dist.ReduceOp.MIN),
-                        ("clip_ratio/high_max", dist.ReduceOp.MAX)):
-            values = [v for v in extremes.get(key, []) if v == v]
-            if key not in extremes:
+        for key, op, pick in (("clip_ratio/low_min", dist.ReduceOp.MIN, min),
+                              ("clip_ratio/high_max", dist.ReduceOp.MAX, max)):
+            if key not in extremes:  # alike on every rank: the loss type decides
                 continue
-            fill = float("inf") if op == dist.ReduceOp.MIN else float("-inf")
-            t = torch.tensor([(min if op == dist.ReduceOp.MIN else max)(values, default=fill)],
-                             dtype=torch.float64, device=self.state.device)
+            fill = math.inf if pick is min else -math.inf
+            value = pick((v for v in extremes[key] if v == v), default=fill)
+            t = torch.tensor([value], dtype=torch.float64, device=self.state.device)
             dist.all_reduce(t, op=op)
-            out[key] = float(t) if abs(float(t)) != float("inf") else float("nan")
+            out[key] = float(t) if math.isfinite(float(t)) else math.nan
         return out
 
     # ---- rollouts -------------------------------------------------------------------------
@@ -235,7 +236,15 @@ class GrpoSteps:
         prompts, completions, ids, columns, where = [], [], [], [], []
         for record, group in zip(records, samples, strict=True):
             prompt = json.loads(record["prompt"])
-            texts = self.tokenizer.batch_decode(group, skip_special_tokens=True)
+            try:
+                texts = self.tokenizer.batch_decode(group, skip_special_tokens=True)
+            except (ValueError, IndexError, KeyError, OverflowError) as e:
+                return {"dp_rank": self.state.dp_rank, "error": (
+                    f"base_model: the tokenizer cannot decode a completion sampled for "
+                    f"{record['where']} ({type(e).__name__}: {e}); the model's vocabulary "
+                    f"({max(map(max, group))} sampled) is larger than the tokenizer's "
+                    f"({len(self.tokenizer)}). Fix: use the tokenizer the model was trained "
+                    "with (`tokenizer:`), or a model whose embeddings match it.")}
             for text, completion in zip(texts, group, strict=True):
                 prompts.append(prompt)
                 completions.append([{"role": "assistant", "content": text}]
