@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from tests.train_helpers import (
-    assert_same_run,
+    final_tensors,
     read_metrics,
+    relative_error,
     run_longctx,
     train,
     write_config,
@@ -66,6 +67,19 @@ def grpo_config(tmp_path: Path, name: str, data: Path, **overrides) -> Path:
     return write_config(tmp_path, name, data, **{**settings, **overrides})
 
 
+def assert_same_grpo_run(run: Path, reference: Path, adapter: bool = False) -> None:
+    """Per-step losses and KL (a GRPO loss starts near 0: an absolute bound too) and final
+    weights equal within 1e-4 relative."""
+    mine, theirs = read_metrics(run), read_metrics(reference)
+    assert [m["step"] for m in mine] == [m["step"] for m in theirs]
+    for a, b in zip(mine, theirs, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-4, abs=1e-7)
+    got, want = final_tensors(run, adapter), final_tensors(reference, adapter)
+    assert set(got) == set(want)
+    assert max(relative_error(got[k], want[k]) for k in want) < 1e-4
+
+
 @pytest.fixture
 def prompts(tmp_path: Path) -> Path:
     (tmp_path / "rewards.py").write_text(REWARDS)
@@ -82,7 +96,7 @@ def test_grpo_sp2_trains_as_sp1(tmp_path, prompts):
                       sequence_parallel_mode="ulysses")
     for config, ranks in ((one, 1), (two, 2)):
         train(config, ranks)
-    assert_same_run(tmp_path / "sp2", tmp_path / "sp1", adapter=True, tol=1e-4)
+    assert_same_grpo_run(tmp_path / "sp2", tmp_path / "sp1", adapter=True)
     records = read_metrics(tmp_path / "sp2")
     for key in METRICS:
         assert key in records[0], key
@@ -201,3 +215,56 @@ def test_advantages_match_trl(scale, aggregation):
     for key, value in metrics.items():
         assert value == pytest.approx(logged[key], rel=1e-5, nan_ok=True), key
     assert float(out["advantages"].abs().sum()) > 0
+
+
+TRANSFORM = '''
+def to_prompt(cfg, *args, **kwargs):
+    def transform_fn(example, tokenizer=None):
+        return {"prompt": [{"role": "user", "content": example["question"]}],
+                "answer": example["solution"].split("####")[-1].strip()}
+    return transform_fn, {"remove_columns": ["question", "solution"]}
+'''
+
+
+def test_axolotl_transform_prompts(tmp_path, prompts):
+    """An Axolotl GRPO transform (`type: module.function`): chat prompts rendered with the
+    chat template and its generation prompt, the transform's columns kept for the rewards,
+    the removed ones gone."""
+    from longctx_cli.config.load import load_config
+    from longctx_cli.data.prepare import prepare
+    from longctx_cli.data.tokenizer import BYTE_CHAT_TEMPLATE, load_tokenizer
+
+    (tmp_path / "gsm.py").write_text(TRANSFORM)
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + {i}?",
+                                        "solution": f"Add them. #### {2 * i}"}) + "\n"
+                            for i in range(6)))
+    path = grpo_config(tmp_path, "transform", data,
+                       datasets=[{"path": str(data), "type": "gsm.to_prompt"}],
+                       chat_template="jinja", chat_template_jinja=BYTE_CHAT_TEMPLATE)
+    config = load_config(path)
+    assert config.datasets[0].type == "prompt" and config.datasets[0].transform == "gsm.to_prompt"
+    tok = load_tokenizer(config)
+    rows = prepare(config, tok).train
+    assert len(rows) == 6
+    first = rows[0]
+    assert json.loads(first["prompt"]) == [{"role": "user", "content": "What is 0 + 0?"}]
+    assert json.loads(first["columns"]) == {"answer": "0"}
+    rendered = tok.apply_chat_template(json.loads(first["prompt"]),
+                                       chat_template=BYTE_CHAT_TEMPLATE, tokenize=True,
+                                       add_generation_prompt=True, return_dict=True)
+    assert first["prompt_ids"] == list(rendered["input_ids"])
+    assert first["where"].endswith("gsm.jsonl:1")
+
+
+@pytest.mark.slow
+def test_full_fine_tune_kl_reference_is_a_frozen_copy(tmp_path, prompts):
+    """No adapter to switch off: the reference is a frozen copy of the initial model; the run
+    at sp 2 equals sp 1 and the KL moves once the policy does."""
+    settings = {"adapter": None, "learning_rate": 0.01}
+    one = grpo_config(tmp_path, "sp1", prompts, **settings)
+    two = grpo_config(tmp_path, "sp2", prompts, sequence_parallel_degree=2, **settings)
+    for config, ranks in ((one, 1), (two, 2)):
+        train(config, ranks)
+    assert_same_grpo_run(tmp_path / "sp2", tmp_path / "sp1")
+    assert read_metrics(tmp_path / "sp2")[-1]["kl"] > 0
