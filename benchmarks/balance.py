@@ -1,7 +1,7 @@
 """Load balance of the SP sharding layouts, counted without a GPU.
 
     python benchmarks/balance.py                      # sp 2 4 8 16 -> results/balance.json
-    python benchmarks/balance.py --readme             # also print the README's markdown table
+    python benchmarks/balance.py --readme             # also print docs/parallelism.md's table
 
 Per strategy, SP degree and workload: the query-key pairs each SP rank computes under the
 causal *document* mask (a query at global position ``i`` of document ``[s, e)`` attends keys
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--readme", action="store_true", help="also print the README markdown table")
+    p.add_argument("--readme", action="store_true", help="also print docs/parallelism.md's table")
     args = p.parse_args(argv)
 
     strategies = STRATEGIES

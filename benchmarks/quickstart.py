@@ -3,7 +3,8 @@ fresh virtualenv, then the command exactly as the README writes it.
 
     python benchmarks/quickstart.py --readme
 
-The command is read from the README's Quickstart block (its first line) and run part by
+The command is read from the README's Quickstart block (its first command, over the lines it
+continues onto) and run part by
 part (`install && train && eval && generate`), each in the new virtualenv from the
 clone's root, so the time of each part is known; the parts are the README's text, nothing
 else. The clone is of this checkout's HEAD (commit your changes first). The virtualenv does
@@ -48,12 +49,14 @@ BUDGET_S = 300  # the promise: the first Quickstart command within 5 minutes on 
 
 
 def quickstart_command(readme: Path = README) -> str:
-    """The first line of the README's Quickstart code block."""
+    """The first command of the README's Quickstart code block: its first line and the lines
+    it continues onto (`\\` at a line's end), as one line."""
     text = readme.read_text()
     block = re.search(r"## Quickstart\s+```bash\n(.*?)```", text, re.S)
     if block is None:
         raise SystemExit(f"{readme}: no ```bash block under '## Quickstart'")
-    return block.group(1).splitlines()[0].strip()
+    first = re.match(r"(?:[^\n]*\\\n)*[^\n]*", block.group(1)).group(0)
+    return " ".join(first.replace("\\\n", " ").split())
 
 
 def _first_output(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, float]:
