@@ -68,6 +68,9 @@ def test_validate_of_every_example_does_not_import_torch(tmp_path):
             "model_type")
         if model_type in HYBRID_MODEL_TYPES:
             continue
+        if str(yaml.safe_load(example.read_text()).get("base_model", "")).startswith(
+                "outputs/"):
+            continue  # a trained folder's config.json is read by transformers (tiny_grpo)
         # validate checks that local data files exist: give the GPU examples theirs.
         for entry in yaml.safe_load(example.read_text()).get("datasets") or []:
             if entry.get("path"):

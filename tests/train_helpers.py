@@ -117,3 +117,15 @@ def assert_same_run(run: Path, reference: Path, adapter: bool = False, tol: floa
     assert got_w.keys() == want_w.keys()
     for key in want_w:
         assert relative_error(got_w[key], want_w[key]) <= tol, key
+
+
+def write_quickstart_model(root: Path) -> Path:
+    """The config of the model the Quickstart's run leaves in `outputs/tiny_passkey/final`
+    (under `root`), which examples/tiny_grpo.yaml starts from: what `validate` reads."""
+    from transformers import AutoConfig
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    fields = yaml.safe_load((examples / "tiny_passkey.yaml").read_text())["model_config"]
+    folder = root / "outputs" / "tiny_passkey" / "final"
+    AutoConfig.for_model(**fields).save_pretrained(folder)
+    return folder

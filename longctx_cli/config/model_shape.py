@@ -317,6 +317,13 @@ def _read_model_config(config: Config) -> ModelShape:
     model_id = str(config.base_model_config or config.base_model)
     trust = config.trust_remote_code
     local = Path(model_id).expanduser()
+    if not local.exists() and _is_path_not_id(model_id):
+        raise UserError(
+            f"`base_model` = {model_id!r} is a path (a hub id is `owner/name`), and there is "
+            f"no such folder here ({Path.cwd()}).",
+            fix="run the command from the folder the path is relative to, or first create "
+            "the model it names (e.g. a run's `output_dir/final`; examples/tiny_grpo.yaml "
+            "starts from the Quickstart's outputs/tiny_passkey/final).")
     if not local.exists() and not _in_hub_cache(model_id) and not hub_reachable():
         # Offline and not cached: the built-in table answers without importing transformers.
         shape = _from_table(model_id, "the hub is unreachable")
@@ -352,6 +359,12 @@ def _read_model_config(config: Config) -> ModelShape:
             return shape
         raise _unreadable(model_id, str(e).splitlines()[0]) from None
     return ModelShape.from_hf_config(hf, source=f"{model_id} (hub)")
+
+
+def _is_path_not_id(model_id: str) -> bool:
+    """A name no hub id can be: absolute, relative (`./`, `../`, `~`) or with more than one
+    `/`."""
+    return model_id.startswith(("/", "./", "../", "~")) or model_id.count("/") > 1
 
 
 def _unreadable(model_id: str, why: str) -> UserError:
