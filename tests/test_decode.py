@@ -176,7 +176,7 @@ def _sample_worker(rank: int, world: int, layouts: list[dict], fields: dict) -> 
     return results
 
 
-@pytest.mark.parametrize("model", ["llama", "windowed"])
+@pytest.mark.parametrize("model", ["llama", pytest.param("windowed", marks=pytest.mark.slow)])
 def test_sampling_under_sp_equals_generate(model):
     """n samples from one prefill (the prompt's keys held once, shared by the n sequences)
     equal `generate(do_sample=True, num_return_sequences=n)` token for token; a windowed

@@ -114,6 +114,18 @@ def test_grpo_sp2_trains_as_sp1(tmp_path, prompts):
     assert set(samples[0]["rewards"]) == {"letters"}
 
 
+def test_wrong_number_of_rewards_names_the_function():
+    from longctx_cli.errors import UserError
+    from longctx_cli.train.rewards import RewardFunctions
+
+    namespace: dict = {}
+    exec(REWARDS, namespace)  # noqa: S102 - the test's own reward functions
+    functions = RewardFunctions([namespace["short"]], ["short"], __import__("torch").ones(1))
+    with pytest.raises(UserError, match=r"`short` returned 1 values for 2 completions"):
+        functions.score(["p", "p"], ["c", "d"], [[1], [2]], [{}, {}], 0, ["d.jsonl:1"] * 2)
+
+
+@pytest.mark.slow
 def test_reward_function_returning_too_few_values(tmp_path, prompts):
     config = grpo_config(tmp_path, "short", prompts, max_steps=1,
                          trl={"reward_funcs": ["rewards.short"], "num_generations": 4,
@@ -176,10 +188,11 @@ def _length_or_none(completions, **kwargs):
     return [None if len(c) % 3 == 0 else float(len(c)) for c in completions]
 
 
-@pytest.mark.parametrize("scale, aggregation", [("group", "sum_then_normalize"),
-                                                ("batch", "sum_then_normalize"),
-                                                ("none", "sum_then_normalize"),
-                                                ("group", "normalize_then_sum")])
+@pytest.mark.parametrize("scale, aggregation", [
+    ("group", "sum_then_normalize"),
+    pytest.param("batch", "sum_then_normalize", marks=pytest.mark.slow),
+    pytest.param("none", "sum_then_normalize", marks=pytest.mark.slow),
+    ("batch", "normalize_then_sum")])
 def test_advantages_match_trl(scale, aggregation):
     """TRL's GRPOTrainer samples a generation batch and computes its advantages and reward
     metrics; longctx's, from the same reward functions on TRL's completions, are equal

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.family_matrix import WEIGHT_TOL
 from tests.train_helpers import assert_same_run, read_metrics, train, write_config, write_documents
 
 
@@ -115,7 +116,9 @@ def test_full_finetune_matches_sp1(workdir, full_reference, name, nproc, overrid
     path, data = workdir
     cfg = write_config(path, name, data, **overrides)
     train(cfg, nproc)
-    assert_same_run(path / name, full_reference)
+    # Weights within the project's bound (docs/families.md): FSDP's reduce-scatter sums in
+    # another order than one process, which moves them by about 2e-5 after 5 steps.
+    assert_same_run(path / name, full_reference, weight_tol=WEIGHT_TOL)
 
 
 @pytest.mark.parametrize(
