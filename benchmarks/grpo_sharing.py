@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.context_extension import save_record  # noqa: E402
 from benchmarks.peers import run_watched  # noqa: E402
-from benchmarks.prefix_sharing import MODEL, WORDS  # noqa: E402
+from benchmarks.prefix_sharing import MODEL, WORDS, save_model  # noqa: E402
 
 # The byte tokenizer decodes the sampled completions for the reward: a vocabulary it covers.
 MODEL = {**MODEL, "vocab_size": 384}
@@ -92,15 +92,8 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=ROOT / "outputs" / "grpo_sharing")
     args = p.parse_args()
 
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     work = args.work
-    work.mkdir(parents=True, exist_ok=True)
-    if not (work / "model" / "config.json").exists():
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(AutoConfig.for_model(**MODEL)).save_pretrained(
-            work / "model")
+    save_model(work, MODEL)
     (work / "reward.py").write_text(REWARD)
     write_prompts(work / "prompts.jsonl", args.steps, args.prompt_tokens)
     sequence_len = args.prompt_tokens + 256  # prompt + completion

@@ -49,6 +49,18 @@ def write_pairs(path: Path, pairs: int, prompt_tokens: int) -> None:
                     + "\n")
 
 
+def save_model(work: Path, fields: dict) -> None:
+    """The benchmark's model (random, seed 0) in `work/model`, unless it is there already."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    work.mkdir(parents=True, exist_ok=True)
+    if not (work / "model" / "config.json").exists():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields)).save_pretrained(
+            work / "model")
+
+
 def config(work: Path, shared: bool, sequence_len: int, steps: int) -> Path:
     name = "shared" if shared else "unshared"
     settings = {
@@ -87,15 +99,8 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=ROOT / "outputs" / "prefix_sharing")
     args = p.parse_args()
 
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     work = args.work
-    work.mkdir(parents=True, exist_ok=True)
-    if not (work / "model" / "config.json").exists():
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(AutoConfig.for_model(**MODEL)).save_pretrained(
-            work / "model")
+    save_model(work, MODEL)
     write_pairs(work / "pairs.jsonl", args.steps, args.prompt_tokens)
     # Room for both sequences of the longest pair, unshared; a multiple of 4 (zigzag, sp 2).
     sequence_len = -(-(2 * (args.prompt_tokens + 120)) // 4) * 4

@@ -114,6 +114,15 @@ def adapter_grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def grad_error(mine: dict, ref: dict[str, torch.Tensor]) -> float:
+    """Relative error of all adapter gradients as one vector (`mine`: name -> numpy array
+    from a worker, `ref`: name -> tensor), the same parameters on both sides."""
+    assert set(mine) == set(ref)
+    mine_flat = torch.cat([torch.from_numpy(mine[n]).flatten() for n in ref])
+    ref_flat = torch.cat([g.flatten() for g in ref.values()])
+    return float((mine_flat - ref_flat).norm() / ref_flat.norm())
+
+
 def trl_dpo(loss_types: list[str], smoothing: float) -> dict:
     """TRL's DPOTrainer on PAIRS: token ids, loss, metrics and the adapter's gradients."""
     from datasets import Dataset
@@ -335,10 +344,7 @@ def test_matches_trl(layout, references):
         if name == "orpo":  # all of ORPOTrainer's, but the means of the full logits
             assert {k for k in ref["metrics"] if not k.startswith("logits/")} == set(
                 mine["metrics"])
-        assert set(mine["grads"]) == set(ref["grads"])
-        mine_flat = torch.cat([torch.from_numpy(mine["grads"][n]).flatten() for n in ref["grads"]])
-        ref_flat = torch.cat([g.flatten() for g in ref["grads"].values()])
-        error = float((mine_flat - ref_flat).norm() / ref_flat.norm())
+        error = grad_error(mine["grads"], ref["grads"])
         assert error < GRAD_TOL, (name, error)
         assert ref["loss"] != pytest.approx(0.0)
 
