@@ -20,6 +20,12 @@ tests/test_shown_outputs.py runs the check. Two kinds of block:
   config's `max_steps`; the start-up line names only phases the code marks; the `layout:`
   line is exactly what the plan of that config and world prints now, and the fidelity
   probe's verdict has the shape of one `train/fidelity.py` writes.
+* A message block: `<!-- message: NAME -->`, a fenced message (an error or warning a run
+  prints when something goes wrong), `<!-- /message -->`. The test that provokes it calls
+  `assert_shown_message(NAME, printed)`, which fails unless the message appears in what was
+  printed: each number in the shown text stands for any number, each path for any path, `...`
+  for any text, and the rest must be equal (where lines wrap aside). `--check` fails on a
+  message block that no test names.
 
 The comparison of an output block ignores what changes from run to run or machine to
 machine: seconds in parentheses (`(2.6s)`), the fidelity probe's float-noise figures
@@ -37,6 +43,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,9 +72,9 @@ LOG_SOURCES = [
 ]
 
 BLOCK = re.compile(
-    r"(?P<open><!-- (?P<kind>output|log): (?P<command>.+?) -->\n)"
-    r"(?P<body>```\n.*?```\n)"
-    r"(?P<close><!-- /(?P=kind) -->)", re.S)
+    r"(?P<open>[ ]*<!-- (?P<kind>output|log|message): (?P<command>.+?) -->\n)"
+    r"(?P<body>(?P<indent>[ ]*)```\n.*?(?P=indent)```\n)"
+    r"(?P=indent)(?P<close><!-- /(?P=kind) -->)", re.S)
 
 VOLATILE = [
     (re.compile(r"\(\d+(?:\.\d+)?s\)"), "(<seconds>)"),
@@ -87,8 +94,9 @@ class Block:
 
 def blocks(page: Path) -> list[Block]:
     text = page.read_text()
-    return [Block(page, m["kind"], m["command"], m["body"][4:-4], m.start("body"),
-                  m.end("body")) for m in BLOCK.finditer(text)]
+    return [Block(page, m["kind"], m["command"],
+                  textwrap.dedent("".join(m["body"].splitlines(keepends=True)[1:-1])),
+                  m.start("body"), m.end("body")) for m in BLOCK.finditer(text)]
 
 
 # ---- output blocks ------------------------------------------------------------------------
@@ -209,6 +217,52 @@ def check_log(command: str, body: str) -> list[str]:
     return problems
 
 
+# ---- message blocks -------------------------------------------------------------------------
+
+# In a shown message: `...` (text left out), a path (has a `/`), a number; else one character.
+_MESSAGE_PARTS = re.compile(r"(?P<path>[\w.~-]*/[\w./~-]*)|(?P<gap>\.\.\.)"
+                            r"|(?P<number>\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?)|(?P<char>.)", re.S)
+
+
+def message_pattern(shown: str) -> re.Pattern[str]:
+    """The printed text a shown message stands for (white space normalised on both sides)."""
+    out = []
+    for m in _MESSAGE_PARTS.finditer(" ".join(shown.split())):
+        if m["path"]:
+            out.append(r"[^\s'\"]+")
+        elif m["gap"]:
+            out.append(r".*?")
+        elif m["number"]:
+            out.append(r"-?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
+        else:
+            out.append(r"\s*" if m["char"] == " " else re.escape(m["char"]))
+    return re.compile("".join(out))
+
+
+def shown_message(name: str, pages: list[Path] = PAGES) -> str:
+    found = [b.body for page in pages for b in blocks(page)
+             if b.kind == "message" and b.command == name]
+    if len(found) != 1:
+        raise LookupError(f"{len(found)} message blocks are named {name!r} in README/docs")
+    return found[0]
+
+
+def assert_shown_message(name: str, printed: str) -> None:
+    """Fail unless the message block `name` of README/docs is what `printed` says now."""
+    shown = shown_message(name)
+    if not message_pattern(shown).search(" ".join(printed.split())):
+        raise AssertionError(
+            f"the message shown as {name!r} in the docs is not what the code prints now.\n"
+            f"shown:\n{shown}\nprinted (its end):\n{printed[-3000:]}")
+
+
+def _messages_tests_name() -> set[str]:
+    named = set()
+    for path in (ROOT / "tests").glob("test_*.py"):
+        named |= set(re.findall(r"assert_shown_message\(\s*\"([^\"]+)\"", path.read_text()))
+    return named
+
+
 # ---- pages --------------------------------------------------------------------------------
 
 
@@ -216,9 +270,15 @@ def check(pages: list[Path] = PAGES, outputs: bool = True) -> list[str]:
     """Every stale shown output, as a message (with a diff for an output block); `outputs`
     False: the log blocks only."""
     problems = []
+    named = _messages_tests_name()
     for page in pages:
         for block in blocks(page):
             where = f"{page.relative_to(ROOT)}: `{block.command}`"
+            if block.kind == "message":
+                if block.command not in named:
+                    problems.append(f"{where}: no test calls assert_shown_message(\""
+                                    f"{block.command}\", ...) with what it printed")
+                continue
             if block.kind == "log":
                 problems += [f"{where}: {p}" for p in check_log(block.command, block.body)]
                 continue

@@ -18,6 +18,7 @@ import pytest
 from longctx_cli.errors import UserError
 from longctx_cli.integrity import MANIFEST, verify_files
 from longctx_cli.train.checkpoint_files import list_checkpoints, resolve_resume
+from tests.shown_outputs import assert_shown_message
 from tests.train_helpers import (
     assert_same_run,
     read_metrics,
@@ -90,6 +91,7 @@ def test_damaged_latest_checkpoint_is_skipped_and_resume_matches(straight):
     assert "checkpoint-6" in out and "damaged" in out and shard.name in out, out[-3000:]
     assert "at step 3" in out
     assert "Traceback" not in out
+    assert_shown_message("damaged-checkpoint-skipped", out)
     assert_same_run(run, reference, tol=1e-6)
     assert verify_files(run / "checkpoint-6") == []  # rewritten whole by the resumed run
 
@@ -119,6 +121,7 @@ def test_eval_refuses_a_truncated_final_model(straight, tmp_path):
     assert "Traceback" not in result.stderr
     assert "is damaged: model.safetensors is" in err, err[-2000:]
     assert err.count("error:") == 1
+    assert_shown_message("damaged-final", result.stderr)
 
     # Without a manifest (a model from elsewhere), the broken file is still one paragraph,
     # reported once by the ranks through the launcher.
@@ -147,6 +150,7 @@ def test_disk_full_during_save_stops_cleanly_and_keeps_the_previous_checkpoint(s
     assert "Traceback" not in result.stderr, result.stderr[-4000:]
     assert err.count("could not write checkpoint-6") == 1, err[-3000:]
     assert "File too large" in err and "checkpoint-3" in err and "intact" in err
+    assert_shown_message("disk-full", result.stderr)
     assert "rank " in err
 
     # Nothing saved before was harmed, and nothing half-written was left behind.

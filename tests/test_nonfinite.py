@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.shown_outputs import assert_shown_message
 from tests.train_helpers import read_metrics, run_longctx, write_config, write_documents
 
 # Test-only faults for the ranks (RANK is set by torchrun), loaded through PYTHONPATH.
@@ -76,6 +77,7 @@ def test_nan_loss_stops_with_step_rank_and_keeps_last_checkpoint(setup):
     assert result.returncode == 2, out[-4000:]
     assert "step 4: the loss on rank(s) [" in out and "NaN or infinite" in out, out[-4000:]
     assert "checkpoint-2" in out and "on_nonfinite" in out
+    assert_shown_message("nonfinite-stop", out)
     assert "Traceback" not in out
     output_dir = path / "stop"
     assert [m["step"] for m in read_metrics(output_dir)] == [1, 2, 3]

@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from longctx_cli.train.checkpoint_files import list_checkpoints, resolve_resume
+from tests.shown_outputs import assert_shown_message
 from tests.train_helpers import (
     assert_same_run,
     read_metrics,
@@ -158,6 +159,7 @@ def test_killed_rank_ends_job_and_resume_matches_uninterrupted(runs):
     assert time.monotonic() - killed_at < 60
     assert code != 0
     assert f"train failed: rank {victim} " in out and "SIGKILL" in out, out[-3000:]
+    assert_shown_message("rank-killed", out)
     assert not (output_dir / "final").exists()
     logged = len(read_metrics(output_dir))
     assert kill_after <= logged < MAX_STEPS
@@ -211,6 +213,7 @@ def test_failure_summary_names_the_rank_that_died_first():
     line = describe_failure(killed)
     assert line.startswith("train failed: rank 1 (local rank 1, pid 101) was killed by SIGKILL")
     assert "resume_from_checkpoint: auto" in line
+    assert_shown_message("rank-killed", f"error: {line}")  # as the launcher prints it
     assert failure_exit_code(killed) == 1
     # A rank that stopped on a UserError already printed it: keep its exit status 2.
     user_error = {0: ProcessFailure(local_rank=0, pid=100, exitcode=2, error_file="<N/A>")}
