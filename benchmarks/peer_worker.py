@@ -13,12 +13,21 @@ the loss over each rank's shard summed with `TiledFusedLogitsLoss` (full logits 
 built) and combined over the group by the valid-token count, `deepspeed.initialize` with
 torch's AdamW and ZeRO stage 0 or 3. A step is timed from the forward to the end of the
 optimizer step, as longctx times its own; the batch is already sharded on the rank.
+
+ALST's further memory savers, as ArcticTraining switches them on (`benchmarks/reach.py`):
+`--tiled-mlp` patches `LlamaMLP.forward` with DeepSpeed's `TiledMLP` before the model is
+built, ceil(tokens / hidden_size) shards agreed over the ranks (ArcticTraining's
+`tiled_mlp_forward_common`); `--checkpointing` is transformers' activation checkpointing
+with its default kwargs plus `enable_input_require_grads()` (ArcticTraining's
+`HFModelFactory`); `--loss-shards auto` sizes the loss shards to about 1 GiB of float32
+logits each (ArcticTraining's `SFTTrainer.loss`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 
@@ -35,8 +44,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lr", type=float, required=True)
     p.add_argument("--max-grad-norm", type=float, required=True)
     p.add_argument("--zero", type=int, default=0, choices=[0, 3])
-    p.add_argument("--loss-shards", type=int, default=4,
-                   help="TiledFusedLogitsLoss shards per rank (ALST)")
+    p.add_argument("--loss-shards", default="4",
+                   help="TiledFusedLogitsLoss shards per rank (ALST): a count, or `auto` for "
+                   "ArcticTraining's ~1 GiB of float32 logits per shard")
+    p.add_argument("--tiled-mlp", action="store_true", help="ALST's TiledMLP in every layer")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="activation checkpointing of every decoder layer (transformers')")
     p.add_argument("--out", required=True)
     return p.parse_args()
 
@@ -68,6 +81,32 @@ def run_hf(args: argparse.Namespace, row: dict) -> dict:
     return {"losses": losses, "seconds": seconds, "first_step_at": first_step_at}
 
 
+def patch_tiled_mlp() -> None:
+    """ArcticTraining's `enable_tiled_mlp_compute` for Llama: before the model is built."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+    from transformers.models.llama import modeling_llama
+
+    def tiled_mlp_forward_common(self, x):
+        bs, seqlen, hidden = x.shape
+        shards = torch.tensor(math.ceil(seqlen / hidden), device=x.device)
+        dist.all_reduce(shards, op=dist.ReduceOp.MAX)  # every rank runs as many shards
+        compute_params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
+
+        def mlp_forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+        return TiledMLP.apply(mlp_forward, self, x, int(shards.item()), compute_params)
+
+    modeling_llama.LlamaMLP.forward = tiled_mlp_forward_common
+
+
+def loss_shards(arg: str, tokens: int, vocab: int) -> int:
+    """A count, or ArcticTraining's `auto`: about 1 GiB of float32 logits per shard."""
+    if arg != "auto":
+        return int(arg)
+    return max(1, math.ceil(tokens * vocab * 4 / 2**30))
+
+
 def run_alst(args: argparse.Namespace, row: dict) -> dict:
     import deepspeed
     from deepspeed.runtime.sequence_parallel.ulysses_sp import (
@@ -85,8 +124,14 @@ def run_alst(args: argparse.Namespace, row: dict) -> dict:
         sequence_parallel_size=sp, micro_batch_size=1, seq_length=seq_len,
         seq_length_is_variable=False,
     )
+    if args.tiled_mlp:
+        patch_tiled_mlp()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32,
                                                  attn_implementation="sdpa")
+    model.train()  # from_pretrained leaves eval mode, where checkpointing is skipped
+    if args.checkpointing:
+        model.activation_checkpointing_enable()
+        model.enable_input_require_grads()
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -128,8 +173,9 @@ def run_alst(args: argparse.Namespace, row: dict) -> dict:
 
         hidden = module.model(input_ids=batch["input_ids"],
                               position_ids=batch["position_ids"]).last_hidden_state
+        shards = loss_shards(args.loss_shards, shift_labels.numel(), vocab)
         share = TiledFusedLogitsLoss.apply(loss_fn, module, hidden, shift_labels, None,
-                                           args.loss_shards, [module.lm_head.weight], "sum")
+                                           shards, [module.lm_head.weight], "sum")
         engine.backward(share)
         total = share.detach().clone()
         dist.all_reduce(total, group=group)

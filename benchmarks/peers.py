@@ -217,7 +217,9 @@ def run_watched(cmd: list[str], log: Path) -> tuple[float, dict[int, int]]:
 
 
 def run_tool(tool: str, name: str, work: Path, model_dir: Path, configs: dict[str, Path],
-             steps: int, run: int, peer_python: Path | None) -> dict:
+             steps: int, run: int, peer_python: Path | None,
+             alst_flags: tuple[str, ...] = ()) -> dict:
+    """One run of `tool`; `alst_flags`: more peer_worker.py flags for ALST (reach.py's)."""
     log = work / f"{tool}-run{run}.log"
     out = work / f"{tool}-run{run}.json"
     if tool.startswith("longctx"):
@@ -240,7 +242,7 @@ def run_tool(tool: str, name: str, work: Path, model_dir: Path, configs: dict[st
         else:
             cmd = [str(peer_python), "-m", "torch.distributed.run", f"--nproc-per-node={SP}",
                    str(WORKER), "--tool", "alst", "--zero", tool.removeprefix("alst-zero"),
-                   *common]
+                   *common, *alst_flags]
         started, peaks = run_watched(cmd, log)
         result = json.loads(out.read_text())
         seconds, losses, startup = result["seconds"], result["losses"], None
