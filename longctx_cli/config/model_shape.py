@@ -7,6 +7,8 @@ Nothing here imports `torch.distributed`; torch is imported only inside function
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,9 @@ class ModelShape:
     hf_config: Any = field(default=None, repr=False, compare=False)
     # The plain dict it was read from without transformers (see `_plain_shape`), if so.
     plain_fields: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    # The folder whose config.json `plain_fields` came from (see `_saved_plain_shape`):
+    # transformers reads that file itself when the config object is needed.
+    config_folder: str | None = field(default=None, repr=False, compare=False)
 
     def transformers_config(self) -> Any:
         """The transformers config of this model (built from the plain dict on first need:
@@ -69,6 +74,8 @@ class ModelShape:
             fields = dict(self.plain_fields)
             # Built once: the probe and the model of a rank read the same config object.
             object.__setattr__(self, "hf_config",
+                               AutoConfig.from_pretrained(self.config_folder)
+                               if self.config_folder is not None else
                                AutoConfig.for_model(fields.pop("model_type"), **fields))
         return self.hf_config
 
@@ -215,6 +222,61 @@ def _plain_shape(fields: dict[str, Any], source: str) -> ModelShape | None:
 
 
 
+# Keys of a saved config.json (`save_pretrained`) that `_saved_plain_shape` may leave out of
+# the plain shape: bookkeeping, or switches at the one value under which the plain families
+# compute what their plain dict does. Any other key, or another value, goes to transformers.
+_SAVED_BOOKKEEPING = ("transformers_version", "dtype", "torch_dtype", "bos_token_id",
+                      "eos_token_id", "pad_token_id", "unk_token_id", "use_cache",
+                      "_name_or_path", "_model_name_or_path")
+_SAVED_NEUTRAL: dict[str, Any] = {
+    "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "hidden_act": "silu",
+    "pretraining_tp": 1, "rope_scaling": None, "sliding_window": None,
+    "use_sliding_window": False,
+}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "mistral": "MistralForCausalLM"}
+
+
+def _saved_plain_shape(folder: Path, source: str) -> ModelShape | None:
+    """The shape of a plain family's saved config.json in `folder`, read without transformers
+    (whose import costs `validate` and the launcher seconds), or None when the file holds
+    anything `_plain_shape` cannot vouch for. tests/test_model_shape_saved.py holds it equal
+    to transformers' reading of the same file."""
+    try:
+        saved = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or saved.get("model_type") not in _ARCHITECTURES:
+        return None
+    fields = {}
+    for key, value in saved.items():
+        if key in _SAVED_BOOKKEEPING:
+            continue
+        if key in _SAVED_NEUTRAL:
+            if value != _SAVED_NEUTRAL[key] or type(value) is not type(_SAVED_NEUTRAL[key]):
+                return None
+        elif key == "architectures":
+            if value != [_ARCHITECTURES[saved["model_type"]]]:
+                return None
+        elif key == "layer_types":
+            if not isinstance(value, list) or set(value) != {"full_attention"}:
+                return None
+        elif key == "max_window_layers":
+            if saved.get("use_sliding_window", False) is not False:
+                return None
+        elif key == "rope_parameters":
+            if not (isinstance(value, dict) and value.keys() == {"rope_type", "rope_theta"}
+                    and value["rope_type"] == "default"):
+                return None
+            fields["rope_theta"] = value["rope_theta"]
+        else:
+            fields[key] = value
+    shape = _plain_shape(fields, source)
+    if shape is None:
+        return None
+    return dataclasses.replace(shape, plain_fields=saved, config_folder=str(folder))
+
+
 def _plain_context(fields: dict[str, Any], defaults: dict[str, Any]) -> str:
     """The context line of a plain dict (no RoPE scaling: a dict with one is transformers')."""
     positions = fields.get("max_position_embeddings", defaults["max_position_embeddings"])
@@ -254,6 +316,17 @@ def _in_hub_cache(model_id: str) -> bool:
     except Exception:  # an id the hub client rejects: let transformers say why
         return True
     return isinstance(found, str)
+
+
+def _hub_cache_folder(model_id: str) -> Path | None:
+    """The local Hugging Face cache's folder of this id's config.json, if it holds one."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model_id, "config.json")
+    except Exception:  # an id the hub client rejects: let transformers say why
+        return None
+    return Path(found).parent if isinstance(found, str) else None
 
 
 def _from_table(model_id: str, reason: str) -> ModelShape | None:
@@ -327,6 +400,12 @@ def _read_model_config(config: Config) -> ModelShape:
     if not local.exists() and not _in_hub_cache(model_id) and not hub_reachable():
         # Offline and not cached: the built-in table answers without importing transformers.
         shape = _from_table(model_id, "the hub is unreachable")
+        if shape is not None:
+            return shape
+    saved_folder = local if local.is_dir() else _hub_cache_folder(model_id)
+    if saved_folder is not None and not trust:
+        where = (f"local path {model_id}" if local.exists() else f"{model_id} (local cache)")
+        shape = _saved_plain_shape(saved_folder, where)
         if shape is not None:
             return shape
     from transformers import AutoConfig
