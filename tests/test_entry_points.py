@@ -94,7 +94,10 @@ def documents(tmp_path_factory) -> Path:
     return write_documents(tmp_path_factory.mktemp("docs") / "docs.jsonl")
 
 
-@pytest.mark.parametrize("name", list(REFUSED))
+# One refusal by default (each rule's message is validate's, tested there); all with -m slow.
+@pytest.mark.parametrize("name", [
+    name if name == "sp_beyond_world" else pytest.param(name, marks=pytest.mark.slow)
+    for name in REFUSED])
 def test_plain_torchrun_refuses_what_validate_refuses(tmp_path, documents, name):
     overrides, words = REFUSED[name]
     config = write_config(tmp_path, "run", documents, **overrides)

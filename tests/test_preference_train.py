@@ -95,6 +95,7 @@ def test_dpo_result_merges_and_evaluates(tmp_path):
     assert (tmp_path / "sp2" / "eval" / "passkey.json").is_file()
 
 
+@pytest.mark.slow  # the precomputed reference against TRL runs by default (test_preference)
 def test_dpo_full_finetune_precomputed_reference(tmp_path):
     """A full fine-tune with dpo: the reference log-probs are computed once from the initial
     weights, before training, and kept in output_dir; sp 2 (Ulysses) equals sp 1."""
@@ -156,6 +157,7 @@ def test_dpo_fsdp_qlora(tmp_path):
     assert_same_run(tmp_path / "fsdp", tmp_path / "sp1", adapter=True, tol=1e-4)
 
 
+@pytest.mark.slow  # the preference losses under TP against TRL run by default (test_preference)
 def test_orpo_tensor_parallel(tmp_path):
     """orpo (NLL over the chosen prompt and answer, odds ratio) at tp 2, each TP rank scoring
     its part of the tokens vocab-parallel, with 2 micro-batches a step and held-out pairs,

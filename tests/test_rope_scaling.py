@@ -134,7 +134,10 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# By default sp 1 and the default ring; the llama3 ring and Ulysses with -m slow.
+@pytest.mark.parametrize("layout", [
+    name if name in ("sp1", "ring_stripe_sp2") else pytest.param(name, marks=pytest.mark.slow)
+    for name in LAYOUTS])
 def test_yarn_training_equals_the_models_own(references, layout):
     world, settings = LAYOUTS[layout]
     runs = run_distributed(_longctx, world, SCALINGS["yarn"], settings, timeout_s=240)
@@ -143,7 +146,7 @@ def test_yarn_training_equals_the_models_own(references, layout):
     assert "yarn x4 RoPE scaling reaches 256" in runs[0]["context"]
 
 
-@pytest.mark.parametrize("name", ["linear", "llama3"])
+@pytest.mark.parametrize("name", [pytest.param("linear", marks=pytest.mark.slow), "llama3"])
 def test_other_static_scalings_under_the_ring_equal_the_models_own(references, name):
     runs = run_distributed(_longctx, 2, SCALINGS[name], {}, timeout_s=240)
     result = compare(runs[0], references[name])

@@ -170,7 +170,8 @@ def _relay_worker(rank: int, world: int, sharding: dict,
             standins)
 
 
-@pytest.mark.parametrize("sharding", SHARDINGS[:2], ids=lambda s: s["layout"])
+@pytest.mark.parametrize("sharding", [pytest.param(SHARDINGS[0], marks=pytest.mark.slow),
+                                      SHARDINGS[1]], ids=lambda s: s["layout"])
 def test_scans_pass_their_state_between_ranks(sharding) -> None:
     # Falcon-H1's Mamba2 mixers on contiguous and zigzag rows: states cross the ranks (each
     # rank after the first receives at least one) and the hidden states are the model's own
@@ -295,6 +296,7 @@ def _reference_worker(rank: int, world: int) -> dict:
     return {f.name: fm.reference_training(f) for f in fm.FAMILIES if f.name in HYBRIDS}
 
 
+@pytest.mark.slow  # the family matrix's hybrid sp 4 cells run by default
 def test_hybrid_families_train_exactly_at_sp4() -> None:
     # The family matrix covers sp2 and hybrid sp4 (docs/families.md); here every strategy
     # splits each row four ways, so scans cross three rank boundaries and conv halos come
@@ -498,6 +500,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # GPU-only kernels' contract; causal-conv1d and fla's runs by default
 def test_mamba_kernels_run_the_document_rows_and_pass_state_when_installed() -> None:
     # mamba-ssm's kernels (Triton/CUDA, GPU only) are what transformers calls when the
     # package imports: Mamba2's fused conv-scan-norm kernel in training without a cache (sp 1
