@@ -1,8 +1,8 @@
 """Reach: how much memory a token costs per rank, longctx against DeepSpeed ALST, each with
 its full memory recipe, and the longest row that fits a per-rank budget.
 
-    nice python benchmarks/reach.py                   # 8K, 16K, 32K at sp 2; ~15 min on 2 cores
-    nice python benchmarks/reach.py --lengths 8192 16384 32768 65536 --budget-gib 2
+    nice python benchmarks/reach.py                   # 8K, 16K, 32K at sp 2; 24 min on 2 busy cores
+    nice python benchmarks/reach.py --lengths 8192 16384 --malloc-mmap-threshold 1048576
     python benchmarks/reach.py --table benchmarks/results/reach-2026-11-26.json
 
 The model is `peers.py`'s Llama (hidden 256, 4 layers, 8 heads, vocab 32,000, 20.6M
@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -179,6 +180,10 @@ def main() -> None:
                    "per shard) or a count; default: shards of at most longctx's fused block")
     p.add_argument("--verify", action="store_true",
                    help="train each tool's predicted longest row once and report its peak")
+    p.add_argument("--malloc-mmap-threshold", type=int, default=None,
+                   help="bytes: run every tool with glibc's MALLOC_MMAP_THRESHOLD_ fixed to this "
+                   "(allocations above it are mmapped and returned on free), to tell memory "
+                   "the allocator keeps from memory the tools keep alive")
     p.add_argument("--work", type=Path, default=ROOT / "outputs" / "reach")
     p.add_argument("--stem", default="reach")
     p.add_argument("--table", type=Path, help="only print the table of a saved JSON")
@@ -189,6 +194,8 @@ def main() -> None:
         return
     assert len(args.lengths) >= 2 and args.steps >= 2 and args.runs >= 1
 
+    if args.malloc_mmap_threshold is not None:  # the tools' processes inherit it
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
     peer_python = peers.ensure_peer_venv() if any(t.startswith("alst") for t in args.tools) \
         else None
     begun = time.time()
@@ -212,6 +219,7 @@ def main() -> None:
         "command": " ".join(["python", "benchmarks/reach.py", *sys.argv[1:]]),
         "sp": peers.SP, "threads_per_rank": 1, "steps": args.steps, "runs": args.runs,
         "budget_gib": args.budget_gib, "deepspeed": peers.DEEPSPEED, "model": peers.LLAMA,
+        "malloc_mmap_threshold": args.malloc_mmap_threshold,
         "longctx_memory": LONGCTX_MEMORY,
         "alst_flags": {str(t): list(alst_flags(t, args.alst_loss_shards)) for t in args.lengths},
         "summary": summary, "verified": verified,
