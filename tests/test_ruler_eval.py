@@ -51,6 +51,7 @@ def _expected(model_dir, length: int) -> list[tuple[str, int, int, str, float]]:
     return out
 
 
+@pytest.mark.slow  # generate under SP = single-process generate stays in test_generate
 def test_ruler_eval_under_sp_equals_single_process_generate(tmp_path, model_dir):
     length = _length()
     config = tmp_path / "c.yaml"

@@ -436,6 +436,7 @@ assert results[1][1] > 0 and all(calls["fla"] for _, _, calls in results), resul
 """
 
 
+@pytest.mark.slow  # GPU-only kernels' contract, like Mamba's below
 def test_optional_kernels_run_the_document_rows_when_installed() -> None:
     # causal-conv1d and flash-linear-attention are CUDA/Triton packages; transformers uses
     # them when they import. Their CPU stand-ins (same signatures) must receive longctx's

@@ -67,7 +67,7 @@ def test_reference_learns_and_logs(full_reference):
             {"sequence_parallel_degree": 2, "gradient_accumulation_steps": 2},
             marks=pytest.mark.slow,
         ),
-        (
+        pytest.param(  # each option's exactness stays by default in test_memory_options
             "ring_sp2_memory_options",
             2,
             {
@@ -79,6 +79,7 @@ def test_reference_learns_and_logs(full_reference):
                 "gradient_checkpointing": True,
                 "activation_offloading": True,
             },
+            marks=pytest.mark.slow,
         ),
         pytest.param(
             "ulysses_sp2",
@@ -101,7 +102,7 @@ def test_reference_learns_and_logs(full_reference):
             },
             marks=pytest.mark.slow,
         ),
-        (
+        pytest.param(  # the family matrix trains hybrid sp 4 against the models' own
             "hybrid_2x2",
             4,
             {
@@ -109,6 +110,7 @@ def test_reference_learns_and_logs(full_reference):
                 "sequence_parallel_mode": "hybrid",
                 "ulysses_degree": 2,
             },
+            marks=pytest.mark.slow,
         ),
     ],
 )

@@ -174,6 +174,7 @@ def llama_worker(rank: int, world_size: int) -> dict[str, dict]:
     return errors
 
 
+@pytest.mark.slow  # Ulysses inside HF models: the family matrix trains every family with it
 def test_inside_a_hugging_face_model() -> None:
     results = run_distributed(llama_worker, 4, timeout_s=300)
     for errors in results:
