@@ -307,17 +307,6 @@ def build_from_dict(fields: dict[str, Any], key: str) -> Any:
         ) from None
 
 
-def _in_hub_cache(model_id: str) -> bool:
-    """Whether the local Hugging Face cache holds this id's config.json (no transformers)."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        found = try_to_load_from_cache(model_id, "config.json")
-    except Exception:  # an id the hub client rejects: let transformers say why
-        return True
-    return isinstance(found, str)
-
-
 def _hub_cache_folder(model_id: str) -> Path | None:
     """The local Hugging Face cache's folder of this id's config.json, if it holds one."""
     try:
@@ -397,12 +386,13 @@ def _read_model_config(config: Config) -> ModelShape:
             fix="run the command from the folder the path is relative to, or first create "
             "the model it names (e.g. a run's `output_dir/final`; examples/tiny_grpo.yaml "
             "starts from the Quickstart's outputs/tiny_passkey/final).")
-    if not local.exists() and not _in_hub_cache(model_id) and not hub_reachable():
+    cached = None if local.exists() else _hub_cache_folder(model_id)
+    if not local.exists() and cached is None and not hub_reachable():
         # Offline and not cached: the built-in table answers without importing transformers.
         shape = _from_table(model_id, "the hub is unreachable")
         if shape is not None:
             return shape
-    saved_folder = local if local.is_dir() else _hub_cache_folder(model_id)
+    saved_folder = local if local.is_dir() else cached
     if saved_folder is not None and not trust:
         where = (f"local path {model_id}" if local.exists() else f"{model_id} (local cache)")
         shape = _saved_plain_shape(saved_folder, where)
