@@ -66,7 +66,12 @@ from longctx_cli.parallel.torch_kernel import (  # noqa: E402
 )
 from longctx_cli.runtime.batches import to_device  # noqa: E402
 from longctx_cli.runtime.memory_savers import activation_offload  # noqa: E402
-from longctx_cli.runtime.model import build_model, decoder_and_head, model_config_of  # noqa: E402
+from longctx_cli.runtime.model import (  # noqa: E402
+    build_model,
+    decoder_and_head,
+    enable_checkpointing,
+    model_config_of,
+)
 from longctx_cli.train.step import forward_loss_sum  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -206,7 +211,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def parity(device: torch.device, dry: bool) -> list[dict]:
+def parity(device: torch.device, dry: bool, results: list[dict], save) -> list[dict]:
     total, hq, hkv, dim = (256, 4, 2, 16) if dry else (16384, 32, 8, 128)
     docs = [total // 2, total // 4, total // 8, total - total // 2 - total // 4 - total // 8]
     cu = [0]
@@ -220,7 +225,6 @@ def parity(device: torch.device, dry: bool) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(total, hq, dim, generator=g).to(device) for _ in range(2))
     k, v = (torch.randn(total, hkv, dim, generator=g).to(device) for _ in range(2))
-    results = []
     for window in (None, total // 16):
         feats = AttentionFeatures(scale=dim**-0.5, window=window)
         truth = sdpa_reference(q, k, v, dout, cu, feats, torch.float32)
@@ -244,6 +248,8 @@ def parity(device: torch.device, dry: bool) -> list[dict]:
                     except Exception as e:  # a kernel that cannot take this case says why
                         row["error"] = f"{type(e).__name__}: {e}"
                     results.append(row)
+                save()
+                print(f"  parity {kernel} {dtype_name} window {window}: done", flush=True)
     return results
 
 
@@ -304,7 +310,50 @@ def longctx_config(model: dict, tokens: int, kernel: str, dtype: str, **options)
     })
 
 
-def longctx_steps(config, device: torch.device, steps: int) -> tuple[float, int | None]:
+def timed_steps(step, steps: int, device: torch.device, profile: dict | None = None) -> float:
+    """Seconds of the fastest of `steps` calls of `step` after one warm-up call; with
+    `profile`, the last call runs under torch.profiler and `profile` gets its kernel table."""
+    times = []
+    for i in range(steps + 1):
+        watch = profile is not None and i == steps
+        prof = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                   torch.profiler.ProfilerActivity.CUDA])
+                if watch else None)
+        sync(device)
+        start = time.perf_counter()
+        if prof is not None:
+            with prof:
+                step()
+                sync(device)
+        else:
+            step()
+            sync(device)
+        times.append(time.perf_counter() - start)
+        if prof is not None:
+            profile.update(kernel_table(prof))
+    return min(times[1:])
+
+
+def kernel_table(prof, rows: int = 25) -> dict:
+    """The profiled step's most expensive operators by device time (self, then total)."""
+    events = prof.key_averages()
+
+    def device_us(e, total: bool) -> float:
+        for name in (("device_time_total", "cuda_time_total") if total else
+                     ("self_device_time_total", "self_cuda_time_total")):
+            if hasattr(e, name):
+                return float(getattr(e, name))
+        return 0.0
+
+    top = sorted(events, key=lambda e: device_us(e, False), reverse=True)[:rows]
+    return {"self_device_ms": [{"name": e.key, "calls": e.count,
+                                "ms": device_us(e, False) / 1e3} for e in top],
+            "device_ms_total": sum(device_us(e, False) for e in events) / 1e3,
+            "table": events.table(sort_by="self_cuda_time_total", row_limit=rows)}
+
+
+def longctx_steps(config, device: torch.device, steps: int, profile: dict | None = None
+                  ) -> tuple[float, int | None]:
     """Seconds per step (after one warm-up step) and peak bytes of longctx at sp=1."""
     with torch.device(device):
         model = build_model(config)
@@ -316,20 +365,18 @@ def longctx_steps(config, device: torch.device, steps: int) -> tuple[float, int 
     n = config.sequence_len
     ids = torch.randint(1, model_config_of(config).vocab_size, (n,))
     batch = to_device(shard_batch(ids, torch.arange(n), ids, ctx), device)
-    times = []
-    for _ in range(steps + 1):
-        sync(device)
-        start = time.perf_counter()
+
+    def step() -> None:
         with activation_offload(config.activation_offloading):
             (forward_loss_sum(decoder, head, batch, config, ctx) / n).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return min(times[1:]), peak(device)
+
+    return timed_steps(step, steps, device, profile), peak(device)
 
 
-def hf_steps(model_dict: dict, tokens: int, attn: str, dtype, device, steps: int) -> float:
+def hf_steps(model_dict: dict, tokens: int, attn: str, dtype, device, steps: int,
+             profile: dict | None = None) -> float:
     """Plain Hugging Face training: model(input_ids, labels=...) with gradient checkpointing."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -337,21 +384,40 @@ def hf_steps(model_dict: dict, tokens: int, attn: str, dtype, device, steps: int
     cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, {"use_reentrant": False})
     model.config.use_cache = False
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(1, cfg.vocab_size, (1, tokens), device=device)
-    times = []
-    for _ in range(steps + 1):
-        sync(device)
-        start = time.perf_counter()
+
+    def step() -> None:
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return min(times[1:])
+
+    return timed_steps(step, steps, device, profile)
+
+
+def profiles(device: torch.device, dry: bool, tokens: int | None, results: list[dict],
+             save) -> list[dict]:
+    """Where a step's device time goes, longctx (`torch_flash`) beside plain HF (`sdpa`)."""
+    model, dtype = (TINY, "float32") if dry else (LLAMA_1B, "bfloat16")
+    n = tokens or (128 if dry else 16384)
+    for impl in ("longctx/torch_flash", "hf/sdpa"):
+        table: dict = {}
+
+        def run(impl=impl, table=table):
+            if impl.startswith("longctx"):
+                secs, _ = longctx_steps(longctx_config(model, n, "torch_flash", dtype),
+                                        device, 1, table)
+            else:
+                secs = hf_steps(model, n, "sdpa", DTYPES[dtype], device, 1, table)
+            return {"seconds": secs, **table}
+        results.append({"tokens": n, "impl": impl, **measured(run, device)})
+        save()
+        print(f"  profile {impl} {n}: {results[-1].get('seconds')}", flush=True)
+        print(results[-1].get("table", results[-1].get("error", "")), flush=True)
+    return results
 
 
 def measured(fn, device: torch.device) -> dict:
@@ -368,24 +434,32 @@ def measured(fn, device: torch.device) -> dict:
         reset_memory(device)
 
 
-def throughput(device: torch.device, dry: bool) -> list[dict]:
+def throughput(device: torch.device, dry: bool, lengths: list[int] | None,
+               tiled_up_to: int, results: list[dict], save) -> list[dict]:
+    """``tiled_up_to``: the longest row the ``torch`` kernel (tiled matmuls on CUDA, the
+    slowest) is timed at, so that a lease of minutes reaches the longer rows."""
     model, dtype = (TINY, "float32") if dry else (LLAMA_1B, "bfloat16")
-    lengths = [128, 256] if dry else [8192, 16384, 32768, 65536, 131072]
+    lengths = lengths or ([128, 256] if dry else [8192, 16384, 32768, 65536, 131072])
     steps = 1 if dry else 2
     kernels = ["torch_flash", "torch"] + (["flash"] if flash_available() else [])
     hf = ["sdpa"] + ([] if dry or not importable("flash_attn") else ["flash_attention_2"])
-    results = []
     for n in lengths:
         for kernel in kernels:
+            if kernel == "torch" and n > tiled_up_to:
+                continue
             def run(kernel=kernel, n=n):
                 secs, top = longctx_steps(longctx_config(model, n, kernel, dtype), device, steps)
                 return {"tokens_per_s": n / secs, "peak_bytes": top}
             results.append({"tokens": n, "impl": f"longctx/{kernel}", **measured(run, device)})
+            save()
+            print(f"  throughput: {results[-1]}", flush=True)
         for attn in hf:
             def run_hf(attn=attn, n=n):
                 secs = hf_steps(model, n, attn, DTYPES[dtype], device, steps)
                 return {"tokens_per_s": n / secs, "peak_bytes": peak(device)}
             results.append({"tokens": n, "impl": f"hf/{attn}", **measured(run_hf, device)})
+            save()
+            print(f"  throughput: {results[-1]}", flush=True)
     return results
 
 
@@ -409,7 +483,10 @@ def estimate_bytes(config, kernel: str, cuda: bool) -> int:
                            tiled_scores=tiled)[0].total
 
 
-def longest(device: torch.device, dry: bool, max_trials: int) -> dict:
+def longest(device: torch.device, dry: bool, max_trials: int, lengths: list[int] | None,
+            report: dict, save) -> dict:
+    """Doubling then bisection from 32K, or (``lengths``) exactly the rows given: an 8B
+    step at hundreds of thousands of tokens takes minutes, more than a short lease holds."""
     model = TINY if dry else LLAMA3_8B
     cuda = device.type == "cuda"
     options = {"adapter": "lora", "lora_r": 16, "lora_target_modules": "all-linear",
@@ -420,6 +497,12 @@ def longest(device: torch.device, dry: bool, max_trials: int) -> dict:
     n, step = (128, 128) if dry else (32768, 16384)
     trials: list[dict] = []
     ok, bad = 0, None
+    fixed = list(lengths or [])
+    if fixed:
+        n, max_trials = fixed.pop(0), len(lengths)
+    report["longest"] = {"model": "tiny" if dry else "llama3-8b shape", "kernel": kernel,
+                         "options": options, "trials": trials,
+                         "search": "given rows" if lengths else "doubling, then bisection"}
     while len(trials) < max_trials:
         config = longctx_config(model, n, kernel, "bfloat16", **options)
         est = estimate_bytes(config, kernel, cuda)
@@ -430,6 +513,7 @@ def longest(device: torch.device, dry: bool, max_trials: int) -> dict:
         if result["status"] == "ok" and result.get("peak_bytes"):
             row["estimate_error"] = est / result["peak_bytes"] - 1
         trials.append(row)
+        save()
         print(f"  longest: {n} tokens -> {result['status']}", flush=True)
         if result["status"] == "ok":
             ok = n
@@ -437,16 +521,23 @@ def longest(device: torch.device, dry: bool, max_trials: int) -> dict:
             bad = n
         else:
             break
+        if fixed:
+            n = fixed.pop(0)
+            continue
+        if lengths:
+            break
         if bad is None:
             n *= 2
         elif bad - ok <= step:
             break
         else:
             n = (ok + bad) // 2 // step * step
-    return {"model": "tiny" if dry else "llama3-8b shape", "kernel": kernel, "options": options,
-            "longest_tokens": ok, "first_oom_tokens": bad, "trials": trials,
-            "softcap": attention_softcap(ModelShape.from_hf_config(model_config_of(
-                longctx_config(model, 128, kernel, "bfloat16"))))}
+    report["longest"].update({
+        "longest_tokens": ok, "first_oom_tokens": bad,
+        "softcap": attention_softcap(ModelShape.from_hf_config(model_config_of(
+            longctx_config(model, 128, kernel, "bfloat16"))))})
+    save()
+    return report["longest"]
 
 
 # ---- main ---------------------------------------------------------------------------------
@@ -462,10 +553,25 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, stand-in op")
     parser.add_argument("--parts", nargs="+", default=["parity", "throughput", "longest"],
-                        choices=["parity", "throughput", "longest"])
+                        choices=["parity", "throughput", "longest", "profile"])
     parser.add_argument("--max-trials", type=int, default=8, help="rows tried by `longest`")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--lengths", type=int, nargs="+", default=None,
+                        help="rows timed by `throughput` (default 8K-128K)")
+    parser.add_argument("--tiled-up-to", type=int, default=1 << 30,
+                        help="longest row `throughput` times the `torch` kernel at")
+    parser.add_argument("--profile-tokens", type=int, default=None,
+                        help="row length of the `profile` part (default 16K)")
+    parser.add_argument("--longest-lengths", type=int, nargs="+", default=None,
+                        help="`longest` tries exactly these rows instead of searching")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the JSON, rewritten after every row "
+                             "(default results/gpu-<device>.json)")
+    parser.add_argument("--table", type=Path, default=None,
+                        help="print the markdown tables of a results JSON and exit")
     args = parser.parse_args(argv)
+    if args.table is not None:
+        print(tables(json.loads(args.table.read_text())))
+        return {}
     if args.dry_run:
         from longctx_cli.parallel.torch_flash import use_flash_ops
         from tests.torch_flash_standin import OPS
@@ -480,20 +586,76 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict = {"device": device_name(device), "dry_run": args.dry_run,
                     "torch": torch.__version__, "flash_attn": importable("flash_attn"),
                     "measured": not args.dry_run}
+    if not args.dry_run:
+        report["gpu_capability"] = list(torch.cuda.get_device_capability(device))
     started = time.perf_counter()
-    if "parity" in args.parts:
-        report["parity"] = parity(device, args.dry_run)
-    if "throughput" in args.parts:
-        report["throughput"] = throughput(device, args.dry_run)
-    if "longest" in args.parts:
-        report["longest"] = longest(device, args.dry_run, 3 if args.dry_run else args.max_trials)
-    report["seconds"] = time.perf_counter() - started
     out = args.out or ROOT / "benchmarks" / "results" / f"gpu-{report['device']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+
+    def save() -> None:  # after every row: a run cut short keeps what it measured
+        report["seconds"] = time.perf_counter() - started
+        out.write_text(json.dumps(report, indent=1))
+
+    if "parity" in args.parts:
+        parity(device, args.dry_run, report.setdefault("parity", []), save)
+    if "throughput" in args.parts:
+        throughput(device, args.dry_run, args.lengths, args.tiled_up_to,
+                   report.setdefault("throughput", []), save)
+    if "profile" in args.parts:
+        profiles(device, args.dry_run, args.profile_tokens, report.setdefault("profile", []),
+                 save)
+    if "longest" in args.parts:
+        longest(device, args.dry_run, 3 if args.dry_run else args.max_trials,
+                args.longest_lengths, report, save)
+    save()
     print(summary(report))
     print(f"written to {out}")
     return report
+
+
+def tables(report: dict) -> str:
+    """Markdown tables of a results JSON, each `longest` row's estimate recomputed by the
+    current code (what `validate` prints now) beside the peak measured then."""
+    gib = 1024**3
+    lines = [f"{report['device']}, torch {report['torch']}", "",
+             "| kernel | dtype | worst relative error, any strategy and window | SDPA's own |",
+             "|---|---|---|---|"]
+    worst: dict = {}
+    for row in report.get("parity", []):
+        key = (row["kernel"], row["dtype"])
+        err = max(row["err"].values()) if "err" in row else float("nan")
+        floor = max(row["sdpa_err"].values())
+        old = worst.get(key, (0.0, 0.0))
+        worst[key] = (max(old[0], err), max(old[1], floor))
+    for (kernel, dtype), (err, floor) in worst.items():
+        lines.append(f"| `{kernel}` | {dtype} | {err:.2e} | {floor:.2e} |")
+    rows = report.get("throughput", [])
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    lengths = sorted({r["tokens"] for r in rows})
+    if rows:
+        lines += ["", "| tokens | " + " | ".join(f"`{i}` tok/s (peak GiB)" for i in impls) + " |",
+                  "|---" * (len(impls) + 1) + "|"]
+        for n in lengths:
+            cells = []
+            for impl in impls:
+                r = next((r for r in rows if r["tokens"] == n and r["impl"] == impl), None)
+                cells.append("-" if r is None else r["status"] if r["status"] != "ok" else
+                             f"{r['tokens_per_s']:,.0f} ({r['peak_bytes'] / gib:.1f})")
+            lines.append(f"| {n:,} | " + " | ".join(cells) + " |")
+    if "longest" in report:
+        lg = report["longest"]
+        model = TINY if report.get("dry_run") else LLAMA3_8B
+        lines += ["", "| tokens | measured peak GiB | estimate now GiB | estimate / peak |",
+                  "|---|---|---|---|"]
+        for t in lg["trials"]:
+            if t["status"] != "ok" or not t.get("peak_bytes"):
+                lines.append(f"| {t['tokens']:,} | {t['status']} | | |")
+                continue
+            config = longctx_config(model, t["tokens"], lg["kernel"], "bfloat16", **lg["options"])
+            est = estimate_bytes(config, lg["kernel"], True)
+            lines.append(f"| {t['tokens']:,} | {t['peak_bytes'] / gib:.2f} | {est / gib:.2f} "
+                         f"| {est / t['peak_bytes']:.2f} |")
+    return "\n".join(lines)
 
 
 def summary(report: dict) -> str:

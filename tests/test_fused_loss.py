@@ -110,3 +110,35 @@ def test_only_a_plain_linear_head_in_training_is_fused():
     assert fused_head(linear, hidden.detach()) is None
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert fused_head(linear, hidden) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_block_of_logits_alive_at_a_time(dtype):
+    """When a block's logits are made, no earlier block's logits (or their compute-dtype
+    gradient) are still alive: the loss's peak is one block's, which the estimate counts."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    linear, hidden, labels = _case(dtype, bias=False)
+    labels[64:128] = 0  # every block has targets
+    block, vocab = 32, linear.out_features
+    alive: list[weakref.ref] = []
+    seen_alive: list[int] = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out):
+                earlier = [r for r in alive if r() is not None and r() is not out]
+                if out.shape == (block, vocab):  # a block's logits being made
+                    seen_alive.append(len({r().data_ptr() for r in earlier}))
+            if isinstance(out, torch.Tensor) and out.shape == (block, vocab):
+                alive.append(weakref.ref(out))
+            return out
+
+    with Watch():
+        LinearCrossEntropy.apply(hidden, linear.weight, None, labels, block)
+    assert len(seen_alive) >= 3, seen_alive
+    # float32 reuses one buffer for every block (it is the only one alive, by design)
+    assert max(seen_alive) == (1 if dtype == torch.float32 else 0), seen_alive

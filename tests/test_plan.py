@@ -386,7 +386,8 @@ def test_memory_full_finetune_bf16_adamw():
     n = LLAMA3_8B.parameter_count()
     assert (m.parameters, m.gradients, m.optimizer) == (2 * n, 2 * n, 4 * n)
     assert m.trainable_params == n
-    assert m.total == sum(v for _, v in m.parts())
+    # logits + loss and the layer's backward are working sets of different moments
+    assert m.total == sum(v for _, v in m.parts()) - min(m.logits, m.recompute)
 
 
 def test_memory_sgd_has_no_optimizer_state():
@@ -475,9 +476,12 @@ def test_memory_checkpointing_counts_the_larger_of_logits_and_recompute():
 def test_memory_tiled_mlp_drops_four_intermediates_per_layer():
     plain, tiled = _memory(), _memory(tiled_mlp=True)
     assert plain.activations - tiled.activations == 32 * 4 * 14336 * 8192 * 2
-    # Default tiles of ~hidden tokens: one tile (4096 tokens of 8192) is live in backward.
-    assert tiled.recompute == 4 * 14336 * 4096 * 2
-    assert _memory(tiled_mlp=True, tiled_mlp_tiles=8192).recompute == 4 * 14336 * 2
+    # Default tiles of ~hidden tokens: one tile (4096 tokens of 8192) is live in backward,
+    # beside the attention backward's buffers and the residual gradients on a GPU.
+    gpu_backward = 8192 * (4096 * (2 * 2 + 4) + 2 * 4096 * 2 + 2 * 4096 * 2)
+    assert tiled.recompute == 4 * 14336 * 4096 * 2 + gpu_backward
+    assert _memory(tiled_mlp=True, tiled_mlp_tiles=8192).recompute == (
+        4 * 14336 * 2 + gpu_backward)
 
 
 def test_memory_offload_frees_device_memory_but_not_host_memory():
@@ -487,7 +491,9 @@ def test_memory_offload_frees_device_memory_but_not_host_memory():
     config = cfg(sequence_len=65536, sequence_parallel_degree=8, gradient_checkpointing=True,
                  activation_offloading=True)
     on_cpu, notes = _estimate(config, LLAMA3_8B, 8, host_is_device=True)
-    assert on_cpu.total == gc.total
+    gc_on_cpu = _estimate(cfg(sequence_len=65536, sequence_parallel_degree=8,
+                              gradient_checkpointing=True), LLAMA3_8B, 8, host_is_device=True)
+    assert on_cpu.total == gc_on_cpu[0].total
     assert any("frees nothing" in n for n in notes)
 
 

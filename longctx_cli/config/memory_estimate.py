@@ -37,6 +37,14 @@ NORM_FACTOR = 4
 Q_FACTOR = 3
 KV_FACTOR = 3
 MLP_FACTOR = 4
+# Below float32 a layer also saves float32 copies: each RMSNorm its upcast input, and each
+# LoRA-adapted linear its input cast to the adapter's float32 (peft casts before lora_A).
+FP32_NORM_COPIES = 2
+# On a GPU the layer's backward adds, beside what it saved: the attention backward's dout
+# and dq (the compute dtype) and float32 dq accumulator per query head, its dK/dV expanded to
+# the query heads when KV heads are shared, and the residual stream's two gradients.
+ATTN_BACKWARD_Q_TENSORS = 2
+RESIDUAL_GRAD_TENSORS = 2
 # Logits bytes per token per vocab entry: the logits in the compute dtype, their float32 copy
 # for cross-entropy (the log-softmax kept for backward), and the float32 gradient in backward.
 LOGITS_FP32_COPIES = 2
@@ -94,15 +102,42 @@ class MemoryEstimate:
         ]
 
 
+def _lora_names(config: Config) -> list[str]:
+    targets = config.lora_target_modules
+    return list(LINEAR_MODULES) if targets == "all-linear" else (
+        [targets] if isinstance(targets, str) else list(targets or [])
+    )
+
+
 def lora_parameter_count(config: Config, shape: ModelShape) -> tuple[int, list[str]]:
     """LoRA weights (A: r x in, B: out x r per adapted linear layer) and unmatched names."""
-    targets = config.lora_target_modules
-    names = list(LINEAR_MODULES) if targets == "all-linear" else (
-        [targets] if isinstance(targets, str) else list(targets)
-    )
+    names = _lora_names(config)
     shapes = shape.linear_shapes()
     count = sum(config.lora_r * sum(shapes[n]) for n in names if n in shapes)
     return count * shape.num_hidden_layers, [n for n in names if n not in shapes]
+
+
+def fp32_copy_bytes(config: Config, shape: ModelShape) -> int:
+    """Bytes per token of the float32 copies one layer saves below float32 (see
+    FP32_NORM_COPIES); a tiled MLP's adapted linears save theirs one tile at a time."""
+    if config.dtype == "float32":
+        return 0
+    elements = FP32_NORM_COPIES * shape.hidden_size
+    if config.adapter is not None:
+        shapes = shape.linear_shapes()
+        mlp = ("gate_proj", "up_proj", "down_proj")
+        elements += sum(shapes[n][0] for n in _lora_names(config)
+                        if n in shapes and not (config.tiled_mlp and n in mlp))
+    return 4 * elements
+
+
+def gpu_backward_bytes(config: Config, shape: ModelShape) -> int:
+    """Bytes per token a layer's backward allocates on a GPU beyond its saved tensors."""
+    b = DTYPE_BYTES[config.dtype]
+    shared_kv = shape.num_key_value_heads < shape.num_attention_heads
+    dkv = 2 * (shape.q_dim if shared_kv else shape.kv_dim) * b
+    return (shape.q_dim * (ATTN_BACKWARD_Q_TENSORS * b + 4) + dkv
+            + RESIDUAL_GRAD_TENSORS * shape.hidden_size * b)
 
 
 def layer_activation_elements(config: Config, shape: ModelShape) -> int:
@@ -127,10 +162,15 @@ def _mlp_tile_bytes(config: Config, shape: ModelShape, local_tokens: int) -> int
 def _activation_bytes(
     config: Config, shape: ModelShape, local_tokens: int, offload_frees_device: bool
 ) -> tuple[int, int]:
-    """(bytes saved for backward over the whole step, working set of one layer in backward)."""
+    """(bytes saved for backward over the whole step, working set of one layer in backward).
+
+    `offload_frees_device` also says the run computes on a GPU (whose backward buffers count).
+    """
     b = DTYPE_BYTES[config.dtype]
-    layer = layer_activation_elements(config, shape) * local_tokens * b
-    tile = _mlp_tile_bytes(config, shape, local_tokens)
+    per_token = layer_activation_elements(config, shape) * b + fp32_copy_bytes(config, shape)
+    layer = per_token * local_tokens
+    gpu_backward = gpu_backward_bytes(config, shape) * local_tokens if offload_frees_device else 0
+    tile = _mlp_tile_bytes(config, shape, local_tokens) + gpu_backward
     offloaded = config.activation_offloading and offload_frees_device
     if config.gradient_checkpointing:
         # Each layer keeps only its input [tokens, hidden] (in host memory when offloaded).

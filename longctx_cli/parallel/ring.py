@@ -74,7 +74,10 @@ def _head_groups(q: torch.Tensor, k: torch.Tensor, stride: int) -> list[tuple[sl
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, meta, feats):  # type: ignore[override]
-        groups = _head_groups(q, k, meta.ctx.layout.heads_k_stride)
+        # The stride bounds the gathered K,V; with nothing to gather (sp 1) one call takes
+        # every head: a kernel call per KV head only cut the GPU's work into small launches.
+        layout = meta.ctx.layout
+        groups = _head_groups(q, k, k.shape[1] if layout.sp == 1 else layout.heads_k_stride)
         out = out_like(q, v)  # v's head dim (multi-head latent attention: not q's)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
         pending = _Gather(k[:, groups[0][1]], v[:, groups[0][1]], meta)

@@ -75,6 +75,9 @@ class LinearCrossEntropy(torch.autograd.Function):
                 grad_weight.addmm_(grad_logits.t().to(acc), h.to(acc))
             if need_bias:
                 grad_bias += grad_logits.sum(0).to(acc)
+            # Drop this block's logits before the next block makes its own: held over, they
+            # doubled the loss's peak (a [block, vocab] float32 and compute-dtype pair each).
+            del logits, exps, grad_logits, g
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         return total
