@@ -94,6 +94,9 @@ def one_thread_env() -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("PYTHONPATH", None)
+    # Python's default: modules' bytecode cached after their first import. A sandbox that
+    # turns it off makes every run compile whatever pip did not (an editable install's code).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
 
 
@@ -307,6 +310,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3, help="alternated runs per tool")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
+    p.add_argument("--warmup-runs", type=int, default=1,
+                   help="untimed runs of each tool before the timed ones")
     p.add_argument("--work", type=Path, default=ROOT / "outputs" / "peers")
     p.add_argument("--stem", default="peers")
     p.add_argument("--table", type=Path, help="only print the table of a saved JSON")
@@ -324,6 +329,10 @@ def main() -> None:
         work = args.work / name
         model_dir, configs = prepare_workload(name, work, args.steps)
         runs: dict[str, list[dict]] = {tool: [] for tool in args.tools}
+        for warm in range(args.warmup_runs):  # untimed: page cache and bytecode, as on a box
+            for tool in args.tools:            # where each tool has run before
+                run_tool(tool, name, work, model_dir, configs, args.steps, -1 - warm,
+                         peer_python)
         for run in range(args.runs):
             order = args.tools[run % len(args.tools):] + args.tools[:run % len(args.tools)]
             for tool in order:
@@ -341,6 +350,7 @@ def main() -> None:
     save_record(args.stem, {
         "command": " ".join(["python", "benchmarks/peers.py", *sys.argv[1:]]),
         "sp": SP, "threads_per_rank": 1, "steps": args.steps, "warmup": args.warmup,
+        "warmup_runs": args.warmup_runs,
         "runs": args.runs, "deepspeed": DEEPSPEED, "models": {n: ROWS[n][0] for n in args.rows},
         "tokens": {n: ROWS[n][1] for n in args.rows}, "results": results, "raw": raw,
         "total_s": round(time.time() - begun),

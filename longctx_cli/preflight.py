@@ -270,7 +270,16 @@ def meta_model(config: Config) -> Any:
 
 
 def module_classes(config: Config) -> dict[str, str] | None:
-    """{module name: class name} of the model, built on the meta device from its config."""
+    """{module name: class name} of the model: a plain family's from its shape, any other's
+    built on the meta device from its config."""
+    from longctx_cli.config.model_shape import plain_module_classes, read_model_config
+
+    try:
+        plain = plain_module_classes(read_model_config(config))
+    except UserError:
+        plain = None  # the plan reports an unreadable model config; here nothing to check
+    if plain is not None:
+        return plain
     model = meta_model(config)
     if model is None:
         return None

@@ -11,7 +11,12 @@ import pytest
 from transformers import AutoConfig
 
 from longctx_cli.config import load_config
-from longctx_cli.config.model_shape import ModelShape, _saved_plain_shape, read_model_config
+from longctx_cli.config.model_shape import (
+    ModelShape,
+    _saved_plain_shape,
+    plain_module_classes,
+    read_model_config,
+)
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "vocab_size": 100}
@@ -88,3 +93,36 @@ def test_validate_of_a_saved_model_does_not_import_torch(tmp_path):
     config = load_config(config_path, ["--rope_theta", "20000"])
     shape = read_model_config(config)
     assert shape.transformers_config().rope_parameters["rope_theta"] == 20000.0
+
+
+@pytest.mark.parametrize("name", list(PLAIN))
+def test_plain_module_names_are_the_models_own(tmp_path, name):
+    """The module tree the LoRA target check reads of a plain family, against the model
+    transformers builds (on the meta device) from the same saved config."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = _save(tmp_path, name, *PLAIN[name])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    built = {n: type(m).__name__ for n, m in model.named_modules() if n}
+    assert plain_module_classes(_saved_plain_shape(folder, "local path")) == built
+    assert plain_module_classes(ModelShape.from_hf_config(model.config)) is None  # not plain
+
+
+def test_lora_targets_of_a_saved_plain_model_are_checked_without_torch(tmp_path):
+    folder = _save(tmp_path, "model", "llama", {})
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(f"base_model: {folder}\ntokenizer: byte\nsequence_len: 256\n"
+                           "adapter: lora\nlora_target_modules: [q_proj, qkv_proj]\n"
+                           "datasets:\n  - path: data.jsonl\n    type: completion\n")
+    code = ("import sys; from longctx_cli.config import load_config; "
+            "from longctx_cli.errors import UserError; "
+            "from longctx_cli.preflight import check_lora_targets\n"
+            f"try:\n    check_lora_targets(load_config({str(config_path)!r}))\n"
+            "except UserError as e:\n    print(repr(str(e)))\n"
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120).stdout.splitlines()
+    assert "'qkv_proj'" in out[0] and "q_proj" in out[0], out
+    assert out[-1] == "False False", out

@@ -164,9 +164,55 @@ def test_load_rows_reads_the_handed_entry_without_checking_again(tmp_path, warm,
         from longctx_cli.data.tokenizer import load_tokenizer
 
         again, _ = distributed.load_rows(config, load_tokenizer(config))
-        assert calls == [1] and again["input_ids"] == train_rows["input_ids"]
+        assert calls == [1] and list(again["input_ids"]) == train_rows["input_ids"]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_handed_entry_is_read_row_for_row_as_datasets_reads_it(warm):
+    """`Rows` (pyarrow over the saved files) against `datasets.load_from_disk` of the same
+    split: every row, a selection with repeats, iteration, columns and the files."""
+    import datasets
+
+    from longctx_cli.data.rows import Rows
+
+    _, entry = warm
+    light = cache.read_entry(entry.path, entry.fingerprint).train
+    full = datasets.load_from_disk(str(entry.path / cache.TRAIN_DIR))
+    assert isinstance(light, Rows) and len(light) == len(full) > 2
+    assert [light[i] for i in range(len(light))] == [full[i] for i in range(len(full))]
+    assert light[-1] == full[len(full) - 1]
+    picked = [2, 0, 2]
+    assert list(light.select(picked)) == list(full.select(picked))
+    assert list(light) == list(full) and light.column_names == full.column_names
+    assert light.cache_files == [{"filename": f["filename"]} for f in full.cache_files]
+    with pytest.raises(IndexError):
+        light[len(light)]
+
+
+def test_a_split_saved_with_a_format_is_read_by_datasets(tmp_path):
+    """A split `Rows` would not read as `datasets` does (a format set) is left to `datasets`."""
+    import datasets
+
+    from longctx_cli.data.rows import Rows
+
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]]})
+    ds.save_to_disk(str(tmp_path / "plain"))
+    ds.with_format("torch").save_to_disk(str(tmp_path / "torch"))
+    assert Rows.read(tmp_path / "plain")[1] == {"input_ids": [3]}
+    assert Rows.read(tmp_path / "torch") is None
+    assert Rows.read(tmp_path / "missing") is None
+
+
+def test_a_rank_reads_its_handed_rows_without_importing_datasets(warm):
+    _, entry = warm
+    code = ("import sys; from pathlib import Path; from longctx_cli.data import cache; "
+            f"p = cache.read_entry(Path({str(entry.path)!r}), {entry.fingerprint!r}); "
+            "assert p is not None and len(p.train) > 0; "
+            "assert 'datasets' not in sys.modules, 'datasets imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 # ---- what a rank imports ---------------------------------------------------------------------

@@ -277,6 +277,31 @@ def _saved_plain_shape(folder: Path, source: str) -> ModelShape | None:
     return dataclasses.replace(shape, plain_fields=saved, config_folder=str(folder))
 
 
+def plain_module_classes(shape: ModelShape) -> dict[str, str] | None:
+    """{module name: class name} of a plain family's causal LM as transformers builds it,
+    from the shape alone (what the LoRA target check reads; building the model on the meta
+    device costs the launcher a transformers import), or None for any other model.
+    tests/test_model_shape_saved.py holds it equal to the meta-device model's modules."""
+    if shape.plain_fields is None or shape.model_type not in _ARCHITECTURES:
+        return None
+    prefix = _ARCHITECTURES[shape.model_type].removesuffix("ForCausalLM")
+    names = {"model": f"{prefix}Model", "model.embed_tokens": "Embedding",
+             "model.layers": "ModuleList"}
+    for i in range(shape.num_hidden_layers):
+        layer = f"model.layers.{i}"
+        names[layer] = f"{prefix}DecoderLayer"
+        names[f"{layer}.self_attn"] = f"{prefix}Attention"
+        names.update({f"{layer}.self_attn.{n}": "Linear" for n in LINEAR_MODULES[:4]})
+        names[f"{layer}.mlp"] = f"{prefix}MLP"
+        names.update({f"{layer}.mlp.{n}": "Linear" for n in LINEAR_MODULES[4:]})
+        names[f"{layer}.mlp.act_fn"] = "SiLUActivation"
+        names[f"{layer}.input_layernorm"] = f"{prefix}RMSNorm"
+        names[f"{layer}.post_attention_layernorm"] = f"{prefix}RMSNorm"
+    names.update({"model.norm": f"{prefix}RMSNorm",
+                  "model.rotary_emb": f"{prefix}RotaryEmbedding", "lm_head": "Linear"})
+    return names
+
+
 def _plain_context(fields: dict[str, Any], defaults: dict[str, Any]) -> str:
     """The context line of a plain dict (no RoPE scaling: a dict with one is transformers')."""
     positions = fields.get("max_position_embeddings", defaults["max_position_embeddings"])

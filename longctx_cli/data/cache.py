@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from longctx_cli.config.schema import Config, DatasetConfig
+    from longctx_cli.data.rows import Rows
 
 __all__ = [
     "EVAL_DIR", "FINGERPRINT_FILE", "PIPELINE_VERSION", "REPORT_FILE", "SCRATCH_DIR", "TRAIN_DIR",
@@ -68,8 +69,8 @@ _TEMPORARY_NAME = re.compile(r"^\.[0-9a-f]{16}\.(tmp|old)-")
 class Prepared:
     """The result of `prepare`: rows ready for the trainer, and what was done."""
 
-    train: Dataset
-    eval: Dataset | None
+    train: Dataset | Rows
+    eval: Dataset | Rows | None
     report: PrepareReport
     reused: bool
     path: str
@@ -194,8 +195,11 @@ def find_entry(target: Path, fp: str, parts: dict[str, Any]) -> tuple[Prepared |
     return _load_entry(target, fp, parts)
 
 
-def _load_entry(target: Path, fp: str, parts: dict[str, Any]) -> tuple[Prepared | None, str]:
-    """(Prepared, "") when `target` is a complete cache with fingerprint `fp`, else (None, why)."""
+def _load_entry(target: Path, fp: str, parts: dict[str, Any], light: bool = False
+                ) -> tuple[Prepared | None, str]:
+    """(Prepared, "") when `target` is a complete cache with fingerprint `fp`, else (None, why).
+
+    `light`: read the splits as `rows.Rows` (no `datasets` import) where they allow it."""
     if not target.exists():
         return None, "no cache yet"
     marker = target / COMPLETE_MARKER
@@ -210,11 +214,8 @@ def _load_entry(target: Path, fp: str, parts: dict[str, Any]) -> tuple[Prepared 
         return None, "inputs changed since the cache was built: " + (
             ", ".join(changed) or "fingerprint")
     try:
-        import datasets
-
-        train = datasets.load_from_disk(str(target / TRAIN_DIR))
-        eval_ds = (datasets.load_from_disk(str(target / EVAL_DIR))
-                   if (target / EVAL_DIR).is_dir() else None)
+        train = _read_split(target / TRAIN_DIR, light)
+        eval_ds = _read_split(target / EVAL_DIR, light) if (target / EVAL_DIR).is_dir() else None
         report = PrepareReport.from_dict(json.loads((target / REPORT_FILE).read_text()))
     except Exception as exc:  # noqa: BLE001 - any unreadable cache is simply rebuilt
         return None, f"the existing cache is unreadable ({type(exc).__name__})"
@@ -222,6 +223,19 @@ def _load_entry(target: Path, fp: str, parts: dict[str, Any]) -> tuple[Prepared 
     report.reason = "fingerprint matches"
     report.path = str(target)
     return Prepared(train, eval_ds, report, True, str(target)), ""
+
+
+def _read_split(folder: Path, light: bool) -> Any:
+    """A saved split: `Rows` when `light` and it is a plain one, else a `datasets.Dataset`."""
+    if light:
+        from longctx_cli.data.rows import Rows
+
+        rows = Rows.read(folder)
+        if rows is not None:
+            return rows
+    import datasets
+
+    return datasets.load_from_disk(str(folder))
 
 
 def _compared_with_siblings(target: Path, parts: dict[str, Any]) -> str:
@@ -453,9 +467,9 @@ def entry_handed_to_this_rank(config: Config) -> WarmEntry | None:
 
 
 def read_entry(target: Path, fp: str) -> Prepared | None:
-    """The rows of the complete entry `target` with fingerprint `fp` (read with `datasets`),
-    or None when it is not one."""
-    prepared, _ = _load_entry(target, fp, {})
+    """The rows of the complete entry `target` with fingerprint `fp` (as `rows.Rows`, which
+    a rank reads without importing `datasets`), or None when it is not one."""
+    prepared, _ = _load_entry(target, fp, {}, light=True)
     return prepared
 
 
