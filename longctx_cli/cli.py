@@ -322,9 +322,13 @@ def train(
         overrides=list(ctx.args),
     )
     if status == 0 and node_rank == 0 and not in_torchrun():  # the launcher, once
-        from longctx_cli.eval.merge import merge_after_training
+        from longctx_cli.config import load_config
 
-        merge_after_training(config, list(ctx.args))
+        settings = load_config(config, list(ctx.args))
+        if settings.merge_lora and settings.adapter is not None:  # else no merge to import
+            from longctx_cli.eval.merge import merge_after_training
+
+            merge_after_training(settings)
     raise typer.Exit(status)
 
 

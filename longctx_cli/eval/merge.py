@@ -117,12 +117,8 @@ def run_merge(config_path: Path, checkpoint: Path, output: Path | None,
     return 0
 
 
-def merge_after_training(config_path: Path, overrides: list[str]) -> None:
+def merge_after_training(config: Config) -> None:
     """`merge_lora: true` (Axolotl's key): after a LoRA run's launcher finished, merge
     `final/` into `<output_dir>/merged`."""
-    from longctx_cli.config import load_config
-
-    config = load_config(config_path, overrides)
-    if config.merge_lora and config.adapter is not None:
-        merge_lora(config, Path(config.output_dir) / "final",
-                   say=lambda line: print(line, file=sys.stderr))
+    merge_lora(config, Path(config.output_dir) / "final",
+               say=lambda line: print(line, file=sys.stderr))
