@@ -33,3 +33,42 @@ def test_gpu_benchmark_dry_run(tmp_path: Path) -> None:
             assert max(row["err"].values()) < 1e-5, row
     assert all(r["status"] == "ok" for r in report["throughput"]), report["throughput"]
     assert report["longest"]["trials"] and report["longest"]["kernel"] == "torch_flash"
+
+
+def test_the_gpu_tables_in_the_docs_are_the_results_file(tmp_path: Path) -> None:
+    """docs/gpu.md's H100 tables are what `gpu.py --table` prints from the results file (the
+    estimate column recomputed by the current code), row for row."""
+    results = ROOT / "benchmarks" / "results" / "gpu-nvidia-h100-80gb-hbm3-2026-11-27.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--table", str(results)],
+        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    docs = (ROOT / "docs" / "gpu.md").read_text()
+    rows = [line for line in proc.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| tokens") and "---" not in line
+            and not line.startswith("| kernel")]
+    throughput = [r for r in rows if r.count("|") == 5 and "(" in r]
+    assert len(rows) >= 14 and throughput, proc.stdout
+    for row in rows:
+        if row in throughput:  # the docs name the columns in words; the cells are the same
+            cells = row.split("|")[1:-1]
+            assert "| " + " | ".join(c.strip() for c in cells) + " |" in docs, row
+        else:
+            assert row in docs, row
+
+
+def test_gpu_benchmark_profile_dry_run(tmp_path: Path) -> None:
+    out = tmp_path / "gpu-profile.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--dry-run", "--parts",
+         "profile", "--out", str(out)],
+        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["profile"]
+    assert [r["impl"] for r in rows] == ["longctx/torch_flash", "hf/sdpa"]
+    assert all(r["status"] == "ok" and r["seconds"] > 0 and r["self_device_ms"] is not None
+               for r in rows), rows
