@@ -31,6 +31,7 @@ not measured (no CUDA allocator). Its numbers mean nothing; it proves the script
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import json
@@ -315,17 +316,12 @@ def timed_steps(step, steps: int, device: torch.device, profile: dict | None = N
     `profile`, the last call runs under torch.profiler and `profile` gets its kernel table."""
     times = []
     for i in range(steps + 1):
-        watch = profile is not None and i == steps
         prof = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                    torch.profiler.ProfilerActivity.CUDA])
-                if watch else None)
+                if profile is not None and i == steps else None)
         sync(device)
         start = time.perf_counter()
-        if prof is not None:
-            with prof:
-                step()
-                sync(device)
-        else:
+        with prof if prof is not None else contextlib.nullcontext():
             step()
             sync(device)
         times.append(time.perf_counter() - start)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from longctx_cli.config import tp_rules
-from longctx_cli.config.model_shape import LINEAR_MODULES, ModelShape
+from longctx_cli.config.model_shape import LINEAR_MODULES, MLP_LINEARS, ModelShape
 from longctx_cli.config.schema import Config
 from longctx_cli.constants import FUSED_LOSS_BLOCK_BYTES, LOGIT_TRANSFORM_KEYS
 from longctx_cli.kernel_choice import TILE
@@ -125,9 +125,8 @@ def fp32_copy_bytes(config: Config, shape: ModelShape) -> int:
     elements = FP32_NORM_COPIES * shape.hidden_size
     if config.adapter is not None:
         shapes = shape.linear_shapes()
-        mlp = ("gate_proj", "up_proj", "down_proj")
         elements += sum(shapes[n][0] for n in _lora_names(config)
-                        if n in shapes and not (config.tiled_mlp and n in mlp))
+                        if n in shapes and not (config.tiled_mlp and n in MLP_LINEARS))
     return 4 * elements
 
 
@@ -160,25 +159,27 @@ def _mlp_tile_bytes(config: Config, shape: ModelShape, local_tokens: int) -> int
 
 
 def _activation_bytes(
-    config: Config, shape: ModelShape, local_tokens: int, offload_frees_device: bool
+    config: Config, shape: ModelShape, local_tokens: int, on_gpu: bool
 ) -> tuple[int, int]:
     """(bytes saved for backward over the whole step, working set of one layer in backward).
 
-    `offload_frees_device` also says the run computes on a GPU (whose backward buffers count).
+    `on_gpu`: the run computes on a GPU, so offloading frees device memory and the layer's
+    backward buffers count.
     """
     b = DTYPE_BYTES[config.dtype]
     per_token = layer_activation_elements(config, shape) * b + fp32_copy_bytes(config, shape)
     layer = per_token * local_tokens
-    gpu_backward = gpu_backward_bytes(config, shape) * local_tokens if offload_frees_device else 0
-    tile = _mlp_tile_bytes(config, shape, local_tokens) + gpu_backward
-    offloaded = config.activation_offloading and offload_frees_device
+    gpu_backward = gpu_backward_bytes(config, shape) * local_tokens if on_gpu else 0
+    # Transient in backward beside the saved tensors: one MLP tile, the GPU's buffers.
+    transient = _mlp_tile_bytes(config, shape, local_tokens) + gpu_backward
+    offloaded = config.activation_offloading and on_gpu
     if config.gradient_checkpointing:
         # Each layer keeps only its input [tokens, hidden] (in host memory when offloaded).
         kept = 0 if offloaded else shape.num_hidden_layers * shape.hidden_size * local_tokens * b
-        return kept, layer + tile
+        return kept, layer + transient
     if offloaded:
-        return 0, layer + tile  # saved tensors live in host memory; one layer's come back
-    return shape.num_hidden_layers * layer, tile
+        return 0, layer + transient  # saved tensors live in host memory; one layer's come back
+    return shape.num_hidden_layers * layer, transient
 
 
 def fused_loss(config: Config, shape: ModelShape) -> bool:

@@ -19,7 +19,9 @@ from longctx_cli.config.schema import Config
 from longctx_cli.errors import UserError
 from longctx_cli.hub import hub_reachable
 
-LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+LINEAR_MODULES = ATTENTION_LINEARS + MLP_LINEARS
 
 
 # ---- model shape ------------------------------------------------------------------------
@@ -291,9 +293,9 @@ def plain_module_classes(shape: ModelShape) -> dict[str, str] | None:
         layer = f"model.layers.{i}"
         names[layer] = f"{prefix}DecoderLayer"
         names[f"{layer}.self_attn"] = f"{prefix}Attention"
-        names.update({f"{layer}.self_attn.{n}": "Linear" for n in LINEAR_MODULES[:4]})
+        names.update({f"{layer}.self_attn.{n}": "Linear" for n in ATTENTION_LINEARS})
         names[f"{layer}.mlp"] = f"{prefix}MLP"
-        names.update({f"{layer}.mlp.{n}": "Linear" for n in LINEAR_MODULES[4:]})
+        names.update({f"{layer}.mlp.{n}": "Linear" for n in MLP_LINEARS})
         names[f"{layer}.mlp.act_fn"] = "SiLUActivation"
         names[f"{layer}.input_layernorm"] = f"{prefix}RMSNorm"
         names[f"{layer}.post_attention_layernorm"] = f"{prefix}RMSNorm"
