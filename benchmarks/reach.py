@@ -14,9 +14,12 @@ tool with every memory feature it has:
 
 - longctx (`longctx train`, ring and Ulysses): `gradient_checkpointing: true`, `tiled_mlp:
   true` (tiles of ~hidden_size tokens), the fused loss (on by default for a plain head:
-  logits in blocks of 64 MiB, never `[tokens, vocab]`). `activation_offloading` is off: it
-  moves saved activations from the accelerator to host memory, and on a CPU they are already
-  there (longctx keeps CPU tensors where they are), so it changes nothing here.
+  logits in blocks of 64 MiB, never `[tokens, vocab]`); the ring is llama3's all-gather with
+  `heads_k_stride: 1` (one KV head's K,V gathered at a time, `sp_sharding: zigzag`) rather
+  than the default P2P stripe ring, which holds whole K,V blocks in flight.
+  `activation_offloading` is off: it moves saved activations from the accelerator to host
+  memory, and on a CPU they are already there (longctx keeps CPU tensors where they are), so
+  it changes nothing here.
 - DeepSpeed ALST (`peer_worker.py --tool alst`, ZeRO 0), switched on as ArcticTraining
   does: `TiledMLP` patched into `LlamaMLP.forward` before the model is built (shards
   ceil(tokens / hidden_size)), transformers' activation checkpointing of every layer, and
@@ -59,6 +62,9 @@ from longctx_cli.constants import FUSED_LOSS_BLOCK_BYTES  # noqa: E402
 TOOLS = ("longctx-ring", "longctx-ulysses", "alst-zero0")
 LONGCTX_MEMORY = {"gradient_checkpointing": True, "tiled_mlp": True,
                   "activation_offloading": False}
+# The ring that holds least: llama3's all-gather one KV head at a time (the default ring,
+# batch_stripe, passes whole K,V blocks and their gradients around, two of each in flight).
+RING_MEMORY = {"ring_attn_func": "varlen_llama3", "sp_sharding": "zigzag", "heads_k_stride": 1}
 MiB = 2**20
 
 
@@ -83,8 +89,10 @@ def run_length(tokens: int, tools: list[str], work: Path, steps: int, runs: int,
     name = row_name(tokens)
     row_work = work / name
     model_dir, configs = peers.prepare_workload(name, row_work, steps)
-    for path in configs.values():
-        path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), **LONGCTX_MEMORY}))
+    for tool, path in configs.items():
+        ring = RING_MEMORY if tool == "longctx-ring" else {}
+        path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), **LONGCTX_MEMORY,
+                                        **ring}))
     out: dict[str, list[dict]] = {tool: [] for tool in tools}
     for run in range(runs):
         order = tools[run % len(tools):] + tools[:run % len(tools)]

@@ -320,6 +320,7 @@ def train(
         rdzv_endpoint=rdzv_endpoint,
         overwrite=overwrite,
         overrides=list(ctx.args),
+        early=ctx.obj,  # main()'s EarlyTorchrun, if it started one
     )
     if status == 0 and node_rank == 0 and not in_torchrun():  # the launcher, once
         from longctx_cli.config import load_config
@@ -369,6 +370,7 @@ def eval_(
             compare=compare,
             nproc_per_node=nproc_per_node,
             overrides=list(ctx.args),
+            early=ctx.obj,  # main()'s EarlyTorchrun, if it started one
         )
     )
 
@@ -453,15 +455,23 @@ def main() -> None:
     """Console entry point: run the app; a UserError is one paragraph on stderr, exit 2."""
     import logging
 
+    from longctx_cli.runtime.launch import EarlyTorchrun
+
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+    # `longctx train` and `eval` start torchrun's agent first: its torch import overlaps
+    # the launcher's checks.
+    early = EarlyTorchrun.for_command_line(sys.argv[1:])
     try:
-        app()  # standalone mode: Typer prints usage errors and exits with their status
+        app(obj=early)  # standalone mode: Typer prints usage errors and exits with their status
     except UserError as e:  # raised outside a command body, e.g. while parsing
         print_error(e)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         _interrupted()
+    finally:
+        if early is not None:
+            early.cancel()  # the launcher stopped before it handed the job over
 
 
 if __name__ == "__main__":

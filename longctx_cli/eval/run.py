@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from longctx_cli.eval.report import ModelResult
     from longctx_cli.eval.ruler_eval import RulerSpec
     from longctx_cli.parallel.mesh import ParallelState
+    from longctx_cli.runtime.launch import EarlyTorchrun
 
 
 # Said when `position_loss` is skipped: the config holds no held-out rows, or (`rl:`) rows of
@@ -107,9 +108,11 @@ def run_eval(
     compare: Path | None,
     nproc_per_node: int | None,
     overrides: list[str] | None = None,
+    early: EarlyTorchrun | None = None,
 ) -> int:
     """Entry of `longctx eval`; returns the process exit code. `overrides`: `--key value`
-    config overrides, passed on to every rank."""
+    config overrides, passed on to every rank; `early`: torchrun's agent, started while this
+    launcher checks the run (see `EarlyTorchrun`)."""
     from longctx_cli.preflight import check_run
     from longctx_cli.runtime.launch import in_torchrun, launch_torchrun, rank_errors
 
@@ -139,7 +142,7 @@ def run_eval(
     if "position_loss" in config.eval_tasks and not specs.positions:
         print(skipped_positions(config), file=sys.stderr, flush=True)
     return launch_torchrun(_launch_args(config_path, checkpoint, compare, overrides),
-                           plan.world_size, plan.world_size)
+                           plan.world_size, plan.world_size, early=early)
 
 
 def evaluate(config: Config, plan: Plan, checkpoint: Path, compare: Path | None) -> None:

@@ -24,6 +24,10 @@ from longctx_cli.errors import PREEMPTED_EXIT, UserError
 LAUNCHED_ENV = "LONGCTX_LAUNCHED"
 # torchrun's agent handles these by default (stopping its workers); preemption adds more.
 TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+# This module, run as torchrun with a one-line failure summary (`torchrun_main`) ...
+LAUNCH_MODULE = "longctx_cli.runtime.launch"
+# ... or as `python -m longctx_cli.runtime.launch AWAIT_FLAG FD STDERR_FD`: an `EarlyTorchrun`.
+AWAIT_FLAG = "--await-command-on-fd"
 # Where the torchrun wrapper writes the one-line reason a job failed (read by the supervisor).
 FAILURE_FILE_ENV = "LONGCTX_FAILURE_FILE"
 # A full, over-quota or read-only disk: the user's to fix, never a reason for a traceback.
@@ -87,7 +91,7 @@ def torchrun_command(
     command = [
         sys.executable,
         "-m",
-        "longctx_cli.runtime.launch",  # torchrun itself, with a one-line summary on failure
+        LAUNCH_MODULE,  # torchrun itself, with a one-line summary on failure
         *torchrun_args(per_node, nnodes, node_rank, rdzv_endpoint),
         f"--signals-to-handle={handled}",
         *([f"--shutdown-timeout={shutdown_timeout}"] if shutdown_timeout is not None else []),
@@ -111,15 +115,90 @@ def launch_torchrun(
     nnodes: int = 1,
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
+    early: EarlyTorchrun | None = None,
 ) -> int:
-    """Run torchrun with `-m longctx_cli <command_args>` as the entry point; its exit code."""
+    """Run torchrun with `-m longctx_cli <command_args>` as the entry point (in `early`'s
+    waiting process, when given); its exit code."""
     command, env = torchrun_command(command_args, world_size, nproc_per_node, nnodes,
                                     node_rank, rdzv_endpoint)
+    # An argument list, never a shell: paths from the user are passed verbatim.
+    proc = (early.start(command, env) if early is not None and early.waiting
+            else subprocess.Popen(command, env=env))
     try:
-        # An argument list, never a shell: paths from the user are passed verbatim.
-        return subprocess.run(command, env=env, check=False).returncode
-    except KeyboardInterrupt:
+        return proc.wait()
+    except KeyboardInterrupt:  # the ranks got the terminal's Ctrl-C too
+        proc.kill()
+        proc.wait()
         return 130
+
+
+class EarlyTorchrun:
+    """torchrun's agent, started before the launcher has planned the job. Most of torchrun's
+    start-up is its import of torch (1.5-2 s on a small CPU); started first, that import
+    overlaps the launcher's own imports and checks. The process waits for its command line
+    and environment on a pipe: `start` hands them over, `cancel` ends it unused."""
+
+    def __init__(self) -> None:
+        # Until the hand-over its stderr is /dev/null: a Ctrl-C in its first milliseconds
+        # (before it can catch one) must not print a traceback; ours goes along for after.
+        read_fd, self._write_fd = os.pipe()
+        stderr_fd = os.dup(sys.stderr.fileno())
+        try:
+            self.process: subprocess.Popen = subprocess.Popen(
+                [sys.executable, "-m", LAUNCH_MODULE, AWAIT_FLAG, str(read_fd), str(stderr_fd)],
+                pass_fds=(read_fd, stderr_fd), stderr=subprocess.DEVNULL)
+        finally:
+            os.close(read_fd)
+            os.close(stderr_fd)
+
+    @classmethod
+    def for_command_line(cls, argv: list[str]) -> EarlyTorchrun | None:
+        """One for `longctx train|eval ...` by hand (never inside a rank, never for --help)."""
+        if not argv or argv[0] not in ("train", "eval") or in_torchrun() or {"-h", "--help"} & set(argv):
+            return None
+        return cls()
+
+    def start(self, command: list[str], env: dict[str, str]) -> subprocess.Popen:
+        """Run `command` (a `torchrun_command`) with `env` in the waiting process."""
+        assert command[:3] == [sys.executable, "-m", LAUNCH_MODULE], command
+        assert self._write_fd is not None, "the command was handed over already"
+        with os.fdopen(self._write_fd, "w") as pipe:
+            self._write_fd = None
+            pipe.write(json.dumps({"argv": command[3:], "env": env}))
+        return self.process
+
+    @property
+    def waiting(self) -> bool:
+        return self._write_fd is not None
+
+    def cancel(self) -> None:
+        """End the process if no command was handed to it (the launcher stopped first)."""
+        if self._write_fd is None:
+            return
+        os.close(self._write_fd)
+        self._write_fd = None
+        self.process.terminate()  # mid-import it would otherwise finish importing first
+        self.process.wait()
+
+
+def await_command(fd: int, stderr_fd: int) -> int:
+    """The waiting side of `EarlyTorchrun`: import torchrun, then run the command line read
+    from `fd` with its environment and `stderr_fd` as stderr; exit quietly when none comes."""
+    try:
+        import torch.distributed.run  # noqa: F401  the slow part, while the launcher plans
+
+        with os.fdopen(fd) as pipe:
+            handoff = pipe.read()
+    except KeyboardInterrupt:  # Ctrl-C before the job began: the launcher reports it
+        return 130
+    if not handoff:
+        return 0
+    os.dup2(stderr_fd, sys.stderr.fileno())
+    os.close(stderr_fd)
+    job = json.loads(handoff)
+    os.environ.clear()
+    os.environ.update(job["env"])
+    return torchrun_main(job["argv"])
 
 
 def rank_threads(user_value: str | None, per_node: int, cpus: int) -> tuple[str, str | None]:
@@ -282,4 +361,6 @@ def preempted(failures: dict) -> bool:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == [AWAIT_FLAG]:
+        sys.exit(await_command(int(sys.argv[2]), int(sys.argv[3])))
     sys.exit(torchrun_main(sys.argv[1:]))

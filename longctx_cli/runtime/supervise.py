@@ -31,7 +31,7 @@ from pathlib import Path
 from types import FrameType
 
 from longctx_cli.errors import PREEMPTED_EXIT, UserError
-from longctx_cli.runtime.launch import FAILURE_FILE_ENV, torchrun_command
+from longctx_cli.runtime.launch import FAILURE_FILE_ENV, EarlyTorchrun, torchrun_command
 
 # In output_dir, written by the ranks (train/preemption.py): one `rank-<N>.json` progress
 # file per rank, rewritten at every optimizer step and every second (heartbeat) ...
@@ -75,15 +75,15 @@ class Attempt:
 
 def supervise(command_args: list[str], world_size: int, nproc_per_node: int | None,
               nnodes: int, node_rank: int, rdzv_endpoint: str | None,
-              sup: Supervision) -> int:
+              sup: Supervision, early: EarlyTorchrun | None = None) -> int:
     """Run the job until it succeeds, is preempted, fails for good or runs out of restarts;
-    the launcher's exit status."""
+    the launcher's exit status. `early`: torchrun started ahead, for the first attempt."""
     command, env = torchrun_command(command_args, world_size, nproc_per_node, nnodes,
                                     node_rank, rdzv_endpoint, signals=sup.signals,
                                     shutdown_timeout=sup.grace_s)
     previous: tuple[str | None, str | None] | None = None
     for attempt in range(sup.max_restarts + 1):
-        result = run_attempt(command, env, sup)
+        result = run_attempt(command, env, sup, early if attempt == 0 else None)
         if result.returncode == 0:
             return 0
         if result.preempted:
@@ -153,13 +153,16 @@ def newest_checkpoint(output_dir: Path) -> str | None:
     return f"checkpoint-{max(steps)}" if steps else None
 
 
-def run_attempt(command: list[str], env: dict[str, str], sup: Supervision) -> Attempt:
-    """Start the torchrun job once and watch it: pass preemption signals on, stop it when it
-    hangs. Returns how it ended."""
+def run_attempt(command: list[str], env: dict[str, str], sup: Supervision,
+                early: EarlyTorchrun | None = None) -> Attempt:
+    """Start the torchrun job once (in `early`'s waiting process, when given) and watch it:
+    pass preemption signals on, stop it when it hangs. Returns how it ended."""
     with tempfile.TemporaryDirectory(prefix="longctx-") as tmp:
         failure_file = Path(tmp) / "failure.json"
+        env = {**env, FAILURE_FILE_ENV: str(failure_file)}
         started = time.time()
-        proc = subprocess.Popen(command, env={**env, FAILURE_FILE_ENV: str(failure_file)})
+        proc = (early.start(command, env) if early is not None and early.waiting
+                else subprocess.Popen(command, env=env))
         forwarded: list[str] = []
 
         def forward(signum: int, frame: FrameType | None) -> None:

@@ -21,7 +21,12 @@ from longctx_cli.data.cache import (
 )
 from longctx_cli.errors import UserError
 from longctx_cli.preflight import check_run
-from longctx_cli.runtime.launch import in_torchrun, launched_by_longctx, rank_errors
+from longctx_cli.runtime.launch import (
+    EarlyTorchrun,
+    in_torchrun,
+    launched_by_longctx,
+    rank_errors,
+)
 from longctx_cli.runtime.startup import STARTUP_ENV, StartupClock, hide_torchao, needs_torchao
 from longctx_cli.runtime.supervise import Supervision, resume_setting, supervise
 
@@ -82,9 +87,11 @@ def run_train(
     rdzv_endpoint: str | None,
     overwrite: bool,
     overrides: list[str] | None = None,
+    early: EarlyTorchrun | None = None,
 ) -> int:
     """Entry of `longctx train`; returns the process exit code. `overrides` are `--key value`
-    arguments after the config; every rank receives them too."""
+    arguments after the config; every rank receives them too. `early`: torchrun's agent,
+    started while this launcher checks the run (see `EarlyTorchrun`)."""
     overrides = list(overrides or [])
     clock = StartupClock.of_this_process()
     clock.mark("launcher imports" if not in_torchrun() else "imports")
@@ -107,7 +114,7 @@ def run_train(
     os.environ[STARTUP_ENV] = clock.handed_on()  # the ranks go on with this clock
     return supervise(
         ["train", str(config_path), *overrides], plan.world_size, nproc_per_node, nnodes or 1,
-        node_rank, rdzv_endpoint, Supervision.of(config),
+        node_rank, rdzv_endpoint, Supervision.of(config), early,
     )
 
 
