@@ -121,15 +121,22 @@ def launch_torchrun(
     waiting process, when given); its exit code."""
     command, env = torchrun_command(command_args, world_size, nproc_per_node, nnodes,
                                     node_rank, rdzv_endpoint)
-    # An argument list, never a shell: paths from the user are passed verbatim.
-    proc = (early.start(command, env) if early is not None and early.waiting
-            else subprocess.Popen(command, env=env))
+    proc = start_torchrun(command, env, early)
     try:
         return proc.wait()
     except KeyboardInterrupt:  # the ranks got the terminal's Ctrl-C too
         proc.kill()
         proc.wait()
         return 130
+
+
+def start_torchrun(command: list[str], env: dict[str, str],
+                   early: EarlyTorchrun | None = None) -> subprocess.Popen:
+    """Start a `torchrun_command`: in `early`'s waiting process while it waits, else anew."""
+    if early is not None and early.waiting:
+        return early.start(command, env)
+    # An argument list, never a shell: paths from the user are passed verbatim.
+    return subprocess.Popen(command, env=env)
 
 
 class EarlyTorchrun:
@@ -154,7 +161,9 @@ class EarlyTorchrun:
     @classmethod
     def for_command_line(cls, argv: list[str]) -> EarlyTorchrun | None:
         """One for `longctx train|eval ...` by hand (never inside a rank, never for --help)."""
-        if not argv or argv[0] not in ("train", "eval") or in_torchrun() or {"-h", "--help"} & set(argv):
+        if not argv or argv[0] not in ("train", "eval") or in_torchrun():
+            return None
+        if {"-h", "--help"} & set(argv):
             return None
         return cls()
 

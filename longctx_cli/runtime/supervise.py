@@ -31,7 +31,12 @@ from pathlib import Path
 from types import FrameType
 
 from longctx_cli.errors import PREEMPTED_EXIT, UserError
-from longctx_cli.runtime.launch import FAILURE_FILE_ENV, EarlyTorchrun, torchrun_command
+from longctx_cli.runtime.launch import (
+    FAILURE_FILE_ENV,
+    EarlyTorchrun,
+    start_torchrun,
+    torchrun_command,
+)
 
 # In output_dir, written by the ranks (train/preemption.py): one `rank-<N>.json` progress
 # file per rank, rewritten at every optimizer step and every second (heartbeat) ...
@@ -161,8 +166,7 @@ def run_attempt(command: list[str], env: dict[str, str], sup: Supervision,
         failure_file = Path(tmp) / "failure.json"
         env = {**env, FAILURE_FILE_ENV: str(failure_file)}
         started = time.time()
-        proc = (early.start(command, env) if early is not None and early.waiting
-                else subprocess.Popen(command, env=env))
+        proc = start_torchrun(command, env, early)
         forwarded: list[str] = []
 
         def forward(signum: int, frame: FrameType | None) -> None:
