@@ -49,7 +49,8 @@ def parse() -> argparse.Namespace:
                    "ArcticTraining's ~1 GiB of float32 logits per shard")
     p.add_argument("--tiled-mlp", action="store_true", help="ALST's TiledMLP in every layer")
     p.add_argument("--checkpointing", action="store_true",
-                   help="activation checkpointing of every decoder layer (transformers')")
+                   help="activation checkpointing of every decoder layer (transformers'; "
+                   "ALST as ArcticTraining does it, plain HF as `gradient_checkpointing_enable`)")
     p.add_argument("--out", required=True)
     return p.parse_args()
 
@@ -66,6 +67,8 @@ def run_hf(args: argparse.Namespace, row: dict) -> dict:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32,
                                                  attn_implementation="sdpa")
     model.train()
+    if args.checkpointing:  # its one memory feature (reach.py)
+        model.gradient_checkpointing_enable()
     optimizer = adamw(model.parameters(), args.lr)
     batch = {k: v.unsqueeze(0) for k, v in row.items()}
     losses, seconds, first_step_at = [], [], time.time()

@@ -3,6 +3,7 @@
     python benchmarks/peers.py --rows llama-8k tied-vocab128k-8k   # 53 min on 2 cores
     python benchmarks/peers.py --rows llama-32k --runs 1 --steps 3 --warmup 1
     python benchmarks/peers.py --table benchmarks/results/peers-2026-11-26.json
+    python benchmarks/peers.py --table PEERS.json --reach REACH.json   # the README's table
 
 Each row is one model and one row of tokens, trained by full fine-tuning with AdamW in
 float32 for a few steps by each tool, from the same initial weights (a `save_pretrained`
@@ -221,8 +222,9 @@ def run_watched(cmd: list[str], log: Path) -> tuple[float, dict[int, int]]:
 
 def run_tool(tool: str, name: str, work: Path, model_dir: Path, configs: dict[str, Path],
              steps: int, run: int, peer_python: Path | None,
-             alst_flags: tuple[str, ...] = ()) -> dict:
-    """One run of `tool`; `alst_flags`: more peer_worker.py flags for ALST (reach.py's)."""
+             worker_flags: tuple[str, ...] = ()) -> dict:
+    """One run of `tool`; `worker_flags`: more peer_worker.py flags for ALST or plain HF
+    (reach.py's memory recipes)."""
     log = work / f"{tool}-run{run}.log"
     out = work / f"{tool}-run{run}.json"
     if tool.startswith("longctx"):
@@ -241,11 +243,11 @@ def run_tool(tool: str, name: str, work: Path, model_dir: Path, configs: dict[st
                   str(steps), "--lr", str(LR), "--max-grad-norm", str(MAX_GRAD_NORM),
                   "--out", str(out)]
         if tool == "hf":
-            cmd = [sys.executable, str(WORKER), "--tool", "hf", *common]
+            cmd = [sys.executable, str(WORKER), "--tool", "hf", *common, *worker_flags]
         else:
             cmd = [str(peer_python), "-m", "torch.distributed.run", f"--nproc-per-node={SP}",
                    str(WORKER), "--tool", "alst", "--zero", tool.removeprefix("alst-zero"),
-                   *common, *alst_flags]
+                   *common, *worker_flags]
         started, peaks = run_watched(cmd, log)
         result = json.loads(out.read_text())
         seconds, losses, startup = result["seconds"], result["losses"], None
@@ -293,6 +295,39 @@ def table(rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+TOOL_NAMES = {"longctx-ring": "longctx, ring", "longctx-ulysses": "longctx, Ulysses",
+              "alst-zero0": "DeepSpeed ALST", "hf": "plain HF, one process"}
+
+
+def side_by_side(row: dict[str, dict], reach: list[dict]) -> str:
+    """The README's table: one `peers.py` row's step time, memory and start-up with the bytes
+    per token of each `reach.py` record (a column each: glibc's default allocator, or its
+    mmap threshold fixed), against ALST's."""
+    def reach_heading(record: dict) -> str:
+        threshold = record.get("malloc_mmap_threshold")
+        return ("bytes per token per rank" if threshold is None else
+                f"same, mmap threshold {threshold / 2**20:g} MiB")
+
+    lines = ["| on CPU | s/step | peak RSS per rank | command to first step | "
+             + " | ".join(reach_heading(r) for r in reach) + " |",
+             "|---|---|---|---|" + "---|" * len(reach)]
+    for tool, s in row.items():
+        lo, med, hi = s["s_per_step"]
+        cells = [TOOL_NAMES[tool], f"{lo:.2f} / {med:.2f} / {hi:.2f}",
+                 f"{s['peak_mib'][0]:,.0f}-{s['peak_mib'][1]:,.0f} MiB",
+                 f"{first_step_cell(s['first_step_s'])} s"]
+        for record in reach:
+            per_token = {t: x["bytes_per_token_per_rank"] for t, x in record["summary"].items()}
+            if tool not in per_token:
+                cells.append("-")
+                continue
+            ratio = per_token[tool] / per_token["alst-zero0"]
+            cells.append(f"{per_token[tool] / 1000:,.1f} KB"
+                         + ("" if tool == "alst-zero0" else f" ({ratio:.2f}x)"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def check_losses(name: str, by_tool: dict[str, dict]) -> None:
     """Same weights and tokens: every tool's step 1 and step 3 loss match plain HF's."""
     ref = by_tool["hf"]["losses"]
@@ -315,9 +350,17 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=ROOT / "outputs" / "peers")
     p.add_argument("--stem", default="peers")
     p.add_argument("--table", type=Path, help="only print the table of a saved JSON")
+    p.add_argument("--reach", type=Path, nargs="+", default=[],
+                   help="with --table: the first row beside these reach.py records' bytes per "
+                   "token (the README's table)")
     args = p.parse_args()
     if args.table:
-        print(table(json.loads(args.table.read_text())["results"]))
+        results = json.loads(args.table.read_text())["results"]
+        if args.reach:
+            reach = [json.loads(path.read_text()) for path in args.reach]
+            print(side_by_side(next(iter(results.values())), reach))
+        else:
+            print(table(results))
         return
     assert args.steps > args.warmup >= 0 and args.steps >= 3 and "hf" in args.tools
 

@@ -59,7 +59,7 @@ from benchmarks import peers  # noqa: E402
 from benchmarks.context_extension import save_record  # noqa: E402
 from longctx_cli.constants import FUSED_LOSS_BLOCK_BYTES  # noqa: E402
 
-TOOLS = ("longctx-ring", "longctx-ulysses", "alst-zero0")
+TOOLS = ("longctx-ring", "longctx-ulysses", "alst-zero0", "hf")
 LONGCTX_MEMORY = {"gradient_checkpointing": True, "tiled_mlp": True,
                   "activation_offloading": False}
 # The ring that holds least: llama3's all-gather one KV head at a time (the default ring,
@@ -84,6 +84,19 @@ def alst_flags(tokens: int, loss_shards: str | None) -> tuple[str, ...]:
     return ("--tiled-mlp", "--checkpointing", "--loss-shards", loss_shards)
 
 
+def worker_flags(tool: str, tokens: int, loss_shards: str | None) -> tuple[str, ...]:
+    """peer_worker.py's memory recipe of `tool`: ALST's, or plain HF's only memory feature,
+    transformers' activation checkpointing."""
+    if tool == "hf":
+        return ("--checkpointing",)
+    return alst_flags(tokens, loss_shards) if tool.startswith("alst") else ()
+
+
+def ranks_of(tool: str) -> int:
+    """Plain HF is one process holding the whole row; the others split it over sp ranks."""
+    return 1 if tool == "hf" else peers.SP
+
+
 def run_length(tokens: int, tools: list[str], work: Path, steps: int, runs: int,
                peer_python: Path | None, loss_shards: str | None) -> dict[str, list[dict]]:
     name = row_name(tokens)
@@ -98,7 +111,7 @@ def run_length(tokens: int, tools: list[str], work: Path, steps: int, runs: int,
         order = tools[run % len(tools):] + tools[:run % len(tools)]
         for tool in order:
             r = peers.run_tool(tool, name, row_work, model_dir, configs, steps, run,
-                               peer_python, alst_flags(tokens, loss_shards))
+                               peer_python, worker_flags(tool, tokens, loss_shards))
             out[tool].append(r)
             print(f"{tokens:,} tokens run {run + 1}/{runs} {tool}: peak per rank "
                   f"{' / '.join(f'{p:,.0f}' for p in r['peak_mib'])} MiB, "
@@ -132,10 +145,11 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float, float]:
     return fixed, slope * MiB, worst
 
 
-def longest_row(fixed_mib: float, bytes_per_token: float, budget_gib: float) -> int:
-    """The longest row (tokens over all SP ranks, a multiple of 1,024) the line fits."""
+def longest_row(fixed_mib: float, bytes_per_token: float, budget_gib: float,
+                ranks: int = peers.SP) -> int:
+    """The longest row (tokens over all `ranks`, a multiple of 1,024) the line fits."""
     per_rank = (budget_gib * 1024 - fixed_mib) * MiB / bytes_per_token
-    return max(0, int(per_rank * peers.SP) // 1024 * 1024)
+    return max(0, int(per_rank * ranks) // 1024 * 1024)
 
 
 def summarize(raw: dict[int, dict[str, list[dict]]], budget_gib: float) -> dict[str, dict]:
@@ -144,14 +158,15 @@ def summarize(raw: dict[int, dict[str, list[dict]]], budget_gib: float) -> dict[
     for tool in tools:
         peaks = {tokens: max(p for r in by_tool[tool] for p in r["peak_mib"])
                  for tokens, by_tool in raw.items()}
-        fixed, per_token, worst = fit([(t // peers.SP, p) for t, p in peaks.items()])
+        fixed, per_token, worst = fit([(t // ranks_of(tool), p) for t, p in peaks.items()])
         out[tool] = {"peak_mib": {str(t): round(p, 1) for t, p in peaks.items()},
                      "s_per_step_max": {str(t): round(max(s for r in by_tool[tool]
                                                           for s in r["seconds"]), 2)
                                         for t, by_tool in raw.items()},
                      "fixed_mib": round(fixed, 1), "bytes_per_token_per_rank": round(per_token),
                      "fit_worst_mib": round(worst, 1),
-                     "longest_row": longest_row(fixed, per_token, budget_gib)}
+                     "longest_row": longest_row(fixed, per_token, budget_gib,
+                                                 ranks_of(tool))}
     return out
 
 
