@@ -295,35 +295,36 @@ def table(rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+# reach.py's ALST run with glibc's mmap threshold where longctx fixes its own.
+ALST_AT_LONGCTX_THRESHOLD = "alst-zero0-at-longctx-threshold"
 TOOL_NAMES = {"longctx-ring": "longctx, ring", "longctx-ulysses": "longctx, Ulysses",
               "alst-zero0": "DeepSpeed ALST", "hf": "plain HF, one process"}
 
 
-def side_by_side(row: dict[str, dict], reach: list[dict]) -> str:
-    """The README's table: one `peers.py` row's step time, memory and start-up with the bytes
-    per token of each `reach.py` record (a column each: glibc's default allocator, or its
-    mmap threshold fixed), against ALST's."""
-    def reach_heading(record: dict) -> str:
-        threshold = record.get("malloc_mmap_threshold")
-        return ("bytes per token per rank" if threshold is None else
-                f"same, mmap threshold {threshold / 2**20:g} MiB")
-
-    lines = ["| on CPU | s/step | peak RSS per rank | command to first step | "
-             + " | ".join(reach_heading(r) for r in reach) + " |",
-             "|---|---|---|---|" + "---|" * len(reach)]
+def side_by_side(row: dict[str, dict], reach: dict) -> str:
+    """The README's table: one `peers.py` row's step time, memory and start-up beside the
+    bytes per token of a `reach.py` record, against ALST as it runs and against ALST with
+    glibc's mmap threshold where longctx fixes it (what each keeps alive)."""
+    per_token = {t: x["bytes_per_token_per_rank"] for t, x in reach["summary"].items()}
+    alst, alst_fixed = per_token["alst-zero0"], per_token.get(ALST_AT_LONGCTX_THRESHOLD)
+    lines = ["| on CPU | s/step | peak RSS per rank | command to first step | bytes per token "
+             "per rank | vs ALST | vs ALST at longctx's allocator threshold |",
+             "|---|---|---|---|---|---|---|"]
     for tool, s in row.items():
         lo, med, hi = s["s_per_step"]
         cells = [TOOL_NAMES[tool], f"{lo:.2f} / {med:.2f} / {hi:.2f}",
                  f"{s['peak_mib'][0]:,.0f}-{s['peak_mib'][1]:,.0f} MiB",
                  f"{first_step_cell(s['first_step_s'])} s"]
-        for record in reach:
-            per_token = {t: x["bytes_per_token_per_rank"] for t, x in record["summary"].items()}
-            if tool not in per_token:
-                cells.append("-")
-                continue
-            ratio = per_token[tool] / per_token["alst-zero0"]
-            cells.append(f"{per_token[tool] / 1000:,.1f} KB"
-                         + ("" if tool == "alst-zero0" else f" ({ratio:.2f}x)"))
+        mine = per_token.get(tool)
+        if tool == "alst-zero0" and alst_fixed is not None:
+            cells += [f"{alst / 1000:,.1f} KB ({alst_fixed / 1000:,.1f} KB at the threshold)",
+                      "1.00x", "1.00x"]
+        elif mine is None:
+            cells += ["-", "-", "-"]
+        else:
+            same = f"{mine / alst_fixed:.2f}x" if alst_fixed and tool.startswith("longctx") \
+                else "-"
+            cells += [f"{mine / 1000:,.1f} KB", f"{mine / alst:.2f}x", same]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -350,14 +351,14 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=ROOT / "outputs" / "peers")
     p.add_argument("--stem", default="peers")
     p.add_argument("--table", type=Path, help="only print the table of a saved JSON")
-    p.add_argument("--reach", type=Path, nargs="+", default=[],
-                   help="with --table: the first row beside these reach.py records' bytes per "
+    p.add_argument("--reach", type=Path,
+                   help="with --table: its first row beside this reach.py record's bytes per "
                    "token (the README's table)")
     args = p.parse_args()
     if args.table:
         results = json.loads(args.table.read_text())["results"]
         if args.reach:
-            reach = [json.loads(path.read_text()) for path in args.reach]
+            reach = json.loads(args.reach.read_text())
             print(side_by_side(next(iter(results.values())), reach))
         else:
             print(table(results))

@@ -48,6 +48,8 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -58,8 +60,12 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import peers  # noqa: E402
 from benchmarks.context_extension import save_record  # noqa: E402
 from longctx_cli.constants import FUSED_LOSS_BLOCK_BYTES  # noqa: E402
+from longctx_cli.runtime.host_memory import MMAP_THRESHOLD_BYTES, THRESHOLD_ENV  # noqa: E402
 
-TOOLS = ("longctx-ring", "longctx-ulysses", "alst-zero0", "hf")
+# `alst-zero0` as it runs, and with glibc's mmap threshold fixed where longctx fixes its own
+# (`runtime/host_memory.py`): the same allocator for both, to compare what they keep alive.
+TOOLS = ("longctx-ring", "longctx-ulysses", "alst-zero0", peers.ALST_AT_LONGCTX_THRESHOLD,
+         "hf")
 LONGCTX_MEMORY = {"gradient_checkpointing": True, "tiled_mlp": True,
                   "activation_offloading": False}
 # The ring that holds least: llama3's all-gather one KV head at a time (the default ring,
@@ -82,6 +88,22 @@ def alst_flags(tokens: int, loss_shards: str | None) -> tuple[str, ...]:
         loss_shards = str(math.ceil(per_rank * peers.LLAMA["vocab_size"] * 4
                                     / FUSED_LOSS_BLOCK_BYTES))
     return ("--tiled-mlp", "--checkpointing", "--loss-shards", loss_shards)
+
+
+@contextmanager
+def allocator_threshold(threshold: int | None) -> Iterator[None]:
+    """Processes started inside run with glibc's mmap threshold fixed at `threshold` bytes."""
+    if threshold is None:
+        yield
+        return
+    before = os.environ.get(THRESHOLD_ENV)
+    os.environ[THRESHOLD_ENV] = str(threshold)
+    try:
+        yield
+    finally:
+        os.environ.pop(THRESHOLD_ENV)
+        if before is not None:
+            os.environ[THRESHOLD_ENV] = before
 
 
 def worker_flags(tool: str, tokens: int, loss_shards: str | None) -> tuple[str, ...]:
@@ -110,8 +132,10 @@ def run_length(tokens: int, tools: list[str], work: Path, steps: int, runs: int,
     for run in range(runs):
         order = tools[run % len(tools):] + tools[:run % len(tools)]
         for tool in order:
-            r = peers.run_tool(tool, name, row_work, model_dir, configs, steps, run,
-                               peer_python, worker_flags(tool, tokens, loss_shards))
+            base = "alst-zero0" if tool == peers.ALST_AT_LONGCTX_THRESHOLD else tool
+            with allocator_threshold(MMAP_THRESHOLD_BYTES if base != tool else None):
+                r = peers.run_tool(base, name, row_work, model_dir, configs, steps, run,
+                                   peer_python, worker_flags(base, tokens, loss_shards))
             out[tool].append(r)
             print(f"{tokens:,} tokens run {run + 1}/{runs} {tool}: peak per rank "
                   f"{' / '.join(f'{p:,.0f}' for p in r['peak_mib'])} MiB, "
@@ -218,7 +242,7 @@ def main() -> None:
     assert len(args.lengths) >= 2 and args.steps >= 2 and args.runs >= 1
 
     if args.malloc_mmap_threshold is not None:  # the tools' processes inherit it
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+        os.environ[THRESHOLD_ENV] = str(args.malloc_mmap_threshold)
     peer_python = peers.ensure_peer_venv() if any(t.startswith("alst") for t in args.tools) \
         else None
     begun = time.time()
