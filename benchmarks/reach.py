@@ -1,8 +1,8 @@
 """Reach: how much memory a token costs per rank, longctx against DeepSpeed ALST, each with
 its full memory recipe, and the longest row that fits a per-rank budget.
 
-    nice python benchmarks/reach.py                   # 8K, 16K, 32K at sp 2; 24 min on 2 busy cores
-    nice python benchmarks/reach.py --lengths 8192 16384 --malloc-mmap-threshold 1048576
+    python benchmarks/reach.py                        # 8K, 16K, 32K at sp 2
+    python benchmarks/reach.py --lengths 8192 16384 --malloc-mmap-threshold 1048576
     python benchmarks/reach.py --table benchmarks/results/reach-2026-11-26.json
 
 The model is `peers.py`'s Llama (hidden 256, 4 layers, 8 heads, vocab 32,000, 20.6M
@@ -17,6 +17,8 @@ tool with every memory feature it has:
   logits in blocks of 64 MiB, never `[tokens, vocab]`); the ring is llama3's all-gather with
   `heads_k_stride: 1` (one KV head's K,V gathered at a time, `sp_sharding: zigzag`) rather
   than the default P2P stripe ring, which holds whole K,V blocks in flight.
+  `host_mmap_threshold_mib: 1` (glibc's mmap threshold fixed in each rank, so freed
+  activations are given back rather than kept as heap fragments; `docs/memory.md`).
   `activation_offloading` is off: it moves saved activations from the accelerator to host
   memory, and on a CPU they are already there (longctx keeps CPU tensors where they are), so
   it changes nothing here.
@@ -27,7 +29,11 @@ tool with every memory feature it has:
   float32 logits each (`--alst-loss-shards auto`); by default here each shard holds at most
   longctx's 64 MiB logits block instead, the same tile, which costs ALST less memory than
   its own default. DeepSpeed's activation-checkpoint offload is, like longctx's, a device to
-  host copy, and is left off for the same reason.
+  host copy, and is left off for the same reason. ALST runs twice: as it comes, and with
+  glibc's threshold fixed as longctx's recipe fixes it (`MALLOC_MMAP_THRESHOLD_`), so that
+  the two tools' live memory is compared under the same allocator.
+- plain HF (one process, the whole row) with its one memory feature, gradient checkpointing:
+  the yardstick.
 
 Peak memory is each rank process's resident-set high-water mark (VmHWM) over the whole run,
 read from /proc while it runs (`peers.run_watched`); the larger of the two ranks counts.
@@ -60,14 +66,16 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import peers  # noqa: E402
 from benchmarks.context_extension import save_record  # noqa: E402
 from longctx_cli.constants import FUSED_LOSS_BLOCK_BYTES  # noqa: E402
-from longctx_cli.runtime.host_memory import MMAP_THRESHOLD_BYTES, THRESHOLD_ENV  # noqa: E402
+from longctx_cli.runtime.host_memory import THRESHOLD_ENV  # noqa: E402
 
-# `alst-zero0` as it runs, and with glibc's mmap threshold fixed where longctx fixes its own
-# (`runtime/host_memory.py`): the same allocator for both, to compare what they keep alive.
+# `alst-zero0` as it runs, and with glibc's mmap threshold fixed where longctx's recipe fixes
+# its own: the same allocator for both, to compare what they keep alive.
 TOOLS = ("longctx-ring", "longctx-ulysses", "alst-zero0", peers.ALST_AT_LONGCTX_THRESHOLD,
          "hf")
+# longctx's host allocator setting (`host_mmap_threshold_mib`), and ALST's second run's.
+THRESHOLD_MIB = 1
 LONGCTX_MEMORY = {"gradient_checkpointing": True, "tiled_mlp": True,
-                  "activation_offloading": False}
+                  "activation_offloading": False, "host_mmap_threshold_mib": THRESHOLD_MIB}
 # The ring that holds least: llama3's all-gather one KV head at a time (the default ring,
 # batch_stripe, passes whole K,V blocks and their gradients around, two of each in flight).
 RING_MEMORY = {"ring_attn_func": "varlen_llama3", "sp_sharding": "zigzag", "heads_k_stride": 1}
@@ -133,7 +141,7 @@ def run_length(tokens: int, tools: list[str], work: Path, steps: int, runs: int,
         order = tools[run % len(tools):] + tools[:run % len(tools)]
         for tool in order:
             base = "alst-zero0" if tool == peers.ALST_AT_LONGCTX_THRESHOLD else tool
-            with allocator_threshold(MMAP_THRESHOLD_BYTES if base != tool else None):
+            with allocator_threshold(THRESHOLD_MIB << 20 if base != tool else None):
                 r = peers.run_tool(base, name, row_work, model_dir, configs, steps, run,
                                    peer_python, worker_flags(base, tokens, loss_shards))
             out[tool].append(r)

@@ -455,12 +455,10 @@ def main() -> None:
     """Console entry point: run the app; a UserError is one paragraph on stderr, exit 2."""
     import logging
 
-    from longctx_cli.runtime.host_memory import fix_mmap_threshold
     from longctx_cli.runtime.launch import EarlyTorchrun
 
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
-    fix_mmap_threshold()  # every longctx process, ranks included: freed tensors are given back
     # `longctx train` and `eval` start torchrun's agent first: its torch import overlaps
     # the launcher's checks.
     early = EarlyTorchrun.for_command_line(sys.argv[1:])

@@ -1,6 +1,7 @@
-"""Every longctx process fixes glibc's mmap threshold (`runtime/host_memory.py`): a block of
-a few MiB is mapped on its own, and given back when freed, even after a larger block was
-freed (which, left alone, raises glibc's threshold and sends such blocks to the heap)."""
+"""`host_mmap_threshold_mib` fixes glibc's mmap threshold in each rank
+(`runtime/host_memory.py`): a block of a few MiB is then mapped on its own, and given back
+when freed, even after a larger block was freed (which, left alone, raises glibc's threshold
+and sends such blocks to the heap)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
 libc.mallinfo2.restype = MallInfo2
-fixed = fix_mmap_threshold() if sys.argv[1] == "fix" else False
+fixed = fix_mmap_threshold(1 if sys.argv[1] == "fix" else None)
 libc.free(libc.malloc(16 << 20))
 before = libc.mallinfo2().hblkhd
 block = libc.malloc(4 << 20)

@@ -797,6 +797,13 @@ class Config(_Strict):
     tiled_mlp_tiles: int | None = Field(
         None, ge=1, description="Number of MLP tiles (default: tokens / hidden_size, at least 1)."
     )
+    host_mmap_threshold_mib: int | None = Field(
+        None, ge=1,
+        description="glibc's mmap threshold for every rank, in MiB: blocks from this size up "
+        "are mapped on their own and given back when freed, so freed activations do not stay "
+        "resident as heap fragments (a CPU rank's memory follows what is alive; each large "
+        "block costs fresh pages). Unset: glibc's own, or your MALLOC_MMAP_THRESHOLD_.",
+    )
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop",
         description="stop: a NaN/inf loss or gradient ends the run (the last checkpoint is "

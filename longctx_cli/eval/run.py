@@ -114,6 +114,7 @@ def run_eval(
     config overrides, passed on to every rank; `early`: torchrun's agent, started while this
     launcher checks the run (see `EarlyTorchrun`)."""
     from longctx_cli.preflight import check_run
+    from longctx_cli.runtime.host_memory import fix_mmap_threshold
     from longctx_cli.runtime.launch import in_torchrun, launch_torchrun, rank_errors
 
     overrides = list(overrides or [])
@@ -121,6 +122,7 @@ def run_eval(
     if in_torchrun():
         with rank_errors(alike_on_every_rank=True):
             config, plan = check_run(config, "eval", overrides=overrides)
+        fix_mmap_threshold(config.host_mmap_threshold_mib)  # before the model and data
         from longctx_cli.runtime.distributed import process_group_released
 
         with rank_errors(), process_group_released():

@@ -21,6 +21,7 @@ from longctx_cli.data.cache import (
 )
 from longctx_cli.errors import UserError
 from longctx_cli.preflight import check_run
+from longctx_cli.runtime.host_memory import fix_mmap_threshold
 from longctx_cli.runtime.launch import (
     EarlyTorchrun,
     in_torchrun,
@@ -138,6 +139,7 @@ def _train_on_rank(config: Config, overwrite: bool, overrides: list[str],
         with rank_errors(alike_on_every_rank=True):
             _, plan = check_run(config, "train", overrides=overrides,
                                 world_checks=not own_launcher)
+            fix_mmap_threshold(config.host_mmap_threshold_mib)  # before the model and data
             if not own_launcher and (rank == 0 or not overwrite):  # rank 0 alone deletes
                 check_output_dir(config, overwrite)
             clock.mark("plan")
