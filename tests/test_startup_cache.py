@@ -204,12 +204,16 @@ def test_a_split_saved_with_a_format_is_read_by_datasets(tmp_path):
     assert Rows.read(tmp_path / "missing") is None
 
 
-def test_a_rank_reads_its_handed_rows_without_importing_datasets(warm):
+def test_a_rank_reads_its_handed_rows_without_importing_datasets_or_pandas(warm):
     _, entry = warm
     code = ("import sys; from pathlib import Path; from longctx_cli.data import cache; "
             f"p = cache.read_entry(Path({str(entry.path)!r}), {entry.fingerprint!r}); "
             "assert p is not None and len(p.train) > 0; "
-            "assert 'datasets' not in sys.modules, 'datasets imported'")
+            "rows = p.train.select([1, 0, 1]); "
+            "assert [r['input_ids'] for r in rows] == [p.train[i]['input_ids'] "
+            "for i in (1, 0, 1)]; "
+            "assert 'datasets' not in sys.modules, 'datasets imported'; "
+            "assert 'pandas' not in sys.modules, 'pandas imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -12,6 +12,7 @@ reader would not apply) is refused with None, and the caller reads it with `data
 from __future__ import annotations
 
 import json
+from array import array
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -76,7 +77,10 @@ class Rows:
         """The rows at `indices`, in that order (repeats allowed)."""
         import pyarrow as pa
 
-        return Rows(self._table.take(pa.array(list(indices), type=pa.int64())), self._files)
+        # From a buffer: `pa.array` of a Python list first checks for pandas, importing it.
+        taken = array("q", indices)
+        chosen = pa.Array.from_buffers(pa.int64(), len(taken), [None, pa.py_buffer(taken)])
+        return Rows(self._table.take(chosen), self._files)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for batch in self._table.to_batches():
