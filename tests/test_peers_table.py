@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_the_readme_peer_table_is_the_results_files():
     readme = (ROOT / "README.md").read_text()
-    command = re.search(r"`python (benchmarks/peers\.py --table (\S+) --reach (\S+))`", readme)
+    command = re.search(r"`python\s+benchmarks/peers\.py\s+--table\s+(\S+)\s+--reach\s+(\S+)`",
+                        readme)
     assert command, "the README names the command that prints its peer table"
-    peers_file, reach_file = ROOT / command.group(2), ROOT / command.group(3)
+    peers_file, reach_file = ROOT / command.group(1), ROOT / command.group(2)
     assert peers_file.is_file() and reach_file.is_file(), command.group(0)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--table", str(peers_file),
