@@ -14,10 +14,9 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
-from rich.text import Text
 
 from longctx_cli import __version__
-from longctx_cli.errors import UserError
+from longctx_cli.errors import UserError, print_error, print_interrupted
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -107,15 +106,8 @@ NnodesOpt = Annotated[
 ]
 
 
-def print_error(error: BaseException) -> None:
-    """One wrapped paragraph on stderr with a red `error:` prefix, no traceback."""
-    message = Text("error: ", style="bold red")
-    message.append(str(error))  # plain text: brackets in messages are not rich markup
-    Console(stderr=True).print(message)
-
-
 def _interrupted() -> None:
-    Console(stderr=True).print("\n[yellow]interrupted[/]")
+    print_interrupted()
     sys.exit(130)
 
 
@@ -443,22 +435,12 @@ def merge_lora(
     raise typer.Exit(run_merge(config, checkpoint, output, list(ctx.args)))
 
 
-# Libraries transformers imports whatever the model log warnings at import that say nothing
-# about the run: torchao (which transformers imports where it is installed) failing to load
-# its kernels for other CPUs/GPUs, torch deprecating how torchao registers its enums, and
-# bitsandbytes failing to fetch an optional CPU kernel from the hub (it falls back to its
-# own). Silenced at their source, once per process (the CLI and every rank).
-QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
-
-
 def main() -> None:
     """Console entry point: run the app; a UserError is one paragraph on stderr, exit 2."""
-    import logging
-
     from longctx_cli.runtime.launch import EarlyTorchrun
+    from longctx_cli.runtime.startup import quiet_library_loggers
 
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet_library_loggers()
     # `longctx train` and `eval` start torchrun's agent first: its torch import overlaps
     # the launcher's checks.
     early = EarlyTorchrun.for_command_line(sys.argv[1:])

@@ -24,3 +24,20 @@ class UserError(Exception):
 # The exit status of a preempted run whose checkpoint is complete: EX_TEMPFAIL ("try again
 # later"), distinct from success (0), a failure (1) and a user error (2).
 PREEMPTED_EXIT = 75
+
+
+def print_error(error: BaseException) -> None:
+    """One wrapped paragraph on stderr with a red `error:` prefix, no traceback."""
+    from rich.console import Console
+    from rich.text import Text
+
+    message = Text("error: ", style="bold red")
+    message.append(str(error))  # plain text: brackets in messages are not rich markup
+    Console(stderr=True).print(message)
+
+
+def print_interrupted() -> None:
+    """The one line a Ctrl-C leaves (exit status 130), instead of a traceback."""
+    from rich.console import Console
+
+    Console(stderr=True).print("\n[yellow]interrupted[/]")

@@ -15,6 +15,7 @@ LAYERS = {"config", "data", "parallel", "runtime", "train", "eval", "cli"}
 ALLOWED = {
     "__init__": set(),
     "__main__": {"cli"},
+    "rank": {"train", "eval", "runtime"} | LEAVES,  # what the launcher's ranks run
     "cli": LAYERS | LEAVES | {"hub", "integrity", "preflight"},
     "train": {"runtime", "parallel", "data", "config", "integrity", "preflight",
               "user_code"} | LEAVES,

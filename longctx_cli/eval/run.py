@@ -3,7 +3,7 @@
 Outside a torchrun environment the command checks the config, the checkpoint folder(s) and
 the evaluations `eval_tasks` chooses (passkey grid, held-out loss by position, RULER tasks),
 builds (or reuses) the data cache when held-out rows are needed, and starts the same launch
-as `train` with `-m longctx_cli eval ...`. Inside one, every rank loads the model(s) and
+as `train` with `-m longctx_cli.rank eval ...`. Inside one, every rank loads the model(s) and
 evaluates: each SP group runs sequence-parallel forwards (and, for RULER, greedy decoding
 from a sharded KV cache), data-parallel groups split the samples, and rank 0 prints the
 tables and writes `<output_dir>/eval/`.

@@ -1,5 +1,5 @@
 """The torchrun launch train and eval share: run `python -m torch.distributed.run ... -m
-longctx_cli COMMAND CONFIG` with this module as torchrun's wrapper (one-line failure
+longctx_cli.rank COMMAND CONFIG` with this module as torchrun's wrapper (one-line failure
 summaries), and inside a rank turn a UserError into a clean exit. Inside torchrun (RANK and
 WORLD_SIZE set: our own launch, a user's torchrun or a SLURM script) a command runs directly.
 """
@@ -24,6 +24,8 @@ from longctx_cli.errors import PREEMPTED_EXIT, UserError
 LAUNCHED_ENV = "LONGCTX_LAUNCHED"
 # torchrun's agent handles these by default (stopping its workers); preemption adds more.
 TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+# What each rank runs (`-m RANK_MODULE COMMAND ...`): the command without the CLI layer.
+RANK_MODULE = "longctx_cli.rank"
 # This module, run as torchrun with a one-line failure summary (`torchrun_main`) ...
 LAUNCH_MODULE = "longctx_cli.runtime.launch"
 # ... or as `python -m longctx_cli.runtime.launch AWAIT_FLAG FD STDERR_FD`: an `EarlyTorchrun`.
@@ -83,8 +85,9 @@ def torchrun_command(
     signals: tuple[str, ...] = (),
     shutdown_timeout: int | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """The torchrun command line (through `torchrun_main`) running `-m longctx_cli
-    <command_args>`, and its environment. `signals`: passed on to every rank (preemption);
+    """The torchrun command line (through `torchrun_main`) running `-m longctx_cli.rank
+    <command_args>` (`longctx <command_args>` without its command-line layer), and its
+    environment. `signals`: passed on to every rank (preemption);
     `shutdown_timeout`: how long torchrun waits for the ranks after such a signal."""
     per_node = nproc_per_node or max(1, world_size // nnodes)
     handled = ",".join(dict.fromkeys([*TORCHRUN_SIGNALS, *signals]))
@@ -96,7 +99,7 @@ def torchrun_command(
         f"--signals-to-handle={handled}",
         *([f"--shutdown-timeout={shutdown_timeout}"] if shutdown_timeout is not None else []),
         "-m",
-        "longctx_cli",
+        RANK_MODULE,
         *command_args,
     ]
     env = dict(os.environ)
@@ -117,7 +120,7 @@ def launch_torchrun(
     rdzv_endpoint: str | None = None,
     early: EarlyTorchrun | None = None,
 ) -> int:
-    """Run torchrun with `-m longctx_cli <command_args>` as the entry point (in `early`'s
+    """Run torchrun with `-m longctx_cli.rank <command_args>` as the entry point (in `early`'s
     waiting process, when given); its exit code."""
     command, env = torchrun_command(command_args, world_size, nproc_per_node, nnodes,
                                     node_rank, rdzv_endpoint)
@@ -352,14 +355,22 @@ def torchrun_main(argv: list[str]) -> int:
     except ChildFailedError as e:
         if preempted(e.failures):
             return PREEMPTED_EXIT
-        # The longctx command the ranks run: the word after `-m longctx_cli`.
-        command = argv[argv.index("longctx_cli") + 1] if "longctx_cli" in argv[:-1] else "job"
+        command = rank_command(argv)
         message = describe_failure(e.failures, command)
         print(f"error: {message}", file=sys.stderr, flush=True)
         if os.environ.get(FAILURE_FILE_ENV):
             Path(os.environ[FAILURE_FILE_ENV]).write_text(json.dumps({"message": message}))
         return failure_exit_code(e.failures)
     return 0
+
+
+def rank_command(torchrun_argv: list[str]) -> str:
+    """The longctx command the ranks run: the word after `-m longctx_cli.rank` (ours) or
+    `-m longctx_cli` (a torchrun command line written by hand)."""
+    for module in (RANK_MODULE, "longctx_cli"):
+        if module in torchrun_argv[:-1]:
+            return torchrun_argv[torchrun_argv.index(module) + 1]
+    return "job"
 
 
 def preempted(failures: dict) -> bool:

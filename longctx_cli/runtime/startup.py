@@ -22,6 +22,20 @@ from typing import Any
 
 STARTUP_ENV = "LONGCTX_STARTUP"
 
+# Libraries transformers imports whatever the model log warnings at import that say nothing
+# about the run: torchao (which transformers imports where it is installed) failing to load
+# its kernels for other CPUs/GPUs, torch deprecating how torchao registers its enums, and
+# bitsandbytes failing to fetch an optional CPU kernel from the hub (it falls back to its
+# own). Silenced at their source, once per process (the CLI and every rank).
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
+
+
+def quiet_library_loggers() -> None:
+    import logging
+
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
 
 def process_created_at() -> float:
     """Wall-clock time at which this process was created (Linux /proc, to ~10 ms); now

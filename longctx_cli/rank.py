@@ -1,0 +1,70 @@
+"""The entry of the ranks longctx's own launcher starts: `python -m longctx_cli.rank train
+CONFIG [--key value ...]`, `eval CONFIG --checkpoint DIR [--compare DIR] [--key value ...]`
+or `generate CONFIG --checkpoint DIR --prompt-file FILE --max-new-tokens N [--key value ...]`:
+arguments a launcher composed after it had parsed and checked the command line.
+
+It calls the same functions as `longctx train|eval|generate` without the command-line
+layer: Typer builds and parses its commands in about 0.25 s of every rank's start on a small
+CPU, for arguments already parsed once. A user's own torchrun or srun runs `-m longctx_cli`,
+the documented command, which reaches the same functions.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from longctx_cli.errors import UserError, print_error, print_interrupted
+from longctx_cli.runtime.startup import quiet_library_loggers
+
+
+def leading_options(args: list[str], names: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
+    """The `--name value` pairs at the front of `args` whose name is one of `names` (where
+    the launchers put their own options), and the config overrides after them."""
+    options: dict[str, str] = {}
+    while len(args) >= 2 and args[0] in names:
+        options[args[0]], args = args[1], args[2:]
+    return options, args
+
+
+def run(argv: list[str]) -> int:
+    """Run one rank of `train`, `eval` or `generate`; its exit status."""
+    command, config, *rest = argv
+    if command == "train":
+        from longctx_cli.train.run import run_train
+
+        return run_train(Path(config), None, None, 0, None, False, rest)
+    if command == "eval":
+        from longctx_cli.eval.run import run_eval
+
+        given, overrides = leading_options(rest, ("--checkpoint", "--compare"))
+        compare = given.get("--compare")
+        return run_eval(Path(config), Path(given["--checkpoint"]),
+                        Path(compare) if compare is not None else None, None, overrides)
+    if command == "generate":
+        from longctx_cli.eval.generate import run_generate
+
+        given, overrides = leading_options(
+            rest, ("--checkpoint", "--prompt-file", "--max-new-tokens"))
+        return run_generate(Path(config), Path(given["--checkpoint"]),
+                            Path(given["--prompt-file"]), int(given["--max-new-tokens"]), None,
+                            overrides)
+    raise ValueError(f"not a command ranks run: {command!r}")
+
+
+def main(argv: list[str]) -> int:
+    """As `longctx`'s `main` for these commands: a UserError is one paragraph and status 2,
+    a Ctrl-C one line and 130."""
+    quiet_library_loggers()
+    try:
+        return run(argv)
+    except UserError as e:
+        print_error(e)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print_interrupted()
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
