@@ -3,7 +3,7 @@
     python benchmarks/peers.py --rows llama-8k tied-vocab128k-8k   # 53 min on 2 cores
     python benchmarks/peers.py --rows llama-32k --runs 1 --steps 3 --warmup 1
     python benchmarks/peers.py --table benchmarks/results/peers-2026-11-26.json
-    python benchmarks/peers.py --table PEERS.json --reach REACH.json   # the README's table
+    python benchmarks/peers.py --table PEERS.json --reach REACH.json --live LIVE.json  # README
 
 Each row is one model and one row of tokens, trained by full fine-tuning with AdamW in
 float32 for a few steps by each tool, from the same initial weights (a `save_pretrained`
@@ -301,15 +301,19 @@ TOOL_NAMES = {"longctx-ring": "longctx, ring", "longctx-ulysses": "longctx, Ulys
               "alst-zero0": "DeepSpeed ALST", "hf": "plain HF, one process"}
 
 
-def side_by_side(row: dict[str, dict], reach: dict) -> str:
+def side_by_side(row: dict[str, dict], reach: dict, live: dict | None = None) -> str:
     """The README's table: one `peers.py` row's step time, memory and start-up beside the
     bytes per token of a `reach.py` record, against ALST as it runs and against ALST with
-    glibc's mmap threshold where longctx fixes it (what each keeps alive)."""
+    glibc's mmap threshold where longctx fixes it, and with `live`, a `live_activations.py`
+    record's per-token tensors at each tool's peak (what a token costs where it costs most)."""
     per_token = {t: x["bytes_per_token_per_rank"] for t, x in reach["summary"].items()}
+    at_peak = {t: x["bytes_per_token_per_rank"] for t, x in (live or {}).get("results",
+                                                                             {}).items()}
     alst, alst_fixed = per_token["alst-zero0"], per_token.get(ALST_AT_LONGCTX_THRESHOLD)
     lines = ["| on CPU | s/step | peak RSS per rank | command to first step | bytes per token "
-             "per rank | vs ALST | vs ALST at longctx's allocator threshold |",
-             "|---|---|---|---|---|---|---|"]
+             "per rank | vs ALST | vs ALST at longctx's allocator threshold |"
+             + (" live per-token tensors at the peak (vs ALST) |" if live else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if live else "")]
     for tool, s in row.items():
         lo, med, hi = s["s_per_step"]
         cells = [TOOL_NAMES[tool], f"{lo:.2f} / {med:.2f} / {hi:.2f}",
@@ -325,6 +329,10 @@ def side_by_side(row: dict[str, dict], reach: dict) -> str:
             same = f"{mine / alst_fixed:.2f}x" if alst_fixed and tool.startswith("longctx") \
                 else "-"
             cells += [f"{mine / 1000:,.1f} KB", f"{mine / alst:.2f}x", same]
+        if live:
+            peak = at_peak.get(tool)
+            cells.append("-" if peak is None else
+                         f"{peak / 1000:,.1f} KB ({peak / at_peak['alst-zero0']:.2f}x)")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -354,12 +362,16 @@ def main() -> None:
     p.add_argument("--reach", type=Path,
                    help="with --table: its first row beside this reach.py record's bytes per "
                    "token (the README's table)")
+    p.add_argument("--live", type=Path,
+                   help="with --reach: and this live_activations.py record's per-token tensors "
+                   "at each tool's peak")
     args = p.parse_args()
     if args.table:
         results = json.loads(args.table.read_text())["results"]
         if args.reach:
             reach = json.loads(args.reach.read_text())
-            print(side_by_side(next(iter(results.values())), reach))
+            live = json.loads(args.live.read_text()) if args.live else None
+            print(side_by_side(next(iter(results.values())), reach, live))
         else:
             print(table(results))
         return

@@ -127,15 +127,20 @@ def ranks_of(tool: str) -> int:
     return 1 if tool == "hf" else peers.SP
 
 
+def with_memory_recipe(configs: dict[str, Path]) -> None:
+    """longctx's configs of a row, rewritten with every memory feature on (module doc)."""
+    for tool, path in configs.items():
+        ring = RING_MEMORY if tool == "longctx-ring" else {}
+        path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), **LONGCTX_MEMORY,
+                                        **ring}))
+
+
 def run_length(tokens: int, tools: list[str], work: Path, steps: int, runs: int,
                peer_python: Path | None, loss_shards: str | None) -> dict[str, list[dict]]:
     name = row_name(tokens)
     row_work = work / name
     model_dir, configs = peers.prepare_workload(name, row_work, steps)
-    for tool, path in configs.items():
-        ring = RING_MEMORY if tool == "longctx-ring" else {}
-        path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), **LONGCTX_MEMORY,
-                                        **ring}))
+    with_memory_recipe(configs)
     out: dict[str, list[dict]] = {tool: [] for tool in tools}
     for run in range(runs):
         order = tools[run % len(tools):] + tools[:run % len(tools)]

@@ -1,5 +1,5 @@
 """The README's table against DeepSpeed ALST is what `benchmarks/peers.py --table PEERS
---reach REACH` prints from the results files the README names, row for row."""
+--reach REACH --live LIVE` prints from the results files the README names, row for row."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_the_readme_peer_table_is_the_results_files():
     readme = (ROOT / "README.md").read_text()
-    command = re.search(r"`python\s+benchmarks/peers\.py\s+--table\s+(\S+)\s+--reach\s+(\S+)`",
-                        readme)
+    command = re.search(r"`python\s+benchmarks/peers\.py\s+--table\s+(\S+)\s+--reach\s+(\S+)"
+                        r"\s+--live\s+(\S+)`", readme)
     assert command, "the README names the command that prints its peer table"
-    peers_file, reach_file = ROOT / command.group(1), ROOT / command.group(2)
-    assert peers_file.is_file() and reach_file.is_file(), command.group(0)
+    files = [ROOT / command.group(i) for i in (1, 2, 3)]
+    assert all(f.is_file() for f in files), command.group(0)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--table", str(peers_file),
-         "--reach", str(reach_file)],
+        [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--table", str(files[0]),
+         "--reach", str(files[1]), "--live", str(files[2])],
         capture_output=True, text=True, timeout=240, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )

@@ -1,0 +1,118 @@
+"""One rank of a training run under a census of live tensors (`live_activations.py`).
+
+    python -m torch.distributed.run --nproc-per-node 2 benchmarks/census_worker.py \
+        --out DIR --tokens-per-rank N -- longctx train CONFIG
+    ... -- benchmarks/peer_worker.py --tool alst ...
+
+A `TorchDispatchMode` sees every tensor an operator makes; a weak reference to each storage
+of at least 256 KiB says when it is freed. Every 20 operators the live storages are summed,
+those with a token dimension (a dimension of `--tokens-per-rank` tokens or of the whole row)
+apart: their sum is what grows with the row. At the highest such sum the rank writes
+`DIR/census-<rank>.json` with every live storage (bytes, the operator that made it, the
+innermost modules around that operator, shape, dtype). Pure PyTorch, no change to the tool
+measured: longctx's ranks and the peer's script run under it alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn.modules import module as module_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SMALLEST = 256 * 1024  # storages below this are left out (their sum is not what grows)
+EVERY = 20  # operators between two sums
+
+
+class Census(TorchDispatchMode):
+    def __init__(self, out: Path, token_dims: set[int]) -> None:
+        super().__init__()
+        self.out, self.token_dims = out, token_dims
+        self.live: dict[int, tuple] = {}
+        self.modules: list[str] = []
+        self.ops = 0
+        self.peak = 0
+
+    def where(self, func) -> str:
+        inside = "/".join(self.modules[-3:]) or "-"
+        return f"{func.__name__} @ {inside}" + ("" if torch.is_grad_enabled() else " [no grad]")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # sparse, meta and the like
+                continue
+            if storage.nbytes() < SMALLEST:
+                continue
+            known = self.live.get(storage.data_ptr())
+            if known is None or known[0].expired():
+                self.live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes(),
+                                                 self.where(func), tuple(t.shape), str(t.dtype))
+        self.ops += 1
+        if self.ops % EVERY == 0:
+            self.count(func)
+        return out
+
+    def count(self, func) -> None:
+        for key in [k for k, v in self.live.items() if v[0].expired()]:
+            del self.live[key]
+        per_token = sum(v[1] for v in self.live.values() if self.token_dims & set(v[3]))
+        if per_token <= self.peak:
+            return
+        self.peak = per_token
+        self.out.write_text(json.dumps({
+            "token_bytes": per_token, "all_bytes": sum(v[1] for v in self.live.values()),
+            "at": self.where(func),
+            "live": [{"bytes": v[1], "made_by": v[2], "shape": list(v[3]), "dtype": v[4],
+                      "per_token": bool(self.token_dims & set(v[3]))}
+                     for v in sorted(self.live.values(), key=lambda v: -v[1])],
+        }))
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    split = argv.index("--")
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--tokens-per-rank", type=int, required=True)
+    p.add_argument("--sp", type=int, default=2)
+    args = p.parse_args(argv[:split])
+    target = argv[split + 1:]
+    args.out.mkdir(parents=True, exist_ok=True)
+    census = Census(args.out / f"census-{os.environ.get('RANK', '0')}.json",
+                    {args.tokens_per_rank, args.tokens_per_rank * args.sp})
+
+    def enter(module, inputs) -> None:
+        census.modules.append(type(module).__name__)
+
+    def leave(module, inputs, output) -> None:  # returns None: the output stays as it is
+        if census.modules:
+            census.modules.pop()
+
+    module_hooks.register_module_forward_pre_hook(enter)
+    module_hooks.register_module_forward_hook(leave)
+    with census:
+        if target[0] == "longctx":
+            from longctx_cli.rank import main as rank_main
+
+            code = rank_main(target[1:])
+        else:
+            sys.argv = target
+            runpy.run_path(target[0], run_name="__main__")
+            code = 0
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""What grows with the row: live tensors with a token dimension at each tool's peak, longctx
+against DeepSpeed ALST, each with its full memory recipe (`reach.py`'s), one row at sp 2.
+
+    python benchmarks/live_activations.py                    # a 32K row, ~10 min on 2 cores
+    python benchmarks/live_activations.py --tokens 16384
+    python benchmarks/live_activations.py --table results/live-activations-2026-11-27.json
+
+`reach.py` measures each rank's resident set, which holds what does not grow with the row
+too: between 8K and 32K tokens ALST's peak is in its loss (shards of `[tokens / shards,
+vocab]` float32 logits, their gradients and two float32 copies of the embedding-sized
+weights), and longctx's at 8K and 16K is its fused loss's logits block, so a line through
+those peaks measures where each peak happens more than what a token costs. Here every
+rank runs under `census_worker.py`, which sums the live tensors with a dimension of the
+rank's tokens (or the row's) after every 20 operators and records all live tensors at the
+highest such sum; that sum over the rank's tokens is the bytes a token costs at the moment
+it costs most, and the record says what they are. One training step (full fine-tuning,
+float32, the weights and row of `peers.py`'s Llama); every tool's loss must agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import peers, reach  # noqa: E402
+from benchmarks.context_extension import save_record  # noqa: E402
+
+TOOLS = ("longctx-ulysses", "longctx-ring", "alst-zero0")
+CENSUS = ROOT / "benchmarks" / "census_worker.py"
+MiB = 2**20
+
+
+def command(tool: str, tokens: int, work: Path, model_dir: Path, configs: dict[str, Path],
+            out: Path, peer_python: Path | None) -> list[str]:
+    census = [f"--nproc-per-node={peers.SP}", str(CENSUS), "--out", str(out),
+              "--tokens-per-rank", str(tokens // peers.SP), "--sp", str(peers.SP), "--"]
+    if tool.startswith("longctx"):
+        return [sys.executable, "-m", "torch.distributed.run", *census, "longctx", "train",
+                str(configs[tool])]
+    return [str(peer_python), "-m", "torch.distributed.run", *census, str(peers.WORKER),
+            "--tool", "alst", "--zero", tool.removeprefix("alst-zero"), "--model",
+            str(model_dir), "--row", str(work / "row.pt"), "--steps", "1", "--lr",
+            str(peers.LR), "--max-grad-norm", str(peers.MAX_GRAD_NORM), "--out",
+            str(out / "result.json"), *reach.worker_flags(tool, tokens, None)]
+
+
+def first_loss(tool: str, configs: dict[str, Path], out: Path) -> float:
+    if tool.startswith("longctx"):
+        config = yaml.safe_load(configs[tool].read_text())
+        metrics = Path(config["output_dir"]) / "metrics.jsonl"
+        return next(json.loads(line)["loss"] for line in metrics.read_text().splitlines()
+                    if "loss" in json.loads(line))
+    return json.loads((out / "result.json").read_text())["losses"][0]
+
+
+def measure(tool: str, tokens: int, work: Path, model_dir: Path, configs: dict[str, Path],
+            peer_python: Path | None) -> dict:
+    out = work / f"census-{tool}"
+    shutil.rmtree(out, ignore_errors=True)
+    if tool.startswith("longctx"):  # a fresh run: the rank checks output_dir itself
+        shutil.rmtree(yaml.safe_load(configs[tool].read_text())["output_dir"],
+                      ignore_errors=True)
+    log = work / f"census-{tool}.log"
+    with log.open("w") as f:
+        code = subprocess.run(command(tool, tokens, work, model_dir, configs, out, peer_python),
+                              stdout=f, stderr=subprocess.STDOUT, env=peers.one_thread_env(),
+                              cwd=ROOT).returncode
+    if code != 0:
+        raise SystemExit(f"{tool} failed ({code}); see {log}")
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("census-*.json"))]
+    top = max(ranks, key=lambda r: r["token_bytes"])
+    made_by: Counter = Counter()
+    for t in top["live"]:
+        if t["per_token"]:
+            made_by[f"{t['made_by']} {tuple(t['shape'])}"] += t["bytes"]
+    per_rank = tokens // peers.SP
+    return {"token_bytes": top["token_bytes"], "all_bytes": top["all_bytes"], "at": top["at"],
+            "bytes_per_token_per_rank": round(top["token_bytes"] / per_rank),
+            "hidden_units": round(top["token_bytes"] / per_rank / (4 * peers.LLAMA["hidden_size"]),
+                                  1),
+            "made_by": [[name, b] for name, b in made_by.most_common()],
+            "loss": first_loss(tool, configs, out)}
+
+
+def table(tokens: int, results: dict[str, dict]) -> str:
+    alst = results.get("alst-zero0")
+    lines = [f"| tool | live per-token tensors at the peak, {tokens // 1024}K row (MiB per rank) "
+             "| bytes per token per rank | in hidden-size float32 vectors | vs ALST | the "
+             "peak is at |", "|---|---|---|---|---|---|"]
+    for tool, r in results.items():
+        ratio = (f"{r['bytes_per_token_per_rank'] / alst['bytes_per_token_per_rank']:.2f}x"
+                 if alst else "-")
+        lines.append(f"| {tool} | {r['token_bytes'] / MiB:,.1f} | "
+                     f"{r['bytes_per_token_per_rank']:,} | {r['hidden_units']} | {ratio} | "
+                     f"`{r['at']}` |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=32768, help="the row, over both SP ranks")
+    p.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS))
+    p.add_argument("--work", type=Path, default=ROOT / "outputs" / "live_activations")
+    p.add_argument("--stem", default="live-activations")
+    p.add_argument("--table", type=Path, help="only print the table of a saved JSON")
+    args = p.parse_args()
+    if args.table:
+        record = json.loads(args.table.read_text())
+        print(table(record["tokens"], record["results"]))
+        return
+    peer_python = (peers.ensure_peer_venv() if any(t.startswith("alst") for t in args.tools)
+                   else None)
+    begun = time.time()
+    work = args.work / reach.row_name(args.tokens)
+    model_dir, configs = peers.prepare_workload(reach.row_name(args.tokens), work, 1)
+    reach.with_memory_recipe(configs)
+    results = {}
+    for tool in args.tools:
+        results[tool] = measure(tool, args.tokens, work, model_dir, configs, peer_python)
+        print(f"{tool}: {results[tool]['token_bytes'] / MiB:,.1f} MiB of per-token tensors at "
+              f"the peak ({results[tool]['bytes_per_token_per_rank']:,} bytes per token per "
+              f"rank), loss {results[tool]['loss']:.5f}", flush=True)
+    losses = [r["loss"] for r in results.values()]
+    if max(losses) - min(losses) > 1e-4 * abs(losses[0]):
+        raise SystemExit(f"the tools' losses differ: {losses}")
+    print(table(args.tokens, results))
+    save_record(args.stem, {
+        "command": " ".join(["python", "benchmarks/live_activations.py", *sys.argv[1:]]),
+        "tokens": args.tokens, "sp": peers.SP, "model": peers.LLAMA,
+        "longctx_memory": reach.LONGCTX_MEMORY, "ring": reach.RING_MEMORY,
+        "alst_flags": list(reach.worker_flags("alst-zero0", args.tokens, None)),
+        "deepspeed": peers.DEEPSPEED, "results": results, "total_s": round(time.time() - begun),
+    })
+
+
+if __name__ == "__main__":
+    main()
