@@ -402,7 +402,8 @@ def generate(
     from longctx_cli.eval.generate import run_generate
 
     raise typer.Exit(run_generate(config, checkpoint, prompt_file, max_new_tokens,
-                                  nproc_per_node, list(ctx.args)))
+                                  nproc_per_node, list(ctx.args),
+                                  early=ctx.obj))  # main()'s EarlyTorchrun, if it started one
 
 
 @app.command(

@@ -87,12 +87,14 @@ def test_cancel_ends_a_waiting_process():
     assert early.process.returncode is not None and not early.waiting
 
 
-def test_only_train_and_eval_by_hand_start_one(monkeypatch):
+def test_only_train_eval_and_generate_by_hand_start_one(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    for argv in ([], ["validate", "c.yaml"], ["train", "c.yaml", "--help"], ["generate", "c"]):
+    for argv in ([], ["validate", "c.yaml"], ["train", "c.yaml", "--help"],
+                 ["merge-lora", "c"], ["generate", "c", "-h"]):
         assert EarlyTorchrun.for_command_line(argv) is None
-    for argv in (["train", "c.yaml"], ["eval", "c.yaml", "--checkpoint", "x"]):
+    for argv in (["train", "c.yaml"], ["eval", "c.yaml", "--checkpoint", "x"],
+                 ["generate", "c.yaml", "--checkpoint", "x"]):
         early = EarlyTorchrun.for_command_line(argv)
         assert early is not None and early.waiting
         early.cancel()

@@ -24,6 +24,7 @@ from longctx_cli.errors import UserError
 
 if TYPE_CHECKING:
     from longctx_cli.config.plan import Plan
+    from longctx_cli.runtime.launch import EarlyTorchrun
 
 
 def prompt_ids(tokenizer, text: str) -> list[int]:
@@ -35,9 +36,10 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
 
 def run_generate(config_path: Path, checkpoint: Path, prompt_file: Path | None,
                  max_new_tokens: int, nproc_per_node: int | None,
-                 overrides: list[str] | None = None) -> int:
+                 overrides: list[str] | None = None, early: EarlyTorchrun | None = None) -> int:
     """Entry of `longctx generate`; the process exit code. `overrides`: `--key value` config
-    overrides, passed on to every rank."""
+    overrides, passed on to every rank; `early`: torchrun's agent, started while this
+    launcher checks the run (see `EarlyTorchrun`)."""
     from longctx_cli.preflight import check_run
     from longctx_cli.runtime.launch import in_torchrun, launch_torchrun, rank_errors
 
@@ -82,7 +84,7 @@ def run_generate(config_path: Path, checkpoint: Path, prompt_file: Path | None,
         path.write_text(text, encoding="utf-8")
         args = ["generate", str(config_path), "--checkpoint", str(checkpoint), "--prompt-file",
                 str(path), "--max-new-tokens", str(max_new_tokens), *overrides]
-        return launch_torchrun(args, world, world)
+        return launch_torchrun(args, world, world, early=early)
 
 
 def _read_prompt(prompt_file: Path | None) -> str:

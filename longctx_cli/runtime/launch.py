@@ -163,10 +163,10 @@ class EarlyTorchrun:
 
     @classmethod
     def for_command_line(cls, argv: list[str]) -> EarlyTorchrun | None:
-        """One for `longctx train|eval ...` by hand (never inside a rank, never for --help)."""
-        if not argv or argv[0] not in ("train", "eval") or in_torchrun():
-            return None
-        if {"-h", "--help"} & set(argv):
+        """One for `longctx train|eval|generate ...` by hand (never inside a rank, never for
+        --help)."""
+        wanted = bool(argv) and argv[0] in ("train", "eval", "generate")
+        if not wanted or in_torchrun() or {"-h", "--help"} & set(argv):
             return None
         return cls()
 
