@@ -1,8 +1,8 @@
 """What grows with the row: live tensors with a token dimension at each tool's peak, longctx
 against DeepSpeed ALST, each with its full memory recipe (`reach.py`'s), one row at sp 2.
 
-    python benchmarks/live_activations.py                    # a 32K row, ~10 min on 2 cores
-    python benchmarks/live_activations.py --tokens 16384
+    python benchmarks/live_activations.py                    # a 16K row, 2.5 min on 2 cores
+    python benchmarks/live_activations.py --tokens 4096      # the count does not depend on it
     python benchmarks/live_activations.py --table results/live-activations-2026-11-27.json
 
 `reach.py` measures each rank's resident set, which holds what does not grow with the row
@@ -109,7 +109,7 @@ def table(tokens: int, results: dict[str, dict]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=32768, help="the row, over both SP ranks")
+    p.add_argument("--tokens", type=int, default=16384, help="the row, over both SP ranks")
     p.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS))
     p.add_argument("--work", type=Path, default=ROOT / "outputs" / "live_activations")
     p.add_argument("--stem", default="live-activations")
