@@ -48,19 +48,14 @@ def command(tool: str, tokens: int, work: Path, model_dir: Path, configs: dict[s
     if tool.startswith("longctx"):
         return [sys.executable, "-m", "torch.distributed.run", *census, "longctx", "train",
                 str(configs[tool])]
-    return [str(peer_python), "-m", "torch.distributed.run", *census, str(peers.WORKER),
-            "--tool", "alst", "--zero", tool.removeprefix("alst-zero"), "--model",
-            str(model_dir), "--row", str(work / "row.pt"), "--steps", "1", "--lr",
-            str(peers.LR), "--max-grad-norm", str(peers.MAX_GRAD_NORM), "--out",
-            str(out / "result.json"), *reach.worker_flags(tool, tokens, None)]
+    return [str(peer_python), "-m", "torch.distributed.run", *census,
+            *peers.alst_worker_args(tool, work, model_dir, 1, out / "result.json",
+                                    reach.worker_flags(tool, tokens, None))]
 
 
 def first_loss(tool: str, configs: dict[str, Path], out: Path) -> float:
     if tool.startswith("longctx"):
-        config = yaml.safe_load(configs[tool].read_text())
-        metrics = Path(config["output_dir"]) / "metrics.jsonl"
-        return next(json.loads(line)["loss"] for line in metrics.read_text().splitlines()
-                    if "loss" in json.loads(line))
+        return peers.longctx_steps(configs[tool])[0]["loss"]
     return json.loads((out / "result.json").read_text())["losses"][0]
 
 

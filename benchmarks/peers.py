@@ -220,6 +220,26 @@ def run_watched(cmd: list[str], log: Path) -> tuple[float, dict[int, int]]:
     return started, {pid: kib for pid, kib in peaks.items() if pid in chosen}
 
 
+def longctx_steps(config_path: Path) -> list[dict]:
+    """The step records (loss, tokens, tokens_per_sec) of the longctx run of `config_path`."""
+    output_dir = Path(yaml.safe_load(config_path.read_text())["output_dir"])
+    records = [json.loads(line) for line in
+               (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "tokens_per_sec" in r]
+
+
+def alst_worker_args(tool: str, work: Path, model_dir: Path, steps: int, out: Path,
+                     worker_flags: tuple[str, ...] = ()) -> list[str]:
+    """peer_worker.py and its arguments for one ALST rank (`tool`: `alst-zero<stage>`)."""
+    return [str(WORKER), "--tool", "alst", "--zero", tool.removeprefix("alst-zero"),
+            *worker_common(work, model_dir, steps, out), *worker_flags]
+
+
+def worker_common(work: Path, model_dir: Path, steps: int, out: Path) -> list[str]:
+    return ["--model", str(model_dir), "--row", str(work / "row.pt"), "--steps", str(steps),
+            "--lr", str(LR), "--max-grad-norm", str(MAX_GRAD_NORM), "--out", str(out)]
+
+
 def run_tool(tool: str, name: str, work: Path, model_dir: Path, configs: dict[str, Path],
              steps: int, run: int, peer_python: Path | None,
              worker_flags: tuple[str, ...] = ()) -> dict:
@@ -230,24 +250,19 @@ def run_tool(tool: str, name: str, work: Path, model_dir: Path, configs: dict[st
     if tool.startswith("longctx"):
         cmd = [sys.executable, "-m", "longctx_cli", "train", str(configs[tool]), "--overwrite"]
         started, peaks = run_watched(cmd, log)
-        config = yaml.safe_load(configs[tool].read_text())
-        records = [json.loads(line) for line in
-                   (Path(config["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
-        steps_done = [r for r in records if "tokens_per_sec" in r]
+        steps_done = longctx_steps(configs[tool])
         seconds = [r["tokens"] / r["tokens_per_sec"] for r in steps_done]
         losses = [r["loss"] for r in steps_done]
+        config = yaml.safe_load(configs[tool].read_text())
         startup = json.loads((Path(config["output_dir"]) / "startup.json").read_text())
         first_step = startup["first_step_at"] - started
     else:
-        common = ["--model", str(model_dir), "--row", str(work / "row.pt"), "--steps",
-                  str(steps), "--lr", str(LR), "--max-grad-norm", str(MAX_GRAD_NORM),
-                  "--out", str(out)]
         if tool == "hf":
-            cmd = [sys.executable, str(WORKER), "--tool", "hf", *common, *worker_flags]
+            cmd = [sys.executable, str(WORKER), "--tool", "hf",
+                   *worker_common(work, model_dir, steps, out), *worker_flags]
         else:
             cmd = [str(peer_python), "-m", "torch.distributed.run", f"--nproc-per-node={SP}",
-                   str(WORKER), "--tool", "alst", "--zero", tool.removeprefix("alst-zero"),
-                   *common, *worker_flags]
+                   *alst_worker_args(tool, work, model_dir, steps, out, worker_flags)]
         started, peaks = run_watched(cmd, log)
         result = json.loads(out.read_text())
         seconds, losses, startup = result["seconds"], result["losses"], None

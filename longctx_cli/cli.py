@@ -442,8 +442,8 @@ def main() -> None:
     from longctx_cli.runtime.startup import quiet_library_loggers
 
     quiet_library_loggers()
-    # `longctx train` and `eval` start torchrun's agent first: its torch import overlaps
-    # the launcher's checks.
+    # `longctx train`, `eval` and `generate` start torchrun's agent first: its torch import
+    # overlaps the launcher's checks.
     early = EarlyTorchrun.for_command_line(sys.argv[1:])
     try:
         app(obj=early)  # standalone mode: Typer prints usage errors and exits with their status
