@@ -5,12 +5,12 @@
     ... -- benchmarks/peer_worker.py --tool alst ...
 
 A `TorchDispatchMode` sees every tensor an operator makes; a weak reference to each storage
-of at least 256 KiB says when it is freed. Every 20 operators the live storages are summed,
-those with a token dimension (a dimension of `--tokens-per-rank` tokens or of the whole row)
-apart: their sum is what grows with the row. At the highest such sum the rank writes
-`DIR/census-<rank>.json` with every live storage (bytes, the operator that made it, the
-innermost modules around that operator, shape, dtype). Pure PyTorch, no change to the tool
-measured: longctx's ranks and the peer's script run under it alike.
+of at least 256 KiB says when it is freed. After every operator the live storages with a
+token dimension (a dimension of `--tokens-per-rank` tokens or of the whole row) are summed:
+their sum is what grows with the row. The live set at the highest such sum is kept, and the
+rank writes it to `DIR/census-<rank>.json` when its run ends (bytes, the operator that made
+each storage, the innermost modules around that operator, shape, dtype). Pure PyTorch, no
+change to the tool measured: longctx's ranks and the peer's script run under it alike.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from torch.nn.modules import module as module_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 SMALLEST = 256 * 1024  # storages below this are left out (their sum is not what grows)
-EVERY = 20  # operators between two sums
 
 
 class Census(TorchDispatchMode):
@@ -37,8 +36,9 @@ class Census(TorchDispatchMode):
         self.out, self.token_dims = out, token_dims
         self.live: dict[int, tuple] = {}
         self.modules: list[str] = []
-        self.ops = 0
+        self.token_bytes = 0  # the live storages' with a token dimension
         self.peak = 0
+        self.at_peak: tuple[str, list[tuple]] | None = None
 
     def where(self, func) -> str:
         inside = "/".join(self.modules[-3:]) or "-"
@@ -57,26 +57,34 @@ class Census(TorchDispatchMode):
                 continue
             known = self.live.get(storage.data_ptr())
             if known is None or known[0].expired():
-                self.live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes(),
-                                                 self.where(func), tuple(t.shape), str(t.dtype))
-        self.ops += 1
-        if self.ops % EVERY == 0:
-            self.count(func)
+                if known is not None:
+                    self.forget(storage.data_ptr())
+                entry = (StorageWeakRef(storage), storage.nbytes(), self.where(func),
+                         tuple(t.shape), str(t.dtype), bool(self.token_dims & set(t.shape)))
+                self.live[storage.data_ptr()] = entry
+                self.token_bytes += entry[1] if entry[5] else 0
+        self.count(func)
         return out
+
+    def forget(self, key: int) -> None:
+        entry = self.live.pop(key)
+        self.token_bytes -= entry[1] if entry[5] else 0
 
     def count(self, func) -> None:
         for key in [k for k, v in self.live.items() if v[0].expired()]:
-            del self.live[key]
-        per_token = sum(v[1] for v in self.live.values() if self.token_dims & set(v[3]))
-        if per_token <= self.peak:
+            self.forget(key)
+        if self.token_bytes > self.peak:
+            self.peak = self.token_bytes
+            self.at_peak = (self.where(func), list(self.live.values()))
+
+    def write(self) -> None:
+        if self.at_peak is None:
             return
-        self.peak = per_token
+        at, live = self.at_peak
         self.out.write_text(json.dumps({
-            "token_bytes": per_token, "all_bytes": sum(v[1] for v in self.live.values()),
-            "at": self.where(func),
+            "token_bytes": self.peak, "all_bytes": sum(v[1] for v in live), "at": at,
             "live": [{"bytes": v[1], "made_by": v[2], "shape": list(v[3]), "dtype": v[4],
-                      "per_token": bool(self.token_dims & set(v[3]))}
-                     for v in sorted(self.live.values(), key=lambda v: -v[1])],
+                      "per_token": v[5]} for v in sorted(live, key=lambda v: -v[1])],
         }))
 
 
@@ -102,15 +110,18 @@ def main() -> None:
 
     module_hooks.register_module_forward_pre_hook(enter)
     module_hooks.register_module_forward_hook(leave)
-    with census:
-        if target[0] == "longctx":
-            from longctx_cli.rank import main as rank_main
+    try:
+        with census:
+            if target[0] == "longctx":
+                from longctx_cli.rank import main as rank_main
 
-            code = rank_main(target[1:])
-        else:
-            sys.argv = target
-            runpy.run_path(target[0], run_name="__main__")
-            code = 0
+                code = rank_main(target[1:])
+            else:
+                sys.argv = target
+                runpy.run_path(target[0], run_name="__main__")
+                code = 0
+    finally:
+        census.write()
     sys.exit(code)
 
 

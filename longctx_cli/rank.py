@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from longctx_cli.errors import UserError, print_error, print_interrupted
-from longctx_cli.runtime.startup import quiet_library_loggers
+from longctx_cli.runtime.startup import process_created_at, quiet_library_loggers
+from longctx_cli.runtime.warm_ranks import WARM_FLAG, hand_over, serve
 
 
 def leading_options(args: list[str], names: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
@@ -52,6 +53,21 @@ def run(argv: list[str]) -> int:
     raise ValueError(f"not a command ranks run: {command!r}")
 
 
+def warm_up(argv: list[str]) -> None:
+    """Import what `run(argv)` will import (a warm process, ahead of its rank)."""
+    quiet_library_loggers()
+    command, config, *rest = argv
+    if command == "train":
+        from longctx_cli.train.run import import_rank_modules, load_config
+
+        import_rank_modules(load_config(Path(config), rest))
+    elif command in ("eval", "generate"):
+        import longctx_cli.eval.generate  # noqa: F401
+        import longctx_cli.eval.run  # noqa: F401
+        import longctx_cli.runtime.distributed  # noqa: F401
+        import longctx_cli.runtime.model  # noqa: F401
+
+
 def main(argv: list[str]) -> int:
     """As `longctx`'s `main` for these commands: a UserError is one paragraph and status 2,
     a Ctrl-C one line and 130."""
@@ -66,5 +82,14 @@ def main(argv: list[str]) -> int:
         return 130
 
 
+def entry(argv: list[str]) -> int:
+    """`python -m longctx_cli.rank`: a warm process (`WARM_FLAG ...`, started by the
+    launcher), or a rank torchrun started, which its warm process runs when there is one."""
+    if argv[:1] == [WARM_FLAG]:
+        return serve(argv[1:], warm_up, main)
+    status = hand_over(argv, process_created_at())
+    return main(argv) if status is None else status
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(entry(sys.argv[1:]))

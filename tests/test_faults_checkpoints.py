@@ -36,13 +36,14 @@ COMMON = {
     "collective_timeout_s": 30,
 }
 
-# Test-only fault, loaded into every rank through PYTHONPATH: when the save into a folder
-# named by LONGCTX_TEST_FSIZE_AT starts, files may no longer grow beyond 4 KiB, as on a full
-# disk. SIGXFSZ is ignored so that the write fails with EFBIG instead of killing the rank.
+# Test-only fault, loaded into every rank (and warm rank process) through PYTHONPATH: when
+# the save into a folder named by LONGCTX_TEST_FSIZE_AT starts, files may no longer grow
+# beyond 4 KiB, as on a full disk. SIGXFSZ is ignored so that the write fails with EFBIG
+# instead of killing the rank.
 FULL_DISK = """
-import os
+import os, sys
 _at = os.environ.get("LONGCTX_TEST_FSIZE_AT")
-if _at and "RANK" in os.environ:
+if _at and ("RANK" in os.environ or sys.argv[1:2] == ["--warm"]):
     import resource, signal
     import torch.distributed.checkpoint as _dcp
     _save = _dcp.save

@@ -13,34 +13,37 @@ from safetensors.torch import load_file
 from tests.shown_outputs import assert_shown_message
 from tests.train_helpers import read_metrics, run_longctx, write_config, write_documents
 
-# Test-only faults for the ranks (RANK is set by torchrun), loaded through PYTHONPATH.
+# Test-only faults for the ranks, loaded through PYTHONPATH: a rank is a process torchrun
+# started (RANK set) or a warm process that will run one (runtime/warm_ranks.py; RANK arrives
+# with the hand-over, so the faulty rank is picked at call time).
 FAULTS = """
-import os
-if "RANK" in os.environ:
+import os, sys
+if "RANK" in os.environ or sys.argv[1:2] == ["--warm"]:
     import torch
-    _rank = os.environ["RANK"]
+    def _faulty_rank():
+        return os.environ.get("RANK") == os.environ.get("LONGCTX_TEST_FAULT_RANK")
     _poison_after = int(os.environ.get("LONGCTX_TEST_POISON_WEIGHT_AFTER_STEP", "0"))
-    if _poison_after and _rank == os.environ.get("LONGCTX_TEST_FAULT_RANK"):
+    if _poison_after:
         # After optimizer step N, one weight of this rank becomes NaN for good.
         _adamw_step = torch.optim.AdamW.step
         _steps = [0]
         def _step(self, *args, **kwargs):
             out = _adamw_step(self, *args, **kwargs)
             _steps[0] += 1
-            if _steps[0] == _poison_after:
+            if _steps[0] == _poison_after and _faulty_rank():
                 with torch.no_grad():
                     self.param_groups[0]["params"][0].fill_(float("nan"))
             return out
         torch.optim.AdamW.step = _step
     _nan_backward = int(os.environ.get("LONGCTX_TEST_NAN_BACKWARD", "0"))
-    if _nan_backward and _rank == os.environ.get("LONGCTX_TEST_FAULT_RANK"):
+    if _nan_backward:
         # The N-th backward of this rank (step N when gradient_accumulation_steps is 1)
         # produces NaN gradients once; the weights stay finite.
         _backward = torch.Tensor.backward
         _calls = [0]
         def _poisoned_backward(self, *args, **kwargs):
             _calls[0] += 1
-            if _calls[0] == _nan_backward:
+            if _calls[0] == _nan_backward and _faulty_rank():
                 self = self * float("nan")
             return _backward(self, *args, **kwargs)
         torch.Tensor.backward = _poisoned_backward

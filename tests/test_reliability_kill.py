@@ -36,10 +36,11 @@ COMMON = {
 }
 
 # Test-only faults, loaded into every process of a run through PYTHONPATH. Ranks only (RANK
-# is set by torchrun), never the launcher. Sleeping changes no numbers, only timing.
+# is set by torchrun; a warm process that will run a rank has `--warm`), never the launcher.
+# Sleeping changes no numbers, only timing.
 FAULTS = """
-import os, time
-if "RANK" in os.environ:
+import os, sys, time
+if "RANK" in os.environ or sys.argv[1:2] == ["--warm"]:
     import torch
     _step_sleep = float(os.environ.get("LONGCTX_TEST_STEP_SLEEP", "0"))
     if _step_sleep:
@@ -94,15 +95,21 @@ def _wait_for(condition, proc: subprocess.Popen, timeout: float, what: str) -> N
 
 
 def _workers(proc: subprocess.Popen) -> dict[int, psutil.Process]:
-    """The torchrun workers of a `longctx train` process, by global rank."""
+    """The process running each global rank of a `longctx train` process, as its progress
+    records name them (the hang detector's source too): a warm process that runs a rank
+    learnt its RANK at the hand-over, which /proc/PID/environ does not show."""
+    import yaml
+
+    from longctx_cli.runtime.supervise import rank_progress
+
+    config = yaml.safe_load(Path(proc.args[4]).read_text())
+    since = psutil.Process(proc.pid).create_time()
     found = {}
-    for child in psutil.Process(proc.pid).children(recursive=True):
+    for rank, record in rank_progress(Path(config["output_dir"]), since).items():
         try:
-            rank = child.environ().get("RANK")
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            found[rank] = psutil.Process(int(record["pid"]))
+        except psutil.NoSuchProcess:
             continue
-        if rank is not None:  # the launcher and torchrun's agent have none
-            found[int(rank)] = child
     return found
 
 

@@ -120,6 +120,7 @@ def test_stopped_rank_is_named_within_the_step_timeout(runs):
     _wait_for(lambda: _metric_lines(output_dir) >= 2, proc, 240, "the steps to log")
     _wait_for(lambda: 1 in _workers(proc), proc, 10, "the workers to be found")
     victim = _workers(proc)[1]
+    assert "--warm" in victim.cmdline()  # a first attempt's ranks run in warm processes
     victim.suspend()  # SIGSTOP: alive, but it never reaches the next collective
     stopped = time.monotonic()
     code, out = _finish(proc, timeout=120)
@@ -188,8 +189,9 @@ def test_two_nodes_one_node_lost_is_restarted_and_completes(runs):
 
 
 CRASH = """
-import os
-if "RANK" in os.environ and os.environ.get("LONGCTX_TEST_CRASH_FROM_STEP"):
+import os, sys
+if ("RANK" in os.environ or sys.argv[1:2] == ["--warm"]) \\
+        and os.environ.get("LONGCTX_TEST_CRASH_FROM_STEP"):
     import torch
     _from = int(os.environ["LONGCTX_TEST_CRASH_FROM_STEP"])
     _adamw_step = torch.optim.AdamW.step
@@ -213,3 +215,13 @@ def test_a_crash_at_the_same_step_is_retried_once_not_forever(runs):
     assert code == 1, out[-3000:]
     assert out.count("restarting the worker group") == 1, out[-3000:]
     assert "the same fault again from checkpoint-3: not retried" in out, out[-3000:]
+
+
+def test_the_same_fault_on_another_rank_is_the_same_fault():
+    from longctx_cli.runtime.supervise import _kind_of
+
+    first = "train failed: rank 0 (local rank 0, pid 27639) exited with status 1; ..."
+    again = "train failed: rank 1 (local rank 1, pid 30011) exited with status 1; ..."
+    assert _kind_of(first) == _kind_of(again)
+    assert _kind_of(first) != _kind_of(first.replace("exited with status 1",
+                                                     "was killed by SIGKILL"))

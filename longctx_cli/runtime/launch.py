@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from longctx_cli.errors import PREEMPTED_EXIT, UserError
+from longctx_cli.runtime.warm_ranks import WarmRanks
 
 # Set for the ranks we launch: they hand a UserError to us instead of each printing it.
 LAUNCHED_ENV = "LONGCTX_LAUNCHED"
@@ -124,22 +125,37 @@ def launch_torchrun(
     waiting process, when given); its exit code."""
     command, env = torchrun_command(command_args, world_size, nproc_per_node, nnodes,
                                     node_rank, rdzv_endpoint)
-    proc = start_torchrun(command, env, early)
+    with started_torchrun(command, env, early, warm=True) as proc:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:  # the ranks got the terminal's Ctrl-C too
+            proc.kill()
+            proc.wait()
+            return 130
+
+
+@contextlib.contextmanager
+def started_torchrun(command: list[str], env: dict[str, str],
+                     early: EarlyTorchrun | None = None,
+                     warm: bool = False) -> Iterator[subprocess.Popen]:
+    """Start a `torchrun_command` (in `early`'s waiting process while it waits, else anew);
+    with `warm`, beside a `WarmRanks` process per local rank, ended or waited for on exit."""
+    warm_ranks = None
+    if warm:
+        at = command.index(RANK_MODULE)
+        per_node = next(int(a.split("=", 1)[1]) for a in command[:at]
+                        if a.startswith("--nproc-per-node="))
+        warm_ranks = WarmRanks(RANK_MODULE, command[at + 1:], per_node, env)
+        env = {**env, **warm_ranks.environment()}
     try:
-        return proc.wait()
-    except KeyboardInterrupt:  # the ranks got the terminal's Ctrl-C too
-        proc.kill()
-        proc.wait()
-        return 130
-
-
-def start_torchrun(command: list[str], env: dict[str, str],
-                   early: EarlyTorchrun | None = None) -> subprocess.Popen:
-    """Start a `torchrun_command`: in `early`'s waiting process while it waits, else anew."""
-    if early is not None and early.waiting:
-        return early.start(command, env)
-    # An argument list, never a shell: paths from the user are passed verbatim.
-    return subprocess.Popen(command, env=env)
+        if early is not None and early.waiting:
+            yield early.start(command, env)
+        else:
+            # An argument list, never a shell: paths from the user are passed verbatim.
+            yield subprocess.Popen(command, env=env)
+    finally:
+        if warm_ranks is not None:
+            warm_ranks.close()
 
 
 class EarlyTorchrun:

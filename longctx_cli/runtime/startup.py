@@ -21,6 +21,10 @@ from pathlib import Path
 from typing import Any
 
 STARTUP_ENV = "LONGCTX_STARTUP"
+# When the rank process torchrun started was created, where a warm process runs the rank
+# (`runtime.warm_ranks`): the clock counts torchrun's part up to then, not to the warm
+# process's own (earlier) creation.
+RANK_CREATED_ENV = "LONGCTX_RANK_CREATED"
 
 # Libraries transformers imports whatever the model log warnings at import that say nothing
 # about the run: torchao (which transformers imports where it is installed) failing to load
@@ -64,7 +68,7 @@ class StartupClock:
     def of_this_process(cls) -> StartupClock:
         """The launcher's clock when it started this rank (its phases, then the gap until
         this process existed as "torchrun"), else a clock from this process's creation."""
-        created = process_created_at()
+        created = float(os.environ.get(RANK_CREATED_ENV) or process_created_at())
         handed = os.environ.get(STARTUP_ENV)
         if handed:
             try:

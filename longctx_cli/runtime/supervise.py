@@ -34,7 +34,7 @@ from longctx_cli.errors import PREEMPTED_EXIT, UserError
 from longctx_cli.runtime.launch import (
     FAILURE_FILE_ENV,
     EarlyTorchrun,
-    start_torchrun,
+    started_torchrun,
     torchrun_command,
 )
 
@@ -88,7 +88,8 @@ def supervise(command_args: list[str], world_size: int, nproc_per_node: int | No
                                     shutdown_timeout=sup.grace_s)
     previous: tuple[str | None, str | None] | None = None
     for attempt in range(sup.max_restarts + 1):
-        result = run_attempt(command, env, sup, early if attempt == 0 else None)
+        result = run_attempt(command, env, sup, early if attempt == 0 else None,
+                             warm=attempt == 0)
         if result.returncode == 0:
             return 0
         if result.preempted:
@@ -114,8 +115,11 @@ def supervise(command_args: list[str], world_size: int, nproc_per_node: int | No
 
 
 def _kind_of(failure: str | None) -> str | None:
-    """A failure without what differs between attempts of the same fault (pids, seconds)."""
-    return None if failure is None else re.sub(r"pid \d+|\d+ s\b", "", failure)
+    """A failure without what differs between attempts of the same fault: pids, seconds and
+    which rank was first (every rank may meet the same bug at the same step)."""
+    if failure is None:
+        return None
+    return re.sub(r"\b(rank|pid) \d+|\d+ s\b", lambda m: m.group(1) or "", failure)
 
 
 def write_marker(output_dir: Path, step: int, checkpoint: Path, signal_name: str) -> None:
@@ -159,44 +163,45 @@ def newest_checkpoint(output_dir: Path) -> str | None:
 
 
 def run_attempt(command: list[str], env: dict[str, str], sup: Supervision,
-                early: EarlyTorchrun | None = None) -> Attempt:
-    """Start the torchrun job once (in `early`'s waiting process, when given) and watch it:
-    pass preemption signals on, stop it when it hangs. Returns how it ended."""
+                early: EarlyTorchrun | None = None, warm: bool = False) -> Attempt:
+    """Start the torchrun job once (in `early`'s waiting process, when given; with `warm`,
+    its ranks run in processes that imported ahead) and watch it: pass preemption signals
+    on, stop it when it hangs. Returns how it ended."""
     with tempfile.TemporaryDirectory(prefix="longctx-") as tmp:
         failure_file = Path(tmp) / "failure.json"
         env = {**env, FAILURE_FILE_ENV: str(failure_file)}
         started = time.time()
-        proc = start_torchrun(command, env, early)
-        forwarded: list[str] = []
+        with started_torchrun(command, env, early, warm) as proc:
+            forwarded: list[str] = []
 
-        def forward(signum: int, frame: FrameType | None) -> None:
-            if not forwarded:  # a second signal must not cut the save short: not passed on
-                proc.send_signal(signum)
-            forwarded.append(signal.Signals(signum).name)
+            def forward(signum: int, frame: FrameType | None) -> None:
+                if not forwarded:  # a second signal must not cut the save short: not passed on
+                    proc.send_signal(signum)
+                forwarded.append(signal.Signals(signum).name)
 
-        previous = {sig: signal.signal(sig, forward)
-                    for sig in (getattr(signal, name) for name in sup.signals)}
-        hang: str | None = None
-        try:
-            while proc.poll() is None:
-                time.sleep(POLL_S)
-                if hang is None and not forwarded and sup.step_timeout_s is not None:
-                    hang = find_hang(sup.output_dir, started, sup.step_timeout_s)
-                    if hang is not None:
-                        print(f"error: {hang}", file=sys.stderr, flush=True)
-                        _stop(proc, sup.output_dir, started)
-            returncode = proc.wait()
-        except KeyboardInterrupt:
-            proc.wait()
-            return Attempt(130, signalled=True)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-        failure = hang or (_read_json(failure_file) or {}).get("message")
-        marker = _read_json(sup.output_dir / PREEMPTED_MARKER) or {}
-        preempted = returncode == PREEMPTED_EXIT or (
-            bool(forwarded) and marker.get("time", 0) >= started)
-        return Attempt(1 if hang else returncode, preempted, bool(forwarded), failure)
+            previous = {sig: signal.signal(sig, forward)
+                        for sig in (getattr(signal, name) for name in sup.signals)}
+            hang: str | None = None
+            try:
+                while proc.poll() is None:
+                    time.sleep(POLL_S)
+                    if hang is None and not forwarded and sup.step_timeout_s is not None:
+                        hang = find_hang(sup.output_dir, started, sup.step_timeout_s)
+                        if hang is not None:
+                            print(f"error: {hang}", file=sys.stderr, flush=True)
+                            _stop(proc, sup.output_dir, started)
+                returncode = proc.wait()
+            except KeyboardInterrupt:
+                proc.wait()
+                return Attempt(130, signalled=True)
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+            failure = hang or (_read_json(failure_file) or {}).get("message")
+            marker = _read_json(sup.output_dir / PREEMPTED_MARKER) or {}
+            preempted = returncode == PREEMPTED_EXIT or (
+                bool(forwarded) and marker.get("time", 0) >= started)
+            return Attempt(1 if hang else returncode, preempted, bool(forwarded), failure)
 
 
 def rank_progress(output_dir: Path, since: float) -> dict[int, dict]:

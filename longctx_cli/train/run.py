@@ -119,15 +119,25 @@ def run_train(
     )
 
 
+def import_rank_modules(config: Config) -> None:
+    """Import what a training rank runs (torch, transformers' model code, the loop): first
+    thing in a rank, or ahead of it in a warm process (`runtime.warm_ranks`)."""
+    from longctx_cli.train.optim import TORCHAO_OPTIMIZERS
+
+    if not needs_torchao(config, config.optimizer in TORCHAO_OPTIMIZERS):
+        hide_torchao()  # before the imports below bring in transformers' model code
+    import longctx_cli.runtime.distributed  # noqa: F401
+    import longctx_cli.train.fidelity  # noqa: F401
+    import longctx_cli.train.loop  # noqa: F401
+    import longctx_cli.train.preemption  # noqa: F401
+
+
 def _train_on_rank(config: Config, overwrite: bool, overrides: list[str],
                    clock: StartupClock) -> int:
     """One rank: the plan for the torchrun world (every rule `validate` applies), then the
     loop. Ranks a user's own torchrun or srun started also check what longctx's launcher
     would have checked first: the world around the config and the output folder."""
-    from longctx_cli.train.optim import TORCHAO_OPTIMIZERS
-
-    if not needs_torchao(config, config.optimizer in TORCHAO_OPTIMIZERS):
-        hide_torchao()  # before the imports below bring in transformers' model code
+    import_rank_modules(config)
     from longctx_cli.runtime.distributed import process_group_released
     from longctx_cli.train.fidelity import check_fidelity
     from longctx_cli.train.loop import train
