@@ -21,3 +21,22 @@ FUSED_LOSS_BLOCK_BYTES = 64 * 2**20
 # Model-config keys of a logit transform after lm_head (`runtime/head.py`): such a head takes
 # the autograd loss path, not the fused one.
 LOGIT_TRANSFORM_KEYS = ("logit_scale", "logits_scaling", "final_logit_softcapping")
+# The lean RMSNorm's backward (`runtime/memory_savers.py`) works on rows in chunks whose
+# float32 temporaries total this many bytes: small beside a long row's [tokens, hidden]
+# gradient, and few chunks (each a handful of kernel launches, which a GPU backward of this
+# size partly waits on) per row. A chunk holds at most
+# LEAN_NORM_CHUNK_TENSORS float32 [rows, hidden] tensors at once (the input's float32 copy,
+# the incoming gradient times the weight, one product), which sets its rows.
+LEAN_NORM_CHUNK_BYTES = 64 * 2**20
+LEAN_NORM_CHUNK_TENSORS = 3
+# Model types whose decoder layers' own norms (the layer's direct children) are all
+# Llama-style RMSNorms, which training runs through the lean RMSNorm (`runtime/memory_savers.py`
+# `is_llama_rms_norm`, checked against transformers 5.24's code): the memory estimate then
+# counts no float32 copy of a norm's input. Only the families of tests/family_matrix.py,
+# where tests/test_lean_norm.py checks this list against the built models; any other model
+# type is estimated as if its norms kept their float32 copies (conservative).
+LEAN_NORM_MODEL_TYPES = frozenset({
+    "bamba", "deepseek_v3", "exaone4", "falcon_h1", "glm4", "granite", "granitemoehybrid",
+    "jamba", "lfm2", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe",
+    "smollm3", "zamba2",
+})

@@ -484,6 +484,32 @@ def test_memory_tiled_mlp_drops_four_intermediates_per_layer():
         4 * 14336 * 2 + gpu_backward)
 
 
+@pytest.mark.parametrize("plain", [
+    {"shape": replace(LLAMA3_8B, model_type="gemma")},  # Gemma's norm: 1 + weight
+    {"trust_remote_code": True},  # remote code may bring its own norm
+])
+def test_memory_lean_norm_keeps_no_float32_copies(plain):
+    """A Llama-style model's norms are lean in training (runtime/memory_savers.py): below
+    float32 a layer saves no float32 copy of either norm's input (2 x hidden x 4 bytes per
+    token), in every layer kept or in the one recomputed with checkpointing."""
+    lean, other = _memory(), _memory(**plain)
+    assert other.activations - lean.activations == 32 * 2 * 4096 * 4 * 8192
+    gc = _memory(gradient_checkpointing=True)
+    gc_other = _memory(gradient_checkpointing=True, **plain)
+    assert gc_other.recompute - gc.recompute == 2 * 4096 * 4 * 8192
+    assert gc_other.activations == gc.activations  # the kept layer inputs
+    # float32 training saves no float32 copies either way.
+    assert (_memory(dtype="float32", **plain).activations
+            == _memory(dtype="float32").activations)
+
+
+def test_memory_lean_norm_is_not_applied_under_tp():
+    from longctx_cli.config.memory_estimate import lean_norm
+
+    config = cfg(sequence_len=65536)
+    assert lean_norm(config, LLAMA3_8B) and not lean_norm(config, LLAMA3_8B, tp=2)
+
+
 def test_memory_offload_frees_device_memory_but_not_host_memory():
     gc = _memory(gradient_checkpointing=True)
     offload = _memory(gradient_checkpointing=True, activation_offloading=True)

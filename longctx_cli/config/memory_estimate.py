@@ -10,7 +10,11 @@ from dataclasses import dataclass
 from longctx_cli.config import tp_rules
 from longctx_cli.config.model_shape import LINEAR_MODULES, MLP_LINEARS, ModelShape
 from longctx_cli.config.schema import Config
-from longctx_cli.constants import FUSED_LOSS_BLOCK_BYTES, LOGIT_TRANSFORM_KEYS
+from longctx_cli.constants import (
+    FUSED_LOSS_BLOCK_BYTES,
+    LEAN_NORM_MODEL_TYPES,
+    LOGIT_TRANSFORM_KEYS,
+)
 from longctx_cli.kernel_choice import TILE
 from longctx_cli.layout import Layout
 
@@ -29,7 +33,8 @@ LORA_BYTES = 4
 # its backward) and, under gradient checkpointing, the one layer recomputed in backward.
 
 # Saved activations per token of one decoder layer, in elements of the compute dtype:
-# 2 RMSNorm in/out pairs (4*hidden; the MLP's input is the second norm's output); q
+# 2 RMSNorm in/out pairs (4*hidden: a lean norm keeps its input, a plain one its normalized
+# tensor, the next linear the output; the MLP's input is the second norm's output); q
 # (projection, after RoPE, attention output) 3*q_dim; k and v (projections, k after RoPE)
 # ~3*kv_dim; SwiGLU gate, silu(gate), up and their product 4*intermediate.
 # Attention never stores T x T scores (flash / LSE-based kernels), so nothing grows with T^2.
@@ -37,8 +42,11 @@ NORM_FACTOR = 4
 Q_FACTOR = 3
 KV_FACTOR = 3
 MLP_FACTOR = 4
-# Below float32 a layer also saves float32 copies: each RMSNorm its upcast input, and each
-# LoRA-adapted linear its input cast to the adapter's float32 (peft casts before lora_A).
+# Below float32 a layer also saves float32 copies: each RMSNorm its upcast input, unless the
+# norms are lean (`lean_norm`: they keep the input in its own dtype), and each LoRA-adapted
+# linear its input cast to the adapter's float32 (peft casts before lora_A). Backward
+# temporaries of the norms are not counted: the plain norm's (several full-size float32
+# tensors) never were, the lean norm's are one chunk (constants.LEAN_NORM_CHUNK_BYTES).
 FP32_NORM_COPIES = 2
 # On a GPU the layer's backward adds, beside what it saved: the attention backward's dout
 # and dq (the compute dtype) and float32 dq accumulator per query head, its dK/dV expanded to
@@ -117,12 +125,21 @@ def lora_parameter_count(config: Config, shape: ModelShape) -> tuple[int, list[s
     return count * shape.num_hidden_layers, [n for n in names if n not in shapes]
 
 
-def fp32_copy_bytes(config: Config, shape: ModelShape) -> int:
+def lean_norm(config: Config, shape: ModelShape, tp: int = 1) -> bool:
+    """Whether training runs the layers' norms through the lean RMSNorm (`runtime/model.py`
+    applies it without TP; LEAN_NORM_MODEL_TYPES: the model types where it covers every norm
+    of a layer). Remote code may define its own norms: counted as plain ones."""
+    return (shape.model_type in LEAN_NORM_MODEL_TYPES and tp == 1
+            and not config.trust_remote_code)
+
+
+def fp32_copy_bytes(config: Config, shape: ModelShape, lean: bool = False) -> int:
     """Bytes per token of the float32 copies one layer saves below float32 (see
-    FP32_NORM_COPIES); a tiled MLP's adapted linears save theirs one tile at a time."""
+    FP32_NORM_COPIES; none of the norms' when `lean`); a tiled MLP's adapted linears save
+    theirs one tile at a time."""
     if config.dtype == "float32":
         return 0
-    elements = FP32_NORM_COPIES * shape.hidden_size
+    elements = 0 if lean else FP32_NORM_COPIES * shape.hidden_size
     if config.adapter is not None:
         shapes = shape.linear_shapes()
         elements += sum(shapes[n][0] for n in _lora_names(config)
@@ -159,15 +176,16 @@ def _mlp_tile_bytes(config: Config, shape: ModelShape, local_tokens: int) -> int
 
 
 def _activation_bytes(
-    config: Config, shape: ModelShape, local_tokens: int, on_gpu: bool
+    config: Config, shape: ModelShape, local_tokens: int, on_gpu: bool, lean: bool = False
 ) -> tuple[int, int]:
     """(bytes saved for backward over the whole step, working set of one layer in backward).
 
     `on_gpu`: the run computes on a GPU, so offloading frees device memory and the layer's
-    backward buffers count.
+    backward buffers count. `lean`: the norms are lean (`lean_norm`).
     """
     b = DTYPE_BYTES[config.dtype]
-    per_token = layer_activation_elements(config, shape) * b + fp32_copy_bytes(config, shape)
+    per_token = (layer_activation_elements(config, shape) * b
+                 + fp32_copy_bytes(config, shape, lean))
     layer = per_token * local_tokens
     gpu_backward = gpu_backward_bytes(config, shape) * local_tokens if on_gpu else 0
     # Transient in backward beside the saved tensors: one MLP tile, the GPU's buffers.
@@ -362,7 +380,8 @@ def estimate_memory(
     if config.optimizer.startswith("lion") or config.optimizer.startswith("paged_lion"):
         moments = 1
     state_scale = _optimizer_state_scale(config.optimizer, train_bytes)
-    saved, recompute = _activation_bytes(config, shape, local_tokens, not host_is_device)
+    saved, recompute = _activation_bytes(config, shape, local_tokens, not host_is_device,
+                                         lean_norm(config, shape, tp))
     if tp > 1 and config.gradient_checkpointing:
         saved //= tp  # the layer inputs kept are the residual stream: 1/tp of the tokens
     # rl: grpo with a KL term and no adapter to switch off: a frozen copy of the model.

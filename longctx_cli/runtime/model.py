@@ -21,7 +21,7 @@ from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_atte
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.token_mixing import attach_token_mixing
 from longctx_cli.runtime.head import decoder_of, model_head
-from longctx_cli.runtime.memory_savers import apply_tiled_mlp
+from longctx_cli.runtime.memory_savers import apply_lean_rms_norm, apply_tiled_mlp
 
 log = logging.getLogger(__name__)
 
@@ -323,6 +323,11 @@ def build_model(config: Config, state: ParallelState | None = None,
         freeze_all_but(model, config.unfrozen_parameters)
     if config.tiled_mlp:
         apply_tiled_mlp(model, config.tiled_mlp_tiles)
+    if state.layout.tp == 1:
+        # Same forward bits, exact gradients, no float32 copies saved or full-size float32
+        # temporaries in backward (memory_savers.py). After LoRA: peft's modules_to_save copies
+        # are norms too. Not under TP: its norms run on DTensor weights (untested here).
+        apply_lean_rms_norm(model)
     if config.dtype == "float16":
         keep_float32_master_weights(model)
     if state.layout.tp > 1:
