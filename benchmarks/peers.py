@@ -190,11 +190,23 @@ def _is_rank(pid: int) -> bool:
     return _has_local_rank(pid) and not _has_local_rank(parent)
 
 
+def _is_warm_rank(pid: int) -> bool:
+    """A warm process of longctx's launcher (`runtime/warm_ranks.py`), which runs the rank the
+    process torchrun started hands it (that one then only waits)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"longctx_cli.rank" in argv and b"--warm" in argv
+
+
 def run_watched(cmd: list[str], log: Path) -> tuple[float, dict[int, int]]:
     """Run `cmd`; its wall start and every rank process's peak resident set (KiB). A rank is
-    a process torchrun started (LOCAL_RANK in its environment), else the command itself."""
+    the warm process that ran it, else a process torchrun started (LOCAL_RANK in its
+    environment), else the command itself."""
     peaks: dict[int, int] = {}
     ranks: set[int] = set()
+    warm: set[int] = set()
     started = time.time()
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=one_thread_env(),
@@ -208,6 +220,8 @@ def run_watched(cmd: list[str], log: Path) -> tuple[float, dict[int, int]]:
                         peaks[pid] = max(peaks.get(pid, 0), kib)
                         if pid not in ranks and _is_rank(pid):
                             ranks.add(pid)
+                        if pid not in warm and _is_warm_rank(pid):
+                            warm.add(pid)
                 time.sleep(0.2)
 
         watcher = threading.Thread(target=watch, daemon=True)
@@ -216,7 +230,7 @@ def run_watched(cmd: list[str], log: Path) -> tuple[float, dict[int, int]]:
         watcher.join()
     if code != 0:
         raise SystemExit(f"{' '.join(cmd[:4])} ... failed ({code}); see {log}")
-    chosen = ranks or {proc.pid}
+    chosen = warm or ranks or {proc.pid}
     return started, {pid: kib for pid, kib in peaks.items() if pid in chosen}
 
 

@@ -68,7 +68,8 @@ class WarmRanks:
                     listener.bind(str(self.socket_path(local_rank)))
                     listener.listen(1)
                     self.processes.append(subprocess.Popen(
-                        [sys.executable, "-m", rank_module, WARM_FLAG,
+                        # -u: unbuffered, as torchrun starts a rank (its lines as they come).
+                        [sys.executable, "-u", "-m", rank_module, WARM_FLAG,
                          str(listener.fileno()), str(alive_read), str(stderr_fd), *rank_argv],
                         env=env, pass_fds=(listener.fileno(), alive_read, stderr_fd),
                         stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
