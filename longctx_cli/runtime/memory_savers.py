@@ -21,6 +21,7 @@ the analytic gradient over the rows in chunks, so its float32 temporaries are on
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import math
 import textwrap
@@ -238,20 +239,18 @@ def _normalized_forward(source: str) -> str | None:
 
 
 _REFERENCE = _normalized_forward(LLAMA_RMS_NORM_FORWARD)
-_MATCHES: dict[Callable, bool] = {}
 
 
+@functools.cache  # once per norm class: reading and parsing its source is not free
 def _forward_matches(forward: Callable) -> bool:
     """Does this class's `forward` compute LlamaRMSNorm's formula (same code)?"""
-    if forward not in _MATCHES:
-        # A plain function only: a wrapped one's source (inspect unwraps) is not what runs.
-        plain = inspect.isfunction(forward) and not hasattr(forward, "__wrapped__")
-        try:
-            source = inspect.getsource(forward) if plain else None
-        except (OSError, TypeError):
-            source = None
-        _MATCHES[forward] = source is not None and _normalized_forward(source) == _REFERENCE
-    return _MATCHES[forward]
+    # A plain function only: a wrapped one's source (inspect unwraps) is not what runs.
+    plain = inspect.isfunction(forward) and not hasattr(forward, "__wrapped__")
+    try:
+        source = inspect.getsource(forward) if plain else None
+    except (OSError, TypeError):
+        source = None
+    return source is not None and _normalized_forward(source) == _REFERENCE
 
 
 def is_llama_rms_norm(module: nn.Module) -> bool:
