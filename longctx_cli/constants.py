@@ -29,6 +29,9 @@ LOGIT_TRANSFORM_KEYS = ("logit_scale", "logits_scaling", "final_logit_softcappin
 # the incoming gradient times the weight, one product), which sets its rows.
 LEAN_NORM_CHUNK_BYTES = 64 * 2**20
 LEAN_NORM_CHUNK_TENSORS = 3
+# ... and at least this many chunks: on a narrow model one byte budget can cover every row a
+# rank holds, which would make its temporaries full-size again (a quarter is what remains).
+LEAN_NORM_MIN_CHUNKS = 4
 # Model types whose decoder layers' own norms (the layer's direct children) are all
 # Llama-style RMSNorms, which training runs through the lean RMSNorm (`runtime/memory_savers.py`
 # `is_llama_rms_norm`, checked against transformers 5.24's code): the memory estimate then

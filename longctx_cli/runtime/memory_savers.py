@@ -36,7 +36,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from longctx_cli.constants import LEAN_NORM_CHUNK_BYTES, LEAN_NORM_CHUNK_TENSORS
+from longctx_cli.constants import (
+    LEAN_NORM_CHUNK_BYTES,
+    LEAN_NORM_CHUNK_TENSORS,
+    LEAN_NORM_MIN_CHUNKS,
+)
 from longctx_cli.runtime.head import decoder_of
 
 _TILED_MARK = "_longctx_tiled_mlp"
@@ -171,7 +175,8 @@ class LeanRMSNorm(torch.autograd.Function):
         hidden = x.shape[-1]
         xs, gs, rs = _as_rows(x), _as_rows(grad_out), rstd.reshape(-1, 1)
         rows = xs.shape[0]
-        step = max(1, ctx.chunk_bytes // (LEAN_NORM_CHUNK_TENSORS * 4 * hidden))
+        step = max(1, min(ctx.chunk_bytes // (LEAN_NORM_CHUNK_TENSORS * 4 * hidden),
+                          -(-rows // LEAN_NORM_MIN_CHUNKS)))
         grad_x = torch.empty((rows, hidden), dtype=x.dtype, device=x.device) if need_x else None
         grad_w = torch.zeros(hidden, dtype=torch.float32, device=x.device) if need_w else None
         w32 = weight.to(torch.float32)
