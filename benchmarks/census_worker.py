@@ -9,8 +9,10 @@ of at least 256 KiB says when it is freed. After every operator the live storage
 token dimension (a dimension of `--tokens-per-rank` tokens or of the whole row) are summed:
 their sum is what grows with the row. The live set at the highest such sum is kept, and the
 rank writes it to `DIR/census-<rank>.json` when its run ends (bytes, the operator that made
-each storage, the innermost modules around that operator, shape, dtype). Pure PyTorch, no
-change to the tool measured: longctx's ranks and the peer's script run under it alike.
+each storage, the innermost modules around that operator, shape, dtype); with `--timeline`
+also the sum after every operator (`census-<rank>.timeline.tsv`), to see each moment. Pure
+PyTorch, no change to the tool measured: longctx's ranks and the peer's script run under it
+alike.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ SMALLEST = 256 * 1024  # storages below this are left out (their sum is not what
 
 
 class Census(TorchDispatchMode):
-    def __init__(self, out: Path, token_dims: set[int]) -> None:
+    def __init__(self, out: Path, token_dims: set[int], timeline: bool = False) -> None:
         super().__init__()
         self.out, self.token_dims = out, token_dims
+        self.timeline: list[tuple[str, int]] | None = [] if timeline else None
         self.live: dict[int, tuple] = {}
         self.modules: list[str] = []
         self.token_bytes = 0  # the live storages' with a token dimension
@@ -73,11 +76,16 @@ class Census(TorchDispatchMode):
     def count(self, func) -> None:
         for key in [k for k, v in self.live.items() if v[0].expired()]:
             self.forget(key)
+        if self.timeline is not None:
+            self.timeline.append((self.where(func), self.token_bytes))
         if self.token_bytes > self.peak:
             self.peak = self.token_bytes
             self.at_peak = (self.where(func), list(self.live.values()))
 
     def write(self) -> None:
+        if self.timeline is not None:
+            with self.out.with_suffix(".timeline.tsv").open("w") as f:
+                f.writelines(f"{n}\t{where}\n" for where, n in self.timeline)
         if self.at_peak is None:
             return
         at, live = self.at_peak
@@ -95,11 +103,13 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tokens-per-rank", type=int, required=True)
     p.add_argument("--sp", type=int, default=2)
+    p.add_argument("--timeline", action="store_true",
+                   help="also write the per-token bytes after every operator (.timeline.tsv)")
     args = p.parse_args(argv[:split])
     target = argv[split + 1:]
     args.out.mkdir(parents=True, exist_ok=True)
     census = Census(args.out / f"census-{os.environ.get('RANK', '0')}.json",
-                    {args.tokens_per_rank, args.tokens_per_rank * args.sp})
+                    {args.tokens_per_rank, args.tokens_per_rank * args.sp}, args.timeline)
 
     def enter(module, inputs) -> None:
         census.modules.append(type(module).__name__)

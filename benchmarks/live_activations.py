@@ -42,9 +42,10 @@ MiB = 2**20
 
 
 def command(tool: str, tokens: int, work: Path, model_dir: Path, configs: dict[str, Path],
-            out: Path, peer_python: Path | None) -> list[str]:
+            out: Path, peer_python: Path | None, timeline: bool = False) -> list[str]:
     census = [f"--nproc-per-node={peers.SP}", str(CENSUS), "--out", str(out),
-              "--tokens-per-rank", str(tokens // peers.SP), "--sp", str(peers.SP), "--"]
+              "--tokens-per-rank", str(tokens // peers.SP), "--sp", str(peers.SP),
+              *(["--timeline"] if timeline else []), "--"]
     if tool.startswith("longctx"):
         return [sys.executable, "-m", "torch.distributed.run", *census, "longctx", "train",
                 str(configs[tool])]
@@ -60,7 +61,7 @@ def first_loss(tool: str, configs: dict[str, Path], out: Path) -> float:
 
 
 def measure(tool: str, tokens: int, work: Path, model_dir: Path, configs: dict[str, Path],
-            peer_python: Path | None) -> dict:
+            peer_python: Path | None, timeline: bool = False) -> dict:
     out = work / f"census-{tool}"
     shutil.rmtree(out, ignore_errors=True)
     if tool.startswith("longctx"):  # a fresh run: the rank checks output_dir itself
@@ -68,9 +69,9 @@ def measure(tool: str, tokens: int, work: Path, model_dir: Path, configs: dict[s
                       ignore_errors=True)
     log = work / f"census-{tool}.log"
     with log.open("w") as f:
-        code = subprocess.run(command(tool, tokens, work, model_dir, configs, out, peer_python),
-                              stdout=f, stderr=subprocess.STDOUT, env=peers.one_thread_env(),
-                              cwd=ROOT).returncode
+        argv = command(tool, tokens, work, model_dir, configs, out, peer_python, timeline)
+        code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT,
+                              env=peers.one_thread_env(), cwd=ROOT).returncode
     if code != 0:
         raise SystemExit(f"{tool} failed ({code}); see {log}")
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("census-*.json"))]
@@ -109,6 +110,8 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=ROOT / "outputs" / "live_activations")
     p.add_argument("--stem", default="live-activations")
     p.add_argument("--table", type=Path, help="only print the table of a saved JSON")
+    p.add_argument("--timeline", action="store_true", help="also write each rank's per-token "
+                   "bytes after every operator (census-<rank>.timeline.tsv in the work folder)")
     args = p.parse_args()
     if args.table:
         record = json.loads(args.table.read_text())
@@ -122,7 +125,8 @@ def main() -> None:
     reach.with_memory_recipe(configs)
     results = {}
     for tool in args.tools:
-        results[tool] = measure(tool, args.tokens, work, model_dir, configs, peer_python)
+        results[tool] = measure(tool, args.tokens, work, model_dir, configs, peer_python,
+                                args.timeline)
         print(f"{tool}: {results[tool]['token_bytes'] / MiB:,.1f} MiB of per-token tensors at "
               f"the peak ({results[tool]['bytes_per_token_per_rank']:,} bytes per token per "
               f"rank), loss {results[tool]['loss']:.5f}", flush=True)

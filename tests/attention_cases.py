@@ -135,6 +135,7 @@ def run_case(
     row_meta_on: str | None = None,
     chunk: int | None = None,
     v_dim: int = DIM,
+    spent: bool = False,
 ) -> dict:
     """SP attention for one case; relative errors of out, dq, dk, dv (and dsinks) vs reference.
 
@@ -144,6 +145,9 @@ def run_case(
     ``row_meta_on``: move the row's cu_seqlens tensor to that device first ("meta": any
     read of its values, ``.tolist()`` or ``.item()``, raises). ``chunk``: Llama 4's chunked
     attention; ``v_dim``: a value head dim unlike q/k's ``DIM`` (multi-head latent attention).
+    ``spent``: the call may write over q, k and v, as in a model layer that reads them no more
+    (handed over as tensors of their own memory: q and v heads-major as transformers lays them
+    out, k token-major; gradients reach the leaves through them).
     """
     multiple = ctx.layout.sp * (2 if ctx.layout.sharding == "zigzag" else 1)
     pos, pos_padded, q, k, v, dout = make_inputs(lengths, hq, hkv, multiple, seed, v_dim)
@@ -157,11 +161,16 @@ def run_case(
     if row_meta_on is not None:
         meta = dataclasses.replace(meta, cu_seqlens=meta.cu_seqlens.to(row_meta_on))
     scale = DIM**-0.5
-    feats = AttentionFeatures(scale=scale, window=window, softcap=softcap, chunk=chunk)
+    feats = AttentionFeatures(scale=scale, window=window, softcap=softcap, chunk=chunk,
+                              spent=spent)
     local = [slice_sequence(x, ctx).clone().requires_grad_() for x in (q, k, v)]
+    inputs = local
+    if spent:
+        heads_major = [x.transpose(0, 1).contiguous().transpose(0, 1) for x in local]
+        inputs = [heads_major[0], local[1] * 1, heads_major[2]]
     sink_leaf = None if sinks is None else sinks.clone().requires_grad_()
     with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        out = sp_attention(*local, meta, feats, sink_leaf)
+        out = sp_attention(*inputs, meta, feats, sink_leaf)
     out.backward(slice_sequence(dout, ctx))
     got = [gather_sequence(x, ctx) for x in (out.detach(), *(t.grad for t in local))]
     if sink_leaf is not None:  # each rank holds its tokens' share, as for any parameter

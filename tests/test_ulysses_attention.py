@@ -12,7 +12,14 @@ import torch
 
 from longctx_cli.parallel import make_sp_meta, shard_batch, slice_sequence, sp_attention
 from longctx_cli.parallel.mesh import ParallelState
-from longctx_cli.parallel.ulysses import build_exchange, kv_replication
+from longctx_cli.parallel.ulysses import (
+    _heads_to_seq,
+    _seq_to_heads,
+    build_exchange,
+    exchange_chunks,
+    kv_replication,
+    seq_to_heads,
+)
 from tests.attention_cases import (
     CASES,
     DIM,
@@ -55,6 +62,9 @@ def ulysses_worker(rank: int, world_size: int) -> dict[str, dict]:
             ctx = sp_state(sp=sp, mode="ulysses", layout=layout, kernel="torch")
             for i, (name, (lengths, hq, hkv)) in enumerate(CASES.items()):
                 errors[f"sp{sp}/{layout}/{name}"] = run_case(ctx, lengths, hq, hkv, seed=i)
+                errors[f"sp{sp}/{layout}/{name}/spent"] = run_case(
+                    ctx, lengths, hq, hkv, seed=i, spent=True
+                )
             errors.update(feature_runs(ctx, f"sp{sp}/{layout}/features"))
             diff = strided_input_matches(ctx)
             errors[f"sp{sp}/{layout}/strided_input"] = {"max_abs_diff": diff}
@@ -63,7 +73,7 @@ def ulysses_worker(rank: int, world_size: int) -> dict[str, dict]:
 
 def test_ulysses_attention_matches_single_process() -> None:
     results = run_distributed(ulysses_worker, 4, timeout_s=240)
-    per_run = len(CASES) + 1 + len(FEATURES) * len(FEATURE_CASES)
+    per_run = 2 * len(CASES) + 1 + len(FEATURES) * len(FEATURE_CASES)
     assert len(results[0]) == 2 * len(LAYOUTS) * per_run
     for errors in results:  # every rank gathered the full tensors of its SP group
         assert_all_close(errors)
@@ -102,6 +112,61 @@ def test_exchange_puts_tokens_in_global_order(layout: str) -> None:
         ex = build_exchange(make_sp_meta(torch.arange(total), ctx), None, 4)
         assert ex.starts == tuple(range(0, total, ex.piece_len))
         assert ex.identity == (layout == "contiguous")
+
+
+def exchange_worker(rank: int, world_size: int) -> dict[str, bool]:
+    """The all-to-all in token chunks and written over its input: head layout = the row's
+    tokens in global order for this rank's heads; back to the token layout = the rank's own
+    tokens, bit for bit."""
+    exact: dict[str, bool] = {}
+    for sp in (world_size, 2):
+        for layout in LAYOUTS:
+            ctx = sp_state(sp=sp, mode="ulysses", layout=layout, kernel="torch")
+            total, heads = 40 * sp, 2 * sp  # 40 tokens per rank: zigzag pieces of 20
+            meta = make_sp_meta(torch.arange(total), ctx)
+            ex = build_exchange(meta, ctx.sp_group, sp)
+            full = torch.randn(total, heads, 3, generator=torch.Generator().manual_seed(sp))
+            mine = full[:, ctx.sp_rank * 2 : ctx.sp_rank * 2 + 2]
+            local = slice_sequence(full, ctx)
+            for chunks in (1, 3, 7):
+                for name, x in (("contiguous", local),
+                                ("heads_major", strided_like_transformers(local))):
+                    head_layout = _seq_to_heads(x, ex, chunks)
+                    back = _heads_to_seq(head_layout, ex, chunks)
+                    key = f"sp{sp}/{layout}/chunks{chunks}/{name}"
+                    exact[key] = torch.equal(head_layout, mine) and torch.equal(back, local)
+            # written over its input, as in a layer that reads it no more; the gradient of
+            # sum(head layout * w) is w's rows of this rank's tokens, every head
+            w = torch.randn(total, heads, 3, generator=torch.Generator().manual_seed(9))
+            for name, layout_of in (("token_major", lambda t: t * 1),
+                                    ("heads_major", strided_like_transformers)):
+                leaf = local.clone().requires_grad_()
+                x = layout_of(leaf)
+                before = x._version
+                head_layout = seq_to_heads(x, ex, spent=True)
+                (head_layout * w[:, ctx.sp_rank * 2 : ctx.sp_rank * 2 + 2]).sum().backward()
+                exact[f"sp{sp}/{layout}/spent/{name}"] = (
+                    x._version > before and torch.equal(head_layout, mine)
+                    and torch.equal(leaf.grad, slice_sequence(w, ctx))
+                )
+    return exact
+
+
+def test_exchange_in_chunks_is_the_same_permutation() -> None:
+    results = run_distributed(exchange_worker, 4, timeout_s=120)
+    for exact in results:
+        assert len(exact) == 2 * len(LAYOUTS) * (3 * 2 + 2)
+        assert all(exact.values()), [k for k, ok in exact.items() if not ok]
+
+
+def test_exchange_chunks_follow_the_bytes_moved() -> None:
+    """Small tensors go in one piece; large ones in at most four chunks of at least a MiB."""
+    assert exchange_chunks(torch.empty(64, 8, 32)) == 1
+    assert exchange_chunks(torch.empty(2048, 4, 32)) == 1  # exactly 1 MiB
+    assert exchange_chunks(torch.empty(4096, 4, 32)) == 2
+    assert exchange_chunks(torch.empty(8192, 8, 32)) == 4
+    assert exchange_chunks(torch.empty(8192, 8, 32, dtype=torch.bfloat16)) == 4
+    assert exchange_chunks(torch.empty(3, 4096, 256)) == 3  # never more chunks than tokens
 
 
 def llama_worker(rank: int, world_size: int) -> dict[str, dict]:
@@ -180,3 +245,62 @@ def test_inside_a_hugging_face_model() -> None:
     for errors in results:
         assert len(errors) == 2
         assert_all_close(errors)
+
+
+def attention_interface(*args, **kwargs):  # the name transformers' layers call
+    return args[1], None
+
+
+class ReadsNothingAfter(torch.nn.Module):
+    def forward(self, q, k, v):
+        q, k = q * 2, k * 2
+        out, _ = attention_interface(self, q, k, v, None, scaling=1.0)
+        return out + 1
+
+
+class ReadsValueAfter(torch.nn.Module):
+    def forward(self, q, k, v):
+        out, _ = attention_interface(self, q, k, v, None)
+        return out + v  # a value residual: v must still hold the values
+
+
+class CallsInALoop(torch.nn.Module):
+    def forward(self, q, k, v):
+        out = q
+        for _ in range(2):
+            out, _ = attention_interface(self, out, k, v, None)
+        return out
+
+
+class CallsTwice(torch.nn.Module):
+    def forward(self, q, k, v):
+        a, _ = attention_interface(self, q, k, v, None)
+        b, _ = attention_interface(self, a, k, v, None)
+        return b
+
+
+class PassesExpressions(torch.nn.Module):
+    def forward(self, q, k, v):
+        out, _ = attention_interface(self, q * 1, k, v, None)
+        return out
+
+
+@pytest.mark.parametrize(
+    ("layer", "spent"),
+    [(ReadsNothingAfter, True), (ReadsValueAfter, False), (CallsInALoop, False),
+     (CallsTwice, False), (PassesExpressions, False), (torch.nn.Identity, False)],
+)
+def test_inputs_are_spent_only_where_the_layer_reads_them_no_more(layer: type, spent: bool) -> None:
+    from longctx_cli.parallel.attention import attention_inputs_spent
+
+    assert attention_inputs_spent(layer) is spent
+
+
+def test_transformers_layers_hand_over_spent_inputs() -> None:
+    """The families' attention layers read q, k and v no more after the attention call."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+    from longctx_cli.parallel.attention import attention_inputs_spent
+
+    assert attention_inputs_spent(LlamaAttention) and attention_inputs_spent(Qwen3Attention)

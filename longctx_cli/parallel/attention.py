@@ -8,6 +8,10 @@ attention through ``AttentionInterface`` (load the model with
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
 from dataclasses import replace
 from functools import partial
 from typing import Any, Protocol
@@ -237,6 +241,8 @@ def longctx_attention_forward(
     if attention_mask is not None:
         raise ValueError("SP attention builds document masks itself; attention_mask must be None")
     feats, sinks = attention_features(module, scaling, kwargs)
+    if torch.is_grad_enabled() and attention_inputs_spent(type(module)):
+        feats = replace(feats, spent=True)  # training: no KV cache keeps them either
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):
@@ -247,6 +253,34 @@ def longctx_attention_forward(
     out = sp_attention(q, k, v, meta, feats, sinks)
     meta.attention_calls += 1
     return out.unsqueeze(0), None
+
+
+@functools.cache
+def attention_inputs_spent(layer: type) -> bool:
+    """Whether ``layer.forward`` reads the q, k and v it hands the attention function no more
+    once that call returns, shown on its source: one ``attention_interface(self, q, k, v, ...)``
+    call of three plain names, outside any loop, and no read of those names after it. False
+    whenever that cannot be shown (no source, another shape of code)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(layer.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    forward = tree.body[0]
+    calls = [node for node in ast.walk(forward) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Name) and node.func.id == "attention_interface"]
+    if len(calls) != 1:
+        return False
+    call = calls[0]
+    inputs = call.args[1:4]
+    if len(inputs) != 3 or not all(isinstance(a, ast.Name) for a in inputs):
+        return False
+    names = {a.id for a in inputs}
+    loops = (ast.For, ast.AsyncFor, ast.While)
+    if any(isinstance(node, loops) and call in list(ast.walk(node)) for node in ast.walk(forward)):
+        return False  # a later pass could read them before the call
+    end = (call.end_lineno, call.end_col_offset)
+    return not any(isinstance(node, ast.Name) and node.id in names
+                   and (node.lineno, node.col_offset) > end for node in ast.walk(forward))
 
 
 def _mask_pattern(mask_function: Any, q_offset: int, kv_offset: int, n: int) -> torch.Tensor:

@@ -19,12 +19,15 @@ class AttentionFeatures:
     keys of its document at positions ``floor(p / chunk) * chunk .. p``, as the model's own
     forward over the document alone does. Kernels never see it: :func:`.attention.sp_attention`
     turns chunk boundaries into segment starts (:func:`.sharding.chunked_meta`).
+    ``spent``: the caller reads q, k and v no more after the call, so a strategy may write
+    over them (:func:`.attention.attention_features` says when).
     """
 
     scale: float
     window: int | None = None
     softcap: float | None = None
     chunk: int | None = None
+    spent: bool = False
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:

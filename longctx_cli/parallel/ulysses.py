@@ -19,6 +19,7 @@ that each rank receives one whole KV head; autograd sums the replicas' gradients
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import pairwise
 
 import torch
 import torch.distributed as dist
@@ -78,45 +79,92 @@ def _new_exchange(meta: SPMeta, group: ProcessGroup | None, size: int) -> Exchan
     )
 
 
-def _permute(x: torch.Tensor, order: tuple[int, ...], piece_len: int) -> torch.Tensor:
-    """Pieces of ``x`` (along dim 0) taken in ``order``."""
-    pieces = x.split(piece_len)
-    return torch.cat([pieces[i] for i in order])
+# An all-to-all needs a second buffer the size of what it moves (the send copy in one
+# direction, the receive buffer in the other) beside the tensor it makes; in the recomputed
+# attention that buffer sits on top of the layer's largest moment. Moving the tokens in chunks
+# keeps it to a chunk; a chunk of at least a MiB still moves enough to use the link.
+EXCHANGE_MAX_CHUNKS = 4
+EXCHANGE_MIN_CHUNK_BYTES = 2**20
 
 
-def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
-    inv = [0] * len(order)
-    for pos, src in enumerate(order):
-        inv[src] = pos
-    return tuple(inv)
+def exchange_chunks(x: torch.Tensor) -> int:
+    """How many token chunks the all-to-all of ``x`` (``[tokens, heads, dim]``) is split into.
+
+    Depends only on the shape and dtype, which every rank of a group shares.
+    """
+    whole = x.numel() * x.element_size()
+    return max(1, min(EXCHANGE_MAX_CHUNKS, whole // EXCHANGE_MIN_CHUNK_BYTES, x.shape[0]))
 
 
-def _all_to_all(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """All-to-all along dim 0 (split into equal blocks, block ``j`` goes to group rank ``j``)."""
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return out
+def _chunk_bounds(length: int, chunks: int) -> list[tuple[int, int]]:
+    cuts = [length * i // chunks for i in range(chunks + 1)]
+    return [(a, b) for a, b in pairwise(cuts) if b > a]
 
 
-def _seq_to_heads(x: torch.Tensor, ex: Exchange) -> torch.Tensor:
+def _segments(ex: Exchange, length: int, a: int, b: int) -> list[tuple[int, int, int, int]]:
+    """Where tokens ``a:b`` of each group rank's share sit in the head layout.
+
+    Returns ``(rank, lo, hi, start)``: that rank's tokens ``a+lo : a+hi`` are rows
+    ``start : start+hi-lo`` of the head layout (pieces in ascending global order).
+    """
+    inverse = [0] * len(ex.order)
+    for pos, src in enumerate(ex.order):
+        inverse[src] = pos
+    size = ex.piece_len
+    found = []
+    for rank in range(ex.size):
+        first, end = rank * length + a, rank * length + b  # in the rank-ordered buffer
+        pos = first
+        while pos < end:
+            piece = pos // size
+            stop = min(end, (piece + 1) * size)
+            start = inverse[piece] * size + pos - piece * size
+            found.append((rank, pos - first, stop - first, start))
+            pos = stop
+    return found
+
+
+def _seq_to_heads(x: torch.Tensor, ex: Exchange, chunks: int | None = None) -> torch.Tensor:
     """``[L, H, D]`` (own tokens, all heads) -> ``[size*L, H/size, D]`` (group tokens)."""
     n = ex.size
     length, heads, dim = x.shape
-    # Block j of the send buffer holds head slice j, which is what group rank j keeps.
-    send = x.reshape(length, n, heads // n, dim).transpose(0, 1).contiguous()
-    recv = _all_to_all(send, ex.group).reshape(n * length, heads // n, dim)
-    return recv if ex.identity else _permute(recv, ex.order, ex.piece_len)
+    # Block j of what is sent holds head slice j, which is what group rank j keeps.
+    by_rank = x.reshape(length, n, heads // n, dim)
+    out = x.new_empty(n * length, heads // n, dim)
+    bounds = _chunk_bounds(length, chunks or exchange_chunks(x))
+    for a, b in bounds:
+        send = by_rank[a:b].transpose(0, 1).contiguous()
+        if len(bounds) == 1 and ex.identity:  # the received blocks are already the layout
+            dist.all_to_all_single(out.view(n, length, heads // n, dim), send, group=ex.group)
+            break
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=ex.group)
+        for rank, lo, hi, start in _segments(ex, length, a, b):
+            out[start : start + hi - lo] = recv[rank, lo:hi]
+        del send, recv
+    return out
 
 
-def _heads_to_seq(y: torch.Tensor, ex: Exchange) -> torch.Tensor:
+def _heads_to_seq(y: torch.Tensor, ex: Exchange, chunks: int | None = None) -> torch.Tensor:
     """Inverse of :func:`_seq_to_heads`."""
     n = ex.size
     total, heads, dim = y.shape
-    if not ex.identity:
-        y = _permute(y, _inverse(ex.order), ex.piece_len)
-    recv = _all_to_all(y.reshape(n, total // n, heads, dim).contiguous(), ex.group)
-    # recv[j] is this rank's tokens for group rank j's heads: put heads back in order.
-    return recv.transpose(0, 1).reshape(total // n, n * heads, dim)
+    length = total // n
+    out = y.new_empty(length, n, heads, dim)
+    bounds = _chunk_bounds(length, chunks or exchange_chunks(y))
+    for a, b in bounds:
+        if len(bounds) == 1 and ex.identity and y.is_contiguous():
+            send = y.view(n, length, heads, dim)  # already in blocks by destination
+        else:
+            send = y.new_empty(n, b - a, heads, dim)
+            for rank, lo, hi, start in _segments(ex, length, a, b):
+                send[rank, lo:hi] = y[start : start + hi - lo]
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=ex.group)
+        # recv[j] is this rank's tokens for group rank j's heads: put heads back in order.
+        out[a:b] = recv.transpose(0, 1)
+        del send, recv
+    return out.view(length, n * heads, dim)
 
 
 class _SeqToHeads(torch.autograd.Function):
@@ -127,7 +175,7 @@ class _SeqToHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return _heads_to_seq(grad.contiguous(), ctx.ex), None
+        return _heads_to_seq(grad, ctx.ex), None
 
 
 class _HeadsToSeq(torch.autograd.Function):
@@ -138,13 +186,55 @@ class _HeadsToSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return _seq_to_heads(grad.contiguous(), ctx.ex), None
+        return _seq_to_heads(grad, ctx.ex), None
 
 
-def seq_to_heads(x: torch.Tensor, ex: Exchange) -> torch.Tensor:
-    """Differentiable ``[L, H, D] -> [size*L, H/size, D]``, tokens in ascending global order."""
+def _head_view(x: torch.Tensor, ex: Exchange, heads_major: bool) -> torch.Tensor:
+    """The ``[size*L, H/size, D]`` head layout over the elements of ``[L, H, D]`` ``x``: a view
+    when ``x`` is contiguous token-major (``heads_major`` False) or heads-major (True)."""
+    length, heads, dim = x.shape
+    n = ex.size
+    if heads_major:
+        return x.transpose(0, 1).reshape(heads // n, n * length, dim).transpose(0, 1)
+    return x.reshape(n * length, heads // n, dim)
+
+
+def owns_dense_storage(x: torch.Tensor) -> bool:
+    """Whether ``[L, H, D]`` ``x`` is the whole of its storage, token- or heads-major."""
+    dense = x.is_contiguous() or x.transpose(0, 1).is_contiguous()
+    return dense and x.untyped_storage().nbytes() == x.numel() * x.element_size()
+
+
+class _SeqToHeadsInPlace(torch.autograd.Function):
+    """:func:`_seq_to_heads` written over the input's own memory (see :func:`seq_to_heads`)."""
+
+    @staticmethod
+    def forward(ctx, x, ex):  # type: ignore[override]
+        ctx.ex, ctx.heads_major = ex, not x.is_contiguous()
+        heads = _seq_to_heads(x, ex)
+        _head_view(x, ex, ctx.heads_major).copy_(heads)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _heads_to_seq(_head_view(grad, ctx.ex, ctx.heads_major), ctx.ex), None
+
+
+def seq_to_heads(x: torch.Tensor, ex: Exchange, spent: bool = False) -> torch.Tensor:
+    """Differentiable ``[L, H, D] -> [size*L, H/size, D]``, tokens in ascending global order.
+
+    ``spent``: the caller reads ``x`` no more, so when ``x`` is the whole of its storage the
+    head layout is written over it (autograd's version counter still guards any saved use).
+    In a layer of a Hugging Face model the frame keeps q, k and v alive until the layer
+    returns; written over, they are not held twice through attention and the output
+    projection, which is where the layer's memory peaks.
+    """
     if ex.size == 1:
         return x
+    if spent and owns_dense_storage(x):
+        heads_major = not x.is_contiguous()
+        return _head_view(_SeqToHeadsInPlace.apply(x, ex), ex, heads_major)
     return _SeqToHeads.apply(x, ex)
 
 
@@ -177,19 +267,22 @@ def kv_replication(q_heads: int, kv_heads: int, size: int) -> int:
 
 
 def heads_to_ranks(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ex: Exchange
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ex: Exchange, spent: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """All-to-all q, k, v to the head layout, replicating KV heads when there are too few.
 
     Replica ``c`` of KV head ``j`` sits at index ``j*copies + c``, so the rank that receives it
     also receives exactly the query heads of KV head ``j`` (query head ``h`` uses KV head
     ``h // (H / H_kv)``); ``repeat_interleave`` sums the replicas' gradients in backward.
+    ``spent`` as in :func:`seq_to_heads`, for three tensors of their own memory.
     """
     copies = kv_replication(q.shape[1], k.shape[1], ex.size)
     if copies > 1:
         k = k.repeat_interleave(copies, dim=1)
         v = v.repeat_interleave(copies, dim=1)
-    return seq_to_heads(q, ex), seq_to_heads(k, ex), seq_to_heads(v, ex)
+    storages = {t.untyped_storage().data_ptr() for t in (q, k, v)}
+    spent = spent and len(storages) == 3
+    return tuple(seq_to_heads(t, ex, spent) for t in (q, k, v))  # type: ignore[return-value]
 
 
 def local_head_slice(heads: int, ex: Exchange, meta: SPMeta) -> slice:
@@ -239,7 +332,7 @@ def ulysses_attention(
     ctx = meta.ctx
     feats = as_features(features)
     ex = build_exchange(meta, ctx.sp_group, ctx.layout.sp)
-    qh, kh, vh = heads_to_ranks(q, k, v, ex)
+    qh, kh, vh = heads_to_ranks(q, k, v, ex, feats.spent)
     if ctx.layout.kernel == "flash" and not meta.prefixes:
         refuse_flash_sinks(sinks)
         out = _flash_full_row(qh, kh, vh, meta, feats)

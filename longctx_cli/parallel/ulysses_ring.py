@@ -97,8 +97,9 @@ def hybrid_attention(
     u = ctx.layout.ulysses
     # The Layout refused stripe sharding and a ulysses degree not dividing sp.
     ex = build_exchange(meta, ctx.ulysses_group, u)
-    qh, kh, vh = heads_to_ranks(q, k, v, ex)
+    feats = as_features(features)
+    qh, kh, vh = heads_to_ranks(q, k, v, ex, feats.spent)
     local_sinks = None if sinks is None else sinks[local_head_slice(q.shape[1], ex, meta)]
     # `ring`: the ring strategy the layout picked (``attention.ring_strategy``).
-    out = ring(qh, kh, vh, ring_meta(meta, kh.shape[1]), as_features(features), local_sinks)
+    out = ring(qh, kh, vh, ring_meta(meta, kh.shape[1]), feats, local_sinks)
     return heads_to_seq(out, ex)
