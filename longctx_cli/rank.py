@@ -55,7 +55,7 @@ def run(argv: list[str]) -> int:
 
 def warm_up(argv: list[str]) -> None:
     """Import what `run(argv)` will import (a warm process, ahead of its rank)."""
-    quiet_library_loggers()
+    quiet_library_loggers()  # before the imports: they are what logs
     command, config, *rest = argv
     if command == "train":
         from longctx_cli.train.run import import_rank_modules, load_config
@@ -63,9 +63,9 @@ def warm_up(argv: list[str]) -> None:
         import_rank_modules(load_config(Path(config), rest))
     elif command in ("eval", "generate"):
         import longctx_cli.eval.generate  # noqa: F401
-        import longctx_cli.eval.run  # noqa: F401
-        import longctx_cli.runtime.distributed  # noqa: F401
-        import longctx_cli.runtime.model  # noqa: F401
+        from longctx_cli.eval.run import import_rank_modules
+
+        import_rank_modules()
 
 
 def main(argv: list[str]) -> int:

@@ -31,7 +31,8 @@ def test_the_handed_command_runs_with_the_handed_environment(tmp_path, monkeypat
     early = EarlyTorchrun()
     # The environment at start-up lacks the marker: only the handed one has it.
     monkeypatch.delenv("EARLY_MARKER", raising=False)
-    command, env = torchrun_command(["unused"], 2, 2)
+    job = torchrun_command(["unused"], 2, 2)
+    command, env = job.command, job.env
     at = command.index("-m", 3)  # torchrun's own arguments end where `-m longctx_cli` begins
     command = [*command[:at], str(worker), str(tmp_path), "a b", "--x"]
     process = early.start(command, {**env, "EARLY_MARKER": "handed"})

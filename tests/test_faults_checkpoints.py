@@ -20,6 +20,7 @@ from longctx_cli.integrity import MANIFEST, verify_files
 from longctx_cli.train.checkpoint_files import list_checkpoints, resolve_resume
 from tests.shown_outputs import assert_shown_message
 from tests.train_helpers import (
+    IN_A_RANK,
     assert_same_run,
     read_metrics,
     run_longctx,
@@ -40,10 +41,10 @@ COMMON = {
 # the save into a folder named by LONGCTX_TEST_FSIZE_AT starts, files may no longer grow
 # beyond 4 KiB, as on a full disk. SIGXFSZ is ignored so that the write fails with EFBIG
 # instead of killing the rank.
-FULL_DISK = """
+FULL_DISK = f"""
 import os, sys
 _at = os.environ.get("LONGCTX_TEST_FSIZE_AT")
-if _at and ("RANK" in os.environ or sys.argv[1:2] == ["--warm"]):
+if _at and {IN_A_RANK}:
     import resource, signal
     import torch.distributed.checkpoint as _dcp
     _save = _dcp.save

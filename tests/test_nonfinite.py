@@ -11,14 +11,14 @@ import torch
 from safetensors.torch import load_file
 
 from tests.shown_outputs import assert_shown_message
-from tests.train_helpers import read_metrics, run_longctx, write_config, write_documents
+from tests.train_helpers import IN_A_RANK, read_metrics, run_longctx, write_config, write_documents
 
 # Test-only faults for the ranks, loaded through PYTHONPATH: a rank is a process torchrun
 # started (RANK set) or a warm process that will run one (runtime/warm_ranks.py; RANK arrives
 # with the hand-over, so the faulty rank is picked at call time).
-FAULTS = """
+FAULTS = f"""
 import os, sys
-if "RANK" in os.environ or sys.argv[1:2] == ["--warm"]:
+if {IN_A_RANK}:
     import torch
     def _faulty_rank():
         return os.environ.get("RANK") == os.environ.get("LONGCTX_TEST_FAULT_RANK")

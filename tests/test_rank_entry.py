@@ -30,8 +30,12 @@ def test_an_override_after_the_options_stays_an_override():
 
 
 def test_the_launch_runs_the_rank_module_and_names_the_command():
-    command, _ = torchrun_command(["train", "c.yaml", "--seed", "1"], 2, 2)
+    job = torchrun_command(["train", "c.yaml", "--seed", "1"], 2, 2)
+    command = job.command
     assert command[command.index("-m", 3) + 1] == RANK_MODULE
+    rank_args = command[command.index("-m", 3) + 2:]
+    assert rank_args == job.rank_args == ["train", "c.yaml", "--seed", "1"]
+    assert "--nproc-per-node=2" in command and job.per_node == 2
     assert rank_command(command[3:]) == "train"
     assert rank_command(["--nproc-per-node=2", "-m", "longctx_cli", "eval", "c.yaml"]) == "eval"
 

@@ -18,6 +18,7 @@ import pytest
 from longctx_cli.train.checkpoint_files import list_checkpoints, resolve_resume
 from tests.shown_outputs import assert_shown_message
 from tests.train_helpers import (
+    IN_A_RANK,
     assert_same_run,
     read_metrics,
     train,
@@ -38,9 +39,9 @@ COMMON = {
 # Test-only faults, loaded into every process of a run through PYTHONPATH. Ranks only (RANK
 # is set by torchrun; a warm process that will run a rank has `--warm`), never the launcher.
 # Sleeping changes no numbers, only timing.
-FAULTS = """
+FAULTS = f"""
 import os, sys, time
-if "RANK" in os.environ or sys.argv[1:2] == ["--warm"]:
+if {IN_A_RANK}:
     import torch
     _step_sleep = float(os.environ.get("LONGCTX_TEST_STEP_SLEEP", "0"))
     if _step_sleep:

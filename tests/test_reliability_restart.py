@@ -28,7 +28,14 @@ from tests.test_reliability_kill import (
     _wait_for,
     _workers,
 )
-from tests.train_helpers import assert_same_run, read_metrics, train, write_config, write_documents
+from tests.train_helpers import (
+    IN_A_RANK,
+    assert_same_run,
+    read_metrics,
+    train,
+    write_config,
+    write_documents,
+)
 
 
 @pytest.fixture(scope="module")
@@ -188,15 +195,14 @@ def test_two_nodes_one_node_lost_is_restarted_and_completes(runs):
     assert_same_run(output_dir, straight, tol=1e-6)
 
 
-CRASH = """
+CRASH = f"""
 import os, sys
-if ("RANK" in os.environ or sys.argv[1:2] == ["--warm"]) \\
-        and os.environ.get("LONGCTX_TEST_CRASH_FROM_STEP"):
+if {IN_A_RANK} and os.environ.get("LONGCTX_TEST_CRASH_FROM_STEP"):
     import torch
     _from = int(os.environ["LONGCTX_TEST_CRASH_FROM_STEP"])
     _adamw_step = torch.optim.AdamW.step
     def _crashing_step(self, *args, **kwargs):
-        state = self.state.get(self.param_groups[0]["params"][0], {})
+        state = self.state.get(self.param_groups[0]["params"][0], {{}})
         if int(state.get("step", 0)) + 1 >= _from:  # the global step, restored on resume
             raise RuntimeError("a bug that strikes at the same step every time")
         return _adamw_step(self, *args, **kwargs)

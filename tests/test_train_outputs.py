@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.train_helpers import (
+    IN_A_RANK,
     assert_same_run,
     read_metrics,
     run_longctx,
@@ -140,7 +141,7 @@ def test_failing_rank_ends_the_job_quickly(workdir, tmp_path):
     plugin.write_text(
         # (A warm rank process learns its RANK at the hand-over: checked at call time.)
         "import os, sys\n"
-        "if 'RANK' in os.environ or sys.argv[1:2] == ['--warm']:\n"
+        f"if {IN_A_RANK}:\n"
         "    import torch\n"
         "    _step = torch.optim.AdamW.step\n"
         "    calls = [0]\n"

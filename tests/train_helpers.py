@@ -13,6 +13,11 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+# What a test's sitecustomize fault checks before it applies: this process runs a rank
+# (torchrun set RANK) or will run one (a warm process, started with `--warm` ahead of it,
+# learns its RANK at the hand-over, so rank-specific faults read RANK at call time).
+IN_A_RANK = "('RANK' in os.environ or sys.argv[1:2] == ['--warm'])"
+
 TINY_LLAMA = {
     "model_type": "llama",
     "hidden_size": 32,

@@ -46,6 +46,9 @@ def run_generate(config_path: Path, checkpoint: Path, prompt_file: Path | None,
     overrides = list(overrides or [])
     config = load_config(config_path, overrides)
     if in_torchrun():
+        from longctx_cli.eval.run import import_rank_modules
+
+        import_rank_modules()
         if prompt_file is None:
             raise UserError("ranks read the prompt from a file.", where="--prompt-file",
                             fix="pass --prompt-file (or run `longctx generate` itself).")

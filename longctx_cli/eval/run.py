@@ -102,6 +102,14 @@ def has_held_out(config: Config) -> bool:
     return bool(config.val_set_size or config.eval_datasets) and config.rl is None
 
 
+def import_rank_modules() -> None:
+    """Import what an eval or generate rank runs (model loading, the process group): first
+    thing in such a rank, or ahead of it in a warm process (`runtime.warm_ranks`)."""
+    import longctx_cli.eval.checkpoint_loading  # noqa: F401
+    import longctx_cli.runtime.distributed  # noqa: F401
+    import longctx_cli.runtime.model  # noqa: F401
+
+
 def run_eval(
     config_path: Path,
     checkpoint: Path,
@@ -120,6 +128,7 @@ def run_eval(
     overrides = list(overrides or [])
     config = load_config(config_path, overrides)
     if in_torchrun():
+        import_rank_modules()
         with rank_errors(alike_on_every_rank=True):
             config, plan = check_run(config, "eval", overrides=overrides)
         fix_mmap_threshold(config.host_mmap_threshold_mib)  # before the model and data

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from longctx_cli.errors import PREEMPTED_EXIT, UserError
@@ -76,6 +77,20 @@ def torchrun_args(
     ]
 
 
+@dataclass(frozen=True)
+class TorchrunJob:
+    """A torchrun launch: its command line and environment, the ranks it starts on this node
+    and what each of them runs after `-m longctx_cli.rank`."""
+
+    command: list[str]
+    env: dict[str, str]
+    per_node: int
+    rank_args: list[str]
+
+    def with_env(self, values: dict[str, str]) -> TorchrunJob:
+        return replace(self, env={**self.env, **values})
+
+
 def torchrun_command(
     command_args: list[str],
     world_size: int,
@@ -85,11 +100,11 @@ def torchrun_command(
     rdzv_endpoint: str | None = None,
     signals: tuple[str, ...] = (),
     shutdown_timeout: int | None = None,
-) -> tuple[list[str], dict[str, str]]:
-    """The torchrun command line (through `torchrun_main`) running `-m longctx_cli.rank
-    <command_args>` (`longctx <command_args>` without its command-line layer), and its
-    environment. `signals`: passed on to every rank (preemption);
-    `shutdown_timeout`: how long torchrun waits for the ranks after such a signal."""
+) -> TorchrunJob:
+    """The torchrun job (through `torchrun_main`) running `-m longctx_cli.rank
+    <command_args>` (`longctx <command_args>` without its command-line layer). `signals`:
+    passed on to every rank (preemption); `shutdown_timeout`: how long torchrun waits for the
+    ranks after such a signal."""
     per_node = nproc_per_node or max(1, world_size // nnodes)
     handled = ",".join(dict.fromkeys([*TORCHRUN_SIGNALS, *signals]))
     command = [
@@ -109,7 +124,7 @@ def torchrun_command(
     env["OMP_NUM_THREADS"] = str(threads)
     if warning:
         print(warning, file=sys.stderr)
-    return command, env
+    return TorchrunJob(command, env, per_node, list(command_args))
 
 
 def launch_torchrun(
@@ -123,9 +138,9 @@ def launch_torchrun(
 ) -> int:
     """Run torchrun with `-m longctx_cli.rank <command_args>` as the entry point (in `early`'s
     waiting process, when given); its exit code."""
-    command, env = torchrun_command(command_args, world_size, nproc_per_node, nnodes,
-                                    node_rank, rdzv_endpoint)
-    with started_torchrun(command, env, early, warm=True) as proc:
+    job = torchrun_command(command_args, world_size, nproc_per_node, nnodes, node_rank,
+                           rdzv_endpoint)
+    with started_torchrun(job, early, warm=True) as proc:
         try:
             return proc.wait()
         except KeyboardInterrupt:  # the ranks got the terminal's Ctrl-C too
@@ -135,24 +150,21 @@ def launch_torchrun(
 
 
 @contextlib.contextmanager
-def started_torchrun(command: list[str], env: dict[str, str],
-                     early: EarlyTorchrun | None = None,
+def started_torchrun(job: TorchrunJob, early: EarlyTorchrun | None = None,
                      warm: bool = False) -> Iterator[subprocess.Popen]:
-    """Start a `torchrun_command` (in `early`'s waiting process while it waits, else anew);
-    with `warm`, beside a `WarmRanks` process per local rank, ended or waited for on exit."""
+    """Start `job` (in `early`'s waiting process while it waits, else anew); with `warm`,
+    beside a `WarmRanks` process per local rank, ended or waited for on exit."""
     warm_ranks = None
+    env = job.env
     if warm:
-        at = command.index(RANK_MODULE)
-        per_node = next(int(a.split("=", 1)[1]) for a in command[:at]
-                        if a.startswith("--nproc-per-node="))
-        warm_ranks = WarmRanks(RANK_MODULE, command[at + 1:], per_node, env)
+        warm_ranks = WarmRanks(RANK_MODULE, job.rank_args, job.per_node, env)
         env = {**env, **warm_ranks.environment()}
     try:
         if early is not None and early.waiting:
-            yield early.start(command, env)
+            yield early.start(job.command, env)
         else:
             # An argument list, never a shell: paths from the user are passed verbatim.
-            yield subprocess.Popen(command, env=env)
+            yield subprocess.Popen(job.command, env=env)
     finally:
         if warm_ranks is not None:
             warm_ranks.close()
@@ -187,7 +199,7 @@ class EarlyTorchrun:
         return cls()
 
     def start(self, command: list[str], env: dict[str, str]) -> subprocess.Popen:
-        """Run `command` (a `torchrun_command`) with `env` in the waiting process."""
+        """Run `command` (a `TorchrunJob`'s) with `env` in the waiting process."""
         assert command[:3] == [sys.executable, "-m", LAUNCH_MODULE], command
         assert self._write_fd is not None, "the command was handed over already"
         with os.fdopen(self._write_fd, "w") as pipe:

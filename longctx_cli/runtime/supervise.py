@@ -34,6 +34,7 @@ from longctx_cli.errors import PREEMPTED_EXIT, UserError
 from longctx_cli.runtime.launch import (
     FAILURE_FILE_ENV,
     EarlyTorchrun,
+    TorchrunJob,
     started_torchrun,
     torchrun_command,
 )
@@ -83,13 +84,11 @@ def supervise(command_args: list[str], world_size: int, nproc_per_node: int | No
               sup: Supervision, early: EarlyTorchrun | None = None) -> int:
     """Run the job until it succeeds, is preempted, fails for good or runs out of restarts;
     the launcher's exit status. `early`: torchrun started ahead, for the first attempt."""
-    command, env = torchrun_command(command_args, world_size, nproc_per_node, nnodes,
-                                    node_rank, rdzv_endpoint, signals=sup.signals,
-                                    shutdown_timeout=sup.grace_s)
+    job = torchrun_command(command_args, world_size, nproc_per_node, nnodes, node_rank,
+                           rdzv_endpoint, signals=sup.signals, shutdown_timeout=sup.grace_s)
     previous: tuple[str | None, str | None] | None = None
     for attempt in range(sup.max_restarts + 1):
-        result = run_attempt(command, env, sup, early if attempt == 0 else None,
-                             warm=attempt == 0)
+        result = run_attempt(job, sup, early if attempt == 0 else None, warm=attempt == 0)
         if result.returncode == 0:
             return 0
         if result.preempted:
@@ -110,7 +109,7 @@ def supervise(command_args: list[str], world_size: int, nproc_per_node: int | No
         previous = (_kind_of(result.failure), where)
         print(f"restarting the worker group ({attempt + 1} of {sup.max_restarts}) from "
               f"{where or 'the start'}.", file=sys.stderr, flush=True)
-        env = {**env, RESUME_ENV: "auto"}
+        job = job.with_env({RESUME_ENV: "auto"})
     return 1  # not reached: the last attempt returns above
 
 
@@ -162,16 +161,16 @@ def newest_checkpoint(output_dir: Path) -> str | None:
     return f"checkpoint-{max(steps)}" if steps else None
 
 
-def run_attempt(command: list[str], env: dict[str, str], sup: Supervision,
-                early: EarlyTorchrun | None = None, warm: bool = False) -> Attempt:
+def run_attempt(job: TorchrunJob, sup: Supervision, early: EarlyTorchrun | None = None,
+                warm: bool = False) -> Attempt:
     """Start the torchrun job once (in `early`'s waiting process, when given; with `warm`,
     its ranks run in processes that imported ahead) and watch it: pass preemption signals
     on, stop it when it hangs. Returns how it ended."""
     with tempfile.TemporaryDirectory(prefix="longctx-") as tmp:
         failure_file = Path(tmp) / "failure.json"
-        env = {**env, FAILURE_FILE_ENV: str(failure_file)}
         started = time.time()
-        with started_torchrun(command, env, early, warm) as proc:
+        with started_torchrun(job.with_env({FAILURE_FILE_ENV: str(failure_file)}), early,
+                              warm) as proc:
             forwarded: list[str] = []
 
             def forward(signum: int, frame: FrameType | None) -> None:
