@@ -2,7 +2,8 @@
 
 sp=4 as 2 Ulysses groups of 2 (the 2x2 split), contiguous and zigzag, every heads_k_stride
 that divides the model's KV heads; also the degenerate splits U=4 (no ring) and U=1 (no
-all-to-all) through the same code. One spawned run of 4 processes.
+all-to-all) through the same code, and the 2x2 split with the exchange written over q, k, v
+(as in a layer that reads them no more). One spawned run of 4 processes.
 """
 
 from __future__ import annotations
@@ -46,11 +47,14 @@ def hybrid_worker(rank: int, world_size: int) -> dict[str, dict]:
                     errors[key] = run_case(sub, lengths, hq, hkv, seed=i)
             if u == 2:  # the real 2x2 split: windows, softcap and sinks through both halves
                 errors.update(feature_runs(ctx, f"u{u}/{layout}/features"))
+                for i, (name, (lengths, hq, hkv)) in enumerate(CASES.items()):
+                    errors[f"u{u}/{layout}/{name}/spent"] = run_case(ctx, lengths, hq, hkv,
+                                                                     seed=i, spent=True)
     return errors
 
 
 def expected_count() -> int:
-    per_layout = sum(len(divisors(h)) for _, _, h in CASES.values()) + 2 * len(CASES)
+    per_layout = sum(len(divisors(h)) for _, _, h in CASES.values()) + 3 * len(CASES)
     return len(LAYOUTS) * (per_layout + len(FEATURES) * len(FEATURE_CASES))
 
 
