@@ -49,7 +49,8 @@ app = typer.Typer(
     "Start with [bold]validate[/] to see the resolved plan and memory estimate, then "
     "[bold]preprocess[/], [bold]train[/] and [bold]eval[/].",
     # Nothing under docs/ ships in the wheel: point at what an installed longctx has.
-    epilog="Example: [bold]longctx validate examples/tiny_passkey.yaml --nproc-per-node 2[/]  "
+    epilog="Example: [bold]longctx validate examples/tiny_passkey.yaml --nproc-per-node 2[/]"
+    "\n\n"
     "Each command: [bold]longctx COMMAND --help[/]. Every config key: "
     "[bold]python -m longctx_cli.config.docs[/].",
     rich_markup_mode="rich",
@@ -328,8 +329,11 @@ def train(
 @app.command(
     name="eval",
     cls=_Command,
-    help="Long-context evaluation: passkey retrieval grid and loss by position.\n\n"
-    "Optionally evaluates a second checkpoint (--compare) the same way, side by side. The "
+    help="Long-context evaluation: passkey retrieval grid, loss by position, RULER's "
+    "synthetic tasks.\n\n"
+    "RULER's tasks run when the config's eval_tasks names them (ruler for all of them, or "
+    "one such as niah_single_1). Optionally evaluates a second checkpoint (--compare) the "
+    "same way, side by side. The "
     "SP degree is the machine's: by default one SP group over the ranks started (the "
     "scores do not depend on it)." + overrides_help("--eval-samples-per-cell 20"),
     context_settings=OVERRIDES,
