@@ -355,9 +355,6 @@ TRL_IGNORED: dict[str, str] = {
     "use_liger_loss": "longctx scores each rank's tokens through the head in blocks itself",
     "cast_lm_head_to_fp32": "longctx's head computes its log-probabilities in float32",
     "shuffle_dataset": "prompts are shuffled each epoch from `seed` (curriculum_sampling: not)",
-    "disable_dropout": "rollouts run in eval mode; set dropout in the model config",
-    "ds3_gather_for_generation": "rollouts run under FSDP2/SP, not DeepSpeed",
-    "generation_batch_size": "one generation batch per optimizer step (checked below)",
     **{k: _VLLM for k in ("vllm_mode", "vllm_server_host", "vllm_server_port",
                           "vllm_server_timeout", "vllm_server_base_url", "vllm_group_port",
                           "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
@@ -438,9 +435,24 @@ class TrlConfig(_Strict):
         True, description="Multiply the per-token KL by the importance ratio (TRL's default).")
     sapo_temperature_pos: float = Field(1.0, gt=0, description="sapo: positive advantages.")
     sapo_temperature_neg: float = Field(1.05, gt=0, description="sapo: negative advantages.")
+    generation_batch_size: int | None = Field(
+        None, ge=1, description="Completions sampled per generation batch, over every "
+        "data-parallel group (TRL: per_device_train_batch_size x processes x "
+        "steps_per_generation, i.e. micro_batch_size x dp x steps_per_generation here); a "
+        "multiple of micro_batch_size x dp and of num_generations. Not with "
+        "steps_per_generation.")
     steps_per_generation: int | None = Field(
-        None, ge=1, description="Micro-batches per generation batch; longctx generates once "
-        "per optimizer step (this must equal gradient_accumulation_steps when given).")
+        None, ge=1, description="Micro-batches (of each data-parallel group) per generation "
+        "batch (default: gradient_accumulation_steps): one generation batch is split over "
+        "steps_per_generation / gradient_accumulation_steps optimizer steps, as in TRL. Not "
+        "with generation_batch_size.")
+    disable_dropout: bool = Field(
+        False, description="Dropout off in the rollout-time, reference and update passes (so "
+        "the first importance ratio is exactly 1).")
+    ds3_gather_for_generation: bool = Field(
+        True, description="Under FSDP, gather the full weights once per rollout (true) or, "
+        "where they do not fit, let data-parallel groups decode in lockstep, gathering each "
+        "layer per generated token (false).")
     num_completions_to_print: int | None = Field(
         None, ge=0, description="Completions written per logging step (default: every one).")
     _ignored: list[tuple[str, str]] = PrivateAttr(default_factory=list)
@@ -483,6 +495,25 @@ class TrlConfig(_Strict):
     @property
     def epsilon_upper(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def generation_steps(self, dp: int, micro_batch_size: int,
+                         gradient_accumulation_steps: int) -> int:
+        """TRL's `steps_per_generation` at `dp` data-parallel groups: micro-batches of each
+        group per generation batch (default: the accumulation). Raises ValueError (one
+        paragraph naming the key) when `generation_batch_size` does not split evenly."""
+        if self.steps_per_generation is not None:
+            return self.steps_per_generation
+        if self.generation_batch_size is None:
+            return gradient_accumulation_steps
+        per_micro_step = micro_batch_size * dp
+        if self.generation_batch_size % per_micro_step:
+            raise ValueError(
+                f"`trl.generation_batch_size: {self.generation_batch_size}` must be a multiple "
+                f"of micro_batch_size x data-parallel groups = {micro_batch_size} x {dp} = "
+                f"{per_micro_step} (every group rolls out micro_batch_size completions per "
+                "micro-batch); set it to a multiple of "
+                f"{per_micro_step}, or give `trl.steps_per_generation` instead")
+        return self.generation_batch_size // per_micro_step
 
 
 class Config(_Strict):
@@ -1191,12 +1222,24 @@ class Config(_Strict):
                 f"`trl.num_generations: {trl.num_generations}` so that every prompt's group "
                 f"sits in one row with the prompt once; set micro_batch_size to "
                 f"{trl.num_generations} (or a multiple)")
-        if trl.steps_per_generation not in (None, self.gradient_accumulation_steps):
+        if trl.steps_per_generation is not None and trl.generation_batch_size is not None:
             raise ValueError(
-                f"`trl.steps_per_generation: {trl.steps_per_generation}`: longctx samples one "
-                "generation batch per optimizer step (steps_per_generation = "
-                f"gradient_accumulation_steps = {self.gradient_accumulation_steps}); drop it, "
-                "or use `trl.num_iterations` to reuse a batch for several steps")
+                f"`trl.generation_batch_size: {trl.generation_batch_size}` and "
+                f"`trl.steps_per_generation: {trl.steps_per_generation}` say the same thing "
+                "twice (generation_batch_size = micro_batch_size x data-parallel groups x "
+                "steps_per_generation, as in TRL); give only one of them")
+        if trl.generation_batch_size is not None:
+            # The data-parallel degree is known only at launch (`generation_steps`); what
+            # holds at any degree is checked here.
+            for name, unit in (("micro_batch_size", self.micro_batch_size),
+                               ("trl.num_generations", trl.num_generations)):
+                if trl.generation_batch_size % unit:
+                    raise ValueError(
+                        f"`trl.generation_batch_size: {trl.generation_batch_size}` must be a "
+                        f"multiple of `{name}: {unit}` (a generation batch is micro_batch_size "
+                        "completions per data-parallel group per micro-batch, whole prompt "
+                        f"groups); set it to a multiple of {self.micro_batch_size} x the "
+                        "data-parallel groups, or give `trl.steps_per_generation` instead")
         if trl.max_completion_length >= self.sequence_len:
             raise ValueError(
                 f"`trl.max_completion_length: {trl.max_completion_length}` leaves no room for "
