@@ -30,7 +30,7 @@ Sharding = Literal["contiguous", "zigzag", "stripe"]
 # ring whose sharding is in its name.
 RingAttnFunc = Literal["varlen_llama3", "batch_ring", "batch_zigzag", "batch_stripe"]
 # The attention kernels a layout runs (`attention_kernel: auto` resolves to one of them).
-Kernel = Literal["torch", "flash", "torch_flash"]
+Kernel = Literal["torch", "flash", "torch_flash", "cudnn", "fa4"]
 MODES: tuple[str, ...] = get_args(Mode)
 SHARDINGS: tuple[str, ...] = get_args(Sharding)
 RING_ATTN_FUNCS: tuple[str, ...] = get_args(RingAttnFunc)
@@ -267,7 +267,7 @@ class Layout:
     sharding: str = "contiguous"
     ring_attn_func: str = "varlen_llama3"
     heads_k_stride: int = 1
-    kernel: str = "torch"  # torch | flash | torch_flash, never auto
+    kernel: str = "torch"  # one of CONCRETE_KERNELS, never auto
     kernel_reason: str = ""  # why that kernel (printed)
 
     def __post_init__(self) -> None:

@@ -18,10 +18,12 @@ from longctx_cli.config.plan import build_plan
 from longctx_cli.config.rules import layout_for
 from longctx_cli.errors import UserError
 from longctx_cli.kernel_choice import (
+    FA4_MODULE,
     FLASH_ATTN_MODULE,
     ModelAttention,
     Platform,
     choose_kernel,
+    fa4_import,
     flash_kernels_import,
 )
 from tests.test_flash_adapter import STANDIN
@@ -32,6 +34,17 @@ H100_BARE = Platform(cuda=True, ring_flash_attn=False, capability=(9, 0))
 A100 = Platform(cuda=True, ring_flash_attn=True, capability=(8, 0))
 T4 = Platform(cuda=True, ring_flash_attn=True, capability=(7, 5))
 V100_BARE = Platform(cuda=True, ring_flash_attn=False, capability=(7, 0))
+# cuDNN and flash-attn 4 facts: torch.backends.cudnn.version() numbers 9.10.2 as 91002.
+H100_CUDNN = Platform(cuda=True, ring_flash_attn=False, capability=(9, 0),
+                      cudnn_version=91002, fa4=False)
+H100_CUDNN_9_8 = Platform(cuda=True, ring_flash_attn=False, capability=(9, 0),
+                          cudnn_version=90800)
+H100_CUDNN_8 = Platform(cuda=True, ring_flash_attn=False, capability=(9, 0),
+                        cudnn_version=8907)
+A100_CUDNN = Platform(cuda=True, ring_flash_attn=False, capability=(8, 0),
+                      cudnn_version=91002)
+H100_FA4 = Platform(cuda=True, ring_flash_attn=False, capability=(9, 0), fa4=True)
+B200_FA4 = Platform(cuda=True, ring_flash_attn=False, capability=(10, 0), fa4=True)
 
 LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -113,6 +126,17 @@ def test_validate_and_the_ranks_agree_on_the_kernel(name: str) -> None:
     ("flash", H100, "float16", {**LLAMA, "head_dim": 100}, "head_dim 100"),
     ("torch_flash", T4, "float16", LLAMA, "compute capability is 7.5"),
     ("torch_flash", H100, "float32", LLAMA, "bf16/fp16"),
+    ("cudnn", CPU, "bfloat16", LLAMA, "no CUDA GPU"),
+    ("cudnn", A100_CUDNN, "bfloat16", LLAMA, "compute capability is 8.0"),
+    ("cudnn", H100_CUDNN_8, "bfloat16", LLAMA, "cuDNN 8.9.7"),
+    ("cudnn", H100_CUDNN, "float32", LLAMA, "bf16/fp16"),
+    ("cudnn", H100_CUDNN_9_8, "bfloat16", {**LLAMA, "head_dim": 256}, "head_dim 256"),
+    ("cudnn", H100_CUDNN, "bfloat16", MISTRAL_SWA, "sliding window"),
+    ("cudnn", H100_CUDNN, "bfloat16", GEMMA2, "softcaps"),
+    ("fa4", H100_CUDNN, "bfloat16", LLAMA, "flash-attn 4 is not usable"),
+    ("fa4", T4, "float16", LLAMA, "flash-attn 4 is not usable"),
+    ("fa4", H100_FA4, "bfloat16", GEMMA2, "softcaps"),
+    ("fa4", B200_FA4, "bfloat16", {**LLAMA, "head_dim": 192}, "head_dim 192"),
 ])
 def test_an_explicit_kernel_that_cannot_run_is_refused_in_one_paragraph(
     requested: str, platform: Platform, dtype: str, model: dict, words: str
@@ -151,3 +175,36 @@ def test_flash_detection_imports_the_modules_it_uses(monkeypatch: pytest.MonkeyP
     monkeypatch.setitem(sys.modules, "flash_attn", namespace)
     why = flash_kernels_import()
     assert why is not None and FLASH_ATTN_MODULE in why
+
+
+def test_cudnn_runs_where_eligible_and_validate_prints_the_facts() -> None:
+    config = _config("bfloat16", {**LLAMA, "head_dim": 256}, RING2, kernel="cudnn")
+    planned = build_plan(config, 2, read_model_config(config), platform=H100_CUDNN).layout
+    ranks = layout_for(config, 2, H100_CUDNN, "the torchrun world", read_model_config(config))
+    assert planned == ranks and planned.kernel == "cudnn"
+    for fact in ("sm90", "cuDNN 9.10.2", "bfloat16", "head dim 256 <= 256", "not yet measured"):
+        assert fact in planned.kernel_reason, planned.kernel_reason
+
+
+def test_auto_keeps_torch_flash_where_cudnn_is_eligible_but_unmeasured() -> None:
+    pick = choose_kernel("auto", platform=H100_CUDNN, dtype="bfloat16",
+                         model=ModelAttention(head_dim=128))
+    assert pick.kernel == "torch_flash" and "not measured faster" in pick.reason
+    pick = choose_kernel("auto", platform=A100_CUDNN, dtype="bfloat16",
+                         model=ModelAttention(head_dim=128))
+    assert pick.kernel == "torch_flash" and "cuDNN" not in pick.reason
+    for platform in (H100_FA4, B200_FA4):  # never fa4 either
+        assert choose_kernel("auto", platform=platform, dtype="bfloat16").kernel != "fa4"
+
+
+def test_fa4_runs_where_it_imports(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert choose_kernel("fa4", platform=B200_FA4, dtype="bfloat16",
+                         model=ModelAttention(head_dim=256)).kernel == "fa4"
+    # Not asked yet (fa4=None): the import is tried when `fa4` is requested.
+    asked = Platform(cuda=True, ring_flash_attn=False, capability=(9, 0))
+    module = types.ModuleType(FA4_MODULE)
+    monkeypatch.setitem(sys.modules, FA4_MODULE, module)
+    assert FA4_MODULE in fa4_import() and "_flash_attn_fwd" in fa4_import()
+    module._flash_attn_fwd = module._flash_attn_bwd = lambda *a, **k: None
+    assert fa4_import() is None
+    assert choose_kernel("fa4", platform=asked, dtype="float16").kernel == "fa4"

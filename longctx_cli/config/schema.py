@@ -716,8 +716,12 @@ class Config(_Strict):
         "auto",
         description="flash: ring-flash-attn + flash-attn (CUDA, bf16/fp16, contiguous); "
         "torch_flash: PyTorch's own flash-attention op (CUDA, bf16/fp16, every sharding, no "
-        "extra package); torch: pure PyTorch (CPU, or CUDA through tiled score matmuls); "
-        "auto: flash when installed and applicable, else torch_flash on CUDA, else torch.",
+        "extra package); cudnn: PyTorch's own cuDNN attention ops (CUDA sm90/sm100, "
+        "bf16/fp16, no window or softcap; contract-tested, not measured); fa4: flash-attn 4 "
+        "(optional pre-release `flash-attn-4`, sm90/sm100, bf16/fp16, no softcap; "
+        "contract-tested, not measured); torch: pure PyTorch (CPU, or CUDA through tiled "
+        "score matmuls); auto: flash when installed and applicable, else torch_flash on "
+        "CUDA, else torch (never cudnn or fa4).",
     )
     tensor_parallel_size: int = Field(
         1,

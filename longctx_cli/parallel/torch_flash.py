@@ -84,17 +84,19 @@ def use_flash_ops(ops: FlashOps) -> FlashOps:
     return previous
 
 
-def flash_applies(q: torch.Tensor, feats: AttentionFeatures, v: torch.Tensor | None = None
-                  ) -> bool:
+def flash_applies(q: torch.Tensor, feats: AttentionFeatures, v: torch.Tensor | None = None,
+                  ops: FlashOps | None = None) -> bool:
     """True when the op computes this call exactly; otherwise the caller's fallback runs.
 
     ``v``: the values, when their head dim may differ from q's (multi-head latent
     attention); the op then runs on both padded to the larger one (see :func:`pad_head_dim`).
+    ``ops``: the ops with this signature to ask (default: :func:`flash_ops`; the ``fa4``
+    kernel passes flash-attn 4's).
     """
     if feats.softcap is not None:
         return False
     d = q.shape[-1] if v is None else max(q.shape[-1], v.shape[-1])
-    return _ops.supports(q if d == q.shape[-1] else q.new_empty(0, 1, d))
+    return (ops or _ops).supports(q if d == q.shape[-1] else q.new_empty(0, 1, d))
 
 
 def pad_head_dim(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -185,15 +187,18 @@ def varlen_forward(
     v: torch.Tensor,
     segments: Sequence[Segment],
     feats: AttentionFeatures,
+    ops: FlashOps | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out [Lq, Hq, D]`` and ``lse [Hq, Lq]`` (float32) of every segment, one op call per run."""
+    """``out [Lq, Hq, D]`` and ``lse [Hq, Lq]`` (float32) of every segment, one op call per run
+    (``ops``: as in :func:`flash_applies`)."""
+    ops = ops or _ops
     runs = _runs(tuple(segments))
     causal, left, right = _mask_args(feats)
     d, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
     results = []
     for run in runs:
         cu_q, cu_k = _device_cu(run.cu_q, q.device), _device_cu(run.cu_k, q.device)
-        out, lse, *_ = _ops.forward(
+        out, lse, *_ = ops.forward(
             _dense(q[run.q0 : run.q1], d), _dense(k[run.k0 : run.k1], d),
             _dense(v[run.k0 : run.k1], d), cu_q, cu_k, run.max_q, run.max_k, 0.0, causal,
             False, scale=feats.scale, window_size_left=left, window_size_right=right,
@@ -212,14 +217,15 @@ def varlen_forward(
 
 
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, feats: AttentionFeatures
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, feats: AttentionFeatures,
+    ops: FlashOps | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: ``q [rows, Hq, D]`` against ``k, v [keys, Hkv, D]``, either bottom-right
     causal (the feature's window included) or every key visible (``causal`` False, no window).
     Returns ``out [rows, Hq, D]`` and ``lse [Hq, rows]`` (float32)."""
     mask = _mask_args(feats) if causal else (False, -1, -1)
     d = max(q.shape[-1], v.shape[-1])
-    out, lse, *_ = _ops.forward(
+    out, lse, *_ = (ops or _ops).forward(
         _dense(q, d), _dense(k, d), _dense(v, d), _device_cu((0, q.shape[0]), q.device),
         _device_cu((0, k.shape[0]), q.device), q.shape[0], k.shape[0], 0.0, mask[0], False,
         scale=feats.scale, window_size_left=mask[1], window_size_right=mask[2],
@@ -229,12 +235,12 @@ def block_forward(
 
 def block_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, causal: bool, feats: AttentionFeatures,
+    lse: torch.Tensor, causal: bool, feats: AttentionFeatures, ops: FlashOps | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`block_forward`'s block given the rows' merged ``out``/``lse``."""
     mask = _mask_args(feats) if causal else (False, -1, -1)
     d, dqk, dv = max(q.shape[-1], v.shape[-1]), q.shape[-1], v.shape[-1]
-    gq, gk, gv = _ops.backward(
+    gq, gk, gv = (ops or _ops).backward(
         _dense(dout, d), _dense(q, d), _dense(k, d), _dense(v, d), _dense(out, d),
         lse.contiguous(), _device_cu((0, q.shape[0]), q.device),
         _device_cu((0, k.shape[0]), q.device), q.shape[0], k.shape[0], 0.0, mask[0],
@@ -253,8 +259,10 @@ def varlen_backward(
     lse: torch.Tensor,
     segments: Sequence[Segment],
     feats: AttentionFeatures,
+    ops: FlashOps | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients given the rows' merged ``out``/``lse``: ``dq`` like q, ``dk``/``dv`` like k/v."""
+    ops = ops or _ops
     runs = _runs(tuple(segments))
     causal, left, right = _mask_args(feats)
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout 0: never read
@@ -268,7 +276,7 @@ def varlen_backward(
     d, dqk, dvd = max(q.shape[-1], v.shape[-1]), q.shape[-1], v.shape[-1]
     for run in runs:
         rows, keys = slice(run.q0, run.q1), slice(run.k0, run.k1)
-        dq1, dk1, dv1 = _ops.backward(
+        dq1, dk1, dv1 = ops.backward(
             _dense(dout[rows], d), _dense(q[rows], d), _dense(k[keys], d),
             _dense(v[keys], d), _dense(out[rows], d), lse[:, rows].contiguous(),
             _device_cu(run.cu_q, q.device), _device_cu(run.cu_k, q.device), run.max_q,

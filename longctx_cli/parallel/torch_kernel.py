@@ -32,8 +32,11 @@ Values may have their own head dim (multi-head latent attention): outputs take v
 flash op takes one head dim, so its calls pad the smaller side with zeros (exact).
 
 On CUDA the ``torch_flash`` kernel (:mod:`.torch_flash`) replaces the block loop with
-PyTorch's own flash-attention op over all segments at once; strategies select it by passing
-``kernel=`` to the functions below, and only what that op cannot compute comes back here.
+PyTorch's own flash-attention op over all segments at once; ``cudnn``
+(:mod:`.cudnn_attention`, PyTorch's cuDNN attention ops) and ``fa4``
+(:mod:`.fa4_attention`, flash-attn 4) do the same with their ops. Strategies select one by
+passing ``kernel=`` to the functions below (:func:`op_kernel` resolves it per call), and only
+what the ops cannot compute comes back here.
 """
 
 from __future__ import annotations
@@ -46,11 +49,15 @@ import torch
 
 from longctx_cli.kernel_choice import TILE
 
+from . import cudnn_attention
+from .fa4_attention import fa4_ops
 from .features import AttentionFeatures, Segment, as_features
 from .torch_flash import (
+    FlashOps,
     block_backward,
     block_forward,
     flash_applies,
+    flash_ops,
     pad_head_dim,
     varlen_backward,
     varlen_forward,
@@ -119,6 +126,45 @@ def out_like(q: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None,
     if fill is None:
         return torch.empty(shape, dtype=dtype, device=q.device)
     return torch.full(shape, fill, dtype=dtype, device=q.device)
+
+class OpKernel(NamedTuple):
+    """A fused kernel's four entry points (the signatures of :mod:`.torch_flash`'s)."""
+
+    varlen_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    varlen_backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    block_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    block_backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+OP_KERNELS = ("torch_flash", "cudnn", "fa4")  # kernels whose blocks run on fused ops
+_CUDNN = OpKernel(cudnn_attention.varlen_forward, cudnn_attention.varlen_backward,
+                  cudnn_attention.block_forward, cudnn_attention.block_backward)
+
+
+@functools.lru_cache(maxsize=8)
+def _flash_kernel(ops: FlashOps) -> OpKernel:
+    return OpKernel(functools.partial(varlen_forward, ops=ops),
+                    functools.partial(varlen_backward, ops=ops),
+                    functools.partial(block_forward, ops=ops),
+                    functools.partial(block_backward, ops=ops))
+
+
+def op_kernel(kernel: str, q: torch.Tensor, feats: AttentionFeatures,
+              v: torch.Tensor | None = None) -> OpKernel | None:
+    """The fused ops this call runs on under ``kernel``, or None for the block paths below.
+
+    ``cudnn``: PyTorch's cuDNN ops; a call they cannot take exactly (a window, a softcap)
+    goes to PyTorch's flash op where that applies (``kernel_choice`` refuses such models
+    for ``cudnn``, so this is a guard, not a route). ``fa4``: flash-attn 4's functions behind
+    the flash op's interface. ``torch_flash``: PyTorch's flash op.
+    """
+    if kernel not in OP_KERNELS:
+        return None
+    if kernel == "cudnn" and cudnn_attention.applies(q, feats, v):
+        return _CUDNN
+    ops = fa4_ops() if kernel == "fa4" else flash_ops()
+    return _flash_kernel(ops) if flash_applies(q, feats, v, ops) else None
+
 
 _MAX_ROWS = 512  # query rows per block under a window: bounds the edge mask to 512 x 512
 _TILE = TILE  # query rows and keys per score tile of the matmul path (validate budgets it)
@@ -276,16 +322,17 @@ def pieces_forward(
 
     Rows no piece reaches get ``out = 0`` and ``lse = -inf`` (they merge as "no keys").
     Given ``out`` / ``lse`` (results over other keys), the block is merged into them in place.
-    ``kernel`` ``torch_flash``: the pieces run on PyTorch's flash op where it applies.
+    ``kernel`` ``torch_flash`` / ``cudnn`` / ``fa4``: the pieces run on that kernel's ops
+    where they apply (:func:`op_kernel`).
     """
     feats = as_features(features)
     if out is None or lse is None:
         out = out_like(q, v, torch.float32, 0.0)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
-    calls = _flash_calls(q, v, pieces, feats, kernel)
-    if calls is not None:
+    op, calls = _flash_calls(q, v, pieces, feats, kernel)
+    if op is not None and calls is not None:
         for r0, r1, k0, k1, causal in calls:  # a row may be in two pieces: merge
-            o, lo = block_forward(q[r0:r1], k[k0:k1], v[k0:k1], causal, feats)
+            o, lo = op.block_forward(q[r0:r1], k[k0:k1], v[k0:k1], causal, feats)
             m_o, m_l = _merge_f32(out[r0:r1].transpose(0, 1), lse[:, r0:r1],
                                   o.transpose(0, 1).float(), lo)
             out[r0:r1], lse[:, r0:r1] = m_o.transpose(0, 1), m_l
@@ -318,11 +365,11 @@ def pieces_backward(
     if grads is None:
         grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
     dq, dk, dv = grads
-    calls = _flash_calls(q, v, pieces, feats, kernel)
-    if calls is not None:
+    op, calls = _flash_calls(q, v, pieces, feats, kernel)
+    if op is not None and calls is not None:
         for r0, r1, k0, k1, causal in calls:
-            dq1, dk1, dv1 = block_backward(dout[r0:r1], q[r0:r1], k[k0:k1], v[k0:k1],
-                                           out[r0:r1], lse[:, r0:r1], causal, feats)
+            dq1, dk1, dv1 = op.block_backward(dout[r0:r1], q[r0:r1], k[k0:k1], v[k0:k1],
+                                              out[r0:r1], lse[:, r0:r1], causal, feats)
             dq[r0:r1] += dq1
             dk[k0:k1] += dk1
             dv[k0:k1] += dv1
@@ -335,11 +382,11 @@ def pieces_backward(
 def _flash_calls(
     q: torch.Tensor, v: torch.Tensor, pieces: Sequence[Piece], feats: AttentionFeatures,
     kernel: str,
-) -> list[tuple[int, int, int, int, bool]] | None:
-    """The flash-op calls of these pieces under ``kernel``, or None for the block paths."""
-    if kernel != "torch_flash" or not flash_applies(q, feats, v):
-        return None
-    return piece_flash_calls(pieces, feats.window)
+) -> tuple[OpKernel | None, list[tuple[int, int, int, int, bool]] | None]:
+    """The fused ops and their calls for these pieces under ``kernel``; None for the block
+    paths."""
+    op = op_kernel(kernel, q, feats, v)
+    return (None, None) if op is None else (op, piece_flash_calls(pieces, feats.window))
 
 
 def _bhld(x: torch.Tensor) -> torch.Tensor:
@@ -652,15 +699,15 @@ def doc_causal_forward(
     query row exactly once and name every key the rows may see (sinks join last, so pass
     them only with the whole set).
     Returns ``out [Lq, Hq, Dv]`` and ``lse [Hq, Lq]`` (float32). ``kernel``: ``torch`` (the
-    block paths below) or ``torch_flash`` (PyTorch's flash op, :mod:`.torch_flash`, wherever
-    it applies; the block paths otherwise).
+    block paths below) or one of :data:`OP_KERNELS` (its fused ops wherever they apply, see
+    :func:`op_kernel`; the block paths otherwise).
     """
     feats = as_features(features)
-    if kernel == "torch_flash":
-        if flash_applies(q, feats, v):
-            out, lse = varlen_forward(q, k, v, segments, feats)
-            out, lse = _merge_prefix_blocks(q, k, v, segments, feats, out, lse)
-            return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
+    op = op_kernel(kernel, q, feats, v)
+    if op is not None:
+        out, lse = op.varlen_forward(q, k, v, segments, feats)
+        out, lse = _merge_prefix_blocks(q, k, v, segments, feats, out, lse, op)
+        return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
     whole = _whole_block(segments, q, feats)
     if whole is not None:
         # One causal block covers everything: hand back the kernel's own tensors instead of
@@ -677,9 +724,9 @@ def doc_causal_forward(
 
 def _merge_prefix_blocks(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Sequence[Segment],
-    feats: AttentionFeatures, out: torch.Tensor, lse: torch.Tensor,
+    feats: AttentionFeatures, out: torch.Tensor, lse: torch.Tensor, op: OpKernel,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The flash op's results over each segment's own keys, merged with every branch
+    """The fused op's results over each segment's own keys, merged with every branch
     segment's prefix keys (one block with no mask per branch segment, also on the op)."""
     branches = [seg for seg in segments if seg.has_prefix]
     if not branches:
@@ -690,7 +737,7 @@ def _merge_prefix_blocks(
     out, lse = out.clone(), lse.clone()  # never write into the op's own tensors
     for seg in branches:
         rows, keys = slice(seg.q_start, seg.q_end), slice(seg.p_start, seg.p_end)
-        o, lo = block_forward(q[rows], k[keys], v[keys], False, feats)
+        o, lo = op.block_forward(q[rows], k[keys], v[keys], False, feats)
         merged, lse[:, rows] = _merge_f32(out[rows].transpose(0, 1).float(), lse[:, rows],
                                           o.transpose(0, 1).float(), lo)
         out[rows] = merged.transpose(0, 1).to(out.dtype)
@@ -742,17 +789,17 @@ def doc_causal_backward(
     get a zero gradient; keys read by several segments accumulate. ``kernel`` as in forward.
     """
     feats = as_features(features)
-    if kernel == "torch_flash":
-        if flash_applies(q, feats, v):
-            dq, dk, dv = varlen_backward(dout, q, k, v, out, lse, segments, feats)
-            for seg in (seg for seg in segments if seg.has_prefix):
-                rows, keys = slice(seg.q_start, seg.q_end), slice(seg.p_start, seg.p_end)
-                dq1, dk1, dv1 = block_backward(dout[rows], q[rows], k[keys], v[keys], out[rows],
-                                               lse[:, rows], False, feats)
-                dq[rows] += dq1
-                dk[keys] += dk1
-                dv[keys] += dv1
-            return dq, dk, dv
+    op = op_kernel(kernel, q, feats, v)
+    if op is not None:
+        dq, dk, dv = op.varlen_backward(dout, q, k, v, out, lse, segments, feats)
+        for seg in (seg for seg in segments if seg.has_prefix):
+            rows, keys = slice(seg.q_start, seg.q_end), slice(seg.p_start, seg.p_end)
+            dq1, dk1, dv1 = op.block_backward(dout[rows], q[rows], k[keys], v[keys], out[rows],
+                                              lse[:, rows], False, feats)
+            dq[rows] += dq1
+            dk[keys] += dk1
+            dv[keys] += dv1
+        return dq, dk, dv
     if _whole_block(segments, q, feats) == slice(0, k.shape[0]):
         # Every key is read by the one causal block: its gradients are the whole dk, dv.
         dq1, dk1, dv1 = _cpu_bwd(
@@ -802,7 +849,7 @@ def doc_causal_attention(
     """Differentiable document-causal attention over a full packed row.
 
     q: ``[T, Hq, D]``, k/v: ``[T, Hkv, D]``; documents are ``cu_seqlens[i]:cu_seqlens[i+1]``;
-    ``sinks`` ``[Hq]`` (optional) gets a gradient too; ``kernel``: ``torch`` or ``torch_flash``;
+    ``sinks`` ``[Hq]`` (optional) gets a gradient too; ``kernel``: ``torch`` or an op kernel;
     ``prefixes``: the row's branch documents (`SPMeta.prefixes`).
     """
     feats = as_features(features)
