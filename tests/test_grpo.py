@@ -49,8 +49,33 @@ CASES = {  # name -> (TRL GRPOConfig keys, rollout-time log-probs given, prompt 
              True, True),
     "gspo-dapo": ({"loss_type": "dapo", "importance_sampling_level": "sequence"}, True, True),
     "grpo-delta": ({"loss_type": "grpo", "delta": 1.1}, True, True),
+    "grpo-kl-biased": ({"loss_type": "grpo", "beta": 0.1, "use_bias_correction_kl": False},
+                       True, True),
+    "gspo-kl-biased": ({"loss_type": "grpo", "importance_sampling_level": "sequence",
+                        "beta": 0.1, "use_bias_correction_kl": False}, True, True),
+    "cispo-seq": ({"loss_type": "cispo", "importance_sampling_level": "sequence",
+                   "epsilon_high": 1.1}, True, True),
+    "sapo-seq": ({"loss_type": "sapo", "importance_sampling_level": "sequence"}, True, True),
+    "bnpo-seq": ({"loss_type": "bnpo", "importance_sampling_level": "sequence", "beta": 0.05},
+                 True, True),
+    "dr_grpo-seq": ({"loss_type": "dr_grpo", "importance_sampling_level": "sequence"},
+                    True, True),
+    "vespo": ({"loss_type": "vespo", "beta": 0.1}, True, True),
+    "vespo-seq": ({"loss_type": "vespo", "importance_sampling_level": "sequence",
+                   "vespo_k_neg": 2.5, "vespo_lambda_pos": 2.0, "beta": 0.1}, True, True),
+    "top-entropy": ({"loss_type": "dapo", "top_entropy_quantile": 0.25, "beta": 0.1},
+                    True, True),
+    "gspo-top-entropy": ({"loss_type": "grpo", "importance_sampling_level": "sequence",
+                          "top_entropy_quantile": 0.75}, True, True),
+    "entropy-bonus": ({"loss_type": "grpo", "entropy_coef": 0.3, "top_entropy_quantile": 0.15},
+                      True, True),
+    "dapo-entropy-bonus": ({"loss_type": "dapo", "entropy_coef": 0.2}, False, True),
+    "dapo-plain": ({"loss_type": "dapo"}, True, True),
+    "off-policy-mask": ({"loss_type": "dapo", "off_policy_mask_threshold": 0.02}, True, True),
 }
 PER_LAYOUT = ("dapo", "gspo", "grpo-unshared")  # on every layout (all at sp 1 and slow)
+# The entropy-quantile threshold spans the SP group's tokens: on one SP layout too.
+AT_LAYOUT = {"ulysses": ("gspo-top-entropy", "entropy-bonus")}
 LAYOUTS = {  # name -> (world, layout keywords)
     "sp1": (1, {"sp": 1}),
     "ring-zigzag": (2, {"sp": 2, "layout": "zigzag"}),
@@ -152,15 +177,13 @@ def trl_loss(keys: dict, with_old: bool, data: dict, old: list, ref: list) -> di
 
 
 def objective_of(keys: dict):
+    """longctx's loss settings from the same TRL keys, through the run's own mapping."""
+    from longctx_cli.config.schema import TrlConfig
     from longctx_cli.train.grpo import GrpoLoss
 
-    epsilon = keys.get("epsilon", 0.2)
     longest = max(max(lengths) for lengths in COMPLETION_LENGTHS)
-    return GrpoLoss(loss_type=keys["loss_type"], beta=keys.get("beta", 0.0),
-                    epsilon_low=epsilon, epsilon_high=keys.get("epsilon_high", epsilon),
-                    delta=keys.get("delta"),
-                    importance_sampling_level=keys.get("importance_sampling_level", "token"),
-                    temperature=TEMPERATURE, max_completion_length=longest + 3)
+    return GrpoLoss.from_trl(TrlConfig(reward_funcs=["rewards.none"], temperature=TEMPERATURE,
+                                       max_completion_length=longest + 3, **keys))
 
 
 def longctx_worker(rank: int, world: int, layout: dict, cases: dict, data: dict, old: list,
@@ -202,7 +225,8 @@ def longctx_worker(rank: int, world: int, layout: dict, cases: dict, data: dict,
             apply_tensor_parallel(decoder_of(base), base.get_output_embeddings(), state,
                                   base.config)
         decoder, head = decoder_and_head(model)
-        chunk = 16 if name in ("dapo", "gspo") else None  # scored a block at a time
+        # scored a block at a time (the entropy bonus's gradient through the recomputation)
+        chunk = 16 if name in ("dapo", "gspo", "entropy-bonus") else None
         result = grpo_loss(head, sp_hidden_states(decoder, batch), rollout, objective_of(keys),
                            state, chunk)
         (result.loss / state.layout.dp).backward()
@@ -237,7 +261,11 @@ def references(inputs) -> dict:
 def test_matches_trl(layout, inputs, references):
     world, kwargs = LAYOUTS[layout]
     every = layout == "sp1" or layout in SLOW_LAYOUTS
-    cases = {k: v for k, v in CASES.items() if every or k in PER_LAYOUT}
+    cases = {k: v for k, v in CASES.items()
+             if every or k in PER_LAYOUT or k in AT_LAYOUT.get(layout, ())}
+    if layout.startswith("tp"):  # the vocab-parallel head computes no entropy (refused)
+        cases = {k: v for k, v in cases.items() if not ({"top_entropy_quantile",
+                                                         "entropy_coef"} & set(v[0]))}
     (got, *_) = run_distributed(longctx_worker, world, kwargs, cases, inputs["data"],
                                 inputs["old"], inputs["ref"], timeout_s=300)
     assert set(got) == set(cases)
@@ -262,6 +290,37 @@ def test_cases_clip_and_differ(references):
     assert references["grpo"]["metrics"]["clip_ratio/region_mean"] > 0.05
     assert references["grpo-kl"]["metrics"]["kl"] > 0.01
     assert references["grpo"]["loss"] != pytest.approx(references["grpo-kl"]["loss"])
+    # Each new key changes TRL's loss on these inputs (a loss that ignored it would differ).
+    for case, plain in (("grpo-kl-biased", "grpo-kl"), ("gspo-kl-biased", "gspo"),
+                        ("top-entropy", "dapo"), ("off-policy-mask", "dapo-plain"),
+                        ("gspo-top-entropy", "gspo"), ("vespo-seq", "vespo")):
+        assert references[case]["loss"] != pytest.approx(references[plain]["loss"], rel=1e-3), (
+            case)
+    assert references["vespo"]["metrics"]["vespo/phi_seq_mean"] != pytest.approx(1.0, abs=1e-3)
+
+
+def test_entropy_quantiles_are_decisive(inputs):
+    """The tiny model's entropies lie within 2e-3 of each other, so a quantile whose threshold
+    fell within float noise (~1e-6) of a token's entropy would let rounding pick the mask:
+    each case's threshold keeps a clear margin from every scored token's entropy."""
+    data = inputs["data"]
+    model = policy_model()
+    entropies = []
+    with torch.no_grad():
+        for i, completion in enumerate(data["completions"]):
+            if i in MASKED:
+                continue
+            prompt = data["prompts"][i // G]
+            logits = model(torch.tensor([prompt + completion])).logits[0] / TEMPERATURE
+            logps = torch.log_softmax(logits[len(prompt) - 1:-1], -1)
+            entropies.append(-(logps.exp() * logps).sum(-1))
+    values = torch.cat(entropies)
+    quantiles = {keys["top_entropy_quantile"] for keys, _, _ in CASES.values()
+                 if "top_entropy_quantile" in keys}
+    assert quantiles
+    for q in quantiles:
+        margin = (values - torch.quantile(values, 1 - q)).abs().min()
+        assert margin > 2e-5, (q, float(margin))
 
 
 # ---- a real pretrained model: SmolLM2-135M-Instruct (tests/real_model.py) ---------------

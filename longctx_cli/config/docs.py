@@ -196,6 +196,7 @@ def render_axolotl() -> str:
     out = [AXOLOTL_HEADER, "## Keys", "", "| Axolotl key | status | longctx | note |",
            "|---|---|---|---|"]
     out += [f"| `{k}` | {s} | {t} | {n} |" for k, s, t, n in sorted(rows)]
+    out += ["", *grpo_keys_section()]
     out += ["", "## Renames suggested for unknown keys", "", "| written | did you mean |",
             "|---|---|"]
     out += [f"| `{k}` | `{v}` |" for k, v in sorted(RENAMES.items())]
@@ -203,6 +204,36 @@ def render_axolotl() -> str:
     if survey:
         out += ["", "## Axolotl's own examples", "", survey]
     return "\n".join(out) + "\n"
+
+
+GRPO_HEADER = """\
+## GRPO: the `trl:` section
+
+`rl: grpo` reads TRL's `GRPOConfig` keys under `trl:` (TRL 1.16; see [rl.md](rl.md)). Every
+field TRL 1.16's `GRPOConfig` adds to `TrainingArguments` has a row here
+(tests/test_grpo_keys.py checks it), with what longctx does with it:
+
+- **honoured**: computed as TRL computes it (the loss against TRL's own `_compute_loss` in
+  tests/test_grpo.py); the default is TRL's;
+- **ignored**: accepted and listed in the plan; it changes nothing longctx computes (why);
+- **refused**: an error naming the key, the value and the fix, unless it is at TRL's default
+  (off, null, empty; `router_aux_loss_coef` also 0.0).
+"""
+
+
+def grpo_keys_section() -> list[str]:
+    """docs/axolotl.md's table of the `trl:` keys: honoured, ignored or refused, and why."""
+    from longctx_cli.config.schema import TRL_IGNORED, TRL_REFUSED, TrlConfig
+
+    rows = [(name, "honoured", default_text(info), info.description or "")
+            for name, info in TrlConfig.model_fields.items()]
+    rows += [(key, "ignored", "-", why) for key, why in TRL_IGNORED.items()]
+    rows += [(key, "refused", "-", why) for key, why in TRL_REFUSED.items()]
+    out = [GRPO_HEADER, "| `trl:` key | longctx | default | what longctx does |",
+           "|---|---|---|---|"]
+    out += [f"| `{k}` | {s} | {d} | {n.replace('|', chr(92) + '|')} |"
+            for k, s, d, n in sorted(rows)]
+    return out
 
 
 def examples_survey() -> str | None:

@@ -89,7 +89,7 @@ def is_preference_type(type_: str) -> bool:
 
 
 RlMethod = Literal["dpo", "ipo", "simpo", "orpo", "grpo"]
-GrpoLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"]
+GrpoLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 _RL_NOT_YET = {
     "kto": "KTO (unpaired answers) is not supported yet",
 }
@@ -347,14 +347,35 @@ Scheduler = Literal[
 
 _VLLM = ("longctx samples the rollouts itself, the prompt prefilled across the SP group; "
          "vLLM is not used")
+_ADAPTIVE = "read only by `use_adaptive_entropy`, which is refused"
+_TR_DPO = "read only by `sync_ref_model`, which is refused"
 # `trl:` keys accepted and listed in the plan because they change nothing longctx computes.
+# Every field of TRL's GRPOConfig is a TrlConfig field, here or in TRL_REFUSED
+# (tests/test_grpo_keys.py); docs/axolotl.md has a row for each.
 TRL_IGNORED: dict[str, str] = {
     "log_completions": "sample completions with their rewards are always written to "
     "output_dir/completions.jsonl at logging steps",
+    "log_unique_prompts": "completions.jsonl holds every completion with its prompt",
+    "log_multimodal": "prompts are text; nothing multimodal to log",
     "wandb_log_unique_prompts": "completions are logged to output_dir/completions.jsonl",
     "use_liger_loss": "longctx scores each rank's tokens through the head in blocks itself",
-    "cast_lm_head_to_fp32": "longctx's head computes its log-probabilities in float32",
-    "shuffle_dataset": "prompts are shuffled each epoch from `seed` (curriculum_sampling: not)",
+    "pad_to_multiple_of": "padding only shapes TRL's tensors (the padded tokens are masked); "
+    "longctx packs each group in one row and pads it for the SP split itself",
+    "cache_implementation": "longctx's rollout decoder keeps its own KV cache (sharded prompt, "
+    "per-completion tail); the choice of cache changes no sampled token",
+    "use_transformers_continuous_batching": "an engine choice for transformers' generate; "
+    "longctx samples with its own SP decoder (the same model and sampling)",
+    "transformers_continuous_batching_config": "read only by "
+    "use_transformers_continuous_batching (see it)",
+    "use_transformers_paged": "TRL's deprecated name of use_transformers_continuous_batching "
+    "(see it)",
+    "max_tool_calling_iterations": "read only with tools, which are refused",
+    "entropy_coef_min": _ADAPTIVE,
+    "entropy_coef_max": _ADAPTIVE,
+    "entropy_coef_delta": _ADAPTIVE,
+    "entropy_target": _ADAPTIVE,
+    "ref_model_mixup_alpha": _TR_DPO,
+    "ref_model_sync_steps": _TR_DPO,
     **{k: _VLLM for k in ("vllm_mode", "vllm_server_host", "vllm_server_port",
                           "vllm_server_timeout", "vllm_server_base_url", "vllm_group_port",
                           "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
@@ -365,29 +386,42 @@ TRL_IGNORED: dict[str, str] = {
                           "vllm_importance_sampling_clip_max",
                           "vllm_guided_decoding_regex", "vllm_structured_outputs_regex")},
 }
-# `trl:` keys that would change what is computed, refused unless off.
+# `trl:` keys that would change what is computed, refused unless at TRL's default (or off).
 TRL_REFUSED: dict[str, str] = {
     "use_vllm": "rollouts are sampled by longctx under SP (the prompt prefilled across the SP "
     "group, so a prompt longer than one device holds can be rolled out); serving them from "
     "vLLM is not implemented. Drop `use_vllm` (and the `vllm:` section)",
     "rollout_func": "custom rollout functions are not supported; longctx samples completions "
-    "itself",
-    "sync_ref_model": "TR-DPO-style reference updates are not supported",
-    "ref_model_mixup_alpha": "TR-DPO-style reference updates are not supported",
-    "ref_model_sync_steps": "TR-DPO-style reference updates are not supported",
-    "entropy_coef": "the entropy bonus is not supported",
-    "use_adaptive_entropy": "the entropy bonus is not supported",
-    "off_policy_mask_threshold": "off-policy sequence masking is not supported",
-    "generation_kwargs": "extra generation arguments are not supported; use temperature, "
+    "itself. Drop it",
+    "sync_ref_model": "TR-DPO-style reference updates (mixing the policy into the reference "
+    "every ref_model_sync_steps) are not implemented; the reference stays the initial model. "
+    "Drop it",
+    "use_adaptive_entropy": "the adaptive coefficient is state carried from one optimizer "
+    "step to the next (and through checkpoints), which longctx's GRPO step does not keep yet. "
+    "Use a fixed `entropy_coef` instead",
+    "model_init_kwargs": "longctx loads the model from its own keys (base_model, dtype, "
+    "attn_implementation, revision_of_model, ...). Drop it and set those",
+    "trust_remote_code": "the model is loaded by longctx, not TRL. Set the top-level "
+    "`trust_remote_code: true` instead",
+    "router_aux_loss_coef": "longctx trains the GRPO loss without the mixture-of-experts "
+    "load-balancing loss (so at TRL's default, null, a mixture-of-experts model whose config "
+    "has a coefficient trains without it, unlike TRL). Drop it, or set 0.0 (no auxiliary "
+    "loss, what longctx computes)",
+    "log_completions_hub_repo": "longctx does not upload completions; they are written to "
+    "output_dir/completions.jsonl. Drop it and upload that file",
+    "generation_kwargs": "extra generation arguments are not supported. Use temperature, "
     "top_p, top_k, min_p, repetition_penalty",
-    "chat_template_kwargs": "chat template arguments are not supported",
+    "chat_template_kwargs": "chat template arguments are not supported. Drop them and write "
+    "the prompt's chat template into the data",
     "max_prompt_length": "prompts are kept whole; a prompt with no room for "
-    "max_completion_length within sequence_len is dropped and counted",
-    "environment_factory": "environments and tool calls are not supported",
-    "tools": "tool calls are not supported",
-    "reward_processing_classes": "reward models are not supported; give reward functions",
-    "num_generations_eval": "held-out rollouts are not supported yet",
+    "max_completion_length within sequence_len is dropped and counted. Drop it",
+    "environment_factory": "environments and tool calls are not supported. Drop it",
+    "tools": "tool calls are not supported. Drop them",
+    "reward_processing_classes": "reward models are not supported. Give reward functions",
+    "num_generations_eval": "held-out rollouts are not supported yet. Drop it",
 }
+# TRL's values of refused keys that ask for nothing (0.0: no auxiliary loss, as longctx).
+_TRL_OFF: dict[str, tuple[object, ...]] = {"router_aux_loss_coef": (None, 0, 0.0)}
 
 
 class TrlConfig(_Strict):
@@ -423,8 +457,8 @@ class TrlConfig(_Strict):
         "group", description="Divide advantages by the reward std of the group, the batch, or "
         "not at all (true: group, false: none).")
     loss_type: GrpoLossType = Field(
-        "dapo", description="TRL's loss aggregation: grpo, bnpo, dr_grpo, dapo, cispo, sapo, "
-        "luspo.")
+        "dapo", description="TRL's loss: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, "
+        "vespo.")
     importance_sampling_level: Literal["token", "sequence"] = Field(
         "token", description="sequence: one ratio per completion (GSPO).")
     mask_truncated_completions: bool = Field(
@@ -435,6 +469,28 @@ class TrlConfig(_Strict):
         True, description="Multiply the per-token KL by the importance ratio (TRL's default).")
     sapo_temperature_pos: float = Field(1.0, gt=0, description="sapo: positive advantages.")
     sapo_temperature_neg: float = Field(1.05, gt=0, description="sapo: negative advantages.")
+    vespo_k_pos: float = Field(2.0, description="vespo: the power k of the gamma weight "
+                               "w^k e^(-lambda w) for advantages >= 0.")
+    vespo_lambda_pos: float = Field(3.0, description="vespo: the decay lambda for advantages "
+                                    ">= 0.")
+    vespo_k_neg: float = Field(3.0, description="vespo: k for negative advantages.")
+    vespo_lambda_neg: float = Field(2.0, description="vespo: lambda for negative advantages.")
+    top_entropy_quantile: float = Field(
+        1.0, ge=0, le=1, description="Keep in the policy term only the tokens whose entropy is "
+        "in this top fraction of the micro-batch's scored tokens (over every rank; 1: all).")
+    entropy_coef: float = Field(
+        0.0, description="Subtract this times the micro-batch's mean token entropy from the "
+        "loss (an entropy bonus; fixed, see use_adaptive_entropy).")
+    off_policy_mask_threshold: float | None = Field(
+        None, gt=0, description="Drop the policy term of completions with a negative "
+        "advantage whose mean log-ratio of rollout-time to current policy exceeds this "
+        "(DeepSeek-V3.2's off-policy sequence mask).")
+    cast_lm_head_to_fp32: bool = Field(
+        False, description="Keep the head's weights in float32 and compute its logits in "
+        "float32 from float32 hidden states (policy and reference; scoring and sampling).")
+    shuffle_dataset: bool = Field(
+        True, description="false: roll out prompts in the data's order (as "
+        "`curriculum_sampling: true`).")
     generation_batch_size: int | None = Field(
         None, ge=1, description="Completions sampled per generation batch, over every "
         "data-parallel group (TRL: per_device_train_batch_size x processes x "
@@ -469,8 +525,7 @@ class TrlConfig(_Strict):
                     data.pop(key)
                 elif key in TRL_REFUSED:
                     value = data.pop(key)
-                    if value not in (None, False, 0, "", [], {}) or (
-                            key == "max_prompt_length" and value):
+                    if value not in _TRL_OFF.get(key, (None, False, "", [], {})):
                         raise ValueError(f"`trl.{key}: {value}` cannot run: "
                                          f"{TRL_REFUSED[key]}")
         model = handler(data)
@@ -1244,6 +1299,18 @@ class Config(_Strict):
                         "completions per data-parallel group per micro-batch, whole prompt "
                         f"groups); set it to a multiple of {self.micro_batch_size} x the "
                         "data-parallel groups, or give `trl.steps_per_generation` instead")
+        if self.tensor_parallel_size > 1 and (trl.top_entropy_quantile < 1
+                                               or trl.entropy_coef):
+            key = "top_entropy_quantile" if trl.top_entropy_quantile < 1 else "entropy_coef"
+            raise ValueError(
+                f"`trl.{key}: {getattr(trl, key)}` reads each token's entropy, which the "
+                "vocab-parallel head under `tensor_parallel_size` > 1 does not compute; drop "
+                f"`trl.{key}` or use sequence parallelism without TP")
+        if not trl.shuffle_dataset:
+            if "curriculum_sampling" in self.model_fields_set and not self.curriculum_sampling:
+                raise ValueError("`trl.shuffle_dataset: false` and `curriculum_sampling: false` "
+                                 "disagree (shuffle the prompts or not); drop one of them")
+            self.curriculum_sampling = True  # TRL's unshuffled sampler: the data's order
         if trl.max_completion_length >= self.sequence_len:
             raise ValueError(
                 f"`trl.max_completion_length: {trl.max_completion_length}` leaves no room for "

@@ -8,6 +8,10 @@ transform, or they train and score a different model. This module is the one pla
 it; the transform is read from the model config's attributes, never from the family's name.
 A transform not listed here is caught by the fidelity probe (`train/fidelity.py`), which
 compares this head against the model's own forward before training.
+
+`cast_head_to_float32` (TRL's `cast_lm_head_to_fp32`) keeps `lm_head`'s weights in float32
+and marks the module, so that every head built from it (`model_head`: scoring, the reference
+pass, sampling) computes its logits in float32 from float32 hidden states, outside autocast.
 """
 
 from __future__ import annotations
@@ -64,21 +68,54 @@ class LogitTransform:
         return logits
 
 
-class ModelHead(nn.Module):
-    """`lm_head` + the family's logit transform; returns float32 logits `[tokens, vocab]`."""
+# Set on an `lm_head` whose weights `cast_head_to_float32` made float32.
+_FLOAT32_MARK = "_longctx_float32_head"
 
-    def __init__(self, lm_head: nn.Module, transform: LogitTransform):
+
+class ModelHead(nn.Module):
+    """`lm_head` + the family's logit transform; returns float32 logits `[tokens, vocab]`
+    (`float32`: the projection itself in float32, from float32 hidden states)."""
+
+    def __init__(self, lm_head: nn.Module, transform: LogitTransform, float32: bool = False):
         super().__init__()
         self.lm_head = lm_head
         self.transform = transform
+        self.float32 = float32
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.float32:  # autocast would run the matmul in its low precision again
+            with torch.autocast(hidden.device.type, enabled=False):
+                return self.transform.apply(self.lm_head(hidden.float()).float())
         return self.transform.apply(self.lm_head(hidden).float())
 
 
+def is_float32_head(lm_head: nn.Module) -> bool:
+    """Whether `cast_head_to_float32` made this head (or the layer a LoRA wraps) float32."""
+    return bool(getattr(lm_head, _FLOAT32_MARK, False)
+                or getattr(getattr(lm_head, "base_layer", None), _FLOAT32_MARK, False))
+
+
 def model_head(lm_head: nn.Module, model_config: object) -> ModelHead:
-    """The head a run must use for loss and scoring of a model with this config."""
-    return ModelHead(lm_head, LogitTransform.from_config(model_config))
+    """The head a run must use for loss, scoring and sampling of a model with this config."""
+    return ModelHead(lm_head, LogitTransform.from_config(model_config),
+                     float32=is_float32_head(lm_head))
+
+
+def cast_head_to_float32(model: nn.Module) -> None:
+    """TRL's `cast_lm_head_to_fp32` on a transformers causal LM, before TP and FSDP shard it
+    (they keep views of each parameter's storage): `lm_head`'s parameters become float32 and
+    every `model_head` of it computes in float32. With tied embeddings the shared weight is
+    float32 too, and the embedding's output is cast back to the decoder's dtype, as TRL does."""
+    lm_head = model.get_output_embeddings()
+    embedding = model.get_input_embeddings()
+    dtype = lm_head.weight.dtype
+    tied = embedding is not None and embedding.weight is lm_head.weight
+    for param in lm_head.parameters():
+        param.data = param.data.float()
+    setattr(lm_head, _FLOAT32_MARK, True)
+    if tied and dtype != torch.float32:
+        embedding.register_forward_hook(
+            lambda module, args, output: output.to(dtype))
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
