@@ -142,3 +142,63 @@ def test_one_block_of_logits_alive_at_a_time(dtype):
     assert len(seen_alive) >= 3, seen_alive
     # float32 reuses one buffer for every block (it is the only one alive, by design)
     assert max(seen_alive) == (1 if dtype == torch.float32 else 0), seen_alive
+
+
+# ---- the head weight gradient under half precision: half inputs, float32 accumulation -----
+
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_weight_gradient_keeps_its_bound_against_float64(dtype):
+    """The fused bf16/fp16 weight gradient against the float64 gradient of the same rounded
+    logits (the half forward is unchanged; what changed is G rounded to the half dtype and
+    G.T @ H accumulated in float32): elementwise within the bound the docstring states."""
+    linear, hidden, labels = _case(dtype, bias=False, seed=3)
+    loss = LinearCrossEntropy.apply(hidden, linear.weight, None, labels, 64)
+    loss.backward()
+    got = linear.weight.grad.double()
+    h64 = hidden.detach().double()
+    logits = F.linear(hidden.detach(), linear.weight.detach()).double()  # half, as the path
+    valid = labels != -100
+    grad_logits = torch.softmax(logits, 1)
+    grad_logits[torch.arange(len(labels)), labels.clamp(min=0)] -= 1
+    grad_logits[~valid] = 0
+    exact = grad_logits.t() @ h64
+    u, n = UNIT_ROUNDOFF[dtype], int(valid.sum())
+    scale = grad_logits.abs().t() @ h64.abs()
+    tiny = 2.0**-25 * h64.abs().sum(0)[None, :] if dtype == torch.float16 else 0.0
+    bound = u * exact.abs() + (1 + u) * ((u + n * 2.0**-24) * scale + tiny) + 1e-30
+    assert bool(((got - exact).abs() <= bound).all()), float(((got - exact).abs() / bound).max())
+    # and not vacuous: the bound is a small fraction of the gradient itself
+    assert float((bound - 1e-30).norm() / exact.norm()) < 4 * u
+
+
+def test_sliced_tensor_core_path_adds_every_vocabulary_slice():
+    """The CUDA path's slicing (scratch rows fewer than the vocabulary, a ragged last slice)
+    gives the same sum as one float32 matmul of the half values; the product is computed here
+    as the CUDA op defines it, half inputs with a float32 result."""
+    from longctx_cli.train.loss import add_head_weight_grad
+
+    g = torch.Generator().manual_seed(1)
+    grad = torch.randn(37, 500, generator=g).bfloat16()
+    h = torch.randn(37, 48, generator=g).bfloat16()
+    whole = torch.full((500, 48), 0.5)
+    sliced = whole.clone()
+    add_head_weight_grad(whole, grad, h, None)
+    scratch = torch.empty(7, 48)
+    add_head_weight_grad(sliced, grad, h, scratch,
+                         product=lambda a, b, out: torch.mm(a.float(), b.float(), out=out))
+    assert torch.allclose(sliced, whole, rtol=1e-6, atol=1e-6)
+    exact = 0.5 + grad.double().t() @ h.double()
+    assert _close(whole, exact, rtol=1e-6)
+
+
+def test_the_float32_output_matmul_binds_as_the_cuda_path_calls_it():
+    """`aten::mm.dtype_out` exists with this Python signature (it has no CPU kernel: the
+    dispatcher, not the argument parser, refuses it here)."""
+    from longctx_cli.train.loss import half_mm_f32
+
+    a, b = torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(8, 2, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"mm\.dtype_out"):
+        half_mm_f32(a, b, torch.empty(4, 2))

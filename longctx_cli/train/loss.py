@@ -12,6 +12,8 @@ autograd path, whole or, with `chunked_loss`, in checkpointed chunks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,39 @@ from torch.utils.checkpoint import checkpoint
 from longctx_cli.constants import FUSED_LOSS_BLOCK_BYTES, IGNORE_INDEX
 from longctx_cli.runtime.head import ModelHead
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def add_head_weight_grad(
+    grad_weight: torch.Tensor, g: torch.Tensor, h: torch.Tensor, scratch: torch.Tensor | None,
+    product: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object] | None = None,
+) -> None:
+    """``grad_weight += g.T @ h`` for half-precision ``g`` ``[rows, vocab]`` and ``h``
+    ``[rows, hidden]`` into a float32 ``grad_weight``: half inputs, float32 accumulation.
+
+    On CUDA the product runs on the tensor cores with float32 output (:func:`half_mm_f32`), a
+    vocabulary slice at a time into ``scratch`` (memory the caller no longer needs), then is
+    added; elsewhere (or without scratch) the same numbers come from a float32 matmul of the
+    half values (a product of two bf16 or two fp16 numbers is exact in float32).
+    ``product(a, b, out)``: the sliced path's matmul (tests run it on CPU).
+    """
+    if scratch is None or (product is None and not g.is_cuda):
+        grad_weight.addmm_(g.t().float(), h.float())
+        return
+    product = product or half_mm_f32
+    rows = scratch.shape[0]
+    for v0 in range(0, g.shape[1], rows):
+        part = g[:, v0 : v0 + rows]
+        out = scratch[: part.shape[1]]
+        product(part.t(), h, out)
+        grad_weight[v0 : v0 + rows].add_(out)
+
+
+def half_mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of bf16/fp16 matrices into float32 ``out`` (``aten::mm.dtype_out``, CUDA:
+    PyTorch allows float32 output for fp16/bf16 inputs only; cuBLAS accumulates in float32)."""
+    return torch.mm(a, b, out_dtype=torch.float32, out=out)
+
 
 class LinearCrossEntropy(torch.autograd.Function):
     """Sum of CE(hidden @ weight.T + bias, labels) over labels != -100, float32.
@@ -29,6 +64,20 @@ class LinearCrossEntropy(torch.autograd.Function):
     and `bias` (the gradient of a block's CE with respect to its logits is softmax minus the
     one-hot label, made in place in the logits buffer); the backward only scales them by the
     incoming gradient, so they are exact for any loss scale or divisor applied after.
+
+    The weight gradient's matmul. float32 weights: a float32 ``addmm``, bit for bit as
+    always (cuBLAS runs it on TF32 tensor cores only when the user allows TF32, the ``tf32``
+    key: ``torch.backends.cuda.matmul.allow_tf32``). bf16/fp16 weights (half-precision
+    training): the block's logit gradient ``G`` is rounded to the weight's dtype (the copy
+    the hidden gradient already uses) and ``G.T @ H`` runs with half inputs and float32
+    accumulation (:func:`add_head_weight_grad`), on the tensor cores. The bound it keeps,
+    elementwise, against the exact float64 gradient of the same half-precision ``H``:
+    ``|dW - dW_exact| <= (u + n * 2**-24) * (|G|.T @ |H|)`` before the final cast to the
+    weight's dtype (which adds ``u * |dW|``), with ``u`` the unit roundoff of the half type
+    (``2**-8`` bf16, ``2**-11`` fp16, plus ``2**-25`` absolute per fp16 element below its
+    normal range) and ``n`` the tokens summed. The float32 path it replaces kept ``G`` in
+    float32 and still cast the result to the weight's dtype, so the difference is one
+    rounding of ``G``, below the final cast's own error wherever the sum does not cancel.
     """
 
     @staticmethod
@@ -71,13 +120,22 @@ class LinearCrossEntropy(torch.autograd.Function):
             g = grad_logits.to(weight.dtype)
             if need_hidden:
                 torch.mm(g, weight, out=grad_hidden[start : start + block])
-            if need_weight:
-                grad_weight.addmm_(grad_logits.t().to(acc), h.to(acc))
             if need_bias:
                 grad_bias += grad_logits.sum(0).to(acc)
+            scratch = None
+            if need_weight and weight.dtype in HALF_DTYPES and h.dtype == weight.dtype:
+                # grad_logits is spent (g holds its half copy): its float32 memory becomes
+                # the product's scratch, so the tensor-core path adds no buffer.
+                width = h.shape[1]
+                slice_rows = min(weight.shape[0], grad_logits.numel() // width)
+                if slice_rows >= 1:
+                    scratch = grad_logits.view(-1)[: slice_rows * width].view(slice_rows, width)
+                add_head_weight_grad(grad_weight, g, h, scratch)
+            elif need_weight:
+                grad_weight.addmm_(grad_logits.t().to(acc), h.to(acc))
             # Drop this block's logits before the next block makes its own: held over, they
             # doubled the loss's peak (a [block, vocab] float32 and compute-dtype pair each).
-            del logits, exps, grad_logits, g
+            del logits, exps, grad_logits, g, scratch
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         return total
