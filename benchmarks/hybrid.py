@@ -186,11 +186,9 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "parallelism.md"
 MARKERS = ("<!-- hybrid-bench:start -->", "<!-- hybrid-bench:end -->")
 
 
-def write_docs(paths: list[Path]) -> None:
-    """Put the tables of results files between the markers in docs/parallelism.md."""
-    text = DOC.read_text()
-    head, rest = text.split(MARKERS[0])
-    _, tail = rest.split(MARKERS[1])
+def docs_section(paths: list[Path]) -> str:
+    """The text between the markers in docs/parallelism.md, markers included: the tables of
+    results files."""
     parts = []
     for path in paths:
         payload = json.loads(path.read_text())
@@ -200,7 +198,15 @@ def write_docs(paths: list[Path]) -> None:
             f"{payload['results'][0]['tokens']} tokens ({payload['repeats']} repeats per cell, "
             f"`{path.relative_to(DOC.parents[1])}`; {payload['machine']}, {payload['world']} "
             f"ranks of one thread):\n\n{table(payload['results'])}")
-    DOC.write_text(f"{head}{MARKERS[0]}\n" + "\n\n".join(parts) + f"\n{MARKERS[1]}{tail}")
+    return f"{MARKERS[0]}\n" + "\n\n".join(parts) + f"\n{MARKERS[1]}"
+
+
+def write_docs(paths: list[Path]) -> None:
+    """Put the tables of results files between the markers in docs/parallelism.md."""
+    text = DOC.read_text()
+    head, rest = text.split(MARKERS[0])
+    _, tail = rest.split(MARKERS[1])
+    DOC.write_text(head + docs_section(paths) + tail)
 
 
 def main() -> None:

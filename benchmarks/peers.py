@@ -51,8 +51,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.context_extension import save_record  # noqa: E402
-from benchmarks.train_step import peak_bytes  # noqa: E402
+# The runs' helpers import torch and transformers: loaded where a run needs them, so that
+# `--table` (and benchmarks/figures.py) prints the README's table without them.
 
 DEEPSPEED = "0.19.8"
 PEER_VENV = Path.home() / ".cache" / "longctx-bench" / "peers-deepspeed"
@@ -168,6 +168,8 @@ def _children(pid: int) -> list[int]:
 def _peak_kib(pid: int) -> int | None:
     """The process's VmHWM in KiB, or None once it is gone."""
     try:
+        from benchmarks.train_step import peak_bytes
+
         return peak_bytes(pid) // 1024
     except (OSError, RuntimeError):
         return None
@@ -330,34 +332,30 @@ TOOL_NAMES = {"longctx-ring": "longctx, ring", "longctx-ulysses": "longctx, Ulys
               "alst-zero0": "DeepSpeed ALST", "hf": "plain HF, one process"}
 
 
-def side_by_side(row: dict[str, dict], reach: dict, live: dict | None = None) -> str:
-    """The README's table: one `peers.py` row's step time, memory and start-up beside the
-    bytes per token of a `reach.py` record, against ALST as it runs and against ALST with
-    glibc's mmap threshold where longctx fixes it, and with `live`, a `live_activations.py`
-    record's per-token tensors at each tool's peak (what a token costs where it costs most)."""
+def side_by_side(row: dict[str, dict], reach: dict, live: dict | None = None,
+                 tokens: int | None = None) -> str:
+    """The README's table: one `peers.py` row's step time and start-up beside each tool's
+    bytes per token from a `reach.py` record at the same allocator setting (longctx's
+    `host_mmap_threshold_mib: 1`, and ALST's run with glibc's mmap threshold at the same
+    1 MiB), and with `live`, a `live_activations.py` record's per-token tensors at each
+    tool's peak (what a token costs where it costs most). ALST as it comes, at glibc's
+    default threshold, is docs/results.md's: the allocator's effect, not the tools'."""
     per_token = {t: x["bytes_per_token_per_rank"] for t, x in reach["summary"].items()}
     at_peak = {t: x["bytes_per_token_per_rank"] for t, x in (live or {}).get("results",
                                                                              {}).items()}
-    alst, alst_fixed = per_token["alst-zero0"], per_token.get(ALST_AT_LONGCTX_THRESHOLD)
-    lines = ["| on CPU | s/step | peak RSS per rank | command to first step | bytes per token "
-             "per rank | vs ALST | vs ALST at longctx's allocator threshold |"
+    alst = per_token[ALST_AT_LONGCTX_THRESHOLD]
+    where = "on CPU" + (f", {tokens:,} tokens, sp {SP}" if tokens else "")
+    lines = [f"| {where} | s/step, min / median / max | command to first step | bytes per "
+             "token per rank, same allocator (vs ALST) |"
              + (" live per-token tensors at the peak (vs ALST) |" if live else ""),
-             "|---|---|---|---|---|---|---|" + ("---|" if live else "")]
+             "|---|---|---|---|" + ("---|" if live else "")]
     for tool, s in row.items():
         lo, med, hi = s["s_per_step"]
         cells = [TOOL_NAMES[tool], f"{lo:.2f} / {med:.2f} / {hi:.2f}",
-                 f"{s['peak_mib'][0]:,.0f}-{s['peak_mib'][1]:,.0f} MiB",
                  f"{first_step_cell(s['first_step_s'])} s"]
-        mine = per_token.get(tool)
-        if tool == "alst-zero0" and alst_fixed is not None:
-            cells += [f"{alst / 1000:,.1f} KB ({alst_fixed / 1000:,.1f} KB at the threshold)",
-                      "1.00x", "1.00x"]
-        elif mine is None:
-            cells += ["-", "-", "-"]
-        else:
-            same = f"{mine / alst_fixed:.2f}x" if alst_fixed and tool.startswith("longctx") \
-                else "-"
-            cells += [f"{mine / 1000:,.1f} KB", f"{mine / alst:.2f}x", same]
+        mine = alst if tool == "alst-zero0" else (
+            per_token.get(tool) if tool.startswith("longctx") else None)
+        cells.append("-" if mine is None else f"{mine / 1000:,.1f} KB ({mine / alst:.2f}x)")
         if live:
             peak = at_peak.get(tool)
             cells.append("-" if peak is None else
@@ -400,7 +398,9 @@ def main() -> None:
         if args.reach:
             reach = json.loads(args.reach.read_text())
             live = json.loads(args.live.read_text()) if args.live else None
-            print(side_by_side(next(iter(results.values())), reach, live))
+            name, row = next(iter(results.items()))
+            tokens = json.loads(args.table.read_text()).get("tokens", {}).get(name)
+            print(side_by_side(row, reach, live, tokens))
         else:
             print(table(results))
         return
@@ -432,6 +432,8 @@ def main() -> None:
         raw[name] = runs
         check_losses(name, results[name])
     print(table(results))
+    from benchmarks.context_extension import save_record
+
     save_record(args.stem, {
         "command": " ".join(["python", "benchmarks/peers.py", *sys.argv[1:]]),
         "sp": SP, "threads_per_rank": 1, "steps": args.steps, "warmup": args.warmup,

@@ -52,9 +52,11 @@ def quickstart_command(readme: Path = README) -> str:
     """The first command of the README's Quickstart code block: its first line and the lines
     it continues onto (`\\` at a line's end), as one line."""
     text = readme.read_text()
-    block = re.search(r"## Quickstart\s+```bash\n(.*?)```", text, re.S)
+    block = re.search(r"^## Quickstart\n(?:(?!^## ).)*?```bash\n(pip install.*?)```", text,
+                      re.S | re.M)
     if block is None:
-        raise SystemExit(f"{readme}: no ```bash block under '## Quickstart'")
+        raise SystemExit(f"{readme}: no ```bash block starting `pip install` under "
+                         "'## Quickstart'")
     first = re.match(r"(?:[^\n]*\\\n)*[^\n]*", block.group(1)).group(0)
     return " ".join(first.replace("\\\n", " ").split())
 
@@ -124,50 +126,34 @@ def run_quickstart(workdir: Path) -> dict[str, Any]:
 
 
 def readme_line(data: dict[str, Any]) -> str:
+    """The README's table of the first Quickstart command's runs (between the markers)."""
     runs = data["runs"]
     totals = [r["total_s"] for r in runs]
     installs = sorted(round(r["parts"][0]["seconds"]) for r in runs)
     install = (f"{installs[0]} s" if installs[0] == installs[-1]
                else f"{installs[0]}-{installs[-1]} s")
     span = (f"{min(totals) / 60:.1f} min" if len(runs) == 1
-            else f"{min(totals) / 60:.1f} to {max(totals) / 60:.1f} min over {len(runs)} runs")
+            else f"{min(totals) / 60:.1f} to {max(totals) / 60:.1f} min")
+    rows = [
+        f"| the first command, in all | {span} |",
+        f"| of which the install (pip's cache and the machine's wheel mirror) | {install} |",
+        f"| retrieval at the trained lengths (seed {runs[0]['seed']}, the config's) | "
+        + ", ".join(f"{100 * r['trained_accuracy']:.1f}%" for r in runs) + " |",
+    ]
+    keys = [p["printed_key"] for r in runs for p in r["parts"] if "printed_key" in p]
+    if keys:
+        rows.append(f"| `longctx generate` printed the key `{PROMPT_KEY}` | {sum(keys)} of "
+                    f"{len(keys)} runs |")
     return "\n".join([
         START,
-        f"Quickstart command one, timed by `python benchmarks/quickstart.py` in a fresh clone "
-        f"and a fresh virtualenv on a {cpu_words(data['machine'])} on {data['date']} "
-        f"(`{data['json']}`): **{span}** in all, of which the install "
-        f"{install} (packages from pip's cache and the "
-        "machine's wheel mirror; a first download of torch adds its own time). Retrieval at "
-        f"the trained lengths in {'that run' if len(runs) == 1 else 'those runs'} (seed "
-        f"{runs[0]['seed']}, the config's): "
-        + ", ".join(f"{100 * r['trained_accuracy']:.1f}%" for r in runs) + ". "
-        + _generate_sentence(runs)
-        + _cli_sentence([r["cli"] for r in runs if "cli" in r]),
+        f"| from a fresh clone and virtualenv | {len(runs)} run{'s' * (len(runs) > 1)} |",
+        "|---|---|",
+        *rows,
+        "",
+        f"Timed by `python benchmarks/quickstart.py` on a {cpu_words(data['machine'])}, "
+        f"{data['date']} (`{data['json']}`).",
         END,
     ])
-
-
-def _generate_sentence(runs: list[dict[str, Any]]) -> str:
-    keys = [p["printed_key"] for r in runs for p in r["parts"] if "printed_key" in p]
-    if not keys:
-        return ""
-    return (f"`longctx generate` printed the prompt's key `{PROMPT_KEY}` in {sum(keys)} of "
-            f"{len(keys)} runs. ")
-
-
-def _cli_sentence(timings: list[dict[str, float]]) -> str:
-    """How soon `--help` and `validate` answered, as a range over the runs that timed them."""
-    if not timings:
-        return ""
-
-    def span(key: str, digits: int) -> str:
-        low, high = (f"{v:.{digits}f}" for v in (min(t[key] for t in timings),
-                                                  max(t[key] for t in timings)))
-        return f"{low} s" if low == high else f"{low}-{high} s"
-
-    return (f"There `longctx --help` took {span('help_s', 2)} and `longctx validate` printed "
-            f"the plan after {span('validate_first_output_s', 2)} (done in "
-            f"{span('validate_s', 1)} with the fidelity probe).")
 
 
 def main() -> None:

@@ -37,14 +37,49 @@ def example_files() -> list[str]:
     return [name for name in listed if name and (ROOT / name).is_file()]
 
 
-@pytest.fixture(scope="module")
-def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("fresh-clone")
+def _copy_examples(root: Path) -> Path:
     for name in example_files():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, root / name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def bare_clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """examples/ as a fresh clone has it, before anything ran."""
+    return _copy_examples(tmp_path_factory.mktemp("bare-clone"))
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = _copy_examples(tmp_path_factory.mktemp("fresh-clone"))
     write_quickstart_model(root)  # after the Quickstart: tiny_grpo.yaml starts from its model
     return root
+
+
+def needs_a_run_first(example: str) -> bool:
+    """An example that starts from a model an earlier run writes (`base_model: outputs/...`)."""
+    base = yaml.safe_load((ROOT / "examples" / example).read_text()).get("base_model")
+    return str(base or "").startswith("outputs/")
+
+
+@pytest.mark.parametrize("example", [e for e in EXAMPLES if needs_a_run_first(e)])
+def test_an_example_that_needs_a_run_first_says_so(
+        example: str, bare_clone: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a clone where nothing has run yet, an example that starts from an earlier run's
+    model (every other example validates there: the test above gives only this kind what
+    it starts from): its first line says which run comes before it, `validate` exits 2
+    naming what is missing, and the README says the same of it."""
+    monkeypatch.chdir(bare_clone)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("COLUMNS", "200")
+    result = CliRunner().invoke(app, ["validate", f"examples/{example}"])
+    first = (ROOT / "examples" / example).read_text().splitlines()[0]
+    assert first.startswith("# Run after"), f"{example}'s first line: {first}"
+    assert result.exit_code == 2, result.output
+    assert "no such folder" in result.output, result.output
+    readme = (ROOT / "README.md").read_text()
+    assert f"except `{example}`" in readme, f"the README should name {example}"
 
 
 def validate_commands(example: str) -> list[list[str]]:

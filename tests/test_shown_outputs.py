@@ -4,9 +4,11 @@ line formats and the example's plan)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tests.shown_outputs import PAGES, blocks, check, check_log, normalise
+from tests.shown_outputs import PAGES, ROOT, blocks, check, check_log, normalise
 
 
 def test_every_shown_output_is_current():
@@ -17,7 +19,22 @@ def test_every_shown_output_is_current():
 
 def test_the_pages_show_outputs_of_both_kinds():
     kinds = {(page.name, block.kind) for page in PAGES for block in blocks(page)}
-    assert ("README.md", "log") in kinds and ("cli.md", "output") in kinds
+    assert ("training.md", "log") in kinds and ("cli.md", "output") in kinds
+
+
+def test_every_shown_log_line_is_from_one_recorded_run():
+    """The log excerpts of a config, on every page, are lines of one run: the newest
+    `benchmarks/results/train-<config>-<date>.log`, a whole run's output as it printed."""
+    shown = [(page, b) for page in PAGES for b in blocks(page) if b.kind == "log"]
+    assert shown
+    for page, block in shown:
+        config = Path(block.command.split()[2]).stem
+        logs = sorted((ROOT / "benchmarks" / "results").glob(f"train-{config}-*.log"))
+        assert logs, f"no recorded run of {config} under benchmarks/results/"
+        printed = set(logs[-1].read_text().splitlines())
+        stray = [line for line in block.body.splitlines()
+                 if line.strip() not in ("", "...") and line not in printed]
+        assert not stray, f"{page.name}: not lines of {logs[-1].name}: {stray}"
 
 
 @pytest.mark.parametrize("line", [
