@@ -90,14 +90,15 @@ LAYOUTS = {  # name -> (world, layout keywords)
 SLOW_LAYOUTS = ("ring-sp4", "tp2-x-sp2")
 
 
-def rollouts() -> dict:
+def rollouts(lengths_per_prompt: list[list[int]] = COMPLETION_LENGTHS, seed: int = 11) -> dict:
     """Prompts, completions (the last of some ending in EOS), their rollout-time and
     reference log-probability offsets, drawn from a fixed seed."""
-    g = torch.Generator().manual_seed(11)
+    g = torch.Generator().manual_seed(seed)
     eos = tokenizer().eos_token_id
-    prompts = [torch.randint(3, 250, (PROMPT_LEN,), generator=g).tolist() for _ in range(2)]
+    prompts = [torch.randint(3, 250, (PROMPT_LEN,), generator=g).tolist()
+               for _ in lengths_per_prompt]
     completions = []
-    for lengths in COMPLETION_LENGTHS:
+    for lengths in lengths_per_prompt:
         for n in lengths:
             ids = torch.randint(3, 250, (n,), generator=g).tolist()
             completions.append(ids[:-1] + [eos] if n % 2 else ids)
@@ -321,6 +322,212 @@ def test_entropy_quantiles_are_decisive(inputs):
     for q in quantiles:
         margin = (values - torch.quantile(values, 1 - q)).abs().min()
         assert margin > 2e-5, (q, float(margin))
+
+
+# ---- several micro-batches per step, several data-parallel processes ---------------------
+
+# One prompt group per micro-batch; micro-batch k of the generation batch is process
+# k % DP's (k // DP)-th. A generation batch of STEPS_PER_GENERATION micro-steps spans two
+# optimizer steps in the "-spg" cases (only the first step is computed; the normaliser
+# counts the whole generation batch's tokens, as TRL's `num_items_in_batch` does).
+DP, ACCUMULATION = 2, 2
+STEP_LENGTHS = [[4, 7, 2], [6, 3, 9], [5, 8, 2], [3, 6, 7], [9, 2, 5], [7, 4, 6], [2, 8, 3],
+                [6, 5, 4]]
+STEP_ADVANTAGES = [[0.7, -1.2, 0.5], [-0.3, 1.1, -0.8], [1.4, -0.6, -0.8], [0.2, 0.9, -1.1],
+                   [-1.3, 0.4, 0.9], [0.6, -0.2, -0.4], [1.0, -1.0, 0.0], [-0.5, 0.8, -0.3]]
+STEP_CASES = {  # name -> (TRL keys, steps_per_generation)
+    **{t: ({"loss_type": t, "beta": 0.05}, ACCUMULATION)
+       for t in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo")},
+    "luspo": ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, ACCUMULATION),
+    "gspo": ({"loss_type": "grpo", "importance_sampling_level": "sequence"}, ACCUMULATION),
+    "entropy-bonus": ({"loss_type": "grpo", "entropy_coef": 0.2}, ACCUMULATION),
+    "dapo-spg": ({"loss_type": "dapo", "beta": 0.05}, 2 * ACCUMULATION),
+    "cispo-spg": ({"loss_type": "cispo", "epsilon_high": 1.1}, 2 * ACCUMULATION),
+}
+
+
+def micro_batch(data: dict, k: int, values: list | None = None) -> list:
+    """Micro-batch k's completions (or their per-token `values`)."""
+    return (values or data["completions"])[k * G:(k + 1) * G]
+
+
+def trl_step(keys: dict, spg: int, data: dict, old: list, ref: list) -> dict:
+    """TRL's loss and gradients for one optimizer step: `_compute_loss` on each process's
+    micro-batches with the step's accumulation, each loss backpropagated as its training
+    step does (summed over the accumulation), the gradients then averaged over the processes
+    (one TRL model stands in for the DP processes: `num_items_in_batch` per process is the
+    generation batch's tokens over the processes, as TRL's normaliser divides them)."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    def no_reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    longest = max(max(lengths) for lengths in STEP_LENGTHS)
+    args = GRPOConfig(output_dir="/tmp/longctx-trl-grpo-step", report_to=[], use_cpu=True,
+                      bf16=False, per_device_train_batch_size=G, num_generations=G,
+                      gradient_accumulation_steps=ACCUMULATION, steps_per_generation=spg,
+                      max_completion_length=longest + 3, temperature=TEMPERATURE,
+                      **{"beta": 0.0, **keys})
+    trainer = GRPOTrainer(model=base_model(), reward_funcs=no_reward, args=args,
+                          train_dataset=Dataset.from_list([{"prompt": "x"}] * G),
+                          processing_class=tokenizer(), peft_config=lora_config())
+    model = trainer.model
+    trained_adapter(model)
+    model.train()
+    trainer.current_gradient_accumulation_steps = ACCUMULATION
+    generation_tokens = sum(sum(lengths) for lengths in STEP_LENGTHS[:DP * spg])
+    total = 0.0
+    for k in range(DP * ACCUMULATION):  # this step's micro-batches, every process's
+        completions = micro_batch(data, k)
+        width = max(map(len, completions))
+
+        def padded(rows, value, dtype, width=width):
+            return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
+
+        inputs = {
+            "prompt_ids": torch.tensor([data["prompts"][k]] * G),
+            "prompt_mask": torch.ones(G, PROMPT_LEN, dtype=torch.long),
+            "completion_ids": padded(completions, 0, torch.long),
+            "completion_mask": padded([[1] * len(c) for c in completions], 0, torch.long),
+            "advantages": torch.tensor(STEP_ADVANTAGES[k]),
+            "num_items_in_batch": torch.tensor(generation_tokens / DP),
+            "old_per_token_logps": padded(micro_batch(data, k, old), 0.0, torch.float32),
+        }
+        if args.beta:
+            inputs["ref_per_token_logps"] = padded(micro_batch(data, k, ref), 0.0, torch.float32)
+        loss = trainer._compute_loss(model, inputs)
+        loss.backward()
+        total += loss.item()
+    grads = {n: g / DP for n, g in adapter_grads(model).items()}
+    return {"loss": total / DP, "grads": grads}
+
+
+def step_worker(rank: int, world: int, cases: dict, data: dict, old: list, ref: list) -> dict:
+    """One optimizer step at dp 2 (sp 1) as rollout.py's `GrpoSteps.step` runs it: each
+    rank's micro-batches through `grpo_loss` with the step's micro-batch count and tokens,
+    each loss backpropagated, the gradients summed over the ranks."""
+    import torch.distributed as dist
+
+    from longctx_cli.parallel import register_sp_attention, shard_batch
+    from longctx_cli.runtime.model import decoder_and_head, sp_hidden_states
+    from longctx_cli.train.grpo import RolloutBatch, grpo_loss, step_tokens_of
+    from longctx_cli.train.rollout_rows import group_row, local_tokens, token_values
+
+    state = sp_state(kernel="torch", sp=1)
+    assert state.layout.dp == DP
+    model = policy_model(register_sp_attention())
+    decoder, head = decoder_and_head(model)
+    out = {}
+    for name, (keys, spg) in cases.items():
+        model.zero_grad(set_to_none=True)
+        generation_tokens = sum(sum(lengths) for lengths in STEP_LENGTHS[:DP * spg])
+        loss = 0.0
+        for m in range(ACCUMULATION):
+            k = m * DP + state.dp_rank
+            completions = micro_batch(data, k)
+            ids, positions, labels, scored = group_row(
+                [(data["prompts"][k], completions, [True] * G)], True)
+            batch = shard_batch(ids, positions, labels, state)
+            docs = len(batch.sp_meta.cu_host) - 1
+
+            def local(values, labels=labels, total=batch.sp_meta.total_len):
+                return local_tokens(token_values(values, labels, total), state)
+
+            rollout = RolloutBatch(
+                batch, torch.tensor(STEP_ADVANTAGES[k] + [0.0] * (docs - G)),
+                torch.tensor(scored + [0] * (docs - G), dtype=torch.float32), G,
+                old_logps=local(micro_batch(data, k, old)),
+                ref_logps=local(micro_batch(data, k, ref)) if keys.get("beta") else None)
+            result = grpo_loss(head, sp_hidden_states(decoder, batch), rollout,
+                               objective_of(keys), state, None, DP * ACCUMULATION,
+                               step_tokens_of(generation_tokens, ACCUMULATION, spg))
+            result.loss.backward()
+            loss += result.loss.item()
+        grads = adapter_grads(model)
+        for g in grads.values():
+            dist.all_reduce(g)
+        total = torch.tensor([loss])
+        dist.all_reduce(total)
+        out[name] = {"loss": float(total), "grads": {n: g.numpy() for n, g in grads.items()}}
+    return out if rank == 0 else {}
+
+
+def test_accumulation_and_data_parallel_match_trl():
+    """Every loss type's normalisation over 2 micro-batches per step on each of 2 DP ranks
+    (and a generation batch spanning 2 optimizer steps): the step's loss and gradients equal
+    TRL's accumulated, process-averaged ones."""
+    data = rollouts(STEP_LENGTHS, seed=5)
+    old, ref = side_logps(data)
+    (got, _) = run_distributed(step_worker, DP, STEP_CASES, data, old, ref, timeout_s=300)
+    for name, (keys, spg) in STEP_CASES.items():
+        want = trl_step(keys, spg, data, old, ref)
+        mine = got[name]
+        assert abs(mine["loss"] - want["loss"]) < TOL * max(1.0, abs(want["loss"])), (
+            name, mine["loss"], want["loss"])
+        assert abs(want["loss"]) > 1e-4, name  # the ratios and advantages move the loss
+        error = grad_error(mine["grads"], want["grads"])
+        assert error < GRAD_TOL, (name, error)
+
+
+# ---- cast_lm_head_to_fp32 ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_float32_head_matches_trl_cast(tied):
+    """A bfloat16 model with `cast_head_to_float32` (TRL's `cast_lm_head_to_fp32`): the head's
+    weights become float32 (tied: the embedding's output stays bfloat16), and the log-
+    probabilities and entropies it scores from the model's bfloat16 hidden states equal those
+    of TRL's own cast head, which the bfloat16 head misses by far more."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from longctx_cli.parallel.mesh import ParallelState
+    from longctx_cli.runtime.head import cast_head_to_float32
+    from longctx_cli.runtime.model import decoder_and_head
+    from longctx_cli.train.grpo import score_tokens
+
+    def bf16_model():
+        model = base_model()
+        if tied:
+            model.config.tie_word_embeddings = True
+            model.tie_weights()
+        return model.to(torch.bfloat16)
+
+    def no_reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    data = rollouts()
+    prompt, completion = data["prompts"][0], data["completions"][1]
+    ids = torch.tensor([prompt + completion])
+    args = GRPOConfig(output_dir="/tmp/longctx-trl-grpo-fp32", report_to=[], use_cpu=True,
+                      bf16=False, per_device_train_batch_size=G, num_generations=G,
+                      temperature=TEMPERATURE, cast_lm_head_to_fp32=True)
+    trainer = GRPOTrainer(model=bf16_model(), reward_funcs=no_reward, args=args,
+                          train_dataset=Dataset.from_list([{"prompt": "x"}] * G),
+                          processing_class=tokenizer())
+    with torch.no_grad():
+        want_logps, want_entropy, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, torch.ones_like(ids), len(completion), compute_entropy=True)
+
+    def scored(cast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        model = bf16_model()
+        if cast:
+            cast_head_to_float32(model)
+            assert model.lm_head.weight.dtype == torch.float32
+            assert model.get_input_embeddings()(ids).dtype == torch.bfloat16
+        decoder, head = decoder_and_head(model)
+        with torch.no_grad():
+            hidden = decoder(input_ids=ids).last_hidden_state[0, len(prompt) - 1:-1]
+            logps, entropy = score_tokens(head, hidden, torch.tensor(completion),
+                                          ParallelState(), None, TEMPERATURE)
+        return logps, entropy
+
+    logps, entropy = scored(cast=True)
+    torch.testing.assert_close(logps, want_logps[0], rtol=0, atol=2e-5)
+    torch.testing.assert_close(entropy, want_entropy[0], rtol=0, atol=2e-5)
+    plain, _ = scored(cast=False)
+    assert (plain - want_logps[0]).abs().max() > 2e-4  # 10x the tolerance above
 
 
 # ---- a real pretrained model: SmolLM2-135M-Instruct (tests/real_model.py) ---------------
