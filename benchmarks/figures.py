@@ -267,6 +267,51 @@ def grpo_example() -> str:
     ]))
 
 
+PEERS_EXCHANGE = "peers-ulysses-exchange-2026-11-27.json"
+
+
+def peers_exchange() -> str:
+    from benchmarks.peers import table
+
+    data = _json(PEERS_EXCHANGE)
+    return _wrap("peers-ulysses-exchange", f"{table(data['results'])}\n\n`{data['command']}`, "
+                 f"{data['machine']}, {data['date']} (`benchmarks/results/{PEERS_EXCHANGE}`); "
+                 "the limit is plain HF's time per step over the 2 ranks.")
+
+
+QUICKSTART_RUN = "quickstart-run-2026-11-28.json"
+
+
+def quickstart_run() -> str:
+    """What one Quickstart run's `longctx eval` and `generate` printed: the run whose
+    training log docs/training.md shows."""
+    data = _json(QUICKSTART_RUN)
+    passkey, loss = data["passkey"], data["position_loss"]
+    model, by_position = passkey["models"][0], loss["models"][0]
+    cell = {(c["context_len"], c["depth"]): c for c in model["cells"]}
+    lengths = passkey["context_lengths"]
+    lines = ["| depth | " + " | ".join(f"{n} tok" for n in lengths) + " |",
+             "|---" * (len(lengths) + 1) + "|"]
+    for depth in passkey["depths"]:
+        lines.append(f"| {depth:.0%} | " + " | ".join(
+            f"{cell[n, depth]['correct']}/{cell[n, depth]['total']}" for n in lengths) + " |")
+    lines += ["", "| held-out loss at positions | tokens | loss |", "|---|---|---|"]
+    for b in by_position["buckets"]:
+        if b["tokens"]:
+            lines.append(f"| {b['start']}-{b['end'] - 1} | {b['tokens']:,} | {b['loss']:.4f} |")
+    lines.append(f"| all | {by_position['tokens']:,} | {by_position['overall_loss']:.4f} |")
+    return _wrap("quickstart-run", "\n".join([
+        f"Seed {data['seed']}, {data['machine']}, {data['date']} "
+        f"(`benchmarks/results/{QUICKSTART_RUN}`). Passkey retrieval, exact match of the key, "
+        "correct / total per cell:",
+        "",
+        *lines,
+        "",
+        f"Overall retrieval {model['accuracy']:.1%}. `longctx generate` printed "
+        f"`{data['generate_printed']}`.",
+    ]))
+
+
 VALIDATE_TIME = "validate-time-2026-11-28.json"
 
 
@@ -304,7 +349,9 @@ BLOCKS = [
     Block("README.md", "status", status_box),
     Block("README.md", "quickstart-time", quickstart_time),
     Block("README.md", "peers", peers_table),
+    Block("docs/results.md", "quickstart-run", quickstart_run),
     Block("docs/results.md", "example-results", example_results),
+    Block("docs/results.md", "peers-ulysses-exchange", peers_exchange),
     Block("docs/eval.md", "example-ruler", example_ruler),
     Block("docs/parallelism.md", "hybrid-bench", hybrid_bench),
     Block("docs/parallelism.md", "balance", balance_table),
