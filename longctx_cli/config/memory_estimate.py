@@ -89,6 +89,15 @@ class MemoryEstimate:
     trainable_params: int
     recompute: int = 0
     score_tiles: int = 0
+    # rl: grpo under FSDP2: the weights a rollout gathers at once beyond this rank's shard
+    # (trl.ds3_gather_for_generation), alive while it decodes, not during the update.
+    rollout_weights: int = 0
+
+    @property
+    def rollout_total(self) -> int:
+        """The rollout's moment: the shards, gradients and optimizer state, the gathered
+        weights (the KV cache of one prompt shard on top, not counted)."""
+        return self.parameters + self.gradients + self.optimizer + self.rollout_weights
 
     @property
     def total(self) -> int:
@@ -394,6 +403,9 @@ def estimate_memory(
         activations=saved,
         logits=_logits_bytes(config, shape, local_tokens),
         attention_buffers=attention_buffer_bytes(config, shape, layout, local_tokens),
+        rollout_weights=(weight_bytes - weight_bytes // shard
+                         if layout.fsdp and config.rl == "grpo"
+                         and config.trl.ds3_gather_for_generation else 0),
         total_params=full_params + (full_trainable if config.adapter is not None else 0),
         trainable_params=full_trainable,
         recompute=recompute,

@@ -32,7 +32,9 @@ from longctx_cli.config.rules import (
     check_query_position_scaling,
     check_router_aux_loss,
     check_sequence_len,
+    generation_steps,
     layout_for,
+    rollout_decoding_note,
 )
 from longctx_cli.config.schema import Config
 from longctx_cli.config.world import Platform, resolve_world
@@ -141,6 +143,11 @@ class Plan:
                   for f, v in self.attention_buffers_by_ring
                   if (f == "varlen_llama3") != (lay.ring_attn_func == "varlen_llama3")],
                 ("total", f"[bold]{format_gib(mem.total)}[/]"),
+                *([("rollouts", f"{format_gib(mem.rollout_total)}: the full weights gathered "
+                                f"once per rollout (+{format_gib(mem.rollout_weights)}); "
+                                "trl.ds3_gather_for_generation: false gathers a layer per "
+                                "token instead, the data-parallel groups in lockstep")]
+                  if mem.rollout_weights else []),
             ]),
         ]
 
@@ -279,6 +286,8 @@ def check_without_model(
     if config.tensor_parallel_size > 1:
         tp_rules.check_tp_config(config)
     check_sequence_len(config, layout)
+    if config.rl == "grpo":
+        generation_steps(config, layout.dp)
     check_rope_settings(config.rope_scaling)
     # No micro_batch_size rule: varlen_llama3 takes packed rows, and micro-batch rows are
     # concatenated into one row whose documents never attend across a row boundary.
@@ -355,6 +364,9 @@ def build_plan(
             "table of known models."
         )
     notes += _advice(config, shape, layout, nproc_per_node) + memory_notes
+    decoding = rollout_decoding_note(config, shape)
+    if decoding:
+        notes.append(decoding)
     notes += tp_rules.tp_notes(config, nproc_per_node)
     return Plan(
         world_size=world_size,

@@ -13,6 +13,7 @@ from longctx_cli.config.memory_estimate import attention_softcap
 from longctx_cli.config.model_shape import ModelShape
 from longctx_cli.config.schema import Config
 from longctx_cli.config.world import Platform
+from longctx_cli.constants import HYBRID_MODEL_TYPES
 from longctx_cli.errors import UserError
 from longctx_cli.kernel_choice import KernelError, ModelAttention, choose_kernel
 from longctx_cli.layout import (
@@ -179,6 +180,30 @@ def check_sequence_len(config: Config, layout: Layout) -> None:
         )
 
 
+def generation_steps(config: Config, dp: int) -> int:
+    """`rl: grpo`: micro-batches of each data-parallel group in one generation batch (TRL's
+    `steps_per_generation`), a multiple of the accumulation: longctx rolls out whole optimizer
+    steps, one generation batch feeding `steps_per_generation / gradient_accumulation_steps`
+    of them. Raises UserError for a batch that does not split so."""
+    trl, accumulation = config.trl, config.gradient_accumulation_steps
+    key = "steps_per_generation" if trl.steps_per_generation is not None else (
+        "generation_batch_size")
+    try:
+        steps = trl.generation_steps(dp, config.micro_batch_size, accumulation)
+    except ValueError as e:
+        raise UserError(str(e), where=f"trl.{key}") from None
+    if steps % accumulation:
+        raise UserError(
+            f"`trl.{key}: {getattr(trl, key)}` makes {steps} micro-batches per generation "
+            f"batch at {dp} data-parallel group(s), not a multiple of "
+            f"`gradient_accumulation_steps: {accumulation}`: longctx splits one generation "
+            "batch over whole optimizer steps (TRL would start a new one inside a step).",
+            where=f"trl.{key}",
+            fix=f"make it {accumulation} x k micro-batches per group (steps_per_generation "
+            f"{accumulation}, {2 * accumulation}, ...), or lower gradient_accumulation_steps.")
+    return steps
+
+
 def _resolve_kernel(config: Config, platform: Platform | None, ring: int,
                     shape: ModelShape | None, ring_attn_func: str,
                     sharding: str) -> tuple[str, str]:
@@ -228,6 +253,24 @@ def chunked_attention(shape: ModelShape) -> bool:
     types = shape.config_value("layer_types")
     return bool(shape.config_value("attention_chunk_size")) and (
         types is None or "chunked_attention" in types)
+
+
+def rollout_decoding_note(config: Config, shape: ModelShape) -> str | None:
+    """`rl: grpo` on a model whose decode steps cannot attend a cached, sharded prompt (a
+    window or chunk, layers that mix tokens outside attention): what its rollouts cost."""
+    if config.rl != "grpo":
+        return None
+    why = ("its layers attend within a sliding window" if shape.sliding_window else
+           "its layers attend within chunks" if chunked_attention(shape) else
+           "some layers mix tokens outside attention" if shape.model_type in HYBRID_MODEL_TYPES
+           else None)
+    if why is None:
+        return None
+    n = config.trl.max_completion_length
+    return (f"rollouts decode {shape.model_type} by one full SP forward per generated token "
+            f"({why}; the cached decode keeps no window or scan state): a completion of up to "
+            f"{n} tokens costs up to {n} forwards over the prompt and its completions instead "
+            "of one prefill and cached steps, about that many times the prefill's time.")
 
 
 def _check_adapter(config: Config) -> None:

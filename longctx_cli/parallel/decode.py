@@ -100,25 +100,27 @@ def decode_attention(
     prompt = meta.prompt_visible.numel()
     held_out = meta.prompt_kv is not None
     expected = meta.decoded if held_out else prompt + meta.decoded
-    if k.shape[1] != expected:
+    if k.shape[1] < expected:
         raise DecodeUnsupported(
             f"the cache holds {k.shape[1]} entries, expected {expected} (a cache that drops "
             "entries)"
         )
+    k, v = k[:, :expected], v[:, :expected]  # a preallocated cache has room for more
     batch, heads, kv_heads = q.shape[0], q.shape[1], k.shape[2]
     group = heads // kv_heads
-    qf = q.float().view(batch, kv_heads, group, -1)  # GQA without repeating k/v
+    # Products in the cache's dtype (as the model's own attention takes them), the softmax
+    # and the merge across ranks in float32; GQA without repeating k/v.
+    qg = q.to(k.dtype).view(batch, kv_heads, group, -1)
     counted = meta.prompt_visible.new_full((meta.decoded,), meta.counts_decoded)
+    visible = torch.cat([meta.prompt_visible, counted])
     if held_out:
         assert layer is not None, "held-out prompt keys are read by layer index"
         pk, pv = meta.prompt_kv[layer]
-        prompt_scores = torch.einsum("bhgd,lhd->bhgl", qf, pk.float())
-        own_scores = torch.einsum("bhgd,blhd->bhgl", qf, k.float())
+        prompt_scores = torch.einsum("bhgd,lhd->bhgl", qg, pk).float()
+        own_scores = torch.einsum("bhgd,blhd->bhgl", qg, k).float()
         scores = torch.cat([prompt_scores, own_scores], dim=-1) * features.scale
-        visible = torch.cat([meta.prompt_visible, counted])
     else:
-        scores = torch.einsum("bhgd,blhd->bhgl", qf, k.float()) * features.scale
-        visible = torch.cat([meta.prompt_visible, counted])
+        scores = torch.einsum("bhgd,blhd->bhgl", qg, k).float() * features.scale
     if features.softcap is not None:
         scores = features.softcap * torch.tanh(scores / features.softcap)
     scores = scores.masked_fill(~visible, float("-inf"))
@@ -129,11 +131,12 @@ def decode_attention(
     if sinks is not None:  # one value-less logit per head, counted once
         m = torch.maximum(m, sinks.float().view(kv_heads, group))
     probs = torch.exp(scores - m[..., None])  # 0 at masked keys
+    weights = probs.to(v.dtype)
     if held_out:
-        numerator = (torch.einsum("bhgl,lhd->bhgd", probs[..., :prompt], pv.float())
-                     + torch.einsum("bhgl,blhd->bhgd", probs[..., prompt:], v.float()))
+        numerator = (torch.einsum("bhgl,lhd->bhgd", weights[..., :prompt], pv).float()
+                     + torch.einsum("bhgl,blhd->bhgd", weights[..., prompt:], v).float())
     else:
-        numerator = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
+        numerator = torch.einsum("bhgl,blhd->bhgd", weights, v).float()
     denominator = probs.sum(-1)
     if meta.ctx.layout.sp > 1:
         both = torch.cat([numerator.flatten(), denominator.flatten()])

@@ -221,6 +221,29 @@ def apply_fsdp(model: nn.Module, mesh, config: Config | None = None) -> None:
     fully_shard(model, mesh=mesh, **options)
 
 
+@contextlib.contextmanager
+def fsdp_weights_gathered(model: nn.Module, reshard_after_forward: bool = True,
+                          ) -> Iterator[None]:
+    """Every FSDP2-sharded weight of `model` gathered once, for the duration (rollouts):
+    forwards inside issue no FSDP collective, so data-parallel groups may run different
+    numbers of them. `reshard_after_forward`: the run's setting, restored on exit (the root
+    module, as FSDP2 sets it, does not reshard after forward). A model without FSDP2 is left
+    as it is."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()  # the same all-gathers on every rank, in the same order
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.reshard()
+            module.set_reshard_after_forward(reshard_after_forward and module is not model,
+                                             recurse=False)
+
+
 def keep_4bit_state_on_modules(model: nn.Module) -> int:
     """FSDP-QLoRA: make every bitsandbytes 4-bit layer hold its quantization state itself.
 

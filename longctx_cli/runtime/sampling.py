@@ -89,20 +89,24 @@ class Continuations:
 def decode(decoder, head, prompt: list[int], max_new_tokens: int, state: ParallelState,
            pad_id: int, device: torch.device, eos_ids: tuple[int, ...] = (),
            sampling: Sampling = GREEDY, n: int = 1,
-           generator: torch.Generator | None = None) -> Continuations:
+           generator: torch.Generator | None = None, lockstep: bool = False,
+           ) -> Continuations:
     """Up to `max_new_tokens` tokens after `prompt` for each of `n` sequences; every rank of
     the SP group returns the same. `generator` (sampling): the random source of SP rank 0
-    (default: torch's global one, as `generate` uses)."""
+    (default: torch's global one, as `generate` uses). `lockstep`: every rank of the world
+    runs the same number of decode forwards (a group whose sequences ended keeps stepping
+    until every group's have), for a model whose forwards issue collectives over the whole
+    world (FSDP2 gathering its weights layer by layer)."""
     if state.layout.tp > 1:  # each token's heads and vocabulary are split across TP ranks
         raise ValueError("decoding under tensor parallelism is not supported")
     try:
         return _decode_with_cache(decoder, head, prompt, max_new_tokens, state, pad_id,
-                                  device, eos_ids, sampling, n, generator)
+                                  device, eos_ids, sampling, n, generator, lockstep)
     except DecodeUnsupported as e:
         if state.sp_rank == 0 and state.dp_rank == 0:
             print(f"decoding by full forwards: {e}", file=sys.stderr, flush=True)
         return _decode_by_forwards(decoder, head, prompt, max_new_tokens, state, pad_id,
-                                   device, eos_ids, sampling, n, generator)
+                                   device, eos_ids, sampling, n, generator, lockstep)
 
 
 def greedy_tokens(decoder, lm_head, prompt: list[int], max_new_tokens: int, state,
@@ -154,6 +158,10 @@ class _Picker:
     def done(self) -> bool:
         return not bool(self.unfinished.any())
 
+    def active(self, max_new_tokens: int) -> bool:
+        """Whether a sequence still goes on and has room for another token."""
+        return len(self.picked) < max_new_tokens and not self.done
+
     def result(self) -> Continuations:
         picked = torch.stack(self.picked, 1).tolist()
         logps = torch.stack(self.logps, 1).tolist()
@@ -196,8 +204,8 @@ def _logits_at(head, hidden: torch.Tensor, ranges: tuple[tuple[int, int], ...],
 
 
 def _decode_with_cache(decoder, head, prompt, max_new_tokens, state, pad_id, device, eos_ids,
-                       sampling, n, generator) -> Continuations:
-    from transformers import DynamicCache
+                       sampling, n, generator, lockstep=False) -> Continuations:
+    from transformers import DynamicCache, StaticCache
 
     picker = _Picker(prompt, n, sampling, eos_ids, pad_id, state, device, generator)
     with torch.no_grad():
@@ -207,23 +215,26 @@ def _decode_with_cache(decoder, head, prompt, max_new_tokens, state, pad_id, dev
                                         held_out_prompt_kv(cache))
         del batch, cache
         token = picker(logits.repeat(n, 1))
-        decoded = DynamicCache(config=decoder.config)  # the n sequences' own tokens only
+        # The n sequences' own tokens only, in buffers allocated once (not grown per token).
+        decoded = StaticCache(config=decoder.config, max_cache_len=max_new_tokens)
         cached = cache_kwargs(decoder, decoded)  # the decoder's name for it, read once
-        while len(picker.picked) < max_new_tokens and not picker.done:
-            position = torch.full((n, 1), len(prompt) + len(picker.picked) - 1, device=device)
+        while _keep_stepping(picker, max_new_tokens, lockstep, device):
+            position = torch.full((n, 1), len(prompt) + meta.decoded - 1, device=device)
             hidden = decoder(input_ids=token[:, None], position_ids=position, sp_meta=meta,
                              **cached).last_hidden_state
-            token = picker(head(hidden[:, -1]).float())
+            logits = head(hidden[:, -1]).float()
+            if picker.active(max_new_tokens):  # else a step only to join the world's
+                token = picker(logits)
             meta.decoded += 1
     return picker.result()
 
 
 def _decode_by_forwards(decoder, head, prompt, max_new_tokens, state, pad_id, device,
-                        eos_ids, sampling, n, generator) -> Continuations:
+                        eos_ids, sampling, n, generator, lockstep=False) -> Continuations:
     """One SP forward per token over a row of the `n` sequences (each a document)."""
     picker = _Picker(prompt, n, sampling, eos_ids, pad_id, state, device, generator)
     with torch.no_grad():
-        while len(picker.picked) < max_new_tokens and not picker.done:
+        while _keep_stepping(picker, max_new_tokens, lockstep, device):
             sequences = picker.ids.tolist()
             row = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
             length = len(sequences[0])
@@ -232,8 +243,22 @@ def _decode_by_forwards(decoder, head, prompt, max_new_tokens, state, pad_id, de
                                           state, pad_id), device)
             hidden = sp_hidden_states(decoder, batch, where="--checkpoint")
             ends = [(i + 1) * length - 1 for i in range(n)]
-            picker(_logits_at(head, hidden, batch.sp_meta.local_ranges, ends, state))
+            logits = _logits_at(head, hidden, batch.sp_meta.local_ranges, ends, state)
+            if picker.active(max_new_tokens):
+                picker(logits)
     return picker.result()
+
+
+def _keep_stepping(picker: _Picker, max_new_tokens: int, lockstep: bool,
+                   device: torch.device) -> bool:
+    """Whether to run another decode forward: while this group's sequences go on or, in
+    `lockstep`, while any group's do (one world all-reduce of a flag per step)."""
+    active = picker.active(max_new_tokens)
+    if not lockstep:
+        return active
+    flag = torch.tensor([int(active)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _local_index(ranges: tuple[tuple[int, int], ...], position: int) -> int | None:

@@ -112,7 +112,7 @@ def train(config: Config, plan: Plan, probe: str, clock: StartupClock | None = N
     data = DataPosition(config, state.layout.dp, train_rows, stream)
     # What one optimizer step runs: rows through train_step, or GRPO's rollouts and update.
     steps = (GrpoSteps(config, state, model, decoder, lm_head, tokenizer, train_rows,
-                       data.steps_per_epoch // steps_per_batch(config),
+                       data.steps_per_epoch // steps_per_batch(config, state.layout.dp),
                        grpo_reference(config, plan, state), pad_id)
              if config.rl == "grpo" else
              RowSteps(config, state, data, pad_id, model, decoder, lm_head, preference))

@@ -1,21 +1,25 @@
-"""One optimizer step of `rl: grpo`: rollouts under SP (when due), rewards, advantages, then
+"""The optimizer steps of `rl: grpo`: rollouts under SP (when due), rewards, advantages, then
 the update on rows that hold each prompt once (TRL's GRPOTrainer, the prompt never gathered).
 
-Every `trl.num_iterations` steps a generation batch is rolled out: this DP rank's prompts of
-the step (`micro_batch_size / num_generations` per micro-batch, `gradient_accumulation_steps`
-micro-batches), each prefilled across its SP group and continued `num_generations` times
-from that one prefill (`runtime/sampling.py`), seeded per prompt from `seed`, the step and the
-prompt's place in the step, so every layout samples alike. The first rank of each SP group
-scores its completions with the reward functions; every rank gathers all rewards and computes
-the advantages (groups, or the batch, for the std), as TRL does over its processes. With
-`num_iterations > 1` the rollout-time log-probabilities are computed once in a `no_grad` SP
-pass; with `beta > 0` so are the reference's (the adapter switched off, or a frozen copy of
-the initial model). Each step then runs its micro-batches through `grpo.grpo_loss` and one
-update (`step.apply_update`).
+A generation batch is rolled out every `steps_per_generation / gradient_accumulation_steps x
+num_iterations` optimizer steps (TRL's buffered inputs): this DP rank's `steps_per_generation`
+micro-batches of `micro_batch_size / num_generations` prompts, each prefilled across its SP
+group and continued `num_generations` times from that one prefill (`runtime/sampling.py`),
+seeded per prompt from `seed`, the batch and the prompt's place in it, so every layout samples
+alike. Under FSDP2 the weights are gathered once for the rollout (or, with
+`ds3_gather_for_generation: false`, the DP groups decode in lockstep). The first rank of each
+SP group scores its completions with the reward functions; every rank gathers the rewards and
+lengths and computes the advantages (groups, or the batch, for the std), as TRL does over its
+processes. Each optimizer step takes the next `gradient_accumulation_steps` micro-batches of
+the batch through `grpo.grpo_loss` and one update (`step.apply_update`). Where a batch feeds
+more than one step, its rollout-time log-probabilities are computed once in a `no_grad` SP
+pass; with `beta > 0` so are the reference's (the adapter switched off, or a frozen copy of the
+initial model), both under the update's autocast.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -28,12 +32,13 @@ import torch
 import torch.distributed as dist
 
 from longctx_cli.config import Config
+from longctx_cli.config.rules import generation_steps
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import shard_batch
 from longctx_cli.runtime.batches import step_row_indices, to_device
 from longctx_cli.runtime.memory_savers import activation_offload
-from longctx_cli.runtime.model import sp_hidden_states
+from longctx_cli.runtime.model import fsdp_weights_gathered, sp_hidden_states
 from longctx_cli.runtime.sampling import Sampling, decode
 from longctx_cli.train.grpo import GrpoLoss, RolloutBatch, grpo_loss, score_tokens
 from longctx_cli.train.precision import Precision
@@ -73,7 +78,10 @@ class Generation:
 
     index: int
     batches: list[RolloutBatch]
-    step_tokens: float  # scored completion tokens of the step, every DP rank's
+    # Scored completion tokens of the whole batch (every DP rank's) per optimizer step it
+    # feeds: TRL's dapo/cispo normaliser (`num_items_in_batch` x accumulation / steps).
+    step_tokens: float
+    split_tokens: list[int]  # scored tokens of each optimizer step's part, every DP rank's
     metrics: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -83,7 +91,7 @@ class GrpoSteps:
 
     def __init__(self, config: Config, state: ParallelState, model: torch.nn.Module,
                  decoder: torch.nn.Module, head: torch.nn.Module, tokenizer, rows,
-                 steps_per_generation_batch: int, reference: torch.nn.Module | None,
+                 generations_per_epoch: int, reference: torch.nn.Module | None,
                  pad_id: int):
         self.config, self.state, self.model = config, state, model
         self.decoder, self.head, self.tokenizer, self.rows = decoder, head, tokenizer, rows
@@ -94,9 +102,17 @@ class GrpoSteps:
         self.rewards = RewardFunctions.from_config(config)
         self.reference = reference  # a frozen copy, or None: the adapter switched off
         self.per_micro = config.micro_batch_size // self.trl.num_generations  # prompts
-        self.prompts_per_step = (state.layout.dp * config.gradient_accumulation_steps
-                                 * self.per_micro)
-        self.generations_per_epoch = steps_per_generation_batch
+        # One generation batch: `micro_batches` micro-batches per DP rank, split over `split`
+        # optimizer steps, each split run `num_iterations` times (TRL's buffered inputs).
+        self.micro_batches = generation_steps(config, state.layout.dp)
+        self.split = self.micro_batches // config.gradient_accumulation_steps
+        self.steps_per_generation = self.split * self.trl.num_iterations
+        self.prompts_per_generation = state.layout.dp * self.micro_batches * self.per_micro
+        self.generations_per_epoch = generations_per_epoch
+        if self.trl.disable_dropout:  # TRL's disable_dropout_in_model, policy and reference
+            for module in (model, reference):
+                for dropout in _dropouts(module):
+                    dropout.p = 0.0
         self.chunk = config.loss_chunk_size if config.chunked_loss else None
         generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         eos = {tokenizer.eos_token_id} | set(
@@ -105,20 +121,24 @@ class GrpoSteps:
         self.generation: Generation | None = None
         self.input_tokens_seen = 0
         self.counted = state.sp_rank == 0 and state.tp_rank == 0  # once per SP x TP group
+        fc = config.fsdp_config
+        self.reshard_after_forward = fc is None or fc.reshard_after_forward
 
     # ---- the step -----------------------------------------------------------------------
 
     def step(self, step: int, params: list[torch.nn.Parameter],
              optimizer: torch.optim.Optimizer, use_fsdp: bool,
              precision: Precision) -> StepResult:
-        index = step // self.trl.num_iterations
+        index, within = divmod(step, self.steps_per_generation)
         if self.generation is None or self.generation.index != index:
-            self.generation = self.roll_out(index, step)
+            self.generation = self.roll_out(index, step, use_fsdp, precision)
             rollout_s = self.generation.seconds
         else:
             rollout_s = 0.0
         started = time.perf_counter()
-        batches = self.generation.batches
+        accumulation = self.config.gradient_accumulation_steps
+        first = within % self.split * accumulation
+        batches = self.generation.batches[first:first + accumulation]
         micro_batches = self.state.layout.dp * len(batches)
         replicas = dist.get_world_size() // self.state.layout.tp
         local_loss = 0.0
@@ -153,8 +173,8 @@ class GrpoSteps:
         metrics.update(self._extremes(extremes))
         metrics["rollout_s"] = rollout_s
         metrics["update_s"] = time.perf_counter() - started
-        return StepResult(loss, int(self.generation.step_tokens), grad_norm, skipped, metrics,
-                          shown=SHOWN)
+        return StepResult(loss, self.generation.split_tokens[within % self.split], grad_norm,
+                          skipped, metrics, shown=SHOWN)
 
     def _extremes(self, extremes: dict[str, list[float]]) -> dict[str, float]:
         """The step's clip-ratio extremes over every rank's completions (NaN: none scored)."""
@@ -172,30 +192,42 @@ class GrpoSteps:
 
     # ---- rollouts -------------------------------------------------------------------------
 
-    def roll_out(self, index: int, step: int) -> Generation:
-        """Sample, score and lay out this rank's share of generation batch `index`."""
+    def roll_out(self, index: int, step: int, use_fsdp: bool = False,
+                 precision: Precision | None = None) -> Generation:
+        """Sample, score and lay out this rank's share of generation batch `index`.
+
+        Under FSDP2 the weights are gathered once for the whole rollout (TRL's
+        `ds3_gather_for_generation`), so each SP group decodes as long as its own completions
+        need; without that (`ds3_gather_for_generation: false`) every forward gathers each
+        layer over all ranks, and the groups decode in lockstep."""
         started = time.perf_counter()
         state, config, g = self.state, self.config, self.trl.num_generations
-        order = step_row_indices(index, self.generations_per_epoch, self.prompts_per_step,
-                                 len(self.rows), config.seed,
+        order = step_row_indices(index, self.generations_per_epoch,
+                                 self.prompts_per_generation, len(self.rows), config.seed,
                                  not config.curriculum_sampling)
         mine = order[state.dp_rank * len(order) // state.layout.dp:
                      (state.dp_rank + 1) * len(order) // state.layout.dp]
         first = state.dp_rank * len(mine)  # the place of my first prompt in the step
         records = [self.rows[i] for i in mine]
+        gather = use_fsdp and self.trl.ds3_gather_for_generation
         self.model.eval()  # no dropout, and a KV cache even with gradient checkpointing
         samples: list[list[list[int]]] = []
-        for k, record in enumerate(records):
-            generator = None
-            if state.sp_rank == 0:
-                generator = torch.Generator(device=state.device).manual_seed(
-                    zlib.crc32(f"{config.seed}:{index}:{first + k}".encode()))
-            samples.append(decode(self.decoder, self.head, record["prompt_ids"],
-                                  self.trl.max_completion_length, state, self.pad_id,
-                                  state.device, self.eos_ids, self.sampling, g,
-                                  generator).tokens)
+        with fsdp_weights_gathered(self.model, self.reshard_after_forward) if gather else (
+                contextlib.nullcontext()):
+            for k, record in enumerate(records):
+                generator = None
+                if state.sp_rank == 0:
+                    generator = torch.Generator(device=state.device).manual_seed(
+                        zlib.crc32(f"{config.seed}:{index}:{first + k}".encode()))
+                samples.append(decode(self.decoder, self.head, record["prompt_ids"],
+                                      self.trl.max_completion_length, state, self.pad_id,
+                                      state.device, self.eos_ids, self.sampling, g,
+                                      generator, lockstep=use_fsdp and not gather).tokens)
         self.model.train()
         local = self._score(records, samples, step)
+        # Every rank needs the rewards and lengths; only the completions file the texts.
+        texts = {k: local.pop(k) for k in ("prompts", "completions") if k in local}
+        texts["dp_rank"] = state.dp_rank
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, local if self.counted else None)
         leaders = [part for part in everyone if part is not None]
@@ -218,14 +250,15 @@ class GrpoSteps:
             metrics[name] = sum(values) / len(values)
         self.rewards.logged.clear()
         mask = ~truncated if self.trl.mask_truncated_completions else torch.ones_like(truncated)
-        step_tokens = float((lengths * mask).sum())
+        scored = (lengths * mask).view(state.layout.dp, self.split, -1).sum((0, 2))
+        step_tokens = float(scored.sum()) / self.split
         offset = state.dp_rank * len(mine) * g
         my_advantages = advantage[offset:offset + len(mine) * g].tolist()
         my_mask = mask[offset:offset + len(mine) * g].tolist()
-        if state.dp_rank == 0 and self.counted and step % config.logging_steps == 0:
-            self._write_completions(step, leaders, advantage)
-        batches = self._rows(records, samples, my_advantages, my_mask)
-        return Generation(index, batches, step_tokens, metrics,
+        if step % config.logging_steps == 0:
+            self._write_completions(step, leaders, texts if self.counted else None, advantage)
+        batches = self._rows(records, samples, my_advantages, my_mask, precision)
+        return Generation(index, batches, step_tokens, [int(n) for n in scored], metrics,
                           time.perf_counter() - started)
 
     def _score(self, records: list[dict], samples: list[list[list[int]]], step: int) -> dict:
@@ -264,7 +297,8 @@ class GrpoSteps:
         return out
 
     def _rows(self, records: list[dict], samples: list[list[list[int]]],
-              advantage: list[float], mask: list[bool]) -> list[RolloutBatch]:
+              advantage: list[float], mask: list[bool], precision: Precision | None,
+              ) -> list[RolloutBatch]:
         """This rank's micro-batches: rows of whole groups, with their per-token passes."""
         g, per = self.trl.num_generations, self.per_micro
         out = []
@@ -279,22 +313,27 @@ class GrpoSteps:
             rollout = RolloutBatch(
                 batch, torch.tensor(advantage[start * g:start * g + b] + [0.0] * (docs - b)),
                 torch.tensor(scored + [0] * (docs - b), dtype=torch.float32), b)
-            self._side_passes(rollout)
+            self._side_passes(rollout, precision)
             out.append(rollout)
         return out
 
     @torch.no_grad()
-    def _side_passes(self, rollout: RolloutBatch) -> None:
-        """The rollout-time (num_iterations > 1) and reference (beta > 0) log-probabilities
-        of this rank's tokens, in `no_grad` SP passes over the same row."""
+    def _side_passes(self, rollout: RolloutBatch, precision: Precision | None) -> None:
+        """The rollout-time and reference (beta > 0) log-probabilities of this rank's tokens,
+        in `no_grad` SP passes over the same row, under the update's autocast. Rollout-time
+        ones only where a batch outlives an optimizer step (TRL: `gradient_accumulation_steps`
+        not a multiple of `steps_per_generation x num_iterations`); else the update's own,
+        detached, are the same numbers."""
         targets = rollout.batch.shift_labels.reshape(-1)
+        autocast = precision.autocast if precision is not None else contextlib.nullcontext
 
         def scored(decoder, head) -> torch.Tensor:
-            hidden = sp_hidden_states(decoder, rollout.batch)
-            return score_tokens(head, hidden, targets, self.state, self.chunk,
-                                self.loss.temperature)[0]
+            with autocast():
+                hidden = sp_hidden_states(decoder, rollout.batch)
+                return score_tokens(head, hidden, targets, self.state, self.chunk,
+                                    self.loss.temperature)[0]
 
-        if self.trl.num_iterations > 1:
+        if self.steps_per_generation > 1:
             rollout.old_logps = scored(self.decoder, self.head)
         if self.loss.beta != 0.0:
             if self.reference is not None:
@@ -305,21 +344,33 @@ class GrpoSteps:
                 with reference_model(self.model):
                     rollout.ref_logps = scored(self.decoder, self.head)
 
-    def _write_completions(self, step: int, leaders: list[dict], advantage: torch.Tensor,
-                           ) -> None:
-        """Sample completions with their rewards and advantages (TRL's completions table)."""
+    def _write_completions(self, step: int, leaders: list[dict], texts: dict | None,
+                           advantage: torch.Tensor) -> None:
+        """Sample completions with their rewards and advantages (TRL's completions table):
+        every rank hands its SP group's texts (`texts`, None but on a group's first rank) to
+        rank 0, which writes them."""
+        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(texts, gathered, dst=0)
+        if dist.get_rank() != 0:
+            return
+        # Leaders' parts in data-parallel order, as `leaders` is sorted.
+        parts = [t for t in gathered if t is not None]
+        for part, text in zip(leaders, sorted(parts, key=lambda t: t["dp_rank"]), strict=True):
+            part.update(text)
         limit = self.trl.num_completions_to_print
         path = Path(self.config.output_dir) / COMPLETIONS_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         i = 0
         with path.open("a", encoding="utf-8") as f:
             for part in leaders:
-                for prompt, completion, rewards in zip(part["prompts"], part["completions"],
-                                                       part["rewards"], strict=True):
+                for prompt, completion, rewards, length in zip(
+                        part["prompts"], part["completions"], part["rewards"], part["lengths"],
+                        strict=True):
                     if limit is not None and i >= limit:
                         return
                     f.write(json.dumps({
                         "step": step + 1, "prompt": prompt, "completion": completion,
+                        "completion_tokens": length,
                         "rewards": dict(zip(self.rewards.names, rewards, strict=True)),
                         "advantage": float(advantage[i])}, default=str) + "\n")
                     i += 1
@@ -337,3 +388,10 @@ def _length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str,
             "completions/mean_terminated_length": float(terminated.mean()),
             "completions/min_terminated_length": float(terminated.min()),
             "completions/max_terminated_length": float(terminated.max())}
+
+
+def _dropouts(module: torch.nn.Module | None) -> list[torch.nn.Dropout]:
+    """Every dropout layer of `module` (none for None)."""
+    if module is None:
+        return []
+    return [m for m in module.modules() if isinstance(m, torch.nn.Dropout)]

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from longctx_cli.config import Config
+from longctx_cli.config.rules import generation_steps
 from longctx_cli.data.stream import PackedStream
 from longctx_cli.errors import UserError
 from longctx_cli.runtime.batches import step_row_indices
@@ -18,34 +19,44 @@ if TYPE_CHECKING:
     from datasets import Dataset
 
 
-def rows_per_step(config: Config, dp_size: int) -> int:
-    """Rows one optimizer step reads (`rl: grpo`: prompts of a generation batch, whose
-    `micro_batch_size` counts completions, `num_generations` per prompt)."""
-    per_micro = config.micro_batch_size
+def rows_per_batch(config: Config, dp_size: int) -> int:
+    """Rows one batch reads: an optimizer step's (SFT, preference), or one generation batch's
+    prompts (`rl: grpo`: `micro_batch_size` counts completions, `num_generations` per prompt,
+    over `steps_per_generation` micro-batches)."""
     if config.rl == "grpo":
-        per_micro //= config.trl.num_generations
-    return dp_size * per_micro * config.gradient_accumulation_steps
+        per_micro = config.micro_batch_size // config.trl.num_generations
+        return dp_size * per_micro * generation_steps(config, dp_size)
+    return dp_size * config.micro_batch_size * config.gradient_accumulation_steps
 
 
-def steps_per_batch(config: Config) -> int:
-    """Optimizer steps on one step's rows (`rl: grpo`: `trl.num_iterations`, else 1)."""
-    return config.trl.num_iterations if config.rl == "grpo" else 1
+def steps_per_batch(config: Config, dp_size: int) -> int:
+    """Optimizer steps on one batch's rows (`rl: grpo`: the steps a generation batch is split
+    over, times `trl.num_iterations`; else 1)."""
+    if config.rl != "grpo":
+        return 1
+    split = generation_steps(config, dp_size) // config.gradient_accumulation_steps
+    return split * config.trl.num_iterations
 
 
 def total_steps(config: Config, num_rows: int, dp_size: int) -> tuple[int, int]:
     """(steps per epoch, total optimizer steps); the last partial step of an epoch is dropped."""
-    per_step = rows_per_step(config, dp_size)
-    steps_per_epoch = num_rows // per_step * steps_per_batch(config)
+    per_step = rows_per_batch(config, dp_size)
+    steps_per_epoch = num_rows // per_step * steps_per_batch(config, dp_size)
     if steps_per_epoch == 0:
-        what = "prompts" if config.rl == "grpo" else "packed rows"
+        if config.rl == "grpo":
+            needs = (f"prompts but one generation batch needs {per_step} (dp {dp_size} x "
+                     f"micro_batch_size {config.micro_batch_size} / num_generations "
+                     f"{config.trl.num_generations} x steps_per_generation "
+                     f"{generation_steps(config, dp_size)})")
+        else:
+            needs = (f"packed rows but one optimizer step needs {per_step} (dp {dp_size} x "
+                     f"micro_batch_size {config.micro_batch_size} x "
+                     f"gradient_accumulation_steps {config.gradient_accumulation_steps})")
         raise UserError(
-            f"the training set has {num_rows} {what} but one optimizer step needs "
-            f"{per_step} (dp {dp_size} x micro_batch_size {config.micro_batch_size}"
-            + (f" / num_generations {config.trl.num_generations}" if config.rl == "grpo"
-               else "")
-            + f" x gradient_accumulation_steps {config.gradient_accumulation_steps}).",
+            f"the training set has {num_rows} {needs}.",
             where="datasets",
-            fix="add data, or lower micro_batch_size / gradient_accumulation_steps.",
+            fix="add data, or lower micro_batch_size / gradient_accumulation_steps"
+            + (" / trl.steps_per_generation." if config.rl == "grpo" else "."),
         )
     if config.max_steps is not None:
         return steps_per_epoch, config.max_steps
@@ -109,7 +120,7 @@ class DataPosition:
                  stream: PackedStream | None):
         self.seed, self.shuffle = config.seed, not config.curriculum_sampling
         self.rows, self.stream = train_rows, stream
-        self.per_step = rows_per_step(config, dp_size)
+        self.per_step = rows_per_batch(config, dp_size)
         if stream is not None:
             self.steps_per_epoch = self.num_steps = config.max_steps
         else:

@@ -1,0 +1,196 @@
+"""How fast GRPO's rollouts sample: longctx's decoder against the model's own `generate`, and
+the time per generated token as the prompt grows, at sp 1, 2 and 4.
+
+    python benchmarks/rollout.py                  # both parts, 3 runs each (~10 min, 2 cores)
+    python benchmarks/rollout.py --part generate --runs 5
+    python benchmarks/rollout.py --table benchmarks/results/rollout-<date>.json
+
+Part `generate` (one process): a Llama from config (hidden 256, 4 layers, 8 heads / 2 KV
+heads, vocabulary 8,192, float32) continues one prompt `G` times: `runtime.sampling.decode`
+(what a rollout runs: one prefill, `G` sequences decoded against the shared prompt cache) and
+`model.generate(do_sample=True, num_return_sequences=G)` with the same prompt, `G` and number
+of new tokens (no end-of-sequence id, so both decode every token). Tokens per second = G x
+new tokens / wall time, prefill included; the runs alternate, medians reported.
+
+Part `length`: the same model decodes `G` sequences after prompts of 4K-32K tokens at sp 1, 2
+and 4 (gloo processes, one thread each: on a 2-core machine sp 4 shares the cores). The time
+per generated token is (time for 1 + N new tokens - time for 1) / N: the prefill taken out.
+Plain `generate`'s, at sp 1, stands beside it. Writes benchmarks/results/rollout-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.context_extension import save_record  # noqa: E402
+
+MODEL = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688,
+         "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+         "vocab_size": 8192, "max_position_embeddings": 65536}
+G = 8
+
+
+def models():
+    """(plain HF model with sdpa, the same weights with longctx's SP attention), eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longctx_cli.parallel.attention import register_sp_attention
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(**MODEL)
+    plain = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    sp = AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                          attn_implementation=register_sp_attention())
+    sp.load_state_dict(plain.state_dict())
+    return plain, sp.eval()
+
+
+def prompt_of(length: int) -> list[int]:
+    return torch.randint(1, MODEL["vocab_size"], (length,),
+                         generator=torch.Generator().manual_seed(length)).tolist()
+
+
+def timed_decode(decoder, head, prompt: list[int], new: int, state) -> float:
+    from longctx_cli.runtime.sampling import Sampling, decode
+
+    generator = torch.Generator().manual_seed(1) if state.sp_rank == 0 else None
+    started = time.perf_counter()
+    out = decode(decoder, head, prompt, new, state, 0, torch.device("cpu"), (),
+                 Sampling(do_sample=True), G, generator)
+    seconds = time.perf_counter() - started
+    assert all(len(t) == new for t in out.tokens), [len(t) for t in out.tokens]
+    return seconds
+
+
+def timed_generate(model, prompt: list[int], new: int) -> float:
+    ids = torch.tensor([prompt])
+    torch.manual_seed(1)
+    started = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, do_sample=True, num_return_sequences=G, max_new_tokens=new,
+                             min_new_tokens=new, eos_token_id=None, pad_token_id=0, top_k=0)
+    seconds = time.perf_counter() - started
+    assert out.shape == (G, len(prompt) + new), out.shape
+    return seconds
+
+
+def generate_part(rank: int, world: int, prompt_len: int, new: int, runs: int) -> dict:
+    """longctx's decode and `generate` alternately, `runs` times each, at sp 1."""
+    from longctx_cli.runtime.model import decoder_and_head
+    from tests.layouts import sp_state
+
+    torch.set_num_threads(1)
+    state = sp_state(sp=1)
+    plain, sp = models()
+    decoder, head = decoder_and_head(sp)
+    prompt = prompt_of(prompt_len)
+    timed_decode(decoder, head, prompt, 4, state)  # warm-up both
+    timed_generate(plain, prompt, 4)
+    ours, theirs = [], []
+    for _ in range(runs):
+        ours.append(timed_decode(decoder, head, prompt, new, state))
+        theirs.append(timed_generate(plain, prompt, new))
+    return {"longctx_s": ours, "generate_s": theirs}
+
+
+def length_part(rank: int, world: int, lengths: list[int], new: int, runs: int) -> dict:
+    """Per generated token seconds after each prompt length, at sp `world` (and `generate`'s
+    at sp 1)."""
+    from longctx_cli.runtime.model import decoder_and_head
+    from tests.layouts import sp_state
+
+    torch.set_num_threads(1)
+    state = sp_state(sp=world)
+    plain, sp = models()
+    decoder, head = decoder_and_head(sp)
+    out = {}
+    for length in lengths:
+        prompt = prompt_of(length)
+        per_token, plain_per_token = [], []
+        for _ in range(runs):
+            one = timed_decode(decoder, head, prompt, 1, state)
+            many = timed_decode(decoder, head, prompt, 1 + new, state)
+            per_token.append((many - one) / new)
+            if world == 1:
+                one = timed_generate(plain, prompt, 1)
+                many = timed_generate(plain, prompt, 1 + new)
+                plain_per_token.append((many - one) / new)
+        out[length] = {"longctx_s": per_token, "generate_s": plain_per_token}
+    return out
+
+
+def table(record: dict) -> str:
+    """The markdown tables of a results record."""
+    lines = []
+    if "generate" in record:
+        g = record["generate"]
+        ours, theirs = statistics.median(g["longctx_s"]), statistics.median(g["generate_s"])
+        tokens = G * g["new_tokens"]
+        lines += [f"Sampling {G} continuations of one {g['prompt_tokens']:,}-token prompt, "
+                  f"{g['new_tokens']} new tokens each, sp 1 (median of {len(g['longctx_s'])} "
+                  "runs):", "",
+                  "| sampler | tokens/s | vs generate |", "|---|---|---|",
+                  f"| longctx rollout | {tokens / ours:,.0f} | {theirs / ours:.2f}x |",
+                  f"| `model.generate` | {tokens / theirs:,.0f} | 1.00x |", ""]
+    if "length" in record:
+        rows = record["length"]
+        sps = sorted(rows, key=int)
+        lengths = sorted(rows[sps[0]], key=int)
+        lines += [f"Time per generated token (ms, median of {record['runs']} runs; {G} "
+                  "sequences decoded together):", "",
+                  "| prompt tokens | `generate` | " + " | ".join(f"sp {s}" for s in sps) + " |",
+                  "|---|---|" + "---|" * len(sps)]
+        for length in lengths:
+            plain = rows[sps[0]][length]["generate_s"]
+            cells = [f"{1000 * statistics.median(rows[s][length]['longctx_s']):.1f}"
+                     for s in sps]
+            lines.append(f"| {int(length):,} | "
+                         + (f"{1000 * statistics.median(plain):.1f}" if plain else "-")
+                         + " | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    from tests.distributed import run_distributed
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--part", choices=["generate", "length", "all"], default="all")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--table", type=Path, help="print the tables of a results file")
+    args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.table.read_text())))
+        return
+    record: dict = {"model": MODEL, "num_generations": G, "runs": args.runs}
+    if args.part in ("generate", "all"):
+        result = run_distributed(generate_part, 1, args.prompt_tokens, args.new_tokens,
+                                 args.runs, timeout_s=3600)[0]
+        record["generate"] = {"prompt_tokens": args.prompt_tokens,
+                              "new_tokens": args.new_tokens, **result}
+    if args.part in ("length", "all"):
+        record["length"] = {}
+        for sp in args.sp:
+            result = run_distributed(length_part, sp, args.lengths, 16, args.runs,
+                                     timeout_s=3600)[0]
+            record["length"][str(sp)] = {str(k): v for k, v in result.items()}
+    print(table(record))
+    save_record("rollout", record)
+
+
+if __name__ == "__main__":
+    main()

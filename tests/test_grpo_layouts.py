@@ -1,0 +1,170 @@
+"""`rl: grpo` at the layouts real RL runs use: FSDP2 over several data-parallel groups, whose
+SP groups decode different numbers of tokens, and a generation batch split over several
+optimizer steps (TRL's `steps_per_generation`).
+
+The model ends a sequence on many token ids, so completions end at different steps and each
+data-parallel group's rollout needs its own number of decode forwards. Under FSDP2 every
+forward gathers the layers' weights over all ranks; the rollout either gathers them once
+(`ds3_gather_for_generation`, the default) or lets the groups decode in lockstep. Either way
+the run must step exactly as the same run without FSDP.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.test_grpo_train import REWARDS, assert_same_grpo_run, grpo_config, write_prompts
+from tests.train_helpers import TINY_LLAMA, read_metrics, train
+
+# Ids 100-189 end a sequence: about a quarter of the byte vocabulary, so a random model's
+# completions end after a few tokens, at different steps for different prompts.
+MANY_EOS = {**TINY_LLAMA, "eos_token_id": list(range(100, 190))}
+ACCUMULATION = 2
+SPLIT = 2  # optimizer steps per generation batch
+
+
+def layout_config(tmp_path: Path, name: str, data: Path, **overrides) -> Path:
+    settings = {
+        "model_config": MANY_EOS, "micro_batch_size": 2, "learning_rate": 0.01,
+        "gradient_accumulation_steps": ACCUMULATION, "max_steps": 2 * SPLIT,
+        "trl": {"reward_funcs": ["rewards.letters"], "num_generations": 2,
+                "max_completion_length": 24, "beta": 0.04, "loss_type": "grpo",
+                "steps_per_generation": SPLIT * ACCUMULATION},
+    }
+    trl = {**settings["trl"], **overrides.pop("trl", {})}
+    return grpo_config(tmp_path, name, data, **{**settings, **overrides, "trl": trl})
+
+
+def decode_steps(run: Path, dp: int, g: int = 2) -> list[list[int]]:
+    """Decode forwards each data-parallel group ran per prompt of the first generation batch
+    (the longest of the prompt's completions), from completions.jsonl (written in
+    data-parallel rank order, each prompt's `g` completions together)."""
+    rows = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    first = [r["completion_tokens"] for r in rows if r["step"] == 1]
+    per_prompt = [max(first[i:i + g]) for i in range(0, len(first), g)]
+    per_group = len(per_prompt) // dp
+    return [per_prompt[i * per_group:(i + 1) * per_group] for i in range(dp)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, Path]:
+    """The prompts, and the run at dp 2 without FSDP."""
+    tmp_path = tmp_path_factory.mktemp("grpo-layouts")
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    data = write_prompts(tmp_path / "prompts.jsonl", count=16)
+    train(layout_config(tmp_path, "dp2", data), 2)
+    return tmp_path, data
+
+
+def test_reference_run_is_a_real_check(reference):
+    """What the layout tests compare against: groups that decode different numbers of
+    tokens, a batch reused across steps (rewards logged every SPLIT steps, the later step's
+    ratios off 1), losses that are not zero by construction."""
+    tmp_path, _ = reference
+    run = tmp_path / "dp2"
+    steps = decode_steps(run, 2)
+    assert steps[0] != steps[1] and max(steps[0]) < 24, steps  # none cut at the limit
+    records = read_metrics(run)
+    assert ["reward" in r for r in records] == [True, False] * SPLIT
+    assert all(r["grad_norm"] > 0 for r in records)
+    # The second step of a batch scores it with weights one update old.
+    assert records[1]["kl"] > 0 and abs(records[1]["loss"]) > 1e-6
+
+
+@pytest.mark.parametrize("name,ranks,overrides", [
+    ("dp2-fsdp-gathered", 2, {"fsdp": True}),
+    ("dp2-sp2-fsdp-lockstep", 4, {"fsdp": True, "sequence_parallel_degree": 2,
+                                  "trl": {"ds3_gather_for_generation": False}}),
+])
+def test_fsdp_rollouts_step_as_without_fsdp(reference, name, ranks, overrides):
+    tmp_path, data = reference
+    train(layout_config(tmp_path, name, data, **overrides), ranks)
+    assert_same_grpo_run(tmp_path / name, tmp_path / "dp2", adapter=True)
+    for mine, theirs in zip(read_metrics(tmp_path / name), read_metrics(tmp_path / "dp2"),
+                            strict=True):
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+        assert mine["tokens"] == theirs["tokens"]
+
+
+# ---- what `validate` says of these layouts (no processes) --------------------------------
+
+def grpo_plan(world: int = 4, shape=None, **overrides):
+    from longctx_cli.config import config_from_dict
+    from longctx_cli.config.plan import build_plan
+    from longctx_cli.config.world import Platform
+    from tests.test_plan import SMALL
+
+    settings = {"model_config": {"model_type": "llama"}, "sequence_len": 4096, "rl": "grpo",
+                "datasets": [{"path": "prompts.jsonl", "type": "prompt"}],
+                "micro_batch_size": 4, "gradient_accumulation_steps": 2,
+                "trl": {"reward_funcs": ["rewards.letters"], "num_generations": 4,
+                        **overrides.pop("trl", {})}, **overrides}
+    return build_plan(config_from_dict(settings), world, shape or SMALL,
+                      platform=Platform(cuda=False, ring_flash_attn=False))
+
+
+def test_plan_prints_what_gathering_for_rollouts_costs():
+    """Under FSDP the rollout holds the whole model: the plan's memory rows say how much
+    beyond the shard, and nothing when the groups decode in lockstep or without FSDP."""
+    from longctx_cli.config.memory_estimate import format_gib
+    from tests.test_plan import LLAMA3_8B
+
+    gathered = grpo_plan(fsdp=True, shape=LLAMA3_8B, dtype="bfloat16")
+    weights = gathered.memory.rollout_weights
+    # bf16 Llama-3-8B: ~16 GB of weights, 3/4 of them on other ranks at world 4.
+    assert 0.74 * 16e9 < weights < 0.76 * 16.1e9, weights
+    assert gathered.memory.rollout_total == (gathered.memory.parameters + weights
+                                             + gathered.memory.gradients
+                                             + gathered.memory.optimizer)
+    text = "\n".join(" ".join(map(str, row)) for _, rows in gathered._sections(LLAMA3_8B)
+                     for row in rows)
+    assert f"+{format_gib(weights)}" in text and "lockstep" in text
+    lockstep = grpo_plan(fsdp=True, shape=LLAMA3_8B, dtype="bfloat16",
+                         trl={"ds3_gather_for_generation": False})
+    assert lockstep.memory.rollout_weights == 0
+    assert grpo_plan(shape=LLAMA3_8B).memory.rollout_weights == 0
+
+
+def test_plan_states_decoding_by_full_forwards():
+    from dataclasses import replace
+
+    from tests.test_plan import SMALL
+
+    windowed = replace(SMALL, plain_fields={"sliding_window": 64})
+    notes = grpo_plan(shape=windowed, prefix_sharing=False).notes
+    assert any("one full SP forward per generated token" in n and "sliding window" in n
+               for n in notes), notes
+    assert not any("per generated token" in n for n in grpo_plan().notes)
+
+
+@pytest.mark.parametrize("trl,world,message", [
+    ({"steps_per_generation": 3}, 4, "not a multiple of `gradient_accumulation_steps: 2`"),
+    ({"generation_batch_size": 12}, 4, "must be a multiple of micro_batch_size x "
+                                       "data-parallel groups = 4 x 4 = 16"),
+])
+def test_generation_batch_that_does_not_split_into_steps(trl, world, message):
+    from longctx_cli.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        grpo_plan(world, trl=trl)
+    assert message in str(e.value), str(e.value)
+    assert f"trl.{next(iter(trl))}" in str(e.value)
+
+
+def test_generation_batch_size_sets_the_steps_it_feeds():
+    from longctx_cli.config import config_from_dict
+    from longctx_cli.train.schedule import rows_per_batch, steps_per_batch
+
+    config = config_from_dict({
+        "model_config": {"model_type": "llama"}, "sequence_len": 4096, "rl": "grpo",
+        "datasets": [{"path": "p.jsonl", "type": "prompt"}], "micro_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "trl": {"reward_funcs": ["rewards.letters"], "num_generations": 4,
+                "generation_batch_size": 32, "num_iterations": 3}})
+    # 32 completions at dp 2 = 4 micro-batches of 4 per group: two optimizer steps, each
+    # run 3 times; 8 prompts of 4 completions.
+    assert steps_per_batch(config, 2) == 6
+    assert rows_per_batch(config, 2) == 8
