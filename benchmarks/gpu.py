@@ -18,14 +18,26 @@ Parts (each writes into one JSON, ``benchmarks/results/gpu-<device>.json``):
   1B-class random Llama at 8K-128K tokens, longctx (sp=1, each kernel) against plain
   Hugging Face training with ``sdpa`` and ``flash_attention_2`` (when flash-attn is
   installed). Out of memory is recorded as such.
+* ``kernels``: forward and backward milliseconds of one attention call over a full row for
+  each block kernel: ``torch_flash`` (PyTorch's flash-attention 2 op), ``cudnn`` (PyTorch's
+  cuDNN ops: the dense op for one document, the ragged op for 4 packed ones) and ``fa4``
+  (flash-attn 4, where it imports); 32 query / 8 KV heads, head dim 64 and 128, bf16,
+  causal, 8K-64K tokens. A kernel that cannot run here is recorded as skipped, with why.
+* ``kernel-parity``: the ``parity`` part for ``cudnn`` and ``fa4`` (where they run) in bf16
+  and fp16, every strategy, against the same float32 SDPA truth and next to SDPA's own error.
 * ``longest``: the longest row that trains on this GPU for a Llama-3-8B-shaped random model
   with LoRA + gradient checkpointing + activation offload + chunked loss + tiled MLP
   (doubling, then bisection), with ``validate``'s estimate against the measured peak
   (``torch.cuda.max_memory_allocated``) at every length tried.
 
-``--dry-run`` runs all of it on CPU with tiny shapes; the ``torch_flash`` kernel then calls
-the CPU stand-in of PyTorch's flash op (``tests/torch_flash_standin.py``), and memory is
-not measured (no CUDA allocator). Its numbers mean nothing; it proves the script runs.
+``--dry-run`` runs all of it on CPU with tiny shapes; the ``torch_flash``, ``cudnn`` and
+``fa4`` kernels then call the CPU stand-ins of their ops (``tests/torch_flash_standin.py``,
+``tests/cudnn_standin.py``, ``tests/fa4_standin.py``), and memory is not measured (no CUDA
+allocator). Its numbers mean nothing; it proves the script runs.
+
+A 15-minute lease (about 8 minutes of work; estimated from the earlier leases' step times,
+not measured): ``python benchmarks/gpu.py --parts kernels kernel-parity throughput
+--lengths 8192 16384 32768 65536 --tiled-up-to 0 --throughput-kernels torch_flash cudnn``.
 """
 
 from __future__ import annotations
@@ -50,11 +62,18 @@ from longctx_cli.config import config_from_dict  # noqa: E402
 from longctx_cli.config.memory_estimate import attention_softcap, estimate_memory, tiled_scores_run  # noqa: E402
 from longctx_cli.config.model_shape import ModelShape  # noqa: E402
 from longctx_cli.config.rules import layout_for  # noqa: E402
-from longctx_cli.kernel_choice import Platform, choose_kernel, flash_kernels_import  # noqa: E402
+from longctx_cli.kernel_choice import (  # noqa: E402
+    KernelError,
+    ModelAttention,
+    Platform,
+    choose_kernel,
+    flash_kernels_import,
+)
 from longctx_cli.layout import P2P_SHARDING, Layout  # noqa: E402
 from longctx_cli.parallel import (  # noqa: E402
     AttentionFeatures,
     ParallelState,
+    cudnn_attention,  # noqa: E402
     make_sp_meta,
     shard_batch,
 )
@@ -212,17 +231,16 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def parity(device: torch.device, dry: bool, results: list[dict], save) -> list[dict]:
+def parity(device: torch.device, dry: bool, results: list[dict], save,
+           kernels: list[str] | None = None, dtypes: list[str] | None = None,
+           strategies: list[str] | None = None) -> list[dict]:
     total, hq, hkv, dim = (256, 4, 2, 16) if dry else (16384, 32, 8, 128)
     docs = [total // 2, total // 4, total // 8, total - total // 2 - total // 4 - total // 8]
     cu = [0]
     for n in docs:
         cu.append(cu[-1] + n)
-    strategies = ["world1", "ring2_contiguous", "ring2_zigzag", "ring4_contiguous",
-                  "ring4_zigzag", "ulysses2", "ulysses4", "hybrid4u2_contiguous",
-                  "hybrid4u2_zigzag", "p2p4_batch_ring", "p2p4_batch_zigzag",
-                  "p2p4_batch_stripe"]
-    kernels = ["torch", "torch_flash"] + (["flash"] if flash_available() else [])
+    strategies = strategies or list(STRATEGIES)
+    kernels = kernels or ["torch", "torch_flash"] + (["flash"] if flash_available() else [])
     g = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(total, hq, dim, generator=g).to(device) for _ in range(2))
     k, v = (torch.randn(total, hkv, dim, generator=g).to(device) for _ in range(2))
@@ -230,6 +248,8 @@ def parity(device: torch.device, dry: bool, results: list[dict], save) -> list[d
         feats = AttentionFeatures(scale=dim**-0.5, window=window)
         truth = sdpa_reference(q, k, v, dout, cu, feats, torch.float32)
         for dtype_name, dtype in DTYPES.items():
+            if dtypes is not None and dtype_name not in dtypes:
+                continue
             floor = sdpa_reference(q, k, v, dout, cu, feats, dtype)
             floor_err = {n: rel(a, b) for n, a, b in zip(NAMES, floor, truth, strict=True)}
             args = [t.to(dtype) for t in (q, k, v, dout)]
@@ -255,10 +275,20 @@ def parity(device: torch.device, dry: bool, results: list[dict], save) -> list[d
 
 
 NAMES = ("out", "dq", "dk", "dv")
+STRATEGIES = ("world1", "ring2_contiguous", "ring2_zigzag", "ring4_contiguous", "ring4_zigzag",
+              "ulysses2", "ulysses4", "hybrid4u2_contiguous", "hybrid4u2_zigzag",
+              "p2p4_batch_ring", "p2p4_batch_zigzag", "p2p4_batch_stripe")
 
 
 def path_of(kernel: str, q: torch.Tensor, feats: AttentionFeatures) -> str:
-    """What computes the blocks: the flash op, or the fallback where it does not apply."""
+    """What computes the blocks: the kernel's ops, or the fallback where they do not apply."""
+    if kernel == "cudnn":
+        if cudnn_attention.applies(q, feats):
+            return "cuDNN ops"
+        return ("flash op (cuDNN takes no window)" if flash_applies(q, feats) else
+                "tiled fallback (the ops do not apply)")
+    if kernel == "fa4":
+        return "flash-attn 4" if flash_applies(q, feats) else "tiled fallback"
     if kernel == "torch_flash":
         return "flash op" if flash_applies(q, feats) else "tiled fallback (op does not apply)"
     if kernel == "torch":
@@ -278,6 +308,96 @@ def flash_world1(q, k, v, dout, cu, feats) -> list[torch.Tensor]:
                                  causal=True, window_size=window)
     out.backward(dout)
     return [out.detach(), *(t.grad for t in leaves)]
+
+
+# ---- the block kernels, one attention call ---------------------------------------------
+
+BENCH_KERNELS = ("torch_flash", "cudnn", "fa4")
+
+
+def kernel_unusable(kernel: str, dry: bool, dtype: str, head_dim: int) -> str | None:
+    """Why ``kernel`` cannot run here (``kernel_choice``'s answer); None when it can. The dry
+    run's stand-ins take anything."""
+    if dry:
+        return None
+    try:
+        choose_kernel(kernel, platform=Platform.detect(), dtype=dtype,
+                      model=ModelAttention(head_dim=head_dim))
+    except KernelError as err:
+        return err.message
+    return None
+
+
+def time_ms(fn, device: torch.device, reps: int) -> float:
+    """Median milliseconds of ``fn()`` over ``reps`` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def kernel_bench(device: torch.device, dry: bool, lengths: list[int] | None,
+                 results: list[dict], save) -> list[dict]:
+    """Forward and backward ms of one full-row attention call per kernel, head dim, length,
+    one document or 4 packed (``cudnn`` then runs its dense op or its ragged one)."""
+    hq, hkv = (4, 2) if dry else (32, 8)
+    dims = (16, 32) if dry else (64, 128)
+    lengths = lengths or ([128, 256] if dry else [8192, 16384, 32768, 65536])
+    dtype_name = "bfloat16"
+    reps = 1 if dry else 3
+    for n in lengths:
+        for dim in dims:
+            for docs in (1, 4):
+                cu = [n * i // docs for i in range(docs + 1)]
+                segments = full_row_segments(cu)
+                for kernel in BENCH_KERNELS:
+                    row = {"kernel": kernel, "tokens": n, "head_dim": dim, "documents": docs,
+                           "heads": [hq, hkv], "dtype": dtype_name,
+                           "variant": ("dense" if docs == 1 else "ragged")
+                           if kernel == "cudnn" else ""}
+                    why = kernel_unusable(kernel, dry, dtype_name, dim)
+                    if why:
+                        results.append({**row, "status": "skipped", "why": why})
+                        continue
+
+                    def run(kernel=kernel, dim=dim, segments=segments, n=n):
+                        g = torch.Generator().manual_seed(n + dim)
+                        q, dout = (torch.randn(n, hq, dim, generator=g).to(
+                            device, DTYPES[dtype_name]) for _ in range(2))
+                        k, v = (torch.randn(n, hkv, dim, generator=g).to(
+                            device, DTYPES[dtype_name]) for _ in range(2))
+                        feats = AttentionFeatures(scale=dim**-0.5)
+
+                        def forward():
+                            return doc_causal_forward(q, k, v, segments, feats, kernel=kernel)
+
+                        fwd = time_ms(forward, device, reps)
+                        o, lse = forward()
+                        bwd = time_ms(lambda: doc_causal_backward(
+                            dout, q, k, v, o, lse, segments, feats, kernel=kernel), device, reps)
+                        return {"forward_ms": fwd, "backward_ms": bwd, "total_ms": fwd + bwd,
+                                "path": path_of(kernel, q, feats)}
+                    results.append({**row, **measured(run, device)})
+                    save()
+                    print(f"  kernels: {results[-1]}", flush=True)
+    return results
+
+
+def kernel_parity(device: torch.device, dry: bool, results: list[dict], save,
+                  strategies: list[str] | None = None) -> list[dict]:
+    """``parity`` for the kernels added to the flash op, where they run (bf16 and fp16)."""
+    dim = 16 if dry else 128
+    kernels = [k for k in ("cudnn", "fa4") if not kernel_unusable(k, dry, "bfloat16", dim)]
+    if not kernels:
+        print("  kernel-parity: neither cudnn nor fa4 runs here", flush=True)
+        return results
+    return parity(device, dry, results, save, kernels=kernels,
+                  dtypes=["bfloat16", "float16"], strategies=strategies)
 
 
 # ---- training steps ------------------------------------------------------------------------
@@ -431,13 +551,15 @@ def measured(fn, device: torch.device) -> dict:
 
 
 def throughput(device: torch.device, dry: bool, lengths: list[int] | None,
-               tiled_up_to: int, results: list[dict], save) -> list[dict]:
+               tiled_up_to: int, results: list[dict], save,
+               kernels: list[str] | None = None) -> list[dict]:
     """``tiled_up_to``: the longest row the ``torch`` kernel (tiled matmuls on CUDA, the
-    slowest) is timed at, so that a lease of minutes reaches the longer rows."""
+    slowest) is timed at, so that a lease of minutes reaches the longer rows. ``kernels``:
+    the longctx kernels timed (default torch_flash, torch, and flash where installed)."""
     model, dtype = (TINY, "float32") if dry else (LLAMA_1B, "bfloat16")
     lengths = lengths or ([128, 256] if dry else [8192, 16384, 32768, 65536, 131072])
     steps = 1 if dry else 2
-    kernels = ["torch_flash", "torch"] + (["flash"] if flash_available() else [])
+    kernels = kernels or ["torch_flash", "torch"] + (["flash"] if flash_available() else [])
     hf = ["sdpa"] + ([] if dry or not importable("flash_attn") else ["flash_attention_2"])
     for n in lengths:
         for kernel in kernels:
@@ -549,7 +671,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, stand-in op")
     parser.add_argument("--parts", nargs="+", default=["parity", "throughput", "longest"],
-                        choices=["parity", "throughput", "longest", "profile"])
+                        choices=["parity", "throughput", "longest", "profile", "kernels",
+                                 "kernel-parity"])
+    parser.add_argument("--throughput-kernels", nargs="+", default=None,
+                        choices=["torch_flash", "torch", "flash", "cudnn", "fa4"],
+                        help="longctx kernels `throughput` times (default torch_flash, torch, "
+                             "flash where installed)")
+    parser.add_argument("--kernel-lengths", type=int, nargs="+", default=None,
+                        help="rows of the `kernels` part (default 8K-64K)")
+    parser.add_argument("--strategies", nargs="+", default=None, choices=STRATEGIES,
+                        help="strategies of the parity parts (default all)")
     parser.add_argument("--max-trials", type=int, default=8, help="rows tried by `longest`")
     parser.add_argument("--lengths", type=int, nargs="+", default=None,
                         help="rows timed by `throughput` (default 8K-128K)")
@@ -569,10 +700,15 @@ def main(argv: list[str] | None = None) -> dict:
         print(tables(json.loads(args.table.read_text())))
         return {}
     if args.dry_run:
+        from longctx_cli.parallel.cudnn_attention import use_cudnn_ops
+        from longctx_cli.parallel.fa4_attention import ops_for, use_fa4_ops
         from longctx_cli.parallel.torch_flash import use_flash_ops
+        from tests import cudnn_standin, fa4_standin
         from tests.torch_flash_standin import OPS
 
-        use_flash_ops(OPS)  # the GPU kernel's code path, on the CPU stand-in of the op
+        use_flash_ops(OPS)  # the GPU kernels' code paths, on CPU stand-ins of their ops
+        use_cudnn_ops(cudnn_standin.OPS)
+        use_fa4_ops(ops_for(fa4_standin.MODULE, supports=lambda q: True, name="stand-in"))
         device = torch.device("cpu")
         torch.set_num_threads(1)
     elif not torch.cuda.is_available():
@@ -593,10 +729,17 @@ def main(argv: list[str] | None = None) -> dict:
         out.write_text(json.dumps(report, indent=1))
 
     if "parity" in args.parts:
-        parity(device, args.dry_run, report.setdefault("parity", []), save)
+        parity(device, args.dry_run, report.setdefault("parity", []), save,
+               strategies=args.strategies)
+    if "kernels" in args.parts:
+        kernel_bench(device, args.dry_run, args.kernel_lengths,
+                     report.setdefault("kernels", []), save)
+    if "kernel-parity" in args.parts:
+        kernel_parity(device, args.dry_run, report.setdefault("kernel_parity", []), save,
+                      args.strategies)
     if "throughput" in args.parts:
         throughput(device, args.dry_run, args.lengths, args.tiled_up_to,
-                   report.setdefault("throughput", []), save)
+                   report.setdefault("throughput", []), save, args.throughput_kernels)
     if "profile" in args.parts:
         profiles(device, args.dry_run, args.profile_tokens, report.setdefault("profile", []),
                  save)
@@ -614,18 +757,9 @@ def tables(report: dict) -> str:
     current code (what `validate` prints now) beside the peak measured then."""
     gib = 1024**3
     lines = [f"{report['device']}, torch {report['torch']}"]
-    if report.get("parity"):
-        lines += ["", "| kernel | dtype | worst relative error, any strategy and window "
-                  "| SDPA's own |", "|---|---|---|---|"]
-    worst: dict = {}
-    for row in report.get("parity", []):
-        key = (row["kernel"], row["dtype"])
-        err = max(row["err"].values()) if "err" in row else float("nan")
-        floor = max(row["sdpa_err"].values())
-        old = worst.get(key, (0.0, 0.0))
-        worst[key] = (max(old[0], err), max(old[1], floor))
-    for (kernel, dtype), (err, floor) in worst.items():
-        lines.append(f"| `{kernel}` | {dtype} | {err:.2e} | {floor:.2e} |")
+    for key in ("parity", "kernel_parity"):
+        lines += parity_table(report.get(key, []))
+    lines += kernels_table(report.get("kernels", []))
     rows = report.get("throughput", [])
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     lengths = sorted({r["tokens"] for r in rows})
@@ -655,14 +789,58 @@ def tables(report: dict) -> str:
     return "\n".join(lines)
 
 
+def parity_table(rows: list[dict]) -> list[str]:
+    """Worst error per kernel and dtype over strategies and windows, beside SDPA's own."""
+    if not rows:
+        return []
+    lines = ["", "| kernel | dtype | worst relative error, any strategy and window "
+             "| SDPA's own |", "|---|---|---|---|"]
+    worst: dict = {}
+    for row in rows:
+        key = (row["kernel"], row["dtype"])
+        err = max(row["err"].values()) if "err" in row else float("nan")
+        floor = max(row["sdpa_err"].values())
+        old = worst.get(key, (0.0, 0.0))
+        worst[key] = (max(old[0], err), max(old[1], floor))
+    for (kernel, dtype), (err, floor) in worst.items():
+        lines.append(f"| `{kernel}` | {dtype} | {err:.2e} | {floor:.2e} |")
+    return lines
+
+
+def kernels_table(rows: list[dict]) -> list[str]:
+    """Forward + backward ms per (tokens, head dim, documents), one column per kernel
+    (``cudnn`` is its dense op for one document, its ragged op for several)."""
+    if not rows:
+        return []
+    kernels = list(dict.fromkeys(r["kernel"] for r in rows))
+    keys = list(dict.fromkeys((r["tokens"], r["head_dim"], r["documents"]) for r in rows))
+    lines = ["", "| tokens | head dim | documents | "
+             + " | ".join(f"`{k}` fwd + bwd ms" for k in kernels) + " |",
+             "|---" * (len(kernels) + 3) + "|"]
+    for n, dim, docs in keys:
+        cells = []
+        for kernel in kernels:
+            r = next((r for r in rows if (r["tokens"], r["head_dim"], r["documents"], r["kernel"])
+                      == (n, dim, docs, kernel)), None)
+            cells.append("-" if r is None else r["status"] if r["status"] != "ok" else
+                         f"{r['forward_ms']:.1f} + {r['backward_ms']:.1f}")
+        lines.append(f"| {n:,} | {dim} | {docs} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def summary(report: dict) -> str:
     lines = [f"device {report['device']} (measured: {report['measured']})"]
-    for row in report.get("parity", []):
+    for row in report.get("parity", []) + report.get("kernel_parity", []):
         err = row.get("err")
         what = (f"max err {max(err.values()):.2e} (sdpa {max(row['sdpa_err'].values()):.2e})"
                 if err else row.get("error", ""))
         lines.append(f"  parity {row['kernel']:<11} {row['dtype']:<8} {row['strategy']:<20} "
                      f"window {row['window']}: {what}")
+    for row in report.get("kernels", []):
+        ms = (f"{row['forward_ms']:.2f} + {row['backward_ms']:.2f} ms" if row["status"] == "ok"
+              else f"{row['status']} {row.get('why', row.get('error', ''))}")
+        lines.append(f"  kernels {row['kernel']:<11} {row['tokens']:>7} d{row['head_dim']} "
+                     f"x{row['documents']}: {ms}")
     for row in report.get("throughput", []):
         tps = f"{row['tokens_per_s']:.0f} tok/s" if row["status"] == "ok" else row["status"]
         lines.append(f"  throughput {row['impl']:<18} {row['tokens']:>7}: {tps}")

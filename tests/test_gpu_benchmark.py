@@ -81,3 +81,54 @@ def test_gpu_benchmark_profile_dry_run(tmp_path: Path) -> None:
     assert [r["impl"] for r in rows] == ["longctx/torch_flash", "hf/sdpa"]
     assert all(r["status"] == "ok" and r["seconds"] > 0 and r["self_device_ms"] is not None
                for r in rows), rows
+
+
+def test_kernel_parts_dry_run(tmp_path: Path) -> None:
+    """The `kernels` and `kernel-parity` parts run on CPU through the stand-ins of the
+    torch_flash, cudnn and fa4 ops, and their JSON and table have the shape the docs use."""
+    out = tmp_path / "gpu-kernels.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--dry-run", "--parts",
+         "kernels", "kernel-parity", "--kernel-lengths", "64", "--strategies", "world1",
+         "hybrid4u2_zigzag", "p2p4_batch_zigzag", "--out", str(out)],
+        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = report["kernels"]
+    assert {(r["kernel"], r["head_dim"], r["documents"]) for r in rows} == {
+        (k, d, n) for k in ("torch_flash", "cudnn", "fa4") for d in (16, 32) for n in (1, 4)}
+    for r in rows:
+        assert r["status"] == "ok" and r["forward_ms"] > 0 and r["backward_ms"] > 0, r
+    cudnn = {r["documents"]: r for r in rows if r["kernel"] == "cudnn"}
+    assert cudnn[1]["variant"] == "dense" and cudnn[4]["variant"] == "ragged"
+    assert cudnn[1]["path"] == "cuDNN ops"
+    parity = report["kernel_parity"]
+    assert {r["kernel"] for r in parity} == {"cudnn", "fa4"}
+    assert {r["dtype"] for r in parity} == {"bfloat16", "float16"}
+    assert len({r["strategy"] for r in parity}) == 3
+    for r in parity:  # half precision through the stand-ins: within SDPA's own error
+        assert max(r["err"].values()) <= 1.5 * max(r["sdpa_err"].values()), r
+    windowed = [r for r in parity if r["kernel"] == "cudnn" and r["window"]]
+    assert windowed and all(r["path"] == "flash op (cuDNN takes no window)" for r in windowed)
+    table = gpu_tables(out)
+    assert sum(r.startswith("| 64 | ") for r in table) == 4  # 2 head dims x 1 or 4 documents
+
+
+def test_kernels_table_and_skips_on_a_machine_without_the_kernels() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu
+
+    why = gpu.kernel_unusable("cudnn", False, "bfloat16", 128)
+    assert why is not None and "no CUDA GPU" in why
+    assert gpu.kernel_unusable("cudnn", True, "bfloat16", 128) is None  # stand-ins
+    rows = [{"kernel": "torch_flash", "tokens": 8192, "head_dim": 128, "documents": 4,
+             "status": "ok", "forward_ms": 1.25, "backward_ms": 3.5},
+            {"kernel": "fa4", "tokens": 8192, "head_dim": 128, "documents": 4,
+             "status": "skipped", "why": why}]
+    assert gpu.kernels_table(rows)[1:] == [
+        "| tokens | head dim | documents | `torch_flash` fwd + bwd ms | `fa4` fwd + bwd ms |",
+        "|---|---|---|---|---|",
+        "| 8,192 | 128 | 4 | 1.2 + 3.5 | skipped |",
+    ]
