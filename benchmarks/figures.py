@@ -118,8 +118,8 @@ def peers_table() -> str:
     table = side_by_side(row, reach, live, peers.get("tokens", {}).get(name))
     command = (f"python benchmarks/peers.py --table benchmarks/results/{PEERS[0]} --reach "
                f"benchmarks/results/{PEERS[1]} --live benchmarks/results/{PEERS[2]}")
-    return _wrap("peers", f"{table}\n\nThe table: `{command}`, from runs on a "
-                 f"{peers['machine']} VM, {peers['date']}.")
+    return _wrap("peers", f"{table}\n\nThe table: `{command}`, from runs of {peers['date']} "
+                 f"on a VM ({peers['machine']}).")
 
 
 # ---- docs: blocks whose benchmark renders them ----------------------------------------------
