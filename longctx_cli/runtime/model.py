@@ -20,7 +20,7 @@ from longctx_cli.errors import UserError
 from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.token_mixing import attach_token_mixing
-from longctx_cli.runtime.head import decoder_of, model_head
+from longctx_cli.runtime.head import cast_head_to_float32, decoder_of, model_head
 from longctx_cli.runtime.memory_savers import apply_lean_rms_norm, apply_tiled_mlp
 
 log = logging.getLogger(__name__)
@@ -353,6 +353,8 @@ def build_model(config: Config, state: ParallelState | None = None,
         apply_lean_rms_norm(model)
     if config.dtype == "float16":
         keep_float32_master_weights(model)
+    if config.rl == "grpo" and config.trl.cast_lm_head_to_fp32:
+        cast_head_to_float32(unwrap(model))  # like the master weights: before TP and FSDP2
     if state.layout.tp > 1:
         from longctx_cli.parallel.tensor_parallel import apply_tensor_parallel
 
