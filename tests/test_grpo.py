@@ -516,6 +516,8 @@ def test_float32_head_matches_trl_cast(tied):
             cast_head_to_float32(model)
             assert model.lm_head.weight.dtype == torch.float32
             assert model.get_input_embeddings()(ids).dtype == torch.bfloat16
+            with torch.no_grad():  # the model's own forward runs through the float32 head
+                assert model(ids).logits.dtype == torch.float32
         decoder, head = decoder_and_head(model)
         with torch.no_grad():
             hidden = decoder(input_ids=ids).last_hidden_state[0, len(prompt) - 1:-1]

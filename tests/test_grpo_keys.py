@@ -178,3 +178,34 @@ def test_shuffle_dataset_false_keeps_the_order():
                     trl={"reward_funcs": ["rewards.r"], "num_generations": 4,
                          "shuffle_dataset": False})
     assert config.curriculum_sampling is True
+
+
+def test_cast_lm_head_to_fp32_builds_a_float32_head():
+    """`trl.cast_lm_head_to_fp32` in a bfloat16 run: the built model's head weights are
+    float32 (the decoder's stay bfloat16) and the run's head computes in float32."""
+    import torch
+
+    from longctx_cli.config.schema import Config
+    from longctx_cli.runtime.model import build_model, decoder_and_head, unwrap
+    from tests.train_helpers import TINY_LLAMA
+
+    def built(cast: bool):
+        config = Config(model_config=TINY_LLAMA, rl="grpo", micro_batch_size=4,
+                        sequence_len=256, dtype="bfloat16", adapter="lora",
+                        lora_target_modules=["q_proj"],
+                        datasets=[{"path": "p.jsonl", "type": "prompt"}],
+                        trl={"reward_funcs": ["rewards.r"], "num_generations": 4,
+                             "max_completion_length": 8, "cast_lm_head_to_fp32": cast})
+        return build_model(config)
+
+    model = built(True)
+    base = unwrap(model)
+    assert base.lm_head.weight.dtype == torch.float32
+    assert base.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    _, head = decoder_and_head(model)
+    assert head.float32 and not decoder_and_head(built(False))[1].float32
+    hidden = torch.randn(3, base.config.hidden_size).to(torch.bfloat16)  # the decoder's dtype
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as a bf16-autocast step would call it
+        logits = head(hidden)
+    torch.testing.assert_close(logits, hidden.float() @ base.lm_head.weight.T, rtol=0,
+                               atol=1e-5)

@@ -113,6 +113,10 @@ def cast_head_to_float32(model: nn.Module) -> None:
     for param in lm_head.parameters():
         param.data = param.data.float()
     setattr(lm_head, _FLOAT32_MARK, True)
+    # The model's own forward (generate, the fidelity probe) hands it low-precision hidden
+    # states: float32 inputs for the float32 weights, as TRL's patched head takes them.
+    lm_head.register_forward_pre_hook(
+        lambda module, args: (args[0].float(), *args[1:]) if args else args)
     if tied and dtype != torch.float32:
         embedding.register_forward_hook(
             lambda module, args, output: output.to(dtype))
