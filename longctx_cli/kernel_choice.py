@@ -411,7 +411,9 @@ def choose_kernel(
     if not flash_blockers:
         return KernelChoice("flash", "auto: CUDA, flash-attn and ring-flash-attn installed")
     if not op_blockers:
-        unmeasured = "" if cudnn_blockers(platform, dtype, model) else (
+        eligible = platform.capability is not None and not cudnn_blockers(platform, dtype,
+                                                                          model)
+        unmeasured = "" if not eligible else (
             "; cuDNN attention is eligible here but not measured faster on a GPU yet, so auto "
             "keeps torch_flash (`attention_kernel: cudnn` opts in)")
         return KernelChoice("torch_flash", "auto: PyTorch's flash-attention op, not flash-attn: "
