@@ -515,16 +515,19 @@ def hf_steps(model_dict: dict, tokens: int, attn: str, dtype, device, steps: int
 
 
 def profiles(device: torch.device, dry: bool, tokens: int | None, results: list[dict],
-             save) -> list[dict]:
-    """Where a step's device time goes, longctx (`torch_flash`) beside plain HF (`sdpa`)."""
+             save, kernels: list[str] | None = None) -> list[dict]:
+    """Where a step's device time goes, longctx (each of ``kernels``, default
+    `torch_flash`) beside plain HF (`sdpa`): the profile names the kernels that ran."""
     model, dtype = (TINY, "float32") if dry else (LLAMA_1B, "bfloat16")
     n = tokens or (128 if dry else 16384)
-    for impl in ("longctx/torch_flash", "hf/sdpa"):
+    impls = [f"longctx/{k}" for k in kernels or ["torch_flash"]] + ["hf/sdpa"]
+    for impl in impls:
         table: dict = {}
 
         def run(impl=impl, table=table):
             if impl.startswith("longctx"):
-                secs, _ = longctx_steps(longctx_config(model, n, "torch_flash", dtype),
+                kernel = impl.split("/", 1)[1]
+                secs, _ = longctx_steps(longctx_config(model, n, kernel, dtype),
                                         device, 1, table)
             else:
                 secs = hf_steps(model, n, "sdpa", DTYPES[dtype], device, 1, table)
@@ -677,6 +680,9 @@ def main(argv: list[str] | None = None) -> dict:
                         choices=["torch_flash", "torch", "flash", "cudnn", "fa4"],
                         help="longctx kernels `throughput` times (default torch_flash, torch, "
                              "flash where installed)")
+    parser.add_argument("--profile-kernels", nargs="+", default=None,
+                        choices=["torch_flash", "torch", "flash", "cudnn", "fa4"],
+                        help="longctx kernels the `profile` part profiles (default torch_flash)")
     parser.add_argument("--kernel-lengths", type=int, nargs="+", default=None,
                         help="rows of the `kernels` part (default 8K-64K)")
     parser.add_argument("--strategies", nargs="+", default=None, choices=STRATEGIES,
@@ -742,7 +748,7 @@ def main(argv: list[str] | None = None) -> dict:
                    report.setdefault("throughput", []), save, args.throughput_kernels)
     if "profile" in args.parts:
         profiles(device, args.dry_run, args.profile_tokens, report.setdefault("profile", []),
-                 save)
+                 save, args.profile_kernels)
     if "longest" in args.parts:
         longest(device, args.dry_run, 3 if args.dry_run else args.max_trials,
                 args.longest_lengths, report, save)
