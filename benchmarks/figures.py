@@ -279,6 +279,28 @@ def peers_exchange() -> str:
                  "the limit is plain HF's time per step over the 2 ranks.")
 
 
+def reach_table() -> str:
+    from benchmarks.reach import table
+
+    record = _json("reach-2026-11-27.json")
+    return _wrap("reach", table(record["summary"], record["budget_gib"], record.get("verified")))
+
+
+def live_table() -> str:
+    from benchmarks.live_activations import table
+
+    record = _json("live-activations-lean-2026-11-27.json")
+    return _wrap("live-activations", table(record["tokens"], record["results"]))
+
+
+def peers_rows(name: str, stem: str) -> Callable[[], str]:
+    def render() -> str:
+        from benchmarks.peers import table
+
+        return _wrap(name, table(_json(stem)["results"]))
+    return render
+
+
 QUICKSTART_RUN = "quickstart-run-2026-11-28.json"
 
 
@@ -352,6 +374,10 @@ BLOCKS = [
     Block("docs/results.md", "quickstart-run", quickstart_run),
     Block("docs/results.md", "example-results", example_results),
     Block("docs/results.md", "peers-ulysses-exchange", peers_exchange),
+    Block("docs/results.md", "peers-8k", peers_rows("peers-8k", "peers-2026-11-26.json")),
+    Block("docs/results.md", "peers-32k", peers_rows("peers-32k", "peers-32k-2026-11-27.json")),
+    Block("docs/results.md", "reach", reach_table),
+    Block("docs/results.md", "live-activations", live_table),
     Block("docs/eval.md", "example-ruler", example_ruler),
     Block("docs/parallelism.md", "hybrid-bench", hybrid_bench),
     Block("docs/parallelism.md", "balance", balance_table),
