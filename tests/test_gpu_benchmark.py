@@ -84,17 +84,27 @@ def test_gpu_benchmark_profile_dry_run(tmp_path: Path) -> None:
 
 
 def test_kernel_parts_dry_run(tmp_path: Path) -> None:
-    """The `kernels` and `kernel-parity` parts run on CPU through the stand-ins of the
-    torch_flash, cudnn and fa4 ops, and their JSON and table have the shape the docs use."""
+    """The `kernels` and `kernel-parity` parts run (in this process, through `gpu.main`, the
+    script's own entry point) on CPU through the stand-ins of the torch_flash, cudnn and fa4
+    ops, and their JSON and table have the shape the docs use."""
+    import torch
+
+    from longctx_cli.parallel.cudnn_attention import cudnn_ops, use_cudnn_ops
+    from longctx_cli.parallel.fa4_attention import use_fa4_ops
+    from longctx_cli.parallel.torch_flash import flash_ops, use_flash_ops
+
+    gpu = _gpu_module()
     out = tmp_path / "gpu-kernels.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--dry-run", "--parts",
-         "kernels", "kernel-parity", "--kernel-lengths", "64", "--strategies", "world1",
-         "hybrid4u2_zigzag", "p2p4_batch_zigzag", "--out", str(out)],
-        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = (flash_ops(), cudnn_ops(), use_fa4_ops(None), torch.get_num_threads())
+    try:
+        gpu.main(["--dry-run", "--parts", "kernels", "kernel-parity", "--kernel-lengths", "64",
+                  "--strategies", "world1", "hybrid4u2_zigzag", "p2p4_batch_zigzag",
+                  "--out", str(out)])
+    finally:  # the dry run installs the stand-ins and one thread for this process
+        use_flash_ops(saved[0])
+        use_cudnn_ops(saved[1])
+        use_fa4_ops(saved[2])
+        torch.set_num_threads(saved[3])
     report = json.loads(out.read_text())
     rows = report["kernels"]
     assert {(r["kernel"], r["head_dim"], r["documents"]) for r in rows} == {
@@ -112,13 +122,20 @@ def test_kernel_parts_dry_run(tmp_path: Path) -> None:
         assert max(r["err"].values()) <= 1.5 * max(r["sdpa_err"].values()), r
     windowed = [r for r in parity if r["kernel"] == "cudnn" and r["window"]]
     assert windowed and all(r["path"] == "flash op (cuDNN takes no window)" for r in windowed)
-    table = gpu_tables(out)
+    table = gpu.tables(report).splitlines()
     assert sum(r.startswith("| 64 | ") for r in table) == 4  # 2 head dims x 1 or 4 documents
+    assert sum(r.startswith("| `cudnn` | ") or r.startswith("| `fa4` | ") for r in table) == 4
+
+
+def _gpu_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu
+
+    return gpu
 
 
 def test_kernels_table_and_skips_on_a_machine_without_the_kernels() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import gpu
+    gpu = _gpu_module()
 
     why = gpu.kernel_unusable("cudnn", False, "bfloat16", 128)
     assert why is not None and "no CUDA GPU" in why
