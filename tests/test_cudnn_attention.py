@@ -217,6 +217,24 @@ def test_block_functions_match_the_torch_kernel(cudnn_calls) -> None:
         assert rel_err(b, a) < TOL
 
 
+def test_branch_documents_see_their_shared_prefix(cudnn_calls) -> None:
+    """Shared pair prompts (`prefix_sharing`): a branch's rows also see the prompt's keys, a
+    block with no mask on the cuDNN ops, merged through the log-sum-exp."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(24, 4, 16, generator=g).requires_grad_()
+               for _ in range(3))
+    cu, prefixes = [0, 10, 16, 24], ((10, 0, 10), (16, 0, 10))
+    grads = []
+    before = dict(cudnn_calls)
+    for kernel in ("torch", "cudnn"):
+        out = doc_causal_attention(q, k, v, cu, 0.25, kernel=kernel, prefixes=prefixes)
+        grads.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+    assert cudnn_calls["dense_forward"] > before["dense_forward"]  # the prefix blocks
+    assert cudnn_calls["ragged_backward"] > before["ragged_backward"]  # the three documents
+    for a, b in zip(*grads, strict=True):
+        assert rel_err(b, a) < TOL
+
+
 # ---- every strategy at sp 2, both new kernels, multi-process ------------------------------
 
 
