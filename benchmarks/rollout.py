@@ -13,9 +13,11 @@ of new tokens (no end-of-sequence id, so both decode every token). Tokens per se
 new tokens / wall time, prefill included; the runs alternate, medians reported.
 
 Part `length`: the same model decodes `G` sequences after prompts of 4K-32K tokens at sp 1, 2
-and 4 (gloo processes, one thread each: on a 2-core machine sp 4 shares the cores). The time
-per generated token is (time for 1 + N new tokens - time for 1) / N: the prefill taken out.
-Plain `generate`'s, at sp 1, stands beside it. Writes benchmarks/results/rollout-<date>.json.
+and 4 (gloo processes, one thread each: on a 2-core machine sp 4 shares the cores). longctx's
+time per generated token is (time for 1 + N new tokens - time for 1) / N, N = 32: the prefill
+taken out. Beside it, at sp 1, the model's own cached decoding of the `G` sequences (the loop
+`generate` runs after prefilling `G` copies of the prompt), timed over the same N steps.
+Writes benchmarks/results/rollout-<date>.json.
 """
 
 from __future__ import annotations
@@ -104,9 +106,25 @@ def generate_part(rank: int, world: int, prompt_len: int, new: int, runs: int) -
     return {"longctx_s": ours, "generate_s": theirs}
 
 
-def length_part(rank: int, world: int, lengths: list[int], new: int, runs: int) -> dict:
-    """Per generated token seconds after each prompt length, at sp `world` (and `generate`'s
-    at sp 1)."""
+def hf_per_token(model, prompt: list[int], new: int) -> float:
+    """Seconds per token of the model's own cached decoding of `G` sequences after `prompt`
+    (the loop `generate` runs after its prefill of `G` prompt copies), the prefill left out."""
+    ids = torch.tensor([prompt] * G)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        cache, logits = out.past_key_values, out.logits[:, -1]
+        started = time.perf_counter()
+        for _ in range(new):
+            token = torch.multinomial(torch.softmax(logits.float(), -1), 1)
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            cache, logits = out.past_key_values, out.logits[:, -1]
+    return (time.perf_counter() - started) / new
+
+
+def length_part(rank: int, world: int, lengths: list[int], new: int, runs: int,
+                plain_up_to: int) -> dict:
+    """Seconds per generated token after each prompt length at sp `world` (the prefill
+    taken out) and, at sp 1 up to `plain_up_to` tokens, the model's own."""
     from longctx_cli.runtime.model import decoder_and_head
     from tests.layouts import sp_state
 
@@ -122,10 +140,8 @@ def length_part(rank: int, world: int, lengths: list[int], new: int, runs: int) 
             one = timed_decode(decoder, head, prompt, 1, state)
             many = timed_decode(decoder, head, prompt, 1 + new, state)
             per_token.append((many - one) / new)
-            if world == 1:
-                one = timed_generate(plain, prompt, 1)
-                many = timed_generate(plain, prompt, 1 + new)
-                plain_per_token.append((many - one) / new)
+            if world == 1 and length <= plain_up_to:
+                plain_per_token.append(hf_per_token(plain, prompt, new))
         out[length] = {"longctx_s": per_token, "generate_s": plain_per_token}
     return out
 
@@ -149,7 +165,8 @@ def table(record: dict) -> str:
         lengths = sorted(rows[sps[0]], key=int)
         lines += [f"Time per generated token (ms, median of {record['runs']} runs; {G} "
                   "sequences decoded together):", "",
-                  "| prompt tokens | `generate` | " + " | ".join(f"sp {s}" for s in sps) + " |",
+                  "| prompt tokens | the model's own decoding | "
+                  + " | ".join(f"longctx sp {s}" for s in sps) + " |",
                   "|---|---|" + "---|" * len(sps)]
         for length in lengths:
             plain = rows[sps[0]][length]["generate_s"]
@@ -171,6 +188,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--plain-up-to", type=int, default=16384,
+                        help="longest prompt the model's own decoding is timed at (it holds G "
+                        "copies of the prompt's cache)")
     parser.add_argument("--table", type=Path, help="print the tables of a results file")
     args = parser.parse_args()
     if args.table:
@@ -185,8 +205,8 @@ def main() -> None:
     if args.part in ("length", "all"):
         record["length"] = {}
         for sp in args.sp:
-            result = run_distributed(length_part, sp, args.lengths, 16, args.runs,
-                                     timeout_s=3600)[0]
+            result = run_distributed(length_part, sp, args.lengths, 32, args.runs,
+                                     args.plain_up_to, timeout_s=3600)[0]
             record["length"][str(sp)] = {str(k): v for k, v in result.items()}
     print(table(record))
     save_record("rollout", record)

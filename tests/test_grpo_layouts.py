@@ -89,6 +89,32 @@ def test_fsdp_rollouts_step_as_without_fsdp(reference, name, ranks, overrides):
         assert mine["tokens"] == theirs["tokens"]
 
 
+# The other FSDP layouts SFT trains with, each against the same run without FSDP (slow extras).
+FULL = {"adapter": None, "lora_r": None, "lora_alpha": None, "lora_target_modules": None,
+        "learning_rate": 1e-3}
+QLORA = {"adapter": "qlora", "lora_target_modules": None, "lora_target_linear": True}
+SLOW_LAYOUTS = {  # name -> (FSDP run's overrides, its reference's (None: the dp 2 run))
+    "zero2": ({"fsdp": True, "fsdp_config": {"reshard_after_forward": False}}, None),
+    "full-kl-frozen-copy": ({**FULL, "fsdp": True}, FULL),
+    "qlora": ({**QLORA, "fsdp": True}, QLORA),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW_LAYOUTS)
+def test_other_fsdp_layouts_step_as_without_fsdp(reference, name):
+    tmp_path, data = reference
+    overrides, reference_overrides = SLOW_LAYOUTS[name]
+    if reference_overrides is None:
+        expected = tmp_path / "dp2"
+    else:
+        expected = tmp_path / f"{name}-reference"
+        train(layout_config(tmp_path, expected.name, data, **reference_overrides), 2)
+    train(layout_config(tmp_path, name, data, **overrides), 2)
+    adapter = overrides.get("adapter", "lora") is not None
+    assert_same_grpo_run(tmp_path / name, expected, adapter=adapter)
+
+
 # ---- what `validate` says of these layouts (no processes) --------------------------------
 
 def grpo_plan(world: int = 4, shape=None, **overrides):

@@ -277,6 +277,19 @@ def keep_4bit_state_on_modules(model: nn.Module) -> int:
     return count
 
 
+def keep_4bit_kernel_of_training(model: nn.Module) -> None:
+    """4-bit layers compute with the kernel training uses in every pass. On a CPU with
+    AVX512-BF16, bitsandbytes repacks a 4-bit weight for another kernel at its first no-grad
+    eval-mode forward (a rollout, an eval), rewriting `weight.data` in place: under FSDP2 that
+    is a temporary gathered view whose repacked bytes no longer match the shards (a crash),
+    and without FSDP the rollouts would sample from other roundings than the update scores."""
+    from bitsandbytes.nn import Linear4bit
+
+    for module in model.modules():
+        if isinstance(module, Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+
+
 def keep_float32_master_weights(model: nn.Module) -> None:
     """float16 training: trainable weights become float32 master weights (autocast computes
     in fp16, `train/precision.py`). Done before TP and FSDP2 shard the parameters: both keep
@@ -330,6 +343,8 @@ def build_model(config: Config, state: ParallelState | None = None,
     state = state or ParallelState()
     register_sp_attention()
     model = load_base_model(config, ATTN_IMPLEMENTATION, hf_config=hf_config)
+    if config.load_in_4bit:
+        keep_4bit_kernel_of_training(model)
     mixers = attach_token_mixing(model)  # hybrid models: scans and convolutions per document
     if mixers and config.prefix_sharing:
         raise UserError(

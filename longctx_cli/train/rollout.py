@@ -40,7 +40,13 @@ from longctx_cli.runtime.batches import step_row_indices, to_device
 from longctx_cli.runtime.memory_savers import activation_offload
 from longctx_cli.runtime.model import fsdp_weights_gathered, sp_hidden_states
 from longctx_cli.runtime.sampling import Sampling, decode
-from longctx_cli.train.grpo import GrpoLoss, RolloutBatch, grpo_loss, score_tokens
+from longctx_cli.train.grpo import (
+    GrpoLoss,
+    RolloutBatch,
+    grpo_loss,
+    score_tokens,
+    step_tokens_of,
+)
 from longctx_cli.train.precision import Precision
 from longctx_cli.train.preference import reference_model
 from longctx_cli.train.rewards import RewardFunctions, advantages, function_metrics
@@ -51,18 +57,6 @@ COMPLETIONS_FILE = "completions.jsonl"
 # What the step line shows of the run's metrics (metrics.jsonl and trackers get them all).
 SHOWN = ("reward", "reward_std", "completions/mean_length", "kl", "entropy",
          "clip_ratio/region_mean", "rollout_s", "update_s")
-
-
-def grpo_loss_of(config: Config) -> GrpoLoss:
-    trl = config.trl
-    return GrpoLoss(loss_type=trl.loss_type, beta=trl.beta, epsilon_low=trl.epsilon,
-                    epsilon_high=trl.epsilon_upper, delta=trl.delta,
-                    importance_sampling_level=trl.importance_sampling_level,
-                    temperature=trl.temperature,
-                    max_completion_length=trl.max_completion_length,
-                    use_bias_correction_kl=trl.use_bias_correction_kl,
-                    sapo_temperature_pos=trl.sapo_temperature_pos,
-                    sapo_temperature_neg=trl.sapo_temperature_neg)
 
 
 def sampling_of(config: Config) -> Sampling:
@@ -97,7 +91,7 @@ class GrpoSteps:
         self.decoder, self.head, self.tokenizer, self.rows = decoder, head, tokenizer, rows
         self.pad_id = pad_id
         self.trl = config.trl
-        self.loss = grpo_loss_of(config)
+        self.loss = GrpoLoss.from_trl(config.trl)
         self.sampling = sampling_of(config)
         self.rewards = RewardFunctions.from_config(config)
         self.reference = reference  # a frozen copy, or None: the adapter switched off
@@ -251,7 +245,8 @@ class GrpoSteps:
         self.rewards.logged.clear()
         mask = ~truncated if self.trl.mask_truncated_completions else torch.ones_like(truncated)
         scored = (lengths * mask).view(state.layout.dp, self.split, -1).sum((0, 2))
-        step_tokens = float(scored.sum()) / self.split
+        step_tokens = step_tokens_of(float(scored.sum()), config.gradient_accumulation_steps,
+                                     self.micro_batches)
         offset = state.dp_rank * len(mine) * g
         my_advantages = advantage[offset:offset + len(mine) * g].tolist()
         my_mask = mask[offset:offset + len(mine) * g].tolist()
