@@ -21,10 +21,13 @@ Parts (each writes into one JSON, ``benchmarks/results/gpu-<device>.json``):
 * ``kernels``: forward and backward milliseconds of one attention call over a full row for
   each block kernel: ``torch_flash`` (PyTorch's flash-attention 2 op), ``cudnn`` (PyTorch's
   cuDNN ops: the dense op for one document, the ragged op for 4 packed ones) and ``fa4``
-  (flash-attn 4, where it imports); 32 query / 8 KV heads, head dim 64 and 128, bf16,
+  (flash-attn 4, where it imports; ``cudnn+ragged-bwd``: packed rows' backward on the
+  ragged op too); 32 query / 8 KV heads, head dim 64 and 128, bf16,
   causal, 8K-64K tokens. A kernel that cannot run here is recorded as skipped, with why.
 * ``kernel-parity``: the ``parity`` part for ``cudnn`` and ``fa4`` (where they run) in bf16
-  and fp16, every strategy, against the same float32 SDPA truth and next to SDPA's own error.
+  and fp16, every strategy, against the same float32 SDPA truth and next to SDPA's own error;
+  ``cudnn`` also with its ragged backward op switched on (``cudnn+ragged-bwd``), the
+  variant to adopt only if it is both right and faster here.
 * ``longest``: the longest row that trains on this GPU for a Llama-3-8B-shaped random model
   with LoRA + gradient checkpointing + activation offload + chunked loss + tiled MLP
   (doubling, then bisection), with ``validate``'s estimate against the measured peak
@@ -312,7 +315,18 @@ def flash_world1(q, k, v, dout, cu, feats) -> list[torch.Tensor]:
 
 # ---- the block kernels, one attention call ---------------------------------------------
 
-BENCH_KERNELS = ("torch_flash", "cudnn", "fa4")
+# The cuDNN kernel twice on packed rows: its default (ragged forward, dense backward per
+# document) and with the ragged backward op (``cudnn_attention.use_ragged_backward``).
+BENCH_KERNELS = ("torch_flash", "cudnn", RAGGED_BWD := "cudnn+ragged-bwd", "fa4")
+
+
+@contextlib.contextmanager
+def ragged_backward(on: bool):
+    previous = cudnn_attention.use_ragged_backward(on)
+    try:
+        yield
+    finally:
+        cudnn_attention.use_ragged_backward(previous)
 
 
 def kernel_unusable(kernel: str, dry: bool, dtype: str, head_dim: int) -> str | None:
@@ -355,8 +369,11 @@ def kernel_bench(device: torch.device, dry: bool, lengths: list[int] | None,
             for docs in (1, 4):
                 cu = [n * i // docs for i in range(docs + 1)]
                 segments = full_row_segments(cu)
-                for kernel in BENCH_KERNELS:
-                    row = {"kernel": kernel, "tokens": n, "head_dim": dim, "documents": docs,
+                for label in BENCH_KERNELS:
+                    if label == RAGGED_BWD and docs == 1:
+                        continue  # one document: the dense op either way
+                    kernel = "cudnn" if label == RAGGED_BWD else label
+                    row = {"kernel": label, "tokens": n, "head_dim": dim, "documents": docs,
                            "heads": [hq, hkv], "dtype": dtype_name,
                            "variant": ("dense" if docs == 1 else "ragged")
                            if kernel == "cudnn" else ""}
@@ -382,7 +399,8 @@ def kernel_bench(device: torch.device, dry: bool, lengths: list[int] | None,
                             dout, q, k, v, o, lse, segments, feats, kernel=kernel), device, reps)
                         return {"forward_ms": fwd, "backward_ms": bwd, "total_ms": fwd + bwd,
                                 "path": path_of(kernel, q, feats)}
-                    results.append({**row, **measured(run, device)})
+                    with ragged_backward(label == RAGGED_BWD):
+                        results.append({**row, **measured(run, device)})
                     save()
                     print(f"  kernels: {results[-1]}", flush=True)
     return results
@@ -396,8 +414,17 @@ def kernel_parity(device: torch.device, dry: bool, results: list[dict], save,
     if not kernels:
         print("  kernel-parity: neither cudnn nor fa4 runs here", flush=True)
         return results
-    return parity(device, dry, results, save, kernels=kernels,
-                  dtypes=["bfloat16", "float16"], strategies=strategies)
+    parity(device, dry, results, save, kernels=kernels, dtypes=["bfloat16", "float16"],
+           strategies=strategies)
+    if "cudnn" in kernels:  # again with the ragged backward op, under its own name
+        first = len(results)
+        with ragged_backward(True):
+            parity(device, dry, results, save, kernels=["cudnn"],
+                   dtypes=["bfloat16", "float16"], strategies=strategies)
+        for row in results[first:]:
+            row["kernel"] = RAGGED_BWD
+        save()
+    return results
 
 
 # ---- training steps ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ Kernels:
   blocks (CUDA, sm80+, bf16/fp16, head dim a multiple of 8 up to 256; no extra package,
   every sharding);
 * ``cudnn``: our ring/Ulysses/hybrid with PyTorch's own cuDNN attention ops for the blocks
-  (dense op per one-document block, ragged op over packed rows; CUDA sm90/sm100, cuDNN 9+,
+  (dense op per one-document block, ragged forward over packed rows; CUDA sm90/sm100, cuDNN 9+,
   bf16/fp16, no window or softcap; no extra package). Contract-tested on CPU, not measured on
   a GPU yet, so ``auto`` does not pick it;
 * ``fa4``: the same with flash-attn 4's functions (optional pre-release package
@@ -334,7 +334,7 @@ def cudnn_facts(platform: Platform, dtype: str | None, model: ModelAttention) ->
         facts.append(dtype)
     facts.append(f"head dim {model.head_dim or '?'} <= {cudnn_head_dim_limit(platform)}")
     return ("PyTorch's cuDNN attention ops (" + ", ".join(facts) + "): the dense op per "
-            "one-document block, the ragged op over packed rows; contract-tested on CPU, not "
+            "one-document block, the ragged forward over packed rows; contract-tested on CPU, not "
             "yet measured on a GPU")
 
 

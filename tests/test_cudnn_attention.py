@@ -17,7 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from longctx_cli.parallel.cudnn_attention import _plan, cudnn_ops, use_cudnn_ops
+from longctx_cli.parallel.cudnn_attention import (
+    _plan,
+    cudnn_ops,
+    use_cudnn_ops,
+    use_ragged_backward,
+)
 from longctx_cli.parallel.fa4_attention import ops_for, use_fa4_ops
 from longctx_cli.parallel.torch_kernel import (
     AttentionFeatures,
@@ -175,9 +180,11 @@ def test_the_real_ops_are_the_default_and_refuse_cpu_tensors() -> None:
 
 
 def test_single_process_matches_reference(cudnn_calls) -> None:
-    """The older ragged log-sum-exp layout here ([T, H, 1]); the multi-process test below
-    runs the current one ([H, T])."""
+    """With the ragged backward op switched on, and the older ragged log-sum-exp layout
+    ([T, H, 1]); the multi-process test below runs the defaults (the current [H, T], packed
+    rows' backward per document on the dense op)."""
     standin.LSE_LAYOUT["ragged"] = "TH1"
+    was = use_ragged_backward(True)
     try:
         ctx = rank_state(layout="contiguous", kernel="cudnn")
         before = dict(cudnn_calls)
@@ -186,6 +193,7 @@ def test_single_process_matches_reference(cudnn_calls) -> None:
             assert max(errors.values()) < TOL, errors
     finally:
         standin.LSE_LAYOUT["ragged"] = "HT"
+        use_ragged_backward(was)
     used = {k: cudnn_calls[k] - before[k] for k in before}
     # Packed rows take the ragged op, one-document rows the dense one; backward likewise.
     assert all(n > 0 for n in used.values()), used
@@ -230,7 +238,8 @@ def test_branch_documents_see_their_shared_prefix(cudnn_calls) -> None:
         out = doc_causal_attention(q, k, v, cu, 0.25, kernel=kernel, prefixes=prefixes)
         grads.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
     assert cudnn_calls["dense_forward"] > before["dense_forward"]  # the prefix blocks
-    assert cudnn_calls["ragged_backward"] > before["ragged_backward"]  # the three documents
+    assert cudnn_calls["ragged_forward"] > before["ragged_forward"]  # the three documents
+    assert cudnn_calls["ragged_backward"] == before["ragged_backward"]  # off by default
     for a, b in zip(*grads, strict=True):
         assert rel_err(b, a) < TOL
 
@@ -264,5 +273,7 @@ def test_cudnn_and_fa4_under_every_strategy_match_reference() -> None:
     for result in run_distributed(kernels_worker, 2, timeout_s=300):
         assert_all_close(result["errors"])
         assert len(result["errors"]) == 2 * (6 * len(CASES) + 6 * 4)
-        assert all(n > 0 for n in result["cudnn"].values()), result["cudnn"]
+        calls = result["cudnn"]  # packed rows: ragged forward, dense backward per document
+        assert calls["ragged_backward"] == 0, calls
+        assert min(calls["ragged_forward"], calls["dense_forward"], calls["dense_backward"]) > 0
         assert result["fa4"]["forward"] > 0 and result["fa4"]["backward"] > 0

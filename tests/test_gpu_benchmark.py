@@ -108,14 +108,15 @@ def test_kernel_parts_dry_run(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     rows = report["kernels"]
     assert {(r["kernel"], r["head_dim"], r["documents"]) for r in rows} == {
-        (k, d, n) for k in ("torch_flash", "cudnn", "fa4") for d in (16, 32) for n in (1, 4)}
+        (k, d, n) for k in ("torch_flash", "cudnn", "fa4") for d in (16, 32) for n in (1, 4)
+    } | {("cudnn+ragged-bwd", d, 4) for d in (16, 32)}
     for r in rows:
         assert r["status"] == "ok" and r["forward_ms"] > 0 and r["backward_ms"] > 0, r
     cudnn = {r["documents"]: r for r in rows if r["kernel"] == "cudnn"}
     assert cudnn[1]["variant"] == "dense" and cudnn[4]["variant"] == "ragged"
     assert cudnn[1]["path"] == "cuDNN ops"
     parity = report["kernel_parity"]
-    assert {r["kernel"] for r in parity} == {"cudnn", "fa4"}
+    assert {r["kernel"] for r in parity} == {"cudnn", "cudnn+ragged-bwd", "fa4"}
     assert {r["dtype"] for r in parity} == {"bfloat16", "float16"}
     assert len({r["strategy"] for r in parity}) == 3
     for r in parity:  # half precision through the stand-ins: within SDPA's own error
@@ -124,7 +125,7 @@ def test_kernel_parts_dry_run(tmp_path: Path) -> None:
     assert windowed and all(r["path"] == "flash op (cuDNN takes no window)" for r in windowed)
     table = gpu.tables(report).splitlines()
     assert sum(r.startswith("| 64 | ") for r in table) == 4  # 2 head dims x 1 or 4 documents
-    assert sum(r.startswith("| `cudnn` | ") or r.startswith("| `fa4` | ") for r in table) == 4
+    assert sum(r.startswith(("| `cudnn", "| `fa4` | ")) for r in table) == 6
 
 
 def _gpu_module():

@@ -35,7 +35,15 @@ The facts this module relies on, read in PyTorch's source (torch 2.13 schemas fr
   (one-token documents) are computed here directly, exactly: the row's output is that key's
   value and its log-sum-exp the one score;
 * ragged offsets are int32 (``check_ragged_offset_capacity``): a batch whose packed extent
-  would not fit runs as one dense call per document.
+  would not fit runs as one dense call per document;
+* the ragged **backward** is the least travelled of the four: SDPA's gate says cuDNN's nested
+  path "does not support backward", torch 2.13's ``varlen_attn`` keeps its cuDNN path off and
+  passes that op's arguments in the flash op's order, and in the ``attention_backward.cu``
+  read the nested branch sizes its graph from ``query.size(2)`` (the head dim of a packed
+  ``[T, H, D]`` query) rather than ``max_q``/``max_k``. So packed rows run the ragged
+  forward and, by default, the dense backward per document (the same merged out/lse, so the
+  same gradients); :func:`use_ragged_backward` switches the ragged backward on, and
+  ``benchmarks/gpu.py`` checks and times both on a GPU.
 
 Tests point :func:`use_cudnn_ops` at a CPU stand-in (``tests/cudnn_standin.py``).
 """
@@ -84,10 +92,21 @@ ATEN_OPS = CudnnOps(
 )
 _ops = ATEN_OPS
 _ragged_lse_3d = False  # the ragged forward's log-sum-exp came as [T, H, 1] (older PyTorch)
+# The ragged backward op is off by default: packed rows' backward runs the dense backward per
+# document (exact with the ragged forward's merged out/lse). See the module doc.
+_ragged_backward = False
 
 
 def cudnn_ops() -> CudnnOps:
     return _ops
+
+
+def use_ragged_backward(on: bool) -> bool:
+    """Run packed rows' backward on the ragged op (``on``) or per document on the dense one;
+    returns the previous setting (``benchmarks/gpu.py`` measures both; tests run both)."""
+    global _ragged_backward
+    previous, _ragged_backward = _ragged_backward, on
+    return previous
 
 
 def use_cudnn_ops(ops: CudnnOps) -> CudnnOps:
@@ -248,7 +267,7 @@ def _batch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     rows, keys = slice(b.q0, b.q1), slice(b.k0, b.k1)
     qs, ks, vs, os_, ds = q[rows], k[keys], v[keys], out[rows], dout[rows]
     ls = lse[:, rows]
-    if len(b.cu_q) == 2 or not _fits_int32(qs, ks, vs, os_, ds):
+    if len(b.cu_q) == 2 or not _ragged_backward or not _fits_int32(qs, ks, vs, os_, ds):
         grads = [_dense_backward(ds[qa:qb], qs[qa:qb], ks[ka:kb], vs[ka:kb], os_[qa:qb],
                                  ls[:, qa:qb], b.causal, scale)
                  for qa, qb, ka, kb in zip(b.cu_q[:-1], b.cu_q[1:], b.cu_k[:-1], b.cu_k[1:],
