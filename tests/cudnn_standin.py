@@ -28,7 +28,9 @@ Semantics, as read in PyTorch's source (``aten/src/ATen/native/cudnn/MHA.cpp``,
   (older), chosen here by :data:`LSE_LAYOUT`; its backward must get it back in that layout;
 * causal is **top-left** aligned (``set_causal_mask``: query ``i`` sees keys ``j <= i`` of its
   sequence), unlike the flash op's bottom-right;
-* SDPA's cuDNN gate refuses a key length of 1; the kernel must never send one (asserted);
+* SDPA's cuDNN gate refuses a key length of 1, and ``MHA.cpp``'s ``check_cudnn_sdpa_decode``
+  one query row on some cuDNN builds for Blackwell; the kernel must never send either
+  (asserted);
 * the backward takes ``out``/``logsumexp`` as given (merged ones, in our use): ``P = exp(S -
   lse)``, ``dS = P * (dO V^T - rowsum(dO * out))``.
 
@@ -98,6 +100,7 @@ def dense_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.
     _check(query, key, value, dropout_p, attn_bias)
     assert query.dim() == 4 and compute_log_sumexp and not return_debug_mask
     assert key.shape[2] > 1, "SDPA's cuDNN gate refuses key length 1"
+    assert query.shape[2] > 1, "one query row: the decode shape some cuDNN builds refuse"
     CALLS["dense_forward"] += 1
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     b, h, sq, _ = query.shape
@@ -150,6 +153,7 @@ def ragged_forward(query, key, value, attn_bias, cum_seq_q, cum_seq_k, max_q, ma
                    return_debug_mask=False, *, scale=None):
     _check(query, key, value, dropout_p, attn_bias)
     assert query.dim() == 3 and compute_log_sumexp and not return_debug_mask
+    assert max_q > 1, "one query row: the decode shape some cuDNN builds refuse"
     CALLS["ragged_forward"] += 1
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     out = torch.empty(*query.shape[:2], value.shape[-1], dtype=query.dtype)

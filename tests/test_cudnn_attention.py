@@ -23,7 +23,10 @@ from longctx_cli.parallel.cudnn_attention import (
     use_cudnn_ops,
     use_ragged_backward,
 )
+from longctx_cli.parallel.cudnn_attention import block_backward as cudnn_block_backward
+from longctx_cli.parallel.cudnn_attention import block_forward as cudnn_block_forward
 from longctx_cli.parallel.fa4_attention import ops_for, use_fa4_ops
+from longctx_cli.parallel.torch_flash import use_flash_ops
 from longctx_cli.parallel.torch_kernel import (
     AttentionFeatures,
     Segment,
@@ -33,6 +36,7 @@ from longctx_cli.parallel.torch_kernel import (
 )
 from tests import cudnn_standin as standin
 from tests import fa4_standin
+from tests import torch_flash_standin as flash_standin
 from tests.attention_cases import CASES, TOL, assert_all_close, feature_runs, rel_err, run_case
 from tests.distributed import run_distributed
 from tests.layouts import rank_state, sp_state
@@ -40,9 +44,11 @@ from tests.layouts import rank_state, sp_state
 
 @pytest.fixture
 def cudnn_calls():
-    previous = use_cudnn_ops(standin.OPS)
+    """The cuDNN ops' stand-in, and the flash op's (one-row blocks go there)."""
+    previous, flash = use_cudnn_ops(standin.OPS), use_flash_ops(flash_standin.OPS)
     yield standin.CALLS
     use_cudnn_ops(previous)
+    use_flash_ops(flash)
 
 
 @pytest.fixture(params=["HT", "TH1"])
@@ -244,11 +250,31 @@ def test_branch_documents_see_their_shared_prefix(cudnn_calls) -> None:
         assert rel_err(b, a) < TOL
 
 
+def test_one_row_blocks_take_the_flash_op(cudnn_calls) -> None:
+    """One query row is cuDNN's decode shape (refused by some cuDNN builds on Blackwell):
+    such a block runs on PyTorch's flash op, and is exact."""
+    g = torch.Generator().manual_seed(6)
+    q, dout = (torch.randn(1, 4, 16, generator=g) for _ in range(2))
+    k, v = (torch.randn(10, 2, 16, generator=g) for _ in range(2))
+    feats = AttentionFeatures(0.3)
+    dense, flash = cudnn_calls["dense_forward"], flash_standin.CALLS["forward"]
+    out, lse = cudnn_block_forward(q, k, v, False, feats)
+    grads = cudnn_block_backward(dout, q, k, v, out, lse, False, feats)
+    assert cudnn_calls["dense_forward"] == dense and flash_standin.CALLS["forward"] == flash + 1
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = sdpa64(*leaves, False, 0.3)
+    assert rel_err(out, ref.detach()) < TOL and rel_err(lse, ref_lse.detach()) < TOL
+    ref.backward(dout.double())
+    for got, leaf in zip(grads, leaves, strict=True):
+        assert rel_err(got, leaf.grad) < TOL
+
+
 # ---- every strategy at sp 2, both new kernels, multi-process ------------------------------
 
 
 def kernels_worker(rank: int, world_size: int) -> dict:
     use_cudnn_ops(standin.OPS)  # this process only
+    use_flash_ops(flash_standin.OPS)
     use_fa4_ops(ops_for(fa4_standin.MODULE, supports=lambda q: True, name="fa4 stand-in"))
     errors: dict[str, dict] = {}
     setups = [("ring", None, "varlen_llama3", "contiguous"),

@@ -33,7 +33,10 @@ The facts this module relies on, read in PyTorch's source (torch 2.13 schemas fr
   dense form) are passed as ``None``; dropout is off, so the philox tensors are never read;
 * SDPA's cuDNN gate refuses key length 1 (``check_cudnn_tensor_shapes``), so one-key blocks
   (one-token documents) are computed here directly, exactly: the row's output is that key's
-  value and its log-sum-exp the one score;
+  value and its log-sum-exp the one score; and ``MHA.cpp`` refuses one query row (the decode
+  shape, ``check_cudnn_sdpa_decode``) for some cuDNN versions on Blackwell, so a block of one
+  row (a document's single row on this rank, against the keys before it) runs on PyTorch's
+  flash op (:mod:`.torch_flash`, which runs wherever this kernel is allowed);
 * ragged offsets are int32 (``check_ragged_offset_capacity``): a batch whose packed extent
   would not fit runs as one dense call per document;
 * the ragged **backward** is the least travelled of the four: SDPA's gate says cuDNN's nested
@@ -59,6 +62,8 @@ import torch
 
 from .features import AttentionFeatures, Segment
 from .torch_flash import HALF_DTYPES, _device_cu, _rows_dense, pad_head_dim
+from .torch_flash import block_backward as flash_block_backward
+from .torch_flash import block_forward as flash_block_forward
 
 CUDNN_MAX_HEAD_DIM = 256
 INT32_MAX = 2**31 - 1
@@ -212,10 +217,8 @@ def _lse_ht(lse: torch.Tensor, heads: int, rows: int, ragged: bool) -> torch.Ten
     global _ragged_lse_3d
     if not ragged:
         return lse.reshape(heads, rows).float()
-    if lse.dim() == 3:
-        _ragged_lse_3d = True
-        return lse[..., 0].transpose(0, 1).float()
-    return lse.float()
+    _ragged_lse_3d = lse.dim() == 3  # one PyTorch per process: the last forward's layout
+    return (lse[..., 0].transpose(0, 1) if _ragged_lse_3d else lse).float()
 
 
 def _empty_rng(device: torch.device) -> torch.Tensor:
@@ -224,6 +227,8 @@ def _empty_rng(device: torch.device) -> torch.Tensor:
 
 def _dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.shape[0] == 1:  # the decode shape: see the module doc
+        return flash_block_forward(q, k, v, causal, AttentionFeatures(scale))
     out, lse, *_ = _ops.dense_forward(_bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, causal,
                                       False, scale=scale)
     return out[0].transpose(0, 1), _lse_ht(lse, q.shape[1], q.shape[0], ragged=False)
@@ -232,6 +237,8 @@ def _dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 def _dense_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if q.shape[0] == 1:
+        return flash_block_backward(dout, q, k, v, out, lse, causal, AttentionFeatures(scale))
     lse4 = lse.reshape(1, *lse.shape, 1).contiguous()
     rng = _empty_rng(q.device)
     gq, gk, gv = _ops.dense_backward(
@@ -241,11 +248,16 @@ def _dense_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     return gq[0].transpose(0, 1), gk[0].transpose(0, 1), gv[0].transpose(0, 1)
 
 
+def _one_row_each(b: _Batch) -> bool:
+    """Every sequence of the batch has one query row (the ragged op's decode shape)."""
+    return all(bq - aq == 1 for aq, bq in zip(b.cu_q[:-1], b.cu_q[1:], strict=True))
+
+
 def _batch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: _Batch, scale: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``out [rows, H, D]`` (q's dtype) and ``lse [H, rows]`` of one batch."""
     qs, ks, vs = q[b.q0 : b.q1], k[b.k0 : b.k1], v[b.k0 : b.k1]
-    if len(b.cu_q) == 2 or not _fits_int32(qs, ks, vs):
+    if len(b.cu_q) == 2 or _one_row_each(b) or not _fits_int32(qs, ks, vs):
         parts = [_dense_forward(qs[qa:qb], ks[ka:kb], vs[ka:kb], b.causal, scale)
                  for qa, qb, ka, kb in zip(b.cu_q[:-1], b.cu_q[1:], b.cu_k[:-1], b.cu_k[1:],
                                            strict=True)]
@@ -267,7 +279,8 @@ def _batch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     rows, keys = slice(b.q0, b.q1), slice(b.k0, b.k1)
     qs, ks, vs, os_, ds = q[rows], k[keys], v[keys], out[rows], dout[rows]
     ls = lse[:, rows]
-    if len(b.cu_q) == 2 or not _ragged_backward or not _fits_int32(qs, ks, vs, os_, ds):
+    if (len(b.cu_q) == 2 or not _ragged_backward or _one_row_each(b)
+            or not _fits_int32(qs, ks, vs, os_, ds)):
         grads = [_dense_backward(ds[qa:qb], qs[qa:qb], ks[ka:kb], vs[ka:kb], os_[qa:qb],
                                  ls[:, qa:qb], b.causal, scale)
                  for qa, qb, ka, kb in zip(b.cu_q[:-1], b.cu_q[1:], b.cu_k[:-1], b.cu_k[1:],
