@@ -125,10 +125,16 @@ def check_user_code(config: Config) -> None:
     the config's folder or the Python path) and is a function; called only while training."""
     if config.rl != "grpo":
         return
+    from longctx_cli.config.schema import is_reward_model
     from longctx_cli.user_code import resolve_callable
 
     for i, name in enumerate(config.trl.reward_funcs):
-        resolve_callable(name, config.source_dir, f"trl.reward_funcs[{i}]")
+        if is_reward_model(name):  # its config only: the model loads in the ranks
+            from longctx_cli.train.reward_model import check_reward_model, reward_model_source
+
+            check_reward_model(reward_model_source(name, config), config.trust_remote_code)
+        else:
+            resolve_callable(name, config.source_dir, f"trl.reward_funcs[{i}]")
     for i, entry in enumerate(config.datasets):
         if entry.transform:
             resolve_callable(entry.transform, config.source_dir, f"datasets[{i}].type")

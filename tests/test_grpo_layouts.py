@@ -30,9 +30,10 @@ def layout_config(tmp_path: Path, name: str, data: Path, **overrides) -> Path:
     settings = {
         "model_config": MANY_EOS, "micro_batch_size": 2, "learning_rate": 0.01,
         "gradient_accumulation_steps": ACCUMULATION, "max_steps": 2 * SPLIT,
-        "trl": {"reward_funcs": ["rewards.letters"], "num_generations": 2,
-                "max_completion_length": 24, "beta": 0.04, "loss_type": "grpo",
-                "steps_per_generation": SPLIT * ACCUMULATION},
+        # A reward function and a reward model (scored under SP by every rank of a group).
+        "trl": {"reward_funcs": ["rewards.letters", "./tiny-rm"], "reward_weights": [1.0, 0.5],
+                "num_generations": 2, "max_completion_length": 24, "beta": 0.04,
+                "loss_type": "grpo", "steps_per_generation": SPLIT * ACCUMULATION},
     }
     trl = {**settings["trl"], **overrides.pop("trl", {})}
     return grpo_config(tmp_path, name, data, **{**settings, **overrides, "trl": trl})
@@ -51,9 +52,12 @@ def decode_steps(run: Path, dp: int, g: int = 2) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> tuple[Path, Path]:
-    """The prompts, and the run at dp 2 without FSDP."""
+    """The prompts, the reward model, and the run at dp 2 without FSDP."""
+    from tests.test_reward_model import save_byte_tokenizer, save_model
+
     tmp_path = tmp_path_factory.mktemp("grpo-layouts")
     (tmp_path / "rewards.py").write_text(REWARDS)
+    save_byte_tokenizer(save_model(tmp_path / "tiny-rm"))
     data = write_prompts(tmp_path / "prompts.jsonl", count=16)
     train(layout_config(tmp_path, "dp2", data), 2)
     return tmp_path, data
@@ -74,19 +78,31 @@ def test_reference_run_is_a_real_check(reference):
     assert records[1]["kl"] > 0 and abs(records[1]["loss"]) > 1e-6
 
 
-@pytest.mark.parametrize("name,ranks,overrides", [
-    ("dp2-fsdp-gathered", 2, {"fsdp": True}),
-    ("dp2-sp2-fsdp-lockstep", 4, {"fsdp": True, "sequence_parallel_degree": 2,
-                                  "trl": {"ds3_gather_for_generation": False}}),
-])
-def test_fsdp_rollouts_step_as_without_fsdp(reference, name, ranks, overrides):
-    tmp_path, data = reference
-    train(layout_config(tmp_path, name, data, **overrides), ranks)
-    assert_same_grpo_run(tmp_path / name, tmp_path / "dp2", adapter=True)
-    for mine, theirs in zip(read_metrics(tmp_path / name), read_metrics(tmp_path / "dp2"),
-                            strict=True):
+def assert_same_as_reference(run: Path, reference: Path) -> None:
+    assert_same_grpo_run(run, reference, adapter=True)
+    for mine, theirs in zip(read_metrics(run), read_metrics(reference), strict=True):
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
         assert mine["tokens"] == theirs["tokens"]
+
+
+@pytest.fixture(scope="module")
+def lockstep(reference) -> Path:
+    """The run at dp 2 x sp 2 under FSDP, its data-parallel groups decoding in lockstep."""
+    tmp_path, data = reference
+    train(layout_config(tmp_path, "dp2-sp2-fsdp-lockstep", data, fsdp=True,
+                        sequence_parallel_degree=2,
+                        trl={"ds3_gather_for_generation": False}), 4)
+    return tmp_path / "dp2-sp2-fsdp-lockstep"
+
+
+def test_fsdp_weights_gathered_once_at_dp2(reference):
+    tmp_path, data = reference
+    train(layout_config(tmp_path, "dp2-fsdp-gathered", data, fsdp=True), 2)
+    assert_same_as_reference(tmp_path / "dp2-fsdp-gathered", tmp_path / "dp2")
+
+
+def test_fsdp_lockstep_at_dp2_sp2(reference, lockstep):
+    assert_same_as_reference(lockstep, reference[0] / "dp2")
 
 
 # The other FSDP layouts SFT trains with, each against the same run without FSDP (slow extras).
@@ -194,3 +210,22 @@ def test_generation_batch_size_sets_the_steps_it_feeds():
     # run 3 times; 8 prompts of 4 completions.
     assert steps_per_batch(config, 2) == 6
     assert rows_per_batch(config, 2) == 8
+
+
+def test_reward_model_scores_rollouts_as_its_own_forward(reference, lockstep):
+    """The reward model beside the function, in the dp 2 x sp 2 run: each completion's reward
+    in completions.jsonl is the model's own forward on TRL's text, and the run's reward
+    metrics carry the model's name."""
+    from tests.test_reward_model import hf_rewards
+
+    tmp_path, run = reference[0], lockstep
+    rows = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["step"] == 1]
+    assert len(rows) == 16 and all(set(r["rewards"]) == {"letters", "tiny-rm"} for r in rows)
+    want = hf_rewards(tmp_path / "tiny-rm", [r["prompt"] for r in rows],
+                      [r["completion"] for r in rows])
+    got = [r["rewards"]["tiny-rm"] for r in rows]
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert len(set(got)) > 1  # rewards that differ: advantages are not all zero
+    metrics = read_metrics(run)[0]
+    assert metrics["rewards/tiny-rm/mean"] == pytest.approx(sum(want) / len(want), rel=1e-5)

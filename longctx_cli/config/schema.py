@@ -263,6 +263,12 @@ def _is_import_path(value: str) -> bool:
     return bool(re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", value))
 
 
+def is_reward_model(entry: str) -> bool:
+    """A `trl.reward_funcs` entry that names a model (a folder path or a hub id: a `/` in
+    it), not a `module.function`."""
+    return "/" in entry or "\\" in entry
+
+
 def _as_entries(value: Any) -> Any:
     """`pretraining_dataset` as Axolotl users write it: a path, one mapping, or a list."""
     if value is None:
@@ -417,7 +423,6 @@ TRL_REFUSED: dict[str, str] = {
     "max_completion_length within sequence_len is dropped and counted. Drop it",
     "environment_factory": "environments and tool calls are not supported. Drop it",
     "tools": "tool calls are not supported. Drop them",
-    "reward_processing_classes": "reward models are not supported. Give reward functions",
     "num_generations_eval": "held-out rollouts are not supported yet. Drop it",
 }
 # TRL's values of refused keys that ask for nothing (0.0: no auxiliary loss, as longctx).
@@ -430,8 +435,14 @@ class TrlConfig(_Strict):
     reward_funcs: list[str] = Field(
         ..., min_length=1, description="Reward functions, `module.function` importable from the "
         "config's folder or the Python path, with TRL's signature: `f(prompts, completions, "
-        "completion_ids, **columns) -> list[float | None]` (None: not applicable).",
+        "completion_ids, **columns) -> list[float | None]` (None: not applicable); or reward "
+        "models, sequence-classification models scored under SP: a folder (a path with a "
+        "`/`, relative to the config's folder: `./reward_model`) or a hub id already in the "
+        "local cache (`org/name`).",
     )
+    reward_processing_classes: list[str | None] | None = Field(
+        None, description="One tokenizer per `reward_funcs` entry (a folder or hub id; null "
+        "for functions and for a model scored with its own tokenizer).")
     reward_weights: list[float] | None = Field(
         None, description="Weight of each reward function (default 1 each).")
     num_generations: int = Field(
@@ -500,8 +511,9 @@ class TrlConfig(_Strict):
     steps_per_generation: int | None = Field(
         None, ge=1, description="Micro-batches (of each data-parallel group) per generation "
         "batch (default: gradient_accumulation_steps): one generation batch is split over "
-        "steps_per_generation / gradient_accumulation_steps optimizer steps, as in TRL. Not "
-        "with generation_batch_size.")
+        "steps_per_generation / gradient_accumulation_steps optimizer steps, as in TRL; a "
+        "multiple of gradient_accumulation_steps (TRL would also start a batch inside a "
+        "step; refused). Not with generation_batch_size.")
     disable_dropout: bool = Field(
         False, description="Dropout off in the rollout-time, reference and update passes (so "
         "the first importance ratio is exactly 1).")
@@ -540,9 +552,22 @@ class TrlConfig(_Strict):
                              f"{len(self.reward_funcs)} reward functions; give one per "
                              "function")
         for name in self.reward_funcs:
-            if not _is_import_path(name):
+            if not (_is_import_path(name) or is_reward_model(name)):
                 raise ValueError(f"reward function `{name}` must be `module.function` (e.g. "
-                                 "`rewards.passkey_digits` for rewards.py beside the config)")
+                                 "`rewards.passkey_digits` for rewards.py beside the config), "
+                                 "or a reward model's folder (`./reward_model`) or hub id "
+                                 "(`org/name`)")
+        classes = self.reward_processing_classes
+        if classes is not None:
+            if len(classes) != len(self.reward_funcs):
+                raise ValueError(f"`reward_processing_classes` has {len(classes)} entries for "
+                                 f"{len(self.reward_funcs)} reward functions; give one per "
+                                 "entry of `reward_funcs` (null where none applies)")
+            for name, tokenizer in zip(self.reward_funcs, classes, strict=True):
+                if tokenizer is not None and not is_reward_model(name):
+                    raise ValueError(f"`reward_processing_classes` gives `{tokenizer}` for "
+                                     f"the reward function `{name}`; a tokenizer applies only "
+                                     "to a reward model: set that entry to null")
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards,
                                                                self.scale_rewards)
         return self

@@ -222,6 +222,22 @@ def _trl_name(source: str) -> str:
     return source.rstrip("/").split("/")[-1] or source
 
 
+def reward_model_source(entry: str | None, config: Config) -> str | None:
+    """Where a `trl.reward_funcs` model entry (or its `reward_processing_classes` tokenizer)
+    is: the folder beside the config when one is there, else the entry as given (an absolute
+    folder, or a hub id for the local cache)."""
+    if entry is None:
+        return None
+    beside = Path(config.source_dir or ".") / entry
+    return str(beside) if beside.is_dir() else entry
+
+
+def check_reward_model(source: str, trust_remote_code: bool = False) -> None:
+    """What `RewardModel.load` refuses that its config shows (before any rank starts): raises
+    the same `UserError`."""
+    _classification_class(source, _read_config(source, trust_remote_code))
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__

@@ -5,7 +5,9 @@ Reward functions are the user's Python (`trl.reward_funcs`), called with TRL's s
 log_metric=)`, one value per completion (None: the function does not apply, as in TRL). They
 run once per completion, on the first rank of its SP group; what a function did wrong (it
 raises, returns the wrong number of values, a NaN or not a number) is one paragraph that
-names the function and the sample, on every rank.
+names the function and the sample, on every rank. A reward model (an entry naming a
+sequence-classification model, `train/reward_model.py`) is scored by every rank of the SP
+group together, each holding its share of each text.
 
 Advantages follow TRL: the weighted sum of the rewards (or, `normalize_then_sum`, of each
 function's group-normalised rewards) minus its group mean, divided by the std (+1e-4) of the
@@ -23,7 +25,10 @@ from typing import Any
 import torch
 
 from longctx_cli.config import Config
+from longctx_cli.config.schema import is_reward_model
 from longctx_cli.errors import UserError
+from longctx_cli.parallel.mesh import ParallelState
+from longctx_cli.train.reward_model import RewardModel, reward_model_source
 from longctx_cli.user_code import resolve_callable
 
 
@@ -42,31 +47,55 @@ def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 class RewardFunctions:
     """The run's reward functions, their TRL names and weights."""
 
-    functions: list[Callable]
+    functions: list[Callable | RewardModel]  # in `trl.reward_funcs` order
     names: list[str]
     weights: torch.Tensor
     logged: dict[str, list[float]] = field(default_factory=dict)  # log_metric values
     extra: dict[str, list[Any]] = field(default_factory=dict)  # log_extra columns
 
     @classmethod
-    def from_config(cls, config: Config) -> RewardFunctions:
+    def from_config(cls, config: Config, state: ParallelState | None = None,
+                    ) -> RewardFunctions:
+        """The functions imported and the reward models loaded (on every rank: a model is
+        scored by its whole SP group), with TRL's names."""
         trl = config.trl
-        functions = [resolve_callable(name, config.source_dir, f"trl.reward_funcs[{i}]")
-                     for i, name in enumerate(trl.reward_funcs)]
+        tokenizers = trl.reward_processing_classes or [None] * len(trl.reward_funcs)
+        functions: list[Callable | RewardModel] = []
+        for i, (name, tokenizer) in enumerate(zip(trl.reward_funcs, tokenizers, strict=True)):
+            if is_reward_model(name):
+                functions.append(RewardModel.load(reward_model_source(name, config), config,
+                                                  state or ParallelState(),
+                                                  reward_model_source(tokenizer, config)))
+            else:
+                functions.append(resolve_callable(name, config.source_dir,
+                                                  f"trl.reward_funcs[{i}]"))
         weights = trl.reward_weights or [1.0] * len(functions)
-        return cls(functions, [getattr(f, "__name__", n) for f, n in
-                               zip(functions, trl.reward_funcs, strict=True)],
-                   torch.tensor(weights, dtype=torch.float32))
+        names = [f.name if isinstance(f, RewardModel) else getattr(f, "__name__", n)
+                 for f, n in zip(functions, trl.reward_funcs, strict=True)]
+        return cls(functions, names, torch.tensor(weights, dtype=torch.float32))
+
+    def score_models(self, prompts: list[Any], completions: list[Any],
+                     state: ParallelState) -> dict[int, list[float]]:
+        """The reward models' scores by their place in `functions`; every rank of the SP
+        group calls this with the same arguments (each model's forward is SP)."""
+        return {j: f.score(prompts, completions, state) for j, f in enumerate(self.functions)
+                if isinstance(f, RewardModel)}
 
     def score(self, prompts: list[Any], completions: list[Any], completion_ids: list[list[int]],
-              columns: list[dict[str, Any]], step: int, where: list[str]) -> list[list[float]]:
+              columns: list[dict[str, Any]], step: int, where: list[str],
+              model_scores: dict[int, list[float]] | None = None) -> list[list[float]]:
         """`[completions][functions]` rewards (NaN: not applicable); `where` names each
-        completion's sample for the error messages."""
+        completion's sample for the error messages; `model_scores`: the reward models'
+        (`score_models`), by place."""
         keys = sorted({k for c in columns for k in c})
         kwargs = {k: [c.get(k) for c in columns] for k in keys}
         state = SimpleNamespace(global_step=step)
         out = [[math.nan] * len(self.functions) for _ in completions]
         for j, (function, name) in enumerate(zip(self.functions, self.names, strict=True)):
+            if isinstance(function, RewardModel):
+                for i, value in enumerate((model_scores or {})[j]):
+                    out[i][j] = value
+                continue
             try:
                 values = function(prompts=prompts, completions=completions,
                                   completion_ids=completion_ids, trainer_state=state,

@@ -93,7 +93,7 @@ class GrpoSteps:
         self.trl = config.trl
         self.loss = GrpoLoss.from_trl(config.trl)
         self.sampling = sampling_of(config)
-        self.rewards = RewardFunctions.from_config(config)
+        self.rewards = RewardFunctions.from_config(config, state)
         self.reference = reference  # a frozen copy, or None: the adapter switched off
         self.per_micro = config.micro_batch_size // self.trl.num_generations  # prompts
         # One generation batch: `micro_batches` micro-batches per DP rank, split over `split`
@@ -257,9 +257,9 @@ class GrpoSteps:
                           time.perf_counter() - started)
 
     def _score(self, records: list[dict], samples: list[list[list[int]]], step: int) -> dict:
-        """This SP group's completions, rewards and lengths (its first rank's work)."""
-        if not self.counted:
-            return {}
+        """This SP group's completions, rewards and lengths (what its first rank reports).
+        Every rank of the group decodes the texts and scores them with the reward models
+        (collectives over the group); the reward functions run on its first rank."""
         g = self.trl.num_generations
         prompts, completions, ids, columns, where = [], [], [], [], []
         for record, group in zip(records, samples, strict=True):
@@ -286,10 +286,13 @@ class GrpoSteps:
                              for c in ids],
                "prompt_tokens": sum(len(r["prompt_ids"]) for r in records) * g}
         try:
-            out["rewards"] = self.rewards.score(prompts, completions, ids, columns, step, where)
+            model_scores = self.rewards.score_models(prompts, completions, self.state)
+            if self.counted:
+                out["rewards"] = self.rewards.score(prompts, completions, ids, columns, step,
+                                                    where, model_scores)
         except UserError as e:
             out["error"] = str(e)
-        return out
+        return out if self.counted else {}
 
     def _rows(self, records: list[dict], samples: list[list[list[int]]],
               advantage: list[float], mask: list[bool], precision: Precision | None,
