@@ -109,6 +109,8 @@ def generate_part(rank: int, world: int, prompt_len: int, new: int, runs: int) -
 def hf_per_token(model, prompt: list[int], new: int) -> float:
     """Seconds per token of the model's own cached decoding of `G` sequences after `prompt`
     (the loop `generate` runs after its prefill of `G` prompt copies), the prefill left out."""
+    from longctx_cli.runtime.model import cache_kwargs
+
     ids = torch.tensor([prompt] * G)
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
@@ -116,7 +118,7 @@ def hf_per_token(model, prompt: list[int], new: int) -> float:
         started = time.perf_counter()
         for _ in range(new):
             token = torch.multinomial(torch.softmax(logits.float(), -1), 1)
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            out = model(input_ids=token, **cache_kwargs(model, cache))
             cache, logits = out.past_key_values, out.logits[:, -1]
     return (time.perf_counter() - started) / new
 

@@ -6,7 +6,9 @@ The model ends a sequence on many token ids, so completions end at different ste
 data-parallel group's rollout needs its own number of decode forwards. Under FSDP2 every
 forward gathers the layers' weights over all ranks; the rollout either gathers them once
 (`ds3_gather_for_generation`, the default) or lets the groups decode in lockstep. Either way
-the run must step exactly as the same run without FSDP.
+the run must step exactly as the same run without FSDP. Rewards come from a function and from
+a reward model, the model scored under SP by every rank of a group (checked against its own
+forward).
 """
 
 from __future__ import annotations

@@ -648,3 +648,14 @@ def test_memory_preference_counts_the_shards_logits():
     per_token = LLAMA3_8B.vocab_size * (DTYPE_BYTES["bfloat16"] + 4 * LOGITS_FP32_COPIES)
     assert dpo.logits == 65536 // 8 * per_token
     assert dpo.logits > 10 * sft.logits
+
+
+@pytest.mark.parametrize("kernel", ["flash", "cudnn", "fa4"])
+def test_validate_on_a_cpu_machine_plans_a_gpu_kernel_for_the_gpus(kernel):
+    """`validate` from a login node (no CUDA) plans a GPU-only kernel for the run's GPUs,
+    and says what it assumed, instead of refusing the kernel for this machine."""
+    p = build_plan(cfg(attention_kernel=kernel, dtype="bfloat16"), 8, LLAMA3_8B,
+                   platform=CPU, assume_gpu=True)
+    assert p.layout.kernel == kernel
+    assert any("this machine has no CUDA GPU; the plan assumes" in text
+               for text in p.assumed), p.assumed

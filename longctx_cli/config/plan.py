@@ -333,6 +333,15 @@ def build_plan(
             "newer CUDA GPUs with flash-attn 2 and ring-flash-attn installed (docs/gpu.md)."
         )
         platform = Platform(cuda=True, ring_flash_attn=True)
+    elif assume_gpu and not platform.cuda and config.attention_kernel in ("cudnn", "fa4"):
+        # Kernels for Hopper and newer: plan for one, with the cuDNN torch 2.13 bundles.
+        assumed.append(
+            "this machine has no CUDA GPU; the plan assumes the run's machines have Hopper "
+            "(sm90) CUDA GPUs with torch's bundled cuDNN"
+            + (" and flash-attn 4 installed" if config.attention_kernel == "fa4" else "")
+            + " (docs/gpu.md).")
+        platform = Platform(cuda=True, ring_flash_attn=False, capability=(9, 0),
+                            cudnn_version=91800, fa4=config.attention_kernel == "fa4")
     layout = layout_for(config, world_size, platform, world_source, shape)
     if not assumed and not platform.cuda and config.attention_kernel == "auto":
         # The same decision on a GPU machine, without and with flash-attn.
