@@ -367,6 +367,7 @@ def trl_step(keys: dict, spg: int, data: dict, old: list, ref: list) -> dict:
     args = GRPOConfig(output_dir="/tmp/longctx-trl-grpo-step", report_to=[], use_cpu=True,
                       bf16=False, per_device_train_batch_size=G, num_generations=G,
                       gradient_accumulation_steps=ACCUMULATION, steps_per_generation=spg,
+                      gradient_checkpointing=False,  # TRL's default recomputes: slower, same
                       max_completion_length=longest + 3, temperature=TEMPERATURE,
                       **{"beta": 0.0, **keys})
     trainer = GRPOTrainer(model=base_model(), reward_funcs=no_reward, args=args,
