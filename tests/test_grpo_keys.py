@@ -21,7 +21,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "axolotl.md"
 ASKING = {
     "use_vllm": True, "sync_ref_model": True, "use_adaptive_entropy": True,
     "model_init_kwargs": {"dtype": "bfloat16"}, "trust_remote_code": True,
-    "router_aux_loss_coef": 0.01, "log_completions_hub_repo": "me/completions",
+    "log_completions_hub_repo": "me/completions",
     "generation_kwargs": {"num_beams": 2}, "chat_template_kwargs": {"enable_thinking": False},
     "num_generations_eval": 2,
 }

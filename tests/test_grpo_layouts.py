@@ -231,3 +231,26 @@ def test_reward_model_scores_rollouts_as_its_own_forward(reference, lockstep):
     assert len(set(got)) > 1  # rewards that differ: advantages are not all zero
     metrics = read_metrics(run)[0]
     assert metrics["rewards/tiny-rm/mean"] == pytest.approx(sum(want) / len(want), rel=1e-5)
+
+
+def test_moe_model_needs_router_aux_loss_off_as_trl_would_add_it():
+    """TRL adds a mixture-of-experts model's load-balancing loss at its default; longctx
+    computes the GRPO loss alone, so it asks for `router_aux_loss_coef: 0.0` (and refuses any
+    other value)."""
+    from dataclasses import replace
+
+    from pydantic import ValidationError
+
+    from longctx_cli.config.schema import TrlConfig
+    from longctx_cli.errors import UserError
+    from tests.test_plan import SMALL
+
+    moe = replace(SMALL, plain_fields={"output_router_logits": False,
+                                       "router_aux_loss_coef": 0.02})
+    with pytest.raises(UserError) as e:
+        grpo_plan(shape=moe)
+    assert "0.02" in str(e.value) and "trl.router_aux_loss_coef: 0.0" in str(e.value)
+    grpo_plan(shape=moe, trl={"router_aux_loss_coef": 0.0})  # the GRPO loss alone
+    grpo_plan()  # a dense model: nothing to ask
+    with pytest.raises(ValidationError, match="router_aux_loss_coef: 0.01` cannot run"):
+        TrlConfig(reward_funcs=["rewards.r"], router_aux_loss_coef=0.01)

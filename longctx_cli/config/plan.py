@@ -27,6 +27,7 @@ from longctx_cli.config.rules import (
     _advice,
     _check_adapter,
     check_attention_dropout,
+    check_grpo_router_aux_loss,
     check_heads,
     check_prefix_sharing,
     check_query_position_scaling,
@@ -321,6 +322,7 @@ def build_plan(
     tp_rules.check_tp_model(config, shape)
     check_attention_dropout(shape)
     check_router_aux_loss(shape)
+    check_grpo_router_aux_loss(config, shape)
     # A plain dict (no transformers config yet) holds no RoPE settings to check.
     check_context(config.sequence_len, config.rope_scaling, shape.hf_config,
                   shape.max_position_embeddings)

@@ -114,6 +114,26 @@ def check_router_aux_loss(shape: ModelShape) -> None:
         )
 
 
+def check_grpo_router_aux_loss(config: Config, shape: ModelShape) -> None:
+    """`rl: grpo` on a mixture-of-experts model: at TRL's default (`router_aux_loss_coef`
+    null) TRL adds the model's coefficient x the load-balancing loss to the GRPO loss for any
+    model whose config has `output_router_logits`; longctx does not, so it asks for 0.0."""
+    if config.rl != "grpo" or config.trl.router_aux_loss_coef is not None:
+        return
+    coef = shape.config_value("router_aux_loss_coef")
+    if shape.config_value("output_router_logits") is None or not coef:
+        return
+    raise UserError(
+        f"`rl: grpo` on a mixture-of-experts model: TRL, at its default "
+        f"(`router_aux_loss_coef` null), adds the model's coefficient ({coef}) x the router "
+        "load-balancing loss to the GRPO loss; longctx trains the GRPO loss alone, so the "
+        "run would differ from TRL's.",
+        where="trl.router_aux_loss_coef",
+        fix="set `trl.router_aux_loss_coef: 0.0` to train the GRPO loss alone (the routers "
+        "still learn through it).",
+    )
+
+
 def check_query_position_scaling(config: Config, shape: ModelShape, layout: Layout) -> None:
     """Llama 4's attention temperature tuning scales its NoPE layers' queries by
     ``log1p(floor((i + 1) / floor_scale)) * attn_scale + 1`` of ``i = arange(input length)``,

@@ -409,10 +409,6 @@ TRL_REFUSED: dict[str, str] = {
     "attn_implementation, revision_of_model, ...). Drop it and set those",
     "trust_remote_code": "the model is loaded by longctx, not TRL. Set the top-level "
     "`trust_remote_code: true` instead",
-    "router_aux_loss_coef": "longctx trains the GRPO loss without the mixture-of-experts "
-    "load-balancing loss (so at TRL's default, null, a mixture-of-experts model whose config "
-    "has a coefficient trains without it, unlike TRL). Drop it, or set 0.0 (no auxiliary "
-    "loss, what longctx computes)",
     "log_completions_hub_repo": "longctx does not upload completions; they are written to "
     "output_dir/completions.jsonl. Drop it and upload that file",
     "generation_kwargs": "extra generation arguments are not supported. Use temperature, "
@@ -426,7 +422,7 @@ TRL_REFUSED: dict[str, str] = {
     "num_generations_eval": "held-out rollouts are not supported yet. Drop it",
 }
 # TRL's values of refused keys that ask for nothing (0.0: no auxiliary loss, as longctx).
-_TRL_OFF: dict[str, tuple[object, ...]] = {"router_aux_loss_coef": (None, 0, 0.0)}
+_TRL_OFF: dict[str, tuple[object, ...]] = {}
 
 
 class TrlConfig(_Strict):
@@ -521,6 +517,11 @@ class TrlConfig(_Strict):
         True, description="Under FSDP, gather the full weights once per rollout (true) or, "
         "where they do not fit, let data-parallel groups decode in lockstep, gathering each "
         "layer per generated token (false).")
+    router_aux_loss_coef: float | None = Field(
+        None, description="0.0: train a mixture-of-experts model with the GRPO loss alone (its "
+        "routers still learn through it). TRL's default (null) adds the model's own "
+        "coefficient x its load-balancing loss, which longctx does not compute: `validate` "
+        "refuses such a model unless this is 0.0.")
     num_completions_to_print: int | None = Field(
         None, ge=0, description="Completions written per logging step (default: every one).")
     _ignored: list[tuple[str, str]] = PrivateAttr(default_factory=list)
@@ -543,6 +544,15 @@ class TrlConfig(_Strict):
         model = handler(data)
         model._ignored = ignored
         return model
+
+    @field_validator("router_aux_loss_coef")
+    @classmethod
+    def _no_aux_loss(cls, value: float | None) -> float | None:
+        if value:
+            raise ValueError(f"`trl.router_aux_loss_coef: {value}` cannot run: longctx trains "
+                             "the GRPO loss without the mixture-of-experts load-balancing "
+                             "loss. Set 0.0 (the loss longctx computes), or drop it")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> TrlConfig:
