@@ -13,10 +13,10 @@ of new tokens (no end-of-sequence id, so both decode every token). Tokens per se
 new tokens / wall time, prefill included; the runs alternate, medians reported.
 
 Part `length`: the same model decodes `G` sequences after prompts of 4K-32K tokens at sp 1, 2
-and 4 (gloo processes, one thread each: on a 2-core machine sp 4 shares the cores). longctx's
-time per generated token is (time for 1 + N new tokens - time for 1) / N, N = 32: the prefill
-taken out. Beside it, at sp 1, the model's own cached decoding of the `G` sequences (the loop
-`generate` runs after prefilling `G` copies of the prompt), timed over the same N steps.
+and 4 (gloo processes, one thread each: on a 2-core machine sp 4 shares the cores). The time
+per generated token is that of the N = 32 decode steps after the prefill (the sampler times
+them itself), over N. Beside it, at sp 1, the model's own cached decoding of the `G` sequences
+(the loop `generate` runs after prefilling `G` copies of the prompt), timed over N steps.
 Writes benchmarks/results/rollout-<date>.json.
 """
 
@@ -63,7 +63,8 @@ def prompt_of(length: int) -> list[int]:
                          generator=torch.Generator().manual_seed(length)).tolist()
 
 
-def timed_decode(decoder, head, prompt: list[int], new: int, state) -> float:
+def timed_decode(decoder, head, prompt: list[int], new: int, state) -> tuple[float, float]:
+    """(seconds in all, seconds of the decode steps after the prefill)."""
     from longctx_cli.runtime.sampling import Sampling, decode
 
     generator = torch.Generator().manual_seed(1) if state.sp_rank == 0 else None
@@ -72,7 +73,7 @@ def timed_decode(decoder, head, prompt: list[int], new: int, state) -> float:
                  Sampling(do_sample=True), G, generator)
     seconds = time.perf_counter() - started
     assert all(len(t) == new for t in out.tokens), [len(t) for t in out.tokens]
-    return seconds
+    return seconds, out.decode_seconds
 
 
 def timed_generate(model, prompt: list[int], new: int) -> float:
@@ -101,7 +102,7 @@ def generate_part(rank: int, world: int, prompt_len: int, new: int, runs: int) -
     timed_generate(plain, prompt, 4)
     ours, theirs = [], []
     for _ in range(runs):
-        ours.append(timed_decode(decoder, head, prompt, new, state))
+        ours.append(timed_decode(decoder, head, prompt, new, state)[0])
         theirs.append(timed_generate(plain, prompt, new))
     return {"longctx_s": ours, "generate_s": theirs}
 
@@ -139,9 +140,8 @@ def length_part(rank: int, world: int, lengths: list[int], new: int, runs: int,
         prompt = prompt_of(length)
         per_token, plain_per_token = [], []
         for _ in range(runs):
-            one = timed_decode(decoder, head, prompt, 1, state)
-            many = timed_decode(decoder, head, prompt, 1 + new, state)
-            per_token.append((many - one) / new)
+            # The first token comes from the prefill; the next `new` from decode steps.
+            per_token.append(timed_decode(decoder, head, prompt, 1 + new, state)[1] / new)
             if world == 1 and length <= plain_up_to:
                 plain_per_token.append(hf_per_token(plain, prompt, new))
         out[length] = {"longctx_s": per_token, "generate_s": plain_per_token}
@@ -198,14 +198,19 @@ def main() -> None:
     if args.table:
         print(table(json.loads(args.table.read_text())))
         return
-    record: dict = {"model": MODEL, "num_generations": G, "runs": args.runs}
+    # A part not run now keeps what today's file holds (each part says when it ran).
+    today = ROOT / "benchmarks" / "results" / f"rollout-{time.strftime('%Y-%m-%d')}.json"
+    record: dict = json.loads(today.read_text()) if today.exists() else {}
+    record.update({"model": MODEL, "num_generations": G, "runs": args.runs})
     if args.part in ("generate", "all"):
         result = run_distributed(generate_part, 1, args.prompt_tokens, args.new_tokens,
                                  args.runs, timeout_s=3600)[0]
         record["generate"] = {"prompt_tokens": args.prompt_tokens,
-                              "new_tokens": args.new_tokens, **result}
+                              "new_tokens": args.new_tokens, "ran": time.strftime("%H:%M"),
+                              **result}
     if args.part in ("length", "all"):
         record["length"] = {}
+        record["length_ran"] = time.strftime("%H:%M")
         for sp in args.sp:
             result = run_distributed(length_part, sp, args.lengths, 32, args.runs,
                                      args.plain_up_to, timeout_s=3600)[0]

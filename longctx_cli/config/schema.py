@@ -1299,11 +1299,14 @@ class Config(_Strict):
                              "`eval_datasets` / `val_set_size` (evaluate the saved model with "
                              "`longctx eval`)")
         if self.tensor_parallel_size > 1:
-            raise ValueError("`rl: grpo` with `tensor_parallel_size` > 1: rollouts decode one "
-                             "token at a time across the SP group, and under tensor parallelism "
-                             "each token's heads and vocabulary are split across ranks, which "
-                             "the sampler does not handle yet; use sequence (and data) "
-                             "parallelism, with FSDP for memory")
+            raise ValueError("`rl: grpo` with `tensor_parallel_size` > 1: the update would run "
+                             "(TP-sp scores GRPO exactly, tests/test_grpo.py), but rollouts "
+                             "cannot. TP-sp shards every activation along the sequence over "
+                             "the TP group, and a decode step has one token per sequence; the "
+                             "sampler also needs each token's whole-vocabulary logits, which "
+                             "the vocab-parallel head splits. Decoding under TP is not "
+                             "implemented. Use sequence (and data) parallelism, with FSDP for "
+                             "memory (rollouts then gather the weights once)")
         for key in ("rl_beta", "orpo_alpha", "dpo_loss_type"):
             if getattr(self, key) is not None:
                 raise ValueError(f"`{key}` is a preference-loss key; `rl: grpo` reads its "

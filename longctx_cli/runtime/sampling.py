@@ -21,6 +21,7 @@ per token instead (the same tokens, slower).
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -84,6 +85,7 @@ class Continuations:
 
     tokens: list[list[int]]
     logps: list[list[float]] = field(default_factory=list)
+    decode_seconds: float = 0.0  # the one-token steps after the prefill (all, without cache)
 
 
 def decode(decoder, head, prompt: list[int], max_new_tokens: int, state: ParallelState,
@@ -162,11 +164,11 @@ class _Picker:
         """Whether a sequence still goes on and has room for another token."""
         return len(self.picked) < max_new_tokens and not self.done
 
-    def result(self) -> Continuations:
+    def result(self, decode_seconds: float = 0.0) -> Continuations:
         picked = torch.stack(self.picked, 1).tolist()
         logps = torch.stack(self.logps, 1).tolist()
         eos = set(self.eos.tolist())
-        out = Continuations([], [])
+        out = Continuations([], [], decode_seconds)
         for ids, lps in zip(picked, logps, strict=True):
             end = next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))
             out.tokens.append(ids[:end])
@@ -218,6 +220,7 @@ def _decode_with_cache(decoder, head, prompt, max_new_tokens, state, pad_id, dev
         # The n sequences' own tokens only, in buffers allocated once (not grown per token).
         decoded = StaticCache(config=decoder.config, max_cache_len=max_new_tokens)
         cached = cache_kwargs(decoder, decoded)  # the decoder's name for it, read once
+        started = time.perf_counter()
         while _keep_stepping(picker, max_new_tokens, lockstep, device):
             position = torch.full((n, 1), len(prompt) + meta.decoded - 1, device=device)
             hidden = decoder(input_ids=token[:, None], position_ids=position, sp_meta=meta,
@@ -226,13 +229,14 @@ def _decode_with_cache(decoder, head, prompt, max_new_tokens, state, pad_id, dev
             if picker.active(max_new_tokens):  # else a step only to join the world's
                 token = picker(logits)
             meta.decoded += 1
-    return picker.result()
+    return picker.result(time.perf_counter() - started)
 
 
 def _decode_by_forwards(decoder, head, prompt, max_new_tokens, state, pad_id, device,
                         eos_ids, sampling, n, generator, lockstep=False) -> Continuations:
     """One SP forward per token over a row of the `n` sequences (each a document)."""
     picker = _Picker(prompt, n, sampling, eos_ids, pad_id, state, device, generator)
+    started = time.perf_counter()
     with torch.no_grad():
         while _keep_stepping(picker, max_new_tokens, lockstep, device):
             sequences = picker.ids.tolist()
@@ -246,7 +250,7 @@ def _decode_by_forwards(decoder, head, prompt, max_new_tokens, state, pad_id, de
             logits = _logits_at(head, hidden, batch.sp_meta.local_ranges, ends, state)
             if picker.active(max_new_tokens):
                 picker(logits)
-    return picker.result()
+    return picker.result(time.perf_counter() - started)
 
 
 def _keep_stepping(picker: _Picker, max_new_tokens: int, lockstep: bool,
