@@ -267,6 +267,21 @@ def grpo_example() -> str:
     ]))
 
 
+ROLLOUT = "rollout-2026-11-28.json"
+
+
+def rollout_speed() -> str:
+    """GRPO's sampler against the model's own decoding (benchmarks/rollout.py)."""
+    from benchmarks.rollout import table
+
+    data = _json(ROLLOUT)
+    return _wrap("rollout-speed", "\n".join([
+        table(data), "",
+        f"`python benchmarks/rollout.py`, {data['machine']}, {data['date']} "
+        f"(`benchmarks/results/{ROLLOUT}`).",
+    ]))
+
+
 PEERS_EXCHANGE = "peers-ulysses-exchange-2026-11-27.json"
 
 
@@ -384,11 +399,12 @@ BLOCKS = [
     Block("docs/preference.md", "prefix-sharing-results", prefix_sharing),
     Block("docs/preference.md", "preference-results", preference_results),
     Block("docs/rl.md", "grpo-example", grpo_example),
+    Block("docs/rl.md", "rollout-speed", rollout_speed),
     Block("docs/cli.md", "validate-time", validate_time),
 ]
 # Pages other work owns (their blocks are checked when registered here; a new block of theirs
 # is not an error of this script's).
-OTHERS = {"docs/rl.md", "docs/gpu.md", "docs/axolotl.md"}
+OTHERS = {"docs/gpu.md", "docs/axolotl.md"}
 MARKER = re.compile(r"<!-- ([\w-]+):start -->")
 
 

@@ -254,3 +254,44 @@ def test_moe_model_needs_router_aux_loss_off_as_trl_would_add_it():
     grpo_plan()  # a dense model: nothing to ask
     with pytest.raises(ValidationError, match="router_aux_loss_coef: 0.01` cannot run"):
         TrlConfig(reward_funcs=["rewards.r"], router_aux_loss_coef=0.01)
+
+
+# ---- the first ratio of a batch is exactly 1 -----------------------------------------------
+# With `epsilon` 1e-6 any token whose ratio is off 1 by more than rounding is clipped, so the
+# clip ratio of a batch's first step shows whether the rollout-time pass and the update pass
+# computed the same log-probabilities.
+EXACT_RATIO = {"num_iterations": 2, "epsilon": 1e-6, "beta": 0.0,
+               "reward_funcs": ["rewards.letters"], "reward_weights": None,
+               "steps_per_generation": ACCUMULATION}
+PHI3_WITH_DROPOUT = {"model_type": "phi3", "hidden_size": 32, "intermediate_size": 64,
+                     "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "vocab_size": 384,
+                     "max_position_embeddings": 1024, "resid_pdrop": 0.3,
+                     "pad_token_id": 0, "eos_token_id": list(range(100, 190))}
+
+
+def first_clip_ratio(tmp_path: Path, name: str, data: Path, **overrides) -> float:
+    train(layout_config(tmp_path, name, data, max_steps=1, **overrides), 1)
+    return read_metrics(tmp_path / name)[0]["clip_ratio/region_mean"]
+
+
+def test_disable_dropout_makes_the_first_ratio_one(reference):
+    """Phi-3's residual dropout: on, the update pass and the rollout-time pass drop different
+    units (ratios off 1, clipped); with `disable_dropout` they agree exactly."""
+    tmp_path, data = reference
+    # The fidelity probe compares a training forward with the model's own: with dropout on,
+    # the two draw different masks, so it is off here.
+    phi3 = {"model_config": PHI3_WITH_DROPOUT, "lora_target_modules": ["qkv_proj", "o_proj"],
+            "fidelity_probe": False}
+    on = first_clip_ratio(tmp_path, "dropout-on", data, trl=EXACT_RATIO, **phi3)
+    off = first_clip_ratio(tmp_path, "dropout-off", data,
+                           trl={**EXACT_RATIO, "disable_dropout": True}, **phi3)
+    assert on > 0.1 and off == 0.0, (on, off)
+
+
+def test_half_precision_side_passes_run_under_the_updates_autocast(reference):
+    """float16, a full fine-tune (autocast over float32 master weights): the rollout-time pass
+    runs under the same autocast as the update, so the first ratio is exactly 1."""
+    tmp_path, data = reference
+    assert first_clip_ratio(tmp_path, "fp16", data, dtype="float16", trl=EXACT_RATIO,
+                            **FULL) == 0.0
