@@ -97,7 +97,7 @@ def status_box() -> str:
 
 # ---- README: the Quickstart's time, the comparison with ALST --------------------------------
 
-QUICKSTART = "quickstart-2026-11-25.json"
+QUICKSTART = "quickstart-2026-11-28.json"
 PEERS = ("peers-startup-2026-11-27.json", "reach-2026-11-27.json",
          "live-activations-lean-2026-11-27.json")
 
