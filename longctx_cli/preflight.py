@@ -130,7 +130,10 @@ def check_user_code(config: Config) -> None:
 
     for i, name in enumerate(config.trl.reward_funcs):
         if is_reward_model(name):  # its config only: the model loads in the ranks
-            from longctx_cli.train.reward_model import check_reward_model, reward_model_source
+            from longctx_cli.config.reward_models import (
+                check_reward_model,
+                reward_model_source,
+            )
 
             check_reward_model(reward_model_source(name, config), config.trust_remote_code)
         else:

@@ -278,7 +278,9 @@ def test_validate_plans_a_flash_config_without_a_gpu(tmp_path, offline):
 # ---- optimizers, schedules, cadence, stop rules ------------------------------------------
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+# The 8-bit torchao optimizer alone takes ~45 s here: a slow extra (the other 8-bit ones run).
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
+                                  if n == "adamw_torch_8bit" else n for n in OPTIMIZERS])
 def test_every_optimizer_name_really_steps_on_cpu(name):
     if name in optim._BNB:
         pytest.importorskip("bitsandbytes")

@@ -275,6 +275,7 @@ def first_clip_ratio(tmp_path: Path, name: str, data: Path, **overrides) -> floa
     return read_metrics(tmp_path / name)[0]["clip_ratio/region_mean"]
 
 
+@pytest.mark.slow
 def test_disable_dropout_makes_the_first_ratio_one(reference):
     """Phi-3's residual dropout: on, the update pass and the rollout-time pass drop different
     units (ratios off 1, clipped); with `disable_dropout` they agree exactly."""
@@ -289,6 +290,7 @@ def test_disable_dropout_makes_the_first_ratio_one(reference):
     assert on > 0.1 and off == 0.0, (on, off)
 
 
+@pytest.mark.slow
 def test_half_precision_side_passes_run_under_the_updates_autocast(reference):
     """float16, a full fine-tune (autocast over float32 master weights): the rollout-time pass
     runs under the same autocast as the update, so the first ratio is exactly 1."""

@@ -42,13 +42,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from longctx_cli.config.reward_models import (
+    FAMILY_FIX,
+    NEEDED,
+    WHERE,
+    classification_class,
+    first_line,
+    read_reward_config,
+    unsupported_family,
+)
 from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.attention import register_sp_attention
@@ -57,15 +65,9 @@ from longctx_cli.parallel.sharding import shard_batch
 from longctx_cli.runtime.batches import to_device
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from longctx_cli.config.schema import Config
-
-WHERE = "trl.reward_funcs"
-_NEEDED = ("a sequence-classification model with a one-output head, saved with "
-           "`AutoModelForSequenceClassification.save_pretrained` (config.json, weights with "
-           "`score.weight`)")
-
 
 @dataclass
 class RewardModel:
@@ -92,8 +94,8 @@ class RewardModel:
                 f"the reward model {source!r} cannot be scored under tensor parallelism.",
                 where=WHERE, fix="use `tensor_parallel_size: 1`, or a Python reward function.")
         trust = bool(config.trust_remote_code)
-        hf_config = _read_config(source, trust)
-        model_class = _classification_class(source, hf_config)
+        hf_config = read_reward_config(source, trust)
+        model_class = classification_class(source, hf_config)
         attn = register_sp_attention()
         try:
             model, info = model_class.from_pretrained(
@@ -102,8 +104,8 @@ class RewardModel:
         except (OSError, ValueError, RuntimeError) as e:
             raise UserError(
                 f"the reward model {source!r} could not be loaded as TRL loads it "
-                f"(`AutoModelForSequenceClassification`, `num_labels=1`): {_first_line(e)}",
-                where=WHERE, fix=f"point it at {_NEEDED}.") from None
+                f"(`AutoModelForSequenceClassification`, `num_labels=1`): {first_line(e)}",
+                where=WHERE, fix=f"point it at {NEEDED}.") from None
         _check_loaded(source, model, info, attn)
         model.requires_grad_(False)
         model.eval()
@@ -222,137 +224,29 @@ def _trl_name(source: str) -> str:
     return source.rstrip("/").split("/")[-1] or source
 
 
-def reward_model_source(entry: str | None, config: Config) -> str | None:
-    """Where a `trl.reward_funcs` model entry (or its `reward_processing_classes` tokenizer)
-    is: the folder beside the config when one is there, else the entry as given (an absolute
-    folder, or a hub id for the local cache)."""
-    if entry is None:
-        return None
-    beside = Path(config.source_dir or ".") / entry
-    return str(beside) if beside.is_dir() else entry
-
-
-def check_reward_model(source: str, trust_remote_code: bool = False) -> None:
-    """What `RewardModel.load` refuses that its config shows (before any rank starts): raises
-    the same `UserError`."""
-    _classification_class(source, _read_config(source, trust_remote_code))
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-def _looks_like_path(source: str) -> bool:
-    """A hub id is `name` or `org/name`; anything else is meant as a folder."""
-    return source.startswith(("/", ".", "~")) or source.count("/") > 1
-
-
-def _read_config(source: str, trust_remote_code: bool) -> PretrainedConfig:
-    from transformers import AutoConfig
-
-    local = Path(source).expanduser()
-    if local.is_dir() and not (local / "config.json").is_file():
-        found = sorted(p.name for p in local.iterdir())[:8]
-        raise UserError(
-            f"the reward model folder {source!r} has no config.json (it holds "
-            f"{', '.join(found) if found else 'nothing'}), so it is not a saved model.",
-            where=WHERE, fix=f"point it at {_NEEDED}.")
-    if not local.exists() and _looks_like_path(source):
-        raise UserError(
-            f"the reward model {source!r} is not a folder that exists.",
-            where=WHERE, fix=f"point it at {_NEEDED}, or at a hub id in the local cache.")
-    try:
-        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code,
-                                          local_files_only=True)
-    except (OSError, ValueError) as e:
-        if local.exists():
-            raise UserError(
-                f"the config of the reward model {source!r} could not be read: "
-                f"{_first_line(e)}",
-                where=WHERE, fix=f"point it at {_NEEDED}.") from None
-        raise UserError(
-            f"the reward model {source!r} is neither a folder nor a hub id in the local "
-            "Hugging Face cache; longctx does not download reward models.",
-            where=WHERE,
-            fix=f"download it first (`hf download {source}`) or point at a folder with {_NEEDED}.",
-        ) from None
-
-
-def _classification_class(source: str, hf_config: PretrainedConfig) -> type:
-    """The class `AutoModelForSequenceClassification` builds for this config, checked to be
-    one whose forward longctx reproduces (`GenericForSequenceClassification`: `score`
-    applied to the decoder's last hidden state, pooled at the rightmost non-pad token)."""
-    from transformers import AutoModelForSequenceClassification
-    from transformers.modeling_layers import GenericForSequenceClassification
-
-    architectures = list(getattr(hf_config, "architectures", None) or [])
-    if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
-        raise UserError(
-            f"the reward model {source!r} is a {', '.join(architectures)} (config.json "
-            "`architectures`), not a sequence-classification model: loading it as one would "
-            "score with a randomly initialised head (TRL does so without a word).",
-            where=WHERE,
-            fix=f"point it at {_NEEDED}; a causal LM can judge only through a Python reward "
-            "function.")
-    if hf_config.num_labels != 1:
-        raise UserError(
-            f"the reward model {source!r} has a head of {hf_config.num_labels} labels. TRL "
-            "loads reward models with `num_labels=1` and takes `logits[:, 0]`; transformers "
-            "refuses a checkpoint whose head has another size (a size mismatch), so TRL "
-            "cannot load it either.",
-            where=WHERE, fix="use a reward model with one output (num_labels 1).")
-    mapping = AutoModelForSequenceClassification._model_mapping
-    if type(hf_config) in mapping:
-        model_class = mapping[type(hf_config)]
-    elif "AutoModelForSequenceClassification" in (getattr(hf_config, "auto_map", None) or {}):
-        model_class = AutoModelForSequenceClassification  # remote code: checked once loaded
-    else:
-        raise UserError(
-            f"transformers has no sequence-classification model for the reward model "
-            f"{source!r} (model_type `{hf_config.model_type}`).",
-            where=WHERE, fix=f"point it at {_NEEDED}.")
-    if model_class is not AutoModelForSequenceClassification and not issubclass(
-            model_class, GenericForSequenceClassification):
-        raise UserError(_unsupported_family(source, model_class.__name__),
-                        where=WHERE, fix=_FAMILY_FIX)
-    return model_class
-
-
-_FAMILY_FIX = ("use a reward model of a decoder family whose sequence classifier is "
-               "transformers' generic one (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi-3, "
-               "OLMo, ...), or a Python reward function.")
-
-
-def _unsupported_family(source: str, class_name: str) -> str:
-    return (f"the reward model {source!r} is a {class_name}, whose classification forward "
-            "longctx does not reproduce under sequence parallelism (it scores the `score` "
-            "head of transformers' generic sequence classifier only).")
-
-
 def _check_loaded(source: str, model: nn.Module, info: dict[str, Any], attn: str) -> None:
     from transformers.modeling_layers import GenericForSequenceClassification
 
     if not isinstance(model, GenericForSequenceClassification):
-        raise UserError(_unsupported_family(source, type(model).__name__),
-                        where=WHERE, fix=_FAMILY_FIX)
+        raise UserError(unsupported_family(source, type(model).__name__),
+                        where=WHERE, fix=FAMILY_FIX)
     head = getattr(model, "score", None)
     if not isinstance(head, nn.Linear) or head.out_features != 1:
         raise UserError(
             f"the reward model {source!r} ({type(model).__name__}) has no one-output linear "
-            "`score` head.", where=WHERE, fix=_FAMILY_FIX)
+            "`score` head.", where=WHERE, fix=FAMILY_FIX)
     missing = sorted(info.get("missing_keys") or [])
     if missing:
         raise UserError(
             f"the reward model {source!r} lacks weights for {', '.join(missing[:4])}"
             f"{' and more' if len(missing) > 4 else ''}, which loading would initialise at "
             "random (a checkpoint of another task, or an incomplete save).",
-            where=WHERE, fix=f"point it at {_NEEDED}.")
+            where=WHERE, fix=f"point it at {NEEDED}.")
     if model.config._attn_implementation != attn:
         raise UserError(
             f"the reward model {source!r} (model type `{model.config.model_type}`) did not "
             f"accept attn_implementation `{attn}`, so sequence-parallel attention would be "
-            "bypassed.", where=WHERE, fix=_FAMILY_FIX)
+            "bypassed.", where=WHERE, fix=FAMILY_FIX)
 
 
 def _load_tokenizer(source: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
@@ -364,7 +258,7 @@ def _load_tokenizer(source: str, trust_remote_code: bool) -> PreTrainedTokenizer
     except (OSError, ValueError, TypeError) as e:
         raise UserError(
             f"the reward model's tokenizer could not be loaded from {source!r}: "
-            f"{_first_line(e)}",
+            f"{first_line(e)}",
             where=WHERE,
             fix="save the tokenizer the reward model was trained with beside it "
             "(`tokenizer.save_pretrained`).") from None
