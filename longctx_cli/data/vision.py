@@ -1,0 +1,772 @@
+"""Vision-language data: image-bearing chat records -> tokenized documents -> packed rows.
+
+The model side (`runtime/vision.py`) merges image features into the embeddings of a whole
+packed row and only then shards it, so everything it needs is decided here, once, per
+document: the token ids with every image placeholder already expanded (one `<|image_pad|>`
+per merged patch, exactly as the Hugging Face processor expands it), which tokens are
+image or video tokens (`mm_token_type_ids`: Qwen2.5/3-VL's `get_rope_index` needs them and
+silently falls back to 1-D positions without them), the pixel patches and grids of the
+document's images in the order their placeholders appear, and labels that never make an
+image token a target.
+
+Records are the layouts Axolotl users have: `messages` whose `content` is a list of parts
+(`{"type": "text", "text": ...}`, `{"type": "image", "path" | "url" | "image" | "base64":
+...}`, `{"type": "video", "video": [frame paths]}`), and the older one with an `images`
+(or `image`) column whose entries fill image parts without a source or `<image>` markers in
+the text, in order. Nothing is fetched from the network: a `url` must be `file://`.
+
+`image_size` and `image_resize_algorithm` do what Axolotl's do, before the processor sees
+the image: an int pads the image to a square of that side keeping its aspect ratio (black
+bars, `PIL.ImageOps.pad`), a pair resizes to exactly (width, height); the default filter is
+bilinear. Axolotl applies them only to the column image; here every image and video frame
+gets them, so a config means the same whichever layout the data uses.
+
+Documents are packed first-fit-decreasing by `pack.ffd_bins`, the text packer's own
+routine; a document never splits across rows, so an image is never cut.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlparse
+
+import numpy as np
+
+from longctx_cli.constants import IGNORE_INDEX
+from longctx_cli.data import formats, pack
+from longctx_cli.errors import UserError
+
+if TYPE_CHECKING:
+    from PIL import Image as PILImage
+
+TEXT, IMAGE, VIDEO = 0, 1, 2  # mm_token_type_ids values, as transformers' processors use them
+# transformers' processors take a video given as frames to run at this rate when no fps is
+# known (`VideoMetadata.sampled_fps`); Qwen2.5-VL turns it into `second_per_grid_ts`.
+DEFAULT_VIDEO_FPS = 24.0
+RESIZE_ALGORITHMS = ("bilinear", "bicubic", "lanczos")  # what Axolotl's schema accepts
+IMAGE_MARKER = "<image>"  # LLaVA-style marker of where a column image goes
+SOURCE_KEYS = ("path", "url", "image", "base64")  # Axolotl's keys of an image part's source
+
+
+@dataclass
+class VisionDocument:
+    """One tokenized, image-bearing sample (a whole conversation), ready to pack.
+
+    `pixel_values` and `image_grid_thw` hold the document's images *and* videos in the
+    order their placeholders appear (Qwen's vision tower encodes both alike; a video's
+    frames are its temporal axis); `media_kinds` says which each grid is, so the model side
+    can hand transformers `image_grid_thw` and `video_grid_thw` apart.
+    """
+
+    input_ids: list[int]
+    labels: list[int]
+    mm_token_type_ids: list[int]
+    pixel_values: np.ndarray  # [patches, patch_dim] float32
+    image_grid_thw: list[tuple[int, int, int]]
+    source: str  # "file:line" of the record, for errors
+    media_kinds: list[int] = field(default_factory=list)  # per grid: IMAGE or VIDEO
+    second_per_grid_ts: list[float] = field(default_factory=list)  # per video, in order
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def image_tokens(self) -> int:
+        """Tokens that stand for image or video features (what an image costs in a row)."""
+        return sum(1 for t in self.mm_token_type_ids if t != TEXT)
+
+    @property
+    def has_targets(self) -> bool:
+        """False when no token is trained (the text path skips such records as "no target
+        tokens"; the caller decides the same here)."""
+        return any(label != IGNORE_INDEX for label in self.labels)
+
+
+@dataclass
+class VisionRow:
+    """Packed documents of one training row.
+
+    `position_ids` are the 1-D text positions, restarting at 0 per document: the model side
+    reads document boundaries from them and computes mRoPE once per document. Per-document
+    lists (`image_counts`, `sources`) are in row order, and each document's grids are
+    consecutive in `image_grid_thw`, so grids `[sum(image_counts[:d]), ...)` are document d's.
+    """
+
+    input_ids: list[int]
+    labels: list[int]
+    position_ids: list[int]
+    mm_token_type_ids: list[int]
+    pixel_values: np.ndarray
+    image_grid_thw: list[tuple[int, int, int]]
+    media_kinds: list[int]
+    second_per_grid_ts: list[float]
+    image_counts: list[int]  # grids (images and videos) per document, in row order
+    sources: list[str]
+
+
+@dataclass
+class VisionProcessor:
+    """A Hugging Face processor plus the Axolotl resize keys, applied before it."""
+
+    processor: Any
+    image_size: int | tuple[int, int] | None = None  # int: padded square; pair: (w, h)
+    resample: int = 2  # PIL.Image.Resampling.BILINEAR, Axolotl's default
+    video_size: dict[str, int] | None = None  # the video processor's pixel budget, if any
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processor.tokenizer
+
+    @property
+    def image_processor(self) -> Any:
+        return self.processor.image_processor
+
+    @property
+    def image_token(self) -> str:
+        return getattr(self.processor, "image_token", None) or "<|image_pad|>"
+
+    @property
+    def video_token(self) -> str:
+        return getattr(self.processor, "video_token", None) or "<|video_pad|>"
+
+    @property
+    def chat_template(self) -> str:
+        return (getattr(self.processor, "chat_template", None)
+                or getattr(self.tokenizer, "chat_template", None) or "")
+
+
+# ---- loading the processor ---------------------------------------------------------------
+
+
+def load_processor(
+    path: str, *, image_size: int | Sequence[int] | None = None,
+    image_resize_algorithm: str | None = None,
+) -> VisionProcessor:
+    """The processor in folder `path`, offline, with Axolotl's resize keys attached.
+
+    `AutoProcessor` first. Qwen2/2.5/3-VL processors also build a video processor that
+    needs torchvision; where that is missing (CPU installs), the same processor class is
+    built without it from the folder's tokenizer, image processor and chat template, which
+    is all the image path uses (videos given as frames go through the image processor's
+    own resize and normalisation, then are grouped in time here).
+    """
+    size = _image_size(image_size)
+    resample = _resample(image_resize_algorithm)
+    folder = Path(path)
+    if not folder.is_dir():
+        raise UserError(f"processor folder {path} does not exist.",
+                        fix="point `processor_config` (or `base_model`) at a local folder "
+                        "holding the model's processor files; nothing is downloaded here.")
+    try:
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True)
+    except Exception as first:  # noqa: BLE001 - every failure of the full processor gets the fallback
+        try:
+            processor = _image_only_processor(folder)
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the files are the user's; say which failed
+            raise UserError(
+                f"cannot load a processor from {path}: {first} (without a video processor: "
+                f"{exc}).",
+                fix="point it at a folder holding the model's tokenizer files, "
+                "preprocessor_config.json and chat template, as saved by "
+                "`processor.save_pretrained`.") from None
+    if not hasattr(processor, "image_processor") or not hasattr(processor, "tokenizer"):
+        raise UserError(f"{path} holds no image processor, so it is not a vision-language "
+                        "model's processor.",
+                        fix="use the folder of a vision-language model (Qwen2-VL, Qwen2.5-VL, "
+                        "Qwen3-VL) whose preprocessor_config.json and tokenizer files are there.")
+    return VisionProcessor(processor, size, resample, _video_size(folder, processor))
+
+
+def _image_only_processor(folder: Path) -> Any:
+    """The folder's Qwen-VL processor class without its video processor (see load_processor)."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+
+    config = {}
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        if (folder / name).is_file():
+            config.update(json.loads((folder / name).read_text()))
+    kind = str(config.get("processor_class", "")) + str(config.get("image_processor_type", ""))
+    if "Qwen" not in kind:
+        raise UserError(
+            f"cannot build the processor in {folder} ({kind or 'no processor_class'}): longctx "
+            "prepares vision data for Qwen2-VL, Qwen2.5-VL and Qwen3-VL processors.",
+            fix="use a Qwen-VL model's folder, or install torchvision if the processor needs it.")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(folder),
+                                                               local_files_only=True)
+    template = getattr(tokenizer, "chat_template", None)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        file = folder / name
+        if file.is_file():
+            text = file.read_text()
+            template = json.loads(text)["chat_template"] if name.endswith("json") else text
+            break
+    return image_only_processor_class()(image_processor=image_processor, tokenizer=tokenizer,
+                                        chat_template=template)
+
+
+_IMAGE_ONLY_CLASS: Any = None
+
+
+def image_only_processor_class() -> Any:
+    """`Qwen2_5_VLProcessor` with no video processor attribute (built on first use, so that
+    importing this module does not import transformers' models).
+
+    ProcessorMixin reads a processor's parts from its `__init__` signature; dropping
+    `video_processor` from it is what lets the class be built without torchvision. Its
+    `__call__` (placeholder expansion, tokenizing, mm_token_type_ids) is transformers' own.
+    """
+    global _IMAGE_ONLY_CLASS
+    if _IMAGE_ONLY_CLASS is None:
+        from transformers import Qwen2_5_VLProcessor
+
+        class ImageOnlyQwenVLProcessor(Qwen2_5_VLProcessor):
+            def __init__(self, image_processor: Any = None, tokenizer: Any = None,
+                         chat_template: str | None = None, **kwargs: Any):
+                super().__init__(image_processor, tokenizer, None, chat_template=chat_template,
+                                 **kwargs)
+
+        _IMAGE_ONLY_CLASS = ImageOnlyQwenVLProcessor
+    return _IMAGE_ONLY_CLASS
+
+
+def _video_size(folder: Path, processor: Any) -> dict[str, int] | None:
+    """The video processor's pixel budget (Qwen's differs from the image one), read from the
+    loaded video processor or, without one, from video_preprocessor_config.json."""
+    video = getattr(processor, "video_processor", None)
+    size = getattr(video, "size", None)
+    if size is None and (folder / "video_preprocessor_config.json").is_file():
+        config = json.loads((folder / "video_preprocessor_config.json").read_text())
+        size = dict(config.get("size") or {})
+        if config.get("min_pixels") is not None:
+            size["shortest_edge"] = config["min_pixels"]
+        if config.get("max_pixels") is not None:
+            size["longest_edge"] = config["max_pixels"]
+    if not size:
+        return None
+    size = dict(size)
+    if size.get("shortest_edge") and size.get("longest_edge"):
+        return {"shortest_edge": int(size["shortest_edge"]),
+                "longest_edge": int(size["longest_edge"])}
+    return None
+
+
+def _image_size(value: int | Sequence[int] | None) -> int | tuple[int, int] | None:
+    fix = ("write `image_size: 448` (padded to a 448x448 square, aspect ratio kept) or "
+           "`image_size: [width, height]` (resized to exactly that), or leave it out.")
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise UserError(f"`image_size` must be a number of pixels, found {value!r}.", fix=fix)
+    if isinstance(value, int):
+        if value < 1:
+            raise UserError(f"`image_size` must be positive, found {value}.", fix=fix)
+        return value
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+        return int(value[0]), int(value[1])
+    raise UserError(f"`image_size` must be an integer or a [width, height] pair, found "
+                    f"{value!r}.", fix=fix)
+
+
+def _resample(name: str | None) -> int:
+    from PIL import Image
+
+    if name is None:
+        return int(Image.Resampling.BILINEAR)
+    key = str(name).lower()
+    if key not in RESIZE_ALGORITHMS:
+        raise UserError(f"`image_resize_algorithm` {name!r} is not one of "
+                        f"{', '.join(RESIZE_ALGORITHMS)}.",
+                        fix="use bilinear (the default), bicubic or lanczos.")
+    return int(getattr(Image.Resampling, key.upper()))
+
+
+def _as_vision_processor(processor: Any) -> VisionProcessor:
+    return processor if isinstance(processor, VisionProcessor) else VisionProcessor(processor)
+
+
+# ---- images ------------------------------------------------------------------------------
+
+
+def load_image(value: Any, *, key: str, base_dir: Path, where: str) -> PILImage.Image:
+    """An RGB PIL image from one source value; errors are the user's, with file:line.
+
+    Like transformers' `load_image` (EXIF orientation applied, converted to RGB), minus the
+    network: paths (relative ones against the dataset file's folder), `file://` URLs,
+    base64 (raw or a `data:` URI), `{"bytes" | "path"}` dicts as `datasets` stores images,
+    and PIL images.
+    """
+    from PIL import Image, ImageOps
+
+    if isinstance(value, Image.Image):
+        image = value
+    elif isinstance(value, dict) and (value.get("bytes") or value.get("path")):
+        if value.get("bytes"):
+            image = _open(io.BytesIO(value["bytes"]), "the image bytes", where)
+        else:
+            image = _open_path(str(value["path"]), base_dir, where)
+    elif isinstance(value, str) and value:
+        image = _open_string(value, key, base_dir, where)
+    else:
+        raise UserError(f"an image `{key}` must be a path, URL or base64 string, found "
+                        f"{formats._kind(value)}.", where=where,
+                        fix='write the image part as {"type": "image", "path": "img/1.png"}.')
+    image = ImageOps.exif_transpose(image)
+    return image.convert("RGB")
+
+
+def _open_string(value: str, key: str, base_dir: Path, where: str) -> PILImage.Image:
+    scheme = urlparse(value).scheme.lower() if "://" in value or value.startswith(
+        "data:") else ""
+    if scheme in ("http", "https"):
+        raise UserError(
+            f"image {value!r:.120} is a web address; longctx never downloads during "
+            "preparation (it must run the same offline and on every rank).",
+            where=where,
+            fix="download the images next to the dataset and refer to them by `path` (relative "
+            "paths are read from the dataset file's folder), or embed them as `base64`.")
+    if scheme == "file":
+        parsed = urlparse(value)
+        return _open_path(unquote(parsed.netloc + parsed.path), base_dir, where)
+    if scheme == "data" or key == "base64":
+        payload = value.split(",", 1)[1] if scheme == "data" else value
+        try:
+            raw = base64.b64decode(payload, validate=False)
+        except (binascii.Error, ValueError):
+            raise UserError("the image's base64 text does not decode.", where=where,
+                            fix="store the image file's bytes base64-encoded (or as a "
+                            "`data:image/png;base64,...` URI).") from None
+        return _open(io.BytesIO(raw), "the base64 image", where)
+    if scheme:
+        raise UserError(f"image URL scheme `{scheme}` is not supported ({value!r:.120}).",
+                        where=where, fix="use a local `path` or a `file://` URL.")
+    return _open_path(value, base_dir, where)
+
+
+def _open_path(value: str, base_dir: Path, where: str) -> PILImage.Image:
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        path = base_dir / path
+    if not path.is_file():
+        raise UserError(
+            f"image file {path} does not exist (the record names {value!r}).", where=where,
+            fix=f"relative image paths are read from the dataset file's folder ({base_dir}); "
+            "correct the path, copy the image there, or remove the record.")
+    return _open(path, str(path), where)
+
+
+def _open(source: Any, name: str, where: str) -> PILImage.Image:
+    from PIL import Image
+
+    try:
+        image = Image.open(source)
+        image.load()  # decode now: a truncated file fails here, not inside the processor
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        raise UserError(f"{name} is not an image PIL can read ({exc}).", where=where,
+                        fix="replace the file with a valid PNG/JPEG/WebP image, or remove the "
+                        "record.") from None
+    return image
+
+
+def resize_like_axolotl(image: PILImage.Image, size: int | tuple[int, int] | None,
+                        resample: int) -> PILImage.Image:
+    """Axolotl's `image_size`: an int pads to a black-barred square keeping the aspect ratio,
+    a (width, height) pair resizes to exactly that; None leaves the image alone."""
+    from PIL import ImageOps
+
+    if size is None:
+        return image
+    if isinstance(size, tuple):
+        return image.resize(size, resample)
+    return ImageOps.pad(image, (size, size), method=resample, color=(0, 0, 0))
+
+
+# ---- records -> messages -----------------------------------------------------------------
+
+
+@dataclass
+class _Media:
+    kind: int  # IMAGE or VIDEO
+    frames: list[PILImage.Image]  # one for an image
+    fps: float = DEFAULT_VIDEO_FPS
+
+
+def _default_spec(vp: VisionProcessor) -> formats.FormatSpec:
+    tok = vp.tokenizer
+    markers = [m for m in ("<|im_end|>", tok.eos_token) if m and m in tok.get_vocab()]
+    return formats.FormatSpec("chat_template", template=vp.chat_template,
+                              end_markers=tuple(dict.fromkeys(markers)))
+
+
+def _parts(content: Any, n: int, where: str) -> list[dict[str, Any]]:
+    """A turn's content as a list of parts (a string is one text part, as in Axolotl)."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise UserError(f"turn {n}: `content` must be a string or a list of parts, found "
+                        f"{formats._kind(content)}.", where=where,
+                        fix='write content as [{"type": "text", "text": "..."}, {"type": '
+                        '"image", "path": "..."}].')
+    parts = []
+    for k, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise UserError(f"turn {n}, part {k}: a part must be an object with a `type`, "
+                            f"found {part!r:.80}.", where=where,
+                            fix='give every part a type: "text", "image" or "video".')
+        if part["type"] not in ("text", "image", "video"):
+            raise UserError(f"turn {n}, part {k}: unknown part type {part['type']!r}.",
+                            where=where, fix='use "text", "image" or "video".')
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            raise UserError(f"turn {n}, part {k}: a text part needs a string `text`.",
+                            where=where, fix='write {"type": "text", "text": "..."}.')
+        parts.append({k2: v for k2, v in part.items() if v is not None})
+    return parts
+
+
+def _split_markers(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Text parts cut at `<image>` markers, each marker becoming an image part to fill."""
+    out = []
+    for part in parts:
+        if part["type"] != "text" or IMAGE_MARKER not in part["text"]:
+            out.append(part)
+            continue
+        pieces = part["text"].split(IMAGE_MARKER)
+        for i, piece in enumerate(pieces):
+            if i:
+                out.append({"type": "image"})
+            if piece:
+                out.append({"type": "text", "text": piece})
+    return out
+
+
+def _has_source(part: dict[str, Any]) -> bool:
+    return any(part.get(k) is not None for k in SOURCE_KEYS)
+
+
+def _column_images(record: dict[str, Any]) -> list[Any] | None:
+    for key in ("images", "image"):
+        value = record.get(key)
+        if value is None:
+            continue
+        return list(value) if isinstance(value, (list, tuple)) else [value]
+    return None
+
+
+def _messages(record: dict[str, Any], spec: formats.FormatSpec, where: str
+              ) -> list[formats.Turn]:
+    """The record's turns with part-list content, column images placed, training decided."""
+    field_name = spec.messages_field
+    value = record.get(field_name)
+    if value is None and field_name == "messages" and isinstance(record.get("conversations"),
+                                                                 list):
+        value = record["conversations"]  # ShareGPT layout: from/value
+    if not isinstance(value, list) or not value:
+        raise UserError(f"field `{field_name}` must be a non-empty list of turns.", where=where,
+                        fix='write it as [{"role": "user", "content": [{"type": "image", '
+                        '"path": "a.png"}, {"type": "text", "text": "..."}]}, ...].')
+    role_keys = (spec.mappings.get("role", "role"), "from")
+    content_keys = (spec.mappings.get("content", "content"), "value")
+    known = set(spec.roles.values()) | {"system", "user", "assistant", "tool"}
+    column = _column_images(record)
+    turns: list[formats.Turn] = []
+    for n, raw in enumerate(value):
+        if not isinstance(raw, dict):
+            raise UserError(f"turn {n} of `{field_name}` is {formats._kind(raw)}, not a "
+                            "mapping.", where=where, fix="write each turn as a JSON object.")
+        source_role = next((raw[k] for k in role_keys if raw.get(k) is not None), None)
+        content = next((raw[k] for k in content_keys if raw.get(k) is not None), None)
+        if not isinstance(source_role, str) or content is None:
+            raise UserError(f"turn {n} of `{field_name}` needs a string role and a content.",
+                            where=where, fix="give every turn `role` and `content`.")
+        role = spec.roles.get(source_role, source_role)
+        if role not in known:
+            raise UserError(f"turn {n} has unknown role {source_role!r}.", where=where,
+                            fix=f"use one of {', '.join(sorted(known))}, or map it with "
+                            "`roles:`.")
+        parts = _parts(content, n, where)
+        if column is not None:
+            parts = _split_markers(parts)
+        flag = next((raw[k] for k in spec.training_keys if raw.get(k) is not None), None)
+        if flag is not None and not isinstance(flag, bool):
+            raise UserError(f"turn {n}: the training flag must be true/false, found "
+                            f"{flag!r:.40}.", where=where, fix="write true or false.")
+        train = flag if flag is not None else (spec.train_on_inputs
+                                               or role in spec.roles_to_train)
+        turns.append(formats.Turn(role, parts, train))  # type: ignore[arg-type]
+    if column is not None:
+        _place_column_images(turns, column, where)
+    return turns
+
+
+def _place_column_images(turns: list[formats.Turn], images: list[Any], where: str) -> None:
+    """Fill image parts without a source (and `<image>` markers) with the column's images in
+    order; with no such slot, append them to the first user turn (where Axolotl puts its)."""
+    slots = [p for t in turns for p in t.content if p["type"] == "image"  # type: ignore[union-attr]
+             and not _has_source(p)]
+    if not slots:
+        target = next((t for t in turns if t.role == "user"), turns[0])
+        target.content.extend({"type": "image"} for _ in images)  # type: ignore[union-attr]
+        slots = [p for p in target.content if p["type"] == "image"  # type: ignore[union-attr]
+                 and not _has_source(p)]
+    if len(slots) != len(images):
+        raise UserError(
+            f"the record's `images` column holds {len(images)} image(s) but its messages "
+            f"have {len(slots)} place(s) for them (image parts without a source, or "
+            f"`{IMAGE_MARKER}` markers).", where=where,
+            fix="give one image part (or marker) per column image, in order, or none at all "
+            "(then every image goes at the end of the first user turn).")
+    for slot, image in zip(slots, images, strict=True):
+        slot["image"] = image
+
+
+def _collect_media(turns: list[formats.Turn], vp: VisionProcessor, base_dir: Path,
+                   where: str) -> list[_Media]:
+    """Every image and video of the conversation, loaded and resized, in rendering order.
+    Image parts get a string stand-in for their source, so the template sees a plain part."""
+    media: list[_Media] = []
+    for t in turns:
+        for part in t.content:  # type: ignore[union-attr]
+            if part["type"] == "image":
+                key = next((k for k in SOURCE_KEYS if part.get(k) is not None), None)
+                if key is None:
+                    raise UserError(
+                        "an image part has no source (`path`, `url`, `image` or `base64`) and "
+                        "the record has no `images` column to fill it.", where=where,
+                        fix='write {"type": "image", "path": "img/1.png"}, or add the images '
+                        "as an `images` list.")
+                image = load_image(part[key], key=key, base_dir=base_dir, where=where)
+                media.append(_Media(IMAGE, [resize_like_axolotl(image, vp.image_size,
+                                                                vp.resample)]))
+                if not isinstance(part[key], str):  # a PIL image or bytes: the template needs
+                    part[key] = f"<image {len(media)}>"  # only to see that there is one
+            elif part["type"] == "video":
+                media.append(_video(part, vp, base_dir, where))
+    return media
+
+
+def _video(part: dict[str, Any], vp: VisionProcessor, base_dir: Path, where: str) -> _Media:
+    frames = part.get("video", part.get("frames", part.get("path")))
+    if isinstance(frames, str) or not isinstance(frames, list) or not frames:
+        raise UserError(
+            "a video part must list its frames as image paths "
+            f"(found {formats._kind(frames)}); video files are not decoded here.", where=where,
+            fix='extract the frames (e.g. with ffmpeg) and write {"type": "video", "video": '
+            '["f/0001.jpg", "f/0002.jpg", ...]}.')
+    loaded = [resize_like_axolotl(load_image(f, key="video", base_dir=base_dir, where=where),
+                                  vp.image_size, vp.resample) for f in frames]
+    first = loaded[0].size
+    if any(f.size != first for f in loaded):
+        from PIL import Image
+
+        # A video's frames are one tensor to the video processor: one size for all.
+        loaded = [f if f.size == first else f.resize(first, Image.Resampling.BICUBIC)
+                  for f in loaded]
+    fps = part.get("fps", DEFAULT_VIDEO_FPS)
+    if not isinstance(fps, (int, float)) or isinstance(fps, bool) or fps <= 0:
+        raise UserError(f"a video's `fps` must be a positive number, found {fps!r}.",
+                        where=where, fix="write the rate the frames were sampled at, e.g. 2.")
+    part["video"] = [str(f) for f in frames]
+    return _Media(VIDEO, loaded, float(fps))
+
+
+# ---- pixels ------------------------------------------------------------------------------
+
+
+def _image_pixels(vp: VisionProcessor, image: PILImage.Image
+                  ) -> tuple[np.ndarray, tuple[int, int, int]]:
+    out = vp.image_processor(images=[image], return_tensors="np")
+    grid = tuple(int(x) for x in np.asarray(out["image_grid_thw"])[0])
+    return np.asarray(out["pixel_values"], dtype=np.float32), grid  # type: ignore[return-value]
+
+
+def video_pixels(vp: VisionProcessor, frames: list[PILImage.Image]
+                 ) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Patches of a video given as frames, laid out as transformers' Qwen2-VL video
+    processor lays them out, without torchvision.
+
+    Every frame goes through the image processor (same resize, rescale and normalisation);
+    an image's patch repeats its frame over the temporal axis, so keeping one copy per frame
+    and stacking `temporal_patch_size` consecutive frames in its place gives the video patch
+    (channel, time, row, column). The frame count is padded to a multiple of
+    `temporal_patch_size` with the last frame, as the video processor pads it.
+    """
+    ip = vp.image_processor
+    tps, ps = int(ip.temporal_patch_size), int(ip.patch_size)
+    kwargs: dict[str, Any] = {"return_tensors": "np"}
+    if vp.video_size:
+        kwargs["size"] = dict(vp.video_size)
+    out = ip(images=frames, **kwargs)
+    grids = np.asarray(out["image_grid_thw"])
+    _, gh, gw = (int(x) for x in grids[0])
+    per_frame = np.asarray(out["pixel_values"], dtype=np.float32).reshape(
+        len(frames), gh * gw, -1, tps, ps * ps)[:, :, :, 0]  # [frames, patches, C, ps*ps]
+    if pad := -len(frames) % tps:
+        per_frame = np.concatenate([per_frame, np.repeat(per_frame[-1:], pad, axis=0)])
+    t = per_frame.shape[0] // tps
+    grouped = per_frame.reshape(t, tps, gh * gw, per_frame.shape[2], ps * ps)
+    patches = grouped.transpose(0, 2, 3, 1, 4).reshape(t * gh * gw, -1)
+    return np.ascontiguousarray(patches, dtype=np.float32), (t, gh, gw)
+
+
+# ---- one record -> one document ----------------------------------------------------------
+
+
+def encode_vision_record(
+    record: dict[str, Any], processor: Any, where: str, *, base_dir: Path,
+    spec: formats.FormatSpec | None = None,
+) -> VisionDocument:
+    """Tokenize one image-bearing chat record as the processor would, with chat labels.
+
+    The conversation is rendered once with the chat template; targets are located on that
+    text by `formats.chat_target_spans` (the text path's own rules: roles_to_train, the
+    per-turn training flag, train_on_inputs, train_on_eos). Each vision placeholder is then
+    expanded to one token per merged patch (`grid t*h*w / merge_size**2`, transformers'
+    rule), the spans shifted with it, and the text tokenized once. Image and video tokens,
+    and the vision start/end markers around them, are never targets.
+
+    `processor` is what `load_processor` returns or a bare Hugging Face processor; `spec`
+    carries a dataset entry's chat options (defaults: train assistant turns and the end
+    marker after each).
+    """
+    vp = _as_vision_processor(processor)
+    spec = spec or _default_spec(vp)
+    if not spec.template:
+        spec = replace(spec, template=vp.chat_template)
+    tok = vp.tokenizer
+    turns = _messages(record, spec, where)
+    media = _collect_media(turns, vp, base_dir, where)
+    text, spans = formats.chat_target_spans(tok, spec, turns, where)
+
+    pixels, grids, kinds, seconds = [], [], [], []
+    for item in media:
+        if item.kind == IMAGE:
+            pv, grid = _image_pixels(vp, item.frames[0])
+        else:
+            pv, grid = video_pixels(vp, item.frames)
+            seconds.append(vp.image_processor.temporal_patch_size / item.fps)
+        pixels.append(pv)
+        grids.append(grid)
+        kinds.append(item.kind)
+    merge = int(vp.image_processor.merge_size) ** 2
+    counts = [t * h * w // merge for t, h, w in grids]
+    expanded, spans = _expand(text, spans, kinds, counts, vp, where)
+    ids, labels, _ = formats.encode_spans(tok, expanded, spans)
+
+    image_id, video_id = (tok.convert_tokens_to_ids(x) for x in (vp.image_token, vp.video_token))
+    types = [IMAGE if t == image_id else VIDEO if t == video_id else TEXT for t in ids]
+    for kind in (IMAGE, VIDEO):
+        want = sum(c for c, k in zip(counts, kinds, strict=True) if k == kind)
+        have = types.count(kind)
+        if have != want:
+            name = vp.image_token if kind == IMAGE else vp.video_token
+            raise UserError(
+                f"the tokens hold {have} `{name}` token(s) but the processor's features fill "
+                f"{want}; each would be paired with the wrong patch features.", where=where,
+                fix=f"make sure the tokenizer has `{name}` as one special token and that no "
+                "text in the record contains it (or another vision marker) literally.")
+    never = {tok.convert_tokens_to_ids(x) for x in ("<|vision_start|>", "<|vision_end|>")
+             if x in tok.get_vocab()}
+    labels = [IGNORE_INDEX if ty != TEXT or t in never else lab
+              for t, lab, ty in zip(ids, labels, types, strict=True)]
+    pixel_values = (np.concatenate(pixels) if pixels else
+                    np.zeros((0, _patch_dim(vp)), dtype=np.float32))
+    return VisionDocument(ids, labels, types, pixel_values, grids, where, kinds, seconds)
+
+
+def _patch_dim(vp: VisionProcessor) -> int:
+    ip = vp.image_processor
+    return 3 * int(ip.temporal_patch_size) * int(ip.patch_size) ** 2
+
+
+def _expand(text: str, spans: list[tuple[int, int]], kinds: list[int], counts: list[int],
+            vp: VisionProcessor, where: str) -> tuple[str, list[tuple[int, int]]]:
+    """Each placeholder repeated `counts[i]` times, and the target spans moved with the text.
+
+    The placeholders found must be exactly the media collected, kind for kind, in order: a
+    template that drops image parts, or text that contains a placeholder literally, would
+    otherwise pair features with the wrong tokens.
+    """
+    tokens = {vp.image_token: IMAGE, vp.video_token: VIDEO}
+    found = [(m.start(), m.end(), tokens[m.group()])
+             for m in re.finditer("|".join(re.escape(t) for t in tokens), text)]
+    if [k for *_, k in found] != kinds:
+        def describe(ks: list[int]) -> str:
+            return f"{ks.count(IMAGE)} image(s) and {ks.count(VIDEO)} video(s)"
+
+        raise UserError(
+            f"the rendered conversation has placeholders for {describe([k for *_, k in found])}"
+            f" but the record holds {describe(kinds)}, in that order; the image tokens would "
+            "not match the processor's features.", where=where,
+            fix=f"use the model's own chat template (it renders every image part as "
+            f"`{vp.image_token}`), and keep `{vp.image_token}`/`{vp.video_token}` out of the "
+            "record's text.")
+    pieces, shifts, cursor, extra = [], [], 0, 0
+    for (start, end, _), count in zip(found, counts, strict=True):
+        pieces += [text[cursor:start], text[start:end] * count]
+        extra += (end - start) * (count - 1)
+        shifts.append((end, extra))
+        cursor = end
+    pieces.append(text[cursor:])
+
+    def moved(pos: int) -> int:
+        return pos + next((e for end, e in reversed(shifts) if end <= pos), 0)
+
+    return "".join(pieces), [(moved(s), moved(e)) for s, e in spans]
+
+
+# ---- packing -----------------------------------------------------------------------------
+
+
+def check_fits(doc: VisionDocument, sequence_len: int) -> None:
+    """A document longer than a row cannot be trained: it is never split (an image cut
+    between rows would lose its features' other half), so say what makes it long."""
+    if len(doc) <= sequence_len:
+        return
+    raise UserError(
+        f"this conversation is {len(doc):,} tokens, more than sequence_len {sequence_len:,}; "
+        f"{doc.image_tokens:,} of them are image/video tokens for {len(doc.image_grid_thw)} "
+        "image(s)/video(s), and a document with images is never split across rows.",
+        where=doc.source,
+        fix="shrink the images (`image_size`, or a smaller `max_pixels` in the processor's "
+        "preprocessor_config.json: fewer patches per image), send fewer frames per video, or "
+        "raise `sequence_len`.")
+
+
+def pack_vision_documents(docs: list[VisionDocument], sequence_len: int) -> list[VisionRow]:
+    """Rows of whole documents, first-fit-decreasing (the text packer's `ffd_bins`).
+
+    Each row carries its documents' tokens, positions restarting at 0 per document, and the
+    documents' pixels and grids concatenated in the row's document order, so the i-th
+    image in the row's tokens is the i-th grid and the i-th block of `pixel_values`.
+    """
+    for doc in docs:
+        check_fits(doc, sequence_len)
+    rows = []
+    for bin_ in pack.ffd_bins([len(d) for d in docs], sequence_len):
+        members = [docs[i] for i in bin_]
+        row = pack.make_row((d.input_ids, d.labels, list(range(len(d)))) for d in members)
+        pixels = [d.pixel_values for d in members if len(d.pixel_values)]
+        rows.append(VisionRow(
+            input_ids=row["input_ids"], labels=row["labels"], position_ids=row["position_ids"],
+            mm_token_type_ids=[t for d in members for t in d.mm_token_type_ids],
+            pixel_values=(np.concatenate(pixels) if pixels else
+                          np.zeros((0, members[0].pixel_values.shape[-1]), dtype=np.float32)),
+            image_grid_thw=[g for d in members for g in d.image_grid_thw],
+            media_kinds=[k for d in members for k in d.media_kinds],
+            second_per_grid_ts=[s for d in members for s in d.second_per_grid_ts],
+            image_counts=[len(d.image_grid_thw) for d in members],
+            sources=[d.source for d in members]))
+    return rows

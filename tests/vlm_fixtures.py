@@ -1,0 +1,87 @@
+"""A tiny Qwen2.5-VL-style processor written to a folder, offline (no hub, no torchvision).
+
+Tests of the vision data path need a real Hugging Face processor to compare against: the
+image processor is transformers' own `Qwen2VLImageProcessorPil` with a small pixel budget
+(images of a few dozen patches), the tokenizer a byte-level BPE trained here on a few lines
+that carries Qwen's chat and vision special tokens, and the chat template renders image and
+video parts the way Qwen2.5-VL's does (`<|vision_start|><|image_pad|><|vision_end|>`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# The special tokens of Qwen2-VL/2.5-VL's tokenizer that the data path relies on.
+VISION_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+CHAT_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+# Qwen2.5-VL's template, in the same shape: a default system turn when none is given, string
+# content as is, list content part by part, images and videos as vision placeholders.
+QWEN_VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' or 'video' in part %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# 28-pixel merged patches (patch 14, merge 2): at most 8 x 8 merged patches per image, so a
+# 56x84 image becomes a 4x6 patch grid and 6 image tokens.
+MIN_PIXELS = 28 * 28
+MAX_PIXELS = 28 * 28 * 16
+
+
+def tiny_tokenizer():
+    """A byte-level BPE (any text encodes) with Qwen's chat and vision specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE(unk_token=None))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=[*CHAT_SPECIALS,
+                                                                  *VISION_SPECIALS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ["system\nYou are a helpful assistant.", "user\nDescribe this image.",
+              "assistant\nThe image is a red square.", "What is in the picture? A cat."]
+    raw.train_from_iterator(corpus * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>",
+                                   additional_special_tokens=list(VISION_SPECIALS))
+
+
+def write_tiny_qwen_vl_processor(folder: str | Path) -> Path:
+    """Write the processor's files to `folder` as a Qwen2.5-VL checkpoint lays them out
+    (tokenizer files, preprocessor_config.json, chat_template.jinja, processor_config.json
+    naming `Qwen2_5_VLProcessor`): `AutoProcessor.from_pretrained(folder)` loads it where
+    torchvision is installed, `longctx_cli.data.vision.load_processor(folder)` everywhere."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tiny_tokenizer().save_pretrained(str(folder))
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    image_processor.save_pretrained(str(folder))
+    config = json.loads((folder / "preprocessor_config.json").read_text())
+    config.update(image_processor_type="Qwen2VLImageProcessor",
+                  processor_class="Qwen2_5_VLProcessor")
+    (folder / "preprocessor_config.json").write_text(json.dumps(config, indent=2))
+    (folder / "processor_config.json").write_text(
+        json.dumps({"processor_class": "Qwen2_5_VLProcessor"}, indent=2))
+    (folder / "chat_template.jinja").write_text(QWEN_VL_TEMPLATE)
+    return folder
