@@ -1,0 +1,296 @@
+"""Vision-language models under sequence parallelism: merge first, then shard.
+
+Every rank of an SP group holds the same packed row: its token ids, its images, and the
+1-D text positions that restart at each document. A VLM's forward is rebuilt from the
+model's own pieces so that each rank computes only its slice:
+
+1. **The tower split by images.** The row's images are cut into contiguous runs balanced
+   by patch count, one run per rank. Each rank encodes whole images only (these encoders
+   never attend across images, so this is exact), and the features are all-gathered.
+   The gather's backward sums the gradients over the group, so each rank's tower
+   receives the gradient of the features it produced.
+2. **Merge.** A rank embeds its own tokens and writes into the image-placeholder slots the
+   features of exactly those image tokens. An image cut by a shard boundary gives each
+   side its own tokens' features. A shard without images writes nothing.
+3. **Positions.** Rotary positions come from the model's own rule, per document of the
+   whole row (`get_rope_index` for 3-D mRoPE), then are sliced like the tokens. Document
+   boundaries come from the text positions, never from the 3-D ones.
+4. **Deepstack** (Qwen3-VL): the tower's intermediate features are gathered the same way
+   and handed to the language model with this shard's visual-token mask.
+
+The language model then runs with the SP attention on `sp_meta`, as a text model does.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from longctx_cli.errors import UserError
+from longctx_cli.parallel.mesh import ParallelState
+from longctx_cli.parallel.sharding import ShardedBatch, shard_batch, slice_sequence
+
+# The model types whose forward this module rebuilds, by how their positions work.
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FLAT_FAMILIES = ("llava",)
+VISION_FAMILIES = MROPE_FAMILIES + FLAT_FAMILIES
+IMAGE, VIDEO = 1, 2  # mm_token_type_ids values, as the models' processors write them
+
+
+@dataclass
+class VisionInputs:
+    """The images of one packed row, in row order (the same on every rank of the group).
+
+    `pixel_values`: the processor's output for the row's images, concatenated. For the
+    Qwen-VL families it is `[patches, patch_dim]` with `image_grid_thw` `[images, 3]`
+    giving each image's patch grid; for fixed-size towers (LLaVA) `[images, C, H, W]`.
+    """
+
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor | None = None
+
+    @property
+    def num_images(self) -> int:
+        if self.image_grid_thw is not None:
+            return int(self.image_grid_thw.shape[0])
+        return int(self.pixel_values.shape[0])
+
+    def patches_per_image(self) -> list[int]:
+        """Each image's rows of `pixel_values` (the tower's work for it)."""
+        if self.image_grid_thw is not None:
+            return [int(n) for n in self.image_grid_thw.prod(-1).tolist()]
+        return [1] * self.num_images
+
+    def subset(self, first: int, last: int) -> VisionInputs:
+        """Images `[first, last)` only."""
+        if self.image_grid_thw is None:
+            return VisionInputs(self.pixel_values[first:last])
+        counts = self.patches_per_image()
+        start, end = sum(counts[:first]), sum(counts[:last])
+        return VisionInputs(self.pixel_values[start:end], self.image_grid_thw[first:last])
+
+
+@dataclass
+class VisionRow:
+    """The whole padded row a rank needs beside its slice: token ids, rotary positions
+    (`[3, T]` or `[1, T]`) and the row's images."""
+
+    input_ids: torch.Tensor
+    rope_positions: torch.Tensor
+    images: VisionInputs | None
+
+
+def vision_family(model: nn.Module) -> str:
+    """The model type of a VLM this module can train exactly, or a user error."""
+    model_type = getattr(model.config, "model_type", "")
+    if model_type not in VISION_FAMILIES:
+        raise UserError(
+            f"model type `{model_type}` takes images, but longctx does not rebuild its forward "
+            "under sequence parallelism, so it cannot train it exactly.",
+            where="base_model",
+            fix=f"use one of {', '.join(VISION_FAMILIES)}, or train its language model alone.",
+        )
+    return model_type
+
+
+def split_images(patches: list[int], parts: int) -> list[tuple[int, int]]:
+    """`parts` contiguous runs of images `[first, last)` with balanced patch counts.
+
+    Runs are contiguous so the gathered features come back in row order; a run may be
+    empty when there are fewer images than ranks.
+    """
+    total = sum(patches)
+    bounds, acc, image = [0], 0, 0
+    for part in range(1, parts):
+        target = total * part / parts
+        # Take images while the run's end stays nearer the target than stopping would.
+        while image < len(patches) and acc + patches[image] / 2 <= target:
+            acc += patches[image]
+            image += 1
+        bounds.append(image)
+    bounds.append(len(patches))
+    return list(itertools.pairwise(bounds))
+
+
+class _GatherFeatures(torch.autograd.Function):
+    """All-gather rows of different counts over a group; backward sums the gradients over
+    the group and returns this rank's rows (each rank's tower gets the gradient of every
+    shard's use of its features)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, counts: list[int], rank: int, group: Any):
+        ctx.counts, ctx.rank, ctx.group = counts, rank, group
+        width = max(counts)
+        padded = local.new_zeros((width, *local.shape[1:]))
+        padded[: local.shape[0]] = local
+        parts = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        start = sum(ctx.counts[: ctx.rank])
+        return grad[start:start + ctx.counts[ctx.rank]], None, None, None
+
+
+def gather_features(local: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """Every rank's features in rank order (differentiable); `local` alone at sp 1."""
+    if state.layout.sp == 1:
+        return local
+    counts = [torch.zeros(1, dtype=torch.long) for _ in range(state.layout.sp)]
+    dist.all_gather(counts, torch.tensor([local.shape[0]]), group=state.sp_group)
+    return _GatherFeatures.apply(local, [int(c) for c in counts], state.sp_rank, state.sp_group)
+
+
+class VisionLanguageForward:
+    """The forward of one VLM family, rebuilt from the model's own pieces (see module doc).
+
+    `model` is the `...ForConditionalGeneration` (unwrapped from peft); the methods read
+    its `model.visual` / `model.vision_tower`, `get_image_features`, `get_rope_index` and
+    `language_model`, so the model's own code computes every piece.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.family = vision_family(model)
+        self.inner = model.model  # the ...Model holding the tower and the language model
+        config = model.config
+        self.image_token_id = int(config.image_token_id)
+        self.video_token_id = getattr(config, "video_token_id", None)
+
+    @property
+    def language_model(self) -> nn.Module:
+        return self.inner.language_model
+
+    def token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`mm_token_type_ids` of a row: 1 on image placeholders, 2 on video ones."""
+        types = (input_ids == self.image_token_id).long() * IMAGE
+        if self.video_token_id is not None:
+            types += (input_ids == self.video_token_id).long() * VIDEO
+        return types
+
+    def encode(self, images: VisionInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Features `[tokens, hidden]` of `images` in order, and the deepstack levels."""
+        if self.family in MROPE_FAMILIES:
+            out = self.inner.get_image_features(images.pixel_values, images.image_grid_thw,
+                                                return_dict=True)
+            deep = [torch.cat(level) for level in (getattr(out, "deepstack_features", None) or [])]
+            return torch.cat(out.pooler_output), deep
+        config = self.model.config
+        out = self.inner.get_image_features(
+            pixel_values=images.pixel_values,
+            vision_feature_layer=config.vision_feature_layer,
+            vision_feature_select_strategy=config.vision_feature_select_strategy,
+            return_dict=True,
+        )
+        return torch.cat([f.reshape(-1, f.shape[-1]) for f in out.pooler_output]), []
+
+    def positions(self, input_ids: torch.Tensor, text_positions: torch.Tensor,
+                  images: VisionInputs | None, cu_host: tuple[int, ...]) -> torch.Tensor:
+        """Rotary positions of a full padded row: `[3, T]` for mRoPE families, computed per
+        document by the model's `get_rope_index`; `[1, T]` (the text positions) otherwise."""
+        if self.family not in MROPE_FAMILIES:
+            return text_positions[None]
+        types = self.token_types(input_ids)
+        grids = images.image_grid_thw if images is not None else None
+        if (types == VIDEO).any():
+            raise NotImplementedError("video inputs are not supported yet; pass frames as images")
+        image_index, parts = 0, []
+        for start, end in itertools.pairwise(cu_host):
+            doc_types = types[start:end]
+            # Each image is one run of image placeholders (the processor brackets it).
+            runs = sum(1 for kind, _ in itertools.groupby(doc_types.tolist()) if kind == IMAGE)
+            doc_grid = grids[image_index:image_index + runs] if runs else None
+            image_index += runs
+            pos, _ = self.inner.get_rope_index(
+                input_ids[None, start:end], mm_token_type_ids=doc_types[None],
+                image_grid_thw=doc_grid)
+            parts.append(pos[:, 0])
+        return torch.cat(parts, dim=1)
+
+    def shard(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
+              images: VisionInputs | None, state: ParallelState, pad_token_id: int = 0
+              ) -> tuple[ShardedBatch, VisionRow]:
+        """This rank's slice of a packed row (as for text) and the whole row's vision part."""
+        batch = shard_batch(input_ids, position_ids, labels, state, pad_token_id)
+        full_ids = input_ids.reshape(-1)
+        extra = batch.sp_meta.total_len - full_ids.numel()
+        full_ids = torch.cat([full_ids, full_ids.new_full((extra,), pad_token_id)])
+        text = position_ids.reshape(-1)
+        text = torch.cat([text, torch.arange(extra, dtype=text.dtype)])
+        rope = self.positions(full_ids, text, images, batch.sp_meta.cu_host)
+        return batch, VisionRow(full_ids, rope, images)
+
+    def hidden_states(self, batch: ShardedBatch, row: VisionRow) -> torch.Tensor:
+        """Hidden states `[local_tokens, hidden]` of this rank's slice of the row (`batch`)."""
+        full_ids, full_positions, images = row.input_ids, row.rope_positions, row.images
+        meta = batch.sp_meta
+        state = meta.ctx
+        types = self.token_types(full_ids)
+        local_ids = batch.input_ids.reshape(-1)
+        embeds = self.language_model.get_input_embeddings()(local_ids)
+        local_index = slice_sequence(torch.arange(full_ids.numel()), state)
+        visual = types[local_index] == IMAGE
+        deep_local: list[torch.Tensor] | None = None
+        n_tokens = int((types == IMAGE).sum())
+        if images is not None and images.num_images:
+            features, deep = self._encode_split(images, state)
+            if features.shape[0] != n_tokens:
+                raise UserError(
+                    f"the row holds {n_tokens} image tokens, but its images give "
+                    f"{features.shape[0]} features.",
+                    where="datasets",
+                    fix="prepare the data again with this model's processor (each image's "
+                    "placeholder count must match its features).")
+            ordinal = torch.cumsum(types == IMAGE, 0) - 1  # image-token index of each token
+            wanted = ordinal[local_index][visual]
+            embeds = embeds.masked_scatter(visual[:, None], features[wanted].to(embeds.dtype))
+            deep_local = [level[wanted].to(embeds.dtype) for level in deep] or None
+        elif n_tokens:
+            raise UserError(
+                f"the row holds {n_tokens} image tokens but no images.", where="datasets",
+                fix="keep each record's images with it (the `images` column or image parts).")
+        kwargs: dict[str, Any] = {}
+        if deep_local is not None:
+            kwargs.update(visual_pos_masks=visual[None], deepstack_visual_embeds=deep_local)
+        local_positions = slice_sequence(full_positions, state, dim=1)[:, None, :]
+        if self.family not in MROPE_FAMILIES:
+            local_positions = local_positions[0]
+        hidden = self.language_model(
+            inputs_embeds=embeds[None], position_ids=local_positions, sp_meta=meta,
+            use_cache=False, **kwargs,
+        ).last_hidden_state
+        if meta.attention_calls == 0:
+            raise UserError(
+                "the language model's attention layers did not call the sequence-parallel "
+                "attention, so each rank would attend only to its own slice.",
+                where="base_model", fix="use a VLM whose language model dispatches through "
+                "transformers' AttentionInterface.")
+        return hidden.reshape(-1, hidden.shape[-1])
+
+    def _encode_split(self, images: VisionInputs, state: ParallelState
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Encode this rank's run of images and gather every rank's features in order."""
+        first, last = split_images(images.patches_per_image(), state.layout.sp)[state.sp_rank]
+        if first == last:
+            # No image here: encode the first one and keep none of it, through a zero that
+            # still reaches every tower weight. Every rank then runs the tower (FSDP gathers
+            # its weights collectively) and contributes a zero gradient.
+            features, deep = self.encode(images.subset(0, 1))
+            zero = sum((d.sum() for d in deep), features.sum()) * 0
+            features, deep = features[:0] + zero, [d[:0] + zero for d in deep]
+        else:
+            features, deep = self.encode(images.subset(first, last))
+        if not deep:
+            return gather_features(features, state), []
+        width = features.shape[-1]
+        joined = gather_features(torch.cat([features, *deep], dim=-1), state)
+        levels = joined.split(width, dim=-1)
+        return levels[0], list(levels[1:])

@@ -1,0 +1,147 @@
+"""Tiny vision-language models and packed image rows, and their own HF training step.
+
+`tiny_vlm(family, attn)` builds a small random model of each family longctx trains (same
+seed, same weights, whatever the attention); `image_row(family)` packs three documents:
+two images (one of them cut by shard boundaries at sp 2 and 4), a text-only document, and
+one more image, with 1-D text positions restarting at each document.
+`own_vlm_step` is the reference: each document through the model's own forward with
+`labels=`, weighted by its share of the row's target tokens, gradients summed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longctx_cli.constants import IGNORE_INDEX
+from longctx_cli.runtime.vision import VisionInputs
+
+VOCAB = 200
+IMAGE_ID, VIDEO_ID, START_ID, END_ID = 190, 191, 192, 193
+PATCH, MERGE, TEMPORAL = 4, 2, 2
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "llava")
+
+
+def _config(family: str):
+    text = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=2048,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2)
+    if family == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig
+
+        return Qwen2_5_VLConfig(
+            text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                               out_hidden_size=64, patch_size=PATCH, spatial_merge_size=MERGE,
+                               temporal_patch_size=TEMPORAL, window_size=16,
+                               fullatt_block_indexes=[1]),
+            image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, vision_start_token_id=START_ID,
+            vision_end_token_id=END_ID)
+    if family == "qwen3_vl":
+        from transformers import Qwen3VLConfig
+
+        return Qwen3VLConfig(
+            text_config={**text, "head_dim": 16,
+                         "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}},
+            vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
+                               out_hidden_size=64, patch_size=PATCH, spatial_merge_size=MERGE,
+                               temporal_patch_size=TEMPORAL, num_position_embeddings=64,
+                               deepstack_visual_indexes=[0, 1]),
+            image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, vision_start_token_id=START_ID,
+            vision_end_token_id=END_ID)
+    if family == "llava":
+        from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+        return LlavaConfig(
+            vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=48,
+                                           num_hidden_layers=2, num_attention_heads=2,
+                                           image_size=8, patch_size=PATCH),
+            text_config=LlamaConfig(**text), image_token_id=IMAGE_ID,
+            vision_feature_layer=-1, vision_feature_select_strategy="default")
+    raise ValueError(family)
+
+
+def tiny_vlm(family: str, attn: str) -> torch.nn.Module:
+    """The family's `...ForConditionalGeneration`, float32, seeded; `attn`: the language
+    model's attention (the tower keeps sdpa)."""
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(
+        _config(family), attn_implementation={"text_config": attn, "vision_config": "sdpa",
+                                              "": attn},
+        dtype=torch.float32)
+    return model.train()
+
+
+def _image(family: str, grid: tuple[int, int, int], gen: torch.Generator
+           ) -> tuple[torch.Tensor, int]:
+    """Random pixels of one image and its placeholder count."""
+    t, h, w = grid
+    if family == "llava":
+        return torch.randn(1, 3, 8, 8, generator=gen), (8 // PATCH) ** 2
+    rows = t * h * w
+    return torch.randn(rows, 3 * TEMPORAL * PATCH * PATCH, generator=gen), rows // MERGE**2
+
+
+# Documents: text runs (lengths) and images (grids), in order.
+DOCUMENTS = (
+    (5, (1, 4, 6), 7, (1, 2, 2), 4),
+    (9,),
+    (3, (1, 6, 4), 6),
+)
+
+
+def image_row(family: str, seed: int = 0):
+    """`(input_ids, position_ids, labels, images, documents)` of one packed row;
+    `documents`: per document its ids, labels and images, for the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    ids, pos, labels, pixels, grids, docs = [], [], [], [], [], []
+    for spec in DOCUMENTS:
+        d_ids, d_labels, d_pixels, d_grids = [], [], [], []
+        for part in spec:
+            if isinstance(part, int):
+                run = torch.randint(3, IMAGE_ID - 10, (part,), generator=gen).tolist()
+                d_ids += run
+                d_labels += run
+            else:
+                pix, n = _image(family, part, gen)
+                d_pixels.append(pix)
+                d_grids.append(part)
+                block = [START_ID, *[IMAGE_ID] * n, END_ID]
+                d_ids += block
+                d_labels += [IGNORE_INDEX] * len(block)
+        ids += d_ids
+        labels += d_labels
+        pos += list(range(len(d_ids)))
+        pixels += d_pixels
+        grids += d_grids
+        docs.append((torch.tensor(d_ids), torch.tensor(d_labels), _inputs(d_pixels, d_grids,
+                                                                           family)))
+    images = _inputs(pixels, grids, family)
+    return (torch.tensor(ids), torch.tensor(pos), torch.tensor(labels), images, docs)
+
+
+def _inputs(pixels: list[torch.Tensor], grids: list, family: str) -> VisionInputs | None:
+    if not pixels:
+        return None
+    grid = None if family == "llava" else torch.tensor(grids)
+    return VisionInputs(torch.cat(pixels), grid)
+
+
+def own_vlm_step(model: torch.nn.Module, docs) -> float:
+    """The model's own training on the row's documents: loss, gradients left in `.grad`."""
+    targets = [int((labels[1:] != IGNORE_INDEX).sum()) for _, labels, _ in docs]
+    count = sum(targets)
+    total = 0.0
+    for (ids, labels, images), n in zip(docs, targets, strict=True):
+        kwargs = {}
+        if images is not None:
+            kwargs["pixel_values"] = images.pixel_values
+            if images.image_grid_thw is not None:
+                kwargs["image_grid_thw"] = images.image_grid_thw
+                kwargs["mm_token_type_ids"] = (ids == IMAGE_ID).long()[None]
+        loss = model(input_ids=ids[None], labels=labels[None], **kwargs).loss * (n / count)
+        loss.backward()
+        total += float(loss.detach())
+    return total
