@@ -7,8 +7,11 @@
 A generated block is the text between `<!-- NAME:start -->` and `<!-- NAME:end -->` on a
 page. Each one has exactly one renderer here, and each renderer reads one or more files of
 `benchmarks/results/` (where a benchmark has its own rendering code, the renderer calls it).
-`tests/test_front_door.py` fails when a block is not what its renderer writes now, and when
-README.md or a page this project's front door owns holds a block no renderer knows.
+`tests/test_front_door.py` fails when a block is not what its renderer writes now, when
+README.md, benchmarks/README.md or a page of docs/ holds a block no renderer knows, and when
+one of those pages shows a measured figure outside a block. The Quickstart's train log in
+docs/training.md is one block too: an excerpt of the log `benchmarks/quickstart.py
+--record-run` recorded.
 
 `--time-validate N` runs `longctx validate examples/tiny_passkey.yaml --nproc-per-node 2`
 N times from the repository's root (fidelity probe on, as by default) and writes
@@ -93,6 +96,65 @@ def status_box() -> str:
         "([gpu.md](docs/gpu.md#measured-on-an-h100-and-an-h200)) |",
         "| several GPUs, several nodes | implemented, never run |",
     ]))
+
+
+def _card(report: dict) -> str:
+    card = re.search(r"[ahbl]\d{2,3}", report["device"].lower())
+    return card.group(0).upper() if card else report["device"]
+
+
+def gpu_summary() -> str:
+    """docs/gpu.md's summary: per card, longctx's speed and memory against plain HF's at the
+    same length in the same file, and the estimate against the peak (the card's newest file
+    with a `longest` part, the estimate recomputed by the current code)."""
+    from benchmarks.gpu import LLAMA3_8B, estimate_bytes, longctx_config
+
+    by_card: dict[str, list[tuple[str, dict]]] = {}
+    # A lease's first file, then the ones named after it (`-remeasured`, `-second`).
+    def lease(path: str) -> tuple[str, int]:
+        return re.sub(r"-[a-z]+\.json$", ".json", path), len(path)
+
+    for path in sorted(glob.glob(str(RESULTS / GPU_FILES)), key=lease):
+        report = json.loads(Path(path).read_text())
+        if not report.get("dry_run"):
+            by_card.setdefault(_card(report), []).append((Path(path).name, report))
+    lines = ["| card | files | longctx's tok/s / plain HF's | longctx's peak / HF's, 32K on "
+             "| `validate`'s estimate / peak, the last lease |", "|---|---|---|---|---|"]
+    for card, reports in by_card.items():
+        speed, memory, estimate = [], [], []
+        for _, report in reports:
+            ok = [r for r in report.get("throughput", []) if r["status"] == "ok"]
+            for r in ok:
+                if not r["impl"].startswith("longctx/torch_flash"):
+                    continue
+                for h in (h for h in ok if h["impl"].startswith("hf/")
+                          and h["tokens"] == r["tokens"]):
+                    speed.append(r["tokens_per_s"] / h["tokens_per_s"])
+                    if r["tokens"] >= 32768:
+                        memory.append(r["peak_bytes"] / h["peak_bytes"])
+        longest = [r for _, r in reports if "longest" in r]
+        if longest:
+            lg = longest[-1]["longest"]
+            for trial in lg["trials"]:
+                if trial["status"] == "ok" and trial.get("peak_bytes"):
+                    config = longctx_config(LLAMA3_8B, trial["tokens"], lg["kernel"], "bfloat16",
+                                            **lg["options"])
+                    estimate.append(estimate_bytes(config, lg["kernel"], True)
+                                    / trial["peak_bytes"])
+        files = ", ".join(f"`{name}`" for name, _ in reports)
+        lines.append(f"| {card} | {files} | {_span(speed, '.2f', 'x')} | "
+                     f"{_span(memory, '.2f', 'x')} | "
+                     f"{_span(estimate, '.2f', 'x') if estimate else '-'} |")
+    return _wrap("gpu-summary", "\n".join(lines))
+
+
+def gpu_file(name: str, stem: str) -> Callable[[], str]:
+    """Every table `python benchmarks/gpu.py --table` prints for one GPU file."""
+    def render() -> str:
+        from benchmarks.gpu import tables
+
+        return _wrap(name, f"{tables(_json(stem))}\n\n`benchmarks/results/{stem}`")
+    return render
 
 
 # ---- README: the Quickstart's time, the comparison with ALST --------------------------------
@@ -349,6 +411,133 @@ def quickstart_run() -> str:
     ]))
 
 
+def train_log() -> str:
+    """The Quickstart's `longctx train` output as docs/training.md shows it: every line of
+    the recorded run's log but the step lines, of which the first two, those with a held-out
+    evaluation and the last."""
+    data = _json(QUICKSTART_RUN)
+    lines = (ROOT / data["train_log"]).read_text().splitlines()
+    steps = [i for i, line in enumerate(lines) if line.startswith("step ")]
+    shown = lines[:steps[0]] + [lines[i] for i in steps[:2]]
+    for i in steps[2:-1]:
+        if "eval_loss" in lines[i]:
+            shown += ["...", lines[i]]
+    shown += ["...", lines[steps[-1]], *lines[steps[-1] + 1:]]
+    seconds = data.get("seconds", {}).get("train")
+    took = f", {seconds / 60:.1f} min from the command to its end" if seconds else ""
+    return _wrap("train-log", "\n".join([
+        f"One run of the commit `{data['commit'][:9]}` on a {data['machine']}, {data['date']}"
+        f"{took}.",
+        f"Its whole log is `{data['train_log']}` (recorded by "
+        "`python benchmarks/quickstart.py --record-run`).",
+        "",
+        "<!-- log: longctx train examples/tiny_passkey.yaml --nproc-per-node 2 -->",
+        "```", *shown, "```",
+        "<!-- /log -->",
+    ]))
+
+
+# ---- docs/context.md: a real model past its native context ---------------------------------
+
+CONTEXT_EXTENSION = "context_extension-2026-11-25.json"
+CONTEXT_FINETUNE = "context_finetune-2026-11-26.json"
+
+
+def context_extension() -> str:
+    data = _json(CONTEXT_EXTENSION)
+    plain, yarn = data["results"]["none"], data["results"]["yarn auto"]
+    lines = ["| positions | tokens | loss, no scaling | loss, yarn x2 |", "|---|---|---|---|"]
+    for a, b in zip(plain["buckets"], yarn["buckets"], strict=True):
+        lines.append(f"| {a['start']:,}-{a['end']:,} | {a['tokens']:,} | {a['loss']:.3f} | "
+                     f"{b['loss']:.3f} |")
+    native = [(a["loss"], b["loss"]) for a, b in zip(plain["buckets"], yarn["buckets"], strict=True)
+              if a["end"] <= data["native"]]
+    cost = [100 * (b / a - 1) for a, b in native]
+    minutes = [r["seconds"] / 60 for r in (plain, yarn)]
+    return _wrap("context-extension", "\n".join([
+        *lines,
+        f"| cost of yarn inside the native {data['native']:,} positions | | | "
+        f"{_span(cost, '.1f', '%')} |",
+        "",
+        f"{data['documents']} documents of {data['length']:,} tokens, {data['machine']}, "
+        f"{data['date']}, {_span(minutes, '.1f', ' min')} per evaluation "
+        f"(`benchmarks/results/{CONTEXT_EXTENSION}`).",
+    ]))
+
+
+def context_finetune() -> str:
+    data = _json(CONTEXT_FINETUNE)
+    depths = sorted(data["rows"][0]["by_depth"], key=float)
+    names = {"base": "SmolLM2 as it is"}
+    lines = ["| model | RoPE | training | keys found | "
+             + " | ".join(f"needle at {float(d):.0%}" for d in depths)
+             + " | loss, first / last step |",
+             "|---" * (5 + len(depths)) + "|"]
+    for row in data["rows"]:
+        name = names.get(row["model"], row["model"])
+        if row["model"] == "base" and row["scaling"] != "none":
+            name = "SmolLM2 + yarn x2"
+        rope = "its own" if row["scaling"] == "none" else "yarn, `factor: auto`"
+        losses = row.get("losses")
+        loss = f"{losses[0]:.3f} / {losses[-1]:.3f}" if losses else "-"
+        lines.append(f"| {name} | {rope} | {row['training']} | {row['correct']}/{row['total']} | "
+                     + " | ".join("{}/{}".format(*row["by_depth"][d]) for d in depths)
+                     + f" | {loss} |")
+    train = [r["train_seconds"] / 60 for r in data["rows"] if "train_seconds" in r]
+    evals = [r["eval_seconds"] / 60 for r in data["rows"]]
+    return _wrap("context-finetune", "\n".join([
+        *lines,
+        "",
+        f"{data['machine']}, {data['date']}: {_span(train, '.0f', ' min')} of training per "
+        f"seed, {_span(evals, '.1f', ' min')} per evaluation "
+        f"(`benchmarks/results/{CONTEXT_FINETUNE}`).",
+    ]))
+
+
+GRPO_SHARING = "grpo-sharing-2026-11-26.json"
+
+
+def grpo_sharing() -> str:
+    data = _json(GRPO_SHARING)
+    rows = data["rows"]
+    unshared, shared = rows["unshared"], rows["shared"]
+
+    def cells(row: dict) -> str:
+        return (f"{_span(row['update_s'], '.1f', ' s')} | "
+                f"{statistics.median(row['rollout_s']):.1f} s | "
+                f"{_span(row['peak_mib'], ',.0f', ' MiB')}")
+
+    cut = 1 - statistics.median(shared["update_s"]) / statistics.median(unshared["update_s"])
+    same = all(abs(a - b) < 1e-6 for a, b in zip(shared["losses"], unshared["losses"], strict=True))
+    return _wrap("grpo-sharing", "\n".join([
+        "| | update, s/step (per run) | rollouts, median s/step | peak resident set per rank |",
+        "|---|---|---|---|",
+        f"| each completion after its own prompt copy | {cells(unshared)} |",
+        f"| the prompt once per group | {cells(shared)} |",
+        f"| the update's time saved, at the medians | {cut:.0%} | | |",
+        "",
+        f"`python {data['command']}`, {data['machine']}, {data['date']}, {data['runs']} "
+        f"alternated runs of {data['steps']} steps; the losses "
+        f"{'equal' if same else 'NOT equal'} at every step "
+        f"(`benchmarks/results/{GRPO_SHARING}`).",
+    ]))
+
+
+# ---- benchmarks/README.md: the CPU benchmarks' own tables -----------------------------------
+
+
+def bench_table(name: str, module: str, stem: str, key: str) -> Callable[[], str]:
+    """The table `benchmarks/<module>.py` prints for `results/<stem>` (its `table()` over
+    the JSON's `key`)."""
+    def render() -> str:
+        import importlib
+
+        sys.path.insert(0, str(ROOT / "benchmarks"))  # some scripts import their siblings
+        table = importlib.import_module(f"benchmarks.{module}").table
+        return _wrap(name, f"{table(_json(stem)[key])}\n\n`results/{stem}`")
+    return render
+
+
 VALIDATE_TIME = "validate-time-2026-11-28.json"
 
 
@@ -401,6 +590,36 @@ BLOCKS = [
     Block("docs/rl.md", "grpo-example", grpo_example),
     Block("docs/rl.md", "rollout-speed", rollout_speed),
     Block("docs/cli.md", "validate-time", validate_time),
+    Block("docs/training.md", "train-log", train_log),
+    Block("docs/gpu.md", "gpu-summary", gpu_summary),
+    Block("docs/gpu.md", "gpu-h100-first",
+          gpu_file("gpu-h100-first", "gpu-nvidia-h100-80gb-hbm3-2026-11-27.json")),
+    Block("docs/gpu.md", "gpu-h100-second",
+          gpu_file("gpu-h100-second", "gpu-nvidia-h100-80gb-hbm3-2026-11-27-remeasured.json")),
+    Block("docs/gpu.md", "gpu-h200-first",
+          gpu_file("gpu-h200-first", "gpu-nvidia-h200-2026-11-27.json")),
+    Block("docs/gpu.md", "gpu-h200-second",
+          gpu_file("gpu-h200-second", "gpu-nvidia-h200-2026-11-27-second.json")),
+    Block("docs/context.md", "context-extension", context_extension),
+    Block("docs/context.md", "context-finetune", context_finetune),
+    Block("docs/rl.md", "grpo-sharing", grpo_sharing),
+    *(Block("benchmarks/README.md", name, bench_table(name, module, stem, key))
+      for name, module, stem, key in [
+          ("attention", "attention", "attention.json", "results"),
+          ("attention-16k-rerun", "attention", "attention_16k_rerun.json", "results"),
+          ("attention-16k-idle", "attention", "attention_16k_idle.json", "results"),
+          ("strategies", "attention_strategies", "attention_strategies.json", "rows"),
+          ("strategies-sp2-rerun", "attention_strategies", "attention_strategies_sp2_rerun.json",
+           "rows"),
+          ("strategies-16k-idle", "attention_strategies", "attention_strategies_16k_idle.json",
+           "rows"),
+          ("train-step", "train_step", "train_step.json", "results"),
+          ("train-step-16k-idle", "train_step", "train_step_16k_idle.json", "results"),
+          ("max-len", "max_len", "max_len.json", "results"),
+          ("max-len-p2p", "max_len", "max_len_p2p.json", "results"),
+          ("p2p-ring", "p2p_ring", "p2p_ring.json", "rows"),
+          ("tp", "tp", "tp.json", "results"),
+      ]),
 ]
 # Pages other work owns (their blocks are checked when registered here; a new block of theirs
 # is not an error of this script's).
@@ -430,7 +649,8 @@ def stale() -> list[str]:
             problems.append(f"{block.page}: `{block.name}` is not what its JSON holds now:\n"
                             f"shown:\n{page}\nfrom the JSON:\n{fresh}")
     known = {(b.page, b.name) for b in BLOCKS}
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for path in [ROOT / "README.md", ROOT / "benchmarks" / "README.md",
+                 *sorted((ROOT / "docs").glob("*.md"))]:
         page = str(path.relative_to(ROOT))
         if page in OTHERS:
             continue

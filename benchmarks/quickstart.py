@@ -12,6 +12,15 @@ not see this machine's site-packages, so the install is a real one (pip's cache 
 machine's wheel mirrors, if any, are used as a newcomer's pip would use them). Results go to
 `benchmarks/results/quickstart-<date>.json`; `--readme` rewrites the README line between the
 `quickstart-time` markers from them.
+
+    python benchmarks/quickstart.py --record-run
+
+records one run instead, the one whose output the docs show: the README's train, eval and
+generate commands in a fresh clone of HEAD (this machine's Python, the clone's source), the
+whole train log to `benchmarks/results/train-tiny_passkey-<date>.log`, and what eval and
+generate wrote and printed, with the machine and its load, to
+`benchmarks/results/quickstart-run-<date>.json`. `benchmarks/figures.py` writes the shown
+log and the eval grid from those two files.
 """
 
 from __future__ import annotations
@@ -156,6 +165,50 @@ def readme_line(data: dict[str, Any]) -> str:
     ])
 
 
+def record_run() -> Path:
+    """One run of the README's train, eval and generate commands, recorded for the docs."""
+    date = time.strftime("%Y-%m-%d")
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True, check=True).stdout.strip()
+    command = quickstart_command()
+    commands = [p.strip() for p in command.split("&&") if p.strip().startswith("longctx ")]
+    with tempfile.TemporaryDirectory(prefix="longctx-run-") as tmp:
+        clone = Path(tmp) / "clone"
+        subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "TERM")}
+        env.update(PYTHONPATH=str(clone), HF_HUB_OFFLINE="1", NO_COLOR="1")
+        printed, seconds, loads = {}, {}, [round(_load()[0], 2)]
+        for part in commands:
+            args = part.split()[1:]
+            started = time.perf_counter()
+            result = subprocess.run([sys.executable, "-m", "longctx_cli", *args], cwd=clone,
+                                    env=env, text=True, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, check=False)
+            seconds[args[0]] = round(time.perf_counter() - started, 1)
+            loads.append(round(_load()[0], 2))
+            printed[args[0]] = result.stdout
+            print(f"{seconds[args[0]]:7.1f} s  exit {result.returncode}  {part}", flush=True)
+            if result.returncode != 0:
+                raise SystemExit(f"`{part}` exited {result.returncode}:\n{result.stdout}")
+        config = yaml.safe_load((clone / "examples" / "tiny_passkey.yaml").read_text())
+        evals = clone / config["output_dir"] / "eval"
+        passkey = json.loads((evals / "passkey.json").read_text())
+        position_loss = json.loads((evals / "position_loss.json").read_text())
+    log = RESULTS / f"train-tiny_passkey-{date}.log"
+    log.write_text(printed["train"])
+    out = RESULTS / f"quickstart-run-{date}.json"
+    out.write_text(json.dumps({
+        "commands": commands, "commit": commit, "date": date,
+        "machine": f"{cpu_words(machine())}, 1-minute load average "
+                   f"{min(loads):.1f}-{max(loads):.1f} (other work shared it)",
+        "load_1min": loads, "seconds": seconds,
+        "train_log": str(log.relative_to(ROOT)), "seed": config["seed"],
+        "passkey": passkey, "position_loss": position_loss,
+        "generate_printed": printed["generate"].strip().splitlines()[-1],
+    }, indent=2) + "\n")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=1)
@@ -163,7 +216,12 @@ def main() -> None:
                         help="rewrite README.md's quickstart-time line")
     parser.add_argument("--from-json", type=Path, default=None,
                         help="skip the runs: rewrite the README line from this file")
+    parser.add_argument("--record-run", action="store_true",
+                        help="record one run's train log, eval and generate output for the docs")
     args = parser.parse_args()
+    if args.record_run:
+        print(f"wrote {record_run().relative_to(ROOT)}")
+        return
     if args.from_json is not None:
         data = json.loads(args.from_json.read_text())
     else:

@@ -85,7 +85,7 @@ def anchors(page: Path) -> set[str]:
 
 
 def pages() -> list[Path]:
-    return [README, *sorted((ROOT / "docs").glob("*.md")),
+    return [README, ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md")),
             *sorted((ROOT / "examples").rglob("*.md"))]
 
 
@@ -275,6 +275,50 @@ def test_the_data_readme_lists_every_data_file():
 
 
 # ---- figures -------------------------------------------------------------------------------------
+
+
+# Figures on these pages that are not measurements: settings, defaults, constants of the code,
+# bounds and arithmetic. Any other figure outside a generated block is a measurement with no
+# home: put it in a block `benchmarks/figures.py` writes from its JSON, or link to that block.
+NOT_MEASURED = {
+    "benchmarks/README.md": {"384 MiB", "160 MiB"},  # the memory caps the runs were given
+    "docs/cli.md": {"64 MiB"},  # the fused loss's block
+    "docs/context.md": {"10%", "50%", "90%"},  # the needle's depths
+    "docs/eval.md": {"0%", "50%", "100%"},  # the heatmap's colour scale, a depth
+    "docs/families.md": {"3x"},  # the fidelity probe's allowance
+    "docs/gpu.md": {"80GB", "80 GB"},  # the card's memory
+    "docs/memory.md": {"64 MiB", "1 MiB", "32 MiB"},  # constants of the code and of glibc
+    "docs/parallelism.md": {"0.75x", "3x"},  # contiguous sharding's bound, the allowance
+    "docs/reliability.md": {"600 s", "60 s", "0.5 s", "10 s", "300 s", "2 s", "30 MB"},
+    "docs/results.md": {"64 MiB", "1 MiB"},  # the fused loss's block, the mmap threshold
+    "docs/strategies.md": {"1.41 GB", "0.2 GB", "0.59 GB", "0.71 GB", "2.4x"},  # formulas
+    "docs/training.md": {"300 s", "3%"},  # a default, the share of 4-bit scales
+}
+GENERATED = re.compile(r"<!-- ([\w-]+):start -->.*?<!-- \1:end -->", re.S)
+# A measured quantity in prose: a percentage, a ratio (`0.72x`, not `2 x sp`), a time, a size.
+MEASURED = re.compile(r"\b\d[\d,.]*(?:-\d[\d,.]*)?"
+                      r"(?:%|x\b| ?(?:s|min|ms|MiB|GiB|KB|MB|GB|tok/s|tokens/s)\b)")
+
+
+def loose_figures(page: Path) -> list[str]:
+    """The figures of `page` outside generated blocks, code and comments."""
+    text = CODE.sub("CODE", COMMENT.sub("", FENCE.sub("", GENERATED.sub("", page.read_text()))))
+    return [m.group(0) for m in MEASURED.finditer(text)]
+
+
+def test_loose_figures_are_caught():
+    assert MEASURED.findall("ran at 0.72-0.82x, 5.2 min, 601 MiB, 73.3%; tp 2 x sp 2") == [
+        "0.72-0.82x", "5.2 min", "601 MiB", "73.3%"]
+
+
+@pytest.mark.parametrize("page", [p for p in pages() if p.parent.name != "examples"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_measured_figure_is_generated_from_its_json(page: Path):
+    allowed = NOT_MEASURED.get(str(page.relative_to(ROOT)), set())
+    loose = [f for f in loose_figures(page) if f not in allowed]
+    assert not loose, (f"{page.relative_to(ROOT)}: figures outside a generated block: {loose}. "
+                       "Generate them from their results JSON (benchmarks/figures.py) or link "
+                       "to the block that does.")
 
 
 def test_every_generated_block_is_its_json():
