@@ -150,7 +150,8 @@ def test_model_and_tokenizer_keys():
     })
     assert cfg.tokenizer == "org/tok" and cfg.base_model_config == "org/cfg"
     assert {"model_type", "tokenizer_type", "eot_tokens"} <= set(dict(cfg.axolotl_notes))
-    assert "not a causal-LM class" in _error(config_from_dict, {**TINY, "model_type": "T5Model"})
+    assert "not a causal-LM or image-text class" in _error(config_from_dict,
+                                                         {**TINY, "model_type": "T5Model"})
 
 
 def test_mapping_conflicts_are_errors():
@@ -211,7 +212,7 @@ def test_ignored_and_refused_keys():
                             "use_kernels": True, "hub_model_id": "me/x", "rl": None})
     notes = dict(cfg.axolotl_notes)
     assert all(notes[k].startswith("ignored") for k in ("plugins", "use_kernels", "hub_model_id"))
-    for key, value in (("vllm", {"host": "0.0.0.0"}), ("processor_type", "AutoProcessor"),
+    for key, value in (("vllm", {"host": "0.0.0.0"}), ("processor_kwargs", {"size": 8}),
                        ("neftune_noise_alpha", 5)):
         assert f"`{key}` is not supported" in _error(config_from_dict, {**TINY, key: value})
 

@@ -37,8 +37,8 @@ def _longctx(family: str, state) -> tuple[float, dict[str, torch.Tensor], int]:
     model = tiny_vlm(family, register_sp_attention())
     vlm = VisionLanguageForward(model)
     ids, pos, labels, images, docs = image_row(family)
-    batch, row = vlm.shard(ids, pos, labels, images, state)
-    hidden = vlm.hidden_states(batch, row)
+    batch = vlm.shard(ids, pos, labels, images, state)
+    hidden = vlm.hidden_states(batch)
     count = sum(int((d_labels[1:] != IGNORE_INDEX).sum()) for _, d_labels, _ in docs)
     head = model_head(model.get_output_embeddings(), model.config)
     loss = lm_loss_sum(head, hidden, batch.shift_labels) / count
@@ -113,3 +113,74 @@ def test_images_split_into_balanced_contiguous_runs() -> None:
     assert runs == [(0, 2), (2, 4), (4, 6), (6, 8)]
     assert split_images([5], 3) == [(0, 0), (0, 1), (1, 1)] or \
         sum(b - a for a, b in split_images([5], 3)) == 1
+
+
+# ---- the run's own model build: LoRA and a frozen tower ------------------------------------
+
+
+def _built(family: str, state) -> torch.nn.Module:
+    """The model `longctx train` builds for a LoRA run with `freeze_mm_modules`."""
+    from longctx_cli.config import config_from_dict
+    from longctx_cli.runtime.model import build_model
+    from tests.vlm_models import _config
+
+    config = config_from_dict({
+        "model_config": _config(family).to_dict(), "seed": 0, "dtype": "float32",
+        "sequence_len": 64, "adapter": "lora", "lora_r": 4, "lora_alpha": 8,
+        "lora_target_modules": ["q_proj", "v_proj", "down_proj"], "freeze_mm_modules": True,
+        "datasets": [{"path": "unused.jsonl", "type": "chat_template"}],
+        "sequence_parallel_degree": state.layout.sp,
+    })
+    return build_model(config, state)
+
+
+def _lora_compare(family: str, state) -> dict[str, float]:
+    from peft import LoraConfig, get_peft_model
+
+    from longctx_cli.runtime.model import decoder_and_head
+
+    ours = _built(family, state)
+    decoder, head = decoder_and_head(ours)
+    ids, pos, labels, images, docs = image_row(family)
+    batch = decoder.shard(ids, pos, labels, images, state)
+    count = sum(int((d_labels[1:] != IGNORE_INDEX).sum()) for _, d_labels, _ in docs)
+    (lm_loss_sum(head, decoder.hidden_states(batch), batch.shift_labels) / count).backward()
+    reference = tiny_vlm(family, "eager")
+    for module in (reference.model.get_submodule(n) for n in ("visual", "vision_tower",
+                                                              "multi_modal_projector")
+                   if hasattr(reference.model, n)):
+        module.requires_grad_(False)
+    reference = get_peft_model(reference, LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+        exclude_modules=r".*(visual|vision_tower|multi_modal_projector).*",
+        task_type="CAUSAL_LM"))
+    reference.load_state_dict(ours.state_dict())
+    own_vlm_step(reference, docs)
+    trained = {n: p for n, p in ours.named_parameters() if p.requires_grad}
+    ref = dict(reference.named_parameters())
+    assert trained.keys() == {n for n, p in ref.items() if p.requires_grad}
+    # The tower and projector are frozen whole: no adapters there either.
+    assert not any("visual" in n or "vision_tower" in n or "projector" in n
+                   for n in trained), sorted(trained)
+    errors = {}
+    for name, p in trained.items():
+        g = p.grad.clone()
+        if state.layout.sp > 1:
+            dist.all_reduce(g, group=state.sp_group)
+        r = ref[name].grad
+        errors[name] = float((g - r).norm()) / max(float(r.norm()), 1e-8)
+    lora_b = [n for n in trained if "lora_B" in n]
+    return {"grad": max(errors.values()), "lora_b": len(lora_b),
+            "lora_b_norm": min(float(ref[n].grad.norm()) for n in lora_b)}
+
+
+def _lora_worker(rank: int, world: int) -> dict[str, dict]:
+    state = sp_state(sp=world, kernel="torch", mode="ulysses")
+    return {family: _lora_compare(family, state) for family in FAMILIES}
+
+
+def test_lora_with_frozen_tower_equals_the_models_own_training() -> None:
+    for results in run_distributed(_lora_worker, 2, timeout_s=300):
+        for family, r in results.items():
+            assert r["grad"] < TOL, (family, r)
+            assert r["lora_b"] >= 4 and r["lora_b_norm"] > 0, (family, r)

@@ -7,7 +7,7 @@ meaning are schema fields (see schema.py); every other Axolotl key is in `AXOLOT
   `attention_kernel: auto`, `bf16: auto` -> `dtype: bfloat16`, ...);
 - **ignored**: accepted and listed in the plan, because it changes nothing longctx computes
   (kernel switches, hub upload, dataloader workers, ...);
-- **refused**: it would change the math or the task (RL trainers, multimodal, noise), and
+- **refused**: it would change the math or the task (RL trainers, noise), and
   longctx cannot honour it; refused only when set to something other than off/empty.
 
 `RENAMES` holds names from older Axolotl releases and other trainers, offered as the
@@ -145,15 +145,22 @@ def _tokenizer_config(value: Any, data: dict[str, Any]) -> tuple[dict[str, Any],
 
 
 _CAUSAL_LM_CLASSES = ("AutoModelForCausalLM",)
+# What Axolotl's vision-language configs name: longctx picks the class from the model's config.
+_IMAGE_TEXT_CLASSES = ("AutoModelForImageTextToText", "AutoModelForVision2Seq")
 
 
 def _model_type(value: Any, data: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    if isinstance(value, str) and (value in _IMAGE_TEXT_CLASSES
+                                   or value.endswith("ForConditionalGeneration")):
+        return {}, ("no effect: longctx loads a vision-language model with "
+                    "AutoModelForImageTextToText, which picks the model's class")
     if not isinstance(value, str) or not (
         value in _CAUSAL_LM_CLASSES or value.endswith("ForCausalLM")
     ):
         raise MappingProblem(
-            f"`model_type` = {value!r} is not a causal-LM class; longctx trains causal LMs "
-            "(AutoModelForCausalLM or a *ForCausalLM class)"
+            f"`model_type` = {value!r} is not a causal-LM or image-text class; longctx trains "
+            "causal LMs (AutoModelForCausalLM or a *ForCausalLM class) and vision-language "
+            "models (AutoModelForImageTextToText or a *ForConditionalGeneration class)"
         )
     return {}, "no effect: longctx always loads with AutoModelForCausalLM, which picks " + (
         "the same class" if value != "AutoModelForCausalLM" else "the model's class"
@@ -227,7 +234,6 @@ _RL = ("reward models, PPO and other online trainers are not supported; longctx 
        "reward functions")
 _VLLM_SERVER = ("rollouts are sampled by longctx itself under SP (the prompt prefilled across "
                 "the SP group); a vLLM server is not used: drop the `vllm:` section")
-_MM = "multimodal training is not supported; longctx trains text causal LMs"
 
 AXOLOTL_KEYS: dict[str, Rule] = {
     # ---- model and tokenizer
@@ -235,7 +241,8 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "cls_model_config": Rule("ignored", "longctx reads the config with AutoConfig"),
     "model_type": Rule(
         "mapped", "longctx always uses AutoModelForCausalLM", "-", _model_type,
-        ("AutoModelForCausalLM", "<X>ForCausalLM"),
+        ("AutoModelForCausalLM", "<X>ForCausalLM", "AutoModelForImageTextToText",
+         "<X>ForConditionalGeneration"),
     ),
     "tokenizer_type": Rule(
         "ignored", "longctx loads tokenizers with AutoTokenizer, which picks the class the "
@@ -264,12 +271,9 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "max_memory": Rule("ignored", "each rank places the whole model on its own device"),
     "gpu_memory_limit": Rule("ignored", "each rank places the whole model on its own device"),
     "use_kernels": Rule("ignored", _KERNEL),
-    "processor_type": Rule("refused", _MM),
-    "processor_kwargs": Rule("refused", _MM),
-    "is_multimodal": Rule("refused", _MM),
-    "image_size": Rule("refused", _MM),
-    "image_resize_algorithm": Rule("refused", _MM),
-    "freeze_mm_modules": Rule("refused", _MM),
+    "processor_kwargs": Rule("refused", "set the image processor's options in its own "
+                             "preprocessor_config.json"),
+    "is_multimodal": Rule("ignored", "a vision-language model is known by its config"),
     "is_falcon_derived_model": Rule("ignored", "longctx reads the model type from its config"),
     "is_llama_derived_model": Rule("ignored", "longctx reads the model type from its config"),
     "is_mistral_derived_model": Rule("ignored", "longctx reads the model type from its config"),

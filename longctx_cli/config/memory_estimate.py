@@ -92,6 +92,9 @@ class MemoryEstimate:
     # rl: grpo under FSDP2: the weights a rollout gathers at once beyond this rank's shard
     # (trl.ds3_gather_for_generation), alive while it decodes, not during the update.
     rollout_weights: int = 0
+    # A vision-language model's tower: its weights and state, and its activations for a
+    # row of only image tokens (config/vision_plan.py).
+    vision_tower: int = 0
 
     @property
     def rollout_total(self) -> int:
@@ -104,6 +107,7 @@ class MemoryEstimate:
         return (
             self.parameters + self.gradients + self.optimizer + self.activations
             + self.attention_buffers + self.score_tiles + max(self.logits, self.recompute)
+            + self.vision_tower
         )
 
     def parts(self) -> list[tuple[str, int]]:
@@ -116,6 +120,7 @@ class MemoryEstimate:
             ("layer recomputed in backward", self.recompute),
             ("SP attention buffers", self.attention_buffers),
             ("attention score tiles", self.score_tiles),
+            *([("vision tower", self.vision_tower)] if self.vision_tower else []),
         ]
 
 

@@ -367,6 +367,17 @@ def apply_model_overrides(hf_config: Any, overrides: dict[str, Any] | None) -> A
     return hf_config
 
 
+def is_vision_language(hf_config: Any) -> bool:
+    """A model longctx trains with its images: a vision part in its config, and no causal
+    LM of its own in transformers. Qwen3.5 and Gemma 3 have one, and longctx trains that
+    language model on text, as before images were supported."""
+    if getattr(hf_config, "vision_config", None) is None:
+        return False
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING
+
+
 def read_model_config(config: Config) -> ModelShape:
     """The model's shape, `overrides_of_model_config`, `rope_scaling` and `rope_theta` applied
     (see `_read_model_config`): the one builder of the model's config, for the plan, the

@@ -10,7 +10,7 @@ functions that ask about CUDA, so `longctx --help` stays fast.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from longctx_cli.config import tp_rules
@@ -38,6 +38,8 @@ from longctx_cli.config.rules import (
     rollout_decoding_note,
 )
 from longctx_cli.config.schema import Config
+from longctx_cli.config.vision_plan import check_vision
+from longctx_cli.config.vision_plan import plan_rows as vision_plan_rows
 from longctx_cli.config.world import Platform, resolve_world
 from longctx_cli.layout import Layout, ring_reason
 
@@ -75,6 +77,7 @@ class Plan:
     # Attention buffers per rank had each ring algorithm been chosen (ring > 1 only).
     attention_buffers_by_ring: tuple[tuple[str, int], ...] = ()
     ring_reason: str = ""  # why that ring (printed next to it): a config key or the default
+    vision: tuple[tuple[str, str], ...] = ()  # a vision-language model's tower rows
 
     def to_table(self) -> Table:
         """The plan as a rich Table (what `longctx validate` prints)."""
@@ -111,6 +114,7 @@ class Plan:
                                f"trainable{', LoRA' if self.adapter else ''}), {self.dtype}"),
                 ("shape from", m.source),
                 *([("context", m.context)] if m.context else []),
+                *self.vision,
             ]),
             ("parallelism", [
                 ("world size", f"{self.world_size} ({self.world_source})"),
@@ -364,6 +368,11 @@ def build_plan(
         config, shape, world_size, layout, host_is_device=not platform.cuda,
         tiled_scores=tiled,
     )
+    tower = check_vision(config, shape.hf_config, layout)
+    vision_rows: tuple[tuple[str, str], ...] = ()
+    if tower is not None:
+        memory = replace(memory, vision_tower=sum(tower.memory(config, layout)))
+        vision_rows = tuple(vision_plan_rows(tower, config, layout))
 
     dp = layout.dp
     row_tokens = config.row_tokens
@@ -398,6 +407,7 @@ def build_plan(
         notes=tuple(notes),
         host_is_device=not platform.cuda,
         training=_training_rows(config),
+        vision=vision_rows,
         fsdp_detail=fsdp_detail(config, layout),
         axolotl=tuple(config.axolotl_notes),
         assumed=tuple(assumed),

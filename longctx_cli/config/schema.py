@@ -624,6 +624,31 @@ class Config(_Strict):
         description="Start from random weights (drawn from `seed`) in `base_model`'s "
         "architecture and config, not its trained weights: pretraining from scratch.",
     )
+    # ---- vision-language models (docs/vlm.md) --------------------------------------------
+    processor_type: Literal["AutoProcessor"] | None = Field(
+        None,
+        description="Vision-language models: load the processor (image processor, tokenizer, "
+        "chat template) from `processor_path` or `base_model` with transformers' "
+        "AutoProcessor, offline. Set it (as Axolotl does) to train on image-bearing records.",
+    )
+    processor_path: str | None = Field(
+        None,
+        description="Folder of the processor's files when they are not beside `base_model` "
+        "(e.g. with `model_config`). Relative paths are read from the config's folder.",
+    )
+    image_size: int | tuple[int, int] | None = Field(
+        None,
+        description="Resize every image before the processor, as Axolotl does: an int pads it "
+        "to that square keeping its aspect ratio; `[width, height]` stretches it.",
+    )
+    image_resize_algorithm: Literal["bilinear", "bicubic", "lanczos"] = Field(
+        "bilinear", description="The resampling filter `image_size` resizes with.",
+    )
+    freeze_mm_modules: bool = Field(
+        False,
+        description="Vision-language models: freeze the vision tower and the projector; only "
+        "the language model trains (full fine-tune), or only its adapters (with `adapter`).",
+    )
     unfrozen_parameters: list[str] | None = Field(
         None,
         description="Full fine-tuning of only the parameters whose names match one of these "

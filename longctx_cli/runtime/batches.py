@@ -7,8 +7,10 @@ from dataclasses import replace
 import torch
 
 from longctx_cli.config import Config
+from longctx_cli.errors import UserError
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import ShardedBatch, shard_batch
+from longctx_cli.runtime.vision import VisionInputs, with_vision
 
 
 def step_row_indices(
@@ -37,6 +39,38 @@ def collate(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return cat("input_ids"), cat("position_ids"), cat("labels")
 
 
+def collate_images(rows) -> VisionInputs | None:
+    """The images of micro-batch rows, in row order; None for rows without vision columns
+    (text runs) and for rows that hold no image."""
+    if "pixel_values" not in rows.column_names:
+        return None
+    pixels, grids = [], []
+    for row in rows:
+        if 2 in (row.get("media_kinds") or []):
+            raise UserError(
+                "a row holds a video; longctx trains vision-language models on images only "
+                "so far.", where="datasets",
+                fix="pass the video's frames as images, or drop the video records.")
+        if row["image_grid_thw"]:
+            pixels.append(torch.tensor(row["pixel_values"], dtype=torch.float32)
+                          .view(-1, row["pixel_dim"]))
+            grids += row["image_grid_thw"]
+    if not grids:
+        return None
+    return VisionInputs(torch.cat(pixels), torch.tensor(grids, dtype=torch.long))
+
+
+def sharded_rows(rows, state: ParallelState, pad_id: int, next_tokens: bool = False
+                 ) -> ShardedBatch:
+    """Collated `rows` as this rank's slice; a vision-language row also carries its whole
+    row's ids, text positions and images (runtime/vision.py)."""
+    ids, positions, labels = collate(rows)
+    sharded = shard_batch(ids, positions, labels, state, pad_id, next_tokens=next_tokens)
+    if "pixel_values" in rows.column_names:
+        sharded = with_vision(sharded, ids, positions, collate_images(rows), pad_id)
+    return sharded
+
+
 def micro_batches(rows, indices: list[int], config: Config, state: ParallelState,
                   pad_id: int) -> list[ShardedBatch]:
     """This DP rank's micro-batches of one step, sharded for this SP rank."""
@@ -45,8 +79,7 @@ def micro_batches(rows, indices: list[int], config: Config, state: ParallelState
     batches = []
     for i in range(ga):
         chosen = mine[i * mbs : (i + 1) * mbs]
-        sharded = shard_batch(*collate(rows.select(chosen)), state, pad_id,
-                              next_tokens=config.rl == "orpo")
+        sharded = sharded_rows(rows.select(chosen), state, pad_id, config.rl == "orpo")
         batches.append(to_device(replace(sharded, rows=tuple(chosen)), state.device))
     return batches
 
@@ -55,7 +88,7 @@ def row_batch(rows, index: int, state: ParallelState, pad_id: int,
               next_tokens: bool = False) -> ShardedBatch:
     """Row `index` alone, sharded for this rank and on its device (evaluation, reference
     passes): `rows` records which row it is."""
-    sharded = shard_batch(*collate(rows.select([index])), state, pad_id, next_tokens)
+    sharded = sharded_rows(rows.select([index]), state, pad_id, next_tokens)
     return to_device(replace(sharded, rows=(index,)), state.device)
 
 

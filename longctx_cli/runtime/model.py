@@ -11,10 +11,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from longctx_cli.config import Config
-from longctx_cli.config.model_shape import read_model_config
+from longctx_cli.config.model_shape import is_vision_language, read_model_config
 from longctx_cli.config.schema import unfrozen_pattern
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
@@ -88,6 +93,13 @@ def load_base_model(
     dtype = DTYPES[config.dtype]
     hf_config = hf_config if hf_config is not None else model_config_of(config)
     quantization = bnb_quantization(config, dtype) if quantize else None
+    auto_class, attn = AutoModelForCausalLM, attn_implementation
+    if is_vision_language(hf_config):
+        # The language model runs the SP attention; the tower encodes whole images on one
+        # rank each (runtime/vision.py), with the model's own attention.
+        auto_class = AutoModelForImageTextToText
+        attn = {"": attn_implementation, "text_config": attn_implementation,
+                "vision_config": "sdpa"}
     if config.trust_remote_code:
         warnings.warn(
             "trust_remote_code is on: code from the model repository will run.", stacklevel=2
@@ -104,15 +116,15 @@ def load_base_model(
             full.config.save_pretrained(tmp)
             save_model(full, f"{tmp}/model.safetensors", metadata={"format": "pt"})
             del full
-            model = AutoModelForCausalLM.from_pretrained(
-                tmp, attn_implementation=attn_implementation, dtype=dtype,
+            model = auto_class.from_pretrained(
+                tmp, attn_implementation=attn, dtype=dtype,
                 quantization_config=quantization, device_map=load_device_map(),
             )
     elif config.random_init:
         # Same seed on every rank -> identical initial weights without a broadcast.
         torch.manual_seed(config.seed)
-        model = AutoModelForCausalLM.from_config(
-            hf_config, attn_implementation=attn_implementation, dtype=dtype,
+        model = auto_class.from_config(
+            hf_config, attn_implementation=attn, dtype=dtype,
             trust_remote_code=config.trust_remote_code,
         )
     else:
@@ -125,9 +137,9 @@ def load_base_model(
 
             # gpt-oss ships MXFP4 expert weights: trained in `dtype`, so dequantised on load.
             overridden.update(quantization_config=Mxfp4Config(dequantize=True))
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto_class.from_pretrained(
             config.base_model,
-            attn_implementation=attn_implementation,
+            attn_implementation=attn,
             dtype=dtype,
             trust_remote_code=config.trust_remote_code,
             **overridden,
@@ -179,6 +191,8 @@ def apply_lora(model: PreTrainedModel, config: Config) -> nn.Module:
         use_dora=config.peft_use_dora,
         use_rslora=config.peft_use_rslora,
         task_type="CAUSAL_LM",
+        # A frozen tower gets no adapters either (its linear names match the LM's).
+        exclude_modules=VISION_MODULES_PATTERN if config.freeze_mm_modules else None,
     )
     try:
         with peft_quietly():
@@ -304,6 +318,23 @@ def unwrap(model: nn.Module) -> PreTrainedModel:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+# Module names inside a VLM's tower or projector (peft's `exclude_modules` regex).
+VISION_MODULES_PATTERN = r".*\b(visual|vision_tower|multi_modal_projector)\b.*"
+
+
+def freeze_vision_modules(model: nn.Module) -> None:
+    """`freeze_mm_modules`: the vision tower and its projector keep their weights."""
+    from longctx_cli.runtime.vision import vision_modules
+
+    modules = vision_modules(unwrap(model))
+    if not modules:
+        raise UserError(
+            "`freeze_mm_modules: true`, but this model has no vision tower.",
+            where="freeze_mm_modules", fix="remove `freeze_mm_modules` for a text model.")
+    for module in modules:
+        module.requires_grad_(False)
+
+
 def freeze_all_but(model: nn.Module, patterns: list[str]) -> None:
     """Train only the parameters `patterns` match (Axolotl's `unfrozen_parameters`, see
     `unfrozen_pattern`), and of a pattern with rows only those rows; a list that matches
@@ -355,6 +386,8 @@ def build_model(config: Config, state: ParallelState | None = None,
     if config.gradient_checkpointing:
         enable_checkpointing(model, {"use_reentrant": False,
                                      **(config.gradient_checkpointing_kwargs or {})})
+    if config.freeze_mm_modules:
+        freeze_vision_modules(model)
     if config.adapter is not None:
         model = apply_lora(model, config)
     if config.unfrozen_parameters is not None:
@@ -403,7 +436,12 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     and score computed from hidden states goes through it, so none skips the transform.
     """
     base = unwrap(model)
-    return decoder_of(base), model_head(base.get_output_embeddings(), base.config)
+    head = model_head(base.get_output_embeddings(), base.config)
+    if is_vision_language(base.config):
+        from longctx_cli.runtime.vision import VisionLanguageForward
+
+        return VisionLanguageForward(base), head
+    return decoder_of(base), head
 
 
 def cache_kwargs(decoder: nn.Module, cache: Any) -> dict[str, Any]:
@@ -429,7 +467,14 @@ def sp_hidden_states(decoder: nn.Module, batch, where: str = "base_model",
     Fails loudly when no attention layer went through the SP attention: each rank would
     then attend only to its own slice, silently. `where` names what the user should change.
     `cache` (a transformers `Cache`) keeps this rank's keys and values for decoding.
+    A vision-language model's decoder is its rebuilt forward (runtime/vision.py).
     """
+    from longctx_cli.runtime.vision import VisionLanguageForward
+
+    if isinstance(decoder, VisionLanguageForward):
+        if cache is not None:
+            raise NotImplementedError("decoding a vision-language model with a cache")
+        return decoder.hidden_states(batch)
     hidden = decoder(
         input_ids=batch.input_ids, position_ids=batch.position_ids, sp_meta=batch.sp_meta,
         **cache_kwargs(decoder, cache),

@@ -24,21 +24,18 @@ The language model then runs with the SP attention on `sp_meta`, as a text model
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from longctx_cli.config.vision_plan import MROPE_FAMILIES, refuse_unless_rebuilt
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import ShardedBatch, shard_batch, slice_sequence
 
-# The model types whose forward this module rebuilds, by how their positions work.
-MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-FLAT_FAMILIES = ("llava",)
-VISION_FAMILIES = MROPE_FAMILIES + FLAT_FAMILIES
 IMAGE, VIDEO = 1, 2  # mm_token_type_ids values, as the models' processors write them
 
 
@@ -66,6 +63,11 @@ class VisionInputs:
             return [int(n) for n in self.image_grid_thw.prod(-1).tolist()]
         return [1] * self.num_images
 
+    def to(self, device: torch.device) -> VisionInputs:
+        grid = self.image_grid_thw
+        return VisionInputs(self.pixel_values.to(device),
+                            None if grid is None else grid.to(device))
+
     def subset(self, first: int, last: int) -> VisionInputs:
         """Images `[first, last)` only."""
         if self.image_grid_thw is None:
@@ -77,25 +79,29 @@ class VisionInputs:
 
 @dataclass
 class VisionRow:
-    """The whole padded row a rank needs beside its slice: token ids, rotary positions
-    (`[3, T]` or `[1, T]`) and the row's images."""
+    """The whole padded row a rank needs beside its slice: token ids, 1-D text positions
+    (restarting at each document) and the row's images."""
 
     input_ids: torch.Tensor
-    rope_positions: torch.Tensor
+    text_positions: torch.Tensor
     images: VisionInputs | None
+
+
+def with_vision(batch: ShardedBatch, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                images: VisionInputs | None, pad_token_id: int = 0) -> ShardedBatch:
+    """`batch` (this rank's slice of the row) carrying the whole row's vision part, padded
+    as `shard_batch` padded the slice."""
+    ids, text = input_ids.reshape(-1), position_ids.reshape(-1)
+    extra = batch.sp_meta.total_len - ids.numel()
+    ids = torch.cat([ids, ids.new_full((extra,), pad_token_id)])
+    text = torch.cat([text, torch.arange(extra, dtype=text.dtype)])
+    return replace(batch, vision=VisionRow(ids, text, images))
 
 
 def vision_family(model: nn.Module) -> str:
     """The model type of a VLM this module can train exactly, or a user error."""
-    model_type = getattr(model.config, "model_type", "")
-    if model_type not in VISION_FAMILIES:
-        raise UserError(
-            f"model type `{model_type}` takes images, but longctx does not rebuild its forward "
-            "under sequence parallelism, so it cannot train it exactly.",
-            where="base_model",
-            fix=f"use one of {', '.join(VISION_FAMILIES)}, or train its language model alone.",
-        )
-    return model_type
+    refuse_unless_rebuilt(model.config)
+    return str(model.config.model_type)
 
 
 def split_images(patches: list[int], parts: int) -> list[tuple[int, int]]:
@@ -115,6 +121,13 @@ def split_images(patches: list[int], parts: int) -> list[tuple[int, int]]:
         bounds.append(image)
     bounds.append(len(patches))
     return list(itertools.pairwise(bounds))
+
+
+def vision_modules(model: nn.Module) -> list[nn.Module]:
+    """The tower and projector of a VLM (what `freeze_mm_modules` freezes); [] for text."""
+    inner = getattr(model, "model", None)
+    names = ("visual", "vision_tower", "multi_modal_projector")
+    return [getattr(inner, n) for n in names if isinstance(getattr(inner, n, None), nn.Module)]
 
 
 class _GatherFeatures(torch.autograd.Function):
@@ -217,30 +230,34 @@ class VisionLanguageForward:
 
     def shard(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
               images: VisionInputs | None, state: ParallelState, pad_token_id: int = 0
-              ) -> tuple[ShardedBatch, VisionRow]:
-        """This rank's slice of a packed row (as for text) and the whole row's vision part."""
+              ) -> ShardedBatch:
+        """This rank's slice of a packed row, carrying the whole row's vision part."""
         batch = shard_batch(input_ids, position_ids, labels, state, pad_token_id)
-        full_ids = input_ids.reshape(-1)
-        extra = batch.sp_meta.total_len - full_ids.numel()
-        full_ids = torch.cat([full_ids, full_ids.new_full((extra,), pad_token_id)])
-        text = position_ids.reshape(-1)
-        text = torch.cat([text, torch.arange(extra, dtype=text.dtype)])
-        rope = self.positions(full_ids, text, images, batch.sp_meta.cu_host)
-        return batch, VisionRow(full_ids, rope, images)
+        return with_vision(batch, input_ids, position_ids, images, pad_token_id)
 
-    def hidden_states(self, batch: ShardedBatch, row: VisionRow) -> torch.Tensor:
-        """Hidden states `[local_tokens, hidden]` of this rank's slice of the row (`batch`)."""
-        full_ids, full_positions, images = row.input_ids, row.rope_positions, row.images
+    def hidden_states(self, batch: ShardedBatch) -> torch.Tensor:
+        """Hidden states `[local_tokens, hidden]` of this rank's slice of the row (`batch`).
+
+        A batch without a vision part (a text-only row) runs on its own slice alone.
+        """
+        if batch.vision is None:
+            return self._text_only(batch)
+        row = batch.vision
+        device = batch.input_ids.device
+        full_ids, images = row.input_ids.to(device), row.images
+        full_positions = self.positions(full_ids, row.text_positions.to(device), images,
+                                        batch.sp_meta.cu_host)
         meta = batch.sp_meta
         state = meta.ctx
         types = self.token_types(full_ids)
         local_ids = batch.input_ids.reshape(-1)
         embeds = self.language_model.get_input_embeddings()(local_ids)
-        local_index = slice_sequence(torch.arange(full_ids.numel()), state)
+        local_index = slice_sequence(torch.arange(full_ids.numel(), device=device), state)
         visual = types[local_index] == IMAGE
         deep_local: list[torch.Tensor] | None = None
         n_tokens = int((types == IMAGE).sum())
         if images is not None and images.num_images:
+            images = images.to(device)
             features, deep = self._encode_split(images, state)
             if features.shape[0] != n_tokens:
                 raise UserError(
@@ -261,10 +278,24 @@ class VisionLanguageForward:
         if deep_local is not None:
             kwargs.update(visual_pos_masks=visual[None], deepstack_visual_embeds=deep_local)
         local_positions = slice_sequence(full_positions, state, dim=1)[:, None, :]
+        return self._language_model(embeds, local_positions, batch, kwargs)
+
+    def _text_only(self, batch: ShardedBatch) -> torch.Tensor:
+        """A row without images: mRoPE's three axes all take the text positions."""
+        local_ids = batch.input_ids.reshape(-1)
+        embeds = self.language_model.get_input_embeddings()(local_ids)
+        positions = batch.position_ids.reshape(1, 1, -1)
+        if self.family in MROPE_FAMILIES:
+            positions = positions.expand(3, 1, -1)
+        return self._language_model(embeds, positions, batch, {})
+
+    def _language_model(self, embeds: torch.Tensor, positions: torch.Tensor,
+                        batch: ShardedBatch, kwargs: dict[str, Any]) -> torch.Tensor:
+        meta = batch.sp_meta
         if self.family not in MROPE_FAMILIES:
-            local_positions = local_positions[0]
+            positions = positions[0]
         hidden = self.language_model(
-            inputs_embeds=embeds[None], position_ids=local_positions, sp_meta=meta,
+            inputs_embeds=embeds[None], position_ids=positions, sp_meta=meta,
             use_cache=False, **kwargs,
         ).last_hidden_state
         if meta.attention_calls == 0:

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from longctx_cli.config.vision_plan import refuse_unless_rebuilt
+from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.errors import UserError
 
 TOLERANCE = 1e-4
@@ -82,6 +84,7 @@ class ProbeResult:
     # Set when a gradient passed only within the model's own float noise: that noise at the
     # worst gradient (see NOISE_FACTOR).
     own_noise: float | None = None
+    row: str = ""  # what the probe trained, when not the text probe's packed row
 
     def summary(self) -> str:
         features = ", ".join(self.features) or "no attention/logit features"
@@ -94,7 +97,8 @@ class ProbeResult:
                 f"{NOISE_FACTOR:g}x that (at most {NOISE_CAP:g}) is accepted")
         return (
             f"passed: tiny random `{self.model_type}` ({self.layers} layers; {features}), "
-            f"packed {sum(PROBE_DOCS)}-token row of {len(PROBE_DOCS)} documents: loss rel. err "
+            f"{self.row or f'packed {sum(PROBE_DOCS)}-token row of {len(PROBE_DOCS)} documents'}"
+            f": loss rel. err "
             f"{self.loss_rel_error:.1e}, {self.gradients_checked} parameter gradients worst "
             f"{self.worst_gradient_rel_error:.1e} ({tolerance}) against the model's "
             f"own eager forward(labels=) ({self.seconds:.1f}s)"
@@ -430,6 +434,10 @@ def _unchecked(model_type: str, what: str) -> UserError:
 def run_probe(model_config: Any, trust_remote_code: bool = False) -> ProbeResult:
     """Compare longctx's sp=1 training computation with the model's own; raise UserError on
     any difference. Leaves the global RNG state as it found it."""
+    from longctx_cli.config.model_shape import is_vision_language
+
+    if is_vision_language(model_config):
+        return run_vision_probe(model_config)
     started = time.perf_counter()
     model_type = str(getattr(model_config, "model_type", "") or type(model_config).__name__)
     with torch.random.fork_rng(devices=[]):
@@ -690,3 +698,165 @@ def _remember(path: Path, summary: str) -> None:
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+# ---- vision-language models -----------------------------------------------------------
+# A tiny copy (the text part shrunk as above, the tower cut to two layers, small images)
+# trains a packed row of three documents: two images, none, one. longctx's rebuilt forward
+# (runtime/vision.py: tower, merge, mRoPE per document, the SP attention) must give the
+# loss and every gradient (tower, projector, language model) of each document's own
+# forward(labels=).
+
+# Text runs and images (as patch grids t, h, w) of the probe's three documents.
+_VISION_DOCUMENTS = ((5, (1, 4, 4), 4, (1, 2, 4), 3), (7,), (2, (1, 4, 2), 4))
+
+
+def shrink_vision_config(model_config: Any) -> Any:
+    """A tiny copy: the text part as `fidelity.shrink_config` shrinks it, a two-layer tower
+    with small images, and image token ids inside the tiny vocabulary."""
+    tiny = copy.deepcopy(model_config)
+    text = shrink_config(model_config.get_text_config())
+    vision = tiny.vision_config
+    if hasattr(vision, "depth"):  # Qwen-VL towers
+        vision.depth = 2
+        if hasattr(vision, "fullatt_block_indexes"):
+            vision.fullatt_block_indexes = [1]
+        if hasattr(vision, "deepstack_visual_indexes"):
+            vision.deepstack_visual_indexes = [0, 1]
+        vision.out_hidden_size = text.hidden_size
+    else:  # CLIP/SigLIP-style towers: two layers, images of 2 x 2 patches
+        vision.num_hidden_layers = 2
+        vision.image_size = 2 * vision.patch_size
+    tiny.text_config = text
+    vocab = text.vocab_size
+    for offset, key in enumerate(("image_token_id", "video_token_id", "vision_start_token_id",
+                                  "vision_end_token_id")):
+        if getattr(tiny, key, None) is not None:
+            setattr(tiny, key, vocab - 1 - offset)
+    return tiny
+
+
+def _vision_row(tiny: Any) -> tuple[Any, ...]:
+    """The probe's packed row and, per document, what the model's own forward takes."""
+    from longctx_cli.runtime.vision import VisionInputs
+
+    gen = torch.Generator().manual_seed(0)
+    vision = tiny.vision_config
+    image_id = tiny.image_token_id
+    start = getattr(tiny, "vision_start_token_id", None)
+    end = getattr(tiny, "vision_end_token_id", None)
+    flat = not hasattr(vision, "depth")
+    ids, labels, pos, docs, all_pixels, all_grids = [], [], [], [], [], []
+    for spec in _VISION_DOCUMENTS:
+        d_ids, d_pixels, d_grids = [], [], []
+        for part in spec:
+            if isinstance(part, int):
+                d_ids += torch.randint(8, image_id - 8, (part,), generator=gen).tolist()
+                continue
+            if flat:
+                side = vision.image_size
+                d_pixels.append(torch.randn(1, 3, side, side, generator=gen))
+                count = (side // vision.patch_size) ** 2
+            else:
+                rows = part[0] * part[1] * part[2]
+                width = (getattr(vision, "in_channels", 3) * vision.temporal_patch_size
+                         * vision.patch_size**2)
+                d_pixels.append(torch.randn(rows, width, generator=gen))
+                d_grids.append(part)
+                count = rows // vision.spatial_merge_size**2
+            d_ids += [x for x in (start,) if x is not None] + [image_id] * count
+            d_ids += [x for x in (end,) if x is not None]
+        d = torch.tensor(d_ids)
+        d_labels = torch.where(d >= image_id - 3, IGNORE_INDEX, d)
+        images = (VisionInputs(torch.cat(d_pixels), None if flat else torch.tensor(d_grids))
+                  if d_pixels else None)
+        docs.append((d, d_labels, images))
+        ids.append(d)
+        labels.append(d_labels)
+        pos.append(torch.arange(len(d)))
+        all_pixels += d_pixels
+        all_grids += d_grids
+    images = VisionInputs(torch.cat(all_pixels), None if flat else torch.tensor(all_grids))
+    return torch.cat(ids), torch.cat(pos), torch.cat(labels), images, docs
+
+
+def _own_vision_training(model: Any, docs: list, image_id: int) -> float:
+    """Each document through the model's own forward, weighted by its targets."""
+    counts = [int((lab[1:] != IGNORE_INDEX).sum()) for _, lab, _ in docs]
+    total = 0.0
+    for (ids, lab, images), n in zip(docs, counts, strict=True):
+        kwargs: dict[str, Any] = {}
+        if images is not None:
+            kwargs["pixel_values"] = images.pixel_values
+            if images.image_grid_thw is not None:
+                kwargs.update(image_grid_thw=images.image_grid_thw,
+                              mm_token_type_ids=(ids == image_id).long()[None])
+        loss = model(input_ids=ids[None], labels=lab[None], **kwargs).loss * (n / sum(counts))
+        loss.backward()
+        total += float(loss.detach())
+    return total
+
+
+def _build_vision(tiny: Any, attn: str) -> Any:
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    return AutoModelForImageTextToText.from_config(
+        copy.deepcopy(tiny), dtype=torch.float32,
+        attn_implementation={"": attn, "text_config": attn, "vision_config": "sdpa"}).train()
+
+
+def run_vision_probe(model_config: Any) -> Any:
+    """Compare longctx's sp=1 VLM training computation with the model's own (see doc)."""
+    from longctx_cli.parallel.attention import register_sp_attention
+    from longctx_cli.parallel.mesh import ParallelState
+    from longctx_cli.runtime.head import model_head
+    from longctx_cli.runtime.vision import VisionLanguageForward
+    from longctx_cli.train.loss import lm_loss_sum
+
+    started = time.perf_counter()
+    model_type = str(model_config.model_type)
+    refuse_unless_rebuilt(model_config)
+    with torch.random.fork_rng(devices=[]):
+        try:
+            tiny = shrink_vision_config(model_config)
+            ids, pos, labels, images, docs = _vision_row(tiny)
+            reference = _build_vision(tiny, "eager")
+            ref_loss = _own_vision_training(reference, docs, tiny.image_token_id)
+        except Exception as e:
+            raise _unchecked(model_type, "longctx's tiny copy of it failed to build or run "
+                             f"in the model's own forward ({type(e).__name__}: {e})") from None
+        try:
+            ours = _build_vision(tiny, register_sp_attention())
+            ours.load_state_dict(reference.state_dict())
+            vlm = VisionLanguageForward(ours)
+            batch = vlm.shard(ids, pos, labels, images, ParallelState())
+            count = sum(int((lab[1:] != IGNORE_INDEX).sum()) for _, lab, _ in docs)
+            head = model_head(ours.get_output_embeddings(), ours.config)
+            loss = lm_loss_sum(head, vlm.hidden_states(batch), batch.shift_labels) / count
+            loss.backward()
+        except UserError:
+            raise
+        except Exception as e:
+            raise _refuse(model_type, f"longctx's path failed on a tiny copy "
+                          f"({type(e).__name__}: {e});") from None
+    loss_err = abs(float(loss.detach()) - ref_loss) / abs(ref_loss)
+    zero = {n: torch.zeros_like(p) for n, p in reference.named_parameters()}
+    ref_grads = {n: p.grad if p.grad is not None else zero[n]
+                 for n, p in reference.named_parameters()}
+    grads = {n: p.grad if p.grad is not None else zero[n] for n, p in ours.named_parameters()}
+    floor = gradient_floor(ref_grads.values())
+    errors = {n: _grad_error(grads[n], g, floor) for n, g in ref_grads.items()}
+    worst = max(errors, key=errors.__getitem__)
+    if not (loss_err <= TOLERANCE and errors[worst] <= TOLERANCE):
+        raise _refuse(model_type, (
+            f"on a tiny copy with images, a packed row through longctx (sp=1) gives a loss "
+            f"{loss_err:.1e} relative away from the model's own forward(labels=), and the "
+            f"gradient of `{worst}` differs by {errors[worst]:.1e} (tolerance {TOLERANCE:g})."))
+    return ProbeResult(
+        model_type=model_type, layers=int(tiny.text_config.num_hidden_layers),
+        features=("images: tower split by images, merged, then sharded",),
+        loss_rel_error=loss_err, worst_gradient=worst,
+        worst_gradient_rel_error=errors[worst], gradients_checked=len(errors),
+        seconds=time.perf_counter() - started,
+        row=f"packed row of {len(_VISION_DOCUMENTS)} documents with 3 images")

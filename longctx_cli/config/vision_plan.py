@@ -1,0 +1,152 @@
+"""The vision tower's part of the plan: its size, how its images are split, its memory.
+
+A vision-language model's tower encodes whole images, one contiguous run of the row's
+images per rank of the SP group (runtime/vision.py), so its activations are split by
+images, not by tokens. Its size is read from the model's `vision_config`; the memory is a
+rough bound for a row made only of image tokens (the most tower work a row can hold).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from longctx_cli.config.schema import Config
+from longctx_cli.errors import UserError
+from longctx_cli.layout import Layout
+
+# The model types whose forward runtime/vision.py rebuilds, by how their positions work.
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FLAT_FAMILIES = ("llava",)
+VISION_FAMILIES = MROPE_FAMILIES + FLAT_FAMILIES
+# Families whose image tokens attend to each other both ways (a bidirectional block inside
+# the causal mask), which no ring's causal segments express.
+BIDIRECTIONAL_IMAGE_FAMILIES = ("gemma3", "paligemma", "gemma3n")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Values a transformer block keeps per token and hidden unit for its backward (inputs of
+# the norms, q/k/v, attention output, MLP in/out): a rough count, as for the decoder.
+SAVED_PER_HIDDEN = 16
+ADAM_BYTES_PER_WEIGHT = 8  # two float32 moments
+
+
+@dataclass(frozen=True)
+class VisionTower:
+    """The shape of a VLM's tower, from its config."""
+
+    model_type: str
+    layers: int
+    hidden: int
+    intermediate: int
+    merge: int  # patches per image token along each side (1: one token per patch)
+
+    @classmethod
+    def of(cls, hf_config: Any) -> VisionTower | None:
+        """The tower of `hf_config`, or None for a text model."""
+        vision = getattr(hf_config, "vision_config", None)
+        if vision is None:
+            return None
+        layers = getattr(vision, "depth", None) or getattr(vision, "num_hidden_layers", 1)
+        hidden = getattr(vision, "hidden_size", None) or getattr(vision, "embed_dim", 0)
+        return cls(
+            model_type=str(getattr(hf_config, "model_type", "")),
+            layers=int(layers), hidden=int(hidden),
+            intermediate=int(getattr(vision, "intermediate_size", 4 * hidden) or 4 * hidden),
+            merge=int(getattr(vision, "spatial_merge_size", 1) or 1),
+        )
+
+    @property
+    def parameters(self) -> int:
+        """Attention (4 h^2) and a gated MLP (3 h i) per layer: a rough count."""
+        return self.layers * (4 * self.hidden**2 + 3 * self.hidden * self.intermediate)
+
+    def patches_per_rank(self, row_tokens: int, sp: int) -> int:
+        """Patches a rank encodes when the whole row is image tokens."""
+        return -(-row_tokens * self.merge**2 // sp)
+
+    def memory(self, config: Config, layout: Layout) -> tuple[int, int]:
+        """(weights + gradients + optimizer state, saved activations) bytes per rank."""
+        b = DTYPE_BYTES[config.dtype]
+        trained = not config.freeze_mm_modules and config.adapter is None
+        weights = self.parameters * (b + (b + ADAM_BYTES_PER_WEIGHT if trained else 0))
+        if layout.fsdp:
+            weights //= layout.dp_shard * layout.sp
+        patches = self.patches_per_rank(config.row_tokens, layout.sp)
+        return weights, patches * self.hidden * self.layers * SAVED_PER_HIDDEN * b
+
+
+def refuse_unless_rebuilt(model_config: Any) -> None:
+    """Refuse a VLM family longctx does not rebuild, with the true reason."""
+    model_type = str(getattr(model_config, "model_type", ""))
+    if model_type in BIDIRECTIONAL_IMAGE_FAMILIES:
+        raise UserError(
+            f"model type `{model_type}` lets the tokens of one image attend to each other in "
+            "both directions. longctx's sequence-parallel attention computes causal document "
+            "segments only, so it would train a different model.",
+            where="base_model",
+            fix="train this model without sequence parallelism, or pick a vision-language "
+            f"family longctx trains exactly ({', '.join(VISION_FAMILIES)}).")
+    if model_type not in VISION_FAMILIES:
+        raise UserError(
+            f"model type `{model_type}` takes images, but longctx does not rebuild its "
+            "forward under sequence parallelism (the tower, the merge of image features and "
+            "its positions), so it cannot train it exactly.",
+            where="base_model",
+            fix=f"pick one of {', '.join(VISION_FAMILIES)}, or train without longctx.")
+
+
+def check_vision(config: Config, hf_config: Any, layout: Layout) -> VisionTower | None:
+    """The rules of a vision-language run (UserError on the first broken one); its tower."""
+    from longctx_cli.config.model_shape import is_vision_language
+
+    if not is_vision_language(hf_config):
+        if config.processor_type and getattr(hf_config, "vision_config", None) is not None:
+            # A VLM whose language model longctx trains on text (Gemma 3, Qwen3.5): its
+            # images are another matter.
+            refuse_unless_rebuilt(hf_config)
+        for key in ("processor_type", "freeze_mm_modules"):
+            if getattr(config, key):
+                raise UserError(
+                    f"`{key}` is set, but the model longctx trains has no vision tower (model type "
+                    f"`{getattr(hf_config, 'model_type', '?')}`).", where=key,
+                    fix=f"remove `{key}`, or use a vision-language model.")
+        return None
+    tower = VisionTower.of(hf_config)
+    refuse_unless_rebuilt(hf_config)
+    if layout.tp > 1:
+        raise UserError(
+            "vision-language models do not run under tensor parallelism here: the tower and "
+            "the merge of its features are not split over a TP group.",
+            where="tensor_parallel_size", fix="use `tensor_parallel_size: 1`.")
+    if config.rl is not None:
+        raise UserError(
+            f"`rl: {config.rl}` on a vision-language model: longctx trains these with the "
+            "causal-LM loss only so far (no preference or GRPO rows with images).",
+            where="rl", fix="drop `rl` to fine-tune on image-bearing chats.")
+    return tower
+
+
+def plan_rows(tower: VisionTower, config: Config, layout: Layout) -> list[tuple[str, str]]:
+    """The plan's rows about the tower (the `model` section)."""
+    from longctx_cli.config.memory_estimate import format_gib
+
+    weights, saved = tower.memory(config, layout)
+    patches = tower.patches_per_rank(config.row_tokens, layout.sp)
+    trains = ("frozen (`freeze_mm_modules`)" if config.freeze_mm_modules else
+              "frozen (LoRA adapters train)" if config.adapter is not None else "trained")
+    split = (f"whole images, one run of the row's images per rank of each SP group of "
+             f"{layout.sp}; features all-gathered" if layout.sp > 1 else "whole images")
+    return [
+        ("vision tower", f"{tower.layers} layers, hidden {tower.hidden}, "
+                         f"~{_count(tower.parameters)} parameters, {trains}"),
+        ("tower splits by", split),
+        ("tower memory", f"{format_gib(weights + saved)} per rank at most: weights and state "
+                         f"{format_gib(weights)}, activations {format_gib(saved)} for a row of "
+                         f"only image tokens ({patches:,} patches per rank)"),
+    ]
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.0f}{unit}"
+    return str(n)
