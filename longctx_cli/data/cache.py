@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
     from longctx_cli.config.schema import Config, DatasetConfig
     from longctx_cli.data.rows import Rows
+    from longctx_cli.data.vision import VisionProcessor
 
 __all__ = [
     "EVAL_DIR", "FINGERPRINT_FILE", "PIPELINE_VERSION", "REPORT_FILE", "SCRATCH_DIR", "TRAIN_DIR",
@@ -79,11 +80,20 @@ class Prepared:
 # ---- fingerprint -------------------------------------------------------------------------
 
 
-def compute_fingerprint(config: Config, tokenizer: PreTrainedTokenizerBase) -> str:
-    """The fingerprint `prepare` would give the cache of `config` (reads the data files)."""
+def compute_fingerprint(config: Config, tokenizer: PreTrainedTokenizerBase | None,
+                        processor: VisionProcessor | None = None) -> str:
+    """The fingerprint `prepare` would give the cache of `config` (reads the data files;
+    a vision run's processor is loaded from the config when not given, and its tokenizer
+    is the one used)."""
+    if config.processor_type:
+        from longctx_cli.data.vision import load_config_processor
+
+        processor = processor or load_config_processor(config)
+        tokenizer = processor.tokenizer
+    assert tokenizer is not None
     train = [load.source_of(e) for e in config.datasets]
     evals = [load.source_of(e) for e in config.eval_datasets]
-    return digest(fingerprint_parts(config, tokenizer, train, evals))
+    return digest(fingerprint_parts(config, tokenizer, train, evals, processor))
 
 
 def fingerprint_parts(
@@ -91,10 +101,22 @@ def fingerprint_parts(
     tok: PreTrainedTokenizerBase,
     train_sources: list[load.Source | None],
     eval_sources: list[load.Source | None],
+    processor: VisionProcessor | None = None,
 ) -> dict[str, Any]:
-    """Everything that determines the prepared rows, as a JSON-able dict."""
-    return {**_run_parts(config, train_sources, eval_sources, load.content_hash),
-            "tokenizer": tokenizer_fingerprint(tok)}
+    """Everything that determines the prepared rows, as a JSON-able dict.
+
+    A vision run (`processor_type`) adds the processor's settings and, per chat dataset, the
+    bytes of every image file its records name (`tok` is then the processor's tokenizer)."""
+    parts = {**_run_parts(config, train_sources, eval_sources, load.content_hash,
+                          _file_content),
+             "tokenizer": tokenizer_fingerprint(tok)}
+    if config.processor_type:
+        from longctx_cli.data.vision import processor_fingerprint
+
+        if processor is None:
+            raise ValueError("a vision run's fingerprint needs its processor")
+        parts["processor"] = processor_fingerprint(processor)
+    return parts
 
 
 def _run_parts(
@@ -102,9 +124,17 @@ def _run_parts(
     train_sources: list[load.Source | None],
     eval_sources: list[load.Source | None],
     identify: Callable[[load.Source, DatasetConfig], str],
+    identify_file: Callable[[Path], Any],
 ) -> dict[str, Any]:
     """The parts of the fingerprint besides the tokenizer; `identify` names a data source's
-    content (its bytes' hash for the fingerprint, its files' sizes and times for a witness)."""
+    content (its bytes' hash for the fingerprint, its files' sizes and times for a witness),
+    `identify_file` one image file's the same way."""
+    def entry_part(e: DatasetConfig, s: load.Source | None) -> dict[str, Any]:
+        part = _entry_part(e, s, identify)
+        if config.processor_type and s is not None and e.type == "chat_template":
+            part["images"] = _images_part(s, e, config.seed, identify_file)
+        return part
+
     return {
         "pipeline": PIPELINE_VERSION,
         "sequence_len": config.sequence_len,
@@ -120,16 +150,44 @@ def _run_parts(
         "chat_template_jinja": _jinja_part(config),
         "named_templates": hashlib.sha256(json.dumps(chat_templates.TEMPLATES, sort_keys=True)
                                           .encode()).hexdigest()[:16],
-        "datasets": [_entry_part(e, s, identify)
+        "datasets": [entry_part(e, s)
                      for e, s in zip(config.datasets, train_sources, strict=True)],
-        "eval_datasets": [_entry_part(e, s, identify)
+        "eval_datasets": [entry_part(e, s)
                           for e, s in zip(config.eval_datasets, eval_sources, strict=True)],
         # ORPO tokenizes pairs its own way (only then, so other caches keep their names).
         **({"pair_tokenization": "orpo"} if config.rl == "orpo" else {}),
         **({"prefix_sharing": True} if config.prefix_sharing else {}),
         # rl: grpo keeps prompts, not packed rows (data/prompts.py).
         **({"grpo_prompts": _prompts_part(config)} if config.rl == "grpo" else {}),
+        # A vision run (only then, so text caches keep their names).
+        **({"vision": _vision_part(config)} if config.processor_type else {}),
     }
+
+
+def _vision_part(config: Config) -> dict[str, Any]:
+    from longctx_cli.data.vision import VISION_VERSION
+
+    size = config.image_size
+    return {"version": VISION_VERSION, "image_size": list(size) if isinstance(size, tuple)
+            else size, "image_resize_algorithm": config.image_resize_algorithm}
+
+
+def _images_part(source: load.Source, entry: DatasetConfig, seed: int,
+                 identify_file: Callable[[Path], Any]) -> str:
+    """Digest of every local file the entry's records name, in the order they appear (the
+    records themselves, names included, are in the data's content hash). Hashing the files
+    costs a read of each image per `prepare`; decoding them is what a build costs."""
+    import tempfile
+
+    from longctx_cli.data.vision import entry_records, referenced_files
+
+    h = hashlib.sha256()
+    with tempfile.TemporaryDirectory(prefix="longctx-scan-") as scratch:
+        _, records = entry_records(source, entry, scratch, seed)
+        for _, record, base in records:
+            for path in referenced_files(record, base):
+                h.update(json.dumps(identify_file(path)).encode() + b"\x00")
+    return h.hexdigest()[:16]
 
 
 def _prompts_part(config: Config) -> dict[str, Any]:
@@ -324,6 +382,12 @@ def _tokenizer_source(config: Config, identify: Callable[[Path], Any]) -> dict[s
     from longctx_cli.data import tokenizer as tokenizer_module
 
     source = config.tokenizer_source
+    code = [Path(tokenizer_module.__file__)]
+    if config.processor_type:  # a vision run's tokenizer is its processor's
+        from longctx_cli.data import vision
+
+        source = vision.processor_folder(config)
+        code.append(Path(vision.__file__))
     if source is None or config.trust_remote_code:
         return None
     if source == tokenizer_module.BYTE:
@@ -337,8 +401,9 @@ def _tokenizer_source(config: Config, identify: Callable[[Path], Any]) -> dict[s
     special = config.special_tokens
     return {
         "files": files,
-        "libraries": {name: _library_version(name) for name in _TOKENIZER_LIBRARIES},
-        "code": identify(Path(tokenizer_module.__file__)),
+        "libraries": {name: _library_version(name) for name in _TOKENIZER_LIBRARIES
+                      + (("pillow",) if config.processor_type else ())},
+        "code": identify(code[0]) if len(code) == 1 else [identify(c) for c in code],
         "special_tokens": special.model_dump(mode="json") if special is not None else None,
         "trust_remote_code": config.trust_remote_code,
     }
@@ -355,7 +420,7 @@ def inputs_parts(config: Config) -> dict[str, Any] | None:
     tokenizer = _tokenizer_source(config, _file_content)
     if tokenizer is None:
         return None
-    return {**_run_parts(config, *_sources(config), load.content_hash),
+    return {**_run_parts(config, *_sources(config), load.content_hash, _file_content),
             "tokenizer_source": tokenizer}
 
 
@@ -365,7 +430,7 @@ def witness(config: Config) -> str | None:
     tokenizer = _tokenizer_source(config, _file_stat)
     if tokenizer is None:
         return None
-    return digest({**_run_parts(config, *_sources(config), _stat_identity),
+    return digest({**_run_parts(config, *_sources(config), _stat_identity, _file_stat),
                    "tokenizer_source": tokenizer})
 
 

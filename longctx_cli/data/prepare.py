@@ -2,8 +2,12 @@
 
 Loads each dataset entry (or generates passkey samples), tokenizes it in its format, applies
 the length rules, packs the samples into rows, splits off the eval rows and writes the
-report. Whether a build is needed, and where and how its result is stored, is the cache's
-business (`longctx_cli.data.cache`); this module only fills an entry.
+report. With `processor_type` set (a vision-language run), chat records go through the
+processor (`data/vision.py`: images and videos become pixel patches and expanded image
+tokens), every sample becomes a document, and the rows carry the vision columns of
+`vision.ROW_COLUMNS` besides the text ones; a text run's rows are unchanged. Whether a
+build is needed, and where and how its result is stored, is the cache's business
+(`longctx_cli.data.cache`); this module only fills an entry.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import time
 import uuid
@@ -22,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from longctx_cli.constants import IGNORE_INDEX
-from longctx_cli.data import cache, chat_templates, formats, load, pack, passkey
+from longctx_cli.data import cache, chat_templates, formats, load, pack, passkey, vision
 from longctx_cli.data.cache import (
     FINGERPRINT_FILE,
     PIPELINE_VERSION,
@@ -39,6 +44,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from longctx_cli.config.schema import Config, DatasetConfig
+    from longctx_cli.data.vision import VisionProcessor
 
 # The cache names are re-exported: callers import them from here.
 __all__ = [
@@ -49,6 +55,8 @@ __all__ = [
 log = logging.getLogger("longctx.data")
 
 _CHUNK_BINS = 512  # rows assembled per read of the samples table
+_VISION_CHUNK_BINS = 16  # the same with pixels in them (megabytes a row)
+_VISION_BATCH = 32  # documents per write of the vision samples file
 
 
 def prepare(
@@ -57,11 +65,14 @@ def prepare(
     *,
     progress: bool = True,
     force: bool = False,
+    processor: VisionProcessor | None = None,
 ) -> Prepared:
     """The prepared rows of `config`: from the cache when its fingerprint matches, else built.
 
     Run it on one process (e.g. rank 0, then a barrier): concurrent builders each write their
-    own temporary folder, and only one of them ends up in place.
+    own temporary folder, and only one of them ends up in place. A vision run
+    (`processor_type`) uses `processor` (else the config's, loaded) and its tokenizer;
+    `tokenizer` is then not used.
     """
     if not config.datasets and config.pretraining_dataset:
         raise UserError(
@@ -76,10 +87,16 @@ def prepare(
             where="config",
             fix="add an entry, e.g. `datasets: [{path: data.jsonl, type: completion}]`.",
         )
-    tok = tokenizer if tokenizer is not None else load_tokenizer(config)
+    vp = None
+    if config.processor_type:
+        _check_vision_run(config)
+        vp = processor if processor is not None else vision.load_config_processor(config)
+        tok = vp.tokenizer
+    else:
+        tok = tokenizer if tokenizer is not None else load_tokenizer(config)
     train_sources = [load.source_of(e) for e in config.datasets]
     eval_sources = [load.source_of(e) for e in config.eval_datasets]
-    parts = fingerprint_parts(config, tok, train_sources, eval_sources)
+    parts = fingerprint_parts(config, tok, train_sources, eval_sources, vp)
     fp = cache.digest(parts)
     target = cache.entry_path(config.prepared_path, fp)
     reason = "rebuild forced"
@@ -93,7 +110,7 @@ def prepare(
     def fill(tmp: Path) -> PrepareReport:
         started = time.monotonic()
         with _progress_bars(progress):
-            report = _build(config, tok, tmp, train_sources, eval_sources, progress)
+            report = _build(config, tok, tmp, train_sources, eval_sources, progress, vp)
         report.seconds = time.monotonic() - started
         return report
 
@@ -139,13 +156,13 @@ def _row_features() -> Any:
 
 def _build(
     config: Config, tok: PreTrainedTokenizerBase, tmp: Path, train_sources: list,
-    eval_sources: list, progress: bool,
+    eval_sources: list, progress: bool, vp: VisionProcessor | None = None,
 ) -> PrepareReport:
     """Write `train/` (and `eval/`) into `tmp`; intermediate files go to `tmp/work`."""
     work = tmp / cache.SCRATCH_DIR
     work.mkdir()
     report = PrepareReport(config.sequence_len, config.sample_packing,
-                           config.excess_length_strategy)
+                           config.excess_length_strategy, vision=vp is not None)
     if config.rl == "grpo":  # prompts to roll out, not packed rows
         from longctx_cli.data.prompts import prompt_rows
 
@@ -153,22 +170,22 @@ def _build(
             str(tmp / cache.TRAIN_DIR))
         return report
     train_rows, hist = _split_rows("train", config.datasets, train_sources, config, tok, work,
-                                   progress, report)
+                                   progress, report, vp)
     report.length_histogram = hist
     eval_rows = None
     if config.eval_datasets:
         eval_rows, _ = _split_rows("eval", config.eval_datasets, eval_sources, config, tok,
-                                   work, progress, report)
+                                   work, progress, report, vp)
         if config.val_set_size:
             report.notes.append("val_set_size is ignored because eval_datasets is set.")
     elif config.val_set_size:
         train_rows, eval_rows = _hold_out(train_rows, config)
     elif config.shuffle_merged_datasets:
         train_rows = train_rows.shuffle(seed=config.seed)
-    report.train = _row_stats(train_rows, config.sequence_len)
+    report.train = _row_stats(train_rows, config.sequence_len, vp)
     train_rows.save_to_disk(str(tmp / cache.TRAIN_DIR))
     if eval_rows is not None:
-        report.eval = _row_stats(eval_rows, config.sequence_len)
+        report.eval = _row_stats(eval_rows, config.sequence_len, vp)
         eval_rows.save_to_disk(str(tmp / cache.EVAL_DIR))
     return report
 
@@ -193,20 +210,40 @@ def _hold_out(rows: Dataset, config: Config) -> tuple[Dataset, Dataset]:
     return rows.select([i for i in range(len(rows)) if i not in held]), test.remove_columns("_row")
 
 
-def _row_stats(rows: Dataset, sequence_len: int) -> RowStats:
+def _row_stats(rows: Dataset, sequence_len: int, vp: VisionProcessor | None = None
+               ) -> RowStats:
     import pyarrow.compute as pc
 
     table = rows.with_format("arrow")[:]
     tokens = int(pc.sum(pc.list_value_length(table.column("input_ids"))).as_py() or 0)
     labels = pc.list_flatten(table.column("labels"))
     targets = int(pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0)
-    return RowStats(len(rows), tokens, targets,
-                    pack.packing_efficiency(tokens, len(rows), sequence_len))
+    stats = RowStats(len(rows), tokens, targets,
+                     pack.packing_efficiency(tokens, len(rows), sequence_len))
+    if vp is not None and len(rows):
+        images = pc.list_value_length(table.column("image_grid_thw")).to_numpy(
+            zero_copy_only=False)
+        per_row = _vision_tokens_per_row(table.column("input_ids"), vp)
+        stats.images, stats.max_images = int(images.sum()), int(images.max())
+        stats.image_tokens, stats.max_image_tokens = int(per_row.sum()), int(per_row.max())
+    return stats
+
+
+def _vision_tokens_per_row(column: Any, vp: VisionProcessor) -> np.ndarray:
+    """Image and video tokens of each row of an `input_ids` column (what the images cost)."""
+    ids_column = column.combine_chunks()
+    ids = ids_column.flatten().to_numpy(zero_copy_only=False)
+    offsets = ids_column.offsets.to_numpy()
+    tok = vp.tokenizer
+    wanted = [tok.convert_tokens_to_ids(t) for t in (vp.image_token, vp.video_token)]
+    seen = np.concatenate([[0], np.cumsum(np.isin(ids, [w for w in wanted if w is not None]))])
+    return seen[offsets[1:]] - seen[offsets[:-1]]
 
 
 def _split_rows(
     split: str, entries: list[DatasetConfig], sources: list, config: Config,
     tok: PreTrainedTokenizerBase, work: Path, progress: bool, report: PrepareReport,
+    vp: VisionProcessor | None = None,
 ) -> tuple[Dataset, list[tuple]]:
     """Rows of one split (unshuffled) and the length histogram of its samples."""
     from datasets import concatenate_datasets
@@ -216,8 +253,12 @@ def _split_rows(
     raw_lengths: list[np.ndarray] = []
     for n, (entry, source) in enumerate(zip(entries, sources, strict=True)):
         stats = DatasetStats(entry.path or "passkey", entry.type, split)
-        samples, lengths, raw = _entry_samples(entry, source, config, tok,
-                                               work / f"{split}-{n}", stats, progress)
+        if vp is not None:
+            samples, lengths, raw = _vision_entry_samples(entry, source, config, vp,
+                                                          work / f"{split}-{n}", stats, progress)
+        else:
+            samples, lengths, raw = _entry_samples(entry, source, config, tok,
+                                                   work / f"{split}-{n}", stats, progress)
         report.datasets.append(stats)
         all_samples.append(samples)
         all_lengths.append(lengths)
@@ -236,7 +277,8 @@ def _split_rows(
         # Mix the datasets before packing (FFD keeps input order among equal lengths).
         order = np.random.default_rng(config.seed).permutation(len(lengths))
         samples, lengths = samples.select(order), lengths[order]
-    rows = _write_rows(samples, lengths, config, work / f"{split}-rows.arrow", progress)
+    write = _write_vision_rows if vp is not None else _write_rows
+    rows = write(samples, lengths, config, work / f"{split}-rows.arrow", progress)
     return rows, length_histogram(np.concatenate(raw_lengths), config.sequence_len)
 
 
@@ -529,3 +571,216 @@ def _rows_of(samples: Dataset, chunks: Any) -> Iterator[tuple[list[int], list[in
             row = pack.make_row((got["input_ids"][at[i]], got["labels"][at[i]],
                                  got["position_ids"][at[i]]) for i in b)
             yield row["input_ids"], row["labels"], row["position_ids"]
+
+
+# ---- vision-language runs (processor_type) -----------------------------------------------
+
+
+def _check_vision_run(config: Config) -> None:
+    """What a vision run's data path does not build yet, refused before any work."""
+    if config.rl:
+        raise UserError(
+            f"`rl: {config.rl}` with `processor_type` is not supported: longctx prepares "
+            "vision-language data for supervised fine-tuning only.", where="rl",
+            fix="remove `rl:` (supervised fine-tuning), or `processor_type` for a text model.")
+    for key, entries in (("datasets", config.datasets), ("eval_datasets", config.eval_datasets)):
+        for n, entry in enumerate(entries):
+            if entry.type in ("pretrain", "passkey") or formats.is_preference_type(entry.type):
+                raise UserError(
+                    f"a `{entry.type}` dataset cannot be part of a vision-language run "
+                    "(`processor_type` is set).", where=f"{key}[{n}]",
+                    fix="use `type: chat_template` for image-bearing conversations (or "
+                    "another instruction type such as alpaca for text-only samples).")
+
+
+def _vision_entry_samples(
+    entry: DatasetConfig, source: load.Source | None, config: Config, vp: VisionProcessor,
+    work: Path, stats: DatasetStats, progress: bool,
+) -> tuple[Dataset, np.ndarray, np.ndarray]:
+    """(documents, their lengths, lengths before the excess-length rule) of one entry in a
+    vision run: chat records through the processor, other types tokenized as text."""
+    assert source is not None
+    work.mkdir(parents=True)
+    if entry.type == "chat_template":
+        docs = _encoded_documents(entry, source, config, vp, work, stats, progress)
+    else:
+        docs = _text_documents(entry, source, config, vp, work, stats, progress)
+    samples = _write_documents(docs, work / "documents.arrow")
+    lengths = _lengths(samples)
+    raw = lengths.copy()
+    samples, lengths = _vision_length_rules(samples, lengths, config, stats)
+    stats.samples, stats.tokens = len(lengths), int(lengths.sum())
+    if len(samples):
+        import pyarrow.compute as pc
+
+        table = samples.with_format("arrow")[:]  # through a drop's selection
+        labels = pc.list_flatten(table.column("labels"))
+        stats.target_tokens = int(pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0)
+        stats.images = int(pc.sum(pc.list_value_length(table.column("image_grid_thw"))
+                                  ).as_py() or 0)
+        stats.image_tokens = int(pc.sum(pc.not_equal(
+            pc.list_flatten(table.column("mm_token_type_ids")), vision.TEXT)).as_py() or 0)
+        first = samples[0]
+        stats.sample = _collapsed(sample_segments(vp.tokenizer, first["input_ids"],
+                                                  first["labels"]), vp)
+    return samples, lengths, raw
+
+
+def _encoded_documents(
+    entry: DatasetConfig, source: load.Source, config: Config, vp: VisionProcessor,
+    work: Path, stats: DatasetStats, progress: bool,
+) -> Iterator[vision.VisionDocument]:
+    """The entry's records as documents, in record order; records with nothing to train on
+    are counted as skipped ("no target tokens", as the text path counts them)."""
+    from collections import Counter
+
+    total, records = vision.entry_records(source, entry, str(work / "hf"), config.seed)
+    stats.records = total
+    if total == 0:
+        raise load.empty_error(source)
+    spec = format_spec(entry, config, vp.tokenizer)
+    _say(progress, f"Encoding {source.label}: {total:,} records with the processor")
+    if progress and _on_terminal():
+        from tqdm.auto import tqdm
+
+        records = tqdm(records, total=total, desc=f"Encoding {_short(source.label)}",
+                       unit="record")
+    skips: Counter[str] = Counter()
+    for i, record, base in records:
+        if not isinstance(record, dict):
+            raise UserError(f"a record must be an object, found {type(record).__name__}.",
+                            where=source.where(i), fix="write one JSON object per record.")
+        doc = vision.encode_vision_record(dict(record), vp, source.where(i), base_dir=base,
+                                          spec=spec)
+        if not doc.has_targets:
+            skips["no target tokens"] += 1
+            continue
+        yield doc
+    _record_skips(stats, skips)
+
+
+def _text_documents(
+    entry: DatasetConfig, source: load.Source, config: Config, vp: VisionProcessor,
+    work: Path, stats: DatasetStats, progress: bool,
+) -> Iterator[vision.VisionDocument]:
+    """A text dataset (alpaca, completion, ...) of a vision run, tokenized as in a text run
+    with the processor's tokenizer: documents without images."""
+    samples = _tokenized(entry, source, config, vp.tokenizer, work, stats, progress)
+    width = vision.patch_dim(vp)
+    empty = 0
+    for i, sample in enumerate(samples):
+        if not sample["input_ids"]:
+            empty += 1
+            continue
+        where = source.where(i) if entry.shards is None else f"{source.label}, sample {i + 1}"
+        yield vision.text_document(sample["input_ids"], sample["labels"], width, where)
+    stats.skipped = empty
+
+
+def _record_skips(stats: DatasetStats, counts: Any) -> None:
+    stats.skip_reasons = dict(sorted(counts.items()))
+    stats.skipped = sum(counts.values())
+    if len(counts) == 1:
+        stats.skip_reason = next(iter(counts))
+    elif counts:
+        stats.skip_reason = ", ".join(f"{why}: {n}" for why, n in sorted(counts.items()))
+
+
+def _write_documents(docs: Any, path: Path) -> Dataset:
+    """Documents to an Arrow file (vision.DOC_COLUMNS) in batches, memory-mapped back: the
+    pixels of a whole dataset never sit in memory together."""
+    from datasets import Dataset
+    from datasets.arrow_writer import ArrowWriter
+
+    with ArrowWriter(features=vision.features(vision.DOC_COLUMNS), path=str(path)) as writer:
+        batch: list[vision.VisionDocument] = []
+        for doc in docs:
+            batch.append(doc)
+            if len(batch) >= _VISION_BATCH:
+                writer.write_table(vision.docs_table(batch))
+                batch = []
+        if batch:
+            writer.write_table(vision.docs_table(batch))
+        writer.finalize()
+    return Dataset.from_file(str(path))
+
+
+def _vision_length_rules(samples: Dataset, lengths: np.ndarray, config: Config,
+                         stats: DatasetStats) -> tuple[Dataset, np.ndarray]:
+    """`excess_length_strategy` for documents: `error` says which and why (its image tokens),
+    `drop` drops, `truncate` cuts a document's text only where all of its image and video
+    tokens stay (an image is never cut: its features would not match its tokens)."""
+    limit = config.sequence_len
+    too_long = lengths > limit
+    stats.too_long = int(too_long.sum())
+    if not stats.too_long:
+        return samples, lengths
+    strategy = config.excess_length_strategy
+    if strategy == "error":
+        first = int(np.argmax(too_long))
+        vision.check_fits(vision.docs_from_table(samples.data.slice(first, 1).table)[0], limit)
+    if strategy == "drop":
+        index = np.flatnonzero(~too_long)
+        stats.dropped = stats.too_long
+        return samples.select(index), lengths[index]
+    types, sources = samples.data.column("mm_token_type_ids"), samples.data.column("source")
+    for n in np.flatnonzero(too_long).tolist():
+        if any(t != vision.TEXT for t in types[n].as_py()[limit:]):
+            raise UserError(
+                f"this conversation is {int(lengths[n]):,} tokens, more than sequence_len "
+                f"{limit:,}, and its image/video tokens reach past token {limit:,}; "
+                "`excess_length_strategy: truncate` cuts text only, never an image (its "
+                "features would no longer match its tokens).", where=sources[n].as_py(),
+                fix="use `excess_length_strategy: drop`, shrink the images (`image_size`, or "
+                "a smaller `max_pixels` in preprocessor_config.json), or raise `sequence_len`.")
+    samples = samples.map(_truncate_text, batched=True, fn_kwargs={"limit": limit},
+                          features=vision.features(vision.DOC_COLUMNS), desc="Truncating",
+                          new_fingerprint=f"trunc-{uuid.uuid4().hex}")
+    stats.truncated = stats.too_long
+    return samples, np.minimum(lengths, limit)
+
+
+def _truncate_text(batch: dict[str, list], *, limit: int) -> dict[str, list]:
+    return {k: [v[:limit] for v in values] if k in ("input_ids", "labels",
+                                                    "mm_token_type_ids") else values
+            for k, values in batch.items()}
+
+
+def _collapsed(runs: list[tuple[str, bool]], vp: VisionProcessor) -> list[tuple[str, bool]]:
+    """A report sample with each run of image/video tokens written once with its count."""
+    pattern = re.compile("|".join(f"(?:{re.escape(t)}){{2,}}"
+                                  for t in (vp.image_token, vp.video_token)))
+
+    def shorter(match: re.Match[str]) -> str:
+        text = match.group(0)
+        token = vp.image_token if text.startswith(vp.image_token) else vp.video_token
+        return f"{token}x{len(text) // len(token)}"
+
+    return [(pattern.sub(shorter, text), target) for text, target in runs]
+
+
+def _write_vision_rows(
+    samples: Dataset, lengths: np.ndarray, config: Config, path: Path, progress: bool
+) -> Dataset:
+    """Pack (or not) the documents into rows (vision.ROW_COLUMNS) and write them: the bins
+    are the text path's, each row is `vision.vision_row` of its documents, so with FFD the
+    rows are exactly `vision.pack_vision_documents`'."""
+    from datasets import Dataset
+    from datasets.arrow_writer import ArrowWriter
+
+    if config.sample_packing:
+        packer = pack.sequential_bins if config.sample_packing_sequentially else pack.ffd_bins
+        bins = packer(lengths.tolist(), config.sequence_len)
+    else:
+        bins = [[i] for i in range(len(lengths))]
+    _say(progress, f"Packing {len(lengths):,} documents into {len(bins):,} rows")
+    arrow = samples.with_format("arrow")
+    with ArrowWriter(features=vision.features(vision.ROW_COLUMNS), path=str(path)) as writer:
+        for chunk in pack.iter_chunks(bins, _VISION_CHUNK_BINS):
+            wanted = sorted({i for b in chunk for i in b})
+            docs = vision.docs_from_table(arrow[wanted])
+            at = {i: k for k, i in enumerate(wanted)}
+            writer.write_table(vision.rows_table(
+                [vision.vision_row([docs[at[i]] for i in b]) for b in chunk]))
+        writer.finalize()
+    return Dataset.from_file(str(path))

@@ -23,6 +23,8 @@ class DatasetStats:
     samples: int = 0  # samples that reached packing (pretrain: pieces)
     tokens: int = 0  # tokens in those samples
     target_tokens: int = 0  # labels != -100 in those samples (before packing)
+    images: int = 0  # vision runs: images and videos in those samples
+    image_tokens: int = 0  # vision runs: tokens standing for their features
     # The first sample as (text, is_target) runs, to show what the model learns from.
     sample: list[tuple[str, bool]] = field(default_factory=list)
 
@@ -33,6 +35,12 @@ class RowStats:
     tokens: int = 0
     target_tokens: int = 0  # labels != -100
     efficiency: float = 0.0  # tokens / (rows * sequence_len)
+    # Vision runs: images and videos, the tokens standing for their features, and the most
+    # of each in one row (what sizes the vision tower's work on one SP group).
+    images: int = 0
+    image_tokens: int = 0
+    max_images: int = 0
+    max_image_tokens: int = 0
 
 
 @dataclass
@@ -52,6 +60,7 @@ class PrepareReport:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     prompts: bool = False  # rl: grpo: the rows are prompts to roll out, not packed rows
+    vision: bool = False  # processor_type: rows of documents with images and videos
 
     # ---- serialisation (the cache keeps its report so a reuse can print it) -------------
     def to_dict(self) -> dict[str, Any]:
@@ -93,8 +102,11 @@ class PrepareReport:
         from rich.table import Table
 
         table = Table(title="Datasets", title_justify="left")
-        for name in ("split", "dataset", "type", "records", "skipped", "too long", "samples",
-                     "tokens", "target tokens"):
+        names = ["split", "dataset", "type", "records", "skipped", "too long", "samples",
+                 "tokens", "target tokens"]
+        if self.vision:
+            names.append("images (tokens)")
+        for name in names:
             table.add_column(name, justify="left" if name in ("split", "dataset", "type")
                              else "right")
         for d in self.datasets:
@@ -103,8 +115,11 @@ class PrepareReport:
             if d.too_long:
                 what = "dropped" if d.dropped else "truncated" if d.truncated else "error"
                 too_long = f"{d.too_long:,} {what}"
-            table.add_row(d.split, _short(d.label), d.type, f"{d.records:,}", skipped,
-                          too_long, f"{d.samples:,}", f"{d.tokens:,}", f"{d.target_tokens:,}")
+            cells = [d.split, _short(d.label), d.type, f"{d.records:,}", skipped, too_long,
+                     f"{d.samples:,}", f"{d.tokens:,}", f"{d.target_tokens:,}"]
+            if self.vision:
+                cells.append(f"{d.images:,} ({d.image_tokens:,})")
+            table.add_row(*cells)
         return table
 
     def _samples(self) -> list[Any]:
@@ -133,12 +148,19 @@ class PrepareReport:
             return table
         mode = "packed (FFD)" if self.sample_packing else "one sample per row"
         table = Table(title=f"Rows of {self.sequence_len:,} tokens, {mode}", title_justify="left")
-        for name in ("split", "rows", "tokens", "target tokens", "packing efficiency"):
+        names = ["split", "rows", "tokens", "target tokens", "packing efficiency"]
+        if self.vision:
+            names += ["images (max/row)", "image tokens (max/row)"]
+        for name in names:
             table.add_column(name, justify="left" if name == "split" else "right")
         for split, s in (("train", self.train), ("eval", self.eval)):
             if s is not None:
-                table.add_row(split, f"{s.rows:,}", f"{s.tokens:,}", f"{s.target_tokens:,}",
-                              f"{s.efficiency:.1%}")
+                cells = [split, f"{s.rows:,}", f"{s.tokens:,}", f"{s.target_tokens:,}",
+                         f"{s.efficiency:.1%}"]
+                if self.vision:
+                    cells += [f"{s.images:,} ({s.max_images:,})",
+                              f"{s.image_tokens:,} ({s.max_image_tokens:,})"]
+                table.add_row(*cells)
         return table
 
     def histogram_text(self, width: int = 40) -> str:

@@ -754,19 +754,285 @@ def pack_vision_documents(docs: list[VisionDocument], sequence_len: int) -> list
     """
     for doc in docs:
         check_fits(doc, sequence_len)
-    rows = []
-    for bin_ in pack.ffd_bins([len(d) for d in docs], sequence_len):
-        members = [docs[i] for i in bin_]
-        row = pack.make_row((d.input_ids, d.labels, list(range(len(d)))) for d in members)
-        pixels = [d.pixel_values for d in members if len(d.pixel_values)]
-        rows.append(VisionRow(
-            input_ids=row["input_ids"], labels=row["labels"], position_ids=row["position_ids"],
-            mm_token_type_ids=[t for d in members for t in d.mm_token_type_ids],
-            pixel_values=(np.concatenate(pixels) if pixels else
-                          np.zeros((0, members[0].pixel_values.shape[-1]), dtype=np.float32)),
-            image_grid_thw=[g for d in members for g in d.image_grid_thw],
-            media_kinds=[k for d in members for k in d.media_kinds],
-            second_per_grid_ts=[s for d in members for s in d.second_per_grid_ts],
-            image_counts=[len(d.image_grid_thw) for d in members],
-            sources=[d.source for d in members]))
-    return rows
+    return [vision_row([docs[i] for i in bin_])
+            for bin_ in pack.ffd_bins([len(d) for d in docs], sequence_len)]
+
+
+def vision_row(members: Sequence[VisionDocument]) -> VisionRow:
+    """One row of `members`, in that order (`prepare` packs in chunks with this, so its rows
+    are exactly `pack_vision_documents`')."""
+    row = pack.make_row((d.input_ids, d.labels, list(range(len(d)))) for d in members)
+    pixels = [d.pixel_values for d in members if len(d.pixel_values)]
+    return VisionRow(
+        input_ids=row["input_ids"], labels=row["labels"], position_ids=row["position_ids"],
+        mm_token_type_ids=[t for d in members for t in d.mm_token_type_ids],
+        pixel_values=(np.concatenate(pixels) if pixels else
+                      np.zeros((0, members[0].pixel_values.shape[-1]), dtype=np.float32)),
+        image_grid_thw=[g for d in members for g in d.image_grid_thw],
+        media_kinds=[k for d in members for k in d.media_kinds],
+        second_per_grid_ts=[s for d in members for s in d.second_per_grid_ts],
+        image_counts=[len(d.image_grid_thw) for d in members],
+        sources=[d.source for d in members])
+
+
+# ---- the Arrow layout of documents and rows (prepare's samples file and the cache) ---------
+#
+# Rows of a vision run hold, besides the text columns, the row's pixel patches flattened
+# (`pixel_values`, `pixel_dim` wide), one [t, h, w] grid per image/video in row order, the
+# kind of each (1 image, 2 video) and each video's seconds per temporal patch. Which tokens
+# are vision tokens is not stored: it is `input_ids == image/video token id`, exactly
+# what `mm_token_type_ids` was computed from.
+
+ROW_COLUMNS = ("input_ids", "labels", "position_ids", "pixel_values", "pixel_dim",
+               "image_grid_thw", "media_kinds", "second_per_grid_ts")
+# The intermediate documents keep their vision-token types and source (for errors).
+DOC_COLUMNS = ("input_ids", "labels", "mm_token_type_ids", "pixel_values", "pixel_dim",
+               "image_grid_thw", "media_kinds", "second_per_grid_ts", "source")
+
+
+def _arrow_types() -> dict[str, Any]:
+    import pyarrow as pa
+
+    return {"input_ids": pa.list_(pa.int32()), "labels": pa.list_(pa.int32()),
+            "position_ids": pa.list_(pa.int32()), "mm_token_type_ids": pa.list_(pa.int8()),
+            "pixel_values": pa.list_(pa.float32()), "pixel_dim": pa.int32(),
+            "image_grid_thw": pa.list_(pa.list_(pa.int32())), "media_kinds": pa.list_(pa.int8()),
+            "second_per_grid_ts": pa.list_(pa.float32()), "source": pa.string()}
+
+
+def features(columns: Sequence[str]) -> Any:
+    """`datasets.Features` of `columns` (ROW_COLUMNS or DOC_COLUMNS)."""
+    from datasets import Features, List, Value
+
+    kinds = {"input_ids": List(Value("int32")), "labels": List(Value("int32")),
+             "position_ids": List(Value("int32")), "mm_token_type_ids": List(Value("int8")),
+             "pixel_values": List(Value("float32")), "pixel_dim": Value("int32"),
+             "image_grid_thw": List(List(Value("int32"))), "media_kinds": List(Value("int8")),
+             "second_per_grid_ts": List(Value("float32")), "source": Value("string")}
+    return Features({c: kinds[c] for c in columns})
+
+
+def _pixels_array(blocks: Sequence[np.ndarray]) -> Any:
+    """list<float32> of flattened pixel blocks, built from one buffer (no Python floats)."""
+    import pyarrow as pa
+
+    sizes = np.array([b.size for b in blocks], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    flat = (np.concatenate([b.reshape(-1) for b in blocks]) if blocks else
+            np.zeros(0)).astype(np.float32, copy=False)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat)).cast(
+        pa.list_(pa.float32()))
+
+
+def _table(items: Sequence[VisionDocument | VisionRow], columns: Sequence[str]) -> Any:
+    import pyarrow as pa
+
+    types = _arrow_types()
+    data = {
+        "input_ids": [x.input_ids for x in items], "labels": [x.labels for x in items],
+        "position_ids": [getattr(x, "position_ids", None) for x in items],
+        "mm_token_type_ids": [x.mm_token_type_ids for x in items],
+        "pixel_dim": [int(x.pixel_values.shape[-1]) for x in items],
+        "image_grid_thw": [[list(g) for g in x.image_grid_thw] for x in items],
+        "media_kinds": [x.media_kinds for x in items],
+        "second_per_grid_ts": [x.second_per_grid_ts for x in items],
+        "source": [getattr(x, "source", None) for x in items],
+    }
+    arrays = [_pixels_array([x.pixel_values for x in items]) if c == "pixel_values"
+              else pa.array(data[c], type=types[c]) for c in columns]
+    return pa.Table.from_arrays(arrays, schema=pa.schema([(c, types[c]) for c in columns]))
+
+
+def rows_table(rows: Sequence[VisionRow]) -> Any:
+    """The cache's columns (ROW_COLUMNS) of `rows`, as a pyarrow Table."""
+    return _table(rows, ROW_COLUMNS)
+
+
+def docs_table(docs: Sequence[VisionDocument]) -> Any:
+    """`docs` as prepare's intermediate samples (DOC_COLUMNS), a pyarrow Table."""
+    return _table(docs, DOC_COLUMNS)
+
+
+def docs_from_table(table: Any) -> list[VisionDocument]:
+    """The documents of a DOC_COLUMNS table (what `docs_table` wrote)."""
+    column = table.column("pixel_values").combine_chunks()
+    flat = column.flatten().to_numpy(zero_copy_only=False)
+    offsets = column.offsets.to_numpy()
+    dims = table.column("pixel_dim").to_pylist()
+    get = {c: table.column(c).to_pylist() for c in DOC_COLUMNS
+           if c not in ("pixel_values", "pixel_dim")}
+    return [VisionDocument(
+        input_ids=get["input_ids"][i], labels=get["labels"][i],
+        mm_token_type_ids=get["mm_token_type_ids"][i],
+        pixel_values=np.asarray(flat[offsets[i]:offsets[i + 1]], dtype=np.float32
+                                ).reshape(-1, dims[i]),
+        image_grid_thw=[tuple(g) for g in get["image_grid_thw"][i]],  # type: ignore[misc]
+        source=get["source"][i], media_kinds=get["media_kinds"][i],
+        second_per_grid_ts=get["second_per_grid_ts"][i]) for i in range(table.num_rows)]
+
+
+def text_document(ids: list[int], labels: list[int], patch_dim: int, source: str
+                  ) -> VisionDocument:
+    """A text-only sample (another dataset type in a vision run) as a document."""
+    return VisionDocument(list(ids), list(labels), [TEXT] * len(ids),
+                          np.zeros((0, patch_dim), dtype=np.float32), [], source)
+
+
+def patch_dim(processor: Any) -> int:
+    """Width of one row of pixel_values (3 * temporal_patch_size * patch_size**2)."""
+    return _patch_dim(_as_vision_processor(processor))
+
+
+# ---- a config's processor, and what identifies it ------------------------------------------
+
+VISION_VERSION = 1  # bump when the meaning of a cached vision row changes
+
+
+def processor_folder(config: Any) -> str:
+    """Where `config`'s processor is: `processor_path` (a relative one beside the config
+    when it is there, as trl.reward_funcs models are found, else as given), else
+    `base_model`."""
+    if config.processor_path:
+        given = Path(config.processor_path).expanduser()
+        beside = Path(config.source_dir or ".") / given
+        return str(beside if not given.is_absolute() and beside.is_dir() else given)
+    if config.base_model:
+        return str(config.base_model)
+    raise UserError("`processor_type` is set but there is no folder to load the processor "
+                    "from: `base_model` is not set.", where="processor_path",
+                    fix="set `processor_path:` to the folder of the model's processor files "
+                    "(preprocessor_config.json, tokenizer files, chat template).")
+
+
+def load_config_processor(config: Any) -> VisionProcessor:
+    """The processor of a vision run, with the config's special_tokens, a pad token and a
+    chat template on its tokenizer (so `chat_template: tokenizer_default` means the
+    processor's own template, as for a text model's tokenizer)."""
+    from longctx_cli.data.tokenizer import apply_special_tokens, ensure_pad_token
+
+    vp = load_processor(processor_folder(config), image_size=config.image_size,
+                        image_resize_algorithm=config.image_resize_algorithm)
+    tok = vp.tokenizer
+    if not isinstance(getattr(tok, "chat_template", None), str) and vp.chat_template:
+        tok.chat_template = vp.chat_template
+    apply_special_tokens(tok, config)
+    ensure_pad_token(tok)
+    return vp
+
+
+def processor_fingerprint(vp: VisionProcessor) -> dict[str, Any]:
+    """What of a loaded processor decides the documents, besides its tokenizer (fingerprinted
+    as a text run's): the image processor's settings, the template, the video budget."""
+    import hashlib
+
+    import PIL
+
+    def short(text: str) -> str:
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    ip = vp.image_processor
+    settings = ip.to_dict() if hasattr(ip, "to_dict") else vars(ip)
+    return {"class": type(vp.processor).__name__, "image_processor": type(ip).__name__,
+            "settings": short(json.dumps(settings, sort_keys=True, default=str)),
+            "chat_template": short(vp.chat_template), "video_size": vp.video_size,
+            "tokens": [vp.image_token, vp.video_token], "version": VISION_VERSION,
+            "pillow": PIL.__version__}  # its resize filters make the pixels
+
+
+# ---- the records of a dataset entry, and the files they name --------------------------------
+
+
+def entry_records(source: Any, entry: Any, cache_dir: str | None, seed: int
+                  ) -> tuple[int, Any]:
+    """(number of records, iterator of (record index, record, folder its relative image
+    paths are read from)) of one dataset entry, after its `shards` selection.
+
+    JSON files are read line by line, not by `datasets`: a conversation whose `content` is
+    a string in one turn and a list of parts in another is one Arrow column of two types,
+    which `datasets` refuses. Other sources go through `load.load_records`.
+    """
+    from longctx_cli.data import load
+
+    if source.kind == "files" and source.builder == "json":
+        load.prescan(source)
+        counts, files = [], []
+        for f in source.files:
+            lines = source.line_numbers.get(f)
+            counts.append(len(lines) if lines is not None else len(_json_array(f)))
+            files.append(f)
+        total = sum(counts)
+        keep = _shard(total, entry, seed)
+
+        def from_json() -> Any:
+            i = 0
+            for f in files:
+                records = (_jsonl(f) if source.line_numbers.get(f) is not None
+                           else iter(_json_array(f)))
+                for record in records:
+                    if keep is None or i in keep:
+                        yield i, record, f.parent
+                    i += 1
+
+        return (total if keep is None else len(keep)), from_json()
+    records = load.load_records(source, entry, cache_dir=cache_dir)
+    base = (source.files[0].parent if source.kind == "files" and source.files
+            else Path(source.label) if source.kind == "disk" else Path("."))
+    keep = _shard(len(records), entry, seed)
+    order = range(len(records)) if keep is None else sorted(keep)
+    return len(order), ((i, records[i], base) for i in order)
+
+
+def _shard(total: int, entry: Any, seed: int) -> set[int] | None:
+    """The record indices of the entry's shard, as the text path picks them."""
+    if entry.shards is None:
+        return None
+    order = np.random.default_rng(seed).permutation(total)
+    return {int(i) for i in np.array_split(order, entry.shards)[entry.shards_idx]}
+
+
+def _jsonl(f: Path) -> Any:
+    with open(f, encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                yield json.loads(line)
+
+
+def _json_array(f: Path) -> list[Any]:
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:  # JSON Lines saved as .json
+        return list(_jsonl(f))
+    return data if isinstance(data, list) else [data]
+
+
+def referenced_files(record: Any, base_dir: Path) -> list[Path]:
+    """Every local file a record's strings name (paths, as `load_image` resolves them, and
+    file:// URLs), for the cache's fingerprint: a changed image must rebuild the cache even
+    where its path stays. Any string that names an existing file counts, so no source key
+    is missed; a stray match only hashes one more file."""
+    found: list[Path] = []
+
+    def visit(value: Any) -> None:
+        if isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+        elif isinstance(value, list):
+            for v in value:
+                visit(v)
+        elif isinstance(value, str) and 0 < len(value) < 4096 and "\n" not in value:
+            text = value
+            if text.lower().startswith("file://"):
+                parsed = urlparse(text)
+                text = unquote(parsed.netloc + parsed.path)
+            elif "://" in text or text.startswith("data:"):
+                return
+            try:
+                path = Path(text).expanduser()
+                path = path if path.is_absolute() else base_dir / path
+                if path.is_file():
+                    found.append(path)
+            except (OSError, ValueError):
+                return
+
+    visit(record)
+    return found
