@@ -117,6 +117,12 @@ def check_vision(config: Config, hf_config: Any, layout: Layout) -> VisionTower 
             "vision-language models do not run under tensor parallelism here: the tower and "
             "the merge of its features are not split over a TP group.",
             where="tensor_parallel_size", fix="use `tensor_parallel_size: 1`.")
+    if config.processor_type and tower.model_type not in MROPE_FAMILIES:
+        raise UserError(
+            f"`processor_type` with model type `{tower.model_type}`: longctx prepares image "
+            "rows with Qwen-VL processors only so far (its forward is exact, its data path is "
+            "not built).", where="processor_type",
+            fix=f"use a model of {', '.join(MROPE_FAMILIES)}, or train on text only.")
     if config.rl is not None:
         raise UserError(
             f"`rl: {config.rl}` on a vision-language model: longctx trains these with the "

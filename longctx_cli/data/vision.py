@@ -1036,3 +1036,28 @@ def referenced_files(record: Any, base_dir: Path) -> list[Path]:
 
     visit(record)
     return found
+
+
+class ProcessorFiles:
+    """What a vision-language checkpoint saves beside its weights: the processor's files
+    (tokenizer, image processor, chat template), under the processor class the model's own
+    folder names, so `AutoProcessor.from_pretrained` loads them as it loads the original.
+    (Without torchvision, `load_processor` builds an image-only subclass; that name must not
+    reach the checkpoint.)"""
+
+    def __init__(self, processor: VisionProcessor):
+        self.processor = processor.processor
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        self.processor.save_pretrained(str(folder))
+        cls = type(self.processor)
+        if cls is not image_only_processor_class():
+            return
+        original = cls.__bases__[0].__name__
+        for name in ("processor_config.json", "preprocessor_config.json"):
+            path = Path(folder) / name
+            if path.is_file():
+                saved = json.loads(path.read_text())
+                if "processor_class" in saved:
+                    saved["processor_class"] = original
+                    path.write_text(json.dumps(saved, indent=2) + "\n")

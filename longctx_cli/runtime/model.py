@@ -473,7 +473,10 @@ def sp_hidden_states(decoder: nn.Module, batch, where: str = "base_model",
 
     if isinstance(decoder, VisionLanguageForward):
         if cache is not None:
-            raise NotImplementedError("decoding a vision-language model with a cache")
+            raise UserError(
+                "decoding a vision-language model (generate, GRPO rollouts) is not supported "
+                "yet; training and evaluation losses are.", where=where,
+                fix="load final/ in transformers (AutoModelForImageTextToText) to generate.")
         return decoder.hidden_states(batch)
     hidden = decoder(
         input_ids=batch.input_ids, position_ids=batch.position_ids, sp_meta=batch.sp_meta,

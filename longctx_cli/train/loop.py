@@ -92,7 +92,15 @@ def train(config: Config, plan: Plan, probe: str, clock: StartupClock | None = N
     if is_main:  # what the ranks run: the same Layout `validate` printed
         print(f"layout: {plan.layout.describe()} ({plan.layout.kernel_reason})\n"
               f"fidelity probe: {probe}", flush=True)
-    tokenizer = load_tokenizer(config)
+    # A vision-language run reads its tokenizer from the processor, and saves the processor.
+    tokenizer, saved_with = None, None  # saved_with: what final/ holds beside the weights
+    if config.processor_type:
+        from longctx_cli.data.vision import ProcessorFiles, load_config_processor
+
+        processor = load_config_processor(config)
+        tokenizer, saved_with = processor.tokenizer, ProcessorFiles(processor)
+    if tokenizer is None:
+        tokenizer = saved_with = load_tokenizer(config)
     pad_id = tokenizer_pad_id(tokenizer)
     # pretraining_dataset: rows come from a stream packed on the fly, not from the cache.
     stream = PackedStream(config, tokenizer) if config.pretraining_dataset else None
@@ -165,7 +173,7 @@ def train(config: Config, plan: Plan, probe: str, clock: StartupClock | None = N
     preemption.restore()  # a signal from here on ends the run as usual
     progress.close()
     metrics.close()
-    final = checkpointer.finish(end_step, tokenizer)
+    final = checkpointer.finish(end_step, saved_with)
     peaks = gather_peak_memory(device)
     metrics.finish(final)
     if is_main:

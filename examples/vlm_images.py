@@ -1,0 +1,113 @@
+"""Write the data of the vision-language example (`examples/tiny_vlm.yaml`), offline.
+
+    python examples/vlm_images.py examples/data/vlm
+
+Each record shows a row of labelled images (`A:` then an image, `B:` then an image, ...).
+One of them is red, the others have other colours; the question asks which one is red,
+and the answer is its label. The model must look at every image of the row and copy the
+label in front of the red one.
+
+The folder gets `train.jsonl`, `test.jsonl`, one image per colour (`images/`) and a tiny
+processor: Qwen2.5-VL's image processor with a small pixel budget (a 28x28 image is one
+image token) and a byte-level tokenizer trained here, with Qwen's chat and vision tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+LABELS = "ABCDEFGHIJKLMNOPQRSTUVWX"  # one token each, up to 24 images a record
+COLOURS = {
+    "red": (210, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 210),
+    "yellow": (230, 210, 40), "purple": (140, 50, 170), "orange": (240, 140, 30),
+}
+VISION_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+CHAT_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Qwen2.5-VL's chat template in the same shape: image parts become vision placeholders.
+TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TARGET = "red"
+QUESTION = "Which one is red?"
+
+
+def write_processor(folder: Path) -> None:
+    """Tokenizer, image processor and chat template, as a Qwen2.5-VL checkpoint has them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessorPil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = Tokenizer(models.BPE(unk_token=None))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    # Labels and the question only: every label stays a token of its own.
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[*CHAT_SPECIALS,
+                                                                  *VISION_SPECIALS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    raw.train_from_iterator([f"user\n{QUESTION}", "assistant\n", "system\n"] * 10, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>",
+                                        additional_special_tokens=list(VISION_SPECIALS))
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(str(folder))
+    images = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28)
+    images.save_pretrained(str(folder))
+    config = json.loads((folder / "preprocessor_config.json").read_text())
+    config.update(image_processor_type="Qwen2VLImageProcessor",
+                  processor_class="Qwen2_5_VLProcessor")
+    (folder / "preprocessor_config.json").write_text(json.dumps(config, indent=2))
+    (folder / "processor_config.json").write_text(
+        json.dumps({"processor_class": "Qwen2_5_VLProcessor"}, indent=2))
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+
+
+def record(rng: random.Random, count: int) -> tuple[dict, str]:
+    """One record of `count` labelled images, one of them red (each colour is one file,
+    `images/<colour>.png`)."""
+    others = sorted(set(COLOURS) - {TARGET})
+    answer = rng.randrange(count)
+    parts: list[dict] = []
+    for i in range(count):
+        colour = TARGET if i == answer else rng.choice(others)
+        parts += [{"type": "text", "text": f"{LABELS[i]}:"},
+                  {"type": "image", "path": f"images/{colour}.png"}]
+    parts.append({"type": "text", "text": QUESTION})
+    label = LABELS[answer]
+    return {"messages": [{"role": "user", "content": parts},
+                         {"role": "assistant", "content": label}]}, label
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--train", type=int, default=1200, help="training records")
+    parser.add_argument("--test", type=int, default=100, help="held-out records")
+    parser.add_argument("--images", type=int, default=16, help="images per record (<= 24)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    from PIL import Image
+
+    images = args.folder / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    for colour, rgb in COLOURS.items():
+        Image.new("RGB", (28, 28), rgb).save(images / f"{colour}.png")
+    write_processor(args.folder / "processor")
+    for split, n in (("train", args.train), ("test", args.test)):
+        with open(args.folder / f"{split}.jsonl", "w") as out:
+            for _ in range(n):
+                out.write(json.dumps(record(rng, args.images)[0]) + "\n")
+    print(f"wrote {args.train} + {args.test} records of {args.images} images to {args.folder}")
+
+
+if __name__ == "__main__":
+    main()

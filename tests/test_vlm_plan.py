@@ -1,0 +1,74 @@
+"""What `validate` says of vision-language runs: the tower's rows, and each refusal with its
+reason (no processes, no weights)."""
+
+from __future__ import annotations
+
+import pytest
+
+from longctx_cli.errors import UserError
+from tests.vlm_models import _config
+
+
+def _plan(hf_config, world: int = 2, sp: int | None = None, **overrides):
+    from longctx_cli.config import config_from_dict
+    from longctx_cli.config.plan import build_plan
+    from longctx_cli.config.world import Platform
+
+    settings = {"model_config": {"model_type": "llama"}, "sequence_len": 4096,
+                "datasets": [{"path": "chats.jsonl", "type": "chat_template"}],
+                "sequence_parallel_degree": sp or world, **overrides}
+    return build_plan(config_from_dict(settings), world, hf_config,
+                      platform=Platform(cuda=False, ring_flash_attn=False))
+
+
+def _rows(plan) -> dict[str, str]:
+    return dict(plan._sections(plan.model)[0][1])
+
+
+def test_plan_shows_the_tower_split_by_images_and_its_memory() -> None:
+    plan = _plan(_config("qwen2_5_vl"), processor_type="AutoProcessor")
+    rows = _rows(plan)
+    assert "2 layers, hidden 32" in rows["vision tower"] and "trained" in rows["vision tower"]
+    assert "SP group of 2" in rows["tower splits by"]
+    # A row of only image tokens: 4096 tokens x 4 patches each, over 2 ranks.
+    assert "8,192 patches per rank" in rows["tower memory"]
+    assert plan.memory.vision_tower > 0
+    assert plan.memory.total == sum(v for _, v in plan.memory.parts()) - min(
+        plan.memory.logits, plan.memory.recompute)
+    frozen = _rows(_plan(_config("qwen2_5_vl"), freeze_mm_modules=True))
+    assert "frozen (`freeze_mm_modules`)" in frozen["vision tower"]
+    assert _plan(_config("qwen2_5_vl"), freeze_mm_modules=True).memory.vision_tower < \
+        plan.memory.vision_tower  # no gradients or optimizer state for a frozen tower
+
+
+def test_gemma3_images_are_refused_with_the_true_reason() -> None:
+    from transformers import Gemma3Config
+
+    with pytest.raises(UserError) as e:
+        _plan(Gemma3Config(), processor_type="AutoProcessor")
+    assert "both directions" in str(e.value) and "causal" in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, where", [
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"rl": "dpo", "datasets": [{"path": "p.jsonl", "type": "chatml.intel"}]}, "rl"),
+])
+def test_what_vlm_runs_cannot_do_is_refused(overrides, where) -> None:
+    world = 4 if "tensor_parallel_size" in overrides else 2
+    with pytest.raises(UserError) as e:
+        _plan(_config("qwen2_5_vl"), world=world, sp=2, **overrides)
+    assert e.value.where == where or f"`{where}`" in str(e.value), str(e.value)
+
+
+def test_processor_type_on_a_text_model_is_refused() -> None:
+    from transformers import LlamaConfig
+
+    with pytest.raises(UserError) as e:
+        _plan(LlamaConfig(num_attention_heads=4, hidden_size=64), processor_type="AutoProcessor")
+    assert e.value.where == "processor_type"
+
+
+def test_llava_images_are_refused_until_its_data_path_exists() -> None:
+    with pytest.raises(UserError) as e:
+        _plan(_config("llava"), processor_type="AutoProcessor")
+    assert "Qwen-VL processors only" in str(e.value)

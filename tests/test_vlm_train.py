@@ -1,0 +1,165 @@
+"""`longctx train` on image-bearing chats equals the model's own Hugging Face training.
+
+A tiny Qwen2.5-VL and an offline processor (tests/vlm_fixtures.py); a dozen records of one
+to three images each, packed into rows. `longctx train` at sp 2 runs three optimizer steps;
+the reference trains a copy of the same initial model on the rows `longctx train` read, each
+document through the model's own `forward(pixel_values=..., labels=)`. The per-step losses
+and the final weights must agree, and `final/` must load as the model's own class with its
+processor.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from longctx_cli.constants import IGNORE_INDEX
+from tests.family_matrix import LOSS_TOL, WEIGHT_TOL, compare
+from tests.train_helpers import run_longctx
+from tests.vlm_fixtures import write_tiny_qwen_vl_processor
+
+STEPS = 3
+IMAGE_ID = 5  # the fixture tokenizer's <|image_pad|>
+MODEL = {
+    "model_type": "qwen2_5_vl", "image_token_id": 5, "video_token_id": 6,
+    "vision_start_token_id": 3, "vision_end_token_id": 4,
+    "text_config": {
+        "model_type": "qwen2_5_vl_text", "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 448, "max_position_embeddings": 2048, "initializer_range": 0.2,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0},
+    "vision_config": {
+        "depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+        "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
+        "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1]},
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> Path:
+    from PIL import Image
+
+    tmp = tmp_path_factory.mktemp("vlm_train")
+    write_tiny_qwen_vl_processor(tmp / "processor")
+    gen = torch.Generator().manual_seed(0)
+    (tmp / "img").mkdir()
+    with open(tmp / "data.jsonl", "w") as out:
+        for i in range(12):
+            parts = []
+            for k in range(1 + i % 3):
+                side = (28, 56, 84)[(i + k) % 3]
+                pixels = torch.randint(0, 256, (side, 56, 3), generator=gen, dtype=torch.uint8)
+                Image.fromarray(pixels.numpy()).save(tmp / "img" / f"{i}_{k}.png")
+                parts.append({"type": "image", "path": f"img/{i}_{k}.png"})
+            parts.append({"type": "text", "text": "Describe this image."})
+            answer = ("The image is a red square.", "A cat.")[i % 2]
+            out.write(json.dumps({"messages": [{"role": "user", "content": parts},
+                                               {"role": "assistant", "content": answer}]}) + "\n")
+    return tmp
+
+
+def _config(tmp: Path, name: str, **layout: Any) -> Path:
+    config = {
+        "model_config": MODEL, "processor_type": "AutoProcessor",
+        "processor_path": str(tmp / "processor"), "tokenizer": str(tmp / "processor"),
+        "dtype": "float32", "seed": 3,
+        "datasets": [{"path": str(tmp / "data.jsonl"), "type": "chat_template"}],
+        "sequence_len": 256, "sample_packing": True,
+        "dataset_prepared_path": str(tmp / "prepared"), "attention_kernel": "torch",
+        "micro_batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": STEPS,
+        "learning_rate": 1e-3, "lr_scheduler": "constant", "warmup_steps": 0,
+        "adam_epsilon": 1e-6, "output_dir": str(tmp / name), "logging_steps": 1,
+        "val_set_size": 0, "collective_timeout_s": 120, **layout,
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _documents(row: dict) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
+    """A cached row's documents, each with the model's own image inputs."""
+    ids, pos, labels = (torch.tensor(row[k]) for k in ("input_ids", "position_ids", "labels"))
+    pixels = torch.tensor(row["pixel_values"]).view(-1, row["pixel_dim"])
+    grids = torch.tensor(row["image_grid_thw"], dtype=torch.long).view(-1, 3)
+    starts = [*(pos == 0).nonzero().flatten().tolist(), len(ids)]
+    docs, image, patch = [], 0, 0
+    for a, b in itertools.pairwise(starts):
+        d_ids = ids[a:b]
+        runs = sum(1 for kind, _ in itertools.groupby((d_ids == IMAGE_ID).tolist()) if kind)
+        kwargs: dict = {}
+        if runs:
+            grid = grids[image:image + runs]
+            count = int(grid.prod(-1).sum())
+            kwargs = {"pixel_values": pixels[patch:patch + count], "image_grid_thw": grid,
+                      "mm_token_type_ids": (d_ids == IMAGE_ID).long()[None]}
+            image, patch = image + runs, patch + count
+        docs.append((d_ids, labels[a:b], kwargs))
+    assert image == len(grids) and patch == len(pixels)
+    return docs
+
+
+def _reference(config_path: Path) -> dict[str, Any]:
+    """The model's own training on the rows `longctx train` read at each step."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from longctx_cli.config import load_config
+    from longctx_cli.data.prepare import prepare
+    from longctx_cli.train.optim import make_optimizer
+    from longctx_cli.train.schedule import DataPosition
+
+    config = load_config(config_path)
+    rows = prepare(config).train
+    position = DataPosition(config, 1, rows, None)
+    torch.manual_seed(config.seed)  # longctx's random init draws from the seed the same way
+    model = AutoModelForImageTextToText.from_config(
+        AutoConfig.for_model(**MODEL), attn_implementation="eager", dtype=torch.float32).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(config, params)
+    losses, images = [], 0
+    for step in range(STEPS):
+        table, indices = position.step_rows(step)
+        docs = [d for i in indices for d in _documents(table[i])]
+        targets = [int((lab[1:] != IGNORE_INDEX).sum()) for _, lab, _ in docs]
+        total = 0.0
+        for (ids, lab, kwargs), n in zip(docs, targets, strict=True):
+            images += len(kwargs.get("image_grid_thw", ()))
+            loss = model(input_ids=ids[None], labels=lab[None], **kwargs).loss * (n / sum(targets))
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm or math.inf)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+    assert images >= 3  # the steps trained on images, not only text
+    weights = {k: v.detach().double().numpy() for k, v in model.named_parameters()}
+    return {"losses": losses, "weights": weights}
+
+
+def test_train_at_sp2_equals_the_models_own_training(setup: Path) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    config = _config(setup, "sp2", sequence_parallel_degree=2, ring_attn_func="batch_ring")
+    result = run_longctx("train", str(config), "--nproc-per-node", "2", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    final = setup / "sp2" / "final"
+    losses = [json.loads(line)["loss"] for line in (setup / "sp2" / "metrics.jsonl").read_text()
+              .splitlines() if line.strip() and "loss" in json.loads(line)]
+    # final/ loads as the model's own class (transformers maps its saved names back).
+    loaded = AutoModelForImageTextToText.from_pretrained(final, dtype=torch.float32)
+    assert type(loaded).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    run = {"losses": losses, "weights": {k: v.detach().double().numpy()
+                                         for k, v in loaded.named_parameters()}}
+    reference = _reference(config)
+    assert len(losses) == STEPS
+    got = compare(run, reference)
+    assert got["loss"] < LOSS_TOL and got["weights"] < WEIGHT_TOL, got
+    saved = json.loads((final / "processor_config.json").read_text())
+    assert saved["processor_class"] == "Qwen2_5_VLProcessor"
