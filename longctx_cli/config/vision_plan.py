@@ -19,6 +19,8 @@ from longctx_cli.layout import Layout
 MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 FLAT_FAMILIES = ("llava",)
 VISION_FAMILIES = MROPE_FAMILIES + FLAT_FAMILIES
+# Those whose processor's rows `longctx preprocess` builds and tests (data/vision.py).
+PREPARED_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 # Families whose image tokens attend to each other both ways (a bidirectional block inside
 # the causal mask), which no ring's causal segments express.
 BIDIRECTIONAL_IMAGE_FAMILIES = ("gemma3", "paligemma", "gemma3n")
@@ -117,12 +119,12 @@ def check_vision(config: Config, hf_config: Any, layout: Layout) -> VisionTower 
             "vision-language models do not run under tensor parallelism here: the tower and "
             "the merge of its features are not split over a TP group.",
             where="tensor_parallel_size", fix="use `tensor_parallel_size: 1`.")
-    if config.processor_type and tower.model_type not in MROPE_FAMILIES:
+    if config.processor_type and tower.model_type not in PREPARED_FAMILIES:
         raise UserError(
             f"`processor_type` with model type `{tower.model_type}`: longctx prepares image "
-            "rows with Qwen-VL processors only so far (its forward is exact, its data path is "
-            "not built).", where="processor_type",
-            fix=f"use a model of {', '.join(MROPE_FAMILIES)}, or train on text only.")
+            "rows with the Qwen2-VL and Qwen2.5-VL processors only so far (this family's "
+            "forward is exact; its processor's rows are not tested).", where="processor_type",
+            fix=f"use a model of {', '.join(PREPARED_FAMILIES)}, or train on text only.")
     if config.rl is not None:
         raise UserError(
             f"`rl: {config.rl}` on a vision-language model: longctx trains these with the "

@@ -1045,19 +1045,28 @@ class ProcessorFiles:
     (Without torchvision, `load_processor` builds an image-only subclass; that name must not
     reach the checkpoint.)"""
 
-    def __init__(self, processor: VisionProcessor):
+    def __init__(self, processor: VisionProcessor, source: str | Path):
         self.processor = processor.processor
+        self.source = Path(source)
+
+    def original_class(self, name: str) -> str:
+        """The `processor_class` the source folder's `name` file gives (else the class the
+        image-only one extends)."""
+        path = self.source / name
+        if path.is_file():
+            given = json.loads(path.read_text()).get("processor_class")
+            if given:
+                return str(given)
+        return type(self.processor).__bases__[0].__name__
 
     def save_pretrained(self, folder: str | Path) -> None:
         self.processor.save_pretrained(str(folder))
-        cls = type(self.processor)
-        if cls is not image_only_processor_class():
+        if type(self.processor) is not image_only_processor_class():
             return
-        original = cls.__bases__[0].__name__
         for name in ("processor_config.json", "preprocessor_config.json"):
             path = Path(folder) / name
             if path.is_file():
                 saved = json.loads(path.read_text())
                 if "processor_class" in saved:
-                    saved["processor_class"] = original
+                    saved["processor_class"] = self.original_class(name)
                     path.write_text(json.dumps(saved, indent=2) + "\n")

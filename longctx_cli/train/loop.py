@@ -95,10 +95,15 @@ def train(config: Config, plan: Plan, probe: str, clock: StartupClock | None = N
     # A vision-language run reads its tokenizer from the processor, and saves the processor.
     tokenizer, saved_with = None, None  # saved_with: what final/ holds beside the weights
     if config.processor_type:
-        from longctx_cli.data.vision import ProcessorFiles, load_config_processor
+        from longctx_cli.data.vision import (
+            ProcessorFiles,
+            load_config_processor,
+            processor_folder,
+        )
 
         processor = load_config_processor(config)
-        tokenizer, saved_with = processor.tokenizer, ProcessorFiles(processor)
+        tokenizer = processor.tokenizer
+        saved_with = ProcessorFiles(processor, processor_folder(config))
     if tokenizer is None:
         tokenizer = saved_with = load_tokenizer(config)
     pad_id = tokenizer_pad_id(tokenizer)
