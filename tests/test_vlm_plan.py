@@ -73,3 +73,16 @@ def test_images_are_refused_where_the_data_path_is_not_built(family: str) -> Non
     with pytest.raises(UserError) as e:
         _plan(_config(family), processor_type="AutoProcessor")
     assert "Qwen2.5-VL processors only" in str(e.value)
+
+
+@pytest.mark.parametrize("command", ["eval", "generate", "merge-lora"])
+def test_forward_only_commands_say_they_do_not_run_vlms_yet(command: str) -> None:
+    from longctx_cli.config import config_from_dict
+    from longctx_cli.preflight import check_run
+
+    config = config_from_dict({"model_config": _config("qwen2_5_vl").to_dict(),
+                               "sequence_len": 512, "output_dir": "unused",
+                               "datasets": [{"path": "c.jsonl", "type": "chat_template"}]})
+    with pytest.raises(UserError) as e:
+        check_run(config, command, 2)
+    assert "does not run vision-language models yet" in str(e.value)
