@@ -571,6 +571,24 @@ class Block:
     render: Callable[[], str]
 
 
+VLM_EXAMPLE = "vlm-example-2026-11-28.json"
+
+
+def vlm_example() -> str:
+    """What the vision-language example learns over seeds (benchmarks/vlm_example.py)."""
+    from benchmarks.vlm_example import table
+
+    data = _json(VLM_EXAMPLE)
+    after = [r["after"] for r in data["runs"]]
+    return _wrap("vlm-example", "\n".join([
+        table(data), "",
+        f"Chance is {data['chance']:.0%}. After training, accuracy is "
+        f"{min(after):.0%}-{max(after):.0%} over {len(after)} seeds.",
+        f"`python benchmarks/vlm_example.py`, {data['machine']}, {data['date']} "
+        f"(`benchmarks/results/{VLM_EXAMPLE}`).",
+    ]))
+
+
 BLOCKS = [
     Block("README.md", "status", status_box),
     Block("README.md", "quickstart-time", quickstart_time),
@@ -603,6 +621,7 @@ BLOCKS = [
     Block("docs/context.md", "context-extension", context_extension),
     Block("docs/context.md", "context-finetune", context_finetune),
     Block("docs/rl.md", "grpo-sharing", grpo_sharing),
+    Block("docs/vlm.md", "vlm-example", vlm_example),
     *(Block("benchmarks/README.md", name, bench_table(name, module, stem, key))
       for name, module, stem, key in [
           ("attention", "attention", "attention.json", "results"),

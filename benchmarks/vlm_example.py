@@ -84,6 +84,17 @@ def run_seed(seed: int, out: Path) -> dict:
             "model_class": type(trained).__name__, "test_records": len(records)}
 
 
+def table(data: dict) -> str:
+    """The runs as a Markdown table (printed, and written into docs/vlm.md by figures.py)."""
+    lines = ["| seed | accuracy before | accuracy after | training | loss, first -> last step |",
+             "|---:|---:|---:|---:|---|"]
+    for r in data["runs"]:
+        lines.append(f"| {r['seed']} | {r['before']:.0%} | {r['after']:.0%} | "
+                     f"{r['train_seconds'] / 60:.1f} min | {r['first_loss']:.2f} -> "
+                     f"{r['last_loss']:.3f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
@@ -93,16 +104,13 @@ def main() -> None:
         subprocess.run([sys.executable, str(ROOT / "examples" / "vlm_images.py"),
                         str(DATA)], check=True)
     runs = [run_seed(seed, args.out / f"seed{seed}") for seed in args.seeds]
-    print(f"{'seed':>4} {'before':>7} {'after':>7} {'train s':>8} {'loss':>14}")
-    for r in runs:
-        print(f"{r['seed']:>4} {r['before']:>7.1%} {r['after']:>7.1%} "
-              f"{r['train_seconds']:>8.0f} {r['first_loss']:>6.2f} -> {r['last_loss']:.2f}")
     result = {
         "benchmark": "vlm_example", "config": str(CONFIG.relative_to(ROOT)),
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or '?'}",
         "load_average": os.getloadavg()[0], "chance": 1 / 16, "runs": runs,
     }
+    print(table(result))
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"vlm-example-{result['date']}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")

@@ -58,16 +58,21 @@ def write_processor(folder: Path) -> None:
                                         pad_token="<|endoftext|>",
                                         additional_special_tokens=list(VISION_SPECIALS))
     tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(str(folder))
     images = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28)
-    images.save_pretrained(str(folder))
+    save_qwen_vl_processor(folder, tokenizer, images, TEMPLATE)
+
+
+def save_qwen_vl_processor(folder: Path, tokenizer, image_processor, template: str) -> None:
+    """The files of a Qwen2.5-VL processor, laid out as its checkpoints have them."""
+    tokenizer.save_pretrained(str(folder))
+    image_processor.save_pretrained(str(folder))
     config = json.loads((folder / "preprocessor_config.json").read_text())
     config.update(image_processor_type="Qwen2VLImageProcessor",
                   processor_class="Qwen2_5_VLProcessor")
     (folder / "preprocessor_config.json").write_text(json.dumps(config, indent=2))
     (folder / "processor_config.json").write_text(
         json.dumps({"processor_class": "Qwen2_5_VLProcessor"}, indent=2))
-    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    (folder / "chat_template.jinja").write_text(template)
 
 
 def record(rng: random.Random, count: int) -> tuple[dict, str]:

@@ -9,6 +9,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,36 @@ def bare_clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = _copy_examples(tmp_path_factory.mktemp("fresh-clone"))
     write_quickstart_model(root)  # after the Quickstart: tiny_grpo.yaml starts from its model
+    for example in EXAMPLES:  # the data scripts an example's first line asks for
+        script = generated_by(example)
+        if script:
+            subprocess.run([sys.executable, *shlex.split(script)], cwd=root, check=True,
+                           capture_output=True, timeout=300)
     return root
+
+
+# `# First run `python examples/x.py ...`: ...` on an example's first line.
+FIRST_RUN = re.compile(r"^# First run `python (examples/\S+\.py[^`]*)`")
+
+
+def generated_by(example: str) -> str | None:
+    """The script (and its arguments) an example's first line says to run before it."""
+    found = FIRST_RUN.match((ROOT / "examples" / example).read_text())
+    return found.group(1) if found else None
+
+
+@pytest.mark.parametrize("example", [e for e in EXAMPLES if generated_by(e)])
+def test_an_example_whose_data_a_script_writes_says_so(
+        example: str, bare_clone: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before its script ran, such an example's `validate` exits 2 naming the missing file,
+    and the README names the example among those that need something first."""
+    monkeypatch.chdir(bare_clone)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("COLUMNS", "200")
+    result = CliRunner().invoke(app, ["validate", f"examples/{example}"])
+    assert result.exit_code == 2, result.output
+    assert "does not exist" in result.output or "no such" in result.output, result.output
+    assert f"`{example}`" in (ROOT / "README.md").read_text().split("## Examples")[1]
 
 
 def needs_a_run_first(example: str) -> bool:

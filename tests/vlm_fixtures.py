@@ -9,7 +9,6 @@ video parts the way Qwen2.5-VL's does (`<|vision_start|><|image_pad|><|vision_en
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 # The special tokens of Qwen2-VL/2.5-VL's tokenizer that the data path relies on.
@@ -70,18 +69,18 @@ def write_tiny_qwen_vl_processor(folder: str | Path) -> Path:
     (tokenizer files, preprocessor_config.json, chat_template.jinja, processor_config.json
     naming `Qwen2_5_VLProcessor`): `AutoProcessor.from_pretrained(folder)` loads it where
     torchvision is installed, `longctx_cli.data.vision.load_processor(folder)` everywhere."""
+    import importlib.util
+
     from transformers import Qwen2VLImageProcessorPil
 
+    # The example's writer lays the files out (one place for that layout).
+    path = Path(__file__).resolve().parent.parent / "examples" / "vlm_images.py"
+    spec = importlib.util.spec_from_file_location("vlm_images", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tiny_tokenizer().save_pretrained(str(folder))
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
-    image_processor.save_pretrained(str(folder))
-    config = json.loads((folder / "preprocessor_config.json").read_text())
-    config.update(image_processor_type="Qwen2VLImageProcessor",
-                  processor_class="Qwen2_5_VLProcessor")
-    (folder / "preprocessor_config.json").write_text(json.dumps(config, indent=2))
-    (folder / "processor_config.json").write_text(
-        json.dumps({"processor_class": "Qwen2_5_VLProcessor"}, indent=2))
-    (folder / "chat_template.jinja").write_text(QWEN_VL_TEMPLATE)
+    example.save_qwen_vl_processor(
+        folder, tiny_tokenizer(),
+        Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS), QWEN_VL_TEMPLATE)
     return folder

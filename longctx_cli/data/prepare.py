@@ -484,13 +484,7 @@ class RecordWhere:
 def _count_skips(tokenized: Dataset, stats: DatasetStats) -> None:
     from collections import Counter
 
-    counts = Counter(r for r in tokenized["skip"] if r)
-    stats.skip_reasons = dict(sorted(counts.items()))
-    stats.skipped = sum(counts.values())
-    if len(counts) == 1:
-        stats.skip_reason = next(iter(counts))
-    elif counts:
-        stats.skip_reason = ", ".join(f"{why}: {n}" for why, n in sorted(counts.items()))
+    _record_skips(stats, Counter(r for r in tokenized["skip"] if r))
 
 
 def _short(label: str) -> str:
