@@ -583,9 +583,10 @@ def vlm_example() -> str:
     return _wrap("vlm-example", "\n".join([
         table(data), "",
         f"Chance is {data['chance']:.0%}. After training, accuracy is "
-        f"{min(after):.0%}-{max(after):.0%} over {len(after)} seeds.",
-        f"`python benchmarks/vlm_example.py`, {data['machine']}, {data['date']} "
-        f"(`benchmarks/results/{VLM_EXAMPLE}`).",
+        + (f"{after[0]:.0%} for each of the {len(after)} seeds." if len(set(after)) == 1
+           else f"{min(after):.0%}-{max(after):.0%} over {len(after)} seeds."),
+        f"`python benchmarks/vlm_example.py`, {data['machine']}, {data['date']}, load "
+        f"average {data['load_average']:.1f} (`benchmarks/results/{VLM_EXAMPLE}`).",
     ]))
 
 

@@ -84,6 +84,17 @@ def run_seed(seed: int, out: Path) -> dict:
             "model_class": type(trained).__name__, "test_records": len(records)}
 
 
+def cpu_model() -> str:
+    """The CPU's name as the kernel reports it ('?' where it does not)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
 def table(data: dict) -> str:
     """The runs as a Markdown table (printed, and written into docs/vlm.md by figures.py)."""
     lines = ["| seed | accuracy before | accuracy after | training | loss, first -> last step |",
@@ -107,7 +118,7 @@ def main() -> None:
     result = {
         "benchmark": "vlm_example", "config": str(CONFIG.relative_to(ROOT)),
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or '?'}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {cpu_model()}",
         "load_average": os.getloadavg()[0], "chance": 1 / 16, "runs": runs,
     }
     print(table(result))
