@@ -65,6 +65,7 @@ def test_format_trains_two_steps_at_sp2(tmp_path, name):
     assert all(m["tokens"] > 0 and math.isfinite(m["loss"]) for m in metrics)
 
 
+@pytest.mark.slow  # the suite's time; the other formats train at sp 2 by default above
 def test_pretrain_csv_with_text_column_trains_at_sp2(tmp_path):
     data = tmp_path / "corpus.csv"
     data.write_text("id,content\n" + "".join(f"{i},{words(i, 12)}\n" for i in range(20)))

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -48,6 +50,7 @@ def gpu_tables(results: Path) -> list[str]:
             and not line.startswith("| kernel")]
 
 
+@pytest.mark.slow  # spawns gpu.py per file; figures.py --check (test_front_door) covers the blocks
 def test_the_gpu_tables_in_the_docs_are_the_results_files() -> None:
     """docs/gpu.md's tables are what `gpu.py --table` prints from the results files (the
     estimate column recomputed by the current code), row for row: parity from the H100's

@@ -139,7 +139,8 @@ def _step_worker(rank: int, world: int, family: str, tp: int, sp: int, mode: str
         ("llama", 2, 1, "ring", None, False),
         pytest.param("llama", 2, 2, "ring", 8, False, marks=pytest.mark.slow),  # as qwen3's
         ("llama", 2, 2, "ulysses", None, False),
-        ("llama", 2, 2, "ring", 8, True),
+        # LoRA under TP-sp: -m slow, for the suite's time (TP-sp itself stays by default).
+        pytest.param("llama", 2, 2, "ring", 8, True, marks=pytest.mark.slow),
         ("qwen3", 2, 2, "ring", 8, False),
     ],
     ids=["tp2", "tp2_sp2_ring_chunked", "tp2_sp2_ulysses", "tp2_sp2_lora",
@@ -321,7 +322,9 @@ def tied_reference(workdir):
 @pytest.mark.parametrize(
     ("name", "nproc", "overrides"),
     [
-        ("tied_sp2_fsdp", 2, {"sequence_parallel_degree": 2, "fsdp": True}),
+        # -m slow for the suite's time (FSDP2 under SP stays by default in test_train_parity).
+        pytest.param("tied_sp2_fsdp", 2, {"sequence_parallel_degree": 2, "fsdp": True},
+                     marks=pytest.mark.slow),
         pytest.param("tied_dp2_tp2_fsdp", 4, {
             "tensor_parallel_size": 2, "gradient_accumulation_steps": 2, "fsdp": True},
             marks=pytest.mark.slow),
