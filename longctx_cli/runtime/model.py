@@ -231,6 +231,17 @@ def apply_fsdp(model: nn.Module, mesh, config: Config | None = None) -> None:
         fully_shard([embedding, head], mesh=mesh, **options)
     else:
         fully_shard(head, mesh=mesh, **options)
+    if is_vision_language(base.config):
+        # The rebuilt forward (runtime/vision.py) calls the tower and the projector itself,
+        # outside any parent's forward: each is a group of its own, which gathers its weights
+        # when called (the tower block by block).
+        from longctx_cli.runtime.vision import vision_modules
+
+        for module in vision_modules(base):
+            encoder = getattr(module, "encoder", None)
+            for block in getattr(module, "blocks", None) or getattr(encoder, "layers", []):
+                fully_shard(block, mesh=mesh, **options)
+            fully_shard(module, mesh=mesh, **options)
     fully_shard(decoder, mesh=mesh, **options)
     fully_shard(model, mesh=mesh, **options)
 

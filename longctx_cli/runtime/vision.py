@@ -251,11 +251,10 @@ class VisionLanguageForward:
         state = meta.ctx
         types = self.token_types(full_ids)
         local_ids = batch.input_ids.reshape(-1)
-        embeds = self.language_model.get_input_embeddings()(local_ids)
         local_index = slice_sequence(torch.arange(full_ids.numel(), device=device), state)
         visual = types[local_index] == IMAGE
-        deep_local: list[torch.Tensor] | None = None
         n_tokens = int((types == IMAGE).sum())
+        merged, kwargs = None, {}
         if images is not None and images.num_images:
             images = images.to(device)
             features, deep = self._encode_split(images, state)
@@ -268,36 +267,50 @@ class VisionLanguageForward:
                     "placeholder count must match its features).")
             ordinal = torch.cumsum(types == IMAGE, 0) - 1  # image-token index of each token
             wanted = ordinal[local_index][visual]
-            embeds = embeds.masked_scatter(visual[:, None], features[wanted].to(embeds.dtype))
-            deep_local = [level[wanted].to(embeds.dtype) for level in deep] or None
+            merged = features[wanted]
+            if deep:
+                kwargs.update(visual_pos_masks=visual[None],
+                              deepstack_visual_embeds=[level[wanted].to(merged.dtype)
+                                                       for level in deep])
         elif n_tokens:
             raise UserError(
                 f"the row holds {n_tokens} image tokens but no images.", where="datasets",
                 fix="keep each record's images with it (the `images` column or image parts).")
-        kwargs: dict[str, Any] = {}
-        if deep_local is not None:
-            kwargs.update(visual_pos_masks=visual[None], deepstack_visual_embeds=deep_local)
         local_positions = slice_sequence(full_positions, state, dim=1)[:, None, :]
-        return self._language_model(embeds, local_positions, batch, kwargs)
+        return self._language_model(local_ids, local_positions, batch, kwargs, visual, merged)
 
     def _text_only(self, batch: ShardedBatch) -> torch.Tensor:
         """A row without images: mRoPE's three axes all take the text positions."""
-        local_ids = batch.input_ids.reshape(-1)
-        embeds = self.language_model.get_input_embeddings()(local_ids)
         positions = batch.position_ids.reshape(1, 1, -1)
         if self.family in MROPE_FAMILIES:
             positions = positions.expand(3, 1, -1)
-        return self._language_model(embeds, positions, batch, {})
+        return self._language_model(batch.input_ids.reshape(-1), positions, batch, {})
 
-    def _language_model(self, embeds: torch.Tensor, positions: torch.Tensor,
-                        batch: ShardedBatch, kwargs: dict[str, Any]) -> torch.Tensor:
+    def _language_model(self, local_ids: torch.Tensor, positions: torch.Tensor,
+                        batch: ShardedBatch, kwargs: dict[str, Any],
+                        visual: torch.Tensor | None = None,
+                        features: torch.Tensor | None = None) -> torch.Tensor:
+        """The language model on this rank's tokens, with `features` written into the
+        embeddings of its `visual` tokens. The merge happens in a hook on the embedding, so
+        that it runs inside the language model's forward: under FSDP2 the embedding's weight
+        is gathered there."""
         meta = batch.sp_meta
         if self.family not in MROPE_FAMILIES:
             positions = positions[0]
-        hidden = self.language_model(
-            inputs_embeds=embeds[None], position_ids=positions, sp_meta=meta,
-            use_cache=False, **kwargs,
-        ).last_hidden_state
+        embedding = self.language_model.get_input_embeddings()
+        hook = None
+        if features is not None:
+            mask = visual[None, :, None]
+            hook = embedding.register_forward_hook(
+                lambda module, args, out: out.masked_scatter(mask, features.to(out.dtype)))
+        try:
+            hidden = self.language_model(
+                input_ids=local_ids[None], position_ids=positions, sp_meta=meta,
+                use_cache=False, **kwargs,
+            ).last_hidden_state
+        finally:
+            if hook is not None:
+                hook.remove()
         if meta.attention_calls == 0:
             raise UserError(
                 "the language model's attention layers did not call the sequence-parallel "
