@@ -62,16 +62,17 @@ def write_processor(folder: Path) -> None:
     save_qwen_vl_processor(folder, tokenizer, images, TEMPLATE)
 
 
-def save_qwen_vl_processor(folder: Path, tokenizer, image_processor, template: str) -> None:
-    """The files of a Qwen2.5-VL processor, laid out as its checkpoints have them."""
+def save_qwen_vl_processor(folder: Path, tokenizer, image_processor, template: str,
+                           processor_class: str = "Qwen2_5_VLProcessor") -> None:
+    """The files of a Qwen-VL processor, laid out as its checkpoints have them."""
     tokenizer.save_pretrained(str(folder))
     image_processor.save_pretrained(str(folder))
     config = json.loads((folder / "preprocessor_config.json").read_text())
     config.update(image_processor_type="Qwen2VLImageProcessor",
-                  processor_class="Qwen2_5_VLProcessor")
+                  processor_class=processor_class)
     (folder / "preprocessor_config.json").write_text(json.dumps(config, indent=2))
     (folder / "processor_config.json").write_text(
-        json.dumps({"processor_class": "Qwen2_5_VLProcessor"}, indent=2))
+        json.dumps({"processor_class": processor_class}, indent=2))
     (folder / "chat_template.jinja").write_text(template)
 
 

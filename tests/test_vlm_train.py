@@ -27,7 +27,7 @@ from tests.vlm_fixtures import write_tiny_qwen_vl_processor
 
 STEPS = 3
 IMAGE_ID = 5  # the fixture tokenizer's <|image_pad|>
-MODEL = {
+QWEN2_5_VL = {
     "model_type": "qwen2_5_vl", "image_token_id": 5, "video_token_id": 6,
     "vision_start_token_id": 3, "vision_end_token_id": 4,
     "text_config": {
@@ -41,14 +41,31 @@ MODEL = {
         "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
         "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1]},
 }
+QWEN3_VL = {
+    **{k: QWEN2_5_VL[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                  "vision_end_token_id")},
+    "model_type": "qwen3_vl",
+    "text_config": {
+        **{k: v for k, v in QWEN2_5_VL["text_config"].items() if k != "rope_scaling"},
+        "model_type": "qwen3_vl_text", "head_dim": 16,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3],
+                         "mrope_interleaved": True}},
+    "vision_config": {
+        "depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+        "out_hidden_size": 64, "patch_size": 16, "spatial_merge_size": 2,
+        "temporal_patch_size": 2, "num_position_embeddings": 64,
+        "deepstack_visual_indexes": [0, 1]},
+}
+# Per family: the model, and its processor's patch size and class (tests/vlm_fixtures.py).
+FAMILIES = {"qwen2_5_vl": (QWEN2_5_VL, 14, "Qwen2_5_VLProcessor"),
+            "qwen3_vl": (QWEN3_VL, 16, "Qwen3VLProcessor")}
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> Path:
+def _setup(tmp: Path, family: str) -> Path:
     from PIL import Image
 
-    tmp = tmp_path_factory.mktemp("vlm_train")
-    write_tiny_qwen_vl_processor(tmp / "processor")
+    _, patch, processor_class = FAMILIES[family]
+    write_tiny_qwen_vl_processor(tmp / "processor", patch, processor_class)
     gen = torch.Generator().manual_seed(0)
     (tmp / "img").mkdir()
     with open(tmp / "data.jsonl", "w") as out:
@@ -66,9 +83,9 @@ def setup(tmp_path_factory) -> Path:
     return tmp
 
 
-def _config(tmp: Path, name: str, **layout: Any) -> Path:
+def _config(tmp: Path, name: str, family: str, **layout: Any) -> Path:
     config = {
-        "model_config": MODEL, "processor_type": "AutoProcessor",
+        "model_config": FAMILIES[family][0], "processor_type": "AutoProcessor",
         "processor_path": str(tmp / "processor"), "tokenizer": str(tmp / "processor"),
         "dtype": "float32", "seed": 3,
         "datasets": [{"path": str(tmp / "data.jsonl"), "type": "chat_template"}],
@@ -106,7 +123,7 @@ def _documents(row: dict) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
     return docs
 
 
-def _reference(config_path: Path) -> dict[str, Any]:
+def _reference(config_path: Path, family: str) -> dict[str, Any]:
     """The model's own training on the rows `longctx train` read at each step."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -120,7 +137,8 @@ def _reference(config_path: Path) -> dict[str, Any]:
     position = DataPosition(config, 1, rows, None)
     torch.manual_seed(config.seed)  # longctx's random init draws from the seed the same way
     model = AutoModelForImageTextToText.from_config(
-        AutoConfig.for_model(**MODEL), attn_implementation="eager", dtype=torch.float32).train()
+        AutoConfig.for_model(**FAMILIES[family][0]), attn_implementation="eager",
+        dtype=torch.float32).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(config, params)
     losses, images = [], 0
@@ -144,8 +162,16 @@ def _reference(config_path: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def reference(setup: Path) -> dict[str, Any]:
-    return _reference(_config(setup, "reference"))
+def trained_on(tmp_path_factory) -> Any:
+    """Per family, once: the data folder and the model's own training on it."""
+    made: dict[str, tuple[Path, dict]] = {}
+
+    def get(family: str) -> tuple[Path, dict]:
+        if family not in made:
+            tmp = _setup(tmp_path_factory.mktemp(f"vlm_train_{family}"), family)
+            made[family] = (tmp, _reference(_config(tmp, "reference", family), family))
+        return made[family]
+    return get
 
 
 LAYOUTS = {
@@ -157,12 +183,15 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_train_at_sp2_equals_the_models_own_training(setup: Path, reference: dict,
+@pytest.mark.parametrize("family, layout", [("qwen2_5_vl", "ring_sp2"),
+                                            ("qwen2_5_vl", "ulysses_sp2_fsdp"),
+                                            ("qwen3_vl", "ring_sp2")])
+def test_train_at_sp2_equals_the_models_own_training(trained_on: Any, family: str,
                                                      layout: str) -> None:
     from transformers import AutoModelForImageTextToText
 
-    config = _config(setup, layout, **LAYOUTS[layout])
+    setup, reference = trained_on(family)
+    config = _config(setup, layout, family, **LAYOUTS[layout])
     result = run_longctx("train", str(config), "--nproc-per-node", "2", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     final = setup / layout / "final"
@@ -170,11 +199,13 @@ def test_train_at_sp2_equals_the_models_own_training(setup: Path, reference: dic
               .read_text().splitlines() if line.strip() and "loss" in json.loads(line)]
     # final/ loads as the model's own class (transformers maps its saved names back).
     loaded = AutoModelForImageTextToText.from_pretrained(final, dtype=torch.float32)
-    assert type(loaded).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert type(loaded).__name__ == type(AutoModelForImageTextToText.from_config(
+        loaded.config)).__name__ == {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                                     "qwen3_vl": "Qwen3VLForConditionalGeneration"}[family]
     run = {"losses": losses, "weights": {k: v.detach().double().numpy()
                                          for k, v in loaded.named_parameters()}}
     assert len(losses) == STEPS
     got = compare(run, reference)
     assert got["loss"] < LOSS_TOL and got["weights"] < WEIGHT_TOL, got
     saved = json.loads((final / "processor_config.json").read_text())
-    assert saved["processor_class"] == "Qwen2_5_VLProcessor"
+    assert saved["processor_class"] == FAMILIES[family][2]

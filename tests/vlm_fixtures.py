@@ -39,12 +39,6 @@ QWEN_VL_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# 28-pixel merged patches (patch 14, merge 2): at most 8 x 8 merged patches per image, so a
-# 56x84 image becomes a 4x6 patch grid and 6 image tokens.
-MIN_PIXELS = 28 * 28
-MAX_PIXELS = 28 * 28 * 16
-
-
 def tiny_tokenizer():
     """A byte-level BPE (any text encodes) with Qwen's chat and vision specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -64,11 +58,14 @@ def tiny_tokenizer():
                                    additional_special_tokens=list(VISION_SPECIALS))
 
 
-def write_tiny_qwen_vl_processor(folder: str | Path) -> Path:
+def write_tiny_qwen_vl_processor(folder: str | Path, patch_size: int = 14,
+                                 processor_class: str = "Qwen2_5_VLProcessor") -> Path:
     """Write the processor's files to `folder` as a Qwen2.5-VL checkpoint lays them out
     (tokenizer files, preprocessor_config.json, chat_template.jinja, processor_config.json
-    naming `Qwen2_5_VLProcessor`): `AutoProcessor.from_pretrained(folder)` loads it where
-    torchvision is installed, `longctx_cli.data.vision.load_processor(folder)` everywhere."""
+    naming `processor_class`): `AutoProcessor.from_pretrained(folder)` loads it where
+    torchvision is installed, `longctx_cli.data.vision.load_processor(folder)` everywhere.
+    Qwen3-VL's processor: `patch_size=16, processor_class="Qwen3VLProcessor"` (its images
+    are patched and expanded as Qwen2.5-VL's, with 16-pixel patches)."""
     import importlib.util
 
     from transformers import Qwen2VLImageProcessorPil
@@ -80,7 +77,12 @@ def write_tiny_qwen_vl_processor(folder: str | Path) -> Path:
     spec.loader.exec_module(example)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    # Merged patches of 2 x patch_size pixels, at most 16 per image: with 14-pixel patches a
+    # 56x84 image becomes a 4x6 patch grid and 6 image tokens.
+    side = 2 * patch_size
     example.save_qwen_vl_processor(
         folder, tiny_tokenizer(),
-        Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS), QWEN_VL_TEMPLATE)
+        Qwen2VLImageProcessorPil(patch_size=patch_size, min_pixels=side * side,
+                                 max_pixels=side * side * 16),
+        QWEN_VL_TEMPLATE, processor_class)
     return folder

@@ -18,7 +18,7 @@ from longctx_cli.runtime.vision import VisionInputs
 VOCAB = 200
 IMAGE_ID, VIDEO_ID, START_ID, END_ID = 190, 191, 192, 193
 PATCH, MERGE, TEMPORAL = 4, 2, 2
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "llava")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
 
 
 def _config(family: str):
@@ -34,6 +34,16 @@ def _config(family: str):
                                out_hidden_size=64, patch_size=PATCH, spatial_merge_size=MERGE,
                                temporal_patch_size=TEMPORAL, window_size=16,
                                fullatt_block_indexes=[1]),
+            image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, vision_start_token_id=START_ID,
+            vision_end_token_id=END_ID)
+    if family == "qwen2_vl":
+        from transformers import Qwen2VLConfig
+
+        return Qwen2VLConfig(
+            text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+            vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2,
+                               patch_size=PATCH, spatial_merge_size=MERGE,
+                               temporal_patch_size=TEMPORAL),
             image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, vision_start_token_id=START_ID,
             vision_end_token_id=END_ID)
     if family == "qwen3_vl":

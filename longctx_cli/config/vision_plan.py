@@ -20,7 +20,7 @@ MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 FLAT_FAMILIES = ("llava",)
 VISION_FAMILIES = MROPE_FAMILIES + FLAT_FAMILIES
 # Those whose processor's rows `longctx preprocess` builds and tests (data/vision.py).
-PREPARED_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+PREPARED_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # Families whose image tokens attend to each other both ways (a bidirectional block inside
 # the causal mask), which no ring's causal segments express.
 BIDIRECTIONAL_IMAGE_FAMILIES = ("gemma3", "paligemma", "gemma3n")
@@ -122,7 +122,7 @@ def check_vision(config: Config, hf_config: Any, layout: Layout) -> VisionTower 
     if config.processor_type and tower.model_type not in PREPARED_FAMILIES:
         raise UserError(
             f"`processor_type` with model type `{tower.model_type}`: longctx prepares image "
-            "rows with the Qwen2-VL and Qwen2.5-VL processors only so far (this family's "
+            "rows with the Qwen2-VL, Qwen2.5-VL and Qwen3-VL processors only so far (this family's "
             "forward is exact; its processor's rows are not tested).", where="processor_type",
             fix=f"use a model of {', '.join(PREPARED_FAMILIES)}, or train on text only.")
     if config.rl is not None:
