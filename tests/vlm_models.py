@@ -65,7 +65,7 @@ def _config(family: str):
         return LlavaConfig(
             vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=48,
                                            num_hidden_layers=2, num_attention_heads=2,
-                                           image_size=8, patch_size=PATCH),
+                                           image_size=16, patch_size=PATCH),
             text_config=LlamaConfig(**text), image_token_id=IMAGE_ID,
             vision_feature_layer=-1, vision_feature_select_strategy="default")
     raise ValueError(family)
@@ -89,15 +89,15 @@ def _image(family: str, grid: tuple[int, int, int], gen: torch.Generator
     """Random pixels of one image and its placeholder count."""
     t, h, w = grid
     if family == "llava":
-        return torch.randn(1, 3, 8, 8, generator=gen), (8 // PATCH) ** 2
+        return torch.randn(1, 3, 16, 16, generator=gen), (16 // PATCH) ** 2
     rows = t * h * w
     return torch.randn(rows, 3 * TEMPORAL * PATCH * PATCH, generator=gen), rows // MERGE**2
 
 
 # Documents: text runs (lengths) and images (grids), in order.
 DOCUMENTS = (
-    (5, (1, 4, 6), 7, (1, 2, 2), 4),
-    (9,),
+    (12, (1, 8, 6), 7, (1, 2, 2), 4),  # shard boundaries cut an image of every family
+    (24,),  # long enough that at sp 4 some rank's slice holds text only
     (3, (1, 6, 4), 6),
 )
 
