@@ -60,7 +60,7 @@ def _slice_facts(vlm, batch, state) -> dict[str, bool]:
     image whose other tokens another rank holds (an image cut by a shard boundary)."""
     from longctx_cli.parallel.sharding import slice_sequence
 
-    image = vlm.token_types(batch.vision.input_ids) == 1
+    image = vlm.token_types(batch.vision.input_ids) != 0  # an image's or a video's tokens
     mine = torch.zeros_like(image)
     mine[slice_sequence(torch.arange(image.numel()), state)] = True
     pairs = image[:-1] & image[1:]  # neighbours within one image's run of tokens

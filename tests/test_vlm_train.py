@@ -26,7 +26,7 @@ from tests.train_helpers import run_longctx
 from tests.vlm_fixtures import write_tiny_qwen_vl_processor
 
 STEPS = 3
-IMAGE_ID = 5  # the fixture tokenizer's <|image_pad|>
+IMAGE_ID, VIDEO_ID = 5, 6  # the fixture tokenizer's <|image_pad|>, <|video_pad|>
 QWEN2_5_VL = {
     "model_type": "qwen2_5_vl", "image_token_id": 5, "video_token_id": 6,
     "vision_start_token_id": 3, "vision_end_token_id": 4,
@@ -76,6 +76,14 @@ def _setup(tmp: Path, family: str) -> Path:
                 pixels = torch.randint(0, 256, (side, 56, 3), generator=gen, dtype=torch.uint8)
                 Image.fromarray(pixels.numpy()).save(tmp / "img" / f"{i}_{k}.png")
                 parts.append({"type": "image", "path": f"img/{i}_{k}.png"})
+            if i % 4 == 3 and family == "qwen2_5_vl":  # a video of 3 frames (padded to 4)
+                frames = []
+                for f in range(3):
+                    pixels = torch.randint(0, 256, (56, 56, 3), generator=gen,
+                                           dtype=torch.uint8)
+                    Image.fromarray(pixels.numpy()).save(tmp / "img" / f"{i}_v{f}.png")
+                    frames.append(f"img/{i}_v{f}.png")
+                parts.append({"type": "video", "video": frames, "fps": 2})
             parts.append({"type": "text", "text": "Describe this image."})
             answer = ("The image is a red square.", "A cat.")[i % 2]
             out.write(json.dumps({"messages": [{"role": "user", "content": parts},
@@ -101,25 +109,37 @@ def _config(tmp: Path, name: str, family: str, **layout: Any) -> Path:
     return path
 
 
-def _documents(row: dict) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
-    """A cached row's documents, each with the model's own image inputs."""
+def _documents(row: dict, family: str) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
+    """A cached row's documents, each with the model's own image and video inputs."""
     ids, pos, labels = (torch.tensor(row[k]) for k in ("input_ids", "position_ids", "labels"))
     pixels = torch.tensor(row["pixel_values"]).view(-1, row["pixel_dim"])
     grids = torch.tensor(row["image_grid_thw"], dtype=torch.long).view(-1, 3)
+    kinds, seconds = list(row["media_kinds"]), list(row["second_per_grid_ts"])
+    types = (ids == IMAGE_ID).long() + 2 * (ids == VIDEO_ID).long()
     starts = [*(pos == 0).nonzero().flatten().tolist(), len(ids)]
-    docs, image, patch = [], 0, 0
+    docs, item, patch, video = [], 0, 0, 0
     for a, b in itertools.pairwise(starts):
-        d_ids = ids[a:b]
-        runs = sum(1 for kind, _ in itertools.groupby((d_ids == IMAGE_ID).tolist()) if kind)
+        runs = [kind for kind, _ in itertools.groupby(types[a:b].tolist()) if kind]
         kwargs: dict = {}
+        for kind, key, grid_key in ((1, "pixel_values", "image_grid_thw"),
+                                    (2, "pixel_values_videos", "video_grid_thw")):
+            own = [item + i for i, k in enumerate(runs) if k == kind]
+            if not own:
+                continue
+            assert all(kinds[i] == kind for i in own)
+            offsets = [patch + int(grids[item:i].prod(-1).sum()) for i in own]
+            kwargs[key] = torch.cat([pixels[o:o + int(grids[i].prod())]
+                                     for o, i in zip(offsets, own, strict=True)])
+            kwargs[grid_key] = grids[own]
+            if kind == 2 and family == "qwen2_5_vl":
+                kwargs["second_per_grid_ts"] = torch.tensor(seconds[video:video + len(own)])
+                video += len(own)
         if runs:
-            grid = grids[image:image + runs]
-            count = int(grid.prod(-1).sum())
-            kwargs = {"pixel_values": pixels[patch:patch + count], "image_grid_thw": grid,
-                      "mm_token_type_ids": (d_ids == IMAGE_ID).long()[None]}
-            image, patch = image + runs, patch + count
-        docs.append((d_ids, labels[a:b], kwargs))
-    assert image == len(grids) and patch == len(pixels)
+            kwargs["mm_token_type_ids"] = types[a:b][None]
+            patch += int(grids[item:item + len(runs)].prod(-1).sum())
+            item += len(runs)
+        docs.append((ids[a:b], labels[a:b], kwargs))
+    assert item == len(grids) and patch == len(pixels)
     return docs
 
 
@@ -141,14 +161,15 @@ def _reference(config_path: Path, family: str) -> dict[str, Any]:
         dtype=torch.float32).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(config, params)
-    losses, images = [], 0
+    losses, images, videos = [], 0, 0
     for step in range(STEPS):
         table, indices = position.step_rows(step)
-        docs = [d for i in indices for d in _documents(table[i])]
+        docs = [d for i in indices for d in _documents(table[i], family)]
         targets = [int((lab[1:] != IGNORE_INDEX).sum()) for _, lab, _ in docs]
         total = 0.0
         for (ids, lab, kwargs), n in zip(docs, targets, strict=True):
             images += len(kwargs.get("image_grid_thw", ()))
+            videos += len(kwargs.get("video_grid_thw", ()))
             loss = model(input_ids=ids[None], labels=lab[None], **kwargs).loss * (n / sum(targets))
             loss.backward()
             total += float(loss.detach())
@@ -157,6 +178,7 @@ def _reference(config_path: Path, family: str) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
     assert images >= 3  # the steps trained on images, not only text
+    assert videos >= 1 or family != "qwen2_5_vl", videos  # and on a video
     weights = {k: v.detach().double().numpy() for k, v in model.named_parameters()}
     return {"losses": losses, "weights": weights}
 

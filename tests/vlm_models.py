@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from longctx_cli.constants import IGNORE_INDEX
-from longctx_cli.runtime.vision import VisionInputs
+from longctx_cli.runtime.vision import IMAGE, VIDEO, VisionInputs
 
 VOCAB = 200
 IMAGE_ID, VIDEO_ID, START_ID, END_ID = 190, 191, 192, 193
@@ -96,47 +96,60 @@ def _image(family: str, grid: tuple[int, int, int], gen: torch.Generator
 
 # Documents: text runs (lengths) and images (grids), in order.
 DOCUMENTS = (
-    (12, (1, 8, 6), 7, (1, 2, 2), 4),  # shard boundaries cut an image of every family
+    (15, (1, 8, 6), 7, (1, 2, 2), 4),  # shard boundaries cut an image of every family
     (24,),  # long enough that at sp 4 some rank's slice holds text only
     (3, (1, 6, 4), 6),
 )
+# Qwen2-VL and Qwen2.5-VL rows also hold a video: 2 temporal patches of 4 x 4, 8 tokens, a
+# second and a half per temporal patch, in a document with an image after it.
+VIDEO_DOCUMENT = (3, ("video", (2, 4, 4)), 5, (1, 2, 2), 2)
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+SECONDS_PER_GRID = 1.5
 
 
 def image_row(family: str, seed: int = 0):
-    """`(input_ids, position_ids, labels, images, documents)` of one packed row;
-    `documents`: per document its ids, labels and images, for the reference."""
+    """`(input_ids, position_ids, labels, media, documents)` of one packed row;
+    `documents`: per document its ids, labels and media, for the reference."""
     gen = torch.Generator().manual_seed(seed)
-    ids, pos, labels, pixels, grids, docs = [], [], [], [], [], []
-    for spec in DOCUMENTS:
-        d_ids, d_labels, d_pixels, d_grids = [], [], [], []
+    ids, pos, labels, pixels, grids, kinds, docs = [], [], [], [], [], [], []
+    specs = DOCUMENTS + ((VIDEO_DOCUMENT,) if family in VIDEO_FAMILIES else ())
+    for spec in specs:
+        d_ids, d_labels, d_pixels, d_grids, d_kinds = [], [], [], [], []
         for part in spec:
             if isinstance(part, int):
                 run = torch.randint(3, IMAGE_ID - 10, (part,), generator=gen).tolist()
                 d_ids += run
                 d_labels += run
-            else:
-                pix, n = _image(family, part, gen)
-                d_pixels.append(pix)
-                d_grids.append(part)
-                block = [START_ID, *[IMAGE_ID] * n, END_ID]
-                d_ids += block
-                d_labels += [IGNORE_INDEX] * len(block)
+                continue
+            kind, grid = (VIDEO, part[1]) if part[0] == "video" else (IMAGE, part)
+            pix, n = _image(family, grid, gen)
+            d_pixels.append(pix)
+            d_grids.append(grid)
+            d_kinds.append(kind)
+            block = [START_ID, *[VIDEO_ID if kind == VIDEO else IMAGE_ID] * n, END_ID]
+            d_ids += block
+            d_labels += [IGNORE_INDEX] * len(block)
         ids += d_ids
         labels += d_labels
         pos += list(range(len(d_ids)))
         pixels += d_pixels
         grids += d_grids
-        docs.append((torch.tensor(d_ids), torch.tensor(d_labels), _inputs(d_pixels, d_grids,
-                                                                           family)))
-    images = _inputs(pixels, grids, family)
-    return (torch.tensor(ids), torch.tensor(pos), torch.tensor(labels), images, docs)
+        kinds += d_kinds
+        docs.append((torch.tensor(d_ids), torch.tensor(d_labels),
+                     _inputs(d_pixels, d_grids, d_kinds, family)))
+    media = _inputs(pixels, grids, kinds, family)
+    return (torch.tensor(ids), torch.tensor(pos), torch.tensor(labels), media, docs)
 
 
-def _inputs(pixels: list[torch.Tensor], grids: list, family: str) -> VisionInputs | None:
+def _inputs(pixels: list[torch.Tensor], grids: list, kinds: list[int],
+            family: str) -> VisionInputs | None:
     if not pixels:
         return None
-    grid = None if family == "llava" else torch.tensor(grids)
-    return VisionInputs(torch.cat(pixels), grid)
+    if family == "llava":
+        return VisionInputs(torch.cat(pixels))
+    videos = kinds.count(VIDEO)
+    return VisionInputs(torch.cat(pixels), torch.tensor(grids), tuple(kinds),
+                        torch.full((videos,), SECONDS_PER_GRID) if videos else None)
 
 
 def own_vlm_step(model: torch.nn.Module, docs) -> float:
@@ -144,13 +157,22 @@ def own_vlm_step(model: torch.nn.Module, docs) -> float:
     targets = [int((labels[1:] != IGNORE_INDEX).sum()) for _, labels, _ in docs]
     count = sum(targets)
     total = 0.0
-    for (ids, labels, images), n in zip(docs, targets, strict=True):
+    for (ids, labels, media), n in zip(docs, targets, strict=True):
         kwargs = {}
-        if images is not None:
-            kwargs["pixel_values"] = images.pixel_values
-            if images.image_grid_thw is not None:
-                kwargs["image_grid_thw"] = images.image_grid_thw
-                kwargs["mm_token_type_ids"] = (ids == IMAGE_ID).long()[None]
+        if media is not None and media.image_grid_thw is None:
+            kwargs["pixel_values"] = media.pixel_values
+        elif media is not None:
+            images, videos = media.only(IMAGE), media.only(VIDEO)
+            if images is not None:
+                kwargs.update(pixel_values=images.pixel_values,
+                              image_grid_thw=images.image_grid_thw)
+            if videos is not None:
+                kwargs.update(pixel_values_videos=videos.pixel_values,
+                              video_grid_thw=videos.image_grid_thw)
+                if model.config.model_type == "qwen2_5_vl":
+                    kwargs["second_per_grid_ts"] = videos.seconds_per_grid
+            kwargs["mm_token_type_ids"] = ((ids == IMAGE_ID).long()
+                                           + 2 * (ids == VIDEO_ID).long())[None]
         loss = model(input_ids=ids[None], labels=labels[None], **kwargs).loss * (n / count)
         loss.backward()
         total += float(loss.detach())

@@ -7,7 +7,6 @@ from dataclasses import replace
 import torch
 
 from longctx_cli.config import Config
-from longctx_cli.errors import UserError
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import ShardedBatch, shard_batch
 from longctx_cli.runtime.vision import VisionInputs, with_vision
@@ -40,24 +39,22 @@ def collate(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def collate_images(rows) -> VisionInputs | None:
-    """The images of micro-batch rows, in row order; None for rows without vision columns
-    (text runs) and for rows that hold no image."""
+    """The images and videos of micro-batch rows, in row order; None for rows without
+    vision columns (text runs) and for rows that hold none."""
     if "pixel_values" not in rows.column_names:
         return None
-    pixels, grids = [], []
+    pixels, grids, kinds, seconds = [], [], [], []
     for row in rows:
-        if 2 in (row.get("media_kinds") or []):
-            raise UserError(
-                "a row holds a video; longctx trains vision-language models on images only "
-                "so far.", where="datasets",
-                fix="pass the video's frames as images, or drop the video records.")
         if row["image_grid_thw"]:
             pixels.append(torch.tensor(row["pixel_values"], dtype=torch.float32)
                           .view(-1, row["pixel_dim"]))
             grids += row["image_grid_thw"]
+            kinds += row.get("media_kinds") or [1] * len(row["image_grid_thw"])
+            seconds += row.get("second_per_grid_ts") or []
     if not grids:
         return None
-    return VisionInputs(torch.cat(pixels), torch.tensor(grids, dtype=torch.long))
+    return VisionInputs(torch.cat(pixels), torch.tensor(grids, dtype=torch.long), tuple(kinds),
+                        torch.tensor(seconds, dtype=torch.float32) if seconds else None)
 
 
 def sharded_rows(rows, state: ParallelState, pad_id: int, next_tokens: bool = False

@@ -41,40 +41,68 @@ IMAGE, VIDEO = 1, 2  # mm_token_type_ids values, as the models' processors write
 
 @dataclass
 class VisionInputs:
-    """The images of one packed row, in row order (the same on every rank of the group).
+    """The images and videos of one packed row, in row order (the same on every rank).
 
-    `pixel_values`: the processor's output for the row's images, concatenated. For the
-    Qwen-VL families it is `[patches, patch_dim]` with `image_grid_thw` `[images, 3]`
-    giving each image's patch grid; for fixed-size towers (LLaVA) `[images, C, H, W]`.
+    `pixel_values`: the processor's output for the row's media, concatenated. For the
+    Qwen-VL families it is `[patches, patch_dim]` with `image_grid_thw` `[items, 3]` giving
+    each item's patch grid (a video's frames on its first axis) and `kinds` each item's kind
+    (IMAGE or VIDEO; None: all images), `seconds_per_grid` each video's time per temporal
+    patch; for fixed-size towers (LLaVA) `[images, C, H, W]`.
     """
 
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor | None = None
+    kinds: tuple[int, ...] | None = None
+    seconds_per_grid: torch.Tensor | None = None
 
     @property
     def num_images(self) -> int:
+        """Items (images and videos)."""
         if self.image_grid_thw is not None:
             return int(self.image_grid_thw.shape[0])
         return int(self.pixel_values.shape[0])
 
+    def kind_of(self) -> tuple[int, ...]:
+        return self.kinds if self.kinds is not None else (IMAGE,) * self.num_images
+
     def patches_per_image(self) -> list[int]:
-        """Each image's rows of `pixel_values` (the tower's work for it)."""
+        """Each item's rows of `pixel_values` (the tower's work for it)."""
         if self.image_grid_thw is not None:
             return [int(n) for n in self.image_grid_thw.prod(-1).tolist()]
         return [1] * self.num_images
 
     def to(self, device: torch.device) -> VisionInputs:
-        grid = self.image_grid_thw
-        return VisionInputs(self.pixel_values.to(device),
-                            None if grid is None else grid.to(device))
+        def moved(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return VisionInputs(self.pixel_values.to(device), moved(self.image_grid_thw),
+                            self.kinds, moved(self.seconds_per_grid))
 
     def subset(self, first: int, last: int) -> VisionInputs:
-        """Images `[first, last)` only."""
+        """Items `[first, last)` only."""
         if self.image_grid_thw is None:
             return VisionInputs(self.pixel_values[first:last])
-        counts = self.patches_per_image()
+        counts, kinds = self.patches_per_image(), self.kind_of()
         start, end = sum(counts[:first]), sum(counts[:last])
-        return VisionInputs(self.pixel_values[start:end], self.image_grid_thw[first:last])
+        seconds = None
+        if self.seconds_per_grid is not None:
+            before = sum(k == VIDEO for k in kinds[:first])
+            seconds = self.seconds_per_grid[before:before + sum(
+                k == VIDEO for k in kinds[first:last])]
+        return VisionInputs(self.pixel_values[start:end], self.image_grid_thw[first:last],
+                            kinds[first:last] if self.kinds is not None else None, seconds)
+
+    def only(self, kind: int) -> VisionInputs | None:
+        """The items of one kind, in order (None if there are none)."""
+        kinds = self.kind_of()
+        wanted = [i for i, k in enumerate(kinds) if k == kind]
+        if not wanted:
+            return None
+        counts = self.patches_per_image()
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        pixels = torch.cat([self.pixel_values[starts[i]:starts[i] + counts[i]] for i in wanted])
+        return VisionInputs(pixels, self.image_grid_thw[wanted], (kind,) * len(wanted),
+                            self.seconds_per_grid if kind == VIDEO else None)
 
 
 @dataclass
@@ -189,42 +217,59 @@ class VisionLanguageForward:
             types += (input_ids == self.video_token_id).long() * VIDEO
         return types
 
-    def encode(self, images: VisionInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Features `[tokens, hidden]` of `images` in order, and the deepstack levels."""
-        if self.family in MROPE_FAMILIES:
-            out = self.inner.get_image_features(images.pixel_values, images.image_grid_thw,
-                                                return_dict=True)
-            deep = [torch.cat(level) for level in (getattr(out, "deepstack_features", None) or [])]
-            return torch.cat(out.pooler_output), deep
-        config = self.model.config
-        out = self.inner.get_image_features(
-            pixel_values=images.pixel_values,
-            vision_feature_layer=config.vision_feature_layer,
-            vision_feature_select_strategy=config.vision_feature_select_strategy,
-            return_dict=True,
-        )
-        return torch.cat([f.reshape(-1, f.shape[-1]) for f in out.pooler_output]), []
+    def encode(self, media: VisionInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Features `[tokens, hidden]` of `media` in row order, and the deepstack levels."""
+        if self.family not in MROPE_FAMILIES:
+            config = self.model.config
+            out = self.inner.get_image_features(
+                pixel_values=media.pixel_values,
+                vision_feature_layer=config.vision_feature_layer,
+                vision_feature_select_strategy=config.vision_feature_select_strategy,
+                return_dict=True,
+            )
+            return torch.cat([f.reshape(-1, f.shape[-1]) for f in out.pooler_output]), []
+        # One tower call for the rank's images and videos together, in row order: these
+        # families' get_video_features is the same tower call on the videos' patches (a
+        # video's frames are its grid's first axis), and under FSDP2 every rank must call
+        # the tower the same number of times.
+        out = self.inner.get_image_features(media.pixel_values, media.image_grid_thw,
+                                            return_dict=True)
+        deep = [torch.cat(level) for level in (getattr(out, "deepstack_features", None) or [])]
+        return torch.cat(out.pooler_output), deep
 
     def positions(self, input_ids: torch.Tensor, text_positions: torch.Tensor,
-                  images: VisionInputs | None, cu_host: tuple[int, ...]) -> torch.Tensor:
+                  media: VisionInputs | None, cu_host: tuple[int, ...]) -> torch.Tensor:
         """Rotary positions of a full padded row: `[3, T]` for mRoPE families, computed per
         document by the model's `get_rope_index`; `[1, T]` (the text positions) otherwise."""
         if self.family not in MROPE_FAMILIES:
             return text_positions[None]
         types = self.token_types(input_ids)
-        grids = images.image_grid_thw if images is not None else None
-        if (types == VIDEO).any():
-            raise NotImplementedError("video inputs are not supported yet; pass frames as images")
-        image_index, parts = 0, []
+        if (types == VIDEO).any() and self.family == "qwen3_vl":
+            raise UserError(
+                "a row holds a video, and Qwen3-VL places its video frames by timestamps that "
+                "longctx does not prepare yet.", where="datasets",
+                fix="pass the video's frames as images, or drop the video records.")
+        images = media.only(IMAGE) if media is not None else None
+        videos = media.only(VIDEO) if media is not None else None
+        seen = {IMAGE: 0, VIDEO: 0}
+        parts = []
         for start, end in itertools.pairwise(cu_host):
             doc_types = types[start:end]
-            # Each image is one run of image placeholders (the processor brackets it).
-            runs = sum(1 for kind, _ in itertools.groupby(doc_types.tolist()) if kind == IMAGE)
-            doc_grid = grids[image_index:image_index + runs] if runs else None
-            image_index += runs
+            # Each item is one run of placeholders (the processor brackets it).
+            runs = [kind for kind, _ in itertools.groupby(doc_types.tolist()) if kind]
+            kwargs: dict[str, Any] = {}
+            for kind, items, key in ((IMAGE, images, "image_grid_thw"),
+                                     (VIDEO, videos, "video_grid_thw")):
+                count = runs.count(kind)
+                if count:
+                    first = seen[kind]
+                    kwargs[key] = items.image_grid_thw[first:first + count]
+                    if kind == VIDEO and items.seconds_per_grid is not None:
+                        kwargs["second_per_grid_ts"] = items.seconds_per_grid[
+                            first:first + count]
+                    seen[kind] += count
             pos, _ = self.inner.get_rope_index(
-                input_ids[None, start:end], mm_token_type_ids=doc_types[None],
-                image_grid_thw=doc_grid)
+                input_ids[None, start:end], mm_token_type_ids=doc_types[None], **kwargs)
             parts.append(pos[:, 0])
         return torch.cat(parts, dim=1)
 
@@ -252,20 +297,20 @@ class VisionLanguageForward:
         types = self.token_types(full_ids)
         local_ids = batch.input_ids.reshape(-1)
         local_index = slice_sequence(torch.arange(full_ids.numel(), device=device), state)
-        visual = types[local_index] == IMAGE
-        n_tokens = int((types == IMAGE).sum())
+        visual = types[local_index] != 0
+        n_tokens = int((types != 0).sum())
         merged, kwargs = None, {}
         if images is not None and images.num_images:
             images = images.to(device)
             features, deep = self._encode_split(images, state)
             if features.shape[0] != n_tokens:
                 raise UserError(
-                    f"the row holds {n_tokens} image tokens, but its images give "
+                    f"the row holds {n_tokens} image and video tokens, but its media give "
                     f"{features.shape[0]} features.",
                     where="datasets",
                     fix="prepare the data again with this model's processor (each image's "
                     "placeholder count must match its features).")
-            ordinal = torch.cumsum(types == IMAGE, 0) - 1  # image-token index of each token
+            ordinal = torch.cumsum(types != 0, 0) - 1  # media-token index of each token
             wanted = ordinal[local_index][visual]
             merged = features[wanted]
             if deep:
@@ -274,7 +319,8 @@ class VisionLanguageForward:
                                                        for level in deep])
         elif n_tokens:
             raise UserError(
-                f"the row holds {n_tokens} image tokens but no images.", where="datasets",
+                f"the row holds {n_tokens} image or video tokens but no media.",
+                where="datasets",
                 fix="keep each record's images with it (the `images` column or image parts).")
         local_positions = slice_sequence(full_positions, state, dim=1)[:, None, :]
         return self._language_model(local_ids, local_positions, batch, kwargs, visual, merged)
