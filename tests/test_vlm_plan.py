@@ -85,3 +85,16 @@ def test_forward_only_commands_say_they_do_not_run_vlms_yet(command: str) -> Non
     with pytest.raises(UserError) as e:
         check_run(config, command, 2)
     assert "does not run vision-language models yet" in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, where", [
+    ({"processor_path": "proc"}, "processor_path"),
+    ({"image_size": 448}, "image_size"),
+    ({"image_resize_algorithm": "lanczos"}, "image_resize_algorithm"),
+    ({"processor_type": "AutoProcessor", "datasets": [], "max_steps": 2,
+      "pretraining_dataset": [{"path": "t.jsonl", "type": "pretrain"}]}, "pretraining_dataset"),
+])
+def test_keys_no_processor_would_read_are_refused(overrides, where) -> None:
+    with pytest.raises(UserError) as e:
+        _plan(_config("qwen2_5_vl"), **overrides)
+    assert e.value.where == where, str(e.value)

@@ -206,3 +206,53 @@ def test_lora_with_frozen_tower_equals_the_models_own_training() -> None:
         for family, r in results.items():
             assert r["grad"] < TOL, (family, r)
             assert r["lora_b"] >= 4 and r["lora_b_norm"] > 0, (family, r)
+
+
+# ---- data-parallel ranks whose rows differ in images -----------------------------------------
+
+
+def _dp_worker(rank: int, world: int) -> dict[str, dict]:
+    """dp 2: rank 0's row holds images, rank 1's holds text only. Every rank must run the
+    tower (FSDP2 gathers its weights over both), and both must hold its gradients (their sum
+    over data-parallel ranks packs the same tensors on each)."""
+    from longctx_cli.config import config_from_dict
+    from longctx_cli.layout import Layout
+    from longctx_cli.parallel.mesh import build_parallel_state
+    from longctx_cli.runtime.model import build_model, decoder_and_head
+    from longctx_cli.train.step import sum_gradients
+    from tests.vlm_models import _config
+
+    out = {}
+    for fsdp in (False, True):
+        layout = Layout(dp_replicate=1 if fsdp else 2, dp_shard=2 if fsdp else 1, fsdp=fsdp,
+                        kernel="torch")
+        state = build_parallel_state(layout)
+        config = config_from_dict({
+            "model_config": _config("qwen2_5_vl").to_dict(), "seed": 0, "dtype": "float32",
+            "sequence_len": 128, "fsdp": fsdp,
+            "datasets": [{"path": "unused.jsonl", "type": "chat_template"}]})
+        model = build_model(config, state)
+        decoder, head = decoder_and_head(model)
+        ids, pos, labels, images, docs = image_row("qwen2_5_vl")
+        if rank == 1:  # the text-only document alone
+            ids, labels, _ = docs[1]
+            pos, images = torch.arange(len(ids)), None
+        batch = decoder.shard(ids, pos, labels, images, state)
+        (lm_loss_sum(head, decoder.hidden_states(batch), batch.shift_labels) / 50).backward()
+        tower = [p for n, p in model.named_parameters() if "visual" in n]
+        own = sum(float(p.grad.full_tensor().norm() if hasattr(p.grad, "full_tensor")
+                        else p.grad.norm()) for p in tower)
+        if not fsdp:
+            sum_gradients([p for p in model.parameters() if p.requires_grad], state)
+        out[f"fsdp={fsdp}"] = {"tower_grads": all(p.grad is not None for p in tower),
+                               "own_norm": own}
+    return out
+
+
+def test_data_parallel_rank_without_images_still_runs_the_tower() -> None:
+    ranks = run_distributed(_dp_worker, 2, timeout_s=240)  # a hang fails by the timeout
+    for name in ("fsdp=False", "fsdp=True"):
+        assert all(r[name]["tower_grads"] for r in ranks), (name, ranks)
+    # Without FSDP each rank holds its own gradient before the sum: the text-only rank's
+    # tower gradient is zero (it ran the tower on a blank input it keeps nothing of).
+    assert ranks[0]["fsdp=False"]["own_norm"] > 0 and ranks[1]["fsdp=False"]["own_norm"] == 0

@@ -100,6 +100,23 @@ def check_vision(config: Config, hf_config: Any, layout: Layout) -> VisionTower 
     """The rules of a vision-language run (UserError on the first broken one); its tower."""
     from longctx_cli.config.model_shape import is_vision_language
 
+    if not config.processor_type:
+        # What only the processor reads would be ignored without it.
+        given = [key for key, unset in (("processor_path", None), ("image_size", None),
+                                        ("image_resize_algorithm", "bilinear"))
+                 if getattr(config, key) != unset]
+        if given:
+            raise UserError(
+                f"`{given[0]}` is set without `processor_type`, so no processor would read it "
+                "and the records would be tokenized as text.", where=given[0],
+                fix="add `processor_type: AutoProcessor` to train on image-bearing records, "
+                f"or remove `{given[0]}`.")
+    elif config.pretraining_dataset:
+        raise UserError(
+            "`pretraining_dataset` streams text rows; it has no images for `processor_type`.",
+            where="pretraining_dataset",
+            fix="list image-bearing records under `datasets` (type: chat_template), or drop "
+            "`processor_type`.")
     if not is_vision_language(hf_config):
         if config.processor_type and getattr(hf_config, "vision_config", None) is not None:
             # A VLM whose language model longctx trains on text (Gemma 3, Qwen3.5): its
@@ -140,7 +157,9 @@ def plan_rows(tower: VisionTower, config: Config, layout: Layout) -> list[tuple[
     weights, saved = tower.memory(config, layout)
     patches = tower.patches_per_rank(config.row_tokens, layout.sp)
     trains = ("frozen (`freeze_mm_modules`)" if config.freeze_mm_modules else
-              "frozen (LoRA adapters train)" if config.adapter is not None else "trained")
+              "base weights frozen; LoRA adapters where `lora_target_modules` match its "
+              "layers' names (`freeze_mm_modules: true` keeps them out)"
+              if config.adapter is not None else "trained")
     split = (f"whole images, one run of the row's images per rank of each SP group of "
              f"{layout.sp}; features all-gathered" if layout.sp > 1 else "whole images")
     return [

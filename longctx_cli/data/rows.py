@@ -82,6 +82,11 @@ class Rows:
         chosen = pa.Array.from_buffers(pa.int64(), len(taken), [None, pa.py_buffer(taken)])
         return Rows(self._table.take(chosen), self._files)
 
+    @property
+    def arrow_table(self) -> Any:
+        """The rows as a pyarrow table (to read a large column without Python objects)."""
+        return self._table
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for batch in self._table.to_batches():
             yield from batch.to_pylist()

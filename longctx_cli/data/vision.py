@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
 import json
 import re
@@ -163,7 +164,7 @@ def load_processor(
     folder = Path(path)
     if not folder.is_dir():
         raise UserError(f"processor folder {path} does not exist.",
-                        fix="point `processor_config` (or `base_model`) at a local folder "
+                        fix="point `processor_path` (or `base_model`) at a local folder "
                         "holding the model's processor files; nothing is downloaded here.")
     try:
         from transformers import AutoProcessor
@@ -217,9 +218,7 @@ def _image_only_processor(folder: Path) -> Any:
                                         chat_template=template)
 
 
-_IMAGE_ONLY_CLASS: Any = None
-
-
+@functools.cache
 def image_only_processor_class() -> Any:
     """`Qwen2_5_VLProcessor` with no video processor attribute (built on first use, so that
     importing this module does not import transformers' models).
@@ -228,18 +227,15 @@ def image_only_processor_class() -> Any:
     `video_processor` from it is what lets the class be built without torchvision. Its
     `__call__` (placeholder expansion, tokenizing, mm_token_type_ids) is transformers' own.
     """
-    global _IMAGE_ONLY_CLASS
-    if _IMAGE_ONLY_CLASS is None:
-        from transformers import Qwen2_5_VLProcessor
+    from transformers import Qwen2_5_VLProcessor
 
-        class ImageOnlyQwenVLProcessor(Qwen2_5_VLProcessor):
-            def __init__(self, image_processor: Any = None, tokenizer: Any = None,
-                         chat_template: str | None = None, **kwargs: Any):
-                super().__init__(image_processor, tokenizer, None, chat_template=chat_template,
-                                 **kwargs)
+    class ImageOnlyQwenVLProcessor(Qwen2_5_VLProcessor):
+        def __init__(self, image_processor: Any = None, tokenizer: Any = None,
+                     chat_template: str | None = None, **kwargs: Any):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template,
+                             **kwargs)
 
-        _IMAGE_ONLY_CLASS = ImageOnlyQwenVLProcessor
-    return _IMAGE_ONLY_CLASS
+    return ImageOnlyQwenVLProcessor
 
 
 def _video_size(folder: Path, processor: Any) -> dict[str, int] | None:

@@ -81,7 +81,7 @@ class ShardedBatch:
     # The next token of each local token within its document, -100 at a document's end;
     # only when asked for (`rl: orpo` scores the chosen prompt too), else None.
     next_tokens: torch.Tensor | None = None
-    # A vision-language row's whole-row part (`runtime.vision.VisionRow`: ids, text
+    # A vision-language row's whole-row part (`runtime.vision.WholeRow`: ids, text
     # positions, images), which every rank of the group needs; None for text rows.
     vision: Any = None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -10,6 +11,11 @@ from longctx_cli.config import Config
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import ShardedBatch, shard_batch
 from longctx_cli.runtime.vision import VisionInputs, with_vision
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+    from longctx_cli.data.rows import Rows
 
 
 def step_row_indices(
@@ -38,26 +44,37 @@ def collate(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return cat("input_ids"), cat("position_ids"), cat("labels")
 
 
-def collate_images(rows) -> VisionInputs | None:
+def collate_images(rows: Rows | Dataset) -> VisionInputs | None:
     """The images and videos of micro-batch rows, in row order; None for rows without
-    vision columns (text runs) and for rows that hold none."""
+    vision columns (text runs) and for rows that hold none. The pixels are read from Arrow
+    as one array (a long row holds hundreds of millions of them)."""
     if "pixel_values" not in rows.column_names:
         return None
-    pixels, grids, kinds, seconds = [], [], [], []
-    for row in rows:
-        if row["image_grid_thw"]:
-            pixels.append(torch.tensor(row["pixel_values"], dtype=torch.float32)
-                          .view(-1, row["pixel_dim"]))
-            grids += row["image_grid_thw"]
-            kinds += row.get("media_kinds") or [1] * len(row["image_grid_thw"])
-            seconds += row.get("second_per_grid_ts") or []
+    import numpy as np
+    import pyarrow.compute as pc
+
+    table = rows.arrow_table if hasattr(rows, "arrow_table") else rows.data.table
+    column = table.column("pixel_values").combine_chunks()
+    values = torch.from_numpy(column.flatten().to_numpy(zero_copy_only=False).astype(np.float32))
+    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    widths = table.column("pixel_dim").to_pylist()
+    grids, kinds, seconds, pixels, start = [], [], [], [], 0
+    for i, (grid, width) in enumerate(zip(table.column("image_grid_thw").to_pylist(), widths,
+                                          strict=True)):
+        end = start + int(lengths[i])
+        if grid:
+            pixels.append(values[start:end].view(-1, width))
+            grids += grid
+            kinds += table.column("media_kinds")[i].as_py() or [1] * len(grid)
+            seconds += table.column("second_per_grid_ts")[i].as_py() or []
+        start = end
     if not grids:
         return None
     return VisionInputs(torch.cat(pixels), torch.tensor(grids, dtype=torch.long), tuple(kinds),
                         torch.tensor(seconds, dtype=torch.float32) if seconds else None)
 
 
-def sharded_rows(rows, state: ParallelState, pad_id: int, next_tokens: bool = False
+def sharded_rows(rows: Rows | Dataset, state: ParallelState, pad_id: int, next_tokens: bool = False
                  ) -> ShardedBatch:
     """Collated `rows` as this rank's slice; a vision-language row also carries its whole
     row's ids, text positions and images (runtime/vision.py)."""

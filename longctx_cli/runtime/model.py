@@ -397,12 +397,12 @@ def build_model(config: Config, state: ParallelState | None = None,
     if config.gradient_checkpointing:
         enable_checkpointing(model, {"use_reentrant": False,
                                      **(config.gradient_checkpointing_kwargs or {})})
-    if config.freeze_mm_modules:
-        freeze_vision_modules(model)
     if config.adapter is not None:
         model = apply_lora(model, config)
     if config.unfrozen_parameters is not None:
         freeze_all_but(model, config.unfrozen_parameters)
+    if config.freeze_mm_modules:  # last: no `unfrozen_parameters` pattern thaws the tower
+        freeze_vision_modules(model)
     if config.tiled_mlp:
         apply_tiled_mlp(model, config.tiled_mlp_tiles)
     if state.layout.tp == 1:

@@ -32,11 +32,10 @@ import torch.distributed as dist
 from torch import nn
 
 from longctx_cli.config.vision_plan import MROPE_FAMILIES, refuse_unless_rebuilt
+from longctx_cli.data.vision import IMAGE, VIDEO
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import ShardedBatch, shard_batch, slice_sequence
-
-IMAGE, VIDEO = 1, 2  # mm_token_type_ids values, as the models' processors write them
 
 
 @dataclass
@@ -106,7 +105,7 @@ class VisionInputs:
 
 
 @dataclass
-class VisionRow:
+class WholeRow:
     """The whole padded row a rank needs beside its slice: token ids, 1-D text positions
     (restarting at each document) and the row's images."""
 
@@ -123,7 +122,7 @@ def with_vision(batch: ShardedBatch, input_ids: torch.Tensor, position_ids: torc
     extra = batch.sp_meta.total_len - ids.numel()
     ids = torch.cat([ids, ids.new_full((extra,), pad_token_id)])
     text = torch.cat([text, torch.arange(extra, dtype=text.dtype)])
-    return replace(batch, vision=VisionRow(ids, text, images))
+    return replace(batch, vision=WholeRow(ids, text, images))
 
 
 def vision_family(model: nn.Module) -> str:
@@ -185,8 +184,11 @@ def gather_features(local: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """Every rank's features in rank order (differentiable); `local` alone at sp 1."""
     if state.layout.sp == 1:
         return local
-    counts = [torch.zeros(1, dtype=torch.long) for _ in range(state.layout.sp)]
-    dist.all_gather(counts, torch.tensor([local.shape[0]]), group=state.sp_group)
+    # On the features' device: an NCCL group takes no host tensors.
+    counts = [torch.zeros(1, dtype=torch.long, device=local.device)
+              for _ in range(state.layout.sp)]
+    dist.all_gather(counts, torch.tensor([local.shape[0]], device=local.device),
+                    group=state.sp_group)
     return _GatherFeatures.apply(local, [int(c) for c in counts], state.sp_rank, state.sp_group)
 
 
@@ -290,16 +292,24 @@ class VisionLanguageForward:
         row = batch.vision
         device = batch.input_ids.device
         full_ids, images = row.input_ids.to(device), row.images
+        types = self.token_types(full_ids)
+        n_tokens = int((types != 0).sum())
+        if n_tokens and (images is None or not images.num_images):
+            raise UserError(
+                f"the row holds {n_tokens} image or video tokens but no media.",
+                where="datasets",
+                fix="keep each record's images with it (the `images` column or image parts), "
+                "and keep vision tokens such as <|image_pad|> out of text records.")
         full_positions = self.positions(full_ids, row.text_positions.to(device), images,
                                         batch.sp_meta.cu_host)
         meta = batch.sp_meta
         state = meta.ctx
-        types = self.token_types(full_ids)
         local_ids = batch.input_ids.reshape(-1)
         local_index = slice_sequence(torch.arange(full_ids.numel(), device=device), state)
         visual = types[local_index] != 0
-        n_tokens = int((types != 0).sum())
-        merged, kwargs = None, {}
+        merged, kwargs, zero = None, {}, None
+        if not n_tokens:  # before the language model: every rank calls the tower first
+            zero = self._tower_zero(device)
         if images is not None and images.num_images:
             images = images.to(device)
             features, deep = self._encode_split(images, state)
@@ -317,20 +327,17 @@ class VisionLanguageForward:
                 kwargs.update(visual_pos_masks=visual[None],
                               deepstack_visual_embeds=[level[wanted].to(merged.dtype)
                                                        for level in deep])
-        elif n_tokens:
-            raise UserError(
-                f"the row holds {n_tokens} image or video tokens but no media.",
-                where="datasets",
-                fix="keep each record's images with it (the `images` column or image parts).")
         local_positions = slice_sequence(full_positions, state, dim=1)[:, None, :]
-        return self._language_model(local_ids, local_positions, batch, kwargs, visual, merged)
+        hidden = self._language_model(local_ids, local_positions, batch, kwargs, visual, merged)
+        return hidden if zero is None else hidden + zero
 
     def _text_only(self, batch: ShardedBatch) -> torch.Tensor:
         """A row without images: mRoPE's three axes all take the text positions."""
         positions = batch.position_ids.reshape(1, 1, -1)
         if self.family in MROPE_FAMILIES:
             positions = positions.expand(3, 1, -1)
-        return self._language_model(batch.input_ids.reshape(-1), positions, batch, {})
+        zero = self._tower_zero(batch.input_ids.device)  # the tower first, as on every rank
+        return self._language_model(batch.input_ids.reshape(-1), positions, batch, {}) + zero
 
     def _language_model(self, local_ids: torch.Tensor, positions: torch.Tensor,
                         batch: ShardedBatch, kwargs: dict[str, Any],
@@ -365,15 +372,33 @@ class VisionLanguageForward:
                 "transformers' AttentionInterface.")
         return hidden.reshape(-1, hidden.shape[-1])
 
+    def _blank(self, device: torch.device) -> VisionInputs:
+        """The smallest input the tower takes: one merged patch of zeros (one blank image
+        for fixed-size towers)."""
+        vision = self.model.config.vision_config
+        if self.family in MROPE_FAMILIES:
+            merge = vision.spatial_merge_size
+            width = (getattr(vision, "in_channels", 3) * vision.temporal_patch_size
+                     * vision.patch_size**2)
+            return VisionInputs(torch.zeros(merge * merge, width, device=device),
+                                torch.tensor([[1, merge, merge]], device=device))
+        dtype = next(self.inner.vision_tower.parameters()).dtype
+        side = vision.image_size
+        return VisionInputs(torch.zeros(1, 3, side, side, device=device, dtype=dtype))
+
+    def _tower_zero(self, device: torch.device) -> torch.Tensor:
+        """A zero that depends on every tower weight, from a blank input. Every rank calls
+        the tower once per forward, media or not: FSDP2 gathers its weights collectively
+        over ranks, and gradients summed over data-parallel ranks must exist on each."""
+        features, deep = self.encode(self._blank(device))
+        return sum((d.sum() for d in deep), features.sum()) * 0
+
     def _encode_split(self, images: VisionInputs, state: ParallelState
                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Encode this rank's run of images and gather every rank's features in order."""
         first, last = split_images(images.patches_per_image(), state.layout.sp)[state.sp_rank]
-        if first == last:
-            # No image here: encode the first one and keep none of it, through a zero that
-            # still reaches every tower weight. Every rank then runs the tower (FSDP gathers
-            # its weights collectively) and contributes a zero gradient.
-            features, deep = self.encode(images.subset(0, 1))
+        if first == last:  # no item of this row is this rank's: the tower runs on nothing
+            features, deep = self.encode(self._blank(images.pixel_values.device))
             zero = sum((d.sum() for d in deep), features.sum()) * 0
             features, deep = features[:0] + zero, [d[:0] + zero for d in deep]
         else:

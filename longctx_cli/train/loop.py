@@ -92,8 +92,8 @@ def train(config: Config, plan: Plan, probe: str, clock: StartupClock | None = N
     if is_main:  # what the ranks run: the same Layout `validate` printed
         print(f"layout: {plan.layout.describe()} ({plan.layout.kernel_reason})\n"
               f"fidelity probe: {probe}", flush=True)
-    # A vision-language run reads its tokenizer from the processor, and saves the processor.
-    tokenizer, saved_with = None, None  # saved_with: what final/ holds beside the weights
+    # A vision-language run reads its tokenizer from the processor, and saves the processor
+    # beside the weights (`saved_with`).
     if config.processor_type:
         from longctx_cli.data.vision import (
             ProcessorFiles,
@@ -104,7 +104,7 @@ def train(config: Config, plan: Plan, probe: str, clock: StartupClock | None = N
         processor = load_config_processor(config)
         tokenizer = processor.tokenizer
         saved_with = ProcessorFiles(processor, processor_folder(config))
-    if tokenizer is None:
+    else:
         tokenizer = saved_with = load_tokenizer(config)
     pad_id = tokenizer_pad_id(tokenizer)
     # pretraining_dataset: rows come from a stream packed on the fly, not from the cache.
