@@ -176,6 +176,13 @@ def test_images_column_fills_sourceless_parts_markers_or_first_user_turn(vp, tmp
         vision.encode_vision_record(two_slots, vp, WHERE, base_dir=tmp_path)
     assert WHERE in str(err.value)
 
+    # Sourced image parts and a column too (exported datasets carry both): refused, not
+    # appended again.
+    both = {**parts, "images": ["img/a.png"]}
+    with pytest.raises(UserError, match="cannot tell whether the column repeats") as err:
+        vision.encode_vision_record(both, vp, WHERE, base_dir=tmp_path)
+    assert WHERE in str(err.value)
+
 
 def test_image_sources_path_file_url_base64_give_the_same_pixels(vp, tmp_path, images):
     raw = images[0].read_bytes()

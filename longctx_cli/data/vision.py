@@ -512,6 +512,15 @@ def _place_column_images(turns: list[formats.Turn], images: list[Any], where: st
     order; with no such slot, append them to the first user turn (where Axolotl puts its)."""
     slots = [p for t in turns for p in t.content if p["type"] == "image"  # type: ignore[union-attr]
              and not _has_source(p)]
+    sourced = [p for t in turns for p in t.content if p["type"] == "image"  # type: ignore[union-attr]
+               and _has_source(p)]
+    if not slots and sourced:
+        # Exported datasets often carry both: appending the column would repeat the images.
+        raise UserError(
+            f"the record's messages name their own {len(sourced)} image(s) and it also has an "
+            f"`images` column of {len(images)}; longctx cannot tell whether the column repeats "
+            "them.", where=where,
+            fix="drop the `images` column (or the sources in the image parts) from the data.")
     if not slots:
         target = next((t for t in turns if t.role == "user"), turns[0])
         target.content.extend({"type": "image"} for _ in images)  # type: ignore[union-attr]
