@@ -112,6 +112,21 @@ def test_encoding_matches_the_hf_processor(vp, tmp_path, images):
     assert doc.media_kinds == [vision.IMAGE] * 3 and doc.source == WHERE
 
 
+def test_a_generation_prompt_matches_the_hf_processor(vp, tmp_path, images):
+    """`longctx generate`'s prompt: the user turn and the template's generation prompt, as
+    the processor makes them with add_generation_prompt; relative paths survive a copy."""
+    first = {"messages": conversation()["messages"][:1]}
+    elsewhere = vision.with_absolute_paths(first, tmp_path)
+    part = elsewhere["messages"][0]["content"][0]
+    assert Path(part["path"]).is_absolute() and Path(part["path"]).is_file()
+    doc = vision.encode_vision_prompt(elsewhere, vp, WHERE, base_dir=Path("/nonexistent"))
+    text = vp.processor.apply_chat_template(first["messages"], tokenize=False,
+                                            add_generation_prompt=True)
+    ref = vp.processor(text=[text], images=[rgb(images[0])], return_tensors="np")
+    assert doc.input_ids == ref["input_ids"][0].tolist()
+    np.testing.assert_array_equal(doc.pixel_values, ref["pixel_values"])
+
+
 def test_labels_train_assistant_turns_only(vp, tmp_path, images):
     doc = vision.encode_vision_record(conversation(), vp, WHERE, base_dir=tmp_path)
     tok = vp.tokenizer

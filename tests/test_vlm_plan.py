@@ -74,7 +74,7 @@ def test_llava_images_are_refused_until_its_data_path_exists() -> None:
     assert "Qwen3-VL processors only" in str(e.value)
 
 
-@pytest.mark.parametrize("command", ["eval", "generate", "merge-lora"])
+@pytest.mark.parametrize("command", ["eval", "merge-lora"])
 def test_forward_only_commands_say_they_do_not_run_vlms_yet(command: str) -> None:
     from longctx_cli.config import config_from_dict
     from longctx_cli.preflight import check_run

@@ -256,3 +256,50 @@ def test_data_parallel_rank_without_images_still_runs_the_tower() -> None:
     # Without FSDP each rank holds its own gradient before the sum: the text-only rank's
     # tower gradient is zero (it ran the tower on a blank input it keeps nothing of).
     assert ranks[0]["fsdp=False"]["own_norm"] > 0 and ranks[1]["fsdp=False"]["own_norm"] == 0
+
+
+# ---- decoding after a prompt with images ---------------------------------------------------
+
+
+def _generate_worker(rank: int, world: int, family: str) -> dict[str, list[int]]:
+    """Greedy tokens after a prompt holding images (and, for Qwen2/2.5-VL, a video), by
+    longctx's SP decoding and by the model's own `generate`."""
+    from longctx_cli.runtime.model import decoder_and_head
+    from longctx_cli.runtime.sampling import greedy_tokens
+
+    _, _, _, _, docs = image_row(family)
+    ids, _, media = docs[-1] if family in ("qwen2_vl", "qwen2_5_vl") else docs[0]
+    out = {}
+    for mode in ("ring", "ulysses"):
+        state = sp_state(sp=world, kernel="torch", mode=mode)
+        model = tiny_vlm(family, register_sp_attention()).eval()
+        decoder, head = decoder_and_head(model)
+        out[mode] = greedy_tokens(decoder, head, ids.tolist(), 8, state, 0,
+                                  torch.device("cpu"), None, media)
+    reference = tiny_vlm(family, "eager").eval()
+    kwargs = {}
+    if media.image_grid_thw is None:
+        kwargs["pixel_values"] = media.pixel_values
+    else:
+        from longctx_cli.runtime.vision import IMAGE, VIDEO
+
+        images, videos = media.only(IMAGE), media.only(VIDEO)
+        kwargs.update(pixel_values=images.pixel_values, image_grid_thw=images.image_grid_thw,
+                      mm_token_type_ids=((ids == 190).long() + 2 * (ids == 191).long())[None])
+        if videos is not None:
+            kwargs.update(pixel_values_videos=videos.pixel_values,
+                          video_grid_thw=videos.image_grid_thw)
+            if family == "qwen2_5_vl":
+                kwargs["second_per_grid_ts"] = videos.seconds_per_grid
+    with torch.no_grad():
+        generated = reference.generate(input_ids=ids[None], max_new_tokens=8, do_sample=False,
+                                       min_new_tokens=8, **kwargs)
+    out["generate"] = generated[0, len(ids):].tolist()
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_decoding_after_images_under_sp_equals_generate(family: str) -> None:
+    for result in run_distributed(_generate_worker, 2, family, timeout_s=240):
+        assert result["ring"] == result["generate"], result
+        assert result["ulysses"] == result["generate"], result

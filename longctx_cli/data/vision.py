@@ -1075,3 +1075,44 @@ class ProcessorFiles:
                 if "processor_class" in saved:
                     saved["processor_class"] = self.original_class(name)
                     path.write_text(json.dumps(saved, indent=2) + "\n")
+
+
+def encode_vision_prompt(record: dict[str, Any], processor: Any, where: str, *,
+                         base_dir: Path) -> VisionDocument:
+    """A generation prompt: the record's turns as training renders them, then the chat
+    template's generation prompt (what `add_generation_prompt=True` appends)."""
+    vp = _as_vision_processor(processor)
+    doc = encode_vision_record(record, vp, where, base_dir=base_dir)
+    tok, probe = vp.tokenizer, [{"role": "user", "content": "x"}]
+    plain = tok.apply_chat_template(probe, tokenize=False, chat_template=vp.chat_template)
+    full = tok.apply_chat_template(probe, tokenize=False, add_generation_prompt=True,
+                                   chat_template=vp.chat_template)
+    suffix = tok.encode(full[len(plain):], add_special_tokens=False)
+    return replace(doc, input_ids=doc.input_ids + suffix,
+                   labels=doc.labels + [IGNORE_INDEX] * len(suffix),
+                   mm_token_type_ids=doc.mm_token_type_ids + [TEXT] * len(suffix))
+
+
+def with_absolute_paths(record: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+    """`record` with every relative image or frame path made absolute against `base_dir`
+    (a prompt file read elsewhere than where it lies keeps its images)."""
+    def fix(value: Any) -> Any:
+        if isinstance(value, str) and value and not value.startswith(("data:", "file:", "http")):
+            path = Path(value).expanduser()
+            return str(path if path.is_absolute() else base_dir / path) if (
+                (base_dir / path).exists() or path.exists()) else value
+        return value
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: (walk(v) if k not in ("path", "image", "video") else
+                        [fix(x) for x in v] if isinstance(v, list) else fix(v))
+                    if k != "text" else v for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        return node
+
+    out = walk(record)
+    if isinstance(out.get("images"), list):
+        out["images"] = [fix(x) for x in out["images"]]
+    return out

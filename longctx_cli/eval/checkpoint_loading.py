@@ -94,14 +94,17 @@ def lora_base_path(adapter_dir: Path) -> str:
 
 
 def _from_pretrained(source: str, config: Config, hf_config=None) -> nn.Module:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from longctx_cli.runtime.model import DTYPES
+    from longctx_cli.runtime.model import DTYPES, model_class_and_attention
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        auto_class, attn = model_class_and_attention(
+            hf_config if hf_config is not None else AutoConfig.from_pretrained(
+                source, trust_remote_code=config.trust_remote_code), ATTN_IMPLEMENTATION)
+        model = auto_class.from_pretrained(
             source,
-            attn_implementation=ATTN_IMPLEMENTATION,
+            attn_implementation=attn,
             dtype=DTYPES[config.dtype],
             trust_remote_code=config.trust_remote_code,
             **({"config": hf_config} if hf_config is not None else {}),

@@ -13,11 +13,12 @@ ranks; rank 0 prints the continuation alone on stdout and writes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from longctx_cli.config import Config, load_config
 from longctx_cli.errors import UserError
@@ -32,6 +33,35 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
     from longctx_cli.data.formats import bos_prefix, text_ids
 
     return bos_prefix(tokenizer) + text_ids(tokenizer, text)
+
+
+def vision_prompt(config: Config, text: str, base_dir: Path) -> tuple[list[int], Any]:
+    """A vision-language run's prompt: a JSON chat record (`{"messages": [...]}` with image
+    parts, as in its training data) -> its token ids with the generation prompt, and its
+    media (`runtime.vision.VisionInputs`)."""
+    import torch
+
+    from longctx_cli.data.vision import encode_vision_prompt, load_config_processor
+    from longctx_cli.runtime.vision import VisionInputs
+
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"the prompt is not a JSON chat record ({e.msg}, line {e.lineno}).",
+                        where="--prompt-file",
+                        fix='write one record, e.g. {"messages": [{"role": "user", "content": '
+                        '[{"type": "image", "path": "a.png"}, {"type": "text", "text": '
+                        '"What is this?"}]}]}.') from None
+    doc = encode_vision_prompt(record, load_config_processor(config), "--prompt-file",
+                               base_dir=base_dir)
+    media = None
+    if doc.image_grid_thw:
+        media = VisionInputs(torch.from_numpy(doc.pixel_values),
+                             torch.tensor(doc.image_grid_thw, dtype=torch.long),
+                             tuple(doc.media_kinds),
+                             torch.tensor(doc.second_per_grid_ts, dtype=torch.float32)
+                             if doc.second_per_grid_ts else None)
+    return doc.input_ids, media
 
 
 def run_generate(config_path: Path, checkpoint: Path, prompt_file: Path | None,
@@ -68,7 +98,16 @@ def run_generate(config_path: Path, checkpoint: Path, prompt_file: Path | None,
     text = _read_prompt(prompt_file)
     # Forward only: the SP degree is the machine's (one SP group over the ranks by default).
     config, plan = check_run(config, "generate", nproc_per_node, overrides=overrides)
-    n = len(prompt_ids(load_tokenizer(config), text))
+    if config.processor_type:  # the ranks read a copy: its image paths made absolute
+        from longctx_cli.data.vision import with_absolute_paths
+
+        base = (prompt_file.parent if prompt_file is not None and str(prompt_file) != "-"
+                else Path.cwd())
+        with contextlib.suppress(json.JSONDecodeError):
+            text = json.dumps(with_absolute_paths(json.loads(text), base.resolve()))
+        n = len(vision_prompt(config, text, base)[0])
+    else:
+        n = len(prompt_ids(load_tokenizer(config), text))
     limit = config.sequence_len
     if n + max_new_tokens > limit:
         raise UserError(
@@ -124,12 +163,19 @@ def generate_on_ranks(config: Config, plan: Plan, checkpoint: Path, text: str,
 
     device = init_distributed(config)
     state = build_parallel_state(plan.layout, device)
-    tokenizer = load_tokenizer(config)
+    media = None
+    if config.processor_type:
+        from longctx_cli.data.vision import load_config_processor
+
+        tokenizer = load_config_processor(config).tokenizer
+        prompt, media = vision_prompt(config, text, Path.cwd())
+    else:
+        tokenizer = load_tokenizer(config)
+        prompt = prompt_ids(tokenizer, text)
     model = load_for_eval(config, checkpoint).to(device)
     decoder, lm_head = decoder_and_head(model)
-    prompt = prompt_ids(tokenizer, text)
     new = greedy_tokens(decoder, lm_head, prompt, max_new_tokens, state,
-                        tokenizer_pad_id(tokenizer), device, tokenizer.eos_token_id)
+                        tokenizer_pad_id(tokenizer), device, tokenizer.eos_token_id, media)
     if dist.get_rank() == 0:
         continuation = tokenizer.decode(new, skip_special_tokens=True)
         print(continuation, flush=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import warnings
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from longctx_cli.errors import UserError
 from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.token_mixing import attach_token_mixing
+from longctx_cli.runtime.cache_kwargs import cache_kwargs
 from longctx_cli.runtime.head import cast_head_to_float32, decoder_of, model_head
 from longctx_cli.runtime.memory_savers import apply_lean_rms_norm, apply_tiled_mlp
 
@@ -83,6 +83,18 @@ def load_device_map() -> dict[str, object]:
     return {"": "cpu"}
 
 
+def model_class_and_attention(hf_config: PretrainedConfig, attn_implementation: str
+                              ) -> tuple[Any, str | dict[str, str]]:
+    """The Auto class a model loads with, and its `attn_implementation`: a vision-language
+    model's language model runs the SP attention, its tower the model's own (each rank
+    encodes whole images, runtime/vision.py)."""
+    if is_vision_language(hf_config):
+        return AutoModelForImageTextToText, {"": attn_implementation,
+                                             "text_config": attn_implementation,
+                                             "vision_config": "sdpa"}
+    return AutoModelForCausalLM, attn_implementation
+
+
 def load_base_model(
     config: Config, attn_implementation: str, quantize: bool = True,
     hf_config: PretrainedConfig | None = None,
@@ -93,13 +105,7 @@ def load_base_model(
     dtype = DTYPES[config.dtype]
     hf_config = hf_config if hf_config is not None else model_config_of(config)
     quantization = bnb_quantization(config, dtype) if quantize else None
-    auto_class, attn = AutoModelForCausalLM, attn_implementation
-    if is_vision_language(hf_config):
-        # The language model runs the SP attention; the tower encodes whole images on one
-        # rank each (runtime/vision.py), with the model's own attention.
-        auto_class = AutoModelForImageTextToText
-        attn = {"": attn_implementation, "text_config": attn_implementation,
-                "vision_config": "sdpa"}
+    auto_class, attn = model_class_and_attention(hf_config, attn_implementation)
     if config.trust_remote_code:
         warnings.warn(
             "trust_remote_code is on: code from the model repository will run.", stacklevel=2
@@ -455,22 +461,6 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return decoder_of(base), head
 
 
-def cache_kwargs(decoder: nn.Module, cache: Any) -> dict[str, Any]:
-    """The keyword arguments that hand `cache` to the decoder's forward.
-
-    transformers renamed the decoder's `past_key_values` argument to `cache` (5.2x; the
-    old name warns until it is removed), so the name is read off the forward's signature.
-    Without a cache, `use_cache=False`: a training or scoring forward keeps no cache (models
-    otherwise build one by default, and a hybrid model whose tiny copy has only scan layers
-    cannot).
-    """
-    params = inspect.signature(decoder.forward).parameters
-    if cache is None:
-        return {"use_cache": False} if "use_cache" in params else {}
-    name = "cache" if "cache" in params else "past_key_values"
-    return {name: cache, "use_cache": True}
-
-
 def sp_hidden_states(decoder: nn.Module, batch, where: str = "base_model",
                      cache: Any = None) -> torch.Tensor:
     """Hidden states `[local_tokens, hidden]` of this rank's slice of a sharded row.
@@ -483,12 +473,7 @@ def sp_hidden_states(decoder: nn.Module, batch, where: str = "base_model",
     from longctx_cli.runtime.vision import VisionLanguageForward
 
     if isinstance(decoder, VisionLanguageForward):
-        if cache is not None:
-            raise UserError(
-                "decoding a vision-language model (generate, GRPO rollouts) is not supported "
-                "yet; training and evaluation losses are.", where=where,
-                fix="load final/ in transformers (AutoModelForImageTextToText) to generate.")
-        return decoder.hidden_states(batch)
+        return decoder.hidden_states(batch, cache)
     hidden = decoder(
         input_ids=batch.input_ids, position_ids=batch.position_ids, sp_meta=batch.sp_meta,
         **cache_kwargs(decoder, cache),

@@ -33,6 +33,7 @@ from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import shard_batch
 from longctx_cli.runtime.batches import to_device
 from longctx_cli.runtime.model import cache_kwargs, sp_hidden_states
+from longctx_cli.runtime.vision import VisionInputs, VisionLanguageForward, with_vision
 
 
 @dataclass(frozen=True)
@@ -92,19 +93,22 @@ def decode(decoder, head, prompt: list[int], max_new_tokens: int, state: Paralle
            pad_id: int, device: torch.device, eos_ids: tuple[int, ...] = (),
            sampling: Sampling = GREEDY, n: int = 1,
            generator: torch.Generator | None = None, lockstep: bool = False,
-           ) -> Continuations:
+           media: VisionInputs | None = None) -> Continuations:
     """Up to `max_new_tokens` tokens after `prompt` for each of `n` sequences; every rank of
     the SP group returns the same. `generator` (sampling): the random source of SP rank 0
     (default: torch's global one, as `generate` uses). `lockstep`: every rank of the world
     runs the same number of decode forwards (a group whose sequences ended keeps stepping
     until every group's have), for a model whose forwards issue collectives over the whole
-    world (FSDP2 gathering its weights layer by layer)."""
+    world (FSDP2 gathering its weights layer by layer). `media`: the prompt's images for a
+    vision-language model (its decoder is `runtime.vision.VisionLanguageForward`)."""
     if state.layout.tp > 1:  # each token's heads and vocabulary are split across TP ranks
         raise ValueError("decoding under tensor parallelism is not supported")
     try:
         return _decode_with_cache(decoder, head, prompt, max_new_tokens, state, pad_id,
-                                  device, eos_ids, sampling, n, generator, lockstep)
+                                  device, eos_ids, sampling, n, generator, lockstep, media)
     except DecodeUnsupported as e:
+        if media is not None:
+            raise ValueError(f"decoding this vision-language model: {e}") from None
         if state.sp_rank == 0 and state.dp_rank == 0:
             print(f"decoding by full forwards: {e}", file=sys.stderr, flush=True)
         return _decode_by_forwards(decoder, head, prompt, max_new_tokens, state, pad_id,
@@ -112,11 +116,13 @@ def decode(decoder, head, prompt: list[int], max_new_tokens: int, state: Paralle
 
 
 def greedy_tokens(decoder, lm_head, prompt: list[int], max_new_tokens: int, state,
-                  pad_id: int, device, eos_id: int | None) -> list[int]:
+                  pad_id: int, device, eos_id: int | None,
+                  media: VisionInputs | None = None) -> list[int]:
     """Up to `max_new_tokens` greedy ids after `prompt` (stopping after EOS); every rank of
     the SP group returns the same list."""
     eos = () if eos_id is None else (eos_id,)
-    return decode(decoder, lm_head, prompt, max_new_tokens, state, pad_id, device, eos).tokens[0]
+    return decode(decoder, lm_head, prompt, max_new_tokens, state, pad_id, device, eos,
+                  media=media).tokens[0]
 
 
 class _Picker:
@@ -177,12 +183,15 @@ class _Picker:
 
 
 def _prefill(decoder, head, tokens: list[int], state: ParallelState, pad_id: int, device,
-             cache=None):
-    """One SP forward over `tokens`: (the last position's logits `[vocab]` on every rank of
-    the SP group, the sharded batch)."""
+             cache=None, media: VisionInputs | None = None):
+    """One SP forward over `tokens` (with a vision-language model, its `media` merged in):
+    (the last position's logits `[vocab]` on every rank of the SP group, the sharded batch)."""
     row = torch.tensor(tokens, dtype=torch.long)
-    batch = to_device(shard_batch(row, torch.arange(row.numel()),
-                                  torch.full_like(row, IGNORE_INDEX), state, pad_id), device)
+    positions = torch.arange(row.numel())
+    batch = shard_batch(row, positions, torch.full_like(row, IGNORE_INDEX), state, pad_id)
+    if isinstance(decoder, VisionLanguageForward):
+        batch = with_vision(batch, row, positions, media, pad_id)
+    batch = to_device(batch, device)
     hidden = sp_hidden_states(decoder, batch, where="--checkpoint", cache=cache)
     return _logits_at(head, hidden, batch.sp_meta.local_ranges, [len(tokens) - 1], state), batch
 
@@ -206,13 +215,13 @@ def _logits_at(head, hidden: torch.Tensor, ranges: tuple[tuple[int, int], ...],
 
 
 def _decode_with_cache(decoder, head, prompt, max_new_tokens, state, pad_id, device, eos_ids,
-                       sampling, n, generator, lockstep=False) -> Continuations:
+                       sampling, n, generator, lockstep=False, media=None) -> Continuations:
     from transformers import DynamicCache, StaticCache
 
     picker = _Picker(prompt, n, sampling, eos_ids, pad_id, state, device, generator)
     with torch.no_grad():
         cache = DynamicCache(config=decoder.config)
-        logits, batch = _prefill(decoder, head, prompt, state, pad_id, device, cache)
+        logits, batch = _prefill(decoder, head, prompt, state, pad_id, device, cache, media)
         meta = DecodeMeta.after_prefill(state, batch.sp_meta.local_ranges, len(prompt), device,
                                         held_out_prompt_kv(cache))
         del batch, cache

@@ -36,6 +36,7 @@ from longctx_cli.data.vision import IMAGE, VIDEO
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import ShardedBatch, shard_batch, slice_sequence
+from longctx_cli.runtime.cache_kwargs import cache_kwargs
 
 
 @dataclass
@@ -282,13 +283,19 @@ class VisionLanguageForward:
         batch = shard_batch(input_ids, position_ids, labels, state, pad_token_id)
         return with_vision(batch, input_ids, position_ids, images, pad_token_id)
 
-    def hidden_states(self, batch: ShardedBatch) -> torch.Tensor:
-        """Hidden states `[local_tokens, hidden]` of this rank's slice of the row (`batch`).
+    @property
+    def config(self) -> Any:
+        """The language model's config (what a KV cache is built from)."""
+        return self.language_model.config
+
+    def hidden_states(self, batch: ShardedBatch, cache: Any = None) -> torch.Tensor:
+        """Hidden states `[local_tokens, hidden]` of this rank's slice of the row (`batch`);
+        `cache` keeps this rank's keys and values (a prefill for decoding).
 
         A batch without a vision part (a text-only row) runs on its own slice alone.
         """
         if batch.vision is None:
-            return self._text_only(batch)
+            return self._text_only(batch, cache)
         row = batch.vision
         device = batch.input_ids.device
         full_ids, images = row.input_ids.to(device), row.images
@@ -302,6 +309,11 @@ class VisionLanguageForward:
                 "and keep vision tokens such as <|image_pad|> out of text records.")
         full_positions = self.positions(full_ids, row.text_positions.to(device), images,
                                         batch.sp_meta.cu_host)
+        # What decoding after this row (one prompt, then padding) adds to a token's text
+        # position: mRoPE's next position is the prompt's largest plus one, as in the
+        # model's own `generate` (its rope deltas).
+        end = batch.sp_meta.cu_host[1]
+        self.decode_offset = int(full_positions[:, :end].max()) + 1 - end
         meta = batch.sp_meta
         state = meta.ctx
         local_ids = batch.input_ids.reshape(-1)
@@ -328,21 +340,25 @@ class VisionLanguageForward:
                               deepstack_visual_embeds=[level[wanted].to(merged.dtype)
                                                        for level in deep])
         local_positions = slice_sequence(full_positions, state, dim=1)[:, None, :]
-        hidden = self._language_model(local_ids, local_positions, batch, kwargs, visual, merged)
+        hidden = self._language_model(local_ids, local_positions, batch, kwargs, visual, merged,
+                                      cache)
         return hidden if zero is None else hidden + zero
 
-    def _text_only(self, batch: ShardedBatch) -> torch.Tensor:
+    def _text_only(self, batch: ShardedBatch, cache: Any = None) -> torch.Tensor:
         """A row without images: mRoPE's three axes all take the text positions."""
         positions = batch.position_ids.reshape(1, 1, -1)
         if self.family in MROPE_FAMILIES:
             positions = positions.expand(3, 1, -1)
         zero = self._tower_zero(batch.input_ids.device)  # the tower first, as on every rank
-        return self._language_model(batch.input_ids.reshape(-1), positions, batch, {}) + zero
+        self.decode_offset = 0
+        return self._language_model(batch.input_ids.reshape(-1), positions, batch, {},
+                                    cache=cache) + zero
 
     def _language_model(self, local_ids: torch.Tensor, positions: torch.Tensor,
                         batch: ShardedBatch, kwargs: dict[str, Any],
                         visual: torch.Tensor | None = None,
-                        features: torch.Tensor | None = None) -> torch.Tensor:
+                        features: torch.Tensor | None = None, cache: Any = None
+                        ) -> torch.Tensor:
         """The language model on this rank's tokens, with `features` written into the
         embeddings of its `visual` tokens. The merge happens in a hook on the embedding, so
         that it runs inside the language model's forward: under FSDP2 the embedding's weight
@@ -359,7 +375,7 @@ class VisionLanguageForward:
         try:
             hidden = self.language_model(
                 input_ids=local_ids[None], position_ids=positions, sp_meta=meta,
-                use_cache=False, **kwargs,
+                **cache_kwargs(self.language_model, cache), **kwargs,
             ).last_hidden_state
         finally:
             if hook is not None:
@@ -371,6 +387,19 @@ class VisionLanguageForward:
                 where="base_model", fix="use a VLM whose language model dispatches through "
                 "transformers' AttentionInterface.")
         return hidden.reshape(-1, hidden.shape[-1])
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, sp_meta: Any,
+                cache: Any = None, use_cache: bool = True) -> Any:
+        """One decode step after a prefill by `hidden_states`: new text tokens `[n, 1]` at
+        text positions `position_ids`, which mRoPE shifts by the prompt's offset on all
+        three axes (the model's own rule for text after its vision tokens)."""
+        positions = position_ids + getattr(self, "decode_offset", 0)
+        if self.family in MROPE_FAMILIES:
+            positions = positions[None].expand(3, -1, -1)
+        return self.language_model(input_ids=input_ids, position_ids=positions, sp_meta=sp_meta,
+                                   **cache_kwargs(self.language_model, cache))
+
+    __call__ = forward
 
     def _blank(self, device: torch.device) -> VisionInputs:
         """The smallest input the tower takes: one merged patch of zeros (one blank image
