@@ -9,11 +9,23 @@ video parts the way Qwen2.5-VL's does (`<|vision_start|><|image_pad|><|vision_en
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
+
+def _load_example():
+    """examples/vlm_images.py, which writes a processor's files (one place for that layout
+    and for Qwen's special tokens)."""
+    path = Path(__file__).resolve().parent.parent / "examples" / "vlm_images.py"
+    spec = importlib.util.spec_from_file_location("vlm_images", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+EXAMPLE = _load_example()
 # The special tokens of Qwen2-VL/2.5-VL's tokenizer that the data path relies on.
-VISION_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-CHAT_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+VISION_SPECIALS, CHAT_SPECIALS = EXAMPLE.VISION_SPECIALS, EXAMPLE.CHAT_SPECIALS
 
 # Qwen2.5-VL's template, in the same shape: a default system turn when none is given, string
 # content as is, list content part by part, images and videos as vision placeholders.
@@ -66,21 +78,14 @@ def write_tiny_qwen_vl_processor(folder: str | Path, patch_size: int = 14,
     torchvision is installed, `longctx_cli.data.vision.load_processor(folder)` everywhere.
     Qwen3-VL's processor: `patch_size=16, processor_class="Qwen3VLProcessor"` (its images
     are patched and expanded as Qwen2.5-VL's, with 16-pixel patches)."""
-    import importlib.util
-
     from transformers import Qwen2VLImageProcessorPil
 
-    # The example's writer lays the files out (one place for that layout).
-    path = Path(__file__).resolve().parent.parent / "examples" / "vlm_images.py"
-    spec = importlib.util.spec_from_file_location("vlm_images", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     # Merged patches of 2 x patch_size pixels, at most 16 per image: with 14-pixel patches a
     # 56x84 image becomes a 4x6 patch grid and 6 image tokens.
     side = 2 * patch_size
-    example.save_qwen_vl_processor(
+    EXAMPLE.save_qwen_vl_processor(
         folder, tiny_tokenizer(),
         Qwen2VLImageProcessorPil(patch_size=patch_size, min_pixels=side * side,
                                  max_pixels=side * side * 16),

@@ -20,6 +20,14 @@ from longctx_cli.layout import Layout
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def format_count(n: int) -> str:
+    """A parameter count as the plan prints it: 135M, 20.4K."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return str(n)
 # peft keeps LoRA weights in float32 even on a bf16/fp16 base (autocast_adapter_dtype).
 LORA_BYTES = 4
 

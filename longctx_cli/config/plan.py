@@ -18,6 +18,7 @@ from longctx_cli.config.memory_estimate import (
     MemoryEstimate,
     attention_buffer_bytes,
     estimate_memory,
+    format_count,
     format_gib,
     tiled_scores_run,
 )
@@ -110,8 +111,9 @@ class Plan:
             ("model", [
                 ("shape", f"{m.model_type}, {m.num_hidden_layers} layers, hidden {m.hidden_size}, "
                           f"{m.num_attention_heads} heads / {m.num_key_value_heads} KV heads"),
-                ("parameters", f"{_count(mem.total_params)} ({_count(mem.trainable_params)} "
-                               f"trainable{', LoRA' if self.adapter else ''}), {self.dtype}"),
+                ("parameters", f"{format_count(mem.total_params)} "
+                               f"({format_count(mem.trainable_params)} trainable"
+                               f"{', LoRA' if self.adapter else ''}), {self.dtype}"),
                 ("shape from", m.source),
                 *([("context", m.context)] if m.context else []),
                 *self.vision,
@@ -270,13 +272,6 @@ def fsdp_detail(config: Config, layout: Layout) -> str:
     if layout.fsdp and layout.dp_replicate > 1:
         parts.append(f"HSDP: {layout.dp_replicate} replicas")
     return ", ".join(parts)
-
-
-def _count(n: int) -> str:
-    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= div:
-            return f"{n / div:.3g}{unit}"
-    return str(n)
 
 
 def check_without_model(

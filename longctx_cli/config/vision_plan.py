@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from longctx_cli.config.memory_estimate import DTYPE_BYTES, format_count, format_gib
 from longctx_cli.config.schema import Config
 from longctx_cli.errors import UserError
 from longctx_cli.layout import Layout
@@ -24,7 +25,6 @@ PREPARED_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # Families whose image tokens attend to each other both ways (a bidirectional block inside
 # the causal mask), which no ring's causal segments express.
 BIDIRECTIONAL_IMAGE_FAMILIES = ("gemma3", "paligemma", "gemma3n")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Values a transformer block keeps per token and hidden unit for its backward (inputs of
 # the norms, q/k/v, attention output, MLP in/out): a rough count, as for the decoder.
 SAVED_PER_HIDDEN = 16
@@ -152,8 +152,6 @@ def check_vision(config: Config, hf_config: Any, layout: Layout) -> VisionTower 
 
 def plan_rows(tower: VisionTower, config: Config, layout: Layout) -> list[tuple[str, str]]:
     """The plan's rows about the tower (the `model` section)."""
-    from longctx_cli.config.memory_estimate import format_gib
-
     weights, saved = tower.memory(config, layout)
     patches = tower.patches_per_rank(config.row_tokens, layout.sp)
     trains = ("frozen (`freeze_mm_modules`)" if config.freeze_mm_modules else
@@ -164,16 +162,9 @@ def plan_rows(tower: VisionTower, config: Config, layout: Layout) -> list[tuple[
              f"{layout.sp}; features all-gathered" if layout.sp > 1 else "whole images")
     return [
         ("vision tower", f"{tower.layers} layers, hidden {tower.hidden}, "
-                         f"~{_count(tower.parameters)} parameters, {trains}"),
+                         f"~{format_count(tower.parameters)} parameters, {trains}"),
         ("tower splits by", split),
         ("tower memory", f"{format_gib(weights + saved)} per rank at most: weights and state "
                          f"{format_gib(weights)}, activations {format_gib(saved)} for a row of "
                          f"only image tokens ({patches:,} patches per rank)"),
     ]
-
-
-def _count(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.0f}{unit}"
-    return str(n)

@@ -233,6 +233,15 @@ def _pad(x: torch.Tensor, extra: int, value: int) -> torch.Tensor:
     return torch.cat([x, x.new_full((extra,), value)]) if extra else x
 
 
+def padded_row(input_ids: torch.Tensor, position_ids: torch.Tensor, extra: int,
+               pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 1-D row's ids and positions with `extra` padding tokens at its end. The padding
+    tail is a document of its own: positions restart at 0 there."""
+    tail = torch.arange(extra, dtype=position_ids.dtype, device=position_ids.device)
+    return (_pad(input_ids, extra, pad_token_id),
+            torch.cat([position_ids, tail]) if extra else position_ids)
+
+
 def shard_batch(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
@@ -249,11 +258,8 @@ def shard_batch(
     length = input_ids.numel()
     multiple = ctx.layout.row_multiple
     extra = -length % multiple
-    input_ids = _pad(input_ids, extra, pad_token_id)
+    input_ids, position_ids = padded_row(input_ids, position_ids, extra, pad_token_id)
     labels = _pad(labels, extra, IGNORE_INDEX)
-    # The padding tail is a document of its own: positions restart at 0 there.
-    tail = torch.arange(extra, dtype=position_ids.dtype, device=position_ids.device)
-    position_ids = torch.cat([position_ids, tail]) if extra else position_ids
     cu_seqlens = document_cu_seqlens(position_ids)
     shifted = shift_labels_globally(labels, cu_seqlens)
     total = input_ids.numel()

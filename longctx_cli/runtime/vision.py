@@ -35,7 +35,12 @@ from longctx_cli.config.vision_plan import MROPE_FAMILIES, refuse_unless_rebuilt
 from longctx_cli.data.vision import IMAGE, VIDEO
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.mesh import ParallelState
-from longctx_cli.parallel.sharding import ShardedBatch, shard_batch, slice_sequence
+from longctx_cli.parallel.sharding import (
+    ShardedBatch,
+    padded_row,
+    shard_batch,
+    slice_sequence,
+)
 from longctx_cli.runtime.cache_kwargs import cache_kwargs
 
 
@@ -99,7 +104,7 @@ class VisionInputs:
         if not wanted:
             return None
         counts = self.patches_per_image()
-        starts = [sum(counts[:i]) for i in range(len(counts))]
+        starts = [0, *itertools.accumulate(counts)]
         pixels = torch.cat([self.pixel_values[starts[i]:starts[i] + counts[i]] for i in wanted])
         return VisionInputs(pixels, self.image_grid_thw[wanted], (kind,) * len(wanted),
                             self.seconds_per_grid if kind == VIDEO else None)
@@ -120,9 +125,7 @@ def with_vision(batch: ShardedBatch, input_ids: torch.Tensor, position_ids: torc
     """`batch` (this rank's slice of the row) carrying the whole row's vision part, padded
     as `shard_batch` padded the slice."""
     ids, text = input_ids.reshape(-1), position_ids.reshape(-1)
-    extra = batch.sp_meta.total_len - ids.numel()
-    ids = torch.cat([ids, ids.new_full((extra,), pad_token_id)])
-    text = torch.cat([text, torch.arange(extra, dtype=text.dtype)])
+    ids, text = padded_row(ids, text, batch.sp_meta.total_len - ids.numel(), pad_token_id)
     return replace(batch, vision=WholeRow(ids, text, images))
 
 
@@ -207,6 +210,8 @@ class VisionLanguageForward:
         self.inner = model.model  # the ...Model holding the tower and the language model
         config = model.config
         self.image_token_id = int(config.image_token_id)
+        # What decoding adds to a new token's text position (set by each prefill).
+        self.decode_offset = 0
         self.video_token_id = getattr(config, "video_token_id", None)
 
     @property
@@ -393,7 +398,7 @@ class VisionLanguageForward:
         """One decode step after a prefill by `hidden_states`: new text tokens `[n, 1]` at
         text positions `position_ids`, which mRoPE shifts by the prompt's offset on all
         three axes (the model's own rule for text after its vision tokens)."""
-        positions = position_ids + getattr(self, "decode_offset", 0)
+        positions = position_ids + self.decode_offset
         if self.family in MROPE_FAMILIES:
             positions = positions[None].expand(3, -1, -1)
         return self.language_model(input_ids=input_ids, position_ids=positions, sp_meta=sp_meta,
