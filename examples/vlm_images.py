@@ -42,37 +42,57 @@ QUESTION = "Which one is red?"
 
 def write_processor(folder: Path) -> None:
     """Tokenizer, image processor and chat template, as a Qwen2.5-VL checkpoint has them."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessorPil
+    from transformers import Qwen2VLImageProcessorPil
 
     folder.mkdir(parents=True, exist_ok=True)
-    raw = Tokenizer(models.BPE(unk_token=None))
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
     # Labels and the question only: every label stays a token of its own.
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[*CHAT_SPECIALS,
-                                                                  *VISION_SPECIALS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    raw.train_from_iterator([f"user\n{QUESTION}", "assistant\n", "system\n"] * 10, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>",
-                                        pad_token="<|endoftext|>",
-                                        additional_special_tokens=list(VISION_SPECIALS))
+    tokenizer = train_tokenizer([f"user\n{QUESTION}", "assistant\n", "system\n"] * 10, 300,
+                                CHAT_SPECIALS, VISION_SPECIALS, eos_token="<|im_end|>",
+                                pad_token="<|endoftext|>")
     tokenizer.chat_template = TEMPLATE
     images = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28)
     save_qwen_vl_processor(folder, tokenizer, images, TEMPLATE)
 
 
+def train_tokenizer(corpus: list[str], vocab_size: int, specials: tuple[str, ...],
+                    extra_specials: tuple[str, ...], **tokens: object):
+    """A byte-level BPE (any text encodes) trained on `corpus`, with `specials` then
+    `extra_specials` as single tokens (ids 0, 1, ... in that order); `tokens` names the
+    tokenizer's special-token attributes (eos_token=..., extra_special_tokens=...)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE(unk_token=None))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                  special_tokens=[*specials, *extra_specials],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    raw.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=raw,
+                                   additional_special_tokens=list(extra_specials), **tokens)
+
+
 def save_qwen_vl_processor(folder: Path, tokenizer, image_processor, template: str,
                            processor_class: str = "Qwen2_5_VLProcessor") -> None:
     """The files of a Qwen-VL processor, laid out as its checkpoints have them."""
+    save_processor(folder, tokenizer, image_processor, template, processor_class,
+                   "Qwen2VLImageProcessor")
+
+
+def save_processor(folder: Path, tokenizer, image_processor, template: str,
+                   processor_class: str, image_processor_type: str, **processor_config) -> None:
+    """A processor's files as its checkpoints lay them out: tokenizer files,
+    preprocessor_config.json naming the image processor (the class name without its
+    backend suffix, as the hub's files have it), processor_config.json naming the processor
+    class and its own settings, chat_template.jinja."""
     tokenizer.save_pretrained(str(folder))
     image_processor.save_pretrained(str(folder))
     config = json.loads((folder / "preprocessor_config.json").read_text())
-    config.update(image_processor_type="Qwen2VLImageProcessor",
-                  processor_class=processor_class)
+    config.update(image_processor_type=image_processor_type, processor_class=processor_class)
     (folder / "preprocessor_config.json").write_text(json.dumps(config, indent=2))
     (folder / "processor_config.json").write_text(
-        json.dumps({"processor_class": processor_class}, indent=2))
+        json.dumps({"processor_class": processor_class, **processor_config}, indent=2))
     (folder / "chat_template.jinja").write_text(template)
 
 

@@ -1,11 +1,11 @@
 """`longctx train` on image-bearing chats equals the model's own Hugging Face training.
 
-A tiny Qwen2.5-VL and an offline processor (tests/vlm_fixtures.py); a dozen records of one
-to three images each, packed into rows. `longctx train` at sp 2 runs three optimizer steps;
-the reference trains a copy of the same initial model on the rows `longctx train` read, each
-document through the model's own `forward(pixel_values=..., labels=)`. The per-step losses
-and the final weights must agree, and `final/` must load as the model's own class with its
-processor.
+A tiny Qwen2.5-VL, Qwen3-VL or LLaVA and an offline processor (tests/vlm_fixtures.py); a
+dozen records of one to three images each, packed into rows. `longctx train` at sp 2 runs
+three optimizer steps; the reference trains a copy of the same initial model on the rows
+`longctx train` read, each document through the model's own `forward(pixel_values=...,
+labels=)`. The per-step losses and the final weights must agree, and `final/` must load as
+the model's own class with its processor.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import yaml
 from longctx_cli.constants import IGNORE_INDEX
 from tests.family_matrix import LOSS_TOL, WEIGHT_TOL, compare
 from tests.train_helpers import run_longctx
-from tests.vlm_fixtures import write_tiny_qwen_vl_processor
+from tests.vlm_fixtures import write_tiny_llava_processor, write_tiny_qwen_vl_processor
 
 STEPS = 3
 IMAGE_ID, VIDEO_ID = 5, 6  # the fixture tokenizer's <|image_pad|>, <|video_pad|>
@@ -56,16 +56,36 @@ QWEN3_VL = {
         "temporal_patch_size": 2, "num_position_embeddings": 64,
         "deepstack_visual_indexes": [0, 1]},
 }
+
+
+def _llava() -> dict:
+    """tests/vlm_models.py's tiny LLaVA (16x16 images, 16 tokens each), with the fixture
+    tokenizer's `<image>` id and room for its vocabulary."""
+    from tests.vlm_models import _config
+
+    config = json.loads(_config("llava").to_json_string(use_diff=True))
+    config.pop("transformers_version", None)
+    config["image_token_index"] = LLAVA_IMAGE_ID
+    config["text_config"]["vocab_size"] = 448
+    return config
+
+
+LLAVA_IMAGE_ID = 3  # the LLaVA fixture tokenizer's <image>
+LLAVA_SIDE, LLAVA_TOKENS = 16, 16  # its images, and the image tokens of each
 # Per family: the model, and its processor's patch size and class (tests/vlm_fixtures.py).
 FAMILIES = {"qwen2_5_vl": (QWEN2_5_VL, 14, "Qwen2_5_VLProcessor"),
-            "qwen3_vl": (QWEN3_VL, 16, "Qwen3VLProcessor")}
+            "qwen3_vl": (QWEN3_VL, 16, "Qwen3VLProcessor"),
+            "llava": (_llava(), 4, "LlavaProcessor")}
 
 
 def _setup(tmp: Path, family: str) -> Path:
     from PIL import Image
 
     _, patch, processor_class = FAMILIES[family]
-    write_tiny_qwen_vl_processor(tmp / "processor", patch, processor_class)
+    if family == "llava":
+        write_tiny_llava_processor(tmp / "processor", LLAVA_SIDE, patch)
+    else:
+        write_tiny_qwen_vl_processor(tmp / "processor", patch, processor_class)
     gen = torch.Generator().manual_seed(0)
     (tmp / "img").mkdir()
     with open(tmp / "data.jsonl", "w") as out:
@@ -111,6 +131,8 @@ def _config(tmp: Path, name: str, family: str, **layout: Any) -> Path:
 
 def _documents(row: dict, family: str) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
     """A cached row's documents, each with the model's own image and video inputs."""
+    if family == "llava":
+        return _llava_documents(row)
     ids, pos, labels = (torch.tensor(row[k]) for k in ("input_ids", "position_ids", "labels"))
     pixels = torch.tensor(row["pixel_values"]).view(-1, row["pixel_dim"])
     grids = torch.tensor(row["image_grid_thw"], dtype=torch.long).view(-1, 3)
@@ -143,6 +165,25 @@ def _documents(row: dict, family: str) -> list[tuple[torch.Tensor, torch.Tensor,
     return docs
 
 
+def _llava_documents(row: dict) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
+    """A cached LLaVA row's documents with their `pixel_values` `[images, 3, H, W]`: each
+    image is one row of the stored pixels, `LLAVA_TOKENS` image tokens in the text."""
+    ids, pos, labels = (torch.tensor(row[k]) for k in ("input_ids", "position_ids", "labels"))
+    assert row["image_grid_thw"] == [[0, LLAVA_SIDE, LLAVA_SIDE]] * len(row["image_grid_thw"])
+    pixels = torch.tensor(row["pixel_values"]).view(-1, 3, LLAVA_SIDE, LLAVA_SIDE)
+    starts = [*(pos == 0).nonzero().flatten().tolist(), len(ids)]
+    docs, image = [], 0
+    for a, b in itertools.pairwise(starts):
+        tokens = int((ids[a:b] == LLAVA_IMAGE_ID).sum())
+        assert tokens % LLAVA_TOKENS == 0
+        count = tokens // LLAVA_TOKENS
+        kwargs = {"pixel_values": pixels[image:image + count]} if count else {}
+        docs.append((ids[a:b], labels[a:b], kwargs))
+        image += count
+    assert image == len(pixels)
+    return docs
+
+
 def _reference(config_path: Path, family: str) -> dict[str, Any]:
     """The model's own training on the rows `longctx train` read at each step."""
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -168,7 +209,7 @@ def _reference(config_path: Path, family: str) -> dict[str, Any]:
         targets = [int((lab[1:] != IGNORE_INDEX).sum()) for _, lab, _ in docs]
         total = 0.0
         for (ids, lab, kwargs), n in zip(docs, targets, strict=True):
-            images += len(kwargs.get("image_grid_thw", ()))
+            images += len(kwargs.get("image_grid_thw", kwargs.get("pixel_values", ())))
             videos += len(kwargs.get("video_grid_thw", ()))
             loss = model(input_ids=ids[None], labels=lab[None], **kwargs).loss * (n / sum(targets))
             loss.backward()
@@ -207,7 +248,8 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("family, layout", [("qwen2_5_vl", "ring_sp2"),
                                             ("qwen2_5_vl", "ulysses_sp2_fsdp"),
-                                            ("qwen3_vl", "ring_sp2")])
+                                            ("qwen3_vl", "ring_sp2"),
+                                            ("llava", "ring_sp2")])
 def test_train_at_sp2_equals_the_models_own_training(trained_on: Any, family: str,
                                                      layout: str) -> None:
     from transformers import AutoModelForImageTextToText
@@ -223,7 +265,8 @@ def test_train_at_sp2_equals_the_models_own_training(trained_on: Any, family: st
     loaded = AutoModelForImageTextToText.from_pretrained(final, dtype=torch.float32)
     assert type(loaded).__name__ == type(AutoModelForImageTextToText.from_config(
         loaded.config)).__name__ == {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-                                     "qwen3_vl": "Qwen3VLForConditionalGeneration"}[family]
+                                     "qwen3_vl": "Qwen3VLForConditionalGeneration",
+                                     "llava": "LlavaForConditionalGeneration"}[family]
     run = {"losses": losses, "weights": {k: v.detach().double().numpy()
                                          for k, v in loaded.named_parameters()}}
     assert len(losses) == STEPS

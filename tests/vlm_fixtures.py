@@ -51,23 +51,14 @@ QWEN_VL_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+CORPUS = ["system\nYou are a helpful assistant.", "user\nDescribe this image.",
+          "assistant\nThe image is a red square.", "What is in the picture? A cat."]
+
+
 def tiny_tokenizer():
     """A byte-level BPE (any text encodes) with Qwen's chat and vision specials."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    raw = Tokenizer(models.BPE(unk_token=None))
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=[*CHAT_SPECIALS,
-                                                                  *VISION_SPECIALS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = ["system\nYou are a helpful assistant.", "user\nDescribe this image.",
-              "assistant\nThe image is a red square.", "What is in the picture? A cat."]
-    raw.train_from_iterator(corpus * 20, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>",
-                                   additional_special_tokens=list(VISION_SPECIALS))
+    return EXAMPLE.train_tokenizer(CORPUS * 20, 400, CHAT_SPECIALS, VISION_SPECIALS,
+                                   eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
 def write_tiny_qwen_vl_processor(folder: str | Path, patch_size: int = 14,
@@ -90,4 +81,44 @@ def write_tiny_qwen_vl_processor(folder: str | Path, patch_size: int = 14,
         Qwen2VLImageProcessorPil(patch_size=patch_size, min_pixels=side * side,
                                  max_pixels=side * side * 16),
         QWEN_VL_TEMPLATE, processor_class)
+    return folder
+
+
+# ---- LLaVA ---------------------------------------------------------------------------------
+
+LLAVA_SPECIALS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2, as the tiny models' configs have them
+LLAVA_IMAGE_TOKEN = "<image>"  # id 3
+# LLaVA-1.5's template in the same shape (`USER: <image>\ntext ASSISTANT: ...`), with string
+# content as is and the end of sequence after each answer, as fine-tuning data has it.
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'].upper() }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>\n"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}</s>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def write_tiny_llava_processor(folder: str | Path, image_side: int = 16, patch_size: int = 4
+                               ) -> Path:
+    """A LLaVA processor's files in `folder`, offline: CLIP's image processor (resize the
+    short side to `image_side`, centre-crop a square of it), a byte-level tokenizer with
+    `<image>` as one token, LLaVA-1.5's processor settings (the tower's CLS feature dropped:
+    one image token per patch, `(image_side / patch_size) ** 2` of them) and chat template.
+    `AutoProcessor.from_pretrained(folder)` loads it as a `LlavaProcessor`."""
+    from transformers import CLIPImageProcessorPil
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = EXAMPLE.train_tokenizer(
+        [c.replace("\n", ": ") for c in CORPUS] * 20, 400, LLAVA_SPECIALS,
+        (LLAVA_IMAGE_TOKEN,), pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    images = CLIPImageProcessorPil(size={"shortest_edge": image_side},
+                                   crop_size={"height": image_side, "width": image_side})
+    EXAMPLE.save_processor(folder, tokenizer, images, LLAVA_TEMPLATE, "LlavaProcessor",
+                           "CLIPImageProcessor", patch_size=patch_size,
+                           vision_feature_select_strategy="default",
+                           num_additional_image_tokens=1, image_token=LLAVA_IMAGE_TOKEN)
     return folder

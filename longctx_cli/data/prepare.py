@@ -234,9 +234,7 @@ def _vision_tokens_per_row(column: Any, vp: VisionProcessor) -> np.ndarray:
     ids_column = column.combine_chunks()
     ids = ids_column.flatten().to_numpy(zero_copy_only=False)
     offsets = ids_column.offsets.to_numpy()
-    tok = vp.tokenizer
-    wanted = [tok.convert_tokens_to_ids(t) for t in (vp.image_token, vp.video_token)]
-    seen = np.concatenate([[0], np.cumsum(np.isin(ids, [w for w in wanted if w is not None]))])
+    seen = np.concatenate([[0], np.cumsum(np.isin(ids, list(vp.feature_ids().values())))])
     return seen[offsets[1:]] - seen[offsets[:-1]]
 
 
@@ -742,12 +740,12 @@ def _truncate_text(batch: dict[str, list], *, limit: int) -> dict[str, list]:
 
 def _collapsed(runs: list[tuple[str, bool]], vp: VisionProcessor) -> list[tuple[str, bool]]:
     """A report sample with each run of image/video tokens written once with its count."""
-    pattern = re.compile("|".join(f"(?:{re.escape(t)}){{2,}}"
-                                  for t in (vp.image_token, vp.video_token)))
+    tokens = list(vp.feature_tokens.values())
+    pattern = re.compile("|".join(f"(?:{re.escape(t)}){{2,}}" for t in tokens))
 
     def shorter(match: re.Match[str]) -> str:
         text = match.group(0)
-        token = vp.image_token if text.startswith(vp.image_token) else vp.video_token
+        token = next(t for t in tokens if text.startswith(t))
         return f"{token}x{len(text) // len(token)}"
 
     return [(pattern.sub(shorter, text), target) for text, target in runs]

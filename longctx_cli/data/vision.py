@@ -9,6 +9,12 @@ silently falls back to 1-D positions without them), the pixel patches and grids 
 document's images in the order their placeholders appear, and labels that never make an
 image token a target.
 
+Each placeholder is expanded by the processor's own rule (`replace_image_token`: Qwen-VL's
+one token per merged patch, LLaVA's one per tower patch, Gemma 3's begin/end-of-image
+markers around a fixed count). Qwen-VL's pixels are patch rows with a `[t, h, w]` grid;
+whole-image processors (LLaVA's CLIP, Gemma 3's SigLIP) give `[images, C, H, W]`, stored one
+image per row with the grid `(0, H, W)` (see the Arrow layout below).
+
 Records are the layouts Axolotl users have: `messages` whose `content` is a list of parts
 (`{"type": "text", "text": ...}`, `{"type": "image", "path" | "url" | "image" | "base64":
 ...}`, `{"type": "video", "video": [frame paths]}`), and the older one with an `images`
@@ -132,11 +138,43 @@ class VisionProcessor:
 
     @property
     def image_token(self) -> str:
+        """The placeholder the chat template writes for an image (Gemma 3's is its
+        begin-of-image token, expanded around the feature tokens)."""
         return getattr(self.processor, "image_token", None) or "<|image_pad|>"
 
     @property
-    def video_token(self) -> str:
-        return getattr(self.processor, "video_token", None) or "<|video_pad|>"
+    def video_token(self) -> str | None:
+        """The placeholder of a video; None for processors that take no videos."""
+        return getattr(self.processor, "video_token", None)
+
+    @property
+    def feature_tokens(self) -> dict[int, str]:
+        """Per media kind, the token that stands for one feature in the expanded ids (the
+        placeholder itself, except Gemma 3's: its tokenizer's `image_token`)."""
+        image = getattr(self.tokenizer, "image_token", None) or self.image_token
+        return {IMAGE: image, **({VIDEO: self.video_token} if self.video_token else {})}
+
+    def feature_ids(self) -> dict[int, int]:
+        """Per media kind, the id of its feature token (only those in the vocabulary)."""
+        vocab = self.tokenizer.get_vocab()
+        return {kind: vocab[token] for kind, token in self.feature_tokens.items()
+                if token in vocab}
+
+    @property
+    def patched(self) -> bool:
+        """True for Qwen-VL's image processors (pixels as patch rows with a t*h*w grid);
+        False for whole-image ones (LLaVA's CLIP, Gemma 3's SigLIP): `[images, C, H, W]`."""
+        ip = self.image_processor
+        return hasattr(ip, "temporal_patch_size") and hasattr(ip, "merge_size")
+
+    @functools.cached_property
+    def image_shape(self) -> tuple[int, ...]:
+        """(C, H, W) of every image a whole-image processor makes (its fixed input size),
+        read from what it makes of a blank image."""
+        from PIL import Image
+
+        out = self.image_processor(images=[Image.new("RGB", (32, 32))], return_tensors="np")
+        return tuple(int(x) for x in np.asarray(out["pixel_values"]).shape[1:])
 
     @property
     def chat_template(self) -> str:
@@ -186,7 +224,8 @@ def load_processor(
         raise UserError(f"{path} holds no image processor, so it is not a vision-language "
                         "model's processor.",
                         fix="use the folder of a vision-language model (Qwen2-VL, Qwen2.5-VL, "
-                        "Qwen3-VL) whose preprocessor_config.json and tokenizer files are there.")
+                        "Qwen3-VL, LLaVA) whose preprocessor_config.json and tokenizer files are "
+                        "there.")
     return VisionProcessor(processor, size, resample, _video_size(folder, processor))
 
 
@@ -401,8 +440,10 @@ class _Media:
 
 
 def _default_spec(vp: VisionProcessor) -> formats.FormatSpec:
+    from longctx_cli.data.chat_templates import END_OF_TURN
+
     tok = vp.tokenizer
-    markers = [m for m in ("<|im_end|>", tok.eos_token) if m and m in tok.get_vocab()]
+    markers = [m for m in (*END_OF_TURN.values(), tok.eos_token) if m and m in tok.get_vocab()]
     return formats.FormatSpec("chat_template", template=vp.chat_template,
                               end_markers=tuple(dict.fromkeys(markers)))
 
@@ -590,11 +631,51 @@ def _video(part: dict[str, Any], vp: VisionProcessor, base_dir: Path, where: str
 # ---- pixels ------------------------------------------------------------------------------
 
 
-def _image_pixels(vp: VisionProcessor, image: PILImage.Image
-                  ) -> tuple[np.ndarray, tuple[int, int, int]]:
+@dataclass
+class _Encoded:
+    """One image or video through the processor: its rows of `pixel_values`, one grid per
+    tower input, and the text its placeholder becomes."""
+
+    pixels: np.ndarray
+    grids: list[tuple[int, int, int]]
+    replacement: str
+
+
+def _image_pixels(vp: VisionProcessor, image: PILImage.Image, where: str) -> _Encoded:
+    """An image as the processor makes it, with the processor's own expansion of its
+    placeholder (`replace_image_token`: the rule its `__call__` applies).
+
+    Patched processors (Qwen-VL) give patch rows and a `[t, h, w]` patch grid. Whole-image
+    ones give `[k, C, H, W]` (k > 1 only for Gemma 3's pan-and-scan crops, each a tower
+    input of its own): each is stored as one row of C*H*W values, with grid `(0, H, W)`; the
+    0 says "a whole image, not a patch grid" (runtime/batches.py reads it back as one).
+    """
     out = vp.image_processor(images=[image], return_tensors="np")
-    grid = tuple(int(x) for x in np.asarray(out["image_grid_thw"])[0])
-    return np.asarray(out["pixel_values"], dtype=np.float32), grid  # type: ignore[return-value]
+    pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+    if vp.patched:
+        grid = tuple(int(x) for x in np.asarray(out["image_grid_thw"])[0])
+        grids = [grid]
+    else:
+        if tuple(pixels.shape[1:]) != vp.image_shape:
+            raise UserError(
+                f"the image processor made a {'x'.join(map(str, pixels.shape[1:]))} image where "
+                f"its others are {'x'.join(map(str, vp.image_shape))}; the rows hold one image "
+                "size (the tower's).", where=where,
+                fix="keep the processor's fixed size: `do_center_crop: true` with `crop_size` "
+                "(CLIP) or a `size` with height and width in preprocessor_config.json.")
+        grids = [(0, int(pixels.shape[2]), int(pixels.shape[3]))] * len(pixels)
+        pixels = pixels.reshape(len(pixels), -1)
+    try:
+        replacement = str(vp.processor.replace_image_token(out, image_idx=0))
+    except (AttributeError, NotImplementedError):
+        if not vp.patched:
+            raise UserError(
+                f"the processor {type(vp.processor).__name__} does not say how it expands an "
+                "image placeholder (no `replace_image_token`).", where=where,
+                fix="use a LLaVA, Gemma 3 or Qwen-VL processor with transformers >= 5.") from None
+        merge = int(vp.image_processor.merge_size) ** 2
+        replacement = vp.image_token * (int(np.prod(grids[0])) // merge)
+    return _Encoded(pixels, grids, replacement)  # type: ignore[arg-type]
 
 
 def video_pixels(vp: VisionProcessor, frames: list[PILImage.Image]
@@ -638,9 +719,9 @@ def encode_vision_record(
     The conversation is rendered once with the chat template; targets are located on that
     text by `formats.chat_target_spans` (the text path's own rules: roles_to_train, the
     per-turn training flag, train_on_inputs, train_on_eos). Each vision placeholder is then
-    expanded to one token per merged patch (`grid t*h*w / merge_size**2`, transformers'
-    rule), the spans shifted with it, and the text tokenized once. Image and video tokens,
-    and the vision start/end markers around them, are never targets.
+    expanded as the processor expands it (`replace_image_token`; a video: one token per
+    merged patch, `grid t*h*w / merge_size**2`), the spans shifted with it, and the text
+    tokenized once. Image and video tokens, and the markers around them, are never targets.
 
     `processor` is what `load_processor` returns or a bare Hugging Face processor; `spec`
     carries a dataset entry's chat options (defaults: train assistant turns and the end
@@ -655,73 +736,87 @@ def encode_vision_record(
     media = _collect_media(turns, vp, base_dir, where)
     text, spans = formats.chat_target_spans(tok, spec, turns, where)
 
-    pixels, grids, kinds, seconds = [], [], [], []
+    encoded, kinds, seconds = [], [], []
     for item in media:
         if item.kind == IMAGE:
-            pv, grid = _image_pixels(vp, item.frames[0])
+            encoded.append(_image_pixels(vp, item.frames[0], where))
         else:
+            if vp.video_token is None or not vp.patched:
+                raise UserError(
+                    f"the record holds a video, and the {type(vp.processor).__name__} "
+                    "processor takes images only.", where=where,
+                    fix="pass the video's frames as image parts, or drop the record.")
             pv, grid = video_pixels(vp, item.frames)
+            merge = int(vp.image_processor.merge_size) ** 2
+            encoded.append(_Encoded(pv, [grid], vp.video_token * (int(np.prod(grid)) // merge)))
             seconds.append(vp.image_processor.temporal_patch_size / item.fps)
-        pixels.append(pv)
-        grids.append(grid)
         kinds.append(item.kind)
-    merge = int(vp.image_processor.merge_size) ** 2
-    counts = [t * h * w // merge for t, h, w in grids]
-    expanded, spans = _expand(text, spans, kinds, counts, vp, where)
+    expanded, spans = _expand(text, spans, kinds, [e.replacement for e in encoded], vp, where)
     ids, labels, _ = formats.encode_spans(tok, expanded, spans)
 
-    image_id, video_id = (tok.convert_tokens_to_ids(x) for x in (vp.image_token, vp.video_token))
-    types = [IMAGE if t == image_id else VIDEO if t == video_id else TEXT for t in ids]
-    for kind in (IMAGE, VIDEO):
-        want = sum(c for c, k in zip(counts, kinds, strict=True) if k == kind)
+    feature = vp.feature_ids()
+    kind_of = {token: kind for kind, token in feature.items()}
+    types = [kind_of.get(t, TEXT) for t in ids]
+    for kind, token in vp.feature_tokens.items():
+        want = sum(e.replacement.count(token)
+                   for e, k in zip(encoded, kinds, strict=True) if k == kind)
         have = types.count(kind)
         if have != want:
-            name = vp.image_token if kind == IMAGE else vp.video_token
             raise UserError(
-                f"the tokens hold {have} `{name}` token(s) but the processor's features fill "
+                f"the tokens hold {have} `{token}` token(s) but the processor's features fill "
                 f"{want}; each would be paired with the wrong patch features.", where=where,
-                fix=f"make sure the tokenizer has `{name}` as one special token and that no "
+                fix=f"make sure the tokenizer has `{token}` as one special token and that no "
                 "text in the record contains it (or another vision marker) literally.")
-    never = {tok.convert_tokens_to_ids(x) for x in ("<|vision_start|>", "<|vision_end|>")
-             if x in tok.get_vocab()}
+    # The markers around an image's tokens (and Gemma 3's placeholder, which stays as its
+    # begin-of-image token) are the processor's, never something to predict.
+    markers = ("<|vision_start|>", "<|vision_end|>", vp.image_token,
+               getattr(tok, "boi_token", None), getattr(tok, "eoi_token", None))
+    vocab = tok.get_vocab()
+    never = {vocab[m] for m in markers if m and m in vocab}
     labels = [IGNORE_INDEX if ty != TEXT or t in never else lab
               for t, lab, ty in zip(ids, labels, types, strict=True)]
-    pixel_values = (np.concatenate(pixels) if pixels else
+    pixel_values = (np.concatenate([e.pixels for e in encoded]) if encoded else
                     np.zeros((0, _patch_dim(vp)), dtype=np.float32))
-    return VisionDocument(ids, labels, types, pixel_values, grids, where, kinds, seconds)
+    grids = [g for e in encoded for g in e.grids]
+    grid_kinds = [k for e, k in zip(encoded, kinds, strict=True) for _ in e.grids]
+    return VisionDocument(ids, labels, types, pixel_values, grids, where, grid_kinds, seconds)
 
 
 def _patch_dim(vp: VisionProcessor) -> int:
+    if not vp.patched:  # one row per whole image
+        return int(np.prod(vp.image_shape))
     ip = vp.image_processor
     return 3 * int(ip.temporal_patch_size) * int(ip.patch_size) ** 2
 
 
-def _expand(text: str, spans: list[tuple[int, int]], kinds: list[int], counts: list[int],
+def _expand(text: str, spans: list[tuple[int, int]], kinds: list[int], replacements: list[str],
             vp: VisionProcessor, where: str) -> tuple[str, list[tuple[int, int]]]:
-    """Each placeholder repeated `counts[i]` times, and the target spans moved with the text.
+    """Each placeholder replaced by its media's expansion (`replacements[i]`: the feature
+    token repeated, with Gemma 3's markers around it), and the target spans moved with the
+    text.
 
     The placeholders found must be exactly the media collected, kind for kind, in order: a
     template that drops image parts, or text that contains a placeholder literally, would
     otherwise pair features with the wrong tokens.
     """
-    tokens = {vp.image_token: IMAGE, vp.video_token: VIDEO}
+    tokens = {vp.image_token: IMAGE, **({vp.video_token: VIDEO} if vp.video_token else {})}
     found = [(m.start(), m.end(), tokens[m.group()])
              for m in re.finditer("|".join(re.escape(t) for t in tokens), text)]
     if [k for *_, k in found] != kinds:
         def describe(ks: list[int]) -> str:
             return f"{ks.count(IMAGE)} image(s) and {ks.count(VIDEO)} video(s)"
 
+        names = "/".join(f"`{t}`" for t in tokens)
         raise UserError(
             f"the rendered conversation has placeholders for {describe([k for *_, k in found])}"
             f" but the record holds {describe(kinds)}, in that order; the image tokens would "
             "not match the processor's features.", where=where,
             fix=f"use the model's own chat template (it renders every image part as "
-            f"`{vp.image_token}`), and keep `{vp.image_token}`/`{vp.video_token}` out of the "
-            "record's text.")
+            f"`{vp.image_token}`), and keep {names} out of the record's text.")
     pieces, shifts, cursor, extra = [], [], 0, 0
-    for (start, end, _), count in zip(found, counts, strict=True):
-        pieces += [text[cursor:start], text[start:end] * count]
-        extra += (end - start) * (count - 1)
+    for (start, end, _), replacement in zip(found, replacements, strict=True):
+        pieces += [text[cursor:start], replacement]
+        extra += len(replacement) - (end - start)
         shifts.append((end, extra))
         cursor = end
     pieces.append(text[cursor:])
@@ -784,8 +879,10 @@ def vision_row(members: Sequence[VisionDocument]) -> VisionRow:
 #
 # Rows of a vision run hold, besides the text columns, the row's pixel patches flattened
 # (`pixel_values`, `pixel_dim` wide), one [t, h, w] grid per image/video in row order, the
-# kind of each (1 image, 2 video) and each video's seconds per temporal patch. Which tokens
-# are vision tokens is not stored: it is `input_ids == image/video token id`, exactly
+# kind of each (1 image, 2 video) and each video's seconds per temporal patch. A whole-image
+# processor's image (LLaVA, Gemma 3) is one row of C*H*W values with the grid (0, H, W): no
+# patch grid has t = 0, so the trainer reads these back as `[images, C, H, W]`. Which tokens
+# are vision tokens is not stored: it is `input_ids == image/video feature token id`, exactly
 # what `mm_token_type_ids` was computed from.
 
 ROW_COLUMNS = ("input_ids", "labels", "position_ids", "pixel_values", "pixel_dim",

@@ -70,7 +70,18 @@ def collate_images(rows: Rows | Dataset) -> VisionInputs | None:
         start = end
     if not grids:
         return None
-    return VisionInputs(torch.cat(pixels), torch.tensor(grids, dtype=torch.long), tuple(kinds),
+    return media_inputs(torch.cat(pixels), grids, kinds, seconds)
+
+
+def media_inputs(pixels: torch.Tensor, grids: list, kinds: list[int] | tuple[int, ...],
+                 seconds: list[float]) -> VisionInputs:
+    """The model side's inputs of stored media (data/vision.py's layout): patch rows with
+    their `[t, h, w]` grids, or, where the grids are `(0, H, W)`, whole images of one row each,
+    `[images, C, H, W]` as LLaVA's tower takes them."""
+    if all(g[0] == 0 for g in grids):
+        _, height, width = grids[0]
+        return VisionInputs(pixels.view(len(grids), -1, height, width))
+    return VisionInputs(pixels, torch.tensor(grids, dtype=torch.long), tuple(kinds),
                         torch.tensor(seconds, dtype=torch.float32) if seconds else None)
 
 
