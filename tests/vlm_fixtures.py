@@ -122,3 +122,45 @@ def write_tiny_llava_processor(folder: str | Path, image_side: int = 16, patch_s
                            vision_feature_select_strategy="default",
                            num_additional_image_tokens=1, image_token=LLAVA_IMAGE_TOKEN)
     return folder
+
+
+# ---- Gemma 3 -------------------------------------------------------------------------------
+
+GEMMA3_SPECIALS = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>")
+# The image tokens, as Gemma 3's tokenizer names them (its `boi_token`, `eoi_token`,
+# `image_token` attributes): the template writes the first, the processor expands it.
+GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                       "image_token": "<image_soft_token>"}
+# Gemma 3's template in the same shape: <bos>, turns between <start_of_turn>/<end_of_turn>, the
+# assistant written `model`, an image part as its begin-of-image token.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "<start_of_turn>{{ role }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<start_of_image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def write_tiny_gemma3_processor(folder: str | Path, image_side: int = 32,
+                                image_seq_length: int = 16) -> Path:
+    """A Gemma 3 processor's files in `folder`, offline: its image processor at
+    `image_side` square pixels, a byte-level tokenizer with Gemma's turn and image tokens, and
+    `image_seq_length` soft tokens per image (the model's `mm_tokens_per_image`).
+    `AutoProcessor.from_pretrained(folder)` loads it as a `Gemma3Processor`."""
+    from transformers import Gemma3ImageProcessorPil
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = EXAMPLE.train_tokenizer(
+        CORPUS * 20, 400, GEMMA3_SPECIALS, tuple(GEMMA3_IMAGE_TOKENS.values()),
+        pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+        extra_special_tokens=dict(GEMMA3_IMAGE_TOKENS))
+    images = Gemma3ImageProcessorPil(size={"height": image_side, "width": image_side})
+    EXAMPLE.save_processor(folder, tokenizer, images, GEMMA3_TEMPLATE, "Gemma3Processor",
+                           "Gemma3ImageProcessor", image_seq_length=image_seq_length)
+    return folder
