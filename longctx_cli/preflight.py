@@ -52,13 +52,6 @@ def check_run(
                                          sp_given=sp_degree_given(overrides or []))
     else:
         plan = plan_for(config, nproc_per_node, nnodes, assume_gpu=assume_gpu)
-    if command in ("eval", "merge-lora") and plan.vision:
-        raise UserError(
-            f"`longctx {command}` does not run vision-language models yet (training and "
-            "`generate` do).",
-            where="base_model",
-            fix="load the checkpoint in transformers: AutoModelForImageTextToText and "
-            "AutoProcessor.from_pretrained(<output_dir>/final) (docs/vlm.md).")
     if world_checks and command in ("validate", "train"):
         preflight(config)
     return config, plan

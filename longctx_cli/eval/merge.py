@@ -1,6 +1,11 @@
 """`longctx merge-lora`: fold a trained LoRA adapter into its base and write a plain Hugging
 Face model folder (weights in the config's dtype, tokenizer, generation config).
 
+A vision-language base loads with its own Auto class (`AutoModelForImageTextToText`, as the
+trainer and `longctx eval` load it) and the merged folder keeps the run's processor files, as
+the trainer's `final/` does, so it loads back with `AutoProcessor` too. With
+`freeze_mm_modules` the adapter holds nothing for the tower, which is saved as it was.
+
 The merged weights compute what the adapter was trained on: for QLoRA that is the
 *dequantised* 4-bit base plus the adapter, so a quantized base is loaded as training loaded it
 (bitsandbytes), dequantised, and only then merged; merging into the original full-precision
@@ -12,6 +17,7 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from longctx_cli.config import Config
 from longctx_cli.errors import UserError
@@ -22,6 +28,11 @@ from longctx_cli.eval.checkpoint_loading import (
     checkpoint_kind,
     lora_base_path,
 )
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    from longctx_cli.data.vision import ProcessorFiles
 
 # The attention the merged model is saved with: a standard one, so that it loads anywhere.
 MERGE_ATTENTION = "sdpa"
@@ -35,14 +46,13 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
                say=print) -> Path:
     """Write `base + adapter` of `checkpoint` (a LoRA `final/`) to `output`; returns it."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    from longctx_cli.data.tokenizer import load_tokenizer
     from longctx_cli.runtime.model import (
         DTYPES,
         bnb_quantization,
         changes_model_config,
         load_device_map,
+        model_class_and_attention,
         model_config_of,
         peft_quietly,
     )
@@ -66,8 +76,7 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
     dtype = DTYPES[config.dtype]
     base_path = lora_base_path(checkpoint)
     quantization = bnb_quantization(config, dtype)
-    kwargs = {"dtype": dtype, "attn_implementation": MERGE_ATTENTION,
-              "trust_remote_code": config.trust_remote_code}
+    kwargs = {"dtype": dtype, "trust_remote_code": config.trust_remote_code}
     if changes_model_config(config) and not (checkpoint / "base_model").is_dir():
         # The adapter was trained on the base under the run's config (RoPE scaling, overrides);
         # a bundled base_model/ was saved with it already.
@@ -77,7 +86,10 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
     say(f"loading the base model {base_path}"
         + (" (quantized as in training)" if quantization is not None else ""))
     try:
-        base = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
+        # The class training loaded: a vision-language model is no AutoModelForCausalLM.
+        auto_class, kwargs["attn_implementation"] = model_class_and_attention(
+            kwargs.get("config") or _base_config(base_path, config), MERGE_ATTENTION)
+        base = auto_class.from_pretrained(base_path, **kwargs)
     except (OSError, ValueError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"could not load the base model {base_path!r}: {first}",
@@ -95,12 +107,39 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
     tmp = output.with_name(output.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     merged.save_pretrained(tmp, safe_serialization=True)
-    load_tokenizer(config).save_pretrained(tmp)  # as the trainer exported it to final/
+    saved_with(config).save_pretrained(tmp)  # as the trainer exported it to final/
     output.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(output, ignore_errors=True)
     tmp.rename(output)
-    say(f"merged model: {output} (load it with AutoModelForCausalLM.from_pretrained)")
+    loads = f"{auto_class.__name__}.from_pretrained"
+    if config.processor_type:
+        loads += " and AutoProcessor.from_pretrained"
+    say(f"merged model: {output} (load it with {loads})")
     return output
+
+
+def _base_config(base_path: str, config: Config) -> PretrainedConfig:
+    """The base model's own config (which Auto class loads it)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(base_path, trust_remote_code=config.trust_remote_code)
+
+
+def saved_with(config: Config) -> ProcessorFiles | PreTrainedTokenizerBase:
+    """What is saved beside the merged weights: a vision-language run's processor files
+    (tokenizer, image processor, chat template, under the model's own processor class), else
+    the tokenizer, exactly as the trainer's `final/` holds them (`train/loop.py`)."""
+    if config.processor_type:
+        from longctx_cli.data.vision import (
+            ProcessorFiles,
+            load_config_processor,
+            processor_folder,
+        )
+
+        return ProcessorFiles(load_config_processor(config), processor_folder(config))
+    from longctx_cli.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(config)
 
 
 def run_merge(config_path: Path, checkpoint: Path, output: Path | None,

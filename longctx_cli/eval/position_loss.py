@@ -7,6 +7,10 @@ document this is the position within the row. Positions `[0, sequence_len)` are 
 `eval_position_buckets` equal buckets. Every valid target token counts once, whichever rank
 holds it: each rank sums its tokens' losses and counts per bucket, and one all-reduce adds
 them up, so the means are exact under SP and data parallelism.
+
+A vision-language run's rows carry their images: each row goes through the forward training
+uses (`runtime.batches.row_batch`: the tower split by images, features merged, then the row
+sharded), and a token's position counts the image tokens before it in its document.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from longctx_cli.parallel.mesh import ParallelState
-from longctx_cli.parallel.sharding import IGNORE_INDEX, shard_batch
-from longctx_cli.runtime.batches import collate, to_device
+from longctx_cli.parallel.sharding import IGNORE_INDEX
+from longctx_cli.runtime.batches import row_batch
 from longctx_cli.runtime.model import sp_hidden_states
 
 
@@ -103,7 +107,8 @@ def position_loss(
     mine = range(dp_rank, len(rows), dp_size)
     for index in tqdm(mine, desc=f"position loss {label}".strip(), unit="row",
                       disable=None if show_progress else True, dynamic_ncols=True):
-        batch = to_device(shard_batch(*collate(rows.select([index])), state, pad_id), device)
+        # The row with its images, if it has any (a text row is sharded as before).
+        batch = row_batch(rows, index, state, pad_id)
         hidden = sp_hidden_states(decoder, batch, where="--checkpoint")
         labels = batch.shift_labels.reshape(-1)
         valid = labels != IGNORE_INDEX

@@ -96,6 +96,18 @@ def eval_specs(config: Config, tokenizer: PreTrainedTokenizerBase,
     return EvalSpecs(grid, positions, ruler)
 
 
+def eval_tokenizer(config: Config) -> PreTrainedTokenizerBase:
+    """The tokenizer evaluation reads with: a vision-language run's is its processor's (with
+    the config's special tokens and pad token), as training and `longctx generate` read it."""
+    if config.processor_type:
+        from longctx_cli.data.vision import load_config_processor
+
+        return load_config_processor(config).tokenizer
+    from longctx_cli.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(config)
+
+
 def has_held_out(config: Config) -> bool:
     """Whether the config names held-out rows `position_loss` can read (the cache says
     whether it holds any); preference pairs (`rl:`) are not such rows."""
@@ -145,9 +157,8 @@ def run_eval(
     # Forward only: the SP degree is the machine's (one SP group over the ranks by default).
     config, plan = check_run(config, "eval", nproc_per_node, overrides=overrides)
     from longctx_cli.data.prepare import prepare
-    from longctx_cli.data.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(config)
+    tokenizer = eval_tokenizer(config)
     held_out = has_held_out(config) and prepare(config, tokenizer).eval is not None
     specs = eval_specs(config, tokenizer, held_out)
     if "position_loss" in config.eval_tasks and not specs.positions:
@@ -161,7 +172,6 @@ def evaluate(config: Config, plan: Plan, checkpoint: Path, compare: Path | None)
     import torch.distributed as dist
     from rich.console import Console
 
-    from longctx_cli.data.tokenizer import load_tokenizer
     from longctx_cli.data.tokenizer import pad_id as tokenizer_pad_id
     from longctx_cli.eval import report
     from longctx_cli.parallel.mesh import build_parallel_state
@@ -170,7 +180,7 @@ def evaluate(config: Config, plan: Plan, checkpoint: Path, compare: Path | None)
     device = init_distributed(config)
     state = build_parallel_state(plan.layout, device)
     rank = dist.get_rank()
-    tokenizer = load_tokenizer(config)
+    tokenizer = eval_tokenizer(config)
     pad_id = tokenizer_pad_id(tokenizer)
     rows = load_rows(config, tokenizer)[1] if has_held_out(config) else None
     specs = eval_specs(config, tokenizer, rows is not None)
