@@ -41,12 +41,33 @@ def test_plan_shows_the_tower_split_by_images_and_its_memory() -> None:
         plan.memory.vision_tower  # no gradients or optimizer state for a frozen tower
 
 
-def test_gemma3_images_are_refused_with_the_true_reason() -> None:
+@pytest.mark.parametrize("mode", ["ring", "hybrid"])
+def test_gemma3_images_under_a_ring_are_refused_with_the_true_reason(mode: str) -> None:
     from transformers import Gemma3Config
 
+    extra = {"ulysses_degree": 2} if mode == "hybrid" else {}
     with pytest.raises(UserError) as e:
-        _plan(Gemma3Config(), processor_type="AutoProcessor")
+        _plan(Gemma3Config(), world=4, processor_type="AutoProcessor",
+              sequence_parallel_mode=mode, **extra)
+    assert e.value.where == "sequence_parallel_mode"
     assert "both directions" in str(e.value) and "causal" in str(e.value)
+    assert "sequence_parallel_mode: ulysses" in e.value.fix
+
+
+def test_gemma3_trains_its_language_model_on_text_without_a_processor() -> None:
+    from transformers import Gemma3Config
+
+    plan = _plan(Gemma3Config(), sequence_parallel_mode="ring")
+    assert plan.vision == [] or not plan.vision
+    assert plan.memory.vision_tower == 0
+
+
+def test_paligemma_is_refused_as_a_prefix_lm() -> None:
+    from transformers import PaliGemmaConfig
+
+    with pytest.raises(UserError) as e:
+        _plan(PaliGemmaConfig(), processor_type="AutoProcessor")
+    assert "prefix LM" in str(e.value) and e.value.where == "base_model"
 
 
 @pytest.mark.parametrize("overrides, where", [
@@ -68,23 +89,9 @@ def test_processor_type_on_a_text_model_is_refused() -> None:
     assert e.value.where == "processor_type"
 
 
-def test_llava_images_are_refused_until_its_data_path_exists() -> None:
-    with pytest.raises(UserError) as e:
-        _plan(_config("llava"), processor_type="AutoProcessor")
-    assert "Qwen3-VL processors only" in str(e.value)
-
-
-@pytest.mark.parametrize("command", ["eval", "merge-lora"])
-def test_forward_only_commands_say_they_do_not_run_vlms_yet(command: str) -> None:
-    from longctx_cli.config import config_from_dict
-    from longctx_cli.preflight import check_run
-
-    config = config_from_dict({"model_config": _config("qwen2_5_vl").to_dict(),
-                               "sequence_len": 512, "output_dir": "unused",
-                               "datasets": [{"path": "c.jsonl", "type": "chat_template"}]})
-    with pytest.raises(UserError) as e:
-        check_run(config, command, 2)
-    assert "does not run vision-language models yet" in str(e.value)
+def test_llava_images_plan_their_tower() -> None:
+    rows = _rows(_plan(_config("llava"), processor_type="AutoProcessor"))
+    assert "2 layers, hidden 32" in rows["vision tower"]
 
 
 @pytest.mark.parametrize("overrides, where", [
@@ -98,3 +105,13 @@ def test_keys_no_processor_would_read_are_refused(overrides, where) -> None:
     with pytest.raises(UserError) as e:
         _plan(_config("qwen2_5_vl"), **overrides)
     assert e.value.where == where, str(e.value)
+
+
+def test_fidelity_probe_checks_gemma3_with_its_bidirectional_images() -> None:
+    from transformers import Gemma3Config
+
+    from longctx_cli.train.fidelity import run_probe
+
+    result = run_probe(Gemma3Config(), images=True)
+    assert "images" in result.summary() and result.worst_gradient_rel_error < 1e-4
+    assert result.gradients_checked > 100  # the tower's and projector's weights among them

@@ -18,7 +18,12 @@ from longctx_cli.runtime.vision import IMAGE, VIDEO, VisionInputs
 VOCAB = 200
 IMAGE_ID, VIDEO_ID, START_ID, END_ID = 190, 191, 192, 193
 PATCH, MERGE, TEMPORAL = 4, 2, 2
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3")
+# Families with fixed-size images `[n, 3, side, side]` and a fixed token count per image.
+FLAT = {"llava": (16, (16 // PATCH) ** 2), "gemma3": (40, 25)}
+# Gemma 3 pools 10 x 10 patches to 25 tokens (the count puts a shard boundary inside an
+# image under Ulysses); its sliding layers see 6 tokens back, fewer than an image holds.
+GEMMA3_WINDOW = 6
 
 
 def _config(family: str):
@@ -68,6 +73,20 @@ def _config(family: str):
                                            image_size=16, patch_size=PATCH),
             text_config=LlamaConfig(**text), image_token_id=IMAGE_ID,
             vision_feature_layer=-1, vision_feature_select_strategy="default")
+    if family == "gemma3":
+        from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+
+        side, tokens = FLAT["gemma3"]
+        return Gemma3Config(
+            text_config=Gemma3TextConfig(
+                **{**text, "head_dim": 16}, query_pre_attn_scalar=16,
+                sliding_window=GEMMA3_WINDOW,
+                layer_types=["sliding_attention", "full_attention"]),
+            vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=48,
+                                             num_hidden_layers=2, num_attention_heads=2,
+                                             image_size=side, patch_size=PATCH),
+            mm_tokens_per_image=tokens, image_token_index=IMAGE_ID,
+            boi_token_index=START_ID, eoi_token_index=END_ID)
     raise ValueError(family)
 
 
@@ -81,6 +100,10 @@ def tiny_vlm(family: str, attn: str) -> torch.nn.Module:
         _config(family), attn_implementation={"text_config": attn, "vision_config": "sdpa",
                                               "": attn},
         dtype=torch.float32)
+    if family == "gemma3":  # its projection starts at zero, which would hide the tower
+        with torch.no_grad():
+            weight = model.model.multi_modal_projector.mm_input_projection_weight
+            weight.normal_(0, 0.2, generator=torch.Generator().manual_seed(1))
     return model.train()
 
 
@@ -88,8 +111,9 @@ def _image(family: str, grid: tuple[int, int, int], gen: torch.Generator
            ) -> tuple[torch.Tensor, int]:
     """Random pixels of one image and its placeholder count."""
     t, h, w = grid
-    if family == "llava":
-        return torch.randn(1, 3, 16, 16, generator=gen), (16 // PATCH) ** 2
+    if family in FLAT:
+        side, tokens = FLAT[family]
+        return torch.randn(1, 3, side, side, generator=gen), tokens
     rows = t * h * w
     return torch.randn(rows, 3 * TEMPORAL * PATCH * PATCH, generator=gen), rows // MERGE**2
 
@@ -145,7 +169,7 @@ def _inputs(pixels: list[torch.Tensor], grids: list, kinds: list[int],
             family: str) -> VisionInputs | None:
     if not pixels:
         return None
-    if family == "llava":
+    if family in FLAT:
         return VisionInputs(torch.cat(pixels))
     videos = kinds.count(VIDEO)
     return VisionInputs(torch.cat(pixels), torch.tensor(grids), tuple(kinds),
@@ -159,6 +183,8 @@ def own_vlm_step(model: torch.nn.Module, docs) -> float:
     total = 0.0
     for (ids, labels, media), n in zip(docs, targets, strict=True):
         kwargs = {}
+        if model.config.model_type == "gemma3":  # what makes its image tokens bidirectional
+            kwargs["token_type_ids"] = (ids == IMAGE_ID).long()[None]
         if media is not None and media.image_grid_thw is None:
             kwargs["pixel_values"] = media.pixel_values
         elif media is not None:

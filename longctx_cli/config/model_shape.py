@@ -367,15 +367,16 @@ def apply_model_overrides(hf_config: Any, overrides: dict[str, Any] | None) -> A
     return hf_config
 
 
-def is_vision_language(hf_config: Any) -> bool:
-    """A model longctx trains with its images: a vision part in its config, and no causal
-    LM of its own in transformers. Qwen3.5 and Gemma 3 have one, and longctx trains that
-    language model on text, as before images were supported."""
+def is_vision_language(hf_config: Any, images: bool = False) -> bool:
+    """A model longctx trains with its images: a vision part in its config, and either no
+    causal LM of its own in transformers, or `images` (the run sets `processor_type`).
+    Qwen3.5 and Gemma 3 have a causal LM: without a processor longctx trains that language
+    model on text, as before images were supported."""
     if getattr(hf_config, "vision_config", None) is None:
         return False
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    return type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING
+    return images or type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING
 
 
 def read_model_config(config: Config) -> ModelShape:

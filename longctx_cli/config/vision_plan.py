@@ -18,13 +18,16 @@ from longctx_cli.layout import Layout
 
 # The model types whose forward runtime/vision.py rebuilds, by how their positions work.
 MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-FLAT_FAMILIES = ("llava",)
+FLAT_FAMILIES = ("llava", "gemma3")
 VISION_FAMILIES = MROPE_FAMILIES + FLAT_FAMILIES
 # Those whose processor's rows `longctx preprocess` builds and tests (data/vision.py).
-PREPARED_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+PREPARED_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3")
 # Families whose image tokens attend to each other both ways (a bidirectional block inside
-# the causal mask), which no ring's causal segments express.
-BIDIRECTIONAL_IMAGE_FAMILIES = ("gemma3", "paligemma", "gemma3n")
+# the causal mask). Only Ulysses computes it: after its all-to-all a rank holds the whole
+# row for some heads, while a ring's ranks each hold a part of every document's keys.
+BIDIRECTIONAL_IMAGE_FAMILIES = ("gemma3",)
+# A prefix LM: the image and the prompt after it attend to each other both ways.
+PREFIX_LM_FAMILIES = ("paligemma",)
 # Values a transformer block keeps per token and hidden unit for its backward (inputs of
 # the norms, q/k/v, attention output, MLP in/out): a rough count, as for the decoder.
 SAVED_PER_HIDDEN = 16
@@ -79,14 +82,14 @@ class VisionTower:
 def refuse_unless_rebuilt(model_config: Any) -> None:
     """Refuse a VLM family longctx does not rebuild, with the true reason."""
     model_type = str(getattr(model_config, "model_type", ""))
-    if model_type in BIDIRECTIONAL_IMAGE_FAMILIES:
+    if model_type in PREFIX_LM_FAMILIES:
         raise UserError(
-            f"model type `{model_type}` lets the tokens of one image attend to each other in "
-            "both directions. longctx's sequence-parallel attention computes causal document "
-            "segments only, so it would train a different model.",
+            f"model type `{model_type}` lets its image and the prompt after it attend to each "
+            "other in both directions (a prefix LM). longctx's sequence-parallel attention "
+            "does not compute that mask, so it would train a different model.",
             where="base_model",
-            fix="train this model without sequence parallelism, or pick a vision-language "
-            f"family longctx trains exactly ({', '.join(VISION_FAMILIES)}).")
+            fix="train this model without longctx, or pick a vision-language family longctx "
+            f"trains exactly ({', '.join(VISION_FAMILIES)}).")
     if model_type not in VISION_FAMILIES:
         raise UserError(
             f"model type `{model_type}` takes images, but longctx does not rebuild its "
@@ -117,11 +120,7 @@ def check_vision(config: Config, hf_config: Any, layout: Layout) -> VisionTower 
             where="pretraining_dataset",
             fix="list image-bearing records under `datasets` (type: chat_template), or drop "
             "`processor_type`.")
-    if not is_vision_language(hf_config):
-        if config.processor_type and getattr(hf_config, "vision_config", None) is not None:
-            # A VLM whose language model longctx trains on text (Gemma 3, Qwen3.5): its
-            # images are another matter.
-            refuse_unless_rebuilt(hf_config)
+    if not is_vision_language(hf_config, images=bool(config.processor_type)):
         for key in ("processor_type", "freeze_mm_modules"):
             if getattr(config, key):
                 raise UserError(
@@ -136,11 +135,21 @@ def check_vision(config: Config, hf_config: Any, layout: Layout) -> VisionTower 
             "vision-language models do not run under tensor parallelism here: the tower and "
             "the merge of its features are not split over a TP group.",
             where="tensor_parallel_size", fix="use `tensor_parallel_size: 1`.")
+    if tower.model_type in BIDIRECTIONAL_IMAGE_FAMILIES and layout.mode != "ulysses":
+        raise UserError(
+            f"model type `{tower.model_type}` lets the tokens of one image attend to each other "
+            f"in both directions. `sequence_parallel_mode: {layout.mode}` runs a ring, whose "
+            "ranks each hold part of every document's keys and compute causal segments "
+            "only, so it would train a different model.",
+            where="sequence_parallel_mode",
+            fix="set `sequence_parallel_mode: ulysses`: after its all-to-all each rank holds "
+            "the whole row for some heads and applies the model's own mask.")
     if config.processor_type and tower.model_type not in PREPARED_FAMILIES:
         raise UserError(
             f"`processor_type` with model type `{tower.model_type}`: longctx prepares image "
-            "rows with the Qwen2-VL, Qwen2.5-VL and Qwen3-VL processors only so far (this family's "
-            "forward is exact; its processor's rows are not tested).", where="processor_type",
+            f"rows with the processors of {', '.join(PREPARED_FAMILIES)} only so far (this "
+            "family's forward is exact; its processor's rows are not tested).",
+            where="processor_type",
             fix=f"use a model of {', '.join(PREPARED_FAMILIES)}, or train on text only.")
     if config.rl is not None:
         raise UserError(

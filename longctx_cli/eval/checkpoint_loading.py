@@ -101,7 +101,8 @@ def _from_pretrained(source: str, config: Config, hf_config=None) -> nn.Module:
     try:
         auto_class, attn = model_class_and_attention(
             hf_config if hf_config is not None else AutoConfig.from_pretrained(
-                source, trust_remote_code=config.trust_remote_code), ATTN_IMPLEMENTATION)
+                source, trust_remote_code=config.trust_remote_code), ATTN_IMPLEMENTATION,
+            bool(config.processor_type))
         model = auto_class.from_pretrained(
             source,
             attn_implementation=attn,

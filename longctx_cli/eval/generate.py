@@ -42,7 +42,7 @@ def vision_prompt(config: Config, text: str, base_dir: Path) -> tuple[list[int],
     import torch
 
     from longctx_cli.data.vision import encode_vision_prompt, load_config_processor
-    from longctx_cli.runtime.vision import VisionInputs
+    from longctx_cli.runtime.batches import media_inputs
 
     try:
         record = json.loads(text)
@@ -55,12 +55,9 @@ def vision_prompt(config: Config, text: str, base_dir: Path) -> tuple[list[int],
     doc = encode_vision_prompt(record, load_config_processor(config), "--prompt-file",
                                base_dir=base_dir)
     media = None
-    if doc.image_grid_thw:
-        media = VisionInputs(torch.from_numpy(doc.pixel_values),
-                             torch.tensor(doc.image_grid_thw, dtype=torch.long),
-                             tuple(doc.media_kinds),
-                             torch.tensor(doc.second_per_grid_ts, dtype=torch.float32)
-                             if doc.second_per_grid_ts else None)
+    if doc.image_grid_thw:  # the stored layout, read back as training reads it
+        media = media_inputs(torch.from_numpy(doc.pixel_values), doc.image_grid_thw,
+                             doc.media_kinds, doc.second_per_grid_ts)
     return doc.input_ids, media
 
 
@@ -173,7 +170,7 @@ def generate_on_ranks(config: Config, plan: Plan, checkpoint: Path, text: str,
         tokenizer = load_tokenizer(config)
         prompt = prompt_ids(tokenizer, text)
     model = load_for_eval(config, checkpoint).to(device)
-    decoder, lm_head = decoder_and_head(model)
+    decoder, lm_head = decoder_and_head(model, bool(config.processor_type))
     new = greedy_tokens(decoder, lm_head, prompt, max_new_tokens, state,
                         tokenizer_pad_id(tokenizer), device, tokenizer.eos_token_id, media)
     if dist.get_rank() == 0:

@@ -88,7 +88,8 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
     try:
         # The class training loaded: a vision-language model is no AutoModelForCausalLM.
         auto_class, kwargs["attn_implementation"] = model_class_and_attention(
-            kwargs.get("config") or _base_config(base_path, config), MERGE_ATTENTION)
+            kwargs.get("config") or _base_config(base_path, config), MERGE_ATTENTION,
+            bool(config.processor_type))
         base = auto_class.from_pretrained(base_path, **kwargs)
     except (OSError, ValueError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -222,7 +222,7 @@ def evaluate_model(
     from longctx_cli.runtime.model import decoder_and_head
 
     model = load_for_eval(config, path).to(state.device)
-    decoder, lm_head = decoder_and_head(model)
+    decoder, lm_head = decoder_and_head(model, bool(config.processor_type))
     grid = positions = ruler = None
     if specs.grid is not None:
         grid = run_passkey_grid(decoder, lm_head, tokenizer, specs.grid, state, pad_id,

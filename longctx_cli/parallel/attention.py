@@ -94,6 +94,10 @@ def sp_attention(
         raise ValueError(
             f"attention sinks must be one per query head ({q.shape[1]}), got {tuple(sinks.shape)}"
         )
+    if meta.bidirectional and ctx.layout.mode != "ulysses":
+        raise NotImplementedError(
+            "image tokens that attend to each other both ways need sequence_parallel_mode "
+            f"ulysses; {ctx.layout.mode} splits each document's keys across ranks")
     if feats.chunk is not None:  # chunked local attention: chunk starts are segment starts
         meta, feats = chunked_meta(meta, feats.chunk), replace(feats, chunk=None)
     # Autocast off: every strategy keeps its statistics and merges in float32 itself, and

@@ -48,7 +48,12 @@ def as_features(features: AttentionFeatures | float) -> AttentionFeatures:
 class Segment(NamedTuple):
     """Queries ``q[q_start:q_end]`` attend to keys ``k[k_start:k_end]`` (bottom-right causal)
     and, for a document that branches off a shared prefix (`SPMeta.prefixes`), to every key
-    of ``k[p_start:p_end]`` as well."""
+    of ``k[p_start:p_end]`` as well.
+
+    ``bidirectional``: the queries are one image's tokens (`SPMeta.bidirectional`), which see
+    every key up to ``k_end`` whatever their own position; a window still counts back from
+    each query's position (``k_end - (q_end - row)``, as for a causal segment).
+    """
 
     q_start: int
     q_end: int
@@ -56,6 +61,7 @@ class Segment(NamedTuple):
     k_end: int
     p_start: int = 0
     p_end: int = 0
+    bidirectional: bool = False
 
     @property
     def has_prefix(self) -> bool:

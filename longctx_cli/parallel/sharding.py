@@ -48,6 +48,10 @@ class SPMeta:
     # off the first tokens of an earlier one (a preference pair's answers sharing the
     # prompt): its queries also see every key of that prefix. Empty for ordinary rows.
     prefixes: tuple[tuple[int, int, int], ...] = ()
+    # Global [start, end) runs of tokens that attend to each other both ways on top of the
+    # causal mask (Gemma 3's image tokens, see runtime/vision.py); empty for most rows.
+    # Only Ulysses computes them: after its all-to-all a rank holds the whole row.
+    bidirectional: tuple[tuple[int, int], ...] = ()
     # Values derived from this row, built once and read by every layer (see `derived`).
     _derived: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
     attention_calls: int = 0  # incremented by the transformers entry point
@@ -315,6 +319,9 @@ def chunked_meta(meta: SPMeta, chunk: int) -> SPMeta:
 
 
 def _new_chunked_meta(meta: SPMeta, chunk: int) -> SPMeta:
+    if meta.bidirectional:
+        raise ValueError("chunked local attention with bidirectional image tokens is not "
+                         "supported")
     if meta.prefixes:
         raise ValueError("chunked local attention with shared pair prompts (`prefix_sharing`) "
                          "is not supported")

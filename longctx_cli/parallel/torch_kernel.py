@@ -185,13 +185,35 @@ class _Block(NamedTuple):
 
 
 def full_row_segments(cu_seqlens: Sequence[int] | torch.Tensor,
-                      prefixes: tuple[tuple[int, int, int], ...] = ()) -> tuple[Segment, ...]:
+                      prefixes: tuple[tuple[int, int, int], ...] = (),
+                      bidirectional: tuple[tuple[int, int], ...] = ()) -> tuple[Segment, ...]:
     """Segments for a full row where queries and keys are the same tokens (one per document;
-    a branch document's with its prefix, see `SPMeta.prefixes`)."""
+    a branch document's with its prefix, see `SPMeta.prefixes`). A document holding
+    `bidirectional` runs (`SPMeta.bidirectional`) is cut at them: each run is a segment
+    whose queries see every key of the document up to the run's end."""
     bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
     shared = {start: (p0, p1) for start, p0, p1 in prefixes}
-    return tuple(Segment(a, b, a, b, *shared.get(a, (0, 0)))
-                 for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a)
+    if not bidirectional:
+        return tuple(Segment(a, b, a, b, *shared.get(a, (0, 0)))
+                     for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a)
+    if prefixes:
+        raise ValueError("bidirectional image tokens with shared pair prompts "
+                         "(`prefix_sharing`) are not supported")
+    out, runs = [], iter(sorted(bidirectional))
+    run = next(runs, None)
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        cut = a
+        while run is not None and run[0] < b:
+            s, e = run
+            if s < a or e > b:
+                raise ValueError(f"bidirectional run {run} crosses a document bound ({a}, {b})")
+            if cut < s:
+                out.append(Segment(cut, s, a, s))
+            out.append(Segment(s, e, a, e, bidirectional=True))
+            cut, run = e, next(runs, None)
+        if cut < b:
+            out.append(Segment(cut, b, a, b))
+    return tuple(out)
 
 
 def _segment_blocks(seg: Segment, window: int | None) -> list[list[_Block]]:
@@ -203,6 +225,9 @@ def _segment_blocks(seg: Segment, window: int | None) -> list[list[_Block]]:
     if n == 0:
         return []
     diag = seg.k_end - n
+    if seg.bidirectional:
+        reach = None if window is None or window >= seg.k_end - seg.k_start else window
+        return _rows_seeing_to_end(seg.q_start, seg.q_end, diag, seg.k_start, seg.k_end, reach)
     if seg.has_prefix and window is not None:
         raise ValueError("sliding-window attention with shared pair prompts (`prefix_sharing`) "
                          "is not supported")
@@ -290,13 +315,23 @@ def piece_blocks(piece: Piece, window: int | None) -> list[list[_Block]]:
         groups += _segment_blocks(seg, window)
     if mid >= hi:
         return groups
-    r0, r1 = q0 + mid - pos0, q0 + hi - pos0  # rows after every key
+    # Rows after every key: each sees all of them its window reaches.
+    return groups + _rows_seeing_to_end(q0 + mid - pos0, q0 + hi - pos0, mid, k0, k1, window)
+
+
+def _rows_seeing_to_end(r0: int, r1: int, pos: int, k0: int, k1: int, window: int | None
+                        ) -> list[list[_Block]]:
+    """Block groups of rows ``[r0, r1)`` (row ``r0`` at key position ``pos``) that see every
+    key of ``[k0, k1)`` except those before their window: rows after all the keys (a P2P
+    ring's piece), or an image's tokens, which see to the image's end whatever their place.
+    """
     if window is None:
-        return [*groups, [_Block(r0, r1, k0, k1, mid, False)]]
+        return [[_Block(r0, r1, k0, k1, pos, False)]]
+    groups = []
     rows = min(window, _MAX_ROWS)
     for a in range(r0, r1, rows):
         b = min(a + rows, r1)
-        p0 = pos0 + a - q0
+        p0 = pos + a - r0
         p1 = p0 + b - a
         full0 = max(k0, p1 - window)  # the last row's first key: every row sees [full0, k1)
         blocks = [_Block(a, b, full0, k1, p0, False)]
@@ -583,6 +618,15 @@ def _merge_f32(
     return out, lse
 
 
+def _segments_op(kernel: str, q: torch.Tensor, feats: AttentionFeatures, v: torch.Tensor,
+                 segments: Sequence[Segment]) -> OpKernel | None:
+    """:func:`op_kernel` for these segments: a bidirectional one (an image's tokens) runs on
+    the block paths, whose masks express it; the ops' varlen calls are causal."""
+    if any(seg.bidirectional for seg in segments):
+        return None
+    return op_kernel(kernel, q, feats, v)
+
+
 def _whole_block(
     segments: Sequence[Segment], q: torch.Tensor, feats: AttentionFeatures
 ) -> slice | None:
@@ -703,7 +747,7 @@ def doc_causal_forward(
     :func:`op_kernel`; the block paths otherwise).
     """
     feats = as_features(features)
-    op = op_kernel(kernel, q, feats, v)
+    op = _segments_op(kernel, q, feats, v, segments)
     if op is not None:
         out, lse = op.varlen_forward(q, k, v, segments, feats)
         out, lse = _merge_prefix_blocks(q, k, v, segments, feats, out, lse, op)
@@ -789,7 +833,7 @@ def doc_causal_backward(
     get a zero gradient; keys read by several segments accumulate. ``kernel`` as in forward.
     """
     feats = as_features(features)
-    op = op_kernel(kernel, q, feats, v)
+    op = _segments_op(kernel, q, feats, v, segments)
     if op is not None:
         dq, dk, dv = op.varlen_backward(dout, q, k, v, out, lse, segments, feats)
         for seg in (seg for seg in segments if seg.has_prefix):
@@ -845,13 +889,15 @@ def doc_causal_attention(
     sinks: torch.Tensor | None = None,
     kernel: str = "torch",
     prefixes: tuple[tuple[int, int, int], ...] = (),
+    bidirectional: tuple[tuple[int, int], ...] = (),
 ) -> torch.Tensor:
     """Differentiable document-causal attention over a full packed row.
 
     q: ``[T, Hq, D]``, k/v: ``[T, Hkv, D]``; documents are ``cu_seqlens[i]:cu_seqlens[i+1]``;
     ``sinks`` ``[Hq]`` (optional) gets a gradient too; ``kernel``: ``torch`` or an op kernel;
-    ``prefixes``: the row's branch documents (`SPMeta.prefixes`).
+    ``prefixes``: the row's branch documents (`SPMeta.prefixes`); ``bidirectional``: its
+    image runs whose tokens see each other both ways (`SPMeta.bidirectional`).
     """
     feats = as_features(features)
-    segments = full_row_segments(cu_seqlens, prefixes)
+    segments = full_row_segments(cu_seqlens, prefixes, bidirectional)
     return _DocCausalAttention.apply(q, k, v, sinks, segments, feats, kernel)

@@ -333,13 +333,14 @@ def ulysses_attention(
     feats = as_features(features)
     ex = build_exchange(meta, ctx.sp_group, ctx.layout.sp)
     qh, kh, vh = heads_to_ranks(q, k, v, ex, feats.spent)
-    if ctx.layout.kernel == "flash" and not meta.prefixes:
+    if ctx.layout.kernel == "flash" and not meta.prefixes and not meta.bidirectional:
         refuse_flash_sinks(sinks)
         out = _flash_full_row(qh, kh, vh, meta, feats)
-    else:  # flash-attn cannot take shared pair prompts: PyTorch's flash op can
+    else:  # flash-attn takes neither shared pair prompts nor image runs: these paths do
         kernel = "torch_flash" if ctx.layout.kernel == "flash" else ctx.layout.kernel
         local_sinks = None if sinks is None else sinks[local_head_slice(q.shape[1], ex, meta)]
         out = doc_causal_attention(
             qh, kh, vh, meta.cu_host, feats, local_sinks, kernel=kernel, prefixes=meta.prefixes,
+            bidirectional=meta.bidirectional,
         )
     return heads_to_seq(out, ex)

@@ -83,12 +83,12 @@ def load_device_map() -> dict[str, object]:
     return {"": "cpu"}
 
 
-def model_class_and_attention(hf_config: PretrainedConfig, attn_implementation: str
-                              ) -> tuple[Any, str | dict[str, str]]:
+def model_class_and_attention(hf_config: PretrainedConfig, attn_implementation: str,
+                              images: bool = False) -> tuple[Any, str | dict[str, str]]:
     """The Auto class a model loads with, and its `attn_implementation`: a vision-language
     model's language model runs the SP attention, its tower the model's own (each rank
-    encodes whole images, runtime/vision.py)."""
-    if is_vision_language(hf_config):
+    encodes whole images, runtime/vision.py). `images`: the run sets `processor_type`."""
+    if is_vision_language(hf_config, images):
         return AutoModelForImageTextToText, {"": attn_implementation,
                                              "text_config": attn_implementation,
                                              "vision_config": "sdpa"}
@@ -105,7 +105,8 @@ def load_base_model(
     dtype = DTYPES[config.dtype]
     hf_config = hf_config if hf_config is not None else model_config_of(config)
     quantization = bnb_quantization(config, dtype) if quantize else None
-    auto_class, attn = model_class_and_attention(hf_config, attn_implementation)
+    auto_class, attn = model_class_and_attention(hf_config, attn_implementation,
+                                                 bool(config.processor_type))
     if config.trust_remote_code:
         warnings.warn(
             "trust_remote_code is on: code from the model repository will run.", stacklevel=2
@@ -237,7 +238,7 @@ def apply_fsdp(model: nn.Module, mesh, config: Config | None = None) -> None:
         fully_shard([embedding, head], mesh=mesh, **options)
     else:
         fully_shard(head, mesh=mesh, **options)
-    if is_vision_language(base.config):
+    if is_vision_language(base.config, bool(config and config.processor_type)):
         # The rebuilt forward (runtime/vision.py) calls the tower and the projector itself,
         # outside any parent's forward: each is a group of its own, which gathers its weights
         # when called (the tower block by block).
@@ -446,15 +447,16 @@ def enable_checkpointing(model: PreTrainedModel, kwargs: dict[str, Any]) -> None
     model.config.use_cache = False
 
 
-def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """The decoder stack (returns hidden states) and the head of a (peft-wrapped) model.
+def decoder_and_head(model: nn.Module, images: bool = False) -> tuple[nn.Module, nn.Module]:
+    """The decoder stack (returns hidden states) and the head of a (peft-wrapped) model;
+    `images`: the run sets `processor_type` (see `is_vision_language`).
 
     The head is `lm_head` plus the family's logit transform (`runtime/head.py`): every loss
     and score computed from hidden states goes through it, so none skips the transform.
     """
     base = unwrap(model)
     head = model_head(base.get_output_embeddings(), base.config)
-    if is_vision_language(base.config):
+    if is_vision_language(base.config, images):
         from longctx_cli.runtime.vision import VisionLanguageForward
 
         return VisionLanguageForward(base), head

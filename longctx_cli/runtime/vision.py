@@ -31,12 +31,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from longctx_cli.config.vision_plan import MROPE_FAMILIES, refuse_unless_rebuilt
+from longctx_cli.config.vision_plan import (
+    BIDIRECTIONAL_IMAGE_FAMILIES,
+    MROPE_FAMILIES,
+    refuse_unless_rebuilt,
+)
 from longctx_cli.data.vision import IMAGE, VIDEO
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import (
     ShardedBatch,
+    SPMeta,
     padded_row,
     shard_batch,
     slice_sequence,
@@ -135,6 +140,22 @@ def vision_family(model: nn.Module) -> str:
     return str(model.config.model_type)
 
 
+def image_runs(types: torch.Tensor, cu_host: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """Global `[start, end)` of each run of consecutive image tokens of a row, cut at
+    document bounds: the blocks whose tokens Gemma 3 lets see each other both ways (its own
+    mask groups maximal runs of image tokens the same way)."""
+    image = types == IMAGE
+    first = torch.zeros_like(image)  # a document's first token continues no run
+    first[list(cu_host[:-1])] = True
+    last = torch.zeros_like(image)
+    last[[b - 1 for b in cu_host[1:]]] = True
+    before = torch.cat([image.new_zeros(1), image[:-1]]) & ~first
+    after = torch.cat([image[1:], image.new_zeros(1)]) & ~last
+    starts = (image & ~before).nonzero().flatten().tolist()
+    ends = (image & ~after).nonzero().flatten().add(1).tolist()
+    return tuple(zip(starts, ends, strict=True))
+
+
 def split_images(patches: list[int], parts: int) -> list[tuple[int, int]]:
     """`parts` contiguous runs of images `[first, last)` with balanced patch counts.
 
@@ -229,12 +250,11 @@ class VisionLanguageForward:
         """Features `[tokens, hidden]` of `media` in row order, and the deepstack levels."""
         if self.family not in MROPE_FAMILIES:
             config = self.model.config
-            out = self.inner.get_image_features(
-                pixel_values=media.pixel_values,
-                vision_feature_layer=config.vision_feature_layer,
-                vision_feature_select_strategy=config.vision_feature_select_strategy,
-                return_dict=True,
-            )
+            # LLaVA picks a tower layer and drops its class token; Gemma 3 pools the last.
+            choice = {key: getattr(config, key) for key in ("vision_feature_layer",
+                      "vision_feature_select_strategy") if hasattr(config, key)}
+            out = self.inner.get_image_features(pixel_values=media.pixel_values, **choice,
+                                                return_dict=True)
             return torch.cat([f.reshape(-1, f.shape[-1]) for f in out.pooler_output]), []
         # One tower call for the rank's images and videos together, in row order: these
         # families' get_video_features is the same tower call on the videos' patches (a
@@ -320,6 +340,9 @@ class VisionLanguageForward:
         end = batch.sp_meta.cu_host[1]
         self.decode_offset = int(full_positions[:, :end].max()) + 1 - end
         meta = batch.sp_meta
+        if self.family in BIDIRECTIONAL_IMAGE_FAMILIES:
+            # The row's image runs, read from its whole ids: only this class knows them.
+            meta.bidirectional = image_runs(types, meta.cu_host)
         state = meta.ctx
         local_ids = batch.input_ids.reshape(-1)
         local_index = slice_sequence(torch.arange(full_ids.numel(), device=device), state)
@@ -345,7 +368,7 @@ class VisionLanguageForward:
                               deepstack_visual_embeds=[level[wanted].to(merged.dtype)
                                                        for level in deep])
         local_positions = slice_sequence(full_positions, state, dim=1)[:, None, :]
-        hidden = self._language_model(local_ids, local_positions, batch, kwargs, visual, merged,
+        hidden = self._language_model(local_ids, local_positions, meta, kwargs, visual, merged,
                                       cache)
         return hidden if zero is None else hidden + zero
 
@@ -356,11 +379,11 @@ class VisionLanguageForward:
             positions = positions.expand(3, 1, -1)
         zero = self._tower_zero(batch.input_ids.device)  # the tower first, as on every rank
         self.decode_offset = 0
-        return self._language_model(batch.input_ids.reshape(-1), positions, batch, {},
+        return self._language_model(batch.input_ids.reshape(-1), positions, batch.sp_meta, {},
                                     cache=cache) + zero
 
     def _language_model(self, local_ids: torch.Tensor, positions: torch.Tensor,
-                        batch: ShardedBatch, kwargs: dict[str, Any],
+                        meta: SPMeta, kwargs: dict[str, Any],
                         visual: torch.Tensor | None = None,
                         features: torch.Tensor | None = None, cache: Any = None
                         ) -> torch.Tensor:
@@ -368,12 +391,13 @@ class VisionLanguageForward:
         embeddings of its `visual` tokens. The merge happens in a hook on the embedding, so
         that it runs inside the language model's forward: under FSDP2 the embedding's weight
         is gathered there."""
-        meta = batch.sp_meta
         if self.family not in MROPE_FAMILIES:
             positions = positions[0]
         embedding = self.language_model.get_input_embeddings()
         hook = None
         if features is not None:
+            if self.image_token_id >= embedding.num_embeddings:  # a placeholder past the
+                local_ids = torch.where(visual, 0, local_ids)  # vocabulary (as the model does)
             mask = visual[None, :, None]
             hook = embedding.register_forward_hook(
                 lambda module, args, out: out.masked_scatter(mask, features.to(out.dtype)))

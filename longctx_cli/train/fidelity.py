@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from longctx_cli.config.vision_plan import refuse_unless_rebuilt
+from longctx_cli.config.vision_plan import BIDIRECTIONAL_IMAGE_FAMILIES, refuse_unless_rebuilt
 from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.errors import UserError
 
@@ -431,12 +431,14 @@ def _unchecked(model_type: str, what: str) -> UserError:
     )
 
 
-def run_probe(model_config: Any, trust_remote_code: bool = False) -> ProbeResult:
+def run_probe(model_config: Any, trust_remote_code: bool = False, images: bool = False
+              ) -> ProbeResult:
     """Compare longctx's sp=1 training computation with the model's own; raise UserError on
-    any difference. Leaves the global RNG state as it found it."""
+    any difference; `images`: the run trains with them (`processor_type`). Leaves the
+    global RNG state as it found it."""
     from longctx_cli.config.model_shape import is_vision_language
 
-    if is_vision_language(model_config):
+    if is_vision_language(model_config, images):
         return run_vision_probe(model_config)
     started = time.perf_counter()
     model_type = str(getattr(model_config, "model_type", "") or type(model_config).__name__)
@@ -648,10 +650,11 @@ def check_fidelity(config: Any, hf_config: Any = None) -> str:
         from longctx_cli.config.model_shape import read_model_config
 
         hf_config = read_model_config(config).transformers_config()
-    path = None if config.trust_remote_code else verdict_path(hf_config)
+    images = bool(config.processor_type)
+    path = None if config.trust_remote_code else verdict_path(hf_config, images)
     if path is not None and path.is_file():
         return f"{path.read_text()}; remembered from an earlier probe of this model config"
-    summary = run_probe(hf_config, config.trust_remote_code).summary()
+    summary = run_probe(hf_config, config.trust_remote_code, images).summary()
     if path is not None:
         _remember(path, summary)
     return summary
@@ -670,9 +673,10 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
-def verdict_path(hf_config: Any) -> Path:
+def verdict_path(hf_config: Any, images: bool = False) -> Path:
     """Where a pass of the probe on this model config is remembered: a file named by the
-    digest of the config, longctx's source files and the library versions."""
+    digest of the config, whether it trains with images, longctx's source files and the
+    library versions."""
     import hashlib
     import os
 
@@ -680,7 +684,7 @@ def verdict_path(hf_config: Any) -> Path:
 
     digest = hashlib.sha256()
     for part in (hf_config.to_json_string(use_diff=False), torch.__version__,
-                 transformers.__version__, _source_digest()):
+                 transformers.__version__, _source_digest(), "images" * images):
         digest.update(part.encode())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "longctx" / "fidelity" / f"{digest.hexdigest()[:32]}.txt"
@@ -724,13 +728,17 @@ def shrink_vision_config(model_config: Any) -> Any:
         if hasattr(vision, "deepstack_visual_indexes"):
             vision.deepstack_visual_indexes = [0, 1]
         vision.out_hidden_size = text.hidden_size
+    elif getattr(tiny, "mm_tokens_per_image", None):  # Gemma 3: 4 x 4 patches pooled to 2 x 2
+        vision.num_hidden_layers = 2
+        vision.image_size = 4 * vision.patch_size
+        tiny.mm_tokens_per_image = 4
     else:  # CLIP/SigLIP-style towers: two layers, images of 2 x 2 patches
         vision.num_hidden_layers = 2
         vision.image_size = 2 * vision.patch_size
     tiny.text_config = text
     vocab = text.vocab_size
     for offset, key in enumerate(("image_token_id", "video_token_id", "vision_start_token_id",
-                                  "vision_end_token_id")):
+                                  "vision_end_token_id", "boi_token_index", "eoi_token_index")):
         if getattr(tiny, key, None) is not None:
             setattr(tiny, key, vocab - 1 - offset)
     return tiny
@@ -743,8 +751,8 @@ def _vision_row(tiny: Any) -> tuple[Any, ...]:
     gen = torch.Generator().manual_seed(0)
     vision = tiny.vision_config
     image_id = tiny.image_token_id
-    start = getattr(tiny, "vision_start_token_id", None)
-    end = getattr(tiny, "vision_end_token_id", None)
+    start = getattr(tiny, "vision_start_token_id", getattr(tiny, "boi_token_index", None))
+    end = getattr(tiny, "vision_end_token_id", getattr(tiny, "eoi_token_index", None))
     flat = not hasattr(vision, "depth")
     ids, labels, pos, docs, all_pixels, all_grids = [], [], [], [], [], []
     for spec in _VISION_DOCUMENTS:
@@ -756,7 +764,8 @@ def _vision_row(tiny: Any) -> tuple[Any, ...]:
             if flat:
                 side = vision.image_size
                 d_pixels.append(torch.randn(1, 3, side, side, generator=gen))
-                count = (side // vision.patch_size) ** 2
+                count = (getattr(tiny, "mm_tokens_per_image", None)
+                         or (side // vision.patch_size) ** 2)
             else:
                 rows = part[0] * part[1] * part[2]
                 width = (getattr(vision, "in_channels", 3) * vision.temporal_patch_size
@@ -767,7 +776,7 @@ def _vision_row(tiny: Any) -> tuple[Any, ...]:
             d_ids += [x for x in (start,) if x is not None] + [image_id] * count
             d_ids += [x for x in (end,) if x is not None]
         d = torch.tensor(d_ids)
-        d_labels = torch.where(d >= image_id - 3, IGNORE_INDEX, d)
+        d_labels = torch.where(d >= image_id - 5, IGNORE_INDEX, d)
         images = (VisionInputs(torch.cat(d_pixels), None if flat else torch.tensor(d_grids))
                   if d_pixels else None)
         docs.append((d, d_labels, images))
@@ -791,6 +800,8 @@ def _own_vision_training(model: Any, docs: list, image_id: int) -> float:
             if images.image_grid_thw is not None:
                 kwargs.update(image_grid_thw=images.image_grid_thw,
                               mm_token_type_ids=(ids == image_id).long()[None])
+        if model.config.model_type in BIDIRECTIONAL_IMAGE_FAMILIES:  # its bidirectional images
+            kwargs["token_type_ids"] = (ids == image_id).long()[None]
         loss = model(input_ids=ids[None], labels=lab[None], **kwargs).loss * (n / sum(counts))
         loss.backward()
         total += float(loss.detach())
@@ -801,9 +812,14 @@ def _build_vision(tiny: Any, attn: str) -> Any:
     from transformers import AutoModelForImageTextToText
 
     torch.manual_seed(0)
-    return AutoModelForImageTextToText.from_config(
+    model = AutoModelForImageTextToText.from_config(
         copy.deepcopy(tiny), dtype=torch.float32,
         attn_implementation={"": attn, "text_config": attn, "vision_config": "sdpa"}).train()
+    projector = getattr(model.model, "multi_modal_projector", None)
+    if hasattr(projector, "mm_input_projection_weight"):  # Gemma 3's starts at zero, which
+        with torch.no_grad():  # would leave the tower without a gradient to compare
+            projector.mm_input_projection_weight.normal_(0, 0.2)
+    return model
 
 
 def run_vision_probe(model_config: Any) -> Any:
@@ -830,7 +846,9 @@ def run_vision_probe(model_config: Any) -> Any:
             ours = _build_vision(tiny, register_sp_attention())
             ours.load_state_dict(reference.state_dict())
             vlm = VisionLanguageForward(ours)
-            batch = vlm.shard(ids, pos, labels, images, ParallelState())
+            # Image tokens attending both ways run under Ulysses only (vision_plan.py).
+            mode = "ulysses" if model_type in BIDIRECTIONAL_IMAGE_FAMILIES else "ring"
+            batch = vlm.shard(ids, pos, labels, images, ParallelState().with_layout(mode=mode))
             count = sum(int((lab[1:] != IGNORE_INDEX).sum()) for _, lab, _ in docs)
             head = model_head(ours.get_output_embeddings(), ours.config)
             loss = lm_loss_sum(head, vlm.hidden_states(batch), batch.shift_labels) / count

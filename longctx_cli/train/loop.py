@@ -114,7 +114,7 @@ def train(config: Config, plan: Plan, probe: str, clock: StartupClock | None = N
 
     model, precision, use_fsdp = setup_model(config, plan, state)
     clock.mark("model")
-    decoder, lm_head = decoder_and_head(model)
+    decoder, lm_head = decoder_and_head(model, bool(config.processor_type))
     preference = PreferenceLoss.from_config(config)  # None: the causal-LM loss
     if preference is not None:  # before a resume: a precomputed reference is the initial model
         splits = {"train": train_rows, **({"eval": eval_rows} if eval_rows is not None else {})}
