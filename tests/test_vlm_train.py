@@ -1,6 +1,6 @@
 """`longctx train` on image-bearing chats equals the model's own Hugging Face training.
 
-A tiny Qwen2.5-VL, Qwen3-VL or LLaVA and an offline processor (tests/vlm_fixtures.py); a
+A tiny Qwen2.5-VL, Qwen3-VL, LLaVA or Gemma 3 and an offline processor (tests/vlm_fixtures.py); a
 dozen records of one to three images each, packed into rows. `longctx train` at sp 2 runs
 three optimizer steps; the reference trains a copy of the same initial model on the rows
 `longctx train` read, each document through the model's own `forward(pixel_values=...,
@@ -23,7 +23,11 @@ import yaml
 from longctx_cli.constants import IGNORE_INDEX
 from tests.family_matrix import LOSS_TOL, WEIGHT_TOL, compare
 from tests.train_helpers import run_longctx
-from tests.vlm_fixtures import write_tiny_llava_processor, write_tiny_qwen_vl_processor
+from tests.vlm_fixtures import (
+    write_tiny_gemma3_processor,
+    write_tiny_llava_processor,
+    write_tiny_qwen_vl_processor,
+)
 
 STEPS = 3
 IMAGE_ID, VIDEO_ID = 5, 6  # the fixture tokenizer's <|image_pad|>, <|video_pad|>
@@ -70,12 +74,31 @@ def _llava() -> dict:
     return config
 
 
+def _gemma3() -> dict:
+    """tests/vlm_models.py's tiny Gemma 3 (sliding layers of 6 tokens) at the fixture
+    processor's 32x32 images pooled to 16 tokens, with its tokenizer's image token ids.
+    Its projection starts at zero, as the model's own init makes it, so here the tower gets
+    no gradient on either side (test_vlm_runtime.py checks the tower's)."""
+    from tests.vlm_models import _config
+
+    config = json.loads(_config("gemma3").to_json_string(use_diff=True))
+    config.pop("transformers_version", None)
+    config.update(image_token_index=GEMMA3_IMAGE_ID, boi_token_index=5, eoi_token_index=6,
+                  mm_tokens_per_image=FLAT_IMAGES["gemma3"][2])
+    config["vision_config"]["image_size"] = FLAT_IMAGES["gemma3"][1]
+    config["text_config"].update(vocab_size=448, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    return config
+
+
 LLAVA_IMAGE_ID = 3  # the LLaVA fixture tokenizer's <image>
-LLAVA_SIDE, LLAVA_TOKENS = 16, 16  # its images, and the image tokens of each
+GEMMA3_IMAGE_ID = 7  # the Gemma 3 fixture tokenizer's <image_soft_token>
+# Fixed-size images: per family the image token id, the side, and the tokens per image.
+FLAT_IMAGES = {"llava": (LLAVA_IMAGE_ID, 16, 16), "gemma3": (GEMMA3_IMAGE_ID, 32, 16)}
 # Per family: the model, and its processor's patch size and class (tests/vlm_fixtures.py).
 FAMILIES = {"qwen2_5_vl": (QWEN2_5_VL, 14, "Qwen2_5_VLProcessor"),
             "qwen3_vl": (QWEN3_VL, 16, "Qwen3VLProcessor"),
-            "llava": (_llava(), 4, "LlavaProcessor")}
+            "llava": (_llava(), 4, "LlavaProcessor"),
+            "gemma3": (_gemma3(), 4, "Gemma3Processor")}
 
 
 def _setup(tmp: Path, family: str) -> Path:
@@ -83,7 +106,9 @@ def _setup(tmp: Path, family: str) -> Path:
 
     _, patch, processor_class = FAMILIES[family]
     if family == "llava":
-        write_tiny_llava_processor(tmp / "processor", LLAVA_SIDE, patch)
+        write_tiny_llava_processor(tmp / "processor", FLAT_IMAGES["llava"][1], patch)
+    elif family == "gemma3":
+        write_tiny_gemma3_processor(tmp / "processor", *FLAT_IMAGES["gemma3"][1:])
     else:
         write_tiny_qwen_vl_processor(tmp / "processor", patch, processor_class)
     gen = torch.Generator().manual_seed(0)
@@ -131,8 +156,8 @@ def _config(tmp: Path, name: str, family: str, **layout: Any) -> Path:
 
 def _documents(row: dict, family: str) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
     """A cached row's documents, each with the model's own image and video inputs."""
-    if family == "llava":
-        return _llava_documents(row)
+    if family in FLAT_IMAGES:
+        return _flat_documents(row, family)
     ids, pos, labels = (torch.tensor(row[k]) for k in ("input_ids", "position_ids", "labels"))
     pixels = torch.tensor(row["pixel_values"]).view(-1, row["pixel_dim"])
     grids = torch.tensor(row["image_grid_thw"], dtype=torch.long).view(-1, 3)
@@ -165,19 +190,23 @@ def _documents(row: dict, family: str) -> list[tuple[torch.Tensor, torch.Tensor,
     return docs
 
 
-def _llava_documents(row: dict) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
-    """A cached LLaVA row's documents with their `pixel_values` `[images, 3, H, W]`: each
-    image is one row of the stored pixels, `LLAVA_TOKENS` image tokens in the text."""
+def _flat_documents(row: dict, family: str) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
+    """A cached LLaVA or Gemma 3 row's documents with their `pixel_values` `[images, 3, H,
+    W]`: each image is one row of the stored pixels and a fixed count of image tokens in the
+    text. Gemma 3's also take `token_type_ids`, which make its image tokens bidirectional."""
+    image_id, side, per_image = FLAT_IMAGES[family]
     ids, pos, labels = (torch.tensor(row[k]) for k in ("input_ids", "position_ids", "labels"))
-    assert row["image_grid_thw"] == [[0, LLAVA_SIDE, LLAVA_SIDE]] * len(row["image_grid_thw"])
-    pixels = torch.tensor(row["pixel_values"]).view(-1, 3, LLAVA_SIDE, LLAVA_SIDE)
+    assert row["image_grid_thw"] == [[0, side, side]] * len(row["image_grid_thw"])
+    pixels = torch.tensor(row["pixel_values"]).view(-1, 3, side, side)
     starts = [*(pos == 0).nonzero().flatten().tolist(), len(ids)]
     docs, image = [], 0
     for a, b in itertools.pairwise(starts):
-        tokens = int((ids[a:b] == LLAVA_IMAGE_ID).sum())
-        assert tokens % LLAVA_TOKENS == 0
-        count = tokens // LLAVA_TOKENS
+        tokens = int((ids[a:b] == image_id).sum())
+        assert tokens % per_image == 0
+        count = tokens // per_image
         kwargs = {"pixel_values": pixels[image:image + count]} if count else {}
+        if family == "gemma3":
+            kwargs["token_type_ids"] = (ids[a:b] == image_id).long()[None]
         docs.append((ids[a:b], labels[a:b], kwargs))
         image += count
     assert image == len(pixels)
@@ -202,7 +231,7 @@ def _reference(config_path: Path, family: str) -> dict[str, Any]:
         dtype=torch.float32).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(config, params)
-    losses, images, videos = [], 0, 0
+    losses, images, videos, runs = [], 0, 0, 0
     for step in range(STEPS):
         table, indices = position.step_rows(step)
         docs = [d for i in indices for d in _documents(table[i], family)]
@@ -210,6 +239,8 @@ def _reference(config_path: Path, family: str) -> dict[str, Any]:
         total = 0.0
         for (ids, lab, kwargs), n in zip(docs, targets, strict=True):
             images += len(kwargs.get("image_grid_thw", kwargs.get("pixel_values", ())))
+            if family == "gemma3" and "pixel_values" in kwargs:  # its image tokens both ways
+                runs += int((kwargs["token_type_ids"].diff() == 1).sum())
             videos += len(kwargs.get("video_grid_thw", ()))
             loss = model(input_ids=ids[None], labels=lab[None], **kwargs).loss * (n / sum(targets))
             loss.backward()
@@ -220,6 +251,7 @@ def _reference(config_path: Path, family: str) -> dict[str, Any]:
         losses.append(total)
     assert images >= 3  # the steps trained on images, not only text
     assert videos >= 1 or family != "qwen2_5_vl", videos  # and on a video
+    assert runs >= 3 or family != "gemma3", runs  # and on Gemma 3's bidirectional images
     weights = {k: v.detach().double().numpy() for k, v in model.named_parameters()}
     return {"losses": losses, "weights": weights}
 
@@ -249,7 +281,8 @@ LAYOUTS = {
 @pytest.mark.parametrize("family, layout", [("qwen2_5_vl", "ring_sp2"),
                                             ("qwen2_5_vl", "ulysses_sp2_fsdp"),
                                             ("qwen3_vl", "ring_sp2"),
-                                            ("llava", "ring_sp2")])
+                                            ("llava", "ring_sp2"),
+                                            ("gemma3", "ulysses_sp2_fsdp")])
 def test_train_at_sp2_equals_the_models_own_training(trained_on: Any, family: str,
                                                      layout: str) -> None:
     from transformers import AutoModelForImageTextToText
@@ -266,7 +299,8 @@ def test_train_at_sp2_equals_the_models_own_training(trained_on: Any, family: st
     assert type(loaded).__name__ == type(AutoModelForImageTextToText.from_config(
         loaded.config)).__name__ == {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                                      "qwen3_vl": "Qwen3VLForConditionalGeneration",
-                                     "llava": "LlavaForConditionalGeneration"}[family]
+                                     "llava": "LlavaForConditionalGeneration",
+                                     "gemma3": "Gemma3ForConditionalGeneration"}[family]
     run = {"losses": losses, "weights": {k: v.detach().double().numpy()
                                          for k, v in loaded.named_parameters()}}
     assert len(losses) == STEPS

@@ -107,12 +107,12 @@ def decode(decoder, head, prompt: list[int], max_new_tokens: int, state: Paralle
         return _decode_with_cache(decoder, head, prompt, max_new_tokens, state, pad_id,
                                   device, eos_ids, sampling, n, generator, lockstep, media)
     except DecodeUnsupported as e:
-        if media is not None:
-            raise ValueError(f"decoding this vision-language model: {e}") from None
+        if media is not None and n != 1:
+            raise ValueError(f"decoding {n} sequences of a vision-language model: {e}") from None
         if state.sp_rank == 0 and state.dp_rank == 0:
             print(f"decoding by full forwards: {e}", file=sys.stderr, flush=True)
         return _decode_by_forwards(decoder, head, prompt, max_new_tokens, state, pad_id,
-                                   device, eos_ids, sampling, n, generator, lockstep)
+                                   device, eos_ids, sampling, n, generator, lockstep, media)
 
 
 def greedy_tokens(decoder, lm_head, prompt: list[int], max_new_tokens: int, state,
@@ -242,13 +242,21 @@ def _decode_with_cache(decoder, head, prompt, max_new_tokens, state, pad_id, dev
 
 
 def _decode_by_forwards(decoder, head, prompt, max_new_tokens, state, pad_id, device,
-                        eos_ids, sampling, n, generator, lockstep=False) -> Continuations:
-    """One SP forward per token over a row of the `n` sequences (each a document)."""
+                        eos_ids, sampling, n, generator, lockstep=False,
+                        media: VisionInputs | None = None) -> Continuations:
+    """One SP forward per token over a row of the `n` sequences (each a document); with
+    `media`, of the one sequence with the prompt's images merged in again."""
     picker = _Picker(prompt, n, sampling, eos_ids, pad_id, state, device, generator)
     started = time.perf_counter()
     with torch.no_grad():
         while _keep_stepping(picker, max_new_tokens, lockstep, device):
             sequences = picker.ids.tolist()
+            if media is not None:
+                logits, _ = _prefill(decoder, head, sequences[0], state, pad_id, device,
+                                     media=media)
+                if picker.active(max_new_tokens):
+                    picker(logits)
+                continue
             row = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
             length = len(sequences[0])
             positions = torch.arange(length).repeat(n)
