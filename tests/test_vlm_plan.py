@@ -115,3 +115,7 @@ def test_fidelity_probe_checks_gemma3_with_its_bidirectional_images() -> None:
     result = run_probe(Gemma3Config(), images=True)
     assert "images" in result.summary() and result.worst_gradient_rel_error < 1e-4
     assert result.gradients_checked > 100  # the tower's and projector's weights among them
+    # Without a processor its language model trains on text: the text probe runs on the
+    # multimodal class (it used to fail shrinking the composite config, refusing the run).
+    text = run_probe(Gemma3Config())
+    assert "images" not in text.summary() and text.worst_gradient_rel_error < 1e-4

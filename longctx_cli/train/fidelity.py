@@ -444,7 +444,11 @@ def run_probe(model_config: Any, trust_remote_code: bool = False, images: bool =
     model_type = str(getattr(model_config, "model_type", "") or type(model_config).__name__)
     with torch.random.fork_rng(devices=[]):
         try:
-            tiny = shrink_config(_causal_lm_config(model_config))
+            causal = _causal_lm_config(model_config)
+            # A multimodal class that is its own causal LM (Gemma 3) trains its language
+            # model on text: the tiny copy keeps the class, its parts shrunk.
+            tiny = (shrink_vision_config(causal) if getattr(causal, "vision_config", None)
+                    is not None else shrink_config(causal))
         except Exception as e:  # any config class may reject our shrunk fields
             raise _unchecked(model_type, "longctx's own shrinking of the config to a tiny "
                              f"model failed ({type(e).__name__}: {_first_line(e)})") from None
