@@ -4,6 +4,7 @@ them, chat labels, the record layouts Axolotl users have, video frames, packing,
 from __future__ import annotations
 
 import base64
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -401,3 +402,41 @@ def test_a_document_longer_than_sequence_len_says_what_to_change(vp, tmp_path, i
     for knob in ("image_size", "max_pixels", "sequence_len"):
         assert knob in message
     assert len(vision.pack_vision_documents([doc], len(doc))) == 1
+
+
+def test_qwen3_vl_video_frames_follow_their_timestamps_as_its_processor_writes(tmp_path):
+    """Qwen3-VL writes each temporal patch of a video as its own run of tokens after a
+    `<t seconds>` timestamp. The ids equal the template rendered with the video placeholder
+    replaced by transformers' own `Qwen3VLProcessor.replace_video_token` (run here on a
+    stand-in for its video processor, which needs torchvision), then tokenized."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3VLProcessor
+
+    qvp = vision.load_processor(str(write_tiny_qwen_vl_processor(
+        tmp_path / "proc3", 16, "Qwen3VLProcessor")))
+    frames = [make_image(tmp_path, f"f/{n}.png", (64, 32), n) for n in range(3)]
+    record = {"messages": [
+        {"role": "user", "content": [{"type": "video", "video": [str(f) for f in frames],
+                                      "fps": 2}, {"type": "text", "text": "What happens?"}]},
+        {"role": "assistant", "content": "It moves."}]}
+    doc = vision.encode_vision_record(record, qvp, WHERE, base_dir=tmp_path)
+    assert doc.image_grid_thw == [(2, 2, 4)]  # 3 frames padded to 4: 2 temporal patches
+
+    proc = qvp.processor
+    stand_in = SimpleNamespace(
+        video_processor=SimpleNamespace(merge_size=2, temporal_patch_size=2),
+        _calculate_timestamps=proc._calculate_timestamps,
+        vision_start_token=proc.vision_start_token, vision_end_token=proc.vision_end_token,
+        video_token=proc.video_token)
+    inputs = {"video_grid_thw": [np.array([2, 2, 4])],
+              "video_metadata": [SimpleNamespace(fps=2.0, frames_indices=[0, 1, 2])]}
+    replacement = Qwen3VLProcessor.replace_video_token(stand_in, inputs, 0)
+    assert replacement.startswith("<0.2 seconds>") and "<1.0 seconds>" in replacement
+    text = proc.apply_chat_template(record["messages"], tokenize=False)
+    text = text.replace(proc.video_token, replacement, 1)
+    assert doc.input_ids == qvp.tokenizer(text, add_special_tokens=False)["input_ids"]
+    runs = [k for k, _ in itertools.groupby(doc.mm_token_type_ids) if k]
+    assert runs == [vision.VIDEO, vision.VIDEO]  # one run per temporal patch
+    assert all(lab == IGN for lab, ty in zip(doc.labels, doc.mm_token_type_ids, strict=True)
+               if ty)

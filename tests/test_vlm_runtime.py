@@ -21,7 +21,7 @@ from longctx_cli.runtime.vision import VisionLanguageForward, split_images
 from longctx_cli.train.loss import lm_loss_sum
 from tests.distributed import run_distributed
 from tests.layouts import sp_state
-from tests.vlm_models import FAMILIES, image_row, own_vlm_step, tiny_vlm
+from tests.vlm_models import FAMILIES, VIDEO_FAMILIES, image_row, own_vlm_step, tiny_vlm
 
 TOL = 2e-5
 
@@ -282,13 +282,13 @@ def test_data_parallel_rank_without_images_still_runs_the_tower() -> None:
 
 
 def _generate_worker(rank: int, world: int, family: str) -> dict[str, list[int]]:
-    """Greedy tokens after a prompt holding images (and, for Qwen2/2.5-VL, a video), by
+    """Greedy tokens after a prompt holding images (and, for the Qwen-VL families, a video), by
     longctx's SP decoding and by the model's own `generate`."""
     from longctx_cli.runtime.model import decoder_and_head
     from longctx_cli.runtime.sampling import greedy_tokens
 
     _, _, _, _, docs = image_row(family)
-    ids, _, media = docs[-1] if family in ("qwen2_vl", "qwen2_5_vl") else docs[0]
+    ids, _, media = docs[-1] if family in VIDEO_FAMILIES else docs[0]
     out = {}
     for mode in ("ulysses",) if family in BIDIRECTIONAL_IMAGE_FAMILIES else ("ring", "ulysses"):
         state = sp_state(sp=world, kernel="torch", mode=mode)

@@ -90,6 +90,7 @@ def _gemma3() -> dict:
     return config
 
 
+VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl")  # their records hold a video too
 LLAVA_IMAGE_ID = 3  # the LLaVA fixture tokenizer's <image>
 GEMMA3_IMAGE_ID = 7  # the Gemma 3 fixture tokenizer's <image_soft_token>
 # Fixed-size images: per family the image token id, the side, and the tokens per image.
@@ -121,7 +122,7 @@ def _setup(tmp: Path, family: str) -> Path:
                 pixels = torch.randint(0, 256, (side, 56, 3), generator=gen, dtype=torch.uint8)
                 Image.fromarray(pixels.numpy()).save(tmp / "img" / f"{i}_{k}.png")
                 parts.append({"type": "image", "path": f"img/{i}_{k}.png"})
-            if i % 4 == 3 and family == "qwen2_5_vl":  # a video of 3 frames (padded to 4)
+            if i % 4 == 3 and family in VIDEO_FAMILIES:  # a video of 3 frames (padded to 4)
                 frames = []
                 for f in range(3):
                     pixels = torch.randint(0, 256, (56, 56, 3), generator=gen,
@@ -167,6 +168,8 @@ def _documents(row: dict, family: str) -> list[tuple[torch.Tensor, torch.Tensor,
     docs, item, patch, video = [], 0, 0, 0
     for a, b in itertools.pairwise(starts):
         runs = [kind for kind, _ in itertools.groupby(types[a:b].tolist()) if kind]
+        if family == "qwen3_vl":  # a video is one run per temporal patch: one item per video
+            runs = _whole_videos(runs, grids[item:])
         kwargs: dict = {}
         for kind, key, grid_key in ((1, "pixel_values", "image_grid_thw"),
                                     (2, "pixel_values_videos", "video_grid_thw")):
@@ -188,6 +191,18 @@ def _documents(row: dict, family: str) -> list[tuple[torch.Tensor, torch.Tensor,
         docs.append((ids[a:b], labels[a:b], kwargs))
     assert item == len(grids) and patch == len(pixels)
     return docs
+
+
+def _whole_videos(runs: list[int], grids: torch.Tensor) -> list[int]:
+    """A Qwen3-VL document's runs with each video's temporal-patch runs taken as one item."""
+    out, i = [], 0
+    for grid in grids:
+        if i == len(runs):
+            break
+        out.append(runs[i])
+        i += int(grid[0]) if runs[i] == 2 else 1
+    assert i == len(runs), (runs, grids)
+    return out
 
 
 def _flat_documents(row: dict, family: str) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
@@ -250,7 +265,7 @@ def _reference(config_path: Path, family: str) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
     assert images >= 3  # the steps trained on images, not only text
-    assert videos >= 1 or family != "qwen2_5_vl", videos  # and on a video
+    assert videos >= 1 or family not in VIDEO_FAMILIES, videos  # and on a video
     assert runs >= 3 or family != "gemma3", runs  # and on Gemma 3's bidirectional images
     weights = {k: v.detach().double().numpy() for k, v in model.named_parameters()}
     return {"losses": losses, "weights": weights}

@@ -124,10 +124,15 @@ DOCUMENTS = (
     (24,),  # long enough that at sp 4 some rank's slice holds text only
     (3, (1, 6, 4), 6),
 )
-# Qwen2-VL and Qwen2.5-VL rows also hold a video: 2 temporal patches of 4 x 4, 8 tokens, a
-# second and a half per temporal patch, in a document with an image after it.
+# The Qwen-VL rows also hold a video: 2 temporal patches of 4 x 4, 8 tokens, a second and a
+# half per temporal patch, in a document with an image after it. Qwen3-VL writes each
+# temporal patch as its own run after a timestamp (here 2 text tokens), inside the
+# template's markers, as transformers' Qwen3VLProcessor expands a video.
 VIDEO_DOCUMENT = (3, ("video", (2, 4, 4)), 5, (1, 2, 2), 2)
-VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+# Shorter text around it for Qwen3-VL, whose timestamps lengthen the video: the row keeps the
+# others' length, so a shard boundary still cuts an image.
+QWEN3_VL_VIDEO_DOCUMENT = (1, ("video", (2, 4, 4)), 1, (1, 2, 2), 1)
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 SECONDS_PER_GRID = 1.5
 
 
@@ -136,7 +141,8 @@ def image_row(family: str, seed: int = 0):
     `documents`: per document its ids, labels and media, for the reference."""
     gen = torch.Generator().manual_seed(seed)
     ids, pos, labels, pixels, grids, kinds, docs = [], [], [], [], [], [], []
-    specs = DOCUMENTS + ((VIDEO_DOCUMENT,) if family in VIDEO_FAMILIES else ())
+    video = QWEN3_VL_VIDEO_DOCUMENT if family == "qwen3_vl" else VIDEO_DOCUMENT
+    specs = DOCUMENTS + ((video,) if family in VIDEO_FAMILIES else ())
     for spec in specs:
         d_ids, d_labels, d_pixels, d_grids, d_kinds = [], [], [], [], []
         for part in spec:
@@ -151,6 +157,10 @@ def image_row(family: str, seed: int = 0):
             d_grids.append(grid)
             d_kinds.append(kind)
             block = [START_ID, *[VIDEO_ID if kind == VIDEO else IMAGE_ID] * n, END_ID]
+            if kind == VIDEO and family == "qwen3_vl":
+                frame = [START_ID, *[VIDEO_ID] * (n // grid[0]), END_ID]
+                stamps = torch.randint(3, IMAGE_ID - 10, (grid[0], 2), generator=gen).tolist()
+                block = [START_ID, *(t for stamp in stamps for t in stamp + frame), END_ID]
             d_ids += block
             d_labels += [IGNORE_INDEX] * len(block)
         ids += d_ids

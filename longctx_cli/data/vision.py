@@ -160,6 +160,23 @@ class VisionProcessor:
         return {kind: vocab[token] for kind, token in self.feature_tokens.items()
                 if token in vocab}
 
+    def video_replacement(self, grid: tuple[int, int, int], fps: float, frames: int) -> str:
+        """What a video's placeholder becomes: one token per merged patch or, for a processor
+        that places frames by timestamps (Qwen3-VL), each temporal patch as its own run,
+        `<t seconds>` then its tokens between the vision markers, as transformers' Qwen3-VL
+        processor writes it (its `_calculate_timestamps`, frames `0..frames-1` at `fps`)."""
+        ip = self.image_processor
+        merge = int(ip.merge_size) ** 2
+        token = str(self.video_token)
+        timestamps = getattr(self.processor, "_calculate_timestamps", None)
+        if timestamps is None:
+            return token * (int(np.prod(grid)) // merge)
+        per_frame = token * (int(grid[1]) * int(grid[2]) // merge)
+        start, end = self.processor.vision_start_token, self.processor.vision_end_token
+        times = timestamps(list(range(frames)), fps, int(ip.temporal_patch_size))
+        return "".join(f"<{times[t]:.1f} seconds>{start}{per_frame}{end}"
+                       for t in range(int(grid[0])))
+
     @property
     def patched(self) -> bool:
         """True for Qwen-VL's image processors (pixels as patch rows with a t*h*w grid);
@@ -253,22 +270,24 @@ def _image_only_processor(folder: Path) -> Any:
             text = file.read_text()
             template = json.loads(text)["chat_template"] if name.endswith("json") else text
             break
-    return image_only_processor_class()(image_processor=image_processor, tokenizer=tokenizer,
-                                        chat_template=template)
+    base = "Qwen3VLProcessor" if "Qwen3VL" in kind else "Qwen2_5_VLProcessor"
+    return image_only_processor_class(base)(image_processor=image_processor,
+                                            tokenizer=tokenizer, chat_template=template)
 
 
 @functools.cache
-def image_only_processor_class() -> Any:
-    """`Qwen2_5_VLProcessor` with no video processor attribute (built on first use, so that
+def image_only_processor_class(base: str = "Qwen2_5_VLProcessor") -> Any:
+    """transformers' processor class `base` (Qwen2.5-VL's, or Qwen3-VL's, which places video
+    frames by timestamps) with no video processor attribute (built on first use, so that
     importing this module does not import transformers' models).
 
     ProcessorMixin reads a processor's parts from its `__init__` signature; dropping
     `video_processor` from it is what lets the class be built without torchvision. Its
     `__call__` (placeholder expansion, tokenizing, mm_token_type_ids) is transformers' own.
     """
-    from transformers import Qwen2_5_VLProcessor
+    import transformers
 
-    class ImageOnlyQwenVLProcessor(Qwen2_5_VLProcessor):
+    class ImageOnlyQwenVLProcessor(getattr(transformers, base)):
         def __init__(self, image_processor: Any = None, tokenizer: Any = None,
                      chat_template: str | None = None, **kwargs: Any):
             super().__init__(image_processor, tokenizer, None, chat_template=chat_template,
@@ -747,8 +766,8 @@ def encode_vision_record(
                     "processor takes images only.", where=where,
                     fix="pass the video's frames as image parts, or drop the record.")
             pv, grid = video_pixels(vp, item.frames)
-            merge = int(vp.image_processor.merge_size) ** 2
-            encoded.append(_Encoded(pv, [grid], vp.video_token * (int(np.prod(grid)) // merge)))
+            encoded.append(_Encoded(pv, [grid], vp.video_replacement(grid, item.fps,
+                                                                     len(item.frames))))
             seconds.append(vp.image_processor.temporal_patch_size / item.fps)
         kinds.append(item.kind)
     expanded, spans = _expand(text, spans, kinds, [e.replacement for e in encoded], vp, where)
@@ -1163,7 +1182,7 @@ class ProcessorFiles:
 
     def save_pretrained(self, folder: str | Path) -> None:
         self.processor.save_pretrained(str(folder))
-        if type(self.processor) is not image_only_processor_class():
+        if type(self.processor).__name__ != "ImageOnlyQwenVLProcessor":
             return
         for name in ("processor_config.json", "preprocessor_config.json"):
             path = Path(folder) / name

@@ -156,6 +156,18 @@ def image_runs(types: torch.Tensor, cu_host: tuple[int, ...]) -> tuple[tuple[int
     return tuple(zip(starts, ends, strict=True))
 
 
+def _items_of_runs(grids: torch.Tensor, runs: int) -> int:
+    """How many of these videos (grids `[t, h, w]`, in order) `runs` frame runs make up:
+    a Qwen3-VL video is one run per temporal patch."""
+    frames = itertools.accumulate(int(t) for t in grids[:, 0].tolist())
+    for count, total in enumerate(frames, start=1):
+        if total == runs:
+            return count
+    raise UserError(
+        f"a document holds {runs} video frame runs that do not make up whole videos.",
+        where="datasets", fix="prepare the data again with this model's processor.")
+
+
 def split_images(patches: list[int], parts: int) -> list[tuple[int, int]]:
     """`parts` contiguous runs of images `[first, last)` with balanced patch counts.
 
@@ -272,23 +284,21 @@ class VisionLanguageForward:
         if self.family not in MROPE_FAMILIES:
             return text_positions[None]
         types = self.token_types(input_ids)
-        if (types == VIDEO).any() and self.family == "qwen3_vl":
-            raise UserError(
-                "a row holds a video, and Qwen3-VL places its video frames by timestamps that "
-                "longctx does not prepare yet.", where="datasets",
-                fix="pass the video's frames as images, or drop the video records.")
         images = media.only(IMAGE) if media is not None else None
         videos = media.only(VIDEO) if media is not None else None
         seen = {IMAGE: 0, VIDEO: 0}
         parts = []
         for start, end in itertools.pairwise(cu_host):
             doc_types = types[start:end]
-            # Each item is one run of placeholders (the processor brackets it).
+            # Each item is one run of placeholders (the processor brackets it), except a
+            # Qwen3-VL video: one run per temporal patch, each after its timestamp.
             runs = [kind for kind, _ in itertools.groupby(doc_types.tolist()) if kind]
             kwargs: dict[str, Any] = {}
             for kind, items, key in ((IMAGE, images, "image_grid_thw"),
                                      (VIDEO, videos, "video_grid_thw")):
                 count = runs.count(kind)
+                if count and kind == VIDEO and self.family == "qwen3_vl":
+                    count = _items_of_runs(items.image_grid_thw[seen[kind]:], count)
                 if count:
                     first = seen[kind]
                     kwargs[key] = items.image_grid_thw[first:first + count]
