@@ -233,3 +233,24 @@ def test_prepared_rows_are_the_packed_documents(tmp_path, proc_dir, images):
     report = prepared.report
     assert report.train.images == 5 and report.train.image_tokens == 5 * TOKENS_PER_IMAGE
     assert f"{LLAVA_IMAGE_TOKEN}x{TOKENS_PER_IMAGE}" in str(report)
+
+
+def test_generate_reads_a_prompts_images_as_the_tower_takes_them(proc_dir, tmp_path, images):
+    """`longctx generate`'s prompt record gives the tower `[images, 3, H, W]` equal to the HF
+    processor's pixel_values (flat rows with `(0, H, W)` grids would be wrong)."""
+    import json
+
+    from longctx_cli.config import config_from_dict
+    from longctx_cli.eval.generate import vision_prompt
+
+    first = {"messages": conversation()["messages"][:1]}
+    config = config_from_dict({
+        "model_config": {"model_type": "llama"}, "processor_type": "AutoProcessor",
+        "processor_path": str(proc_dir), "tokenizer": str(proc_dir),
+        "datasets": [{"path": "unused.jsonl", "type": "chat_template"}]})
+    ids, media = vision_prompt(config, json.dumps(first), tmp_path)
+    ref = hf(vision.load_processor(str(proc_dir)), first["messages"], tmp_path,
+             add_generation_prompt=True)
+    assert ids == ref["input_ids"][0].tolist()
+    assert media.image_grid_thw is None
+    torch.testing.assert_close(media.pixel_values, torch.as_tensor(ref["pixel_values"]))
