@@ -288,16 +288,18 @@ NOT_MEASURED = {
     "docs/families.md": {"3x"},  # the fidelity probe's allowance
     "docs/gpu.md": {"80GB", "80 GB"},  # the card's memory
     "docs/memory.md": {"64 MiB", "1 MiB", "32 MiB"},  # constants of the code and of glibc
-    "docs/parallelism.md": {"0.75x", "3x"},  # contiguous sharding's bound, the allowance
+    "docs/parallelism.md": {"0.75x", "3x", "8/2", "8/4"},  # a bound, an allowance, GQA ratios
     "docs/reliability.md": {"600 s", "60 s", "0.5 s", "10 s", "300 s", "2 s", "30 MB"},
     "docs/results.md": {"64 MiB", "1 MiB"},  # the fused loss's block, the mmap threshold
     "docs/strategies.md": {"1.41 GB", "0.2 GB", "0.59 GB", "0.71 GB", "2.4x"},  # formulas
     "docs/training.md": {"300 s", "3%"},  # a default, the share of 4-bit scales
 }
 GENERATED = re.compile(r"<!-- ([\w-]+):start -->.*?<!-- \1:end -->", re.S)
-# A measured quantity in prose: a percentage, a ratio (`0.72x`, not `2 x sp`), a time, a size.
+# A measured quantity in prose: a percentage, a ratio (`0.72x`, not `2 x sp`), a time, a size,
+# or a bare count of successes (`35/40`; not `ZeRO-1/2`, `4/8-bit` or `sp 1/2/4`).
 MEASURED = re.compile(r"\b\d[\d,.]*(?:-\d[\d,.]*)?"
-                      r"(?:%|x\b| ?(?:s|min|ms|MiB|GiB|KB|MB|GB|tok/s|tokens/s)\b)")
+                      r"(?:%|x\b| ?(?:s|min|ms|MiB|GiB|KB|MB|GB|tok/s|tokens/s)\b)"
+                      r"|(?<![/\d.\w-])\d+/\d+(?![/\d-])")
 
 
 def loose_figures(page: Path) -> list[str]:
@@ -309,6 +311,8 @@ def loose_figures(page: Path) -> list[str]:
 def test_loose_figures_are_caught():
     assert MEASURED.findall("ran at 0.72-0.82x, 5.2 min, 601 MiB, 73.3%; tp 2 x sp 2") == [
         "0.72-0.82x", "5.2 min", "601 MiB", "73.3%"]
+    assert MEASURED.findall("found 35/40 keys at sp 1/2/4 with ZeRO-1/2 and 4/8-bit") == [
+        "35/40"]
 
 
 @pytest.mark.parametrize("page", [p for p in pages() if p.parent.name != "examples"],
