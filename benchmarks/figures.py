@@ -590,6 +590,28 @@ def vlm_example() -> str:
     ]))
 
 
+VLM_TOWER_MEMORY = "vlm-tower-memory-2026-11-28.json"
+
+
+def vlm_tower_memory() -> str:
+    """The tower's memory per rank, measured, against the plan's estimate
+    (benchmarks/vlm_tower_memory.py)."""
+    from benchmarks.vlm_tower_memory import summary, table
+
+    data = _json(VLM_TOWER_MEMORY)
+    return _wrap("vlm-tower-memory", "\n".join([
+        table(data), "",
+        f"{summary(data)} Saved: what autograd keeps for backward during the tower's "
+        "forward, parameters excluded, each storage once; peak: the most bytes live during "
+        "that forward, the rank's pixels included; both the max over ranks, each rank "
+        "simulated in one process. Estimate: `VisionTower.activation_bytes` for the same "
+        f"patches (the plan counts {data['saved_per_hidden']} values per patch, hidden unit "
+        "and layer).",
+        f"`python benchmarks/vlm_tower_memory.py`, {data['machine']}, {data['date']}, "
+        f"{data['seconds'] / 60:.1f} min (`benchmarks/results/{VLM_TOWER_MEMORY}`).",
+    ]))
+
+
 BLOCKS = [
     Block("README.md", "status", status_box),
     Block("README.md", "quickstart-time", quickstart_time),
@@ -623,6 +645,7 @@ BLOCKS = [
     Block("docs/context.md", "context-finetune", context_finetune),
     Block("docs/rl.md", "grpo-sharing", grpo_sharing),
     Block("docs/vlm.md", "vlm-example", vlm_example),
+    Block("docs/vlm.md", "vlm-tower-memory", vlm_tower_memory),
     *(Block("benchmarks/README.md", name, bench_table(name, module, stem, key))
       for name, module, stem, key in [
           ("attention", "attention", "attention.json", "results"),

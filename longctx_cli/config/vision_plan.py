@@ -68,6 +68,10 @@ class VisionTower:
         """Patches a rank encodes when the whole row is image tokens."""
         return -(-row_tokens * self.merge**2 // sp)
 
+    def activation_bytes(self, patches: int, dtype_bytes: int) -> int:
+        """Bytes the tower's layers keep for backward while encoding `patches` patches."""
+        return patches * self.hidden * self.layers * SAVED_PER_HIDDEN * dtype_bytes
+
     def memory(self, config: Config, layout: Layout) -> tuple[int, int]:
         """(weights + gradients + optimizer state, saved activations) bytes per rank."""
         b = DTYPE_BYTES[config.dtype]
@@ -76,7 +80,7 @@ class VisionTower:
         if layout.fsdp:
             weights //= layout.dp_shard * layout.sp
         patches = self.patches_per_rank(config.row_tokens, layout.sp)
-        return weights, patches * self.hidden * self.layers * SAVED_PER_HIDDEN * b
+        return weights, self.activation_bytes(patches, b)
 
 
 def refuse_unless_rebuilt(model_config: Any) -> None:
