@@ -28,9 +28,12 @@ PREPARED_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3")
 BIDIRECTIONAL_IMAGE_FAMILIES = ("gemma3",)
 # A prefix LM: the image and the prompt after it attend to each other both ways.
 PREFIX_LM_FAMILIES = ("paligemma",)
-# Values a transformer block keeps per token and hidden unit for its backward (inputs of
-# the norms, q/k/v, attention output, MLP in/out): a rough count, as for the decoder.
-SAVED_PER_HIDDEN = 16
+# Values a tower block keeps per patch and hidden unit for its backward (inputs of the norms,
+# q/k/v, attention output, MLP in/out), and what the patch embedding and the merger keep once:
+# measured on Qwen2.5-VL-7B's tower width by benchmarks/vlm_tower_memory.py (23.7 per layer in
+# float32, 25.8 in bfloat16, whose norms and rotary step compute in float32; 5.9-6.9 outside).
+SAVED_PER_HIDDEN = 26
+SAVED_OUTSIDE_LAYERS = 7
 ADAM_BYTES_PER_WEIGHT = 8  # two float32 moments
 
 
@@ -68,9 +71,17 @@ class VisionTower:
         """Patches a rank encodes when the whole row is image tokens."""
         return -(-row_tokens * self.merge**2 // sp)
 
-    def activation_bytes(self, patches: int, dtype_bytes: int) -> int:
-        """Bytes the tower's layers keep for backward while encoding `patches` patches."""
-        return patches * self.hidden * self.layers * SAVED_PER_HIDDEN * dtype_bytes
+    def activation_bytes(self, patches: int, dtype_bytes: int, frozen: bool = False,
+                         checkpointed: bool = False) -> int:
+        """Bytes the tower keeps for backward while encoding `patches` patches: nothing when
+        frozen (no weight of it trains, so autograd records none of it); with activation
+        checkpointing each layer's input, and one layer recomputed at a time."""
+        if frozen:
+            return 0
+        per_layer = 1 if checkpointed else SAVED_PER_HIDDEN
+        recomputed = SAVED_PER_HIDDEN if checkpointed else 0
+        units = self.layers * per_layer + recomputed + SAVED_OUTSIDE_LAYERS
+        return patches * self.hidden * units * dtype_bytes
 
     def memory(self, config: Config, layout: Layout) -> tuple[int, int]:
         """(weights + gradients + optimizer state, saved activations) bytes per rank."""
@@ -80,7 +91,8 @@ class VisionTower:
         if layout.fsdp:
             weights //= layout.dp_shard * layout.sp
         patches = self.patches_per_rank(config.row_tokens, layout.sp)
-        return weights, self.activation_bytes(patches, b)
+        return weights, self.activation_bytes(patches, b, bool(config.freeze_mm_modules),
+                                              bool(config.gradient_checkpointing))
 
 
 def refuse_unless_rebuilt(model_config: Any) -> None:
