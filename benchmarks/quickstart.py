@@ -134,8 +134,8 @@ def run_quickstart(workdir: Path) -> dict[str, Any]:
     }
 
 
-def readme_line(data: dict[str, Any]) -> str:
-    """The README's table of the first Quickstart command's runs (between the markers)."""
+def _column(data: dict[str, Any]) -> list[str]:
+    """One machine's cells of the README's table, row by row."""
     runs = data["runs"]
     totals = [r["total_s"] for r in runs]
     installs = sorted(round(r["parts"][0]["seconds"]) for r in runs)
@@ -143,26 +143,36 @@ def readme_line(data: dict[str, Any]) -> str:
                else f"{installs[0]}-{installs[-1]} s")
     span = (f"{min(totals) / 60:.1f} min" if len(runs) == 1
             else f"{min(totals) / 60:.1f} to {max(totals) / 60:.1f} min")
-    rows = [
-        f"| the first command, in all | {span} |",
-        f"| of which the install (pip's cache and the machine's wheel mirror) | {install} |",
-        f"| retrieval at the trained lengths (seed {runs[0]['seed']}, the config's) | "
-        + ", ".join(f"{100 * r['trained_accuracy']:.1f}%" for r in runs) + " |",
-    ]
     keys = [p["printed_key"] for r in runs for p in r["parts"] if "printed_key" in p]
-    if keys:
-        rows.append(f"| `longctx generate` printed the key `{PROMPT_KEY}` | {sum(keys)} of "
-                    f"{len(keys)} runs |")
-    return "\n".join([
-        START,
-        f"| from a fresh clone and virtualenv | {len(runs)} run{'s' * (len(runs) > 1)} |",
-        "|---|---|",
-        *rows,
-        "",
-        f"Timed by `python benchmarks/quickstart.py` on a {cpu_words(data['machine'])}, "
-        f"{data['date']} (`{data['json']}`).",
-        END,
-    ])
+    return [f"{cpu_words(data['machine'])}, {len(runs)} run{'s' * (len(runs) > 1)}", span,
+            install, ", ".join(f"{100 * r['trained_accuracy']:.1f}%" for r in runs),
+            f"{sum(keys)} of {len(keys)} runs"]
+
+
+def cpu_vendor(machine: dict[str, Any]) -> str:
+    """`intel`, `amd` or `cpu`: what tells two machines' results files apart."""
+    model = str(machine.get("cpu_model") or "").lower()
+    return next((v for v in ("intel", "amd") if v in model), "cpu")
+
+
+def readme_line(measured: list[dict[str, Any]]) -> str:
+    """The README's table of the first Quickstart command's runs (between the markers): one
+    column per machine measured, since the same seed trains differently on different CPUs."""
+    seeds = {r["seed"] for data in measured for r in data["runs"]}
+    labels = ["from a fresh clone and virtualenv", "the first command, in all",
+              "of which the install (pip's cache and the machine's wheel mirror)",
+              f"retrieval at the trained lengths (seed {min(seeds)}, the config's)",
+              f"`longctx generate` printed the key `{PROMPT_KEY}`"]
+    columns = [_column(data) for data in measured]
+    rows = [f"| {label} | " + " | ".join(c[i] for c in columns) + " |"
+            for i, label in enumerate(labels)]
+    sources = "; ".join(f"{data['date']} (`{data['json']}`)" for data in measured)
+    lines = [START, rows[0], "|---|" + "---|" * len(columns), *rows[1:], "",
+             f"Timed by `python benchmarks/quickstart.py`: {sources}."]
+    if len(measured) > 1:
+        lines.append("Each CPU's float kernels round differently, so the same seed trains a "
+                     "slightly different model on each.")
+    return "\n".join([*lines, END])
 
 
 def record_run() -> Path:
@@ -226,7 +236,7 @@ def main() -> None:
         data = json.loads(args.from_json.read_text())
     else:
         date = time.strftime("%Y-%m-%d")
-        out = RESULTS / f"quickstart-{date}.json"
+        out = RESULTS / f"quickstart-{date}-{cpu_vendor(machine())}.json"
         data = {"date": date, "json": str(out.relative_to(ROOT)), "machine": machine(),
                 "budget_s": BUDGET_S, "runs": []}
         for _ in range(args.runs):
@@ -236,7 +246,7 @@ def main() -> None:
             out.write_text(json.dumps(data, indent=2) + "\n")
             print(f"total {data['runs'][-1]['total_s']:.0f} s", flush=True)
     if args.readme:
-        rewrite_readme(readme_line(data), README, START, END)
+        rewrite_readme(readme_line([data]), README, START, END)
         print(f"rewrote {README.relative_to(ROOT)}")
     over = [r["total_s"] for r in data["runs"] if r["total_s"] > BUDGET_S]
     if over:

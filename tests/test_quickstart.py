@@ -181,14 +181,21 @@ def test_quickstart_benchmark_runs_the_readme_command():
         {"total_s": 260.0, "parts": [{"seconds": 55.0}], "seed": 42, "trained_accuracy": 0.95,
          "cli": {"help_s": 0.25, "validate_first_output_s": 0.31, "validate_s": 4.0}},
     ]
+    for run in runs:
+        run["parts"].append({"seconds": 9.0, "printed_key": True})
     machine = {"cpu_count": 2, "cpu_model": "Xeon"}
     data = {"date": "d", "json": "j.json", "machine": machine, "runs": runs}
-    line = readme_line(data)
+    line = readme_line([data])
     assert line.startswith(START) and line.endswith(END)
-    assert "| from a fresh clone and virtualenv | 2 runs |" in line
+    assert "| from a fresh clone and virtualenv | 2-core CPU (Xeon), 2 runs |" in line
     assert "| the first command, in all | 3.3 to 4.3 min |" in line and "| 40-55 s |" in line
     assert "(seed 42, the config's) | 100.0%, 95.0% |" in line
-    assert "on a 2-core CPU (Xeon), d (`j.json`)" in line
-    data["runs"] = data["runs"][1:]
-    one = readme_line(data)
-    assert "| 1 run |" in one and "| the first command, in all | 4.3 min |" in one
+    assert "| 2 of 2 runs |" in line and ": d (`j.json`)." in line
+    assert "round differently" not in line
+    other = {"date": "e", "json": "k.json", "machine": {"cpu_count": 2, "cpu_model": "EPYC"},
+             "runs": runs[1:]}
+    both = readme_line([data, other])
+    # One column per machine, each labelled, and the difference said once.
+    assert "| 2-core CPU (Xeon), 2 runs | 2-core CPU (EPYC), 1 run |" in both
+    assert "| the first command, in all | 3.3 to 4.3 min | 4.3 min |" in both
+    assert "|---|---|---|" in both and "round differently" in both
