@@ -54,6 +54,16 @@ def test_gemma3_images_under_a_ring_are_refused_with_the_true_reason(mode: str) 
     assert "sequence_parallel_mode: ulysses" in e.value.fix
 
 
+def test_gemma3_images_under_ulysses_plan_their_bidirectional_attention() -> None:
+    from transformers import Gemma3Config
+
+    plan = _plan(Gemma3Config(), processor_type="AutoProcessor",
+                 sequence_parallel_mode="ulysses")
+    assert "both ways within each image" in _rows(plan)["image attention"]
+    assert "image attention" not in _rows(_plan(_config("qwen2_5_vl"),
+                                                processor_type="AutoProcessor"))
+
+
 def test_gemma3_trains_its_language_model_on_text_without_a_processor() -> None:
     from transformers import Gemma3Config
 

@@ -185,7 +185,12 @@ def plan_rows(tower: VisionTower, config: Config, layout: Layout) -> list[tuple[
               if config.adapter is not None else "trained")
     split = (f"whole images, one run of the row's images per rank of each SP group of "
              f"{layout.sp}; features all-gathered" if layout.sp > 1 else "whole images")
+    attention = ([("image attention", "both ways within each image, the model's own mask: "
+                   "Ulysses attends over the whole row per head; the block kernels, not the "
+                   "fused ones, take these rows")]
+                 if tower.model_type in BIDIRECTIONAL_IMAGE_FAMILIES else [])
     return [
+        *attention,
         ("vision tower", f"{tower.layers} layers, hidden {tower.hidden}, "
                          f"~{format_count(tower.parameters)} parameters, {trains}"),
         ("tower splits by", split),
