@@ -54,6 +54,12 @@ def test_gemma3_images_under_a_ring_are_refused_with_the_true_reason(mode: str) 
     assert "sequence_parallel_mode: ulysses" in e.value.fix
 
 
+def test_gemma3_images_without_sp_need_no_mode() -> None:
+    from transformers import Gemma3Config
+
+    _plan(Gemma3Config(), world=2, sp=1, processor_type="AutoProcessor")  # data parallel only
+
+
 def test_gemma3_images_under_ulysses_plan_their_bidirectional_attention() -> None:
     from transformers import Gemma3Config
 

@@ -151,7 +151,8 @@ def check_vision(config: Config, hf_config: Any, layout: Layout) -> VisionTower 
             "vision-language models do not run under tensor parallelism here: the tower and "
             "the merge of its features are not split over a TP group.",
             where="tensor_parallel_size", fix="use `tensor_parallel_size: 1`.")
-    if tower.model_type in BIDIRECTIONAL_IMAGE_FAMILIES and layout.mode != "ulysses":
+    if (tower.model_type in BIDIRECTIONAL_IMAGE_FAMILIES and layout.sp > 1
+            and layout.mode != "ulysses"):
         raise UserError(
             f"model type `{tower.model_type}` lets the tokens of one image attend to each other "
             f"in both directions. `sequence_parallel_mode: {layout.mode}` runs a ring, whose "

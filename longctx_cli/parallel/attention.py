@@ -94,16 +94,21 @@ def sp_attention(
         raise ValueError(
             f"attention sinks must be one per query head ({q.shape[1]}), got {tuple(sinks.shape)}"
         )
-    if meta.bidirectional and ctx.layout.mode != "ulysses":
-        raise NotImplementedError(
-            "image tokens that attend to each other both ways need sequence_parallel_mode "
-            f"ulysses; {ctx.layout.mode} splits each document's keys across ranks")
+    strategy = strategy_for(ctx)
+    if meta.bidirectional:  # image runs: only Ulysses holds whole rows (one rank does too)
+        if ctx.layout.sp > 1 and ctx.layout.mode != "ulysses":
+            raise NotImplementedError(
+                "image tokens that attend to each other both ways need sequence_parallel_mode "
+                f"ulysses; {ctx.layout.mode} splits each document's keys across ranks")
+        from .ulysses import ulysses_attention
+
+        strategy = ulysses_attention
     if feats.chunk is not None:  # chunked local attention: chunk starts are segment starts
         meta, feats = chunked_meta(meta, feats.chunk), replace(feats, chunk=None)
     # Autocast off: every strategy keeps its statistics and merges in float32 itself, and
     # q/k/v already carry the compute dtype (see `longctx_attention_forward`).
     with torch.autocast(q.device.type, enabled=False):
-        return strategy_for(ctx)(q, k, v, meta, feats, sinks)
+        return strategy(q, k, v, meta, feats, sinks)
 
 
 # kwargs transformers' attention layers pass that do not change what attention computes

@@ -850,9 +850,7 @@ def run_vision_probe(model_config: Any) -> Any:
             ours = _build_vision(tiny, register_sp_attention())
             ours.load_state_dict(reference.state_dict())
             vlm = VisionLanguageForward(ours)
-            # Image tokens attending both ways run under Ulysses only (vision_plan.py).
-            mode = "ulysses" if model_type in BIDIRECTIONAL_IMAGE_FAMILIES else "ring"
-            batch = vlm.shard(ids, pos, labels, images, ParallelState().with_layout(mode=mode))
+            batch = vlm.shard(ids, pos, labels, images, ParallelState())
             count = sum(int((lab[1:] != IGNORE_INDEX).sum()) for _, lab, _ in docs)
             head = model_head(ours.get_output_embeddings(), ours.config)
             loss = lm_loss_sum(head, vlm.hidden_states(batch), batch.shift_labels) / count
