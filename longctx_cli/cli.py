@@ -232,7 +232,7 @@ def _fidelity(cfg: Any, shape: Any, console: Console) -> str:
             return "not run: the model's config is not at hand"
         from longctx_cli.train.fidelity import run_probe
 
-        return run_probe(hf_config, cfg.trust_remote_code, bool(cfg.processor_type)).summary()
+        return run_probe(hf_config, cfg.trust_remote_code, cfg.trains_images).summary()
 
 
 @app.command(

@@ -1,10 +1,10 @@
 """Image runs whose tokens attend to each other both ways (Gemma 3), in the local kernel.
 
 `doc_causal_attention` with `bidirectional` runs equals dense attention under the mask
-transformers builds for Gemma 3: within a document, causal OR same image run, AND (sliding
-layers) the key no older than the window. Forward and gradients, every block path (the CPU
-op, its masked edge, the matmul path under softcapping), windows narrower and wider than
-an image.
+transformers' own functions build for Gemma 3 (`masking_utils`, Gemma 3's block ids): causal
+OR same image run, AND (sliding layers) the key no older than the window, within each
+document. Forward and gradients, every block path (the CPU op, its masked edge, the matmul
+path CUDA takes), windows narrower and wider than an image, and a document that is one image.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from longctx_cli.parallel import torch_kernel
 from longctx_cli.parallel.features import AttentionFeatures
 from longctx_cli.parallel.torch_kernel import doc_causal_attention, full_row_segments
 
@@ -21,29 +22,41 @@ CU = (0, 40, 64)
 RUNS = ((0, 6), (17, 29), (55, 64))
 
 
-def _dense_mask(total: int, window: int | None) -> torch.Tensor:
-    """[T, T] bool: what transformers' Gemma 3 mask lets query i see."""
-    doc = torch.zeros(total, dtype=torch.long)
-    for d, (a, b) in enumerate(zip(CU[:-1], CU[1:], strict=True)):
-        doc[a:b] = d
-    run = torch.full((total,), -1)
-    for r, (a, b) in enumerate(RUNS):
-        run[a:b] = r
-    q = torch.arange(total)[:, None]
-    k = torch.arange(total)[None, :]
-    keep = (k <= q) | ((run[:, None] == run[None, :]) & (run[:, None] >= 0))
-    if window is not None:
-        keep &= k > q - window
-    return keep & (doc[:, None] == doc[None, :])
+def _dense_mask(cu, runs, window: int | None) -> torch.Tensor:
+    """[T, T] bool: what transformers' Gemma 3 mask lets query i see, document by document
+    (as each document's own forward builds it)."""
+    from transformers.masking_utils import (
+        and_masks,
+        blockwise_overlay,
+        causal_mask_function,
+        or_masks,
+        sliding_window_overlay,
+    )
+    from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+    total = cu[-1]
+    keep = torch.zeros(total, total, dtype=torch.bool)
+    for a, b in zip(cu[:-1], cu[1:], strict=True):
+        types = torch.zeros(1, b - a, dtype=torch.long)
+        for s, e in runs:
+            if a <= s < b:
+                types[0, s - a:e - a] = 1
+        mask = or_masks(causal_mask_function, blockwise_overlay(
+            get_block_sequence_ids_for_mask(types)))
+        if window is not None:
+            mask = and_masks(mask, sliding_window_overlay(window))
+        idx = torch.arange(b - a)
+        keep[a:b, a:b] = mask(0, 0, idx[:, None], idx[None, :])
+    return keep
 
 
-def _dense(q, k, v, feats: AttentionFeatures) -> torch.Tensor:
+def _dense(q, k, v, feats: AttentionFeatures, cu=CU, runs=RUNS) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     s = torch.einsum("qhd,khd->hqk", q, k) * feats.scale
     if feats.softcap is not None:
         s = feats.softcap * torch.tanh(s / feats.softcap)
-    s = s.masked_fill(~_dense_mask(q.shape[0], feats.window), float("-inf"))
+    s = s.masked_fill(~_dense_mask(cu, runs, feats.window), float("-inf"))
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
@@ -56,22 +69,30 @@ def test_segments_cut_documents_at_image_runs() -> None:
         full_row_segments(CU, (), ((35, 45),))
 
 
-@pytest.mark.parametrize("window, softcap", [(None, None), (4, None), (9, None), (30, None),
-                                             (5, 3.0), (None, 3.0)])
-def test_bidirectional_runs_equal_the_dense_mask(window, softcap) -> None:
+@pytest.mark.parametrize("matmul", [False, True], ids=["cpu-op", "matmul"])
+@pytest.mark.parametrize("window, softcap, cu, runs", [
+    (None, None, CU, RUNS), (4, None, CU, RUNS), (9, None, CU, RUNS), (30, None, CU, RUNS),
+    (5, 3.0, CU, RUNS), (None, 3.0, CU, RUNS),
+    (None, None, (0, 8), ((0, 8),)),  # one document, one image: no causal segment at all
+])
+def test_bidirectional_runs_equal_the_dense_mask(window, softcap, cu, runs, matmul,
+                                                 monkeypatch) -> None:
+    if matmul:  # the path CUDA takes for every block (the CPU op otherwise)
+        monkeypatch.setattr(torch_kernel, "_use_matmul_path", lambda q, feats: True)
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(64, 4, 8, generator=gen, dtype=torch.float32).requires_grad_()
-    k = torch.randn(64, 2, 8, generator=gen, dtype=torch.float32).requires_grad_()
-    v = torch.randn(64, 2, 8, generator=gen, dtype=torch.float32).requires_grad_()
+    n = cu[-1]
+    q = torch.randn(n, 4, 8, generator=gen, dtype=torch.float32).requires_grad_()
+    k = torch.randn(n, 2, 8, generator=gen, dtype=torch.float32).requires_grad_()
+    v = torch.randn(n, 2, 8, generator=gen, dtype=torch.float32).requires_grad_()
     feats = AttentionFeatures(scale=0.3, window=window, softcap=softcap)
-    dout = torch.randn(64, 4, 8, generator=gen, dtype=torch.float32)
-    got = doc_causal_attention(q, k, v, CU, feats, bidirectional=RUNS)
+    dout = torch.randn(n, 4, 8, generator=gen, dtype=torch.float32)
+    got = doc_causal_attention(q, k, v, cu, feats, bidirectional=runs)
     grads = torch.autograd.grad(got, (q, k, v), dout)
-    want = _dense(q, k, v, feats)
+    want = _dense(q, k, v, feats, cu, runs)
     want_grads = torch.autograd.grad(want, (q, k, v), dout)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
     for g, w in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=2e-5, atol=2e-5)
     # The runs change the result: causal attention alone differs (the test can fail).
-    causal = doc_causal_attention(q, k, v, CU, feats)
+    causal = doc_causal_attention(q, k, v, cu, feats)
     assert not torch.allclose(causal, want)

@@ -13,7 +13,7 @@ import pytest
 from longctx_cli.constants import IGNORE_INDEX as IGN
 from longctx_cli.data import vision
 from longctx_cli.errors import UserError
-from tests.vlm_fixtures import write_tiny_qwen_vl_processor
+from tests.vlm_fixtures import conversation, make_image, write_tiny_qwen_vl_processor
 
 WHERE = "data/d.jsonl:3"
 
@@ -28,18 +28,6 @@ def vp(proc_dir):
     return vision.load_processor(str(proc_dir))
 
 
-def make_image(folder: Path, name: str, size: tuple[int, int], seed: int) -> Path:
-    """A noisy RGB image (every patch different), saved as PNG; size is (width, height)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    pixels = rng.integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8)
-    path = folder / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(pixels).save(path)
-    return path
-
-
 def rgb(path: Path):
     from PIL import Image
 
@@ -52,20 +40,6 @@ def hf(vp, messages, images):
     out = vp.processor(text=[text], images=images or None, return_mm_token_type_ids=True,
                        return_tensors="np")
     return out
-
-
-def conversation():
-    return {"messages": [
-        {"role": "user", "content": [
-            {"type": "image", "path": "img/a.png"},
-            {"type": "text", "text": "Describe this image."}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "A red square."}]},
-        {"role": "user", "content": [
-            {"type": "text", "text": "And these?"},
-            {"type": "image", "path": "img/b.png"},
-            {"type": "image", "path": "img/c.png"}]},
-        {"role": "assistant", "content": "A cat."},
-    ]}
 
 
 @pytest.fixture()

@@ -25,23 +25,9 @@ import yaml
 
 from longctx_cli.constants import IGNORE_INDEX
 from tests.train_helpers import run_longctx
-from tests.vlm_fixtures import write_tiny_qwen_vl_processor
+from tests.vlm_fixtures import QWEN2_5_VL, write_tiny_qwen_vl_processor
 
 IMAGE_ID = 5  # the fixture tokenizer's <|image_pad|>
-QWEN2_5_VL = {
-    "model_type": "qwen2_5_vl", "image_token_id": 5, "video_token_id": 6,
-    "vision_start_token_id": 3, "vision_end_token_id": 4,
-    "text_config": {
-        "model_type": "qwen2_5_vl_text", "hidden_size": 64, "intermediate_size": 96,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "vocab_size": 448, "max_position_embeddings": 2048, "initializer_range": 0.2,
-        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-        "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0},
-    "vision_config": {
-        "depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
-        "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
-        "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1]},
-}
 ANSWERS = ("The image is a red square.", "A cat.", "What is in the picture? A cat.")
 # float32: W x + B (A x) and (W + B A) x round differently (logits of a few units here).
 TOL = {"rtol": 1e-4, "atol": 1e-4}

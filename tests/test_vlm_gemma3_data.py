@@ -17,7 +17,12 @@ import torch
 from longctx_cli.constants import IGNORE_INDEX as IGN
 from longctx_cli.data import vision
 from longctx_cli.runtime.batches import collate_images
-from tests.vlm_fixtures import GEMMA3_IMAGE_TOKENS, write_tiny_gemma3_processor
+from tests.vlm_fixtures import (
+    GEMMA3_IMAGE_TOKENS,
+    conversation,
+    write_tiny_gemma3_processor,
+)
+from tests.vlm_fixtures import hf_chat as hf
 
 WHERE = "data/d.jsonl:3"
 SIDE, SOFT_TOKENS, PATCH = 32, 16, 4  # 8x8 patches pooled to 4x4 soft tokens
@@ -45,31 +50,6 @@ def images(tmp_path):
         Image.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)).save(path)
         paths.append(path)
     return paths
-
-
-def conversation():
-    return {"messages": [
-        {"role": "user", "content": [
-            {"type": "image", "path": "img/a.png"},
-            {"type": "text", "text": "Describe this image."}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "A red square."}]},
-        {"role": "user", "content": [
-            {"type": "text", "text": "And these?"},
-            {"type": "image", "path": "img/b.png"},
-            {"type": "image", "path": "img/c.png"}]},
-        {"role": "assistant", "content": "A cat."},
-    ]}
-
-
-def hf(vp, messages, base: Path, **kwargs):
-    """The processor's own `apply_chat_template(tokenize=True)` (it loads the images)."""
-    messages = copy.deepcopy(messages)
-    for m in messages:
-        for part in m["content"] if isinstance(m["content"], list) else []:
-            if "path" in part:
-                part["path"] = str(base / part["path"])
-    return vp.processor.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_tensors="np", **kwargs)
 
 
 def test_encoding_equals_the_hf_processor(vp, tmp_path, images):

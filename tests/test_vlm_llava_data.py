@@ -16,7 +16,13 @@ from longctx_cli.constants import IGNORE_INDEX as IGN
 from longctx_cli.data import vision
 from longctx_cli.errors import UserError
 from longctx_cli.runtime.batches import collate_images
-from tests.vlm_fixtures import LLAVA_IMAGE_TOKEN, write_tiny_llava_processor
+from tests.vlm_fixtures import (
+    LLAVA_IMAGE_TOKEN,
+    conversation,
+    make_image,
+    write_tiny_llava_processor,
+)
+from tests.vlm_fixtures import hf_chat as hf
 
 WHERE = "data/d.jsonl:3"
 SIDE, PATCH = 16, 4
@@ -33,48 +39,12 @@ def vp(proc_dir):
     return vision.load_processor(str(proc_dir))
 
 
-def make_image(folder: Path, name: str, size: tuple[int, int], seed: int) -> Path:
-    """A noisy RGB PNG; size is (width, height)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    path = folder / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(rng.integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8)).save(path)
-    return path
-
-
 @pytest.fixture()
 def images(tmp_path):
     # Not square and not the tower's size: CLIP resizes the short side, then crops.
     return [make_image(tmp_path, "img/a.png", (30, 20), 1),
             make_image(tmp_path, "img/b.png", (16, 16), 2),
             make_image(tmp_path, "img/c.png", (50, 18), 3)]
-
-
-def conversation():
-    return {"messages": [
-        {"role": "user", "content": [
-            {"type": "image", "path": "img/a.png"},
-            {"type": "text", "text": "Describe this image."}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "A red square."}]},
-        {"role": "user", "content": [
-            {"type": "text", "text": "And these?"},
-            {"type": "image", "path": "img/b.png"},
-            {"type": "image", "path": "img/c.png"}]},
-        {"role": "assistant", "content": "A cat."},
-    ]}
-
-
-def hf(vp, messages, base: Path, **kwargs):
-    """The processor's own `apply_chat_template(tokenize=True)` (it loads the images)."""
-    messages = copy.deepcopy(messages)
-    for m in messages:
-        for part in m["content"] if isinstance(m["content"], list) else []:
-            if "path" in part:
-                part["path"] = str(base / part["path"])
-    return vp.processor.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_tensors="np", **kwargs)
 
 
 def test_the_folder_loads_as_a_llava_processor(proc_dir, vp):

@@ -74,7 +74,7 @@ def test_gemma3_trains_its_language_model_on_text_without_a_processor() -> None:
     from transformers import Gemma3Config
 
     plan = _plan(Gemma3Config(), sequence_parallel_mode="ring")
-    assert plan.vision == [] or not plan.vision
+    assert not plan.vision
     assert plan.memory.vision_tower == 0
 
 
@@ -135,3 +135,36 @@ def test_fidelity_probe_checks_gemma3_with_its_bidirectional_images() -> None:
     # multimodal class (it used to fail shrinking the composite config, refusing the run).
     text = run_probe(Gemma3Config())
     assert "images" not in text.summary() and text.worst_gradient_rel_error < 1e-4
+
+
+def test_gemma3_tower_memory_counts_its_pooled_patches() -> None:
+    """Gemma 3 (896-pixel images, 14-pixel patches) pools 64 x 64 patches to 16 x 16 tokens:
+    16 patches per image token."""
+    from transformers import Gemma3Config
+
+    from longctx_cli.config.vision_plan import VisionTower
+
+    real = Gemma3Config(vision_config={"image_size": 896, "patch_size": 14})
+    assert VisionTower.of(real).merge == 4
+    rows = _rows(_plan(real, processor_type="AutoProcessor", sequence_parallel_mode="ulysses"))
+    assert "32,768 patches per rank" in rows["tower memory"]  # 4096 tokens x 16 / 2 ranks
+
+
+def test_gemma3_images_on_a_gpu_count_the_tiled_path() -> None:
+    """On CUDA its image rows take the tiled matmul path under every kernel: the plan adds
+    the score tiles (a text run of the same model keeps the fused kernel's none)."""
+    from transformers import Gemma3Config
+
+    from longctx_cli.config import config_from_dict
+    from longctx_cli.config.plan import build_plan
+    from longctx_cli.config.world import Platform
+
+    def tiles(**extra) -> int:
+        settings = {"model_config": {"model_type": "llama"}, "sequence_len": 4096,
+                    "datasets": [{"path": "chats.jsonl", "type": "chat_template"}],
+                    "sequence_parallel_degree": 2, "sequence_parallel_mode": "ulysses",
+                    "attention_kernel": "torch_flash", **extra}
+        return build_plan(config_from_dict(settings), 2, Gemma3Config(),
+                          platform=Platform(cuda=True, ring_flash_attn=False)).memory.score_tiles
+
+    assert tiles(processor_type="AutoProcessor") > 0 and tiles() == 0

@@ -323,5 +323,8 @@ def _generate_worker(rank: int, world: int, family: str) -> dict[str, list[int]]
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava", "gemma3"])
 def test_decoding_after_images_under_sp_equals_generate(family: str) -> None:
     for result in run_distributed(_generate_worker, 2, family, timeout_s=240):
-        assert result.get("ring", result["generate"]) == result["generate"], result
         assert result["ulysses"] == result["generate"], result
+        if family in BIDIRECTIONAL_IMAGE_FAMILIES:  # a ring refuses its image runs
+            assert "ring" not in result
+        else:
+            assert result["ring"] == result["generate"], result

@@ -24,6 +24,7 @@ from longctx_cli.constants import IGNORE_INDEX
 from tests.family_matrix import LOSS_TOL, WEIGHT_TOL, compare
 from tests.train_helpers import run_longctx
 from tests.vlm_fixtures import (
+    QWEN2_5_VL,
     write_tiny_gemma3_processor,
     write_tiny_llava_processor,
     write_tiny_qwen_vl_processor,
@@ -31,20 +32,6 @@ from tests.vlm_fixtures import (
 
 STEPS = 3
 IMAGE_ID, VIDEO_ID = 5, 6  # the fixture tokenizer's <|image_pad|>, <|video_pad|>
-QWEN2_5_VL = {
-    "model_type": "qwen2_5_vl", "image_token_id": 5, "video_token_id": 6,
-    "vision_start_token_id": 3, "vision_end_token_id": 4,
-    "text_config": {
-        "model_type": "qwen2_5_vl_text", "hidden_size": 64, "intermediate_size": 96,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "vocab_size": 448, "max_position_embeddings": 2048, "initializer_range": 0.2,
-        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-        "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0},
-    "vision_config": {
-        "depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
-        "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
-        "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1]},
-}
 QWEN3_VL = {
     **{k: QWEN2_5_VL[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
                                   "vision_end_token_id")},
@@ -77,8 +64,8 @@ def _llava() -> dict:
 def _gemma3() -> dict:
     """tests/vlm_models.py's tiny Gemma 3 (sliding layers of 6 tokens) at the fixture
     processor's 32x32 images pooled to 16 tokens, with its tokenizer's image token ids.
-    Its projection starts at zero, as the model's own init makes it, so here the tower gets
-    no gradient on either side (test_vlm_runtime.py checks the tower's)."""
+    Its projection starts at zero, as the model's own init makes it, so the tower gets no
+    gradient at the first step on either side (test_vlm_runtime.py checks the tower's)."""
     from tests.vlm_models import _config
 
     config = json.loads(_config("gemma3").to_json_string(use_diff=True))

@@ -84,6 +84,24 @@ def write_tiny_qwen_vl_processor(folder: str | Path, patch_size: int = 14,
     return folder
 
 
+# A tiny Qwen2.5-VL whose token ids are the fixture tokenizer's (<|vision_start|> 3,
+# <|vision_end|> 4, <|image_pad|> 5, <|video_pad|> 6) and whose tower takes its 14-pixel patches.
+QWEN2_5_VL = {
+    "model_type": "qwen2_5_vl", "image_token_id": 5, "video_token_id": 6,
+    "vision_start_token_id": 3, "vision_end_token_id": 4,
+    "text_config": {
+        "model_type": "qwen2_5_vl_text", "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 448, "max_position_embeddings": 2048, "initializer_range": 0.2,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0},
+    "vision_config": {
+        "depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+        "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
+        "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1]},
+}
+
+
 # ---- LLaVA ---------------------------------------------------------------------------------
 
 LLAVA_SPECIALS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2, as the tiny models' configs have them
@@ -164,3 +182,48 @@ def write_tiny_gemma3_processor(folder: str | Path, image_side: int = 32,
     EXAMPLE.save_processor(folder, tokenizer, images, GEMMA3_TEMPLATE, "Gemma3Processor",
                            "Gemma3ImageProcessor", image_seq_length=image_seq_length)
     return folder
+
+
+# ---- records and the processors' own encodings, shared by the data tests -------------------
+
+
+def make_image(folder: Path, name: str, size: tuple[int, int], seed: int) -> Path:
+    """A noisy RGB image (every patch different), saved as PNG; size is (width, height)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8)
+    path = folder / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def conversation() -> dict:
+    """Two user turns with three images (img/a.png, img/b.png, img/c.png) and two answers."""
+    return {"messages": [
+        {"role": "user", "content": [
+            {"type": "image", "path": "img/a.png"},
+            {"type": "text", "text": "Describe this image."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A red square."}]},
+        {"role": "user", "content": [
+            {"type": "text", "text": "And these?"},
+            {"type": "image", "path": "img/b.png"},
+            {"type": "image", "path": "img/c.png"}]},
+        {"role": "assistant", "content": "A cat."},
+    ]}
+
+
+def hf_chat(vp, messages: list, base: Path, **kwargs):
+    """The processor's own `apply_chat_template(tokenize=True)` (it loads the images, their
+    paths taken relative to `base`)."""
+    import copy
+
+    messages = copy.deepcopy(messages)
+    for m in messages:
+        for part in m["content"] if isinstance(m["content"], list) else []:
+            if "path" in part:
+                part["path"] = str(base / part["path"])
+    return vp.processor.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_tensors="np", **kwargs)

@@ -315,16 +315,19 @@ def _score_tile_bytes(shape: ModelShape, layout: Layout, local_tokens: int) -> i
     return SCORE_TILE_TENSORS * heads * rows * keys * 4
 
 
-def tiled_scores_run(kernel: str, cuda: bool, shape: ModelShape, p2p_ring: bool = False) -> bool:
+def tiled_scores_run(kernel: str, cuda: bool, shape: ModelShape, p2p_ring: bool = False,
+                     images_both_ways: bool = False) -> bool:
     """Does the kernel that runs take the tiled matmul path (whose tiles the estimate adds)?
 
     `torch` on CUDA always; on CPU, and under `torch_flash`, only for softcapped layers. A P2P
     ring (`batch_*` across more than one rank) runs its blocks on the flash op too, except
     under a sliding window (the rows past a block's keys), so on CUDA under `torch_flash` a
-    windowed model's P2P ring takes the tiled path.
+    windowed model's P2P ring takes the tiled path. On CUDA a row whose image tokens attend
+    both ways (`images_both_ways`, Gemma 3 with images) takes it under every kernel: the
+    fused ops' calls are causal.
     """
     capped = attention_softcap(shape) is not None
-    return (kernel == "torch" and (cuda or capped)) or (
+    return (kernel == "torch" and (cuda or capped)) or (cuda and images_both_ways) or (
         kernel == "torch_flash" and (capped or (cuda and p2p_ring and shape.sliding_window)))
 
 

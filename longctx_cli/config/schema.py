@@ -1437,6 +1437,12 @@ class Config(_Strict):
     def axolotl_notes(self) -> list[tuple[str, str]]:
         return self._axolotl_notes
 
+    @property
+    def trains_images(self) -> bool:
+        """The run reads image-bearing records through a processor (`processor_type`): a
+        model with its own causal LM (Gemma 3) then trains as a vision-language model."""
+        return bool(self.processor_type)
+
     @model_validator(mode="after")
     def _axolotl_rules(self) -> Config:
         """Cross-key rules of the Axolotl keys, and the distribution keys folded into fsdp."""

@@ -8,6 +8,7 @@ rough bound for a row made only of image tokens (the most tower work a row can h
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,11 +56,15 @@ class VisionTower:
             return None
         layers = getattr(vision, "depth", None) or getattr(vision, "num_hidden_layers", 1)
         hidden = getattr(vision, "hidden_size", None) or getattr(vision, "embed_dim", 0)
+        merge = int(getattr(vision, "spatial_merge_size", 1) or 1)
+        if getattr(hf_config, "mm_tokens_per_image", None):  # Gemma 3 pools patches to tokens
+            side = int(vision.image_size) // int(vision.patch_size)
+            merge = max(1, side // math.isqrt(int(hf_config.mm_tokens_per_image)))
         return cls(
             model_type=str(getattr(hf_config, "model_type", "")),
             layers=int(layers), hidden=int(hidden),
             intermediate=int(getattr(vision, "intermediate_size", 4 * hidden) or 4 * hidden),
-            merge=int(getattr(vision, "spatial_merge_size", 1) or 1),
+            merge=merge,
         )
 
     @property
@@ -136,7 +141,7 @@ def check_vision(config: Config, hf_config: Any, layout: Layout) -> VisionTower 
             where="pretraining_dataset",
             fix="list image-bearing records under `datasets` (type: chat_template), or drop "
             "`processor_type`.")
-    if not is_vision_language(hf_config, images=bool(config.processor_type)):
+    if not is_vision_language(hf_config, images=config.trains_images):
         for key in ("processor_type", "freeze_mm_modules"):
             if getattr(config, key):
                 raise UserError(

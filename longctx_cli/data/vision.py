@@ -241,8 +241,8 @@ def load_processor(
         raise UserError(f"{path} holds no image processor, so it is not a vision-language "
                         "model's processor.",
                         fix="use the folder of a vision-language model (Qwen2-VL, Qwen2.5-VL, "
-                        "Qwen3-VL, LLaVA) whose preprocessor_config.json and tokenizer files are "
-                        "there.")
+                        "Qwen3-VL, LLaVA, Gemma 3) whose preprocessor_config.json and tokenizer "
+                        "files are there.")
     return VisionProcessor(processor, size, resample, _video_size(folder, processor))
 
 
@@ -270,6 +270,9 @@ def _image_only_processor(folder: Path) -> Any:
             text = file.read_text()
             template = json.loads(text)["chat_template"] if name.endswith("json") else text
             break
+    video = folder / "video_preprocessor_config.json"  # Qwen3-VL's names its own class
+    if video.is_file():
+        kind += str(json.loads(video.read_text()).get("video_processor_type", ""))
     base = "Qwen3VLProcessor" if "Qwen3VL" in kind else "Qwen2_5_VLProcessor"
     return image_only_processor_class(base)(image_processor=image_processor,
                                             tokenizer=tokenizer, chat_template=template)
@@ -1000,13 +1003,16 @@ def text_document(ids: list[int], labels: list[int], patch_dim: int, source: str
 
 
 def patch_dim(processor: Any) -> int:
-    """Width of one row of pixel_values (3 * temporal_patch_size * patch_size**2)."""
+    """Width of one row of pixel_values: a patch (3 * temporal_patch_size * patch_size**2) for
+    the Qwen-VL processors, a whole image (C * H * W) for LLaVA's and Gemma 3's."""
     return _patch_dim(_as_vision_processor(processor))
 
 
 # ---- a config's processor, and what identifies it ------------------------------------------
 
-VISION_VERSION = 1  # bump when the meaning of a cached vision row changes
+# Bump when the meaning of a cached vision row changes. 2: Qwen3-VL videos as timestamped
+# runs per temporal patch (rows cached before would train ids its processor never writes).
+VISION_VERSION = 2
 
 
 def processor_folder(config: Any) -> str:

@@ -102,7 +102,7 @@ def _from_pretrained(source: str, config: Config, hf_config=None) -> nn.Module:
         auto_class, attn = model_class_and_attention(
             hf_config if hf_config is not None else AutoConfig.from_pretrained(
                 source, trust_remote_code=config.trust_remote_code), ATTN_IMPLEMENTATION,
-            bool(config.processor_type))
+            config.trains_images)
         model = auto_class.from_pretrained(
             source,
             attn_implementation=attn,

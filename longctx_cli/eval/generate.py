@@ -150,8 +150,8 @@ def generate_on_ranks(config: Config, plan: Plan, checkpoint: Path, text: str,
     """Inside torchrun, every rank: greedy decoding after one SP prefill."""
     import torch.distributed as dist
 
-    from longctx_cli.data.tokenizer import load_tokenizer
     from longctx_cli.data.tokenizer import pad_id as tokenizer_pad_id
+    from longctx_cli.data.tokenizer import run_tokenizer
     from longctx_cli.eval.checkpoint_loading import load_for_eval
     from longctx_cli.parallel.mesh import build_parallel_state
     from longctx_cli.runtime.distributed import init_distributed
@@ -161,16 +161,13 @@ def generate_on_ranks(config: Config, plan: Plan, checkpoint: Path, text: str,
     device = init_distributed(config)
     state = build_parallel_state(plan.layout, device)
     media = None
-    if config.processor_type:
-        from longctx_cli.data.vision import load_config_processor
-
-        tokenizer = load_config_processor(config).tokenizer
+    tokenizer = run_tokenizer(config)[0]
+    if config.trains_images:
         prompt, media = vision_prompt(config, text, Path.cwd())
     else:
-        tokenizer = load_tokenizer(config)
         prompt = prompt_ids(tokenizer, text)
     model = load_for_eval(config, checkpoint).to(device)
-    decoder, lm_head = decoder_and_head(model, bool(config.processor_type))
+    decoder, lm_head = decoder_and_head(model, config.trains_images)
     new = greedy_tokens(decoder, lm_head, prompt, max_new_tokens, state,
                         tokenizer_pad_id(tokenizer), device, tokenizer.eos_token_id, media)
     if dist.get_rank() == 0:

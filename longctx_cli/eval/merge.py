@@ -73,6 +73,7 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
     if output.exists() and any(output.iterdir()):
         raise UserError(f"{str(output)!r} exists and is not empty.", where="--output",
                         fix="choose another --output, or move that folder away.")
+    companion = saved_with(config)  # before the slow load: a bad processor_path fails first
     dtype = DTYPES[config.dtype]
     base_path = lora_base_path(checkpoint)
     quantization = bnb_quantization(config, dtype)
@@ -89,7 +90,7 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
         # The class training loaded: a vision-language model is no AutoModelForCausalLM.
         auto_class, kwargs["attn_implementation"] = model_class_and_attention(
             kwargs.get("config") or _base_config(base_path, config), MERGE_ATTENTION,
-            bool(config.processor_type))
+            config.trains_images)
         base = auto_class.from_pretrained(base_path, **kwargs)
     except (OSError, ValueError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -108,7 +109,7 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
     tmp = output.with_name(output.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     merged.save_pretrained(tmp, safe_serialization=True)
-    saved_with(config).save_pretrained(tmp)  # as the trainer exported it to final/
+    companion.save_pretrained(tmp)  # as the trainer exported it to final/
     output.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(output, ignore_errors=True)
     tmp.rename(output)
@@ -130,17 +131,9 @@ def saved_with(config: Config) -> ProcessorFiles | PreTrainedTokenizerBase:
     """What is saved beside the merged weights: a vision-language run's processor files
     (tokenizer, image processor, chat template, under the model's own processor class), else
     the tokenizer, exactly as the trainer's `final/` holds them (`train/loop.py`)."""
-    if config.processor_type:
-        from longctx_cli.data.vision import (
-            ProcessorFiles,
-            load_config_processor,
-            processor_folder,
-        )
+    from longctx_cli.data.tokenizer import run_tokenizer
 
-        return ProcessorFiles(load_config_processor(config), processor_folder(config))
-    from longctx_cli.data.tokenizer import load_tokenizer
-
-    return load_tokenizer(config)
+    return run_tokenizer(config)[1]
 
 
 def run_merge(config_path: Path, checkpoint: Path, output: Path | None,

@@ -99,13 +99,9 @@ def eval_specs(config: Config, tokenizer: PreTrainedTokenizerBase,
 def eval_tokenizer(config: Config) -> PreTrainedTokenizerBase:
     """The tokenizer evaluation reads with: a vision-language run's is its processor's (with
     the config's special tokens and pad token), as training and `longctx generate` read it."""
-    if config.processor_type:
-        from longctx_cli.data.vision import load_config_processor
+    from longctx_cli.data.tokenizer import run_tokenizer
 
-        return load_config_processor(config).tokenizer
-    from longctx_cli.data.tokenizer import load_tokenizer
-
-    return load_tokenizer(config)
+    return run_tokenizer(config)[0]
 
 
 def has_held_out(config: Config) -> bool:
@@ -222,7 +218,7 @@ def evaluate_model(
     from longctx_cli.runtime.model import decoder_and_head
 
     model = load_for_eval(config, path).to(state.device)
-    decoder, lm_head = decoder_and_head(model, bool(config.processor_type))
+    decoder, lm_head = decoder_and_head(model, config.trains_images)
     grid = positions = ruler = None
     if specs.grid is not None:
         grid = run_passkey_grid(decoder, lm_head, tokenizer, specs.grid, state, pad_id,

@@ -635,7 +635,8 @@ def _whole_block(
         return None
     seg = segments[0]
     n = q.shape[0]
-    if seg.q_start != 0 or seg.q_end != n or seg.k_end - seg.k_start != n or seg.has_prefix:
+    if (seg.q_start != 0 or seg.q_end != n or seg.k_end - seg.k_start != n or seg.has_prefix
+            or seg.bidirectional):
         return None
     if feats.window is not None and feats.window < n:
         return None

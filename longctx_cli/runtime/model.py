@@ -106,7 +106,7 @@ def load_base_model(
     hf_config = hf_config if hf_config is not None else model_config_of(config)
     quantization = bnb_quantization(config, dtype) if quantize else None
     auto_class, attn = model_class_and_attention(hf_config, attn_implementation,
-                                                 bool(config.processor_type))
+                                                 config.trains_images)
     if config.trust_remote_code:
         warnings.warn(
             "trust_remote_code is on: code from the model repository will run.", stacklevel=2
@@ -238,7 +238,7 @@ def apply_fsdp(model: nn.Module, mesh, config: Config | None = None) -> None:
         fully_shard([embedding, head], mesh=mesh, **options)
     else:
         fully_shard(head, mesh=mesh, **options)
-    if is_vision_language(base.config, bool(config and config.processor_type)):
+    if is_vision_language(base.config, bool(config and config.trains_images)):
         # The rebuilt forward (runtime/vision.py) calls the tower and the projector itself,
         # outside any parent's forward: each is a group of its own, which gathers its weights
         # when called (the tower block by block).

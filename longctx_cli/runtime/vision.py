@@ -164,8 +164,11 @@ def _items_of_runs(grids: torch.Tensor, runs: int) -> int:
         if total == runs:
             return count
     raise UserError(
-        f"a document holds {runs} video frame runs that do not make up whole videos.",
-        where="datasets", fix="prepare the data again with this model's processor.")
+        f"a document holds {runs} video frame runs that do not make up whole videos: Qwen3-VL "
+        "writes one run per temporal patch, each after its timestamp, and these rows were "
+        "prepared by a processor that does not.", where="processor_path",
+        fix="point `processor_path` (or `base_model`) at the model's own processor folder "
+        "(its processor_class is Qwen3VLProcessor) and prepare the data again.")
 
 
 def split_images(patches: list[int], parts: int) -> list[tuple[int, int]]:
@@ -297,6 +300,12 @@ class VisionLanguageForward:
             for kind, items, key in ((IMAGE, images, "image_grid_thw"),
                                      (VIDEO, videos, "video_grid_thw")):
                 count = runs.count(kind)
+                if count and items is None:
+                    raise UserError(
+                        f"a document holds {'video' if kind == VIDEO else 'image'} tokens but "
+                        "the row has no such media.", where="datasets",
+                        fix="keep each record's images and videos with it, and keep vision "
+                        "tokens such as <|video_pad|> out of text records.")
                 if count and kind == VIDEO and self.family == "qwen3_vl":
                     count = _items_of_runs(items.image_grid_thw[seen[kind]:], count)
                 if count:

@@ -85,7 +85,7 @@ class Evaluator:
                  steps_per_epoch: int, num_steps: int):
         self.config, self.state, self.pad_id = config, state, pad_id
         self.model, self.preference, self.rows = model, preference, rows
-        self.decoder, self.lm_head = decoder_and_head(model, bool(config.processor_type))
+        self.decoder, self.lm_head = decoder_and_head(model, config.trains_images)
         self.scheduler = scheduler
         self.every = eval_interval(config, steps_per_epoch, num_steps)
         self.metrics: dict[str, float] = {}  # the last evaluation's extra metrics

@@ -654,7 +654,7 @@ def check_fidelity(config: Any, hf_config: Any = None) -> str:
         from longctx_cli.config.model_shape import read_model_config
 
         hf_config = read_model_config(config).transformers_config()
-    images = bool(config.processor_type)
+    images = config.trains_images
     path = None if config.trust_remote_code else verdict_path(hf_config, images)
     if path is not None and path.is_file():
         return f"{path.read_text()}; remembered from an earlier probe of this model config"

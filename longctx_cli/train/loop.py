@@ -18,8 +18,8 @@ import torch.distributed as dist
 from longctx_cli.config import Config
 from longctx_cli.config.plan import Plan
 from longctx_cli.data.stream import PackedStream
-from longctx_cli.data.tokenizer import load_tokenizer
 from longctx_cli.data.tokenizer import pad_id as tokenizer_pad_id
+from longctx_cli.data.tokenizer import run_tokenizer
 from longctx_cli.parallel.mesh import ParallelState, build_parallel_state
 from longctx_cli.runtime.distributed import init_distributed, load_rows
 from longctx_cli.runtime.model import build_model, decoder_and_head
@@ -94,18 +94,7 @@ def train(config: Config, plan: Plan, probe: str, clock: StartupClock | None = N
               f"fidelity probe: {probe}", flush=True)
     # A vision-language run reads its tokenizer from the processor, and saves the processor
     # beside the weights (`saved_with`).
-    if config.processor_type:
-        from longctx_cli.data.vision import (
-            ProcessorFiles,
-            load_config_processor,
-            processor_folder,
-        )
-
-        processor = load_config_processor(config)
-        tokenizer = processor.tokenizer
-        saved_with = ProcessorFiles(processor, processor_folder(config))
-    else:
-        tokenizer = saved_with = load_tokenizer(config)
+    tokenizer, saved_with = run_tokenizer(config)
     pad_id = tokenizer_pad_id(tokenizer)
     # pretraining_dataset: rows come from a stream packed on the fly, not from the cache.
     stream = PackedStream(config, tokenizer) if config.pretraining_dataset else None
@@ -114,7 +103,7 @@ def train(config: Config, plan: Plan, probe: str, clock: StartupClock | None = N
 
     model, precision, use_fsdp = setup_model(config, plan, state)
     clock.mark("model")
-    decoder, lm_head = decoder_and_head(model, bool(config.processor_type))
+    decoder, lm_head = decoder_and_head(model, config.trains_images)
     preference = PreferenceLoss.from_config(config)  # None: the causal-LM loss
     if preference is not None:  # before a resume: a precomputed reference is the initial model
         splits = {"train": train_rows, **({"eval": eval_rows} if eval_rows is not None else {})}
