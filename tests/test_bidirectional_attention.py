@@ -96,3 +96,53 @@ def test_bidirectional_runs_equal_the_dense_mask(window, softcap, cu, runs, matm
     # The runs change the result: causal attention alone differs (the test can fail).
     causal = doc_causal_attention(q, k, v, cu, feats)
     assert not torch.allclose(causal, want)
+
+
+# ---- the fused kernels (CPU stand-ins of the CUDA ops, their signatures and semantics) ----
+
+
+@pytest.fixture
+def fused_ops():
+    """Every fused kernel pointed at its stand-in; yields each one's forward-call counter."""
+    from longctx_cli.parallel.cudnn_attention import use_cudnn_ops
+    from longctx_cli.parallel.fa4_attention import ops_for, use_fa4_ops
+    from longctx_cli.parallel.torch_flash import use_flash_ops
+    from tests import cudnn_standin, fa4_standin
+    from tests import torch_flash_standin as flash_standin
+
+    flash = use_flash_ops(flash_standin.OPS)
+    cudnn = use_cudnn_ops(cudnn_standin.OPS)
+    fa4 = use_fa4_ops(ops_for(fa4_standin.MODULE, supports=lambda q: True, name="stand-in"))
+    yield {"torch_flash": flash_standin.CALLS, "cudnn": cudnn_standin.CALLS,
+           "fa4": fa4_standin.CALLS}
+    use_flash_ops(flash)
+    use_cudnn_ops(cudnn)
+    use_fa4_ops(fa4)
+
+
+@pytest.mark.parametrize("kernel", ["torch_flash", "cudnn", "fa4"])
+@pytest.mark.parametrize("window", [None, 4, 30])
+def test_fused_kernels_run_the_causal_rows_and_the_images_exactly(fused_ops, kernel,
+                                                                  window) -> None:
+    """On a GPU the op takes the causal segments in one varlen call and each image in one
+    non-causal block (under a window narrower than the image's keys, the block paths take
+    its rows): the result is the dense mask's, and the op was called."""
+    gen = torch.Generator().manual_seed(2)
+    n = CU[-1]
+    q = torch.randn(n, 4, 16, generator=gen).requires_grad_()
+    k = torch.randn(n, 2, 16, generator=gen).requires_grad_()
+    v = torch.randn(n, 2, 16, generator=gen).requires_grad_()
+    dout = torch.randn(n, 4, 16, generator=gen)
+    feats = AttentionFeatures(scale=0.25, window=window)
+    def op_calls() -> int:  # cuDNN hands windowed calls to the flash op
+        return sum(sum(c.values()) for c in fused_ops.values())
+
+    before = op_calls()
+    got = doc_causal_attention(q, k, v, CU, feats, kernel=kernel, bidirectional=RUNS)
+    grads = torch.autograd.grad(got, (q, k, v), dout)
+    assert op_calls() > before  # an op ran, not only the block paths
+    want = _dense(q, k, v, feats)
+    want_grads = torch.autograd.grad(want, (q, k, v), dout)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=2e-5, atol=2e-5)

@@ -322,9 +322,9 @@ def tiled_scores_run(kernel: str, cuda: bool, shape: ModelShape, p2p_ring: bool 
     `torch` on CUDA always; on CPU, and under `torch_flash`, only for softcapped layers. A P2P
     ring (`batch_*` across more than one rank) runs its blocks on the flash op too, except
     under a sliding window (the rows past a block's keys), so on CUDA under `torch_flash` a
-    windowed model's P2P ring takes the tiled path. On CUDA a row whose image tokens attend
-    both ways (`images_both_ways`, Gemma 3 with images) takes it under every kernel: the
-    fused ops' calls are causal.
+    windowed model's P2P ring takes the tiled path. On CUDA the image tokens that attend both
+    ways (`images_both_ways`, Gemma 3 with images) take it in sliding-window layers under
+    every kernel (the fused ops' non-causal block has no window).
     """
     capped = attention_softcap(shape) is not None
     return (kernel == "torch" and (cuda or capped)) or (cuda and images_both_ways) or (

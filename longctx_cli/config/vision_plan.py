@@ -192,8 +192,8 @@ def plan_rows(tower: VisionTower, config: Config, layout: Layout) -> list[tuple[
     split = (f"whole images, one run of the row's images per rank of each SP group of "
              f"{layout.sp}; features all-gathered" if layout.sp > 1 else "whole images")
     attention = ([("image attention", "both ways within each image, the model's own mask: "
-                   "Ulysses attends over the whole row per head; the block kernels, not the "
-                   "fused ones, take these rows")]
+                   "Ulysses attends over the whole row per head; a fused kernel takes each "
+                   "image as one block, except in sliding-window layers (the tiled path)")]
                  if tower.model_type in BIDIRECTIONAL_IMAGE_FAMILIES else [])
     return [
         *attention,

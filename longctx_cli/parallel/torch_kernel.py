@@ -618,13 +618,31 @@ def _merge_f32(
     return out, lse
 
 
-def _segments_op(kernel: str, q: torch.Tensor, feats: AttentionFeatures, v: torch.Tensor,
-                 segments: Sequence[Segment]) -> OpKernel | None:
-    """:func:`op_kernel` for these segments: a bidirectional one (an image's tokens) runs on
-    the block paths, whose masks express it; the ops' varlen calls are causal."""
-    if any(seg.bidirectional for seg in segments):
-        return None
-    return op_kernel(kernel, q, feats, v)
+def _op_takes_whole(seg: Segment, feats: AttentionFeatures) -> bool:
+    """Whether a bidirectional segment is one block with no mask (every key visible to
+    every row), which the op's non-causal block call computes; under a window narrower than
+    its keys it is not, and runs on the block paths."""
+    return feats.window is None or feats.window >= seg.k_end - seg.k_start
+
+
+def _bidirectional_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Sequence[Segment],
+    feats: AttentionFeatures, out: torch.Tensor, lse: torch.Tensor, op: OpKernel,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of every bidirectional segment (an image's tokens), which the op's causal
+    varlen call left out: one non-causal op block each, or the block paths under a window."""
+    both = [seg for seg in segments if seg.bidirectional]
+    if not both:
+        return out, lse
+    out, lse = out.clone(), lse.clone()  # never write into the op's own tensors
+    for seg in both:
+        rows, keys = slice(seg.q_start, seg.q_end), slice(seg.k_start, seg.k_end)
+        if _op_takes_whole(seg, feats):
+            o, lo = op.block_forward(q[rows], k[keys], v[keys], False, feats)
+            out[rows], lse[:, rows] = o.to(out.dtype), lo.float()
+        else:
+            _forward_groups(q, k, v, _segment_blocks(seg, feats.window), feats, out, lse)
+    return out, lse
 
 
 def _whole_block(
@@ -748,10 +766,12 @@ def doc_causal_forward(
     :func:`op_kernel`; the block paths otherwise).
     """
     feats = as_features(features)
-    op = _segments_op(kernel, q, feats, v, segments)
+    op = op_kernel(kernel, q, feats, v)
     if op is not None:
-        out, lse = op.varlen_forward(q, k, v, segments, feats)
+        causal = [seg for seg in segments if not seg.bidirectional]
+        out, lse = op.varlen_forward(q, k, v, causal, feats)
         out, lse = _merge_prefix_blocks(q, k, v, segments, feats, out, lse, op)
+        out, lse = _bidirectional_rows(q, k, v, segments, feats, out, lse, op)
         return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
     whole = _whole_block(segments, q, feats)
     if whole is not None:
@@ -834,9 +854,22 @@ def doc_causal_backward(
     get a zero gradient; keys read by several segments accumulate. ``kernel`` as in forward.
     """
     feats = as_features(features)
-    op = _segments_op(kernel, q, feats, v, segments)
+    op = op_kernel(kernel, q, feats, v)
     if op is not None:
-        dq, dk, dv = op.varlen_backward(dout, q, k, v, out, lse, segments, feats)
+        causal = [seg for seg in segments if not seg.bidirectional]
+        dq, dk, dv = op.varlen_backward(dout, q, k, v, out, lse, causal, feats)
+        for seg in (seg for seg in segments if seg.bidirectional):
+            rows, keys = slice(seg.q_start, seg.q_end), slice(seg.k_start, seg.k_end)
+            dq[rows] = 0  # rows the op's causal call did not cover
+            if _op_takes_whole(seg, feats):
+                dq1, dk1, dv1 = op.block_backward(dout[rows], q[rows], k[keys], v[keys],
+                                                  out[rows], lse[:, rows], False, feats)
+                dq[rows] += dq1
+                dk[keys] += dk1
+                dv[keys] += dv1
+            else:
+                _backward_groups(dout, q, k, v, out, lse, _segment_blocks(seg, feats.window),
+                                 feats, dq, dk, dv)
         for seg in (seg for seg in segments if seg.has_prefix):
             rows, keys = slice(seg.q_start, seg.q_end), slice(seg.p_start, seg.p_end)
             dq1, dk1, dv1 = op.block_backward(dout[rows], q[rows], k[keys], v[keys], out[rows],
