@@ -414,3 +414,16 @@ def test_qwen3_vl_video_frames_follow_their_timestamps_as_its_processor_writes(t
     assert runs == [vision.VIDEO, vision.VIDEO]  # one run per temporal patch
     assert all(lab == IGN for lab, ty in zip(doc.labels, doc.mm_token_type_ids, strict=True)
                if ty)
+
+
+def test_documents_read_back_from_a_slice_of_their_table():
+    """A slice of the documents' Arrow table (a later chunk of prepare's file) reads back
+    each document's own pixels: the list offsets index the whole child array."""
+    docs = [vision.VisionDocument([1, 2], [1, 2], [0, 0],
+                                  np.arange(6, dtype=np.float32).reshape(2, 3), [(1, 1, 2)],
+                                  "a", [vision.IMAGE], []),
+            vision.VisionDocument([3], [3], [0], np.arange(6, 12, dtype=np.float32).reshape(2, 3),
+                                  [(1, 1, 2)], "b", [vision.IMAGE], [])]
+    back = vision.docs_from_table(vision.docs_table(docs).slice(1))
+    assert len(back) == 1 and back[0].source == "b"
+    np.testing.assert_array_equal(back[0].pixel_values, docs[1].pixel_values)

@@ -980,7 +980,9 @@ def docs_table(docs: Sequence[VisionDocument]) -> Any:
 def docs_from_table(table: Any) -> list[VisionDocument]:
     """The documents of a DOC_COLUMNS table (what `docs_table` wrote)."""
     column = table.column("pixel_values").combine_chunks()
-    flat = column.flatten().to_numpy(zero_copy_only=False)
+    # `values` and `offsets` index the same child array whatever the list array's own
+    # offset (`flatten()` starts at its first value, so it pairs with offsets from 0 only).
+    flat = column.values.to_numpy(zero_copy_only=False)
     offsets = column.offsets.to_numpy()
     dims = table.column("pixel_dim").to_pylist()
     get = {c: table.column(c).to_pylist() for c in DOC_COLUMNS
