@@ -4,6 +4,7 @@ error raised on several ranks printed once."""
 
 from __future__ import annotations
 
+import re
 import json
 import os
 import shutil
@@ -161,7 +162,8 @@ def test_a_rank_error_prints_only_longctx_paragraph(tmp_path):
     err = flat(result.stderr)
     assert result.returncode == 2 and "Traceback" not in result.stderr, err[-2000:]
     assert err.count("the training set has 15 packed rows") == 1, err[-2000:]
-    assert "error: rank 0: datasets:" in err
+    # Every rank raises it; whichever reports first is named (rank 1 under load).
+    assert re.search(r"error: rank \d: datasets:", err), err[-2000:]
     # ... nor the import-time warnings of torchao (its kernels for other hardware) and of
     # torch's pytree about torchao's enums, which every rank printed.
     for noise in ("no error file defined for parent", "error_handler", "failed (exitcode",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from longctx_cli.errors import UserError
 
@@ -58,24 +58,6 @@ def load_tokenizer(config: Config) -> PreTrainedTokenizerBase:
     apply_special_tokens(tok, config)
     ensure_pad_token(tok)
     return tok
-
-
-def run_tokenizer(config: Config) -> tuple[PreTrainedTokenizerBase, Any]:
-    """The tokenizer a run reads with, and what is saved beside its weights (in `final/`, a
-    checkpoint, a merged model): a vision-language run's processor's tokenizer and its
-    processor files (`data.vision.ProcessorFiles`), else the tokenizer for both. Train,
-    eval, generate and merge-lora read through this one rule."""
-    if config.trains_images:
-        from longctx_cli.data.vision import (
-            ProcessorFiles,
-            load_config_processor,
-            processor_folder,
-        )
-
-        processor = load_config_processor(config)
-        return processor.tokenizer, ProcessorFiles(processor, processor_folder(config))
-    tok = load_tokenizer(config)
-    return tok, tok
 
 
 def apply_special_tokens(tok: PreTrainedTokenizerBase, config: Config) -> None:

@@ -1033,6 +1033,20 @@ def processor_folder(config: Any) -> str:
                     "(preprocessor_config.json, tokenizer files, chat template).")
 
 
+def run_tokenizer(config: Any) -> tuple[Any, Any]:
+    """The tokenizer a run reads with, and what is saved beside its weights (in `final/`, a
+    checkpoint, a merged model): a vision-language run's processor's tokenizer and its
+    processor files (`ProcessorFiles`), else the run's tokenizer for both. Train, eval,
+    generate and merge-lora read through this one rule."""
+    from longctx_cli.data.tokenizer import load_tokenizer
+
+    if not config.trains_images:
+        tok = load_tokenizer(config)
+        return tok, tok
+    processor = load_config_processor(config)
+    return processor.tokenizer, ProcessorFiles(processor, processor_folder(config))
+
+
 def load_config_processor(config: Any) -> VisionProcessor:
     """The processor of a vision run, with the config's special_tokens, a pad token and a
     chat template on its tokenizer (so `chat_template: tokenizer_default` means the

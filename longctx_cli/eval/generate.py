@@ -151,7 +151,7 @@ def generate_on_ranks(config: Config, plan: Plan, checkpoint: Path, text: str,
     import torch.distributed as dist
 
     from longctx_cli.data.tokenizer import pad_id as tokenizer_pad_id
-    from longctx_cli.data.tokenizer import run_tokenizer
+    from longctx_cli.data.vision import run_tokenizer
     from longctx_cli.eval.checkpoint_loading import load_for_eval
     from longctx_cli.parallel.mesh import build_parallel_state
     from longctx_cli.runtime.distributed import init_distributed
