@@ -44,6 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
+from benchmarks.vlm_example import cpu_model  # noqa: E402 - the path above first
 
 # Qwen2.5-VL-7B-Instruct's vision_config (depth 32, full attention in layers 7, 15, 23, 31).
 REAL_DEPTH = 32
@@ -262,17 +263,6 @@ def _transformers_version() -> str:
     import transformers
 
     return transformers.__version__
-
-
-def cpu_model() -> str:
-    """The CPU's name as the kernel reports it ('?' where it does not)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
 
 
 def _mib(n: int) -> str:
