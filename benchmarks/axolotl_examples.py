@@ -5,8 +5,9 @@
 Each config is run through `longctx validate` as a user would (8 ranks by default, as most
 of Axolotl's multi-GPU examples assume), in a folder of its own where its local data files
 exist (one record each). A config whose model needs the hub (no network here) is run a second
-time with a stand-in llama-shaped config.json in a private Hugging Face cache: that second
-pass checks everything but the model's own shape. `examples/archived` is left out. Prints a
+time with a stand-in config.json in a private Hugging Face cache (llama-shaped, or for a
+vision-language example of a family longctx trains, that family's default config): that
+second pass checks everything but the model's own shape. `examples/archived` is left out. Prints a
 table of the outcomes (refusals grouped by their reason), writes
 `benchmarks/results/axolotl-examples-<date>.json` (with the summary docs/axolotl.md shows),
 and with `--docs` regenerates docs/axolotl.md.
@@ -47,11 +48,31 @@ def _local_data(config: dict, folder: Path) -> None:
                 (folder / local).write_text(json.dumps({"text": "one record"}) + "\n")
 
 
-def _stand_in(cache: Path, model_id: str) -> None:
+# A vision-language example (`processor_type`) of a family longctx trains gets that family's
+# default config (transformers' own) as its stand-in, found by the model's name; any other
+# keeps the llama one, which then says it has no vision tower.
+VLM_STAND_INS = (("qwen2.5-vl", "Qwen2_5_VLConfig"), ("qwen2-vl", "Qwen2VLConfig"),
+                 ("qwen3-vl", "Qwen3VLConfig"), ("llava", "LlavaConfig"),
+                 ("gemma-3-", "Gemma3Config"))
+
+
+def stand_in_config(model_id: str, vision: bool) -> dict:
+    """The config.json a stand-in for `model_id` holds (see VLM_STAND_INS)."""
+    import transformers
+
+    name = model_id.lower()
+    for pattern, config_class in VLM_STAND_INS if vision else ():
+        if pattern in name and "gemma-3n" not in name:
+            return getattr(transformers, config_class)().to_dict()
+    return STAND_IN
+
+
+def _stand_in(cache: Path, model_id: str, vision: bool = False) -> None:
     """A config.json for `model_id` in the private cache, as the hub client lays it out."""
     repo = cache / ("models--" + model_id.replace("/", "--"))
     (repo / "snapshots" / "0").mkdir(parents=True, exist_ok=True)
-    (repo / "snapshots" / "0" / "config.json").write_text(json.dumps(STAND_IN))
+    (repo / "snapshots" / "0" / "config.json").write_text(
+        json.dumps(stand_in_config(model_id, vision)))
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / "main").write_text("0")
 
@@ -121,7 +142,7 @@ def survey(axolotl: Path, nproc: int) -> dict:
         cache.mkdir()
         for i in hub:
             model_id = configs[i].get("base_model_config") or configs[i]["base_model"]
-            _stand_in(cache, str(model_id))
+            _stand_in(cache, str(model_id), bool(configs[i].get("processor_type")))
         print(f"again with a stand-in model config: {len(hub)} configs ...", file=sys.stderr)
         for i, result in zip(hub, _validate_with_stand_ins([jobs[i] for i in hub], nproc, cache),
                              strict=True):
@@ -132,7 +153,7 @@ def survey(axolotl: Path, nproc: int) -> dict:
                 row["outcome"] = WITH_CONFIG if len(result) > 2 else "valid"
             else:
                 row["reason"] = _reason(result[1])
-                if len(result) > 2:  # the stand-in llama config may be what it refused
+                if len(result) > 2:  # the stand-in config may be what it refused
                     row["reason"] += " (with the stand-in config)"
             rows.append(row)
     return {"date": datetime.date.today().isoformat(), "nproc_per_node": nproc,
