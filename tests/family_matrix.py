@@ -528,6 +528,9 @@ def render() -> str:
         "tiny copy, fails), it says that it could not check the family, with the error's "
         "gist; `fidelity_probe: false` is then the way to train it, unverified.",
         "",
+        "Vision-language models (Qwen2/2.5/3-VL, LLaVA, Gemma 3 with images) have their own "
+        "table\nand tests: [docs/vlm.md](vlm.md#families).",
+        "",
         "Hybrid models, whose decoder layers also mix tokens outside attention, are in the "
         "table where longctx covers their token-mixing layer (`parallel/token_mixing.py`): "
         "LFM2's short convolutions (`Lfm2ShortConv`), Qwen3-Next's and OLMo hybrid's gated "
