@@ -4,9 +4,9 @@ error raised on several ranks printed once."""
 
 from __future__ import annotations
 
-import re
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess

@@ -19,6 +19,7 @@ from longctx_cli.data import vision
 from longctx_cli.runtime.batches import collate_images
 from tests.vlm_fixtures import (
     GEMMA3_IMAGE_TOKENS,
+    assert_generation_prompt_is_the_processors,
     conversation,
     write_tiny_gemma3_processor,
 )
@@ -78,12 +79,7 @@ def test_encoding_equals_the_hf_processor(vp, tmp_path, images):
 
 
 def test_a_generation_prompt_equals_the_hf_processor(vp, tmp_path, images):
-    first = {"messages": conversation()["messages"][:1]}
-    doc = vision.encode_vision_prompt(first, vp, WHERE, base_dir=tmp_path)
-    ref = hf(vp, first["messages"], tmp_path, add_generation_prompt=True)
-    assert doc.input_ids == ref["input_ids"][0].tolist()
-    np.testing.assert_array_equal(doc.pixel_values.reshape(ref["pixel_values"].shape),
-                                  ref["pixel_values"])
+    assert_generation_prompt_is_the_processors(vp, tmp_path, WHERE)
 
 
 def test_markers_and_soft_tokens_are_never_targets(vp, tmp_path, images):

@@ -18,6 +18,7 @@ from longctx_cli.errors import UserError
 from longctx_cli.runtime.batches import collate_images
 from tests.vlm_fixtures import (
     LLAVA_IMAGE_TOKEN,
+    assert_generation_prompt_is_the_processors,
     conversation,
     make_image,
     write_tiny_llava_processor,
@@ -83,12 +84,7 @@ def test_encoding_equals_the_hf_processor(vp, tmp_path, images):
 
 
 def test_a_generation_prompt_equals_the_hf_processor(vp, tmp_path, images):
-    first = {"messages": conversation()["messages"][:1]}
-    doc = vision.encode_vision_prompt(first, vp, WHERE, base_dir=tmp_path)
-    ref = hf(vp, first["messages"], tmp_path, add_generation_prompt=True)
-    assert doc.input_ids == ref["input_ids"][0].tolist()
-    np.testing.assert_array_equal(doc.pixel_values.reshape(ref["pixel_values"].shape),
-                                  ref["pixel_values"])
+    assert_generation_prompt_is_the_processors(vp, tmp_path, WHERE)
 
 
 def test_labels_train_the_answers_never_an_image_token(vp, tmp_path, images):
@@ -218,7 +214,7 @@ def test_generate_reads_a_prompts_images_as_the_tower_takes_them(proc_dir, tmp_p
         "model_config": {"model_type": "llama"}, "processor_type": "AutoProcessor",
         "processor_path": str(proc_dir), "tokenizer": str(proc_dir),
         "datasets": [{"path": "unused.jsonl", "type": "chat_template"}]})
-    ids, media = vision_prompt(config, json.dumps(first), tmp_path)
+    ids, media = vision_prompt(vision.load_config_processor(config), json.dumps(first), tmp_path)
     ref = hf(vision.load_processor(str(proc_dir)), first["messages"], tmp_path,
              add_generation_prompt=True)
     assert ids == ref["input_ids"][0].tolist()

@@ -227,3 +227,19 @@ def hf_chat(vp, messages: list, base: Path, **kwargs):
                 part["path"] = str(base / part["path"])
     return vp.processor.apply_chat_template(messages, tokenize=True, return_dict=True,
                                             return_tensors="np", **kwargs)
+
+
+def assert_generation_prompt_is_the_processors(vp, base: Path, where: str) -> None:
+    """longctx's generation prompt of the first turn of `conversation()` (images under `base`)
+    has the ids and pixels of the processor's own `apply_chat_template` with
+    `add_generation_prompt`."""
+    import numpy as np
+
+    from longctx_cli.data import vision
+
+    first = {"messages": conversation()["messages"][:1]}
+    doc = vision.encode_vision_prompt(first, vp, where, base_dir=base)
+    ref = hf_chat(vp, first["messages"], base, add_generation_prompt=True)
+    assert doc.input_ids == ref["input_ids"][0].tolist()
+    np.testing.assert_array_equal(doc.pixel_values.reshape(ref["pixel_values"].shape),
+                                  ref["pixel_values"])

@@ -39,7 +39,7 @@ from longctx_cli.config.rules import (
     rollout_decoding_note,
 )
 from longctx_cli.config.schema import Config
-from longctx_cli.config.vision_plan import BIDIRECTIONAL_IMAGE_FAMILIES, check_vision
+from longctx_cli.config.vision_plan import check_vision, images_attend_both_ways
 from longctx_cli.config.vision_plan import plan_rows as vision_plan_rows
 from longctx_cli.config.world import Platform, resolve_world
 from longctx_cli.layout import Layout, ring_reason
@@ -358,10 +358,8 @@ def build_plan(
     check_query_position_scaling(config, shape, layout)
     check_prefix_sharing(config, shape, layout)
     sp = layout.sp
-    both_ways = config.trains_images and (  # the model's own type: the shape is its text part
-        getattr(shape.hf_config, "model_type", None) in BIDIRECTIONAL_IMAGE_FAMILIES)
     tiled = tiled_scores_run(layout.kernel, platform.cuda, shape, layout.p2p and layout.ring > 1,
-                             both_ways)
+                             images_attend_both_ways(config, shape.hf_config))
     memory, memory_notes = estimate_memory(
         config, shape, world_size, layout, host_is_device=not platform.cuda,
         tiled_scores=tiled,

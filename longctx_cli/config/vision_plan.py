@@ -38,6 +38,12 @@ SAVED_OUTSIDE_LAYERS = 7
 ADAM_BYTES_PER_WEIGHT = 8  # two float32 moments
 
 
+def images_attend_both_ways(config: Config, hf_config: Any) -> bool:
+    """A run whose image tokens attend to each other both ways (Gemma 3 with images)."""
+    return config.trains_images and (
+        str(getattr(hf_config, "model_type", "")) in BIDIRECTIONAL_IMAGE_FAMILIES)
+
+
 @dataclass(frozen=True)
 class VisionTower:
     """The shape of a VLM's tower, from its config."""
@@ -156,8 +162,7 @@ def check_vision(config: Config, hf_config: Any, layout: Layout) -> VisionTower 
             "vision-language models do not run under tensor parallelism here: the tower and "
             "the merge of its features are not split over a TP group.",
             where="tensor_parallel_size", fix="use `tensor_parallel_size: 1`.")
-    if (tower.model_type in BIDIRECTIONAL_IMAGE_FAMILIES and layout.sp > 1
-            and layout.mode != "ulysses"):
+    if images_attend_both_ways(config, hf_config) and layout.sp > 1 and layout.mode != "ulysses":
         raise UserError(
             f"model type `{tower.model_type}` lets the tokens of one image attend to each other "
             f"in both directions. `sequence_parallel_mode: {layout.mode}` runs a ring, whose "

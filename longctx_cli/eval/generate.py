@@ -35,13 +35,14 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
     return bos_prefix(tokenizer) + text_ids(tokenizer, text)
 
 
-def vision_prompt(config: Config, text: str, base_dir: Path) -> tuple[list[int], Any]:
+def vision_prompt(processor: Any, text: str, base_dir: Path) -> tuple[list[int], Any]:
     """A vision-language run's prompt: a JSON chat record (`{"messages": [...]}` with image
     parts, as in its training data) -> its token ids with the generation prompt, and its
-    media (`runtime.vision.VisionInputs`)."""
+    media (`runtime.vision.VisionInputs`). `processor`: the run's (`load_config_processor`),
+    loaded once by the caller, which also reads its tokenizer."""
     import torch
 
-    from longctx_cli.data.vision import encode_vision_prompt, load_config_processor
+    from longctx_cli.data.vision import encode_vision_prompt
     from longctx_cli.runtime.batches import media_inputs
 
     try:
@@ -52,8 +53,7 @@ def vision_prompt(config: Config, text: str, base_dir: Path) -> tuple[list[int],
                         fix='write one record, e.g. {"messages": [{"role": "user", "content": '
                         '[{"type": "image", "path": "a.png"}, {"type": "text", "text": '
                         '"What is this?"}]}]}.') from None
-    doc = encode_vision_prompt(record, load_config_processor(config), "--prompt-file",
-                               base_dir=base_dir)
+    doc = encode_vision_prompt(record, processor, "--prompt-file", base_dir=base_dir)
     media = None
     if doc.image_grid_thw:  # the stored layout, read back as training reads it
         media = media_inputs(torch.from_numpy(doc.pixel_values), doc.image_grid_thw,
@@ -95,14 +95,14 @@ def run_generate(config_path: Path, checkpoint: Path, prompt_file: Path | None,
     text = _read_prompt(prompt_file)
     # Forward only: the SP degree is the machine's (one SP group over the ranks by default).
     config, plan = check_run(config, "generate", nproc_per_node, overrides=overrides)
-    if config.processor_type:  # the ranks read a copy: its image paths made absolute
-        from longctx_cli.data.vision import with_absolute_paths
+    if config.trains_images:  # the ranks read a copy: its image paths made absolute
+        from longctx_cli.data.vision import load_config_processor, with_absolute_paths
 
         base = (prompt_file.parent if prompt_file is not None and str(prompt_file) != "-"
                 else Path.cwd())
         with contextlib.suppress(json.JSONDecodeError):
             text = json.dumps(with_absolute_paths(json.loads(text), base.resolve()))
-        n = len(vision_prompt(config, text, base)[0])
+        n = len(vision_prompt(load_config_processor(config), text, base)[0])
     else:
         n = len(prompt_ids(load_tokenizer(config), text))
     limit = config.sequence_len
@@ -150,8 +150,9 @@ def generate_on_ranks(config: Config, plan: Plan, checkpoint: Path, text: str,
     """Inside torchrun, every rank: greedy decoding after one SP prefill."""
     import torch.distributed as dist
 
+    from longctx_cli.data.tokenizer import load_tokenizer
     from longctx_cli.data.tokenizer import pad_id as tokenizer_pad_id
-    from longctx_cli.data.vision import run_tokenizer
+    from longctx_cli.data.vision import load_config_processor
     from longctx_cli.eval.checkpoint_loading import load_for_eval
     from longctx_cli.parallel.mesh import build_parallel_state
     from longctx_cli.runtime.distributed import init_distributed
@@ -161,10 +162,12 @@ def generate_on_ranks(config: Config, plan: Plan, checkpoint: Path, text: str,
     device = init_distributed(config)
     state = build_parallel_state(plan.layout, device)
     media = None
-    tokenizer = run_tokenizer(config)[0]
-    if config.trains_images:
-        prompt, media = vision_prompt(config, text, Path.cwd())
+    if config.trains_images:  # one processor: its tokenizer, and the prompt's images
+        processor = load_config_processor(config)
+        tokenizer = processor.tokenizer
+        prompt, media = vision_prompt(processor, text, Path.cwd())
     else:
+        tokenizer = load_tokenizer(config)
         prompt = prompt_ids(tokenizer, text)
     model = load_for_eval(config, checkpoint).to(device)
     decoder, lm_head = decoder_and_head(model, config.trains_images)

@@ -226,7 +226,7 @@ def _segment_blocks(seg: Segment, window: int | None) -> list[list[_Block]]:
         return []
     diag = seg.k_end - n
     if seg.bidirectional:
-        reach = None if window is None or window >= seg.k_end - seg.k_start else window
+        reach = None if _sees_whole(seg, window) else window
         return _rows_seeing_to_end(seg.q_start, seg.q_end, diag, seg.k_start, seg.k_end, reach)
     if seg.has_prefix and window is not None:
         raise ValueError("sliding-window attention with shared pair prompts (`prefix_sharing`) "
@@ -618,11 +618,11 @@ def _merge_f32(
     return out, lse
 
 
-def _op_takes_whole(seg: Segment, feats: AttentionFeatures) -> bool:
-    """Whether a bidirectional segment is one block with no mask (every key visible to
-    every row), which the op's non-causal block call computes; under a window narrower than
-    its keys it is not, and runs on the block paths."""
-    return feats.window is None or feats.window >= seg.k_end - seg.k_start
+def _sees_whole(seg: Segment, window: int | None) -> bool:
+    """Whether every row of a bidirectional segment sees all its keys (one block with no
+    mask, which the op's non-causal block call computes); under a window narrower than its
+    keys it does not, and runs on the block paths."""
+    return window is None or window >= seg.k_end - seg.k_start
 
 
 def _bidirectional_rows(
@@ -637,7 +637,7 @@ def _bidirectional_rows(
     out, lse = out.clone(), lse.clone()  # never write into the op's own tensors
     for seg in both:
         rows, keys = slice(seg.q_start, seg.q_end), slice(seg.k_start, seg.k_end)
-        if _op_takes_whole(seg, feats):
+        if _sees_whole(seg, feats.window):
             o, lo = op.block_forward(q[rows], k[keys], v[keys], False, feats)
             out[rows], lse[:, rows] = o.to(out.dtype), lo.float()
         else:
@@ -861,7 +861,7 @@ def doc_causal_backward(
         for seg in (seg for seg in segments if seg.bidirectional):
             rows, keys = slice(seg.q_start, seg.q_end), slice(seg.k_start, seg.k_end)
             dq[rows] = 0  # rows the op's causal call did not cover
-            if _op_takes_whole(seg, feats):
+            if _sees_whole(seg, feats.window):
                 dq1, dk1, dv1 = op.block_backward(dout[rows], q[rows], k[keys], v[keys],
                                                   out[rows], lse[:, rows], False, feats)
                 dq[rows] += dq1

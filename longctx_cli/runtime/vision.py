@@ -280,13 +280,14 @@ class VisionLanguageForward:
         deep = [torch.cat(level) for level in (getattr(out, "deepstack_features", None) or [])]
         return torch.cat(out.pooler_output), deep
 
-    def positions(self, input_ids: torch.Tensor, text_positions: torch.Tensor,
-                  media: VisionInputs | None, cu_host: tuple[int, ...]) -> torch.Tensor:
-        """Rotary positions of a full padded row: `[3, T]` for mRoPE families, computed per
-        document by the model's `get_rope_index`; `[1, T]` (the text positions) otherwise."""
+    def positions(self, input_ids: torch.Tensor, types: torch.Tensor,
+                  text_positions: torch.Tensor, media: VisionInputs | None,
+                  cu_host: tuple[int, ...]) -> torch.Tensor:
+        """Rotary positions of a full padded row (`types`: its `token_types`): `[3, T]` for
+        mRoPE families, computed per document by the model's `get_rope_index`; `[1, T]` (the
+        text positions) otherwise."""
         if self.family not in MROPE_FAMILIES:
             return text_positions[None]
-        types = self.token_types(input_ids)
         images = media.only(IMAGE) if media is not None else None
         videos = media.only(VIDEO) if media is not None else None
         seen = {IMAGE: 0, VIDEO: 0}
@@ -351,7 +352,7 @@ class VisionLanguageForward:
                 where="datasets",
                 fix="keep each record's images with it (the `images` column or image parts), "
                 "and keep vision tokens such as <|image_pad|> out of text records.")
-        full_positions = self.positions(full_ids, row.text_positions.to(device), images,
+        full_positions = self.positions(full_ids, types, row.text_positions.to(device), images,
                                         batch.sp_meta.cu_host)
         # What decoding after this row (one prompt, then padding) adds to a token's text
         # position: mRoPE's next position is the prompt's largest plus one, as in the
