@@ -62,9 +62,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from longctx_cli.config import config_from_dict  # noqa: E402
-from longctx_cli.config.memory_estimate import attention_softcap, estimate_memory, tiled_scores_run  # noqa: E402
-from longctx_cli.config.model_shape import ModelShape  # noqa: E402
-from longctx_cli.config.rules import layout_for  # noqa: E402
+from longctx_cli.config.memory_estimate import estimate_memory, tiled_scores_run  # noqa: E402
+from longctx_cli.config.plan import layout_for  # noqa: E402
+from longctx_cli.config.shape import ModelShape, attention_softcap  # noqa: E402
 from longctx_cli.kernel_choice import (  # noqa: E402
     KernelError,
     ModelAttention,
@@ -506,13 +506,13 @@ def longctx_steps(config, device: torch.device, steps: int, profile: dict | None
     decoder, head = decoder_and_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
-    ctx = ParallelState(Layout(kernel=config.attention_kernel))
-    n = config.sequence_len
+    ctx = ParallelState(Layout(kernel=config.parallel.attention_kernel))
+    n = config.data.sequence_len
     ids = torch.randint(1, model_config_of(config).vocab_size, (n,))
     batch = to_device(shard_batch(ids, torch.arange(n), ids, ctx), device)
 
     def step() -> None:
-        with activation_offload(config.activation_offloading):
+        with activation_offload(config.memory.activation_offloading):
             (forward_loss_sum(decoder, head, batch, config, ctx) / n).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

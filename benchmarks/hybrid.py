@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_step import init_optimizer_state, peak_bytes, reset_peak, rss_bytes, synthetic_row
 
 from longctx_cli.config import config_from_dict
-from longctx_cli.config.rules import layout_for
+from longctx_cli.config.plan import layout_for
 from longctx_cli.parallel import build_parallel_state, shard_batch
 from longctx_cli.runtime.model import build_model, decoder_and_head
 from longctx_cli.train.loss import valid_token_count

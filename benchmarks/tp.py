@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_step as ts  # noqa: E402  (the shared helpers of the train-step benchmark)
 
 from longctx_cli.config import config_from_dict  # noqa: E402
-from longctx_cli.config.model_shape import ModelShape  # noqa: E402
+from longctx_cli.config.shape import ModelShape  # noqa: E402
 from longctx_cli.layout import Layout  # noqa: E402
 from longctx_cli.parallel import build_parallel_state, shard_batch  # noqa: E402
 from longctx_cli.runtime.model import build_model, decoder_and_head, model_config_of  # noqa: E402

@@ -33,8 +33,8 @@ import torch.multiprocessing as mp
 
 from longctx_cli.config import Config, config_from_dict
 from longctx_cli.config.memory_estimate import estimate_memory
-from longctx_cli.config.model_shape import ModelShape
-from longctx_cli.config.rules import layout_for
+from longctx_cli.config.plan import layout_for
+from longctx_cli.config.shape import ModelShape
 from longctx_cli.layout import Layout
 from longctx_cli.parallel import build_parallel_state, shard_batch
 from longctx_cli.runtime.memory_savers import activation_offload, apply_tiled_mlp
@@ -189,8 +189,8 @@ def run_step(v: Variant) -> tuple[float, float, float] | None:
     base = rss_bytes()
     reset_peak()
     model = build_model(config)
-    if config.tiled_mlp:
-        apply_tiled_mlp(model, config.tiled_mlp_tiles)
+    if config.memory.tiled_mlp:
+        apply_tiled_mlp(model, config.memory.tiled_mlp_tiles)
     decoder, head = decoder_and_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
@@ -200,7 +200,7 @@ def run_step(v: Variant) -> tuple[float, float, float] | None:
     if ctx.sp_group is not None:
         dist.all_reduce(count, group=ctx.sp_group)
     start, cpu_start = time.perf_counter(), time.thread_time()
-    with activation_offload(config.activation_offloading):
+    with activation_offload(config.memory.activation_offloading):
         loss = forward_loss_sum(decoder, head, batch, config, ctx)
         (loss / count).backward()
     if ctx.sp_group is not None:

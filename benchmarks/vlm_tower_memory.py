@@ -216,8 +216,8 @@ def run(layers: int, sides: list[int], dtypes: list[str], sps: tuple[int, ...] =
     (`freeze_mm_modules`) in the first dtype."""
     import torch
 
-    from longctx_cli.config.memory_estimate import DTYPE_BYTES
-    from longctx_cli.config.vision_plan import SAVED_PER_HIDDEN, VisionTower
+    from longctx_cli.config.sections.vision import SAVED_PER_HIDDEN, VisionTower
+    from longctx_cli.config.units import DTYPE_BYTES
 
     plan = VisionTower.of(qwen25_vl_config(layers))
     assert plan is not None

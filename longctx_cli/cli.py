@@ -210,20 +210,20 @@ def _token_mixing(cfg: Any, plan: Any) -> str | None:
 
     if plan.model.model_type not in HYBRID_MODEL_TYPES:
         return None  # no torch import: a plain model's plan stays instant
-    from longctx_cli.config.memory_estimate import DTYPE_BYTES
+    from longctx_cli.config.units import DTYPE_BYTES
     from longctx_cli.parallel.token_mixing import describe
     from longctx_cli.preflight import meta_model
 
     model = meta_model(cfg)
     if model is None:
         return None
-    return describe(model, plan.layout.sp, plan.layout.sharding, cfg.sequence_len,
-                    plan.model.hidden_size, DTYPE_BYTES[cfg.dtype])
+    return describe(model, plan.layout.sp, plan.layout.sharding, cfg.data.sequence_len,
+                    plan.model.hidden_size, DTYPE_BYTES[cfg.model.dtype])
 
 
 def _fidelity(cfg: Any, shape: Any, console: Console) -> str:
     """The fidelity probe's verdict (raises UserError when it refuses)."""
-    if not cfg.fidelity_probe:
+    if not cfg.run.fidelity_probe:
         return "skipped (`fidelity_probe: false`)"
     with console.status("fidelity probe: comparing a tiny model of this family with the "
                         "model's own forward ..."):
@@ -232,7 +232,7 @@ def _fidelity(cfg: Any, shape: Any, console: Console) -> str:
             return "not run: the model's config is not at hand"
         from longctx_cli.train.fidelity import run_probe
 
-        return run_probe(hf_config, cfg.trust_remote_code, cfg.trains_images).summary()
+        return run_probe(hf_config, cfg.model.trust_remote_code, cfg.trains_images).summary()
 
 
 @app.command(
@@ -319,7 +319,7 @@ def train(
         from longctx_cli.config import load_config
 
         settings = load_config(config, list(ctx.args))
-        if settings.merge_lora and settings.adapter is not None:  # else no merge to import
+        if settings.output.merge_lora and settings.lora.adapter is not None:  # else no merge
             from longctx_cli.eval.merge import merge_after_training
 
             merge_after_training(settings)

@@ -1,7 +1,7 @@
 """Which attention kernel runs: the one place that decides, from facts (no torch import at
 module load).
 
-``config.rules.layout_for`` calls :func:`choose_kernel` for ``validate`` and for every rank,
+``config.plan.layout_for`` calls :func:`choose_kernel` for ``validate`` and for every rank,
 so the plan prints the kernel the ranks run. The facts: what really imports on this
 machine (:class:`Platform`), the GPU's compute capability, the compute dtype, the model's
 attention (head dim, softcap, sinks, window) and the layout (sharding, ring algorithm).

@@ -83,7 +83,7 @@ def forward_only_plan(
                                        "dp_shard_size": None, "dp_replicate_size": None})
     if nproc_per_node is None and not os.environ.get("WORLD_SIZE"):
         # Without flags or torchrun: as many ranks as the run trained with in one SP group.
-        nproc_per_node = config.world_size or config.sequence_parallel_degree
+        nproc_per_node = config.parallel.world_size or config.parallel.sequence_parallel_degree
     if sp_given:
         return config, plan_for(config, nproc_per_node, nnodes)
     world, source = resolve_world(config, nproc_per_node, nnodes)
@@ -105,7 +105,7 @@ def _forward_layouts(config: Config, sp: int) -> list[Config]:
     """`config` at SP degree `sp`: its own mode first, then the plain default ring (a
     hybrid's `ulysses_degree` or a Ulysses head split may not fit `sp`)."""
     own = config.model_copy(update={"sequence_parallel_degree": sp})
-    if config.sequence_parallel_mode == "ring":
+    if config.parallel.sequence_parallel_mode == "ring":
         return [own]
     return [own, own.model_copy(update={"sequence_parallel_mode": "ring",
                                         "ulysses_degree": None})]
@@ -113,7 +113,7 @@ def _forward_layouts(config: Config, sp: int) -> list[Config]:
 
 def preflight(config: Config) -> None:
     """Run every check; the first problem raises a UserError."""
-    check_output_dir_writable(Path(config.output_dir))
+    check_output_dir_writable(Path(config.output.output_dir))
     check_datasets(config)
     check_eval_data(config)
     check_lora_targets(config)
@@ -123,9 +123,9 @@ def preflight(config: Config) -> None:
 def check_user_code(config: Config) -> None:
     """`rl: grpo`: every reward function and dataset transform the config names imports (from
     the config's folder or the Python path) and is a function; called only while training."""
-    if config.rl != "grpo":
+    if config.objective.rl != "grpo":
         return
-    from longctx_cli.config.schema import is_reward_model
+    from longctx_cli.config.sections.grpo import is_reward_model
     from longctx_cli.user_code import resolve_callable
 
     for i, name in enumerate(config.trl.reward_funcs):
@@ -135,10 +135,10 @@ def check_user_code(config: Config) -> None:
                 reward_model_source,
             )
 
-            check_reward_model(reward_model_source(name, config), config.trust_remote_code)
+            check_reward_model(reward_model_source(name, config), config.model.trust_remote_code)
         else:
             resolve_callable(name, config.source_dir, f"trl.reward_funcs[{i}]")
-    for i, entry in enumerate(config.datasets):
+    for i, entry in enumerate(config.data.datasets):
         if entry.transform:
             resolve_callable(entry.transform, config.source_dir, f"datasets[{i}].type")
 
@@ -189,7 +189,8 @@ def check_datasets(config: Config) -> None:
     """Every local dataset path exists, is readable and holds at least one record."""
     from longctx_cli.data.load import resolve
 
-    for key, entries in (("datasets", config.datasets), ("eval_datasets", config.eval_datasets)):
+    for key, entries in (("datasets", config.data.datasets),
+                         ("eval_datasets", config.data.eval_datasets)):
         for entry in entries:
             if entry.type == "passkey" or not entry.path:
                 continue
@@ -225,9 +226,9 @@ def _has_content(fh: Any, suffix: str) -> bool:
 
 def check_eval_data(config: Config) -> None:
     """`eval_steps` needs eval data: `eval_datasets` or a `val_set_size` hold-out."""
-    if config.eval_steps and not config.eval_datasets and not config.val_set_size:
+    if config.eval.eval_steps and not config.data.eval_datasets and not config.data.val_set_size:
         raise UserError(
-            f"eval_steps is {config.eval_steps} but there is no eval data.",
+            f"eval_steps is {config.eval.eval_steps} but there is no eval data.",
             where="eval_steps",
             fix="add `eval_datasets`, set `val_set_size` (e.g. 0.05) to hold out part of "
             "`datasets`, or remove `eval_steps`.",
@@ -240,8 +241,8 @@ def check_eval_data(config: Config) -> None:
 def check_lora_targets(config: Config) -> None:
     """Every name in `lora_target_modules` matches a module of the model (peft's rules: a
     list entry matches a module name or its last dotted parts; a string is a regex)."""
-    targets = config.lora_target_modules
-    if config.adapter != "lora" or targets == "all-linear":
+    targets = config.lora.lora_target_modules
+    if config.lora.adapter != "lora" or targets == "all-linear":
         return
     names = module_classes(config)
     if names is None:
@@ -273,7 +274,7 @@ def meta_model(config: Config) -> Any:
     try:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(
-                hf, trust_remote_code=config.trust_remote_code)
+                hf, trust_remote_code=config.model.trust_remote_code)
     except Exception:  # noqa: BLE001 - a model transformers cannot skeletonise: not our check
         return None
 
@@ -302,11 +303,11 @@ def _hf_config(config: Config) -> Any:
     from longctx_cli.config import known_models
     from longctx_cli.config.model_shape import build_from_dict
 
-    if config.model_config_dict is not None:
-        return build_from_dict(config.model_config_dict, "model_config")
+    if config.model.model_config_dict is not None:
+        return build_from_dict(config.model.model_config_dict, "model_config")
     try:
-        return AutoConfig.from_pretrained(str(config.base_model), local_files_only=True,
-                                          trust_remote_code=config.trust_remote_code)
+        return AutoConfig.from_pretrained(str(config.model.base_model), local_files_only=True,
+                                          trust_remote_code=config.model.trust_remote_code)
     except (OSError, ValueError):
-        fields = known_models.lookup(str(config.base_model))
+        fields = known_models.lookup(str(config.model.base_model))
         return build_from_dict(fields, "base_model") if fields is not None else None

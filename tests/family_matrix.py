@@ -222,8 +222,8 @@ FAMILIES = [
 ]
 
 def _tp_refusal(family: Family) -> str | None:
-    """What validate says of a family that TP-sp cannot shard (config/tp_rules.py)."""
-    from longctx_cli.config.tp_rules import TP_FAMILIES
+    """What validate says of a family that TP-sp cannot shard (config/sections/parallel.py)."""
+    from longctx_cli.config.sections.parallel import TP_FAMILIES
 
     return None if family.model_type in TP_FAMILIES else (
         f"model type `{family.model_type}` is not supported")
@@ -332,7 +332,7 @@ def reference_training(family: Family) -> dict[str, Any]:
     optimizer = make_optimizer(config, [p for p in model.parameters() if p.requires_grad])
     steps = [[(d, None) for i in step_rows(step) for d in documents(i) if d.numel() > 1]
              for step in range(STEPS)]
-    return own_training(model, optimizer, steps, config.max_grad_norm)
+    return own_training(model, optimizer, steps, config.training.max_grad_norm)
 
 
 def feature_activity(family: Family) -> dict[str, float]:
@@ -377,7 +377,7 @@ def longctx_training(family: Family, overrides: dict[str, Any]) -> dict[str, Any
     config = make_config(family, overrides)
     # torch_flash runs on CUDA in bf16/fp16 only: planned for that machine, computed here
     # in fp32 on the op's CPU stand-in (the worker points the kernel at it).
-    flash = config.attention_kernel == "torch_flash"
+    flash = config.parallel.attention_kernel == "torch_flash"
     planned = config.model_copy(update={"dtype": "bfloat16"}) if flash else config
     try:
         plan = build_plan(planned, dist.get_world_size(), read_model_config(config),
@@ -478,7 +478,7 @@ def columns_worker(rank: int, world_size: int, names: list[str],
 
 def render() -> str:
     """docs/families.md: which families and features are exact under which layouts."""
-    from longctx_cli.config.tp_rules import TP_FAMILIES
+    from longctx_cli.config.sections.parallel import TP_FAMILIES
 
     lines = [
         "# Model families",

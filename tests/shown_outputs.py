@@ -206,8 +206,8 @@ def check_log(command: str, body: str) -> list[str]:
         if line.startswith("layout: ") and line != layout:
             problems.append(f"the plan prints `{layout}`, not: {line}")
         step = re.match(r"step \d+/(\d+) ", line)
-        if step and int(step[1]) != config.max_steps:
-            problems.append(f"max_steps is {config.max_steps}: {line}")
+        if step and int(step[1]) != config.training.max_steps:
+            problems.append(f"max_steps is {config.training.max_steps}: {line}")
         startup = re.fullmatch(r"first step [\d.]+ s after the command \((.*)\)", line)
         if startup:
             named = re.findall(r"(.+?) \d+\.\d(?:, |$)", startup[1])

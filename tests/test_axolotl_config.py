@@ -15,9 +15,10 @@ from typer.testing import CliRunner
 from longctx_cli.cli import app
 from longctx_cli.config import axolotl, config_from_dict, docs, load_config
 from longctx_cli.config.load import known_keys
-from longctx_cli.config.model_shape import ModelShape
 from longctx_cli.config.plan import build_plan
-from longctx_cli.config.schema import OPTIMIZERS, Config
+from longctx_cli.config.schema import Config
+from longctx_cli.config.sections.training import OPTIMIZERS
+from longctx_cli.config.shape import ModelShape
 from longctx_cli.config.world import Platform
 from longctx_cli.errors import UserError
 from longctx_cli.train import optim, schedule, stopping
@@ -84,8 +85,8 @@ def test_axolotl_qwen3_fsdp_tp_cp_runs_as_its_layout_says(offline, tmp_path, mon
 
 def test_issue_example_maps_names():
     cfg = load_config(CONFIGS / "issue_sp4.yaml")
-    assert cfg.sequence_parallel_degree == 4
-    assert cfg.attention_kernel == "auto"
+    assert cfg.parallel.sequence_parallel_degree == 4
+    assert cfg.parallel.attention_kernel == "auto"
     assert ("flash_attention", "mapped to attention_kernel: auto") in [
         (k, v.split(" (")[0]) for k, v in cfg.axolotl_notes
     ]
@@ -93,10 +94,11 @@ def test_issue_example_maps_names():
 
 def test_alst_config_keys():
     cfg = load_config(CONFIGS / "llama3_fsdp2_alst.yaml")
-    assert cfg.sequence_len == 500_000 and cfg.sequence_parallel_degree == 8
-    assert cfg.fsdp and cfg.fsdp_config.reshard_after_forward
-    assert cfg.activation_offloading is True and cfg.tiled_mlp
-    assert cfg.optimizer == "adamw_torch_8bit" and cfg.dtype == "bfloat16" and cfg.tf32
+    assert cfg.data.sequence_len == 500_000 and cfg.parallel.sequence_parallel_degree == 8
+    assert cfg.parallel.fsdp and cfg.parallel.fsdp_config.reshard_after_forward
+    assert cfg.memory.activation_offloading is True and cfg.memory.tiled_mlp
+    assert (cfg.training.optimizer == "adamw_torch_8bit" and cfg.model.dtype == "bfloat16"
+            and cfg.model.tf32)
     notes = dict(cfg.axolotl_notes)
     assert notes["plugins"].startswith("ignored:")
     assert notes["min_sample_len"].startswith("ignored:")
@@ -104,10 +106,10 @@ def test_alst_config_keys():
 
 def test_qlora_config_keys():
     cfg = load_config(CONFIGS / "llama3_qlora_1b.yml")
-    assert cfg.adapter == "qlora" and cfg.load_in_4bit and not cfg.load_in_8bit
-    assert cfg.lora_target_modules == "all-linear"
-    assert cfg.lora_modules_to_save == ["embed_tokens", "lm_head"]
-    assert cfg.special_tokens.pad_token == "<|end_of_text|>"
+    assert cfg.lora.adapter == "qlora" and cfg.lora.load_in_4bit and not cfg.lora.load_in_8bit
+    assert cfg.lora.lora_target_modules == "all-linear"
+    assert cfg.lora.lora_modules_to_save == ["embed_tokens", "lm_head"]
+    assert cfg.model.special_tokens.pad_token == "<|end_of_text|>"
     assert dict(cfg.axolotl_notes)["lora_qkv_kernel"].startswith("ignored:")
 
 
@@ -120,7 +122,7 @@ def test_qlora_config_keys():
     ({"bfloat16": True}, "bfloat16"), ({"float32": True}, "float32"),
 ])
 def test_precision_keys_map_to_dtype(keys, dtype):
-    assert config_from_dict({**TINY, **keys}).dtype == dtype
+    assert config_from_dict({**TINY, **keys}).model.dtype == dtype
 
 
 @pytest.mark.parametrize(("keys", "kernel"), [
@@ -130,16 +132,17 @@ def test_precision_keys_map_to_dtype(keys, dtype):
     ({"sdp_attention": True}, "torch"), ({"flex_attention": True}, "torch"),
 ])
 def test_attention_keys_map_to_kernel(keys, kernel):
-    assert config_from_dict({**TINY, **keys}).attention_kernel == kernel
+    assert config_from_dict({**TINY, **keys}).parallel.attention_kernel == kernel
 
 
 def test_sequence_parallel_names_both_generations():
-    assert config_from_dict({**TINY, "context_parallel_size": 2}).sequence_parallel_degree == 2
+    assert config_from_dict({**TINY, "context_parallel_size": 2}
+                            ).parallel.sequence_parallel_degree == 2
     same = {**TINY, "context_parallel_size": 2, "sequence_parallel_degree": 2}
-    assert config_from_dict(same).sequence_parallel_degree == 2
+    assert config_from_dict(same).parallel.sequence_parallel_degree == 2
     message = _error(config_from_dict, {**same, "sequence_parallel_degree": 4})
     assert "disagree" in message
-    assert config_from_dict({**TINY, "ring_attn_func": "batch_ring"}).ring_attn_func
+    assert config_from_dict({**TINY, "ring_attn_func": "batch_ring"}).parallel.ring_attn_func
 
 
 def test_model_and_tokenizer_keys():
@@ -148,7 +151,7 @@ def test_model_and_tokenizer_keys():
         "tokenizer_type": "AutoTokenizer", "tokenizer_config": "org/tok",
         "trust_remote_code": False, "eot_tokens": ["<|eot_id|>"],
     })
-    assert cfg.tokenizer == "org/tok" and cfg.base_model_config == "org/cfg"
+    assert cfg.model.tokenizer == "org/tok" and cfg.model.base_model_config == "org/cfg"
     assert {"model_type", "tokenizer_type", "eot_tokens"} <= set(dict(cfg.axolotl_notes))
     assert "not a causal-LM or image-text class" in _error(config_from_dict,
                                                          {**TINY, "model_type": "T5Model"})
@@ -169,9 +172,9 @@ def test_training_keys():
         "batch_size": 8, "micro_batch_size": 2, "auto_resume_from_checkpoints": True,
         "ddp_timeout": 1800, "chunked_cross_entropy": True,
     })
-    assert cfg.gradient_accumulation_steps == 4 and cfg.collective_timeout_s == 1800
-    assert cfg.gradient_checkpointing and cfg.activation_offloading
-    assert cfg.resume_from_checkpoint == "auto" and cfg.chunked_loss
+    assert cfg.training.gradient_accumulation_steps == 4 and cfg.run.collective_timeout_s == 1800
+    assert cfg.memory.gradient_checkpointing and cfg.memory.activation_offloading
+    assert cfg.output.resume_from_checkpoint == "auto" and cfg.memory.chunked_loss
     message = _error(config_from_dict, {**TINY, "warmup_ratio": 0.1, "warmup_steps": 10})
     assert "keep one" in message
     assert "needs evaluations" in _error(config_from_dict, {**TINY, "early_stopping_patience": 1})
@@ -179,11 +182,11 @@ def test_training_keys():
 
 def test_adapter_keys():
     cfg = config_from_dict({**TINY, "adapter": "qlora"})
-    assert cfg.load_in_4bit  # what qlora means
+    assert cfg.lora.load_in_4bit  # what qlora means
     assert "trained in full" in _error(config_from_dict, {**TINY, "load_in_8bit": True})
     cfg = config_from_dict({**TINY, "adapter": "lora", "lora_target_linear": True,
                             "peft_use_dora": True, "peft_use_rslora": True})
-    assert cfg.lora_target_modules == "all-linear" and cfg.peft_use_dora
+    assert cfg.lora.lora_target_modules == "all-linear" and cfg.lora.peft_use_dora
 
 
 def test_distribution_keys(tmp_path):
@@ -191,16 +194,16 @@ def test_distribution_keys(tmp_path):
     ds.write_text(json.dumps({"zero_optimization": {
         "stage": 2, "offload_optimizer": {"device": "cpu"}}}))
     cfg = config_from_dict({**TINY, "deepspeed": str(ds)})
-    assert cfg.fsdp and not cfg.fsdp_config.reshard_after_forward
-    assert cfg.fsdp_config.offload_params
+    assert cfg.parallel.fsdp and not cfg.parallel.fsdp_config.reshard_after_forward
+    assert cfg.parallel.fsdp_config.offload_params
     assert "ZeRO-2" in dict(cfg.axolotl_notes)["deepspeed"]
     cfg = config_from_dict({**TINY, "deepspeed": {"zero_optimization": {"stage": 3}}})
-    assert cfg.fsdp and cfg.fsdp_config.reshard_after_forward
+    assert cfg.parallel.fsdp and cfg.parallel.fsdp_config.reshard_after_forward
     cfg = config_from_dict({**TINY, "fsdp": ["full_shard", "auto_wrap"],
                             "fsdp_config": {"fsdp_offload_params": True}})
-    assert cfg.fsdp and cfg.fsdp_config.offload_params  # old `fsdp_` prefix
+    assert cfg.parallel.fsdp and cfg.parallel.fsdp_config.offload_params  # old `fsdp_` prefix
     cfg = config_from_dict({**TINY, "dp_shard_size": 2, "dp_replicate_size": 2})
-    assert cfg.fsdp
+    assert cfg.parallel.fsdp
     plan = build_plan(cfg, 4, SHAPE, platform=Platform(False, False))
     assert "HSDP: 2 replicas" in plan.fsdp_detail
     with pytest.raises(UserError, match="does not fit"):
@@ -256,8 +259,8 @@ def test_overrides_are_typed_validated_and_named(tmp_path):
     path = _write(tmp_path, "model_config: {model_type: llama}\nlearning_rate: 1.0e-4\n")
     cfg = load_config(path, ["--learning-rate", "2e-5", "--micro-batch-size=2",
                              "--gradient-checkpointing", "--flash-attention", "true"])
-    assert cfg.learning_rate == 2e-5 and cfg.micro_batch_size == 2
-    assert cfg.gradient_checkpointing and cfg.attention_kernel == "auto"
+    assert cfg.training.learning_rate == 2e-5 and cfg.training.micro_batch_size == 2
+    assert cfg.memory.gradient_checkpointing and cfg.parallel.attention_kernel == "auto"
     message = _error(load_config, path, ["--micro-batch-size", "true", "--lerning-rate", "1"])
     assert "--micro-batch-size (command line): `micro_batch_size` = True" in message
     assert "--lerning-rate (command line): unknown key `lerning_rate`" in message
@@ -302,7 +305,7 @@ def test_every_optimizer_name_really_steps_on_cpu(name):
         assert cls.__module__.startswith("torchao")
 
 
-@pytest.mark.parametrize("name", Config.model_fields["lr_scheduler"].annotation.__args__)
+@pytest.mark.parametrize("name", Config.flat_fields()["lr_scheduler"].annotation.__args__)
 def test_every_scheduler_name_builds_and_steps(name):
     cfg = config_from_dict({**TINY, "lr_scheduler": name, "warmup_ratio": 0.2,
                             "learning_rate": 1.0})
@@ -371,6 +374,6 @@ def test_an_empty_key_is_not_set(tmp_path):
         "datasets:\n  - path: d.jsonl\n    type: alpaca\n    split:\n"
     )
     cfg = load_config(path)
-    assert cfg.fsdp is False and cfg.seed == 42 and cfg.dtype == "bfloat16"
-    assert cfg.max_grad_norm is None
-    assert cfg.datasets[0].split == "train"
+    assert cfg.parallel.fsdp is False and cfg.training.seed == 42 and cfg.model.dtype == "bfloat16"
+    assert cfg.training.max_grad_norm is None
+    assert cfg.data.datasets[0].split == "train"

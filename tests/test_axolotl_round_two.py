@@ -60,7 +60,7 @@ def test_older_axolotl_model_config_overrides_are_ignored_as_axolotl_does() -> N
     # which Axolotl no longer reads; longctx's inline `model_config` needs a model_type.
     config = config_from_dict({"base_model": "mistralai/Mistral-7B-v0.1", "tokenizer": "byte",
                                "model_config": {"output_router_logits": True}})
-    assert config.model_config_dict is None
+    assert config.model.model_config_dict is None
     assert "overrides_of_model_config" in dict(config.axolotl_notes)["model_config"]
     assert "needs a `model_type`" in _error({"model_config": {"hidden_size": 64}})
 

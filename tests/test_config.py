@@ -28,48 +28,48 @@ def _message(exc: pytest.ExceptionInfo[UserError]) -> str:
 
 def test_defaults():
     cfg = config_from_dict(TINY)
-    assert cfg.sequence_len == 4096
-    assert cfg.sequence_parallel_degree == 1
-    assert cfg.sequence_parallel_mode == "ring"
-    assert cfg.heads_k_stride == 1
-    assert cfg.ring_attn_func is None  # the plan picks the ring (layout.default_ring)
-    assert cfg.sp_sharding is None
-    assert cfg.attention_kernel == "auto"
-    assert cfg.dtype == "bfloat16"
-    assert cfg.trust_remote_code is False
-    assert cfg.adapter is None
-    assert cfg.lora_target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
-    assert cfg.datasets == []
-    assert cfg.output_dir == "./outputs"
+    assert cfg.data.sequence_len == 4096
+    assert cfg.parallel.sequence_parallel_degree == 1
+    assert cfg.parallel.sequence_parallel_mode == "ring"
+    assert cfg.parallel.heads_k_stride == 1
+    assert cfg.parallel.ring_attn_func is None  # the plan picks the ring (layout.default_ring)
+    assert cfg.parallel.sp_sharding is None
+    assert cfg.parallel.attention_kernel == "auto"
+    assert cfg.model.dtype == "bfloat16"
+    assert cfg.model.trust_remote_code is False
+    assert cfg.lora.adapter is None
+    assert cfg.lora.lora_target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert cfg.data.datasets == []
+    assert cfg.output.output_dir == "./outputs"
 
 
 def test_types_are_coerced_and_nested_datasets_parsed():
     cfg = config_from_dict(
         {**TINY, "sequence_len": "8192", "datasets": [{"type": "passkey", "num_samples": 3}]}
     )
-    assert cfg.sequence_len == 8192
-    assert isinstance(cfg.datasets[0], DatasetConfig)
-    assert cfg.datasets[0].num_samples == 3
-    assert cfg.datasets[0].field == "text"
+    assert cfg.data.sequence_len == 8192
+    assert isinstance(cfg.data.datasets[0], DatasetConfig)
+    assert cfg.data.datasets[0].num_samples == 3
+    assert cfg.data.datasets[0].field == "text"
 
 
 def test_model_config_key_maps_to_model_config_dict():
     cfg = config_from_dict({"model_config": {"model_type": "llama", "hidden_size": 64}})
-    assert cfg.model_config_dict == {"model_type": "llama", "hidden_size": 64}
+    assert cfg.model.model_config_dict == {"model_type": "llama", "hidden_size": 64}
 
 
 def test_alias_context_parallel_size():
     cfg = config_from_dict({**TINY, "context_parallel_size": 4})
-    assert cfg.sequence_parallel_degree == 4
+    assert cfg.parallel.sequence_parallel_degree == 4
 
 
 def test_prepared_path_and_tokenizer_source():
     cfg = config_from_dict({"base_model": "org/model", "output_dir": "out/"})
     assert cfg.prepared_path == "out/prepared"
-    assert cfg.tokenizer_source == "org/model"
+    assert cfg.model.tokenizer_source == "org/model"
     cfg = config_from_dict({**TINY, "tokenizer": "byte", "dataset_prepared_path": "/data/p"})
     assert cfg.prepared_path == "/data/p"
-    assert cfg.tokenizer_source == "byte"
+    assert cfg.model.tokenizer_source == "byte"
 
 
 def test_unknown_key_suggests_the_closest():
@@ -190,5 +190,5 @@ def test_evals_per_epoch_zero_means_no_eval():
     from longctx_cli.train.evaluation import eval_interval
 
     cfg = config_from_dict({**TINY, "evals_per_epoch": 0})
-    assert cfg.evals_per_epoch == 0 and eval_interval(cfg, 10, 100) is None
+    assert cfg.eval.evals_per_epoch == 0 and eval_interval(cfg, 10, 100) is None
     assert eval_interval(config_from_dict({**TINY, "evals_per_epoch": 2}), 10, 100) == 5

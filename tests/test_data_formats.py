@@ -43,7 +43,7 @@ def cfg(tmp_path, entry: dict, **top):
 def tokenize(tmp_path, records: list[dict], entry: dict, **top) -> dict[str, list]:
     """One record per sample, through the same function `prepare` maps over the data."""
     config = cfg(tmp_path, entry, **top)
-    spec = format_spec(config.datasets[0], config, TOK)
+    spec = format_spec(config.data.datasets[0], config, TOK)
     batch = {k: [r.get(k) for r in records] for k in {k for r in records for k in r}}
     return formats.tokenize_batch(batch, list(range(len(records))), spec=spec, tok=TOK,
                                   where=lambda i: f"d.jsonl:{i + 1}")

@@ -78,8 +78,8 @@ def _reference(config_path: Path, paths: list[Path]) -> list[tuple[list[dict], d
     for path in paths:
         decoder, head = decoder_and_head(load_for_eval(config, path))
         grid = run_passkey_grid(decoder, head, tokenizer, spec, ctx, pad_id(tokenizer))
-        losses = position_loss(decoder, head, rows, config.sequence_len,
-                               config.eval_position_buckets, ctx, 0)
+        losses = position_loss(decoder, head, rows, config.data.sequence_len,
+                               config.eval.eval_position_buckets, ctx, 0)
         out.append((grid.to_dict()["samples"], losses.to_dict()))
     return out
 

@@ -20,7 +20,7 @@ import torch
 from longctx_cli.config import config_from_dict
 from longctx_cli.config.model_shape import read_model_config
 from longctx_cli.config.plan import build_plan
-from longctx_cli.config.rules import chunked_attention, latent_head_dims, model_attention
+from longctx_cli.config.sections.model import chunked_attention, latent_head_dims, model_attention
 from longctx_cli.config.world import Platform
 from longctx_cli.errors import UserError
 from longctx_cli.kernel_choice import ModelAttention, flash_attn_blockers

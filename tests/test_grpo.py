@@ -179,7 +179,7 @@ def trl_loss(keys: dict, with_old: bool, data: dict, old: list, ref: list) -> di
 
 def objective_of(keys: dict):
     """longctx's loss settings from the same TRL keys, through the run's own mapping."""
-    from longctx_cli.config.schema import TrlConfig
+    from longctx_cli.config.sections.grpo import TrlConfig
     from longctx_cli.train.grpo import GrpoLoss
 
     longest = max(max(lengths) for lengths in COMPLETION_LENGTHS)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from longctx_cli.config.schema import TRL_IGNORED, TRL_REFUSED, TrlConfig
+from longctx_cli.config.sections.grpo import TRL_IGNORED, TRL_REFUSED, TrlConfig
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "axolotl.md"
 # A value that asks for something, for each refused GRPOConfig key (TRL's default asks for
@@ -147,9 +147,9 @@ def test_generation_batch_rules(trl, fields, message):
               **fields}
     if message is None:
         config = Config(**kwargs)
-        assert config.trl.generation_steps(2, config.micro_batch_size, 1) == 1
+        assert config.trl.generation_steps(2, config.training.micro_batch_size, 1) == 1
         with pytest.raises(ValueError, match="multiple of micro_batch_size x data-parallel"):
-            config.trl.generation_steps(4, config.micro_batch_size, 1)
+            config.trl.generation_steps(4, config.training.micro_batch_size, 1)
         return
     with pytest.raises(ValidationError, match=re.escape(message)):
         Config(**kwargs)
@@ -175,7 +175,7 @@ def test_shuffle_dataset_false_keeps_the_order():
                     datasets=[{"path": "p.jsonl", "type": "prompt"}],
                     trl={"reward_funcs": ["rewards.r"], "num_generations": 4,
                          "shuffle_dataset": False})
-    assert config.curriculum_sampling is True
+    assert config.data.curriculum_sampling is True
 
 
 def test_cast_lm_head_to_fp32_builds_a_float32_head():

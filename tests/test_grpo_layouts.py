@@ -153,7 +153,7 @@ def grpo_plan(world: int = 4, shape=None, **overrides):
 def test_plan_prints_what_gathering_for_rollouts_costs():
     """Under FSDP the rollout holds the whole model: the plan's memory rows say how much
     beyond the shard, and nothing when the groups decode in lockstep or without FSDP."""
-    from longctx_cli.config.memory_estimate import format_gib
+    from longctx_cli.config.units import format_gib
     from tests.test_plan import LLAMA3_8B
 
     gathered = grpo_plan(fsdp=True, shape=LLAMA3_8B, dtype="bfloat16")
@@ -241,7 +241,7 @@ def test_moe_model_needs_router_aux_loss_off_as_trl_would_add_it():
 
     from pydantic import ValidationError
 
-    from longctx_cli.config.schema import TrlConfig
+    from longctx_cli.config.sections.grpo import TrlConfig
     from longctx_cli.errors import UserError
     from tests.test_plan import SMALL
 

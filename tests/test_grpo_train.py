@@ -263,7 +263,8 @@ def test_axolotl_transform_prompts(tmp_path, prompts):
                        datasets=[{"path": str(data), "type": "gsm.to_prompt"}],
                        chat_template="jinja", chat_template_jinja=BYTE_CHAT_TEMPLATE)
     config = load_config(path)
-    assert config.datasets[0].type == "prompt" and config.datasets[0].transform == "gsm.to_prompt"
+    assert (config.data.datasets[0].type == "prompt"
+            and config.data.datasets[0].transform == "gsm.to_prompt")
     tok = load_tokenizer(config)
     rows = prepare(config, tok).train
     assert len(rows) == 6

@@ -14,8 +14,7 @@ import pytest
 
 from longctx_cli.config import config_from_dict
 from longctx_cli.config.model_shape import read_model_config
-from longctx_cli.config.plan import build_plan
-from longctx_cli.config.rules import layout_for
+from longctx_cli.config.plan import build_plan, layout_for
 from longctx_cli.errors import UserError
 from longctx_cli.kernel_choice import (
     FA4_MODULE,
@@ -111,7 +110,7 @@ def _config(dtype: str, model: dict, layout: dict, kernel: str = "auto") -> Any:
 def test_validate_and_the_ranks_agree_on_the_kernel(name: str) -> None:
     platform, dtype, model, layout, kernel, why = ROWS[name]
     config = _config(dtype, model, layout)
-    world = config.sequence_parallel_degree
+    world = config.parallel.sequence_parallel_degree
     planned = build_plan(config, world, read_model_config(config), platform=platform).layout
     ranks = layout_for(config, world, platform, "the torchrun world", read_model_config(config))
     assert planned == ranks

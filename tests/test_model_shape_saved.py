@@ -12,11 +12,11 @@ from transformers import AutoConfig
 
 from longctx_cli.config import load_config
 from longctx_cli.config.model_shape import (
-    ModelShape,
     _saved_plain_shape,
     plain_module_classes,
     read_model_config,
 )
+from longctx_cli.config.shape import ModelShape
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "vocab_size": 100}

@@ -99,7 +99,7 @@ def _assert_checkpoint_loads(config_path: Path, checkpoint: Path, step: int) -> 
     assert resolve_resume("auto", checkpoint.parent) == checkpoint
     config = load_config(config_path)
     model = build_model(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.training.learning_rate)
     scheduler = get_scheduler("constant", optimizer)
     state = load_checkpoint(checkpoint, model, optimizer, scheduler)
     assert state["step"] == step

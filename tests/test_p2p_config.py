@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from longctx_cli.config.memory_estimate import ring_buffer_bytes
-from longctx_cli.config.model_shape import ModelShape
+from longctx_cli.config.shape import ModelShape
 from longctx_cli.errors import UserError
 from longctx_cli.layout import Layout, LayoutError
 from tests.test_plan import CPU, GPU, cfg, plan, rule_error
@@ -16,8 +16,8 @@ from tests.test_plan import CPU, GPU, cfg, plan, rule_error
     [("batch_ring", "contiguous"), ("batch_zigzag", "zigzag"), ("batch_stripe", "stripe")],
 )
 def test_p2p_ring_implies_its_layout(func: str, layout: str) -> None:
-    assert cfg(ring_attn_func=func).sp_sharding == layout
-    assert cfg(ring_attn_func=func, sp_sharding=layout).sp_sharding == layout
+    assert cfg(ring_attn_func=func).parallel.sp_sharding == layout
+    assert cfg(ring_attn_func=func, sp_sharding=layout).parallel.sp_sharding == layout
     assert plan(sequence_parallel_degree=4, ring_attn_func=func).layout.sharding == layout
 
 
@@ -31,9 +31,9 @@ def test_contradictory_ring_and_layout_is_a_config_error() -> None:
 
 
 def test_llama3_keeps_both_layouts() -> None:
-    assert cfg(ring_attn_func="varlen_llama3").sp_sharding == "contiguous"
-    assert cfg(sp_sharding="zigzag").sp_sharding == "zigzag"
-    assert cfg(sp_sharding="zigzag").ring_attn_func == "varlen_llama3"
+    assert cfg(ring_attn_func="varlen_llama3").parallel.sp_sharding == "contiguous"
+    assert cfg(sp_sharding="zigzag").parallel.sp_sharding == "zigzag"
+    assert cfg(sp_sharding="zigzag").parallel.ring_attn_func == "varlen_llama3"
 
 
 @pytest.mark.parametrize(

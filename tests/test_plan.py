@@ -12,9 +12,9 @@ from rich.console import Console
 from longctx_cli.config import config_from_dict
 from longctx_cli.config.fit import parse_memory_size, smallest_fitting_sp
 from longctx_cli.config.memory_estimate import estimate_memory, lora_parameter_count
-from longctx_cli.config.model_shape import ModelShape, read_model_config
-from longctx_cli.config.plan import Plan, build_plan
-from longctx_cli.config.rules import layout_for
+from longctx_cli.config.model_shape import read_model_config
+from longctx_cli.config.plan import Plan, build_plan, layout_for
+from longctx_cli.config.shape import ModelShape
 from longctx_cli.config.world import Platform, resolve_world, resolve_world_size
 from longctx_cli.errors import UserError
 
@@ -640,7 +640,8 @@ def test_overrides_of_model_config_apply_to_a_saved_model(tmp_path):
 def test_memory_preference_counts_the_shards_logits():
     """A preference run scores every token of its shard at once (its pair losses need the
     per-token log-probabilities): its logits term is the unfused one, far above SFT's block."""
-    from longctx_cli.config.memory_estimate import DTYPE_BYTES, LOGITS_FP32_COPIES
+    from longctx_cli.config.memory_estimate import LOGITS_FP32_COPIES
+    from longctx_cli.config.units import DTYPE_BYTES
 
     lora = {"adapter": "lora", "lora_target_modules": "all-linear", "dtype": "bfloat16"}
     pairs = {"rl": "dpo", "datasets": [{"path": "pairs.jsonl", "type": "chatml.intel"}]}

@@ -49,12 +49,12 @@ def steps_worker(rank: int, world: int, dtype: str, init_scale: float | None) ->
     ctx = sp_state(sp=1, kernel="torch")
     model = build_model(config)
     device = torch.device("cpu")
-    precision = setup_precision(model, config.dtype, device)
+    precision = setup_precision(model, config.model.dtype, device)
     if init_scale is not None and precision.scaler is not None:
         precision.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     decoder, head = decoder_and_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.learning_rate)
+    optimizer = torch.optim.AdamW(params, lr=config.training.learning_rate)
     results = []
     for _ in range(3):
         r = train_step(model, decoder, head, params, optimizer, [_batch(ctx)], config, ctx,

@@ -253,8 +253,8 @@ def longctx_worker(rank: int, world: int, layout: dict, losses: dict) -> dict:
         decoder, head = decoder_and_head(model)
         objective = PreferenceLoss(rl, tuple(loss_types), (1.0,) * len(loss_types), BETA,
                                    smoothing, SIMPO_GAMMA)
-        config = types.SimpleNamespace(chunked_loss=name in ("hinge", "orpo"),
-                                       loss_chunk_size=16)
+        config = types.SimpleNamespace(memory=types.SimpleNamespace(
+            chunked_loss=name in ("hinge", "orpo"), loss_chunk_size=16))
         # The step's weight (train_step): pairs / chosen targets, here of the one row.
         nll_weight = len(PAIRS) / chosen_targets(batch)
         result = preference_loss_sum(model, decoder, head, batch, config, state, objective,
@@ -274,14 +274,14 @@ def longctx_worker(rank: int, world: int, layout: dict, losses: dict) -> dict:
 
 
 def test_every_shipped_chat_template_is_declared():
-    from longctx_cli.config.schema import SHIPPED_CHAT_TEMPLATES
+    from longctx_cli.config.sections.data import SHIPPED_CHAT_TEMPLATES
     from longctx_cli.data.chat_templates import END_OF_TURN, TEMPLATES
 
     assert sorted(TEMPLATES) == sorted(END_OF_TURN) == sorted(SHIPPED_CHAT_TEMPLATES)
 
 
 def test_every_declared_type_is_rendered():
-    from longctx_cli.config.schema import PREFERENCE_TYPES
+    from longctx_cli.config.sections.data import PREFERENCE_TYPES
     from longctx_cli.data.preference import RENDERED_TYPES
 
     assert sorted(PREFERENCE_TYPES) == sorted(RENDERED_TYPES)
@@ -489,9 +489,11 @@ def full_worker(rank: int, world: int, layout: dict, loss_types: list[str], out_
     ids, pos, labels = packed_pairs()
     rows = Dataset.from_dict({"input_ids": [ids.tolist()], "position_ids": [pos.tolist()],
                               "labels": [labels.tolist()]})
-    config = types.SimpleNamespace(chunked_loss=False, loss_chunk_size=None, output_dir=out_dir,
-                                   base_model=None, model_config_dict={"tiny": 1}, seed=0,
-                                   random_init=True, lora_model_dir=None)
+    space = types.SimpleNamespace
+    config = space(memory=space(chunked_loss=False, loss_chunk_size=None),
+                   output=space(output_dir=out_dir),
+                   model=space(base_model=None, model_config_dict={"tiny": 1}, random_init=True),
+                   training=space(seed=0), lora=space(lora_model_dir=None))
     objective = PreferenceLoss("dpo", tuple(loss_types), (1.0,) * len(loss_types), BETA, 0.0,
                                SIMPO_GAMMA, precomputed=True)
     model = base_model(register_sp_attention())

@@ -19,12 +19,8 @@ import pytest
 import yaml
 
 from longctx_cli.config import known_models
-from longctx_cli.config.model_shape import (
-    _PLAIN_DEFAULTS,
-    ModelShape,
-    _plain_shape,
-    build_from_dict,
-)
+from longctx_cli.config.model_shape import _PLAIN_DEFAULTS, _plain_shape, build_from_dict
+from longctx_cli.config.shape import ModelShape
 from longctx_cli.constants import HYBRID_MODEL_TYPES
 
 ROOT = Path(__file__).resolve().parent.parent

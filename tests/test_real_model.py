@@ -83,7 +83,7 @@ def _reference(config_path: Path) -> dict[str, Any]:
     config = load_config(config_path)
     rows = prepare(config).train
     position = DataPosition(config, 1, rows, None)
-    model = AutoModelForCausalLM.from_pretrained(config.base_model, dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(config.model.base_model, dtype=torch.float32,
                                                  attn_implementation="eager").train()
     optimizer = make_optimizer(config, [p for p in model.parameters() if p.requires_grad])
     steps = []
@@ -96,7 +96,7 @@ def _reference(config_path: Path) -> dict[str, Any]:
             starts = [*(pos == 0).nonzero().flatten().tolist(), len(ids)]
             docs += [(ids[a:b], labels[a:b]) for a, b in zip(starts, starts[1:], strict=False)]
         steps.append(docs)
-    return own_training(model, optimizer, steps, config.max_grad_norm)
+    return own_training(model, optimizer, steps, config.training.max_grad_norm)
 
 
 def _trained(out: Path) -> dict[str, Any]:

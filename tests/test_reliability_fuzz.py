@@ -24,8 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from longctx_cli.config.load import config_from_dict, load_config
-from longctx_cli.config.model_shape import ModelShape, read_model_config
+from longctx_cli.config.model_shape import read_model_config
 from longctx_cli.config.plan import build_plan
+from longctx_cli.config.shape import ModelShape
 from longctx_cli.config.world import Platform, resolve_world
 from longctx_cli.errors import UserError
 
@@ -59,7 +60,7 @@ def validate(data: Any) -> tuple[int, str]:
     try:
         config = config_from_dict(data)
         shape = (
-            example_shape() if config.model_config_dict == example()["model_config"]
+            example_shape() if config.model.model_config_dict == example()["model_config"]
             else read_model_config(config)
         )
         world, source = resolve_world(config)  # as `validate` without flags does
@@ -176,7 +177,7 @@ def test_random_yaml_text_loads_or_is_explained(tmp_path, text):
     except UserError as e:
         assert str(e).strip() and "Traceback" not in str(e)
     else:  # only a real config is accepted
-        assert config.datasets
+        assert config.data.datasets
 
 
 def test_deeply_nested_yaml_is_explained(tmp_path):

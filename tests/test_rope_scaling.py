@@ -73,7 +73,7 @@ def reference(scaling: dict[str, Any] | None) -> dict[str, Any]:
     model = load_base_model(config, "eager").train()
     optimizer = make_optimizer(config, [p for p in model.parameters() if p.requires_grad])
     steps = [[(d, None) for d in _documents(step)] for step in range(STEPS)]
-    return {**own_training(model, optimizer, steps, config.max_grad_norm),
+    return {**own_training(model, optimizer, steps, config.training.max_grad_norm),
             "config": model.config.to_dict()}
 
 

@@ -56,8 +56,8 @@ def test_yaml_is_only_ever_safe_loaded():
 
 def test_remote_code_is_off_unless_set():
     base = {"model_config": {"model_type": "llama"}, "datasets": [{"type": "passkey"}]}
-    assert config_from_dict(base).trust_remote_code is False
-    assert config_from_dict({**base, "trust_remote_code": True}).trust_remote_code is True
+    assert config_from_dict(base).model.trust_remote_code is False
+    assert config_from_dict({**base, "trust_remote_code": True}).model.trust_remote_code is True
     # No from_pretrained turns it on by itself: the value always comes from the config.
     for source, call in _calls("from_pretrained"):
         value = _keyword(call, "trust_remote_code")

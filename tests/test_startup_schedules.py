@@ -19,7 +19,7 @@ from longctx_cli.config.schema import Config
 from longctx_cli.train import optim
 
 LR = 0.1
-NAMES = Config.model_fields["lr_scheduler"].annotation.__args__
+NAMES = Config.flat_fields()["lr_scheduler"].annotation.__args__
 # Arguments each schedule is tried with beyond its defaults (transformers' names).
 KWARGS: dict[str, list[dict[str, Any]]] = {
     "linear": [{}],

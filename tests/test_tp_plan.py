@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from longctx_cli.cli import app
 from longctx_cli.config import config_from_dict
-from longctx_cli.config.model_shape import ModelShape
 from longctx_cli.config.plan import build_plan
+from longctx_cli.config.shape import ModelShape
 from longctx_cli.config.world import Platform
 from longctx_cli.errors import UserError
 

@@ -180,10 +180,10 @@ def test_prepared_rows_are_the_packed_documents(tmp_path, proc_dir, images):
         "datasets": [{"path": str(data), "type": "chat_template"}]})
     prepared = prepare(config, progress=False)
     vp = vision.load_config_processor(config)
-    spec = format_spec(config.datasets[0], config, vp.tokenizer)
+    spec = format_spec(config.data.datasets[0], config, vp.tokenizer)
     docs = [vision.encode_vision_record(r, vp, f"{data}:{n + 1}", base_dir=tmp_path, spec=spec)
             for n, r in enumerate(records)]
-    want = vision.pack_vision_documents(docs, config.sequence_len)
+    want = vision.pack_vision_documents(docs, config.data.sequence_len)
     assert len(want) == 2 and any(len(r.image_counts) > 1 for r in want)  # packed
     got = prepared.train.with_format("arrow")[:].to_pylist()
     assert len(got) == len(want)

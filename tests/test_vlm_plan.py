@@ -142,7 +142,7 @@ def test_gemma3_tower_memory_counts_its_pooled_patches() -> None:
     16 patches per image token."""
     from transformers import Gemma3Config
 
-    from longctx_cli.config.vision_plan import VisionTower
+    from longctx_cli.config.sections.vision import VisionTower
 
     real = Gemma3Config(vision_config={"image_size": 896, "patch_size": 14})
     assert VisionTower.of(real).merge == 4

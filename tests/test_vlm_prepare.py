@@ -90,7 +90,7 @@ def vlm_config(tmp_path: Path, proc_dir: Path, data: Path, **kw):
 def encoded(config, data: Path) -> list[vision.VisionDocument]:
     """The records encoded one by one, as the data module's own function makes them."""
     vp = vision.load_config_processor(config)
-    spec = format_spec(config.datasets[0], config, vp.tokenizer)
+    spec = format_spec(config.data.datasets[0], config, vp.tokenizer)
     docs = [vision.encode_vision_record(r, vp, f"{data}:{n + 1}", base_dir=data.parent,
                                         spec=spec) for n, r in enumerate(records())]
     return [d for d in docs if d.has_targets]
@@ -133,7 +133,7 @@ def test_cached_rows_are_the_packed_documents(tmp_path, proc_dir, data):
 
     docs = encoded(config, data)
     assert len(docs) == 5  # the record without a reply has no targets
-    want = vision.pack_vision_documents(docs, config.sequence_len)
+    want = vision.pack_vision_documents(docs, config.data.sequence_len)
     assert len(want) > 1 and any(len(r.image_counts) > 1 for r in want)  # packed, several rows
     assert_rows_equal(table, want)
     # The video: a grid of 2 temporal patches (3 frames padded to 4), kind 2, its seconds.
@@ -153,7 +153,7 @@ def test_report_counts_images_and_skips(tmp_path, proc_dir, data):
     config = vlm_config(tmp_path, proc_dir, data)
     report = prepare(config, progress=False).report
     docs = encoded(config, data)
-    rows = vision.pack_vision_documents(docs, config.sequence_len)
+    rows = vision.pack_vision_documents(docs, config.data.sequence_len)
     (stats,) = report.datasets
     assert (stats.records, stats.skipped, stats.skip_reason) == (6, 1, "no target tokens")
     assert stats.samples == 5 and stats.tokens == sum(len(d) for d in docs)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from longctx_cli.config.vision_plan import BIDIRECTIONAL_IMAGE_FAMILIES
+from longctx_cli.config.sections.vision import BIDIRECTIONAL_IMAGE_FAMILIES
 from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.parallel.attention import register_sp_attention
 from longctx_cli.runtime.head import model_head

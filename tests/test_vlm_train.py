@@ -227,7 +227,7 @@ def _reference(config_path: Path, family: str) -> dict[str, Any]:
     config = load_config(config_path)
     rows = prepare(config).train
     position = DataPosition(config, 1, rows, None)
-    torch.manual_seed(config.seed)  # longctx's random init draws from the seed the same way
+    torch.manual_seed(config.training.seed)  # longctx's random init draws from the same seed
     model = AutoModelForImageTextToText.from_config(
         AutoConfig.for_model(**FAMILIES[family][0]), attn_implementation="eager",
         dtype=torch.float32).train()
@@ -247,7 +247,7 @@ def _reference(config_path: Path, family: str) -> dict[str, Any]:
             loss = model(input_ids=ids[None], labels=lab[None], **kwargs).loss * (n / sum(targets))
             loss.backward()
             total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm or math.inf)
+        torch.nn.utils.clip_grad_norm_(params, config.training.max_grad_norm or math.inf)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)

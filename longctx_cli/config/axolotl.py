@@ -1,7 +1,7 @@
 """Axolotl's config keys, as one table: what longctx does with each key it does not share.
 
 An Axolotl user's YAML is read as it is. Keys that longctx has under the same name and
-meaning are schema fields (see schema.py); every other Axolotl key is in `AXOLOTL_KEYS`:
+meaning are schema fields (see config/sections/); every other Axolotl key is in `AXOLOTL_KEYS`:
 
 - **mapped**: translated onto longctx's own keys (`flash_attention: true` ->
   `attention_kernel: auto`, `bf16: auto` -> `dtype: bfloat16`, ...);

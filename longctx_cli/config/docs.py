@@ -3,15 +3,13 @@
     python -m longctx_cli.config.docs > docs/config.md
     python -m longctx_cli.config.docs axolotl > docs/axolotl.md
 
-Keys are grouped as in schema.py, whose `# ---- group ----` comments mark the groups, so a
-new field lands in the right section without touching this file.
+Keys are grouped by the section that owns them (config/sections/), so a new field lands in
+the right group without touching this file.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
-import re
 import sys
 import types
 import typing
@@ -21,15 +19,12 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from longctx_cli.config.schema import Config, DatasetConfig
-
-_GROUP = re.compile(r"^\s*#\s*-+\s*([\w ]+?)\s*-+\s*$")
-_FIELD = re.compile(r"^    (\w+)\s*:")
+from longctx_cli.config.schema import SECTIONS, Config, DatasetConfig
 
 HEADER = """\
 # Configuration reference
 
-<!-- Generated from longctx_cli/config/schema.py by
+<!-- Generated from longctx_cli/config/sections/ by
      `python -m longctx_cli.config.docs > docs/config.md`; do not edit by hand. -->
 
 A config is one flat YAML mapping. An unknown key one or two letters away from a known one
@@ -40,18 +35,15 @@ resolved plan; see [cli.md](cli.md).
 """
 
 
-def _groups(model: type[BaseModel]) -> dict[str, list[str]]:
-    """Field names by the `# ---- group ----` comment above them in the class source."""
+def _groups() -> dict[str, list[str]]:
+    """Top-level keys by section (config/sections/), in the sections' order; `trl:` (the
+    GRPO section, one nested key) beside `rl`."""
     groups: dict[str, list[str]] = {}
-    current = "general"
-    for line in inspect.getsource(model).splitlines():
-        if match := _GROUP.match(line):
-            current = match.group(1).strip()
-        elif (match := _FIELD.match(line)) and match.group(1) in model.model_fields:
-            groups.setdefault(current, []).append(match.group(1))
-    missing = [n for n in model.model_fields if not any(n in g for g in groups.values())]
-    if missing:
-        groups.setdefault("other", []).extend(missing)
+    for cls in SECTIONS.values():
+        names = list(cls.model_fields)
+        if "rl" in names:
+            names.insert(names.index("rl") + 1, "trl")
+        groups.setdefault(cls.title, []).extend(names)
     return groups
 
 
@@ -123,10 +115,10 @@ def _key(name: str, info: FieldInfo) -> str:
     return key
 
 
-def _table(model: type[BaseModel], names: list[str]) -> list[str]:
+def _table(fields: dict[str, FieldInfo], names: list[str]) -> list[str]:
     lines = ["| key | type | default | description |", "|---|---|---|---|"]
     for name in names:
-        info = model.model_fields[name]
+        info = fields[name]
         description = (info.description or "").replace("|", "\\|")
         bounds = bounds_text(info)
         kind = type_name(info.annotation) + (f" ({bounds})" if bounds else "")
@@ -137,14 +129,15 @@ def _table(model: type[BaseModel], names: list[str]) -> list[str]:
 def render() -> str:
     """The whole of docs/config.md."""
     out = [HEADER]
-    for group, names in _groups(Config).items():
-        out += [f"## {group.capitalize()}", "", *_table(Config, names), ""]
+    fields = Config.flat_fields()
+    for group, names in _groups().items():
+        out += [f"## {group.capitalize()}", "", *_table(fields, names), ""]
     out += [
         "## Dataset entries",
         "",
         "Each item of `datasets:` and `eval_datasets:` is a mapping with these keys.",
         "",
-        *_table(DatasetConfig, list(DatasetConfig.model_fields)),
+        *_table(DatasetConfig.model_fields, list(DatasetConfig.model_fields)),
         "",
     ]
     return "\n".join(out)
@@ -153,7 +146,7 @@ def render() -> str:
 AXOLOTL_HEADER = """\
 # Axolotl configs in longctx
 
-<!-- Generated from longctx_cli/config/axolotl.py and schema.py by
+<!-- Generated from longctx_cli/config/axolotl.py and sections/ by
      `python -m longctx_cli.config.docs axolotl > docs/axolotl.md`; do not edit by hand. -->
 
 An Axolotl config is read as it is. Each Axolotl key is one of:
@@ -223,7 +216,7 @@ field TRL 1.16's `GRPOConfig` adds to `TrainingArguments` has a row here
 
 def grpo_keys_section() -> list[str]:
     """docs/axolotl.md's table of the `trl:` keys: honoured, ignored or refused, and why."""
-    from longctx_cli.config.schema import TRL_IGNORED, TRL_REFUSED, TrlConfig
+    from longctx_cli.config.sections.grpo import TRL_IGNORED, TRL_REFUSED, TrlConfig
 
     rows = [(name, "honoured", default_text(info), info.description or "")
             for name, info in TrlConfig.model_fields.items()]
@@ -247,7 +240,7 @@ def examples_survey() -> str | None:
 
 
 def _name_of(key: str) -> str:
-    for name, info in Config.model_fields.items():
+    for name, info in Config.flat_fields().items():
         choices = getattr(info.validation_alias, "choices", None) or []
         if key in (name, info.alias, *choices):
             return name
@@ -255,9 +248,10 @@ def _name_of(key: str) -> str:
 
 
 def _field_by_key(key: str) -> FieldInfo:
-    if key in DatasetConfig.model_fields and key not in Config.model_fields:
+    fields = Config.flat_fields()
+    if key in DatasetConfig.model_fields and key not in fields:
         return DatasetConfig.model_fields[key]
-    return Config.model_fields[_name_of(key)]
+    return fields[_name_of(key)]
 
 
 def main() -> None:

@@ -8,11 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from longctx_cli.config.memory_estimate import GIB, estimate_memory
-from longctx_cli.config.model_shape import ModelShape
-from longctx_cli.config.plan import Plan, format_gib
-from longctx_cli.config.rules import check_heads, check_sequence_len, layout_for
+from longctx_cli.config.memory_estimate import estimate_memory
+from longctx_cli.config.plan import Plan, layout_for
 from longctx_cli.config.schema import Config
+from longctx_cli.config.sections.parallel import check_heads, check_sequence_len
+from longctx_cli.config.shape import ModelShape
+from longctx_cli.config.units import GIB, format_gib
 from longctx_cli.errors import UserError
 
 if TYPE_CHECKING:
@@ -72,8 +73,8 @@ def _fit_at(
     try:
         # The layout of one SP (x TP) group: the rules of the degree itself.
         one_group = trial.model_copy(update={"dp_replicate_size": None, "dp_shard_size": None})
-        layout = layout_for(one_group, sp * trial.tensor_parallel_size, None)
-        check_sequence_len(trial, layout)
+        layout = layout_for(one_group, sp * trial.parallel.tensor_parallel_size, None)
+        check_sequence_len(trial.data.sequence_len, layout)
         check_heads(layout, shape)
     except UserError as e:
         return SpFit(sp, None, str(e).split(":")[0])

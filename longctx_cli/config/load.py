@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from longctx_cli.config import axolotl
-from longctx_cli.config.schema import Config, DatasetConfig
+from longctx_cli.config.schema import SECTIONS, Config, DatasetConfig
 from longctx_cli.errors import UserError
 
 Path_ = tuple[str | int, ...]
@@ -92,9 +92,10 @@ class _DuplicateKeyLoader(yaml.SafeLoader):
 
 
 def known_keys(model: type[BaseModel]) -> list[str]:
-    """Every key a model accepts, aliases included."""
+    """Every key a model accepts, aliases included (a `Config`: its sections' keys)."""
     keys = []
-    for name, field in model.model_fields.items():
+    fields = model.flat_fields() if model is Config else model.model_fields
+    for name, field in fields.items():
         keys.append(field.alias or name)
         choices = getattr(field.validation_alias, "choices", None) or []
         keys.extend(c for c in choices if isinstance(c, str))
@@ -289,6 +290,8 @@ def _explain(
     problems = []
     for item in error.errors():
         loc = tuple(x for x in item["loc"] if not str(x).startswith("function-"))
+        if loc and loc[0] in SECTIONS:  # the YAML is flat: a section is no part of a key
+            loc = loc[1:]
         key = _location(loc)
         msg = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden" and loc:

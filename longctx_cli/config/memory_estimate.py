@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from longctx_cli.config import tp_rules
-from longctx_cli.config.model_shape import LINEAR_MODULES, MLP_LINEARS, ModelShape
 from longctx_cli.config.schema import Config
+from longctx_cli.config.sections.parallel import tp_local_shape
+from longctx_cli.config.shape import LINEAR_MODULES, MLP_LINEARS, ModelShape, attention_softcap
+from longctx_cli.config.units import DTYPE_BYTES, format_gib
 from longctx_cli.constants import (
     FUSED_LOSS_BLOCK_BYTES,
     LEAN_NORM_MODEL_TYPES,
@@ -18,16 +19,6 @@ from longctx_cli.constants import (
 from longctx_cli.kernel_choice import TILE
 from longctx_cli.layout import Layout
 
-GIB = 1024**3
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def format_count(n: int) -> str:
-    """A parameter count as the plan prints it: 135M, 20.4K."""
-    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= div:
-            return f"{n / div:.3g}{unit}"
-    return str(n)
 # peft keeps LoRA weights in float32 even on a bf16/fp16 base (autocast_adapter_dtype).
 LORA_BYTES = 4
 
@@ -101,7 +92,7 @@ class MemoryEstimate:
     # (trl.ds3_gather_for_generation), alive while it decodes, not during the update.
     rollout_weights: int = 0
     # A vision-language model's tower: its weights and state, and its activations for a
-    # row of only image tokens (config/vision_plan.py).
+    # row of only image tokens (config/sections/vision.py).
     vision_tower: int = 0
 
     @property
@@ -133,7 +124,7 @@ class MemoryEstimate:
 
 
 def _lora_names(config: Config) -> list[str]:
-    targets = config.lora_target_modules
+    targets = config.lora.lora_target_modules
     return list(LINEAR_MODULES) if targets == "all-linear" else (
         [targets] if isinstance(targets, str) else list(targets or [])
     )
@@ -143,7 +134,7 @@ def lora_parameter_count(config: Config, shape: ModelShape) -> tuple[int, list[s
     """LoRA weights (A: r x in, B: out x r per adapted linear layer) and unmatched names."""
     names = _lora_names(config)
     shapes = shape.linear_shapes()
-    count = sum(config.lora_r * sum(shapes[n]) for n in names if n in shapes)
+    count = sum(config.lora.lora_r * sum(shapes[n]) for n in names if n in shapes)
     return count * shape.num_hidden_layers, [n for n in names if n not in shapes]
 
 
@@ -152,26 +143,26 @@ def lean_norm(config: Config, shape: ModelShape, tp: int = 1) -> bool:
     applies it without TP; LEAN_NORM_MODEL_TYPES: the model types where it covers every norm
     of a layer). Remote code may define its own norms: counted as plain ones."""
     return (shape.model_type in LEAN_NORM_MODEL_TYPES and tp == 1
-            and not config.trust_remote_code)
+            and not config.model.trust_remote_code)
 
 
 def fp32_copy_bytes(config: Config, shape: ModelShape, lean: bool = False) -> int:
     """Bytes per token of the float32 copies one layer saves below float32 (see
     FP32_NORM_COPIES; none of the norms' when `lean`); a tiled MLP's adapted linears save
     theirs one tile at a time."""
-    if config.dtype == "float32":
+    if config.model.dtype == "float32":
         return 0
     elements = 0 if lean else FP32_NORM_COPIES * shape.hidden_size
-    if config.adapter is not None:
+    if config.lora.adapter is not None:
         shapes = shape.linear_shapes()
         elements += sum(shapes[n][0] for n in _lora_names(config)
-                        if n in shapes and not (config.tiled_mlp and n in MLP_LINEARS))
+                        if n in shapes and not (config.memory.tiled_mlp and n in MLP_LINEARS))
     return 4 * elements
 
 
 def gpu_backward_bytes(config: Config, shape: ModelShape) -> int:
     """Bytes per token a layer's backward allocates on a GPU beyond its saved tensors."""
-    b = DTYPE_BYTES[config.dtype]
+    b = DTYPE_BYTES[config.model.dtype]
     shared_kv = shape.num_key_value_heads < shape.num_attention_heads
     dkv = 2 * (shape.q_dim if shared_kv else shape.kv_dim) * b
     return (shape.q_dim * (ATTN_BACKWARD_Q_TENSORS * b + 4) + dkv
@@ -185,16 +176,16 @@ def layer_activation_elements(config: Config, shape: ModelShape) -> int:
     """
     h = shape.hidden_size
     attention = NORM_FACTOR * h + Q_FACTOR * shape.q_dim + KV_FACTOR * shape.kv_dim
-    return attention + (0 if config.tiled_mlp else MLP_FACTOR * shape.intermediate_size)
+    return attention + (0 if config.memory.tiled_mlp else MLP_FACTOR * shape.intermediate_size)
 
 
 def _mlp_tile_bytes(config: Config, shape: ModelShape, local_tokens: int) -> int:
     """One MLP tile's intermediates, live while that tile is recomputed in backward."""
-    if not config.tiled_mlp:
+    if not config.memory.tiled_mlp:
         return 0
-    tiles = config.tiled_mlp_tiles or -(-local_tokens // shape.hidden_size)
+    tiles = config.memory.tiled_mlp_tiles or -(-local_tokens // shape.hidden_size)
     tile_tokens = -(-local_tokens // max(1, min(tiles, local_tokens)))
-    return MLP_FACTOR * shape.intermediate_size * tile_tokens * DTYPE_BYTES[config.dtype]
+    return MLP_FACTOR * shape.intermediate_size * tile_tokens * DTYPE_BYTES[config.model.dtype]
 
 
 def _activation_bytes(
@@ -205,15 +196,15 @@ def _activation_bytes(
     `on_gpu`: the run computes on a GPU, so offloading frees device memory and the layer's
     backward buffers count. `lean`: the norms are lean (`lean_norm`).
     """
-    b = DTYPE_BYTES[config.dtype]
+    b = DTYPE_BYTES[config.model.dtype]
     per_token = (layer_activation_elements(config, shape) * b
                  + fp32_copy_bytes(config, shape, lean))
     layer = per_token * local_tokens
     gpu_backward = gpu_backward_bytes(config, shape) * local_tokens if on_gpu else 0
     # Transient in backward beside the saved tensors: one MLP tile, the GPU's buffers.
     transient = _mlp_tile_bytes(config, shape, local_tokens) + gpu_backward
-    offloaded = config.activation_offloading and on_gpu
-    if config.gradient_checkpointing:
+    offloaded = config.memory.activation_offloading and on_gpu
+    if config.memory.gradient_checkpointing:
         # Each layer keeps only its input [tokens, hidden] (in host memory when offloaded).
         kept = 0 if offloaded else shape.num_hidden_layers * shape.hidden_size * local_tokens * b
         return kept, layer + transient
@@ -228,26 +219,27 @@ def fused_loss(config: Config, shape: ModelShape) -> bool:
     preference run (`rl`) never does: its per-token log-probabilities feed per-pair losses
     (`train/preference.py`), so the shard's logits exist at once (a chunk's with
     `chunked_loss`)."""
-    if config.rl is not None:
+    if config.objective.rl is not None:
         return False
-    targets = config.lora_target_modules
+    targets = config.lora.lora_target_modules
     adapted = [*(targets if isinstance(targets, list) else [targets or ""]),
-               *(config.lora_modules_to_save or [])]
-    head_adapted = config.adapter is not None and any("lm_head" in m for m in adapted)
-    return (config.tensor_parallel_size == 1 and not config.fsdp
-            and config.dtype != "float16" and not head_adapted
+               *(config.lora.lora_modules_to_save or [])]
+    head_adapted = config.lora.adapter is not None and any("lm_head" in m for m in adapted)
+    return (config.parallel.tensor_parallel_size == 1 and not config.parallel.fsdp
+            and config.model.dtype != "float16" and not head_adapted
             and not any(shape.config_value(k) for k in LOGIT_TRANSFORM_KEYS))
 
 
 def _logits_bytes(config: Config, shape: ModelShape, local_tokens: int) -> int:
-    b = DTYPE_BYTES[config.dtype]
+    b = DTYPE_BYTES[config.model.dtype]
     if fused_loss(config, shape):  # one block of logits (+ its float32 copy below fp32)
-        block = (config.loss_chunk_size if config.chunked_loss
+        block = (config.memory.loss_chunk_size if config.memory.chunked_loss
                  else max(1, FUSED_LOSS_BLOCK_BYTES // (4 * shape.vocab_size)))
         logits = min(local_tokens, block) * shape.vocab_size * (4 + (b if b != 4 else 0))
-        head_grad = 4 * shape.vocab_size * shape.hidden_size if config.adapter is None else 0
+        head_grad = 4 * shape.vocab_size * shape.hidden_size if config.lora.adapter is None else 0
         return logits + head_grad + local_tokens * shape.hidden_size * b
-    tokens = min(local_tokens, config.loss_chunk_size) if config.chunked_loss else local_tokens
+    memory = config.memory
+    tokens = min(local_tokens, memory.loss_chunk_size) if memory.chunked_loss else local_tokens
     return tokens * shape.vocab_size * (b + 4 * LOGITS_FP32_COPIES)
 
 
@@ -285,7 +277,7 @@ def attention_buffer_bytes(
     sp, ulysses = layout.sp, layout.ulysses
     if sp == 1:
         return 0
-    b = DTYPE_BYTES[config.dtype]
+    b = DTYPE_BYTES[config.model.dtype]
     total = 0
     if ulysses > 1:
         # All-to-all outputs: q, k, v in and the attention output back; KV heads are
@@ -331,12 +323,6 @@ def tiled_scores_run(kernel: str, cuda: bool, shape: ModelShape, p2p_ring: bool 
         kernel == "torch_flash" and (capped or (cuda and p2p_ring and shape.sliding_window)))
 
 
-def attention_softcap(shape: ModelShape) -> float | None:
-    """The model's attention logit softcap (Gemma 2 style), if its config has one."""
-    cap = shape.config_value("attn_logit_softcapping")
-    return float(cap) if cap else None
-
-
 def estimate_memory(
     config: Config,
     shape: ModelShape,
@@ -353,25 +339,25 @@ def estimate_memory(
     `tiled_scores`: attention takes the tiled matmul path (`tiled_scores_run`).
     """
     notes: list[str] = []
-    b = DTYPE_BYTES[config.dtype]
+    b = DTYPE_BYTES[config.model.dtype]
     full_params = shape.parameter_count()
-    full_trainable = (lora_parameter_count(config, shape)[0] if config.adapter is not None
+    full_trainable = (lora_parameter_count(config, shape)[0] if config.lora.adapter is not None
                       else full_params)
     tp, sp = layout.tp, layout.sp
     # TP: weights, projections, attention heads and logits columns are 1/tp per rank.
-    shape = tp_rules.tp_local_shape(shape, tp)
+    shape = tp_local_shape(shape, tp)
     base = shape.parameter_count()
     local_tokens = config.row_tokens // sp
     # The base's weights as stored. bitsandbytes packs the decoder's linear weights into 4
     # or 8 bits and keeps their scales on the modules (attributes, which FSDP2 does not
     # shard); embeddings, norms and lm_head keep the dtype.
     weight_bytes, packed_bytes, replicated = base * b, 0, 0
-    if config.load_in_4bit or config.load_in_8bit:
+    if config.lora.load_in_4bit or config.lora.load_in_8bit:
         linear = shape.num_hidden_layers * sum(a * o for a, o in shape.linear_shapes().values())
         packed, scales = quantized_weight_bytes(config)
         packed_bytes, replicated = int(linear * packed), int(linear * scales)
         weight_bytes += packed_bytes - linear * b
-    if config.adapter is not None:
+    if config.lora.adapter is not None:
         trainable, unmatched = lora_parameter_count(config, shape)
         if unmatched:
             notes.append(
@@ -379,14 +365,14 @@ def estimate_memory(
                 "they are left out of the estimate."
             )
         param_bytes, train_bytes = weight_bytes + trainable * LORA_BYTES, LORA_BYTES
-    elif config.dtype == "float16":
+    elif config.model.dtype == "float16":
         # fp16 full fine-tuning keeps float32 master weights (train/precision.py); autocast
         # holds an fp16 copy of each weight it casts during the forward.
         trainable, param_bytes, train_bytes = base, base * (4 + b), 4
         notes.append("float16: float32 master weights, fp16 autocast copies, loss scaling.")
     else:
         trainable, param_bytes, train_bytes = base, base * b, b
-    if config.activation_offloading and host_is_device:
+    if config.memory.activation_offloading and host_is_device:
         notes.append("activation_offloading frees nothing on a CPU run: host memory is the "
                      "memory the run computes in.")
     # FSDP2 shards weights, grads and state over the ranks holding the same TP shard (of one
@@ -394,24 +380,25 @@ def estimate_memory(
     shard = world_size // (tp * layout.dp_replicate) if layout.fsdp else 1
     if layout.fsdp and packed_bytes:
         notes.append(
-            f"FSDP-QLoRA: the packed {'4' if config.load_in_4bit else '8'}-bit weights "
+            f"FSDP-QLoRA: the packed {'4' if config.lora.load_in_4bit else '8'}-bit weights "
             f"({format_gib(packed_bytes)}) are sharded over {shard} ranks, "
             f"{format_gib(packed_bytes // shard)} per rank; their quantization scales "
             f"({format_gib(replicated)}) stay whole on every rank.")
     # FSDP2 all-gathers one layer at a time and prefetches the next: two full layers live
     # (of a quantized base, its packed bytes).
     gathered = 2 * (weight_bytes // max(1, shape.num_hidden_layers)) if layout.fsdp else 0
-    moments = 0 if config.optimizer == "sgd" else 2  # AdamW: exp_avg and exp_avg_sq
-    if config.optimizer.startswith("lion") or config.optimizer.startswith("paged_lion"):
+    optimizer = config.training.optimizer
+    moments = 0 if optimizer == "sgd" else 2  # AdamW: exp_avg and exp_avg_sq
+    if optimizer.startswith(("lion", "paged_lion")):
         moments = 1
-    state_scale = _optimizer_state_scale(config.optimizer, train_bytes)
+    state_scale = _optimizer_state_scale(config.training.optimizer, train_bytes)
     saved, recompute = _activation_bytes(config, shape, local_tokens, not host_is_device,
                                          lean_norm(config, shape, tp))
-    if tp > 1 and config.gradient_checkpointing:
+    if tp > 1 and config.memory.gradient_checkpointing:
         saved //= tp  # the layer inputs kept are the residual stream: 1/tp of the tokens
     # rl: grpo with a KL term and no adapter to switch off: a frozen copy of the model.
-    copies = 2 if config.rl == "grpo" and config.trl.beta and (
-        config.adapter is None or config.lora_model_dir) else 1
+    copies = 2 if config.objective.rl == "grpo" and config.trl.beta and (
+        config.lora.adapter is None or config.lora.lora_model_dir) else 1
     estimate = MemoryEstimate(
         parameters=copies * (param_bytes // shard + replicated) + gathered,
         gradients=trainable * train_bytes // shard,
@@ -420,9 +407,9 @@ def estimate_memory(
         logits=_logits_bytes(config, shape, local_tokens),
         attention_buffers=attention_buffer_bytes(config, shape, layout, local_tokens),
         rollout_weights=(weight_bytes - weight_bytes // shard
-                         if layout.fsdp and config.rl == "grpo"
+                         if layout.fsdp and config.objective.rl == "grpo"
                          and config.trl.ds3_gather_for_generation else 0),
-        total_params=full_params + (full_trainable if config.adapter is not None else 0),
+        total_params=full_params + (full_trainable if config.lora.adapter is not None else 0),
         trainable_params=full_trainable,
         recompute=recompute,
         score_tiles=(
@@ -438,17 +425,11 @@ def quantized_weight_bytes(config: Config) -> tuple[float, float]:
     4-bit: two weights a byte and a float32 absmax per block of 64 (bitsandbytes' block
     size), or with double quantization (the default) an 8-bit absmax per block plus a
     float32 scale per 256 of those. 8-bit: a byte and a float32 scale per row (~3% at most)."""
-    if not config.load_in_4bit:
+    if not config.lora.load_in_4bit:
         return 1.0, 0.03
-    kwargs = config.bnb_config_kwargs or {}
+    kwargs = config.lora.bnb_config_kwargs or {}
     nested = kwargs.get("bnb_4bit_use_double_quant", True)
     return 0.5, (1 / 64 + 4 / (64 * 256)) if nested else 4 / 64
-
-
-def format_gib(n: int) -> str:
-    if n < GIB:
-        return f"{n / 1024**2:.1f} MiB"
-    return f"{n / GIB:.2f} GiB" if n < 10 * GIB else f"{n / GIB:.1f} GiB"
 
 
 def _optimizer_state_scale(optimizer: str, train_bytes: int) -> float:

@@ -9,156 +9,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from longctx_cli.config import known_models
-from longctx_cli.config.rope import context_line
 from longctx_cli.config.schema import Config
+from longctx_cli.config.shape import ATTENTION_LINEARS, MLP_LINEARS, ModelShape
 from longctx_cli.errors import UserError
 from longctx_cli.hub import hub_reachable
-
-ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
-LINEAR_MODULES = ATTENTION_LINEARS + MLP_LINEARS
-
-
-# ---- model shape ------------------------------------------------------------------------
-
-
-def _family_passes_sinks(model_type: str) -> bool:
-    import importlib.util
-
-    spec = importlib.util.find_spec("transformers")  # locates it without importing it
-    if spec is None or spec.origin is None:
-        return False
-    name = model_type.replace("-", "_")
-    source = Path(spec.origin).parent / "models" / name / f"modeling_{name}.py"
-    try:
-        return "s_aux=" in source.read_text()
-    except OSError:
-        return False
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The few numbers of a decoder-only model that the plan and its rules need."""
-
-    model_type: str
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int | None = None
-    source: str = "model config"
-    # What validate prints about the context: native positions, and what RoPE scaling reaches
-    # (a rendering of the config: not part of the shape's identity).
-    context: str | None = field(default=None, compare=False)
-    # The transformers config it was read from, for the fidelity probe (None when unknown).
-    hf_config: Any = field(default=None, repr=False, compare=False)
-    # The plain dict it was read from without transformers (see `_plain_shape`), if so.
-    plain_fields: dict[str, Any] | None = field(default=None, repr=False, compare=False)
-    # The folder whose config.json `plain_fields` came from (see `_saved_plain_shape`):
-    # transformers reads that file itself when the config object is needed.
-    config_folder: str | None = field(default=None, repr=False, compare=False)
-
-    def transformers_config(self) -> Any:
-        """The transformers config of this model (built from the plain dict on first need:
-        validate prints the plan before paying for the import), or None when unknown."""
-        if self.hf_config is None and self.plain_fields is not None:
-            from transformers import AutoConfig
-
-            fields = dict(self.plain_fields)
-            # Built once: the probe and the model of a rank read the same config object.
-            object.__setattr__(self, "hf_config",
-                               AutoConfig.from_pretrained(self.config_folder)
-                               if self.config_folder is not None else
-                               AutoConfig.for_model(fields.pop("model_type"), **fields))
-        return self.hf_config
-
-    def config_value(self, key: str) -> Any:
-        """A field of the model's (text) config, from the transformers config or the plain
-        dict it was read from; None when absent or unknown."""
-        hf = self.hf_config
-        if hf is not None:
-            text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
-            return getattr(text, key, None)
-        return (self.plain_fields or {}).get(key)
-
-    @property
-    def sliding_window(self) -> bool:
-        """Some attention layer has a sliding window (the config's, on its sliding layers)."""
-        types = self.config_value("layer_types")
-        return bool(self.config_value("sliding_window")) and (
-            types is None or any("sliding" in str(t) for t in types))
-
-    @property
-    def attention_sinks(self) -> bool:
-        """The family's attention passes sinks (`s_aux`) to the attention function, read
-        from its transformers modeling source (the config has no key for it)."""
-        return _family_passes_sinks(self.model_type)
-
-    @classmethod
-    def from_hf_config(cls, hf_config: Any, source: str = "model config") -> ModelShape:
-        """Read the shape from a transformers `PretrainedConfig` (its text part if multimodal)."""
-        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-        heads = getattr(text, "num_attention_heads", None)
-        hidden = getattr(text, "hidden_size", None)
-        if not heads or not hidden:
-            raise UserError(
-                f"cannot read `num_attention_heads`/`hidden_size` from the {source}.",
-                fix="use a decoder-only causal LM (Llama, Qwen2, Mistral, ...).",
-            )
-        intermediate = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None)
-        return cls(
-            model_type=str(getattr(text, "model_type", "") or "unknown"),
-            hidden_size=int(hidden),
-            intermediate_size=int(intermediate or 4 * hidden),
-            num_hidden_layers=int(getattr(text, "num_hidden_layers", 1)),
-            num_attention_heads=int(heads),
-            num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
-            vocab_size=int(getattr(text, "vocab_size", 0) or 0),
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            max_position_embeddings=getattr(text, "max_position_embeddings", None),
-            source=source,
-            context=context_line(text),
-            hf_config=hf_config,
-        )
-
-    @property
-    def q_dim(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_key_value_heads * self.head_dim
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in, out) features of each linear layer of one decoder layer (Llama naming)."""
-        h, i = self.hidden_size, self.intermediate_size
-        return {
-            "q_proj": (h, self.q_dim),
-            "k_proj": (h, self.kv_dim),
-            "v_proj": (h, self.kv_dim),
-            "o_proj": (self.q_dim, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
-
-    def parameter_count(self) -> int:
-        """Weights of embeddings, decoder layers, norms and lm_head (biases ignored, <0.1%)."""
-        per_layer = sum(a * b for a, b in self.linear_shapes().values()) + 2 * self.hidden_size
-        embeddings = self.vocab_size * self.hidden_size
-        lm_head = 0 if self.tie_word_embeddings else embeddings
-        return embeddings + lm_head + self.num_hidden_layers * per_layer + self.hidden_size
-
 
 # ---- reading the model config -----------------------------------------------------------
 
@@ -367,27 +225,15 @@ def apply_model_overrides(hf_config: Any, overrides: dict[str, Any] | None) -> A
     return hf_config
 
 
-def is_vision_language(hf_config: Any, images: bool = False) -> bool:
-    """A model longctx trains with its images: a vision part in its config, and either no
-    causal LM of its own in transformers, or `images` (the run sets `processor_type`).
-    Qwen3.5 and Gemma 3 have a causal LM: without a processor longctx trains that language
-    model on text, as before images were supported."""
-    if getattr(hf_config, "vision_config", None) is None:
-        return False
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    return images or type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING
-
-
 def read_model_config(config: Config) -> ModelShape:
     """The model's shape, `overrides_of_model_config`, `rope_scaling` and `rope_theta` applied
     (see `_read_model_config`): the one builder of the model's config, for the plan, the
     probe and the model every rank builds."""
     shape = _read_model_config(config)
-    overrides = config.overrides_of_model_config
-    if config.model_config_dict is not None:
+    overrides = config.model.overrides_of_model_config
+    if config.model.model_config_dict is not None:
         overrides = None  # merged into the dict there
-    rope_asked = config.rope_scaling is not None or config.rope_theta is not None
+    rope_asked = config.model.rope_scaling is not None or config.model.rope_theta is not None
     if not overrides and not rope_asked:
         return shape
     hf = shape.transformers_config()
@@ -399,24 +245,26 @@ def read_model_config(config: Config) -> ModelShape:
         from longctx_cli.config.rope import rope_overrides
 
         text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
-        hf = apply_model_overrides(hf, rope_overrides(text, config.rope_scaling,
-                                                      config.rope_theta, config.sequence_len))
-        source += ", rope_scaling" if config.rope_scaling is not None else ", rope_theta"
+        hf = apply_model_overrides(hf, rope_overrides(text, config.model.rope_scaling,
+                                                      config.model.rope_theta,
+                                                      config.data.sequence_len))
+        source += ", rope_scaling" if config.model.rope_scaling is not None else ", rope_theta"
     return ModelShape.from_hf_config(hf, source=source)
 
 
 def _read_model_config(config: Config) -> ModelShape:
     """The model's shape: from `model_config`, a local path, the local cache, the hub, or,
     for a few well-known ids when the hub cannot be used, from `known_models`."""
-    if config.model_config_dict is not None:
-        fields = {**config.model_config_dict, **(config.overrides_of_model_config or {})}
+    if config.model.model_config_dict is not None:
+        fields = {**config.model.model_config_dict,
+                  **(config.model.overrides_of_model_config or {})}
         shape = _plain_shape(fields, "inline `model_config`")
         if shape is not None:
             return shape
         hf = build_from_dict(fields, "model_config")
         return ModelShape.from_hf_config(hf, source="inline `model_config`")
-    model_id = str(config.base_model_config or config.base_model)
-    trust = config.trust_remote_code
+    model_id = str(config.model.base_model_config or config.model.base_model)
+    trust = config.model.trust_remote_code
     local = Path(model_id).expanduser()
     if not local.exists() and _is_path_not_id(model_id):
         raise UserError(

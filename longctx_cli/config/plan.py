@@ -13,34 +13,50 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from longctx_cli.config import tp_rules
 from longctx_cli.config.memory_estimate import (
     MemoryEstimate,
     attention_buffer_bytes,
     estimate_memory,
-    format_count,
-    format_gib,
     tiled_scores_run,
 )
-from longctx_cli.config.model_shape import ModelShape, read_model_config
+from longctx_cli.config.model_shape import read_model_config
 from longctx_cli.config.rope import check_context, check_rope_settings
-from longctx_cli.config.rules import (
-    _advice,
-    _check_adapter,
-    check_attention_dropout,
+from longctx_cli.config.schema import Config
+from longctx_cli.config.sections.adapter import adapter_rows, check_adapter
+from longctx_cli.config.sections.grpo import (
+    check_generation_batch,
     check_grpo_router_aux_loss,
-    check_heads,
-    check_prefix_sharing,
-    check_query_position_scaling,
-    check_router_aux_loss,
-    check_sequence_len,
-    generation_steps,
-    layout_for,
     rollout_decoding_note,
 )
-from longctx_cli.config.schema import Config
-from longctx_cli.config.vision_plan import check_vision, images_attend_both_ways
-from longctx_cli.config.vision_plan import plan_rows as vision_plan_rows
+from longctx_cli.config.sections.memory import memory_notes
+from longctx_cli.config.sections.model import (
+    check_attention_dropout,
+    check_query_position_scaling,
+    check_router_aux_loss,
+    context_note,
+)
+from longctx_cli.config.sections.objective import check_prefix_sharing, objective_text
+from longctx_cli.config.sections.parallel import (
+    check_heads,
+    check_sequence_len,
+    check_tp_config,
+    check_tp_model,
+    fsdp_detail,
+    parallel_layout,
+    parallel_notes,
+    ring_notes,
+    tp_layout_rows,
+    tp_notes,
+)
+from longctx_cli.config.sections.training import optimizer_rows, stop_rows
+from longctx_cli.config.sections.vision import (
+    TowerRun,
+    check_vision,
+    images_attend_both_ways,
+)
+from longctx_cli.config.sections.vision import plan_rows as vision_plan_rows
+from longctx_cli.config.shape import ModelShape
+from longctx_cli.config.units import format_count, format_gib
 from longctx_cli.config.world import Platform, resolve_world
 from longctx_cli.layout import Layout, ring_reason
 
@@ -122,7 +138,7 @@ class Plan:
                 ("world size", f"{self.world_size} ({self.world_source})"),
                 ("data parallel", str(lay.dp)),
                 ("sequence parallel", f"{lay.sp} ({lay.mode}: {split})"),
-                *tp_rules.layout_rows(lay.dp, lay.sp, lay.tp,
+                *tp_layout_rows(lay.dp, lay.sp, lay.tp,
                                       self.tokens_per_rank_per_forward),
                 ("ring_attn_func", lay.ring_attn_func if lay.ring > 1 else "-"),
                 *([("why this ring", self.ring_reason)] if lay.ring > 1 else []),
@@ -130,7 +146,7 @@ class Plan:
                  if lay.ring > 1 and lay.ring_attn_func == "varlen_llama3" else "-"),
                 ("sharding", lay.sharding if lay.sp > 1 else "none (sp = 1)"),
                 ("attention kernel", f"{lay.kernel} ({lay.kernel_reason})"),
-                ("fsdp", _fsdp_text(self)),
+                ("fsdp", self.fsdp_detail),
             ]),
             ("training", list(self.training)),
             ("batch", [
@@ -159,119 +175,33 @@ class Plan:
         ]
 
 
-def _fsdp_text(plan: Plan) -> str:
-    return plan.fsdp_detail if plan.layout.fsdp else "no"
-
-
 def _training_rows(config: Config) -> tuple[tuple[str, str], ...]:
-    """Optimizer, schedule, precision and cadence as the run will use them."""
-    warmup = (f"{config.warmup_ratio:g} of the steps" if config.warmup_ratio is not None
-              else f"{config.warmup_steps or 0} steps")
+    """Objective, optimizer, schedule, precision and cadence as the run will use them."""
+    model = config.model
     rows = [
-        ("objective", objective_text(config)),
-        ("optimizer", f"{config.optimizer}, lr {config.learning_rate:g}, "
-                      f"weight decay {config.weight_decay:g}"),
-        ("schedule", f"{config.lr_scheduler}, warm-up {warmup}"),
-        ("precision", config.dtype + (", tf32 matmuls" if config.tf32 else "")),
+        ("objective", objective_text(config.objective, config.trl, config.lora.adapter,
+                                     bool(config.lora.lora_model_dir))),
+        *optimizer_rows(config.training),
+        ("precision", model.dtype + (", tf32 matmuls" if model.tf32 else "")),
+        *adapter_rows(config.lora, model.dtype),
+        ("checkpoints", config.output.save_text()),
+        ("eval loss" + (" + rewards" if config.objective.rl else ""),
+         config.eval.cadence_text()),
+        *stop_rows(config.training),
+        ("logging", config.output.trackers_text()),
     ]
-    if config.adapter is not None:
-        base = "4-bit" if config.load_in_4bit else "8-bit" if config.load_in_8bit else config.dtype
-        extras = [n for n, on in (("DoRA", config.peft_use_dora),
-                                   ("rsLoRA", config.peft_use_rslora)) if on]
-        rows.append(("adapter", f"{config.adapter}, r {config.lora_r}, {base} base"
-                     + (f", {', '.join(extras)}" if extras else "")
-                     + (f", from {config.lora_model_dir}" if config.lora_model_dir else "")))
-    save = ("never" if config.save_strategy == "no" else "every epoch"
-            if config.save_strategy == "epoch" else f"{config.saves_per_epoch} per epoch"
-            if config.saves_per_epoch else f"every {config.save_steps:g} steps"
-            if config.save_steps else "final model only")
-    evals = ("never" if config.eval_strategy == "no" else "every epoch"
-             if config.eval_strategy == "epoch" else f"{config.evals_per_epoch} per epoch"
-             if config.evals_per_epoch else f"every {config.eval_steps:g} steps"
-             if config.eval_steps else "none")
-    rows += [("checkpoints", save),
-             ("eval loss" + (" + rewards" if config.rl else ""), evals)]
-    stops = []
-    if config.early_stopping_patience:
-        stops.append(f"early stopping after {config.early_stopping_patience} evals without "
-                     "improvement")
-    if config.loss_watchdog_threshold:
-        stops.append(f"loss > {config.loss_watchdog_threshold:g} for "
-                     f"{config.loss_watchdog_patience} steps")
-    if stops:
-        rows.append(("stops", "; ".join(stops)))
-    trackers = ["metrics.jsonl"] + (["TensorBoard"] if config.use_tensorboard else []) + (
-        [f"wandb ({config.wandb_project})"] if wandb_enabled(config) else [])
-    rows.append(("logging", ", ".join(trackers)))
     return tuple(rows)
 
 
-def objective_text(config: Config) -> str:
-    """What the run minimises, and for a preference run where its reference comes from."""
-    if config.rl is None:
-        return "causal-LM loss (mean over target tokens)"
-    if config.rl == "grpo":
-        return _grpo_text(config)
-    text = _preference_text(config)
-    if config.prefix_sharing:
-        text += "; each pair's prompt once in the row (prefix_sharing)"
-    return text
-
-
-def _grpo_text(config: Config) -> str:
-    trl = config.trl
-    text = (f"grpo ({trl.loss_type}, {trl.importance_sampling_level}-level ratios, epsilon "
-            f"{trl.epsilon:g}/{trl.epsilon_upper:g}); {trl.num_generations} completions of up "
-            f"to {trl.max_completion_length} tokens per prompt, sampled under SP from one "
-            f"prefill (temperature {trl.temperature:g}); rewards: "
-            f"{', '.join(trl.reward_funcs)}")
-    if trl.num_iterations > 1:
-        text += (f"; {trl.num_iterations} steps per generation batch (rollout-time "
-                 "log-probabilities: one no-grad pass)")
-    if trl.beta:
-        frozen = config.adapter is None or bool(config.lora_model_dir)
-        text += (f"; KL to the reference, beta {trl.beta:g}: " + (
-            "a frozen copy of the initial model (one more model in memory), one no-grad "
-            "pass per micro-batch" if frozen else "the base model with the adapter off, one "
-            "no-grad pass per micro-batch, no copy"))
-    text += ("; each prompt once in its group's row (prefix_sharing)" if config.prefix_sharing
-             else "; each completion after its own prompt copy (prefix_sharing: false)")
-    return text
-
-
-def _preference_text(config: Config) -> str:
-    beta = config.preference_beta
-    if config.rl == "orpo":
-        return (f"orpo, beta {beta:g}: NLL of the chosen sequences (mean over their targets, "
-                "prompt included) minus beta x log-sigmoid of the log odds ratio (mean over "
-                "pairs); no reference model")
-    if config.rl == "simpo":
-        return (f"simpo, beta {beta:g}, gamma {config.simpo_gamma:g} (mean over pairs); "
-                "no reference model")
-    losses = " + ".join(config.dpo_loss_type or ["sigmoid"])
-    reference = ("every pair's log-probabilities under the initial weights, one no-grad SP "
-                 "pass over the rows before training (kept in output_dir)"
-                 if config.precomputed_reference else "the base model with the adapter off, "
-                 "one extra no-grad forward per micro-batch, no copy")
-    return f"{config.rl} ({losses}), beta {beta:g} (mean over pairs); reference: {reference}"
-
-
-def wandb_enabled(config: Config) -> bool:
-    """Axolotl's rule: wandb logs when a project is named, unless use_wandb says no."""
-    if config.use_wandb is not None:
-        return config.use_wandb
-    return bool(config.wandb_project)
-
-
-def fsdp_detail(config: Config, layout: Layout) -> str:
-    fc = config.fsdp_config
-    parts = ["FSDP2", "full shard" if fc is None or fc.reshard_after_forward
-             else "no parameter resharding (ZeRO-2)"]
-    if fc is not None and fc.offload_params:
-        parts.append("params offloaded to CPU")
-    if layout.fsdp and layout.dp_replicate > 1:
-        parts.append(f"HSDP: {layout.dp_replicate} replicas")
-    return ", ".join(parts)
+def layout_for(
+    config: Config, world: int, platform: Platform | None, world_source: str = "given",
+    shape: ModelShape | None = None,
+) -> Layout:
+    """The run's :class:`Layout`: the degrees, sharding, ring and kernel of `config` on
+    `world` ranks of `platform`. `validate` and every rank build it here, so they agree
+    (`sections.parallel.parallel_layout`)."""
+    return parallel_layout(config.parallel, world, platform, world_source, shape,
+                           config.model.dtype, config.data.sample_packing)
 
 
 def check_without_model(
@@ -283,15 +213,17 @@ def check_without_model(
     Without a `platform` no machine is asked (the rules it checks do not depend on one).
     """
     layout = layout_for(config, world_size, platform, world_source)
-    if config.tensor_parallel_size > 1:
-        tp_rules.check_tp_config(config)
-    check_sequence_len(config, layout)
-    if config.rl == "grpo":
-        generation_steps(config, layout.dp)
-    check_rope_settings(config.rope_scaling)
+    lora, memory = config.lora, config.memory
+    check_tp_config(layout.tp, lora.lora_dropout if lora.adapter == "lora" else None,
+                    memory.tiled_mlp, memory.activation_offloading)
+    check_sequence_len(config.data.sequence_len, layout)
+    if config.objective.rl == "grpo":
+        check_generation_batch(config.trl, layout.dp, config.training.micro_batch_size,
+                               config.training.gradient_accumulation_steps)
+    check_rope_settings(config.model.rope_scaling)
     # No micro_batch_size rule: varlen_llama3 takes packed rows, and micro-batch rows are
     # concatenated into one row whose documents never attend across a row boundary.
-    _check_adapter(config)
+    check_adapter(lora, config.parallel.fsdp, layout.tp)
     return layout
 
 
@@ -317,34 +249,37 @@ def build_plan(
         model_config if isinstance(model_config, ModelShape)
         else ModelShape.from_hf_config(model_config)
     )
+    model, data, training, parallel = config.model, config.data, config.training, config.parallel
     check_without_model(config, world_size, world_source)
-    tp_rules.check_tp_model(config, shape)
+    check_tp_model(parallel.tensor_parallel_size, shape)
     check_attention_dropout(shape)
     check_router_aux_loss(shape)
-    check_grpo_router_aux_loss(config, shape)
+    if config.objective.rl == "grpo":
+        check_grpo_router_aux_loss(config.trl, shape)
     # A plain dict (no transformers config yet) holds no RoPE settings to check.
-    check_context(config.sequence_len, config.rope_scaling, shape.hf_config,
+    check_context(data.sequence_len, model.rope_scaling, shape.hf_config,
                   shape.max_position_embeddings)
     platform = platform or Platform.detect()
+    requested = parallel.attention_kernel
     assumed: list[str] = []
-    if assume_gpu and not platform.cuda and config.attention_kernel == "flash":
+    if assume_gpu and not platform.cuda and requested == "flash":
         # A login node plans a GPU job: plan it for the GPU machine and say so.
         assumed.append(
             "this machine has no CUDA GPU; the plan assumes the run's machines have Ampere or "
             "newer CUDA GPUs with flash-attn 2 and ring-flash-attn installed (docs/gpu.md)."
         )
         platform = Platform(cuda=True, ring_flash_attn=True)
-    elif assume_gpu and not platform.cuda and config.attention_kernel in ("cudnn", "fa4"):
+    elif assume_gpu and not platform.cuda and requested in ("cudnn", "fa4"):
         # Kernels for Hopper and newer: plan for one, with the cuDNN torch 2.13 bundles.
         assumed.append(
             "this machine has no CUDA GPU; the plan assumes the run's machines have Hopper "
             "(sm90) CUDA GPUs with torch's bundled cuDNN"
-            + (" and flash-attn 4 installed" if config.attention_kernel == "fa4" else "")
+            + (" and flash-attn 4 installed" if requested == "fa4" else "")
             + " (docs/gpu.md).")
         platform = Platform(cuda=True, ring_flash_attn=False, capability=(9, 0),
-                            cudnn_version=91800, fa4=config.attention_kernel == "fa4")
+                            cudnn_version=91800, fa4=requested == "fa4")
     layout = layout_for(config, world_size, platform, world_source, shape)
-    if not assumed and not platform.cuda and config.attention_kernel == "auto":
+    if not assumed and not platform.cuda and requested == "auto":
         # The same decision on a GPU machine, without and with flash-attn.
         bare, full = (layout_for(config, world_size, Platform(cuda=True, ring_flash_attn=has),
                                  world_source, shape).kernel for has in (False, True))
@@ -355,63 +290,71 @@ def build_plan(
             + " (same attention)."
         )
     check_heads(layout, shape)  # SP works on the heads TP left on the rank
-    check_query_position_scaling(config, shape, layout)
-    check_prefix_sharing(config, shape, layout)
+    check_query_position_scaling(shape, layout, data.sequence_len, training.micro_batch_size,
+                                 data.sample_packing)
+    check_prefix_sharing(config.objective, shape)
     sp = layout.sp
     tiled = tiled_scores_run(layout.kernel, platform.cuda, shape, layout.p2p and layout.ring > 1,
-                             images_attend_both_ways(config, shape.hf_config))
-    memory, memory_notes = estimate_memory(
+                             images_attend_both_ways(config.vision, shape.hf_config))
+    memory, estimate_notes = estimate_memory(
         config, shape, world_size, layout, host_is_device=not platform.cuda,
         tiled_scores=tiled,
     )
-    tower = check_vision(config, shape.hf_config, layout)
+    tower = check_vision(config.vision, shape.hf_config, layout,
+                         streamed=bool(data.pretraining_dataset), rl=config.objective.rl)
     vision_rows: tuple[tuple[str, str], ...] = ()
     if tower is not None:
-        memory = replace(memory, vision_tower=sum(tower.memory(config, layout)))
-        vision_rows = tuple(vision_plan_rows(tower, config, layout))
+        run = TowerRun(dtype=model.dtype, frozen=config.vision.freeze_mm_modules,
+                       adapter=config.lora.adapter, row_tokens=config.row_tokens,
+                       checkpointed=config.memory.gradient_checkpointing)
+        memory = replace(memory, vision_tower=sum(tower.memory(run, layout)))
+        vision_rows = tuple(vision_plan_rows(tower, run, layout))
 
     dp = layout.dp
     row_tokens = config.row_tokens
-    sequences = config.micro_batch_size * config.gradient_accumulation_steps * dp
+    accumulation = training.gradient_accumulation_steps
+    sequences = training.micro_batch_size * accumulation * dp
     notes = []
     if "built-in table" in shape.source:
         notes.append(
             "the model's config was not downloaded: its shape comes from longctx's built-in "
             "table of known models."
         )
-    notes += _advice(config, shape, layout, nproc_per_node) + memory_notes
-    decoding = rollout_decoding_note(config, shape)
-    if decoding:
-        notes.append(decoding)
-    notes += tp_rules.tp_notes(config, nproc_per_node)
+    notes += context_note(shape, data.sequence_len)
+    notes += parallel_notes(layout, nproc_per_node)
+    notes += memory_notes(config.memory)
+    notes += ring_notes(parallel, shape, layout)
+    notes += estimate_notes
+    if config.objective.rl == "grpo":
+        notes += rollout_decoding_note(config.trl, shape)
+    notes += tp_notes(layout.tp, nproc_per_node)
     return Plan(
         world_size=world_size,
         world_source=world_source,
         layout=layout,
-        dtype=config.dtype,
-        adapter=config.adapter,
-        sequence_len=config.sequence_len,
-        micro_batch_size=config.micro_batch_size,
-        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        dtype=model.dtype,
+        adapter=config.lora.adapter,
+        sequence_len=data.sequence_len,
+        micro_batch_size=training.micro_batch_size,
+        gradient_accumulation_steps=accumulation,
         micro_batch_tokens=row_tokens,
         global_batch_sequences=sequences,
-        global_batch_tokens=row_tokens * config.gradient_accumulation_steps * dp,
+        global_batch_tokens=row_tokens * accumulation * dp,
         tokens_per_rank_per_forward=row_tokens // sp,
-        tokens_per_rank_per_step=row_tokens // sp * config.gradient_accumulation_steps,
+        tokens_per_rank_per_step=row_tokens // sp * accumulation,
         model=shape,
         memory=memory,
         notes=tuple(notes),
         host_is_device=not platform.cuda,
         training=_training_rows(config),
         vision=vision_rows,
-        fsdp_detail=fsdp_detail(config, layout),
+        fsdp_detail=fsdp_detail(parallel, layout),
         axolotl=tuple(config.axolotl_notes),
         assumed=tuple(assumed),
         attention_buffers_by_ring=_buffers_by_ring(config, shape, layout),
-        ring_reason=ring_reason(config.sequence_parallel_mode, config.tensor_parallel_size,
-                                config.ring_attn_func is not None,
-                                "heads_k_stride" in config.model_fields_set,
-                                config.attention_kernel),
+        ring_reason=ring_reason(parallel.sequence_parallel_mode, parallel.tensor_parallel_size,
+                                parallel.ring_attn_func is not None, parallel.stride_given,
+                                parallel.attention_kernel),
     )
 
 
@@ -421,7 +364,7 @@ def _buffers_by_ring(
     """What each ring algorithm would hold per rank here (the P2P rings hold the same)."""
     if layout.ring == 1:
         return ()
-    local = config.micro_batch_size * config.sequence_len // layout.sp
+    local = config.training.micro_batch_size * config.data.sequence_len // layout.sp
     return tuple(
         (f, attention_buffer_bytes(config, shape, layout, local, f))
         for f in ("varlen_llama3", "batch_*")

@@ -41,13 +41,13 @@ def resolve_world(
                 fix="unset it or pass --nproc-per-node.",
             )
         return int(env), "WORLD_SIZE from the environment"
-    if config.world_size is not None:
-        return config.world_size, "`world_size` in the config"
+    if config.parallel.world_size is not None:
+        return config.parallel.world_size, "`world_size` in the config"
     return 1, "default (no --nproc-per-node, WORLD_SIZE or `world_size`)"
 
 
 def resolve_world_size(
     config: Config, nproc_per_node: int | None = None, nnodes: int | None = None
 ) -> int:
-    """World size: flags, else torchrun's WORLD_SIZE, else `config.world_size`, else 1."""
+    """World size: flags, else torchrun's WORLD_SIZE, else `config.parallel.world_size`, else 1."""
     return resolve_world(config, nproc_per_node, nnodes)[0]

@@ -85,14 +85,14 @@ def compute_fingerprint(config: Config, tokenizer: PreTrainedTokenizerBase | Non
     """The fingerprint `prepare` would give the cache of `config` (reads the data files;
     a vision run's processor is loaded from the config when not given, and its tokenizer
     is the one used)."""
-    if config.processor_type:
+    if config.vision.processor_type:
         from longctx_cli.data.vision import load_config_processor
 
         processor = processor or load_config_processor(config)
         tokenizer = processor.tokenizer
     assert tokenizer is not None
-    train = [load.source_of(e) for e in config.datasets]
-    evals = [load.source_of(e) for e in config.eval_datasets]
+    train = [load.source_of(e) for e in config.data.datasets]
+    evals = [load.source_of(e) for e in config.data.eval_datasets]
     return digest(fingerprint_parts(config, tokenizer, train, evals, processor))
 
 
@@ -110,7 +110,7 @@ def fingerprint_parts(
     parts = {**_run_parts(config, train_sources, eval_sources, load.content_hash,
                           _file_content),
              "tokenizer": tokenizer_fingerprint(tok)}
-    if config.processor_type:
+    if config.vision.processor_type:
         from longctx_cli.data.vision import processor_fingerprint
 
         if processor is None:
@@ -131,45 +131,45 @@ def _run_parts(
     `identify_file` one image file's the same way."""
     def entry_part(e: DatasetConfig, s: load.Source | None) -> dict[str, Any]:
         part = _entry_part(e, s, identify)
-        if config.processor_type and s is not None and e.type == "chat_template":
-            part["images"] = _images_part(s, e, config.seed, identify_file)
+        if config.vision.processor_type and s is not None and e.type == "chat_template":
+            part["images"] = _images_part(s, e, config.training.seed, identify_file)
         return part
 
     return {
         "pipeline": PIPELINE_VERSION,
-        "sequence_len": config.sequence_len,
-        "sample_packing": config.sample_packing,
-        "sample_packing_sequentially": config.sample_packing_sequentially,
-        "curriculum_sampling": config.curriculum_sampling,
-        "excess_length_strategy": config.excess_length_strategy,
-        "seed": config.seed,
-        "val_set_size": config.val_set_size,
-        "train_on_inputs": config.train_on_inputs,
-        "shuffle_merged_datasets": config.shuffle_merged_datasets,
-        "chat_template": config.chat_template,
+        "sequence_len": config.data.sequence_len,
+        "sample_packing": config.data.sample_packing,
+        "sample_packing_sequentially": config.data.sample_packing_sequentially,
+        "curriculum_sampling": config.data.curriculum_sampling,
+        "excess_length_strategy": config.data.excess_length_strategy,
+        "seed": config.training.seed,
+        "val_set_size": config.data.val_set_size,
+        "train_on_inputs": config.data.train_on_inputs,
+        "shuffle_merged_datasets": config.data.shuffle_merged_datasets,
+        "chat_template": config.data.chat_template,
         "chat_template_jinja": _jinja_part(config),
         "named_templates": hashlib.sha256(json.dumps(chat_templates.TEMPLATES, sort_keys=True)
                                           .encode()).hexdigest()[:16],
         "datasets": [entry_part(e, s)
-                     for e, s in zip(config.datasets, train_sources, strict=True)],
+                     for e, s in zip(config.data.datasets, train_sources, strict=True)],
         "eval_datasets": [entry_part(e, s)
-                          for e, s in zip(config.eval_datasets, eval_sources, strict=True)],
+                          for e, s in zip(config.data.eval_datasets, eval_sources, strict=True)],
         # ORPO tokenizes pairs its own way (only then, so other caches keep their names).
-        **({"pair_tokenization": "orpo"} if config.rl == "orpo" else {}),
-        **({"prefix_sharing": True} if config.prefix_sharing else {}),
+        **({"pair_tokenization": "orpo"} if config.objective.rl == "orpo" else {}),
+        **({"prefix_sharing": True} if config.objective.prefix_sharing else {}),
         # rl: grpo keeps prompts, not packed rows (data/prompts.py).
-        **({"grpo_prompts": _prompts_part(config)} if config.rl == "grpo" else {}),
+        **({"grpo_prompts": _prompts_part(config)} if config.objective.rl == "grpo" else {}),
         # A vision run (only then, so text caches keep their names).
-        **({"vision": _vision_part(config)} if config.processor_type else {}),
+        **({"vision": _vision_part(config)} if config.vision.processor_type else {}),
     }
 
 
 def _vision_part(config: Config) -> dict[str, Any]:
     from longctx_cli.data.vision import VISION_VERSION
 
-    size = config.image_size
+    size = config.vision.image_size
     return {"version": VISION_VERSION, "image_size": list(size) if isinstance(size, tuple)
-            else size, "image_resize_algorithm": config.image_resize_algorithm}
+            else size, "image_resize_algorithm": config.vision.image_resize_algorithm}
 
 
 def _images_part(source: load.Source, entry: DatasetConfig, seed: int,
@@ -211,10 +211,10 @@ def _entry_part(entry: DatasetConfig, source: load.Source | None,
 
 def _jinja_part(config: Config) -> str | None:
     """The custom template's text (hashed), so editing a .jinja file rebuilds the cache."""
-    if config.chat_template_jinja is None:
+    if config.data.chat_template_jinja is None:
         return None
     try:
-        text = chat_templates._jinja_text(config.chat_template_jinja)
+        text = chat_templates._jinja_text(config.data.chat_template_jinja)
     except UserError:
         return None
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -381,14 +381,14 @@ def _tokenizer_source(config: Config, identify: Callable[[Path], Any]) -> dict[s
     can change on the hub) or remote code."""
     from longctx_cli.data import tokenizer as tokenizer_module
 
-    source = config.tokenizer_source
+    source = config.model.tokenizer_source
     code = [Path(tokenizer_module.__file__)]
-    if config.processor_type:  # a vision run's tokenizer is its processor's
+    if config.vision.processor_type:  # a vision run's tokenizer is its processor's
         from longctx_cli.data import vision
 
         source = vision.processor_folder(config)
         code.append(Path(vision.__file__))
-    if source is None or config.trust_remote_code:
+    if source is None or config.model.trust_remote_code:
         return None
     if source == tokenizer_module.BYTE:
         files: Any = tokenizer_module.BYTE
@@ -398,20 +398,20 @@ def _tokenizer_source(config: Config, identify: Callable[[Path], Any]) -> dict[s
             return None
         files = {f.name: identify(f) for f in sorted(folder.iterdir())
                  if f.is_file() and f.suffix.lower() not in _WEIGHT_SUFFIXES}
-    special = config.special_tokens
+    special = config.model.special_tokens
     return {
         "files": files,
         "libraries": {name: _library_version(name) for name in _TOKENIZER_LIBRARIES
-                      + (("pillow",) if config.processor_type else ())},
+                      + (("pillow",) if config.vision.processor_type else ())},
         "code": identify(code[0]) if len(code) == 1 else [identify(c) for c in code],
         "special_tokens": special.model_dump(mode="json") if special is not None else None,
-        "trust_remote_code": config.trust_remote_code,
+        "trust_remote_code": config.model.trust_remote_code,
     }
 
 
 def _sources(config: Config) -> tuple[list[load.Source | None], list[load.Source | None]]:
-    return ([load.source_of(e) for e in config.datasets],
-            [load.source_of(e) for e in config.eval_datasets])
+    return ([load.source_of(e) for e in config.data.datasets],
+            [load.source_of(e) for e in config.data.eval_datasets])
 
 
 def inputs_parts(config: Config) -> dict[str, Any] | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from longctx_cli.config.schema import CHAT_TEMPLATE_FALLBACK
+from longctx_cli.config.sections.data import CHAT_TEMPLATE_FALLBACK
 from longctx_cli.errors import UserError
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ def resolve_template(
     The entry's own `chat_template` wins over the top-level one. Markers: the named template's
     end-of-turn text, then the tokenizer's eos token (what most templates end a turn with).
     """
-    name = entry.chat_template or config.chat_template
+    name = entry.chat_template or config.data.chat_template
     eos = [tok.eos_token] if tok.eos_token else []
     own = tok.chat_template if isinstance(tok.chat_template, str) else None
     if name == "tokenizer_default" or (name.startswith(_FALLBACK) and own):
@@ -120,7 +120,7 @@ def resolve_template(
     if name in TEMPLATES:
         return TEMPLATES[name], [END_OF_TURN[name], *eos]
     if name == "jinja":
-        return _jinja_text(config.chat_template_jinja), eos
+        return _jinja_text(config.data.chat_template_jinja), eos
     raise UserError(
         f"unknown chat template {name!r}.",
         where="chat_template",

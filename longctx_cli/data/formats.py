@@ -14,7 +14,7 @@ from dataclasses import field as dc_field
 from os.path import commonprefix  # any two sequences, not only paths
 from typing import TYPE_CHECKING, Any
 
-from longctx_cli.config.schema import is_preference_type
+from longctx_cli.config.sections.data import is_preference_type
 from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.data import preference
 from longctx_cli.errors import UserError

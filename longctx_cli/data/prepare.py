@@ -74,28 +74,28 @@ def prepare(
     (`processor_type`) uses `processor` (else the config's, loaded) and its tokenizer;
     `tokenizer` is then not used.
     """
-    if not config.datasets and config.pretraining_dataset:
+    if not config.data.datasets and config.data.pretraining_dataset:
         raise UserError(
             "`pretraining_dataset` is streamed while training; there is nothing to preprocess.",
             where="pretraining_dataset",
             fix="run `longctx train` directly (or list the files under `datasets` with "
             "`type: pretrain` to tokenize and cache them).",
         )
-    if not config.datasets:
+    if not config.data.datasets:
         raise UserError(
             "no training datasets: `datasets` is empty.",
             where="config",
             fix="add an entry, e.g. `datasets: [{path: data.jsonl, type: completion}]`.",
         )
     vp = None
-    if config.processor_type:
+    if config.vision.processor_type:
         _check_vision_run(config)
         vp = processor if processor is not None else vision.load_config_processor(config)
         tok = vp.tokenizer
     else:
         tok = tokenizer if tokenizer is not None else load_tokenizer(config)
-    train_sources = [load.source_of(e) for e in config.datasets]
-    eval_sources = [load.source_of(e) for e in config.eval_datasets]
+    train_sources = [load.source_of(e) for e in config.data.datasets]
+    eval_sources = [load.source_of(e) for e in config.data.eval_datasets]
     parts = fingerprint_parts(config, tok, train_sources, eval_sources, vp)
     fp = cache.digest(parts)
     target = cache.entry_path(config.prepared_path, fp)
@@ -161,37 +161,37 @@ def _build(
     """Write `train/` (and `eval/`) into `tmp`; intermediate files go to `tmp/work`."""
     work = tmp / cache.SCRATCH_DIR
     work.mkdir()
-    report = PrepareReport(config.sequence_len, config.sample_packing,
-                           config.excess_length_strategy, vision=vp is not None)
-    if config.rl == "grpo":  # prompts to roll out, not packed rows
+    report = PrepareReport(config.data.sequence_len, config.data.sample_packing,
+                           config.data.excess_length_strategy, vision=vp is not None)
+    if config.objective.rl == "grpo":  # prompts to roll out, not packed rows
         from longctx_cli.data.prompts import prompt_rows
 
         prompt_rows(config, tok, train_sources, report, str(work)).save_to_disk(
             str(tmp / cache.TRAIN_DIR))
         return report
-    train_rows, hist = _split_rows("train", config.datasets, train_sources, config, tok, work,
+    train_rows, hist = _split_rows("train", config.data.datasets, train_sources, config, tok, work,
                                    progress, report, vp)
     report.length_histogram = hist
     eval_rows = None
-    if config.eval_datasets:
-        eval_rows, _ = _split_rows("eval", config.eval_datasets, eval_sources, config, tok,
+    if config.data.eval_datasets:
+        eval_rows, _ = _split_rows("eval", config.data.eval_datasets, eval_sources, config, tok,
                                    work, progress, report, vp)
-        if config.val_set_size:
+        if config.data.val_set_size:
             report.notes.append("val_set_size is ignored because eval_datasets is set.")
-    elif config.val_set_size:
+    elif config.data.val_set_size:
         train_rows, eval_rows = _hold_out(train_rows, config)
-    elif config.shuffle_merged_datasets:
-        train_rows = train_rows.shuffle(seed=config.seed)
-    report.train = _row_stats(train_rows, config.sequence_len, vp)
+    elif config.data.shuffle_merged_datasets:
+        train_rows = train_rows.shuffle(seed=config.training.seed)
+    report.train = _row_stats(train_rows, config.data.sequence_len, vp)
     train_rows.save_to_disk(str(tmp / cache.TRAIN_DIR))
     if eval_rows is not None:
-        report.eval = _row_stats(eval_rows, config.sequence_len, vp)
+        report.eval = _row_stats(eval_rows, config.data.sequence_len, vp)
         eval_rows.save_to_disk(str(tmp / cache.EVAL_DIR))
     return report
 
 
 def _hold_out(rows: Dataset, config: Config) -> tuple[Dataset, Dataset]:
-    size = config.val_set_size
+    size = config.data.val_set_size
     n_eval = int(size) if size >= 1 else max(1, round(size * len(rows)))
     if n_eval >= len(rows):
         raise UserError(
@@ -200,12 +200,13 @@ def _hold_out(rows: Dataset, config: Config) -> tuple[Dataset, Dataset]:
             where="val_set_size",
             fix="lower val_set_size, or add data.",
         )
-    if not config.curriculum_sampling:
-        split = rows.train_test_split(test_size=n_eval, seed=config.seed, shuffle=True)
+    if not config.data.curriculum_sampling:
+        split = rows.train_test_split(test_size=n_eval, seed=config.training.seed, shuffle=True)
         return split["train"], split["test"]
     # The same held-out rows as without it; the training rows keep their order.
     numbered = rows.add_column("_row", list(range(len(rows))))
-    test = numbered.train_test_split(test_size=n_eval, seed=config.seed, shuffle=True)["test"]
+    test = numbered.train_test_split(test_size=n_eval, seed=config.training.seed,
+                                     shuffle=True)["test"]
     held = set(test["_row"])
     return rows.select([i for i in range(len(rows)) if i not in held]), test.remove_columns("_row")
 
@@ -271,13 +272,13 @@ def _split_rows(
             "`excess_length_strategy: truncate`.",
         )
     samples = all_samples[0] if len(all_samples) == 1 else concatenate_datasets(all_samples)
-    if config.shuffle_merged_datasets and split == "train":
+    if config.data.shuffle_merged_datasets and split == "train":
         # Mix the datasets before packing (FFD keeps input order among equal lengths).
-        order = np.random.default_rng(config.seed).permutation(len(lengths))
+        order = np.random.default_rng(config.training.seed).permutation(len(lengths))
         samples, lengths = samples.select(order), lengths[order]
     write = _write_vision_rows if vp is not None else _write_rows
     rows = write(samples, lengths, config, work / f"{split}-rows.arrow", progress)
-    return rows, length_histogram(np.concatenate(raw_lengths), config.sequence_len)
+    return rows, length_histogram(np.concatenate(raw_lengths), config.data.sequence_len)
 
 
 def _loss_summary(s: DatasetStats) -> str:
@@ -340,8 +341,8 @@ def _lengths(samples: Dataset) -> np.ndarray:
 def _passkey_samples(
     entry: DatasetConfig, config: Config, tok: PreTrainedTokenizerBase, work: Path
 ) -> Dataset:
-    lengths = entry.context_lengths or [config.sequence_len]
-    seed = entry.seed if entry.seed is not None else config.seed
+    lengths = entry.context_lengths or [config.data.sequence_len]
+    seed = entry.seed if entry.seed is not None else config.training.seed
     try:
         generated = passkey.generate_passkey_samples(
             tok, entry.num_samples, lengths, entry.depths, entry.key_length, seed)
@@ -396,7 +397,7 @@ def _tokenized(
     where = RecordWhere(source, None)
     if entry.shards is not None:
         # A seeded shuffle, then one contiguous shard, kept in file order.
-        order = np.random.default_rng(config.seed).permutation(len(records))
+        order = np.random.default_rng(config.training.seed).permutation(len(records))
         keep = np.sort(np.array_split(order, entry.shards)[entry.shards_idx])
         records = records.select(keep)
         where = RecordWhere(source, keep.tolist())
@@ -406,7 +407,7 @@ def _tokenized(
         formats.tokenize_batch, batched=True, with_indices=True,
         remove_columns=records.column_names,
         fn_kwargs={"tok": tok, "spec": spec, "where": where,
-                   "max_chars": formats.max_record_chars(config.sequence_len)},
+                   "max_chars": formats.max_record_chars(config.data.sequence_len)},
         features=_map_features(spec),
         num_proc=_num_proc(config, len(records)), desc=f"Tokenizing {_short(source.label)}",
         new_fingerprint=f"tokenize-{uuid.uuid4().hex}",
@@ -417,7 +418,7 @@ def _tokenized(
         return tokenized
     docs = (ids for batch in tokenized.iter(batch_size=256) for ids in batch["input_ids"])
     pieces = ((ids, list(ids), pos) for ids, pos in formats.pretrain_pieces(docs,
-                                                                           config.sequence_len))
+                                                                           config.data.sequence_len))
     return _write_samples(pieces, work / "pieces.arrow")
 
 
@@ -436,13 +437,13 @@ def format_spec(
 ) -> formats.FormatSpec:
     """The entry's options in the form the tokenize workers take."""
     spec = formats.FormatSpec(entry.type, field=entry.field,
-                              train_on_inputs=config.train_on_inputs,
+                              train_on_inputs=config.data.train_on_inputs,
                               messages_field=entry.messages_field,
                               train_on_eos=entry.train_on_eos,
                               chosen_field=entry.field_chosen,
                               rejected_field=entry.field_rejected,
-                              orpo=config.rl == "orpo",
-                              share_prompt=config.prefix_sharing)
+                              orpo=config.objective.rl == "orpo",
+                              share_prompt=config.objective.prefix_sharing)
     if entry.type in ("chat_template.default", "chat_template.argilla"):  # pairs, rendered
         spec.template = chat_templates.resolve_template(config, entry, tok)[0]
     if entry.type != "chat_template":
@@ -492,7 +493,7 @@ def _short(label: str) -> str:
 def _num_proc(config: Config, n_records: int) -> int | None:
     """Worker processes for tokenization: `num_proc` (default all cores), but no more than
     one per 1,000 records (a process pool costs more than it saves on small data)."""
-    wanted = config.num_proc or os.cpu_count() or 1
+    wanted = config.data.num_proc or os.cpu_count() or 1
     n = max(1, min(wanted, n_records // 1000))
     return n if n > 1 else None
 
@@ -502,13 +503,13 @@ def _apply_length_rules(
     config: Config, stats: DatasetStats,
 ) -> tuple[Dataset, np.ndarray]:
     """Skip empty samples and apply `excess_length_strategy` to those over sequence_len."""
-    limit = config.sequence_len
+    limit = config.data.sequence_len
     empty = lengths == 0
     if entry.type != "pretrain":
         stats.skipped = int(empty.sum())
     too_long = lengths > limit
     stats.too_long = int(too_long.sum())
-    if stats.too_long and config.excess_length_strategy == "error":
+    if stats.too_long and config.data.excess_length_strategy == "error":
         first = int(np.argmax(too_long))
         where = source.where(first) if source else f"passkey sample {first + 1}"
         raise UserError(
@@ -518,7 +519,7 @@ def _apply_length_rules(
             fix="raise `sequence_len`, or set `excess_length_strategy: drop` or `truncate`.",
         )
     keep = ~empty
-    if stats.too_long and config.excess_length_strategy == "drop":
+    if stats.too_long and config.data.excess_length_strategy == "drop":
         keep &= ~too_long
         stats.dropped = stats.too_long
     elif stats.too_long:
@@ -540,9 +541,9 @@ def _write_rows(
     samples: Dataset, lengths: np.ndarray, config: Config, path: Path, progress: bool
 ) -> Dataset:
     """Pack (or not) the samples into rows and write them to an Arrow file."""
-    if config.sample_packing:
-        packer = pack.sequential_bins if config.sample_packing_sequentially else pack.ffd_bins
-        bins = packer(lengths.tolist(), config.sequence_len)
+    if config.data.sample_packing:
+        packer = pack.sequential_bins if config.data.sample_packing_sequentially else pack.ffd_bins
+        bins = packer(lengths.tolist(), config.data.sequence_len)
     else:
         bins = [[i] for i in range(len(lengths))]
     chunks = pack.iter_chunks(bins, _CHUNK_BINS)
@@ -570,12 +571,13 @@ def _rows_of(samples: Dataset, chunks: Any) -> Iterator[tuple[list[int], list[in
 
 def _check_vision_run(config: Config) -> None:
     """What a vision run's data path does not build yet, refused before any work."""
-    if config.rl:
+    if config.objective.rl:
         raise UserError(
-            f"`rl: {config.rl}` with `processor_type` is not supported: longctx prepares "
+            f"`rl: {config.objective.rl}` with `processor_type` is not supported: longctx prepares "
             "vision-language data for supervised fine-tuning only.", where="rl",
             fix="remove `rl:` (supervised fine-tuning), or `processor_type` for a text model.")
-    for key, entries in (("datasets", config.datasets), ("eval_datasets", config.eval_datasets)):
+    for key, entries in (("datasets", config.data.datasets),
+                         ("eval_datasets", config.data.eval_datasets)):
         for n, entry in enumerate(entries):
             if entry.type in ("pretrain", "passkey") or formats.is_preference_type(entry.type):
                 raise UserError(
@@ -626,7 +628,7 @@ def _encoded_documents(
     are counted as skipped ("no target tokens", as the text path counts them)."""
     from collections import Counter
 
-    total, records = vision.entry_records(source, entry, str(work / "hf"), config.seed)
+    total, records = vision.entry_records(source, entry, str(work / "hf"), config.training.seed)
     stats.records = total
     if total == 0:
         raise load.empty_error(source)
@@ -702,12 +704,12 @@ def _vision_length_rules(samples: Dataset, lengths: np.ndarray, config: Config,
     """`excess_length_strategy` for documents: `error` says which and why (its image tokens),
     `drop` drops, `truncate` cuts a document's text only where all of its image and video
     tokens stay (an image is never cut: its features would not match its tokens)."""
-    limit = config.sequence_len
+    limit = config.data.sequence_len
     too_long = lengths > limit
     stats.too_long = int(too_long.sum())
     if not stats.too_long:
         return samples, lengths
-    strategy = config.excess_length_strategy
+    strategy = config.data.excess_length_strategy
     if strategy == "error":
         first = int(np.argmax(too_long))
         vision.check_fits(vision.docs_from_table(samples.data.slice(first, 1).table)[0], limit)
@@ -760,9 +762,9 @@ def _write_vision_rows(
     from datasets import Dataset
     from datasets.arrow_writer import ArrowWriter
 
-    if config.sample_packing:
-        packer = pack.sequential_bins if config.sample_packing_sequentially else pack.ffd_bins
-        bins = packer(lengths.tolist(), config.sequence_len)
+    if config.data.sample_packing:
+        packer = pack.sequential_bins if config.data.sample_packing_sequentially else pack.ffd_bins
+        bins = packer(lengths.tolist(), config.data.sequence_len)
     else:
         bins = [[i] for i in range(len(lengths))]
     _say(progress, f"Packing {len(lengths):,} documents into {len(bins):,} rows")

@@ -33,7 +33,7 @@ def fingerprint(config: Config) -> dict[str, Any]:
     """What the prompt rows depend on besides the files and the tokenizer."""
     return {"max_completion_length": config.trl.max_completion_length if config.trl else None,
             "transforms": {e.transform: source_digest(e.transform, config.source_dir)
-                           for e in config.datasets if e.transform}}
+                           for e in config.data.datasets if e.transform}}
 
 
 def prompt_rows(config: Config, tok: PreTrainedTokenizerBase, sources: list,
@@ -46,8 +46,8 @@ def prompt_rows(config: Config, tok: PreTrainedTokenizerBase, sources: list,
     prompts: list[str] = []
     columns: list[str] = []
     places: list[str] = []
-    room = config.sequence_len - config.trl.max_completion_length
-    for entry, source in zip(config.datasets, sources, strict=True):
+    room = config.data.sequence_len - config.trl.max_completion_length
+    for entry, source in zip(config.data.datasets, sources, strict=True):
         stats = DatasetStats(entry.path or "prompts", entry.transform or entry.type, "train")
         report.datasets.append(stats)
         load.prescan(source)
@@ -81,7 +81,7 @@ def prompt_rows(config: Config, tok: PreTrainedTokenizerBase, sources: list,
         raise UserError(
             f"no prompt leaves room for `trl.max_completion_length: "
             f"{config.trl.max_completion_length}` within `sequence_len: "
-            f"{config.sequence_len}` ({sum(s.dropped for s in report.datasets)} dropped).",
+            f"{config.data.sequence_len}` ({sum(s.dropped for s in report.datasets)} dropped).",
             where="datasets",
             fix="raise sequence_len, or lower trl.max_completion_length.")
     report.train = RowStats(len(ids), sum(map(len, ids)), 0, 0.0)

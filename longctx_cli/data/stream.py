@@ -25,14 +25,14 @@ if TYPE_CHECKING:
 
 
 class PackedStream:
-    """Rows of `sequence_len` tokens from `config.pretraining_dataset`, in order, forever
+    """Rows of `sequence_len` tokens from `config.data.pretraining_dataset`, in order, forever
     (after the last document of the last entry, the next pass starts again at the first)."""
 
     def __init__(self, config: Config, tok: PreTrainedTokenizerBase):
-        assert config.pretraining_dataset
-        self.entries = config.pretraining_dataset
+        assert config.data.pretraining_dataset
+        self.entries = config.data.pretraining_dataset
         self.sources = [load.resolve(e) for e in self.entries]
-        self.sequence_len = config.sequence_len
+        self.sequence_len = config.data.sequence_len
         self.tok = tok
         self.state: dict[str, Any] = {"pass": 0, "entry": 0, "stream": None, "records": 0,
                                       "pending": [], "rows": 0}

@@ -43,8 +43,8 @@ def byte_tokenizer() -> PreTrainedTokenizerBase:
 
 
 def load_tokenizer(config: Config) -> PreTrainedTokenizerBase:
-    """The tokenizer named by `config.tokenizer_source`, with a pad token guaranteed."""
-    source = config.tokenizer_source
+    """The tokenizer named by `config.model.tokenizer_source`, with a pad token guaranteed."""
+    source = config.model.tokenizer_source
     if source is None:
         raise UserError(
             "no tokenizer to use: `model_config` builds a model but names no tokenizer.",
@@ -54,7 +54,7 @@ def load_tokenizer(config: Config) -> PreTrainedTokenizerBase:
     if source == BYTE:
         tok = byte_tokenizer()
     else:
-        tok = _from_pretrained(source, config.trust_remote_code)
+        tok = _from_pretrained(source, config.model.trust_remote_code)
     apply_special_tokens(tok, config)
     ensure_pad_token(tok)
     return tok
@@ -63,7 +63,7 @@ def load_tokenizer(config: Config) -> PreTrainedTokenizerBase:
 def apply_special_tokens(tok: PreTrainedTokenizerBase, config: Config) -> None:
     """Axolotl's `special_tokens:`; each must already be one token of the vocabulary, since
     adding tokens would need resized embeddings."""
-    special = config.special_tokens
+    special = config.model.special_tokens
     if special is None:
         return
     for name, text in special.model_dump(exclude_none=True).items():

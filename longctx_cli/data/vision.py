@@ -1021,12 +1021,12 @@ def processor_folder(config: Any) -> str:
     """Where `config`'s processor is: `processor_path` (a relative one beside the config
     when it is there, as trl.reward_funcs models are found, else as given), else
     `base_model`."""
-    if config.processor_path:
-        given = Path(config.processor_path).expanduser()
+    if config.vision.processor_path:
+        given = Path(config.vision.processor_path).expanduser()
         beside = Path(config.source_dir or ".") / given
         return str(beside if not given.is_absolute() and beside.is_dir() else given)
-    if config.base_model:
-        return str(config.base_model)
+    if config.model.base_model:
+        return str(config.model.base_model)
     raise UserError("`processor_type` is set but there is no folder to load the processor "
                     "from: `base_model` is not set.", where="processor_path",
                     fix="set `processor_path:` to the folder of the model's processor files "
@@ -1053,8 +1053,8 @@ def load_config_processor(config: Any) -> VisionProcessor:
     processor's own template, as for a text model's tokenizer)."""
     from longctx_cli.data.tokenizer import apply_special_tokens, ensure_pad_token
 
-    vp = load_processor(processor_folder(config), image_size=config.image_size,
-                        image_resize_algorithm=config.image_resize_algorithm)
+    vp = load_processor(processor_folder(config), image_size=config.vision.image_size,
+                        image_resize_algorithm=config.vision.image_resize_algorithm)
     tok = vp.tokenizer
     if not isinstance(getattr(tok, "chat_template", None), str) and vp.chat_template:
         tok.chat_template = vp.chat_template

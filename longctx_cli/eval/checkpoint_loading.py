@@ -101,13 +101,13 @@ def _from_pretrained(source: str, config: Config, hf_config=None) -> nn.Module:
     try:
         auto_class, attn = model_class_and_attention(
             hf_config if hf_config is not None else AutoConfig.from_pretrained(
-                source, trust_remote_code=config.trust_remote_code), ATTN_IMPLEMENTATION,
+                source, trust_remote_code=config.model.trust_remote_code), ATTN_IMPLEMENTATION,
             config.trains_images)
         model = auto_class.from_pretrained(
             source,
             attn_implementation=attn,
-            dtype=DTYPES[config.dtype],
-            trust_remote_code=config.trust_remote_code,
+            dtype=DTYPES[config.model.dtype],
+            trust_remote_code=config.model.trust_remote_code,
             **({"config": hf_config} if hf_config is not None else {}),
         )
     except (OSError, ValueError, SafetensorError) as e:
@@ -168,7 +168,7 @@ def _run_config_for_base(config: Config, path: Path):
     "before" of the run. Any other full model keeps its own config.json."""
     from longctx_cli.runtime.model import changes_model_config, model_config_of
 
-    base = config.base_model
+    base = config.model.base_model
     if base is None or not changes_model_config(config):
         return None
     if Path(base).expanduser().resolve() != path.expanduser().resolve():

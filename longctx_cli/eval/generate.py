@@ -105,7 +105,7 @@ def run_generate(config_path: Path, checkpoint: Path, prompt_file: Path | None,
         n = len(vision_prompt(load_config_processor(config), text, base)[0])
     else:
         n = len(prompt_ids(load_tokenizer(config), text))
-    limit = config.sequence_len
+    limit = config.data.sequence_len
     if n + max_new_tokens > limit:
         raise UserError(
             f"the prompt is {n:,} tokens; with --max-new-tokens {max_new_tokens} the row "
@@ -178,7 +178,7 @@ def generate_on_ranks(config: Config, plan: Plan, checkpoint: Path, text: str,
         print(continuation, flush=True)
         record = {"checkpoint": str(checkpoint), "prompt_tokens": len(prompt),
                   "new_token_ids": new, "text": continuation}
-        out = Path(config.output_dir)
+        out = Path(config.output.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "generate.json").write_text(json.dumps(record) + "\n")
     dist.barrier()

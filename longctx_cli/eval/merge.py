@@ -39,7 +39,7 @@ MERGE_ATTENTION = "sdpa"
 
 
 def default_output(config: Config) -> Path:
-    return Path(config.output_dir) / "merged"
+    return Path(config.output.output_dir) / "merged"
 
 
 def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
@@ -74,10 +74,10 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
         raise UserError(f"{str(output)!r} exists and is not empty.", where="--output",
                         fix="choose another --output, or move that folder away.")
     companion = saved_with(config)  # before the slow load: a bad processor_path fails first
-    dtype = DTYPES[config.dtype]
+    dtype = DTYPES[config.model.dtype]
     base_path = lora_base_path(checkpoint)
     quantization = bnb_quantization(config, dtype)
-    kwargs = {"dtype": dtype, "trust_remote_code": config.trust_remote_code}
+    kwargs = {"dtype": dtype, "trust_remote_code": config.model.trust_remote_code}
     if changes_model_config(config) and not (checkpoint / "base_model").is_dir():
         # The adapter was trained on the base under the run's config (RoPE scaling, overrides);
         # a bundled base_model/ was saved with it already.
@@ -101,7 +101,8 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
     if quantization is not None:
         # The adapter learned on the dequantised weights: merge into exactly those.
         base = base.dequantize().to(dtype)
-        say(f"dequantised the {'4' if config.load_in_4bit else '8'}-bit base to {config.dtype} "
+        bits = '4' if config.lora.load_in_4bit else '8'
+        say(f"dequantised the {bits}-bit base to {config.model.dtype} "
             "(what the adapter was trained against) before merging")
     with peft_quietly():
         merged = PeftModel.from_pretrained(base, str(checkpoint)).merge_and_unload()
@@ -114,7 +115,7 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
     shutil.rmtree(output, ignore_errors=True)
     tmp.rename(output)
     loads = f"{auto_class.__name__}.from_pretrained"
-    if config.processor_type:
+    if config.vision.processor_type:
         loads += " and AutoProcessor.from_pretrained"
     say(f"merged model: {output} (load it with {loads})")
     return output
@@ -124,7 +125,7 @@ def _base_config(base_path: str, config: Config) -> PretrainedConfig:
     """The base model's own config (which Auto class loads it)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(base_path, trust_remote_code=config.trust_remote_code)
+    return AutoConfig.from_pretrained(base_path, trust_remote_code=config.model.trust_remote_code)
 
 
 def saved_with(config: Config) -> ProcessorFiles | PreTrainedTokenizerBase:
@@ -153,5 +154,5 @@ def run_merge(config_path: Path, checkpoint: Path, output: Path | None,
 def merge_after_training(config: Config) -> None:
     """`merge_lora: true` (Axolotl's key): after a LoRA run's launcher finished, merge
     `final/` into `<output_dir>/merged`."""
-    merge_lora(config, Path(config.output_dir) / "final",
+    merge_lora(config, Path(config.output.output_dir) / "final",
                say=lambda line: print(line, file=sys.stderr))

@@ -105,7 +105,7 @@ def default_lengths(sequence_len: int) -> list[int]:
 
 def key_length_of(config: Config) -> int:
     """The key length training used (first passkey dataset), so eval asks the same question."""
-    for entry in [*config.datasets, *config.eval_datasets]:
+    for entry in [*config.data.datasets, *config.data.eval_datasets]:
         if entry.type == "passkey":
             return entry.key_length
     return DEFAULT_KEY_LENGTH
@@ -114,27 +114,27 @@ def key_length_of(config: Config) -> int:
 def grid_spec(config: Config, tokenizer: PreTrainedTokenizerBase) -> GridSpec:
     """The grid from the config, defaults derived from `sequence_len`; checked to be feasible."""
     key_length = key_length_of(config)
-    depths = config.eval_depths if config.eval_depths is not None else EVAL_DEPTHS
+    depths = config.eval.eval_depths if config.eval.eval_depths is not None else EVAL_DEPTHS
     bad_depths = [d for d in depths if not 0.0 <= d <= 1.0]
     if bad_depths or not depths:
         raise UserError(f"eval_depths must be a non-empty list of numbers in [0, 1], got {depths}.",
                         where="eval_depths", fix="e.g. `eval_depths: [0.0, 0.5, 1.0]`.")
-    if config.eval_context_lengths:
-        lengths = sorted(set(config.eval_context_lengths))
+    if config.eval.eval_context_lengths:
+        lengths = sorted(set(config.eval.eval_context_lengths))
         for length in lengths:
             reason = _fits(tokenizer, length, key_length)
             if reason is not None:
                 raise UserError(f"{reason}.", where="eval_context_lengths",
                                 fix="drop or raise that length.")
     else:
-        lengths = [n for n in default_lengths(config.sequence_len)
+        lengths = [n for n in default_lengths(config.data.sequence_len)
                    if _fits(tokenizer, n, key_length) is None]
         if not lengths:
-            reason = _fits(tokenizer, config.sequence_len, key_length)
+            reason = _fits(tokenizer, config.data.sequence_len, key_length)
             raise UserError(f"no passkey sample fits in sequence_len: {reason}.",
                             where="eval_context_lengths",
                             fix="set `eval_context_lengths` to lengths that fit.")
-    return GridSpec(lengths, list(depths), config.eval_samples_per_cell, key_length)
+    return GridSpec(lengths, list(depths), config.eval.eval_samples_per_cell, key_length)
 
 
 def cell_samples(

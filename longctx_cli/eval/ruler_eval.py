@@ -102,7 +102,7 @@ def ruler_spec(config: Config, tokenizer: PreTrainedTokenizerBase, tasks: list[s
                default_lengths: list[int], max_positions: int | None) -> RulerSpec:
     """The tasks at `eval_context_lengths` (or the default lengths a task can fill), checked
     before any rank starts: a length too short for a task, or beyond the model's positions."""
-    explicit = config.eval_context_lengths
+    explicit = config.eval.eval_context_lengths
     lengths = sorted(set(explicit or default_lengths))
     if max_positions and lengths[-1] > max_positions:
         raise UserError(
@@ -113,10 +113,10 @@ def ruler_spec(config: Config, tokenizer: PreTrainedTokenizerBase, tasks: list[s
             fix="evaluate up to max_position_embeddings, or scale RoPE for longer contexts "
             "(`overrides_of_model_config: {rope_scaling: ...}` or a larger `rope_theta`) and "
             "train at those lengths first.")
-    if lengths[-1] > config.sequence_len:
+    if lengths[-1] > config.data.sequence_len:
         raise UserError(
             f"evaluation length {lengths[-1]:,} is beyond `sequence_len` = "
-            f"{config.sequence_len:,}, what the plan budgets memory for.",
+            f"{config.data.sequence_len:,}, what the plan budgets memory for.",
             where="eval_context_lengths",
             fix="raise `sequence_len` (and `sequence_parallel_degree`) or drop that length.")
     shortest = {task: min_length(task, tokenizer) for task in tasks}
@@ -133,10 +133,10 @@ def ruler_spec(config: Config, tokenizer: PreTrainedTokenizerBase, tasks: list[s
     if not lengths:
         raise UserError(
             f"no default evaluation length fits RULER's tasks (they need up to "
-            f"{max(shortest.values()):,} tokens; sequence_len is {config.sequence_len:,}).",
+            f"{max(shortest.values()):,} tokens; sequence_len is {config.data.sequence_len:,}).",
             where="eval_context_lengths",
             fix="set `eval_context_lengths` (and `sequence_len`) to longer lengths.")
-    return RulerSpec(tasks, lengths, config.eval_ruler_samples)
+    return RulerSpec(tasks, lengths, config.eval.eval_ruler_samples)
 
 
 def run_ruler(

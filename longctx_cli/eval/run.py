@@ -46,9 +46,9 @@ PROMPTS_ONLY = ("position_loss skipped: `rl: grpo` trains on prompts, which hold
 
 
 def skipped_positions(config: Config) -> str:
-    if config.rl == "grpo":
+    if config.objective.rl == "grpo":
         return PROMPTS_ONLY
-    return PAIRS_HELD_OUT if config.rl else NO_HELD_OUT
+    return PAIRS_HELD_OUT if config.objective.rl else NO_HELD_OUT
 
 
 def _launch_args(config_path: Path, checkpoint: Path, compare: Path | None,
@@ -75,14 +75,15 @@ def eval_specs(config: Config, tokenizer: PreTrainedTokenizerBase,
     from longctx_cli.eval.passkey_grid import default_lengths, grid_spec
     from longctx_cli.eval.ruler_eval import expand_tasks, ruler_spec
 
-    others, ruler_tasks = expand_tasks(config.eval_tasks)
+    others, ruler_tasks = expand_tasks(config.eval.eval_tasks)
     if not others and not ruler_tasks:
         raise UserError("`eval_tasks` is empty: nothing to evaluate.", where="eval_tasks",
                         fix="e.g. `eval_tasks: [passkey, position_loss, ruler]`.")
     ruler = None
     if ruler_tasks:
         shape = read_model_config(config)
-        ruler = ruler_spec(config, tokenizer, ruler_tasks, default_lengths(config.sequence_len),
+        lengths = default_lengths(config.data.sequence_len)
+        ruler = ruler_spec(config, tokenizer, ruler_tasks, lengths,
                            shape.max_position_embeddings)
     grid = grid_spec(config, tokenizer) if "passkey" in others else None
     positions = "position_loss" in others
@@ -107,7 +108,8 @@ def eval_tokenizer(config: Config) -> PreTrainedTokenizerBase:
 def has_held_out(config: Config) -> bool:
     """Whether the config names held-out rows `position_loss` can read (the cache says
     whether it holds any); preference pairs (`rl:`) are not such rows."""
-    return bool(config.val_set_size or config.eval_datasets) and config.rl is None
+    data = config.data
+    return bool(data.val_set_size or data.eval_datasets) and config.objective.rl is None
 
 
 def import_rank_modules() -> None:
@@ -139,7 +141,7 @@ def run_eval(
         import_rank_modules()
         with rank_errors(alike_on_every_rank=True):
             config, plan = check_run(config, "eval", overrides=overrides)
-        fix_mmap_threshold(config.host_mmap_threshold_mib)  # before the model and data
+        fix_mmap_threshold(config.memory.host_mmap_threshold_mib)  # before the model and data
         from longctx_cli.runtime.distributed import process_group_released
 
         with rank_errors(), process_group_released():
@@ -157,7 +159,7 @@ def run_eval(
     tokenizer = eval_tokenizer(config)
     held_out = has_held_out(config) and prepare(config, tokenizer).eval is not None
     specs = eval_specs(config, tokenizer, held_out)
-    if "position_loss" in config.eval_tasks and not specs.positions:
+    if "position_loss" in config.eval.eval_tasks and not specs.positions:
         print(skipped_positions(config), file=sys.stderr, flush=True)
     return launch_torchrun(_launch_args(config_path, checkpoint, compare, overrides),
                            plan.world_size, plan.world_size, early=early)
@@ -189,8 +191,8 @@ def evaluate(config: Config, plan: Plan, checkpoint: Path, compare: Path | None)
         console = Console()
         for table in report.tables(results):
             console.print(table)
-        output_dir = Path(config.output_dir)
-        for line in report.write_all(results, config.sequence_len, output_dir / "eval",
+        output_dir = Path(config.output.output_dir)
+        for line in report.write_all(results, config.data.sequence_len, output_dir / "eval",
                                      output_dir / "metrics.jsonl"):
             # markup=False: rich would eat "[plots]"-like brackets in paths and hints.
             console.print(line, highlight=False, markup=False)
@@ -225,8 +227,9 @@ def evaluate_model(
                                 show_progress, label)
     if specs.positions:
         positions = position_loss(
-            decoder, lm_head, rows, config.sequence_len, config.eval_position_buckets, state,
-            pad_id, config.loss_chunk_size, show_progress, label,
+            decoder, lm_head, rows, config.data.sequence_len, config.eval.eval_position_buckets,
+            state,
+            pad_id, config.memory.loss_chunk_size, show_progress, label,
         )
     if specs.ruler is not None:
         ruler = run_ruler(decoder, lm_head, tokenizer, specs.ruler, state, pad_id,

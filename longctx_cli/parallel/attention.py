@@ -197,7 +197,7 @@ def _check_position_scaling(module: torch.nn.Module, meta: Any) -> None:
     the index in this rank's slice (and in a packed row, not the document position), so it
     differs from the model's own forward once an index reaches ``floor_scale - 1``. Below
     that every scale is 1 on both sides. ``validate`` refuses such runs before they start
-    (``config.rules.check_query_position_scaling``); this is the ranks' own guard.
+    (``config.sections.model.check_query_position_scaling``); this is the ranks' own guard.
     """
     if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
         return

@@ -99,12 +99,12 @@ def sharded_rows(rows: Rows | Dataset, state: ParallelState, pad_id: int, next_t
 def micro_batches(rows, indices: list[int], config: Config, state: ParallelState,
                   pad_id: int) -> list[ShardedBatch]:
     """This DP rank's micro-batches of one step, sharded for this SP rank."""
-    mbs, ga = config.micro_batch_size, config.gradient_accumulation_steps
+    mbs, ga = config.training.micro_batch_size, config.training.gradient_accumulation_steps
     mine = indices[state.dp_rank * mbs * ga : (state.dp_rank + 1) * mbs * ga]
     batches = []
     for i in range(ga):
         chosen = mine[i * mbs : (i + 1) * mbs]
-        sharded = sharded_rows(rows.select(chosen), state, pad_id, config.rl == "orpo")
+        sharded = sharded_rows(rows.select(chosen), state, pad_id, config.objective.rl == "orpo")
         batches.append(to_device(replace(sharded, rows=tuple(chosen)), state.device))
     return batches
 

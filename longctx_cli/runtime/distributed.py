@@ -57,11 +57,11 @@ def init_distributed(config: Config) -> torch.device:
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        torch.backends.cuda.matmul.allow_tf32 = bool(config.tf32)  # Axolotl's `tf32`
+        torch.backends.cuda.matmul.allow_tf32 = bool(config.model.tf32)  # Axolotl's `tf32`
     if not dist.is_initialized():
         dist.init_process_group(
             backend="nccl" if use_cuda else "gloo",
-            timeout=timedelta(seconds=config.collective_timeout_s),
+            timeout=timedelta(seconds=config.run.collective_timeout_s),
         )
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 

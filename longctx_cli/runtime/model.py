@@ -18,8 +18,9 @@ from transformers import (
 )
 
 from longctx_cli.config import Config
-from longctx_cli.config.model_shape import is_vision_language, read_model_config
-from longctx_cli.config.schema import unfrozen_pattern
+from longctx_cli.config.model_shape import read_model_config
+from longctx_cli.config.sections.training import unfrozen_pattern
+from longctx_cli.config.shape import is_vision_language
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
 from longctx_cli.parallel.mesh import ParallelState
@@ -42,8 +43,9 @@ def model_config_of(config: Config) -> PretrainedConfig:
 def changes_model_config(config: Config) -> bool:
     """The run changes the model's own config (`overrides_of_model_config`, `rope_scaling`,
     `rope_theta`): whatever loads its base weights must load them with the run's config."""
-    return bool(config.overrides_of_model_config) or config.rope_scaling is not None or (
-        config.rope_theta is not None)
+    model = config.model
+    return bool(model.overrides_of_model_config) or model.rope_scaling is not None or (
+        model.rope_theta is not None)
 
 
 def is_mxfp4(hf_config: PretrainedConfig) -> bool:
@@ -56,7 +58,7 @@ def is_mxfp4(hf_config: PretrainedConfig) -> bool:
 
 def bnb_quantization(config: Config, dtype: torch.dtype):
     """bitsandbytes settings of `load_in_4bit` / `load_in_8bit` (None: full precision)."""
-    if not (config.load_in_4bit or config.load_in_8bit):
+    if not (config.lora.load_in_4bit or config.lora.load_in_8bit):
         return None
     try:
         import bitsandbytes  # noqa: F401
@@ -65,11 +67,11 @@ def bnb_quantization(config: Config, dtype: torch.dtype):
         raise UserError(
             "`load_in_4bit`/`load_in_8bit` (and `adapter: qlora`) need the `bitsandbytes` "
             "package, which is not installed.",
-            where="load_in_4bit" if config.load_in_4bit else "load_in_8bit",
+            where="load_in_4bit" if config.lora.load_in_4bit else "load_in_8bit",
             fix="`pip install 'longctx[bnb]'`.",
         ) from None
-    kwargs = dict(config.bnb_config_kwargs or {})
-    if config.load_in_4bit:
+    kwargs = dict(config.lora.bnb_config_kwargs or {})
+    if config.lora.load_in_4bit:
         # Axolotl's QLoRA defaults: NF4 with double quantization, compute in the run's dtype.
         kwargs = {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
                   "bnb_4bit_compute_dtype": dtype, **kwargs}
@@ -99,19 +101,19 @@ def load_base_model(
     config: Config, attn_implementation: str, quantize: bool = True,
     hf_config: PretrainedConfig | None = None,
 ) -> PreTrainedModel:
-    """Load `base_model`, or build `model_config` with weights drawn from `config.seed`;
+    """Load `base_model`, or build `model_config` with weights drawn from `config.training.seed`;
     quantized by bitsandbytes when `load_in_4bit`/`load_in_8bit` (and `quantize`) say so.
     `hf_config`: the model's config as the plan read it (else read here)."""
-    dtype = DTYPES[config.dtype]
+    dtype = DTYPES[config.model.dtype]
     hf_config = hf_config if hf_config is not None else model_config_of(config)
     quantization = bnb_quantization(config, dtype) if quantize else None
     auto_class, attn = model_class_and_attention(hf_config, attn_implementation,
                                                  config.trains_images)
-    if config.trust_remote_code:
+    if config.model.trust_remote_code:
         warnings.warn(
             "trust_remote_code is on: code from the model repository will run.", stacklevel=2
         )
-    if config.random_init and quantization is not None:
+    if config.model.random_init and quantization is not None:
         # bitsandbytes quantizes while loading: write the seeded random init, load it back.
         import tempfile
 
@@ -127,12 +129,12 @@ def load_base_model(
                 tmp, attn_implementation=attn, dtype=dtype,
                 quantization_config=quantization, device_map=load_device_map(),
             )
-    elif config.random_init:
+    elif config.model.random_init:
         # Same seed on every rank -> identical initial weights without a broadcast.
-        torch.manual_seed(config.seed)
+        torch.manual_seed(config.training.seed)
         model = auto_class.from_config(
             hf_config, attn_implementation=attn, dtype=dtype,
-            trust_remote_code=config.trust_remote_code,
+            trust_remote_code=config.model.trust_remote_code,
         )
     else:
         # The overridden config replaces the checkpoint's own (same weights).
@@ -145,10 +147,10 @@ def load_base_model(
             # gpt-oss ships MXFP4 expert weights: trained in `dtype`, so dequantised on load.
             overridden.update(quantization_config=Mxfp4Config(dequantize=True))
         model = auto_class.from_pretrained(
-            config.base_model,
+            config.model.base_model,
             attn_implementation=attn,
             dtype=dtype,
-            trust_remote_code=config.trust_remote_code,
+            trust_remote_code=config.model.trust_remote_code,
             **overridden,
         )
     if model.config._attn_implementation != attn_implementation:
@@ -176,30 +178,31 @@ def peft_quietly() -> Iterator[None]:
 def apply_lora(model: PreTrainedModel, config: Config) -> nn.Module:
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    if config.lora_model_dir:
+    if config.lora.lora_model_dir:
         # Continue a saved adapter (Axolotl's lora_model_dir): its own LoRA settings apply.
         try:
             with peft_quietly():
-                return PeftModel.from_pretrained(model, config.lora_model_dir, is_trainable=True)
+                return PeftModel.from_pretrained(model, config.lora.lora_model_dir,
+                                                 is_trainable=True)
         except (OSError, ValueError) as e:
             raise UserError(
-                f"the adapter in `lora_model_dir` = {config.lora_model_dir!r} could not be "
+                f"the adapter in `lora_model_dir` = {config.lora.lora_model_dir!r} could not be "
                 f"loaded: {str(e).splitlines()[0]}",
                 where="lora_model_dir",
                 fix="point it at a folder with adapter_config.json (e.g. a previous run's "
                 "final/), or remove it to start a new adapter.",
             ) from None
     lora = LoraConfig(
-        r=config.lora_r,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
-        target_modules=config.lora_target_modules,
-        modules_to_save=config.lora_modules_to_save,
-        use_dora=config.peft_use_dora,
-        use_rslora=config.peft_use_rslora,
+        r=config.lora.lora_r,
+        lora_alpha=config.lora.lora_alpha,
+        lora_dropout=config.lora.lora_dropout,
+        target_modules=config.lora.lora_target_modules,
+        modules_to_save=config.lora.lora_modules_to_save,
+        use_dora=config.lora.peft_use_dora,
+        use_rslora=config.lora.peft_use_rslora,
         task_type="CAUSAL_LM",
         # A frozen tower gets no adapters either (its linear names match the LM's).
-        exclude_modules=VISION_MODULES_PATTERN if config.freeze_mm_modules else None,
+        exclude_modules=VISION_MODULES_PATTERN if config.vision.freeze_mm_modules else None,
     )
     try:
         with peft_quietly():
@@ -218,7 +221,7 @@ def apply_fsdp(model: nn.Module, mesh, config: Config | None = None) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     options: dict = {}
-    fc = config.fsdp_config if config is not None else None
+    fc = config.parallel.fsdp_config if config is not None else None
     if fc is not None:
         options["reshard_after_forward"] = fc.reshard_after_forward
         if fc.offload_params and torch.cuda.is_available():
@@ -392,34 +395,34 @@ def build_model(config: Config, state: ParallelState | None = None,
     state = state or ParallelState()
     register_sp_attention()
     model = load_base_model(config, ATTN_IMPLEMENTATION, hf_config=hf_config)
-    if config.load_in_4bit:
+    if config.lora.load_in_4bit:
         keep_4bit_kernel_of_training(model)
     mixers = attach_token_mixing(model)  # hybrid models: scans and convolutions per document
-    if mixers and config.prefix_sharing:
+    if mixers and config.objective.prefix_sharing:
         raise UserError(
             f"`prefix_sharing: true`, but this model mixes tokens with {mixers[0].name} (a scan "
             "or convolution, not attention), whose state at the end of the prompt would have to "
             "start both answers; longctx does not carry it over.",
             where="prefix_sharing", fix="set `prefix_sharing: false` for this model.")
-    if config.gradient_checkpointing:
+    if config.memory.gradient_checkpointing:
         enable_checkpointing(model, {"use_reentrant": False,
-                                     **(config.gradient_checkpointing_kwargs or {})})
-    if config.adapter is not None:
+                                     **(config.memory.gradient_checkpointing_kwargs or {})})
+    if config.lora.adapter is not None:
         model = apply_lora(model, config)
-    if config.unfrozen_parameters is not None:
-        freeze_all_but(model, config.unfrozen_parameters)
-    if config.freeze_mm_modules:  # last: no `unfrozen_parameters` pattern thaws the tower
+    if config.training.unfrozen_parameters is not None:
+        freeze_all_but(model, config.training.unfrozen_parameters)
+    if config.vision.freeze_mm_modules:  # last: no `unfrozen_parameters` pattern thaws the tower
         freeze_vision_modules(model)
-    if config.tiled_mlp:
-        apply_tiled_mlp(model, config.tiled_mlp_tiles)
+    if config.memory.tiled_mlp:
+        apply_tiled_mlp(model, config.memory.tiled_mlp_tiles)
     if state.layout.tp == 1:
         # Same forward bits, exact gradients, no float32 copies saved or full-size float32
         # temporaries in backward (memory_savers.py). After LoRA: peft's modules_to_save copies
         # are norms too. Not under TP: its norms run on DTensor weights (untested here).
         apply_lean_rms_norm(model)
-    if config.dtype == "float16":
+    if config.model.dtype == "float16":
         keep_float32_master_weights(model)
-    if config.rl == "grpo" and config.trl.cast_lm_head_to_fp32:
+    if config.objective.rl == "grpo" and config.trl.cast_lm_head_to_fp32:
         cast_head_to_float32(unwrap(model))  # like the master weights: before TP and FSDP2
     if state.layout.tp > 1:
         from longctx_cli.parallel.tensor_parallel import apply_tensor_parallel
@@ -431,7 +434,7 @@ def build_model(config: Config, state: ParallelState | None = None,
         except ValueError as e:
             raise UserError(str(e), where="tensor_parallel_size",
                             fix="use `tensor_parallel_size: 1` for this model.") from None
-    if config.fsdp and state.fsdp_mesh is not None:
+    if config.parallel.fsdp and state.fsdp_mesh is not None:
         apply_fsdp(model, state.fsdp_mesh, config)
     model.train()
     return model

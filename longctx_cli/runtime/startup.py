@@ -136,11 +136,12 @@ def _checkpoint_config(model_id: str) -> dict | None:
 def needs_torchao(config: Any, optimizer_uses_it: bool) -> bool:
     """Whether a run can use torchao: its optimizer, or a checkpoint quantized with it (or
     one whose config is not at hand, or remote code, which could be either)."""
-    if optimizer_uses_it or config.trust_remote_code:
+    if optimizer_uses_it or config.model.trust_remote_code:
         return True
-    if config.model_config_dict is not None:
-        return _quant_method(config.model_config_dict) == "torchao"
-    for model_id in {str(m) for m in (config.base_model, config.base_model_config) if m}:
+    if config.model.model_config_dict is not None:
+        return _quant_method(config.model.model_config_dict) == "torchao"
+    model = config.model
+    for model_id in {str(m) for m in (model.base_model, model.base_model_config) if m}:
         fields = _checkpoint_config(model_id)
         if fields is None or _quant_method(fields) == "torchao":
             return True

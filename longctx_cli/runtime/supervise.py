@@ -65,8 +65,9 @@ class Supervision:
 
     @classmethod
     def of(cls, config) -> Supervision:
-        return cls(Path(config.output_dir), config.max_restarts, config.step_timeout_s,
-                   tuple(config.preemption_signals), config.preemption_grace_s)
+        run = config.run
+        return cls(Path(config.output.output_dir), run.max_restarts, run.step_timeout_s,
+                   tuple(run.preemption_signals), run.preemption_grace_s)
 
 
 @dataclass

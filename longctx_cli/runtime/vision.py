@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from longctx_cli.config.vision_plan import (
+from longctx_cli.config.sections.vision import (
     BIDIRECTIONAL_IMAGE_FAMILIES,
     MROPE_FAMILIES,
     refuse_unless_rebuilt,

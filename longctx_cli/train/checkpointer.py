@@ -24,14 +24,15 @@ from longctx_cli.train.schedule import DataPosition, interval
 
 
 def save_interval(config: Config, steps_per_epoch: int, num_steps: int) -> int | None:
-    return interval(config.save_steps, config.saves_per_epoch, config.save_strategy,
+    output = config.output
+    return interval(output.save_steps, output.saves_per_epoch, output.save_strategy,
                     steps_per_epoch, num_steps)
 
 
 def random_init_base_saver(config: Config) -> Callable[[Path], None] | None:
     """For an adapter on a randomly initialised base (`model_config`): that base exists
     nowhere else, so it ships beside the adapter (unquantized)."""
-    if config.adapter is None or not config.random_init:
+    if config.lora.adapter is None or not config.model.random_init:
         return None
 
     def save_base(path: Path) -> None:
@@ -49,14 +50,14 @@ class Checkpointer:
                  optimizer: torch.optim.Optimizer, scheduler):
         self.config, self.data = config, data
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.output_dir = Path(config.output_dir)
+        self.output_dir = Path(config.output.output_dir)
         self.every = save_interval(config, data.steps_per_epoch, data.num_steps)
         self.resumed_from: Path | None = None
         self.last: Path | None = None
 
     def resume(self) -> int:
         """Load `resume_from_checkpoint` (if any) into the run; returns the step to start at."""
-        path = resolve_resume(resume_setting(self.config.resume_from_checkpoint,
+        path = resolve_resume(resume_setting(self.config.output.resume_from_checkpoint,
                                              self.output_dir), self.output_dir)
         if path is None:
             return 0
@@ -68,7 +69,7 @@ class Checkpointer:
     def _save(self, steps: int) -> Path:
         return save_checkpoint(
             self.output_dir, steps, self.model, self.optimizer, self.scheduler,
-            self.data.trainer_state(steps), keep=self.config.save_total_limit,
+            self.data.trainer_state(steps), keep=self.config.output.save_total_limit,
         )
 
     def maybe_save(self, step: int, metrics: Metrics) -> None:
@@ -99,7 +100,8 @@ class Checkpointer:
         if _rank() == 0:
             clear_marker(self.output_dir)  # finished: nothing left to resume
         return export_final(self.model, tokenizer, self.output_dir / "final",
-                            self.config.adapter is not None, random_init_base_saver(self.config))
+                            self.config.lora.adapter is not None,
+                            random_init_base_saver(self.config))
 
 
 def _rank() -> int:

@@ -21,7 +21,7 @@ from longctx_cli.train.step import all_reduce_sum, forward_loss_sum
 
 
 def eval_interval(config: Config, steps_per_epoch: int, num_steps: int) -> int | None:
-    return interval(config.eval_steps, config.evals_per_epoch, config.eval_strategy,
+    return interval(config.eval.eval_steps, config.eval.evals_per_epoch, config.eval.eval_strategy,
                     steps_per_epoch, num_steps)
 
 

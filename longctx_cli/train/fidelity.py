@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from longctx_cli.config.vision_plan import BIDIRECTIONAL_IMAGE_FAMILIES, refuse_unless_rebuilt
+from longctx_cli.config.sections.vision import BIDIRECTIONAL_IMAGE_FAMILIES, refuse_unless_rebuilt
 from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.errors import UserError
 
@@ -436,7 +436,7 @@ def run_probe(model_config: Any, trust_remote_code: bool = False, images: bool =
     """Compare longctx's sp=1 training computation with the model's own; raise UserError on
     any difference; `images`: the run trains with them (`processor_type`). Leaves the
     global RNG state as it found it."""
-    from longctx_cli.config.model_shape import is_vision_language
+    from longctx_cli.config.shape import is_vision_language
 
     if is_vision_language(model_config, images):
         return run_vision_probe(model_config)
@@ -648,17 +648,17 @@ def check_fidelity(config: Any, hf_config: Any = None) -> str:
     A pass is remembered (`verdict_path`) for the same model config, longctx source and torch
     and transformers versions, which decide it alone; a failure is never remembered, and
     models with remote code (which can change under the same config) are probed every time."""
-    if not config.fidelity_probe:
+    if not config.run.fidelity_probe:
         return "skipped (`fidelity_probe: false`): exactness against the model is not checked"
     if hf_config is None:
         from longctx_cli.config.model_shape import read_model_config
 
         hf_config = read_model_config(config).transformers_config()
     images = config.trains_images
-    path = None if config.trust_remote_code else verdict_path(hf_config, images)
+    path = None if config.model.trust_remote_code else verdict_path(hf_config, images)
     if path is not None and path.is_file():
         return f"{path.read_text()}; remembered from an earlier probe of this model config"
-    summary = run_probe(hf_config, config.trust_remote_code, images).summary()
+    summary = run_probe(hf_config, config.model.trust_remote_code, images).summary()
     if path is not None:
         _remember(path, summary)
     return summary

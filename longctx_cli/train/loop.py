@@ -43,10 +43,10 @@ def setup_model(config: Config, plan: Plan, state: ParallelState
     """The model on its device, its precision, and whether FSDP2 syncs its gradients (its
     own reduce-scatter) instead of the step's `sum_gradients`."""
     model = build_model(config, state, plan.model.transformers_config())
-    if not (config.load_in_4bit or config.load_in_8bit):  # bitsandbytes placed those already
+    if not config.lora.quantized:  # bitsandbytes placed those already
         model.to(state.device)
-    use_fsdp = config.fsdp and dist.get_world_size() > 1 and state.fsdp_mesh is not None
-    precision = setup_precision(model, config.dtype, state.device,
+    use_fsdp = config.parallel.fsdp and dist.get_world_size() > 1 and state.fsdp_mesh is not None
+    precision = setup_precision(model, config.model.dtype, state.device,
                                 sharded_grads=use_fsdp or state.layout.tp > 1)
     return model, precision, use_fsdp
 
@@ -54,7 +54,7 @@ def setup_model(config: Config, plan: Plan, state: ParallelState
 def grpo_reference(config: Config, plan: Plan, state: ParallelState) -> torch.nn.Module | None:
     """GRPO's reference model where switching the adapter off does not give it (a full
     fine-tune, a continued adapter): a frozen copy of the initial model; else None."""
-    if not config.trl.beta or (config.adapter is not None and not config.lora_model_dir):
+    if not config.trl.beta or (config.lora.adapter is not None and not config.lora.lora_model_dir):
         return None
     reference, _, _ = setup_model(config, plan, state)
     reference.requires_grad_(False)
@@ -87,8 +87,8 @@ def train(config: Config, plan: Plan, probe: str, clock: StartupClock | None = N
     state = build_parallel_state(plan.layout, device)
     clock.mark("process group")
     is_main = dist.get_rank() == 0
-    torch.manual_seed(config.seed)
-    random.seed(config.seed)
+    torch.manual_seed(config.training.seed)
+    random.seed(config.training.seed)
     if is_main:  # what the ranks run: the same Layout `validate` printed
         print(f"layout: {plan.layout.describe()} ({plan.layout.kernel_reason})\n"
               f"fidelity probe: {probe}", flush=True)
@@ -97,7 +97,7 @@ def train(config: Config, plan: Plan, probe: str, clock: StartupClock | None = N
     tokenizer, saved_with = run_tokenizer(config)
     pad_id = tokenizer_pad_id(tokenizer)
     # pretraining_dataset: rows come from a stream packed on the fly, not from the cache.
-    stream = PackedStream(config, tokenizer) if config.pretraining_dataset else None
+    stream = PackedStream(config, tokenizer) if config.data.pretraining_dataset else None
     train_rows, eval_rows = (None, None) if stream else load_rows(config, tokenizer)
     clock.mark("data")
 
@@ -116,7 +116,7 @@ def train(config: Config, plan: Plan, probe: str, clock: StartupClock | None = N
     steps = (GrpoSteps(config, state, model, decoder, lm_head, tokenizer, train_rows,
                        data.steps_per_epoch // steps_per_batch(config, state.layout.dp),
                        grpo_reference(config, plan, state), pad_id)
-             if config.rl == "grpo" else
+             if config.objective.rl == "grpo" else
              RowSteps(config, state, data, pad_id, model, decoder, lm_head, preference))
     scheduler = make_scheduler(config, optimizer, data.num_steps)
     checkpointer = Checkpointer(config, data, model, optimizer, scheduler)
@@ -128,13 +128,13 @@ def train(config: Config, plan: Plan, probe: str, clock: StartupClock | None = N
     if checkpointer.resumed_from is not None:
         metrics.write(f"resumed from {checkpointer.resumed_from} at step {start_step}")
     clock.mark("optimizer, checkpoint, metrics")
-    metrics.startup(clock, Path(config.output_dir))
+    metrics.startup(clock, Path(config.output.output_dir))
 
     # ---- loop -------------------------------------------------------------------------
     end_step = data.num_steps  # unless a stop rule ends the run early
     run_started = time.perf_counter()  # for the summary at the end
-    preemption = PreemptionSignals(config.preemption_signals)
-    progress = Progress(Path(config.output_dir), dist.get_rank())  # read by the launcher
+    preemption = PreemptionSignals(config.run.preemption_signals)
+    progress = Progress(Path(config.output.output_dir), dist.get_rank())  # read by the launcher
     for step in range(start_step, data.num_steps):
         lr = optimizer.param_groups[0]["lr"]
         started = time.perf_counter()
@@ -172,6 +172,6 @@ def train(config: Config, plan: Plan, probe: str, clock: StartupClock | None = N
     metrics.finish(final)
     if is_main:
         lines = summary_lines(time.perf_counter() - run_started, end_step - start_step,
-                              metrics.tokens, peaks, device, Path(config.output_dir), final)
+                              metrics.tokens, peaks, device, Path(config.output.output_dir), final)
         print("\n".join(lines), flush=True)
     leave_process_group()

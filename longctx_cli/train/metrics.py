@@ -10,7 +10,6 @@ import torch
 from tqdm.auto import tqdm
 
 from longctx_cli.config import Config
-from longctx_cli.config.plan import wandb_enabled
 from longctx_cli.errors import UserError
 from longctx_cli.runtime.startup import StartupClock
 from longctx_cli.train.step import StepResult
@@ -68,7 +67,7 @@ class WandbLog:
     def __init__(self, config: Config, enabled: bool, output_dir: Path,
                  model: torch.nn.Module):
         self.run = None
-        self.log_model = config.wandb_log_model
+        self.log_model = config.output.wandb_log_model
         if not enabled:
             return
         try:
@@ -82,14 +81,15 @@ class WandbLog:
             ) from None
         self.wandb = wandb
         output_dir.mkdir(parents=True, exist_ok=True)
+        output = config.output
         self.run = wandb.init(
-            project=config.wandb_project, entity=config.wandb_entity, name=config.wandb_name,
-            id=config.wandb_run_id, resume="allow" if config.wandb_run_id else None,
-            mode=config.wandb_mode, dir=str(output_dir),
-            config=config.model_dump(mode="json", by_alias=True),
+            project=output.wandb_project, entity=output.wandb_entity, name=output.wandb_name,
+            id=output.wandb_run_id, resume="allow" if output.wandb_run_id else None,
+            mode=output.wandb_mode, dir=str(output_dir),
+            config=config.flat_dump(mode="json", by_alias=True),
         )
-        if config.wandb_watch not in (None, "false"):
-            self.run.watch(model, log=config.wandb_watch, log_freq=config.logging_steps)
+        if output.wandb_watch not in (None, "false"):
+            self.run.watch(model, log=output.wandb_watch, log_freq=output.logging_steps)
 
     def log(self, record: dict) -> None:
         if self.run is not None:
@@ -112,12 +112,13 @@ class Metrics:
 
     def __init__(self, config: Config, model: torch.nn.Module, num_steps: int,
                  start_step: int, is_main: bool):
-        output_dir = Path(config.output_dir)
+        output_dir = Path(config.output.output_dir)
         self.is_main, self.num_steps = is_main, num_steps
-        self.logging_steps = config.logging_steps
+        self.logging_steps = config.output.logging_steps
         self.tokens = 0  # target tokens trained by this process, for the summary
-        self.file = MetricsLog(output_dir, is_main, config.use_tensorboard, start_step)
-        self.tracker = WandbLog(config, is_main and wandb_enabled(config), output_dir, model)
+        self.file = MetricsLog(output_dir, is_main, config.output.use_tensorboard, start_step)
+        self.tracker = WandbLog(config, is_main and config.output.wandb_enabled, output_dir,
+                                 model)
         self.progress = tqdm(
             # disable=None: a bar on a terminal only; logs and pipes get the log lines below.
             total=num_steps, initial=start_step, disable=True if not is_main else None,

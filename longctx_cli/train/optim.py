@@ -77,20 +77,21 @@ def optimizer_class(name: str) -> tuple[type[torch.optim.Optimizer], dict]:
 
 
 def make_optimizer(config: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    cls, extra = optimizer_class(config.optimizer)
+    training = config.training
+    cls, extra = optimizer_class(training.optimizer)
     if cls is torch.optim.SGD:
-        return cls(params, lr=config.learning_rate, weight_decay=config.weight_decay)
-    kwargs = {"lr": config.learning_rate, "betas": (config.adam_beta1, config.adam_beta2),
-              "weight_decay": config.weight_decay, **extra}
-    if "lion" not in config.optimizer:  # Lion has no epsilon
-        kwargs["eps"] = config.adam_epsilon
+        return cls(params, lr=training.learning_rate, weight_decay=training.weight_decay)
+    kwargs = {"lr": training.learning_rate, "betas": (training.adam_beta1, training.adam_beta2),
+              "weight_decay": training.weight_decay, **extra}
+    if "lion" not in training.optimizer:  # Lion has no epsilon
+        kwargs["eps"] = training.adam_epsilon
     return cls(params, **kwargs)
 
 
 def warmup_steps(config: Config, num_steps: int) -> int:
-    if config.warmup_ratio is not None:
-        return math.ceil(config.warmup_ratio * num_steps)
-    return config.warmup_steps or 0
+    if config.training.warmup_ratio is not None:
+        return math.ceil(config.training.warmup_ratio * num_steps)
+    return config.training.warmup_steps or 0
 
 
 def make_scheduler(config: Config, optimizer: torch.optim.Optimizer, num_steps: int
@@ -101,13 +102,14 @@ def make_scheduler(config: Config, optimizer: torch.optim.Optimizer, num_steps: 
     `transformers.optimization` imports its trainer utilities and with them peft and
     bitsandbytes, over a second of every rank's start-up (tests/test_startup_schedules.py
     holds every schedule equal to transformers')."""
-    name = config.lr_scheduler
-    kwargs = dict(config.lr_scheduler_kwargs or {})
-    if config.cosine_min_lr_ratio is not None and name == "cosine":
+    training = config.training
+    name = training.lr_scheduler
+    kwargs = dict(training.lr_scheduler_kwargs or {})
+    if training.cosine_min_lr_ratio is not None and name == "cosine":
         name = "cosine_with_min_lr"
     if name in ("cosine_with_min_lr", "cosine_warmup_with_min_lr"):
         if "min_lr" not in kwargs:
-            kwargs.setdefault("min_lr_rate", config.cosine_min_lr_ratio or 0.0)
+            kwargs.setdefault("min_lr_rate", training.cosine_min_lr_ratio or 0.0)
     if name == "warmup_stable_decay":
         kwargs.setdefault("num_decay_steps", max(1, num_steps // 10))
     warmup = warmup_steps(config, num_steps)
@@ -363,4 +365,4 @@ def _warmup_stable_decay(optimizer: torch.optim.Optimizer, num_warmup_steps: int
 
 def is_plateau(config: Config) -> bool:
     """reduce_lr_on_plateau steps on eval loss, not on every optimizer step."""
-    return config.lr_scheduler == "reduce_lr_on_plateau"
+    return config.training.lr_scheduler == "reduce_lr_on_plateau"

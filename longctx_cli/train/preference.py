@@ -71,12 +71,14 @@ class PreferenceLoss:
 
     @classmethod
     def from_config(cls, config: Config) -> PreferenceLoss | None:
-        if config.rl is None or config.rl == "grpo":  # grpo: train/rollout.py
+        if config.objective.rl is None or config.objective.rl == "grpo":  # grpo: train/rollout.py
             return None
-        types = tuple(config.dpo_loss_type or ())
-        weights = tuple(config.dpo_loss_weights or [1.0] * len(types))
-        return cls(config.rl, types, weights, config.preference_beta, config.dpo_label_smoothing,
-                   config.simpo_gamma, config.precomputed_reference)
+        types = tuple(config.objective.dpo_loss_type or ())
+        weights = tuple(config.objective.dpo_loss_weights or [1.0] * len(types))
+        objective = config.objective
+        return cls(objective.rl, types, weights, objective.preference_beta,
+                   objective.dpo_label_smoothing, objective.simpo_gamma,
+                   config.precomputed_reference)
 
     @property
     def uses_reference(self) -> bool:
@@ -281,7 +283,7 @@ def preference_loss_sum(model: torch.nn.Module, decoder: torch.nn.Module,
     """The summed pair losses of one micro-batch (the caller divides by the step's pairs);
     `split` names the rows `batch.rows` index, for a precomputed reference; `nll_weight`:
     see `PreferenceLoss.pair_losses`."""
-    chunk = config.loss_chunk_size if config.chunked_loss else None
+    chunk = config.memory.loss_chunk_size if config.memory.chunked_loss else None
     policy = sequence_logps(head, sp_hidden_states(decoder, batch), batch, state, chunk)
     reference = None
     if objective.uses_reference and objective.precomputed:
@@ -322,9 +324,9 @@ class ReferenceTable:
 def _fingerprint(splits: dict[str, Dataset], config: Config) -> dict:
     """What the table depends on: the model, and the rows: their files in the prepared-data
     cache (whose folder is named by the fingerprint of every input to the rows) and counts."""
-    return {"model": config.base_model or repr(config.model_config_dict),
-            "seed": config.seed if config.random_init else None,
-            "lora_model_dir": config.lora_model_dir,
+    return {"model": config.model.base_model or repr(config.model.model_config_dict),
+            "seed": config.training.seed if config.model.random_init else None,
+            "lora_model_dir": config.lora.lora_model_dir,
             "rows": {k: (sorted(f["filename"] for f in v.cache_files), len(v))
                      for k, v in splits.items()}}
 
@@ -338,7 +340,7 @@ def reference_table(model: torch.nn.Module, splits: dict[str, Dataset], config: 
     else computed now, before any training, from the initial weights, and saved."""
     if not (objective.uses_reference and objective.precomputed):
         return objective
-    path = Path(config.output_dir) / REFERENCE_FILE
+    path = Path(config.output.output_dir) / REFERENCE_FILE
     fingerprint = _fingerprint(splits, config)
     found = [None]  # rank 0 decides for every rank: they must all compute, or none
     if dist.get_rank() == 0 and path.is_file():
@@ -350,7 +352,7 @@ def reference_table(model: torch.nn.Module, splits: dict[str, Dataset], config: 
         say(f"reference log-probabilities: read from {path}")
         return replace(objective, table=ReferenceTable(found[0]))
     decoder, head = decoder_and_head(model)
-    chunk = config.loss_chunk_size if config.chunked_loss else None
+    chunk = config.memory.loss_chunk_size if config.memory.chunked_loss else None
     started = time.perf_counter()
     mine: dict[str, dict[int, torch.Tensor]] = {}
     for split, rows in splits.items():

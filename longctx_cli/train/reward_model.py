@@ -84,7 +84,7 @@ class RewardModel:
              tokenizer_source: str | None = None,
              chat_template_kwargs: dict[str, Any] | None = None) -> RewardModel:
         """Load `source` (a folder, or a hub id in the local cache) as TRL loads a reward
-        model string, with the SP attention, frozen, on `state.device` in `config.dtype`.
+        model string, with the SP attention, frozen, on `state.device` in `config.model.dtype`.
         `tokenizer_source`: the tokenizer to use instead of the model's own (TRL's
         `reward_processing_classes`)."""
         from longctx_cli.runtime.model import DTYPES
@@ -93,13 +93,13 @@ class RewardModel:
             raise UserError(
                 f"the reward model {source!r} cannot be scored under tensor parallelism.",
                 where=WHERE, fix="use `tensor_parallel_size: 1`, or a Python reward function.")
-        trust = bool(config.trust_remote_code)
+        trust = bool(config.model.trust_remote_code)
         hf_config = read_reward_config(source, trust)
         model_class = classification_class(source, hf_config)
         attn = register_sp_attention()
         try:
             model, info = model_class.from_pretrained(
-                source, num_labels=1, dtype=DTYPES[config.dtype], attn_implementation=attn,
+                source, num_labels=1, dtype=DTYPES[config.model.dtype], attn_implementation=attn,
                 trust_remote_code=trust, local_files_only=True, output_loading_info=True)
         except (OSError, ValueError, RuntimeError) as e:
             raise UserError(

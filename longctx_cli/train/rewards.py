@@ -26,7 +26,7 @@ import torch
 
 from longctx_cli.config import Config
 from longctx_cli.config.reward_models import reward_model_source
-from longctx_cli.config.schema import is_reward_model
+from longctx_cli.config.sections.grpo import is_reward_model
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.train.reward_model import RewardModel

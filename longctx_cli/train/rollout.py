@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from longctx_cli.config import Config
-from longctx_cli.config.rules import generation_steps
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import shard_batch
@@ -95,11 +94,11 @@ class GrpoSteps:
         self.sampling = sampling_of(config)
         self.rewards = RewardFunctions.from_config(config, state)
         self.reference = reference  # a frozen copy, or None: the adapter switched off
-        self.per_micro = config.micro_batch_size // self.trl.num_generations  # prompts
+        self.per_micro = config.training.micro_batch_size // self.trl.num_generations  # prompts
         # One generation batch: `micro_batches` micro-batches per DP rank, split over `split`
         # optimizer steps, each split run `num_iterations` times (TRL's buffered inputs).
-        self.micro_batches = generation_steps(config, state.layout.dp)
-        self.split = self.micro_batches // config.gradient_accumulation_steps
+        self.micro_batches = config.generation_steps(state.layout.dp)
+        self.split = self.micro_batches // config.training.gradient_accumulation_steps
         self.steps_per_generation = self.split * self.trl.num_iterations
         self.prompts_per_generation = state.layout.dp * self.micro_batches * self.per_micro
         self.generations_per_epoch = generations_per_epoch
@@ -107,7 +106,7 @@ class GrpoSteps:
             for module in (model, reference):
                 for dropout in _dropouts(module):
                     dropout.p = 0.0
-        self.chunk = config.loss_chunk_size if config.chunked_loss else None
+        self.chunk = config.memory.loss_chunk_size if config.memory.chunked_loss else None
         generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         eos = {tokenizer.eos_token_id} | set(
             generation_eos if isinstance(generation_eos, list) else [generation_eos])
@@ -115,7 +114,7 @@ class GrpoSteps:
         self.generation: Generation | None = None
         self.input_tokens_seen = 0
         self.counted = state.sp_rank == 0 and state.tp_rank == 0  # once per SP x TP group
-        fc = config.fsdp_config
+        fc = config.parallel.fsdp_config
         self.reshard_after_forward = fc is None or fc.reshard_after_forward
 
     # ---- the step -----------------------------------------------------------------------
@@ -130,7 +129,7 @@ class GrpoSteps:
         else:
             rollout_s = 0.0
         started = time.perf_counter()
-        accumulation = self.config.gradient_accumulation_steps
+        accumulation = self.config.training.gradient_accumulation_steps
         first = within % self.split * accumulation
         batches = self.generation.batches[first:first + accumulation]
         micro_batches = self.state.layout.dp * len(batches)
@@ -141,7 +140,7 @@ class GrpoSteps:
         for i, rollout in enumerate(batches):
             if use_fsdp:  # FSDP2 averages over its replicas; the loss is already the share
                 self.model.set_requires_gradient_sync(i == len(batches) - 1)
-            with activation_offload(self.config.activation_offloading):
+            with activation_offload(self.config.memory.activation_offloading):
                 with precision.autocast():
                     hidden = sp_hidden_states(self.decoder, rollout.batch)
                     result = grpo_loss(self.head, hidden, rollout, self.loss, self.state,
@@ -197,8 +196,8 @@ class GrpoSteps:
         started = time.perf_counter()
         state, config, g = self.state, self.config, self.trl.num_generations
         order = step_row_indices(index, self.generations_per_epoch,
-                                 self.prompts_per_generation, len(self.rows), config.seed,
-                                 not config.curriculum_sampling)
+                                 self.prompts_per_generation, len(self.rows), config.training.seed,
+                                 not config.data.curriculum_sampling)
         mine = order[state.dp_rank * len(order) // state.layout.dp:
                      (state.dp_rank + 1) * len(order) // state.layout.dp]
         first = state.dp_rank * len(mine)  # the place of my first prompt in the step
@@ -212,7 +211,7 @@ class GrpoSteps:
                 generator = None
                 if state.sp_rank == 0:
                     generator = torch.Generator(device=state.device).manual_seed(
-                        zlib.crc32(f"{config.seed}:{index}:{first + k}".encode()))
+                        zlib.crc32(f"{config.training.seed}:{index}:{first + k}".encode()))
                 samples.append(decode(self.decoder, self.head, record["prompt_ids"],
                                       self.trl.max_completion_length, state, self.pad_id,
                                       state.device, self.eos_ids, self.sampling, g,
@@ -245,12 +244,13 @@ class GrpoSteps:
         self.rewards.logged.clear()
         mask = ~truncated if self.trl.mask_truncated_completions else torch.ones_like(truncated)
         scored = (lengths * mask).view(state.layout.dp, self.split, -1).sum((0, 2))
-        step_tokens = step_tokens_of(float(scored.sum()), config.gradient_accumulation_steps,
+        step_tokens = step_tokens_of(float(scored.sum()),
+                                     config.training.gradient_accumulation_steps,
                                      self.micro_batches)
         offset = state.dp_rank * len(mine) * g
         my_advantages = advantage[offset:offset + len(mine) * g].tolist()
         my_mask = mask[offset:offset + len(mine) * g].tolist()
-        if step % config.logging_steps == 0:
+        if step % config.output.logging_steps == 0:
             self._write_completions(step, leaders, texts if self.counted else None, advantage)
         batches = self._rows(records, samples, my_advantages, my_mask, precision)
         return Generation(index, batches, step_tokens, [int(n) for n in scored], metrics,
@@ -303,7 +303,7 @@ class GrpoSteps:
         for start in range(0, len(records), per):
             groups = [(records[k]["prompt_ids"], samples[k], mask[k * g:(k + 1) * g])
                       for k in range(start, start + per)]
-            ids, positions, labels, scored = group_row(groups, self.config.prefix_sharing)
+            ids, positions, labels, scored = group_row(groups, self.config.objective.prefix_sharing)
             batch = to_device(shard_batch(ids, positions, labels, self.state, self.pad_id),
                               self.state.device)
             docs = len(batch.sp_meta.cu_host) - 1
@@ -356,7 +356,7 @@ class GrpoSteps:
         for part, text in zip(leaders, sorted(parts, key=lambda t: t["dp_rank"]), strict=True):
             part.update(text)
         limit = self.trl.num_completions_to_print
-        path = Path(self.config.output_dir) / COMPLETIONS_FILE
+        path = Path(self.config.output.output_dir) / COMPLETIONS_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         i = 0
         with path.open("a", encoding="utf-8") as f:

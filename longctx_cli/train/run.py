@@ -44,9 +44,9 @@ def previous_run_artifacts(output_dir: Path) -> list[Path]:
 
 def check_output_dir(config: Config, overwrite: bool) -> None:
     """Refuse to train over another run's results unless told to resume or overwrite."""
-    output_dir = Path(config.output_dir)
+    output_dir = Path(config.output.output_dir)
     found = previous_run_artifacts(output_dir)
-    if not found or resume_setting(config.resume_from_checkpoint, output_dir) is not None:
+    if not found or resume_setting(config.output.resume_from_checkpoint, output_dir) is not None:
         return  # resuming, told to or after a preemption
     if overwrite:
         for path in found:
@@ -104,7 +104,7 @@ def run_train(
     check_output_dir(config, overwrite)
     clock.mark("launcher plan")
     handed = None
-    if node_rank == 0 and not config.pretraining_dataset:  # streamed data has no cache
+    if node_rank == 0 and not config.data.pretraining_dataset:  # streamed data has no cache
         handed = confirm_data_cache(config)
         clock.mark("data cache")
     # The ranks read the entry confirmed here instead of checking the cache again (each
@@ -124,7 +124,7 @@ def import_rank_modules(config: Config) -> None:
     thing in a rank, or ahead of it in a warm process (`runtime.warm_ranks`)."""
     from longctx_cli.train.optim import TORCHAO_OPTIMIZERS
 
-    if not needs_torchao(config, config.optimizer in TORCHAO_OPTIMIZERS):
+    if not needs_torchao(config, config.training.optimizer in TORCHAO_OPTIMIZERS):
         hide_torchao()  # before the imports below bring in transformers' model code
     import longctx_cli.runtime.distributed  # noqa: F401
     import longctx_cli.train.fidelity  # noqa: F401
@@ -149,7 +149,7 @@ def _train_on_rank(config: Config, overwrite: bool, overrides: list[str],
         with rank_errors(alike_on_every_rank=True):
             _, plan = check_run(config, "train", overrides=overrides,
                                 world_checks=not own_launcher)
-            fix_mmap_threshold(config.host_mmap_threshold_mib)  # before the model and data
+            fix_mmap_threshold(config.memory.host_mmap_threshold_mib)  # before the model and data
             if not own_launcher and (rank == 0 or not overwrite):  # rank 0 alone deletes
                 check_output_dir(config, overwrite)
             clock.mark("plan")

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from longctx_cli.config import Config
-from longctx_cli.config.rules import generation_steps
 from longctx_cli.data.stream import PackedStream
 from longctx_cli.errors import UserError
 from longctx_cli.runtime.batches import step_row_indices
@@ -23,18 +22,18 @@ def rows_per_batch(config: Config, dp_size: int) -> int:
     """Rows one batch reads: an optimizer step's (SFT, preference), or one generation batch's
     prompts (`rl: grpo`: `micro_batch_size` counts completions, `num_generations` per prompt,
     over `steps_per_generation` micro-batches)."""
-    if config.rl == "grpo":
-        per_micro = config.micro_batch_size // config.trl.num_generations
-        return dp_size * per_micro * generation_steps(config, dp_size)
-    return dp_size * config.micro_batch_size * config.gradient_accumulation_steps
+    if config.objective.rl == "grpo":
+        per_micro = config.training.micro_batch_size // config.trl.num_generations
+        return dp_size * per_micro * config.generation_steps(dp_size)
+    return dp_size * config.training.micro_batch_size * config.training.gradient_accumulation_steps
 
 
 def steps_per_batch(config: Config, dp_size: int) -> int:
     """Optimizer steps on one batch's rows (`rl: grpo`: the steps a generation batch is split
     over, times `trl.num_iterations`; else 1)."""
-    if config.rl != "grpo":
+    if config.objective.rl != "grpo":
         return 1
-    split = generation_steps(config, dp_size) // config.gradient_accumulation_steps
+    split = config.generation_steps(dp_size) // config.training.gradient_accumulation_steps
     return split * config.trl.num_iterations
 
 
@@ -43,24 +42,24 @@ def total_steps(config: Config, num_rows: int, dp_size: int) -> tuple[int, int]:
     per_step = rows_per_batch(config, dp_size)
     steps_per_epoch = num_rows // per_step * steps_per_batch(config, dp_size)
     if steps_per_epoch == 0:
-        if config.rl == "grpo":
+        if config.objective.rl == "grpo":
             needs = (f"prompts but one generation batch needs {per_step} (dp {dp_size} x "
-                     f"micro_batch_size {config.micro_batch_size} / num_generations "
+                     f"micro_batch_size {config.training.micro_batch_size} / num_generations "
                      f"{config.trl.num_generations} x steps_per_generation "
-                     f"{generation_steps(config, dp_size)})")
+                     f"{config.generation_steps(dp_size)})")
         else:
             needs = (f"packed rows but one optimizer step needs {per_step} (dp {dp_size} x "
-                     f"micro_batch_size {config.micro_batch_size} x "
-                     f"gradient_accumulation_steps {config.gradient_accumulation_steps})")
+                     f"micro_batch_size {config.training.micro_batch_size} x "
+                     f"gradient_accumulation_steps {config.training.gradient_accumulation_steps})")
         raise UserError(
             f"the training set has {num_rows} {needs}.",
             where="datasets",
             fix="add data, or lower micro_batch_size / gradient_accumulation_steps"
-            + (" / trl.steps_per_generation." if config.rl == "grpo" else "."),
+            + (" / trl.steps_per_generation." if config.objective.rl == "grpo" else "."),
         )
-    if config.max_steps is not None:
-        return steps_per_epoch, config.max_steps
-    return steps_per_epoch, max(1, math.ceil(config.num_epochs * steps_per_epoch))
+    if config.training.max_steps is not None:
+        return steps_per_epoch, config.training.max_steps
+    return steps_per_epoch, max(1, math.ceil(config.training.num_epochs * steps_per_epoch))
 
 
 def interval(
@@ -118,11 +117,11 @@ class DataPosition:
 
     def __init__(self, config: Config, dp_size: int, train_rows: Dataset | None,
                  stream: PackedStream | None):
-        self.seed, self.shuffle = config.seed, not config.curriculum_sampling
+        self.seed, self.shuffle = config.training.seed, not config.data.curriculum_sampling
         self.rows, self.stream = train_rows, stream
         self.per_step = rows_per_batch(config, dp_size)
         if stream is not None:
-            self.steps_per_epoch = self.num_steps = config.max_steps
+            self.steps_per_epoch = self.num_steps = config.training.max_steps
         else:
             self.steps_per_epoch, self.num_steps = total_steps(config, len(train_rows), dp_size)
 

@@ -52,7 +52,7 @@ def forward_loss_sum(decoder, lm_head, batch: ShardedBatch, config: Config,
                      state: ParallelState) -> torch.Tensor:
     """Summed CE of this rank's shard of one micro-batch (the caller divides)."""
     hidden = sp_hidden_states(decoder, batch)
-    chunk = config.loss_chunk_size if config.chunked_loss else None
+    chunk = config.memory.loss_chunk_size if config.memory.chunked_loss else None
     if state.layout.tp > 1:  # vocab-parallel CE over the TP group
         from longctx_cli.parallel.tensor_parallel import tp_loss_sum
 
@@ -124,11 +124,12 @@ def apply_update(model: torch.nn.Module, params: list[torch.nn.Parameter],
         sum_gradients(params, state)
     bad = nonfinite_ranks(local_loss, device)
     (loss_sum_global,) = all_reduce_sum([local_loss], device)
-    max_norm = config.max_grad_norm if config.max_grad_norm is not None else float("inf")
+    clip = config.training.max_grad_norm
+    max_norm = clip if clip is not None else float("inf")
     precision.unscale(optimizer)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
     skipped = bool(bad) or not math.isfinite(grad_norm)
-    if skipped and config.on_nonfinite == "stop" and not (
+    if skipped and config.training.on_nonfinite == "stop" and not (
         not bad and precision.overflowed(grad_norm)  # fp16 loss scaling backs off instead
     ):
         if bad:
@@ -174,7 +175,7 @@ def train_step(
         if use_fsdp:
             # Reduce-scatter only after the last micro-batch of the window.
             model.set_requires_gradient_sync(i == len(batches) - 1)
-        with activation_offload(config.activation_offloading):
+        with activation_offload(config.memory.activation_offloading):
             with precision.autocast():
                 if preference is None:
                     loss_sum = forward_loss_sum(decoder, lm_head, batch, config, state)

@@ -54,9 +54,9 @@ class Stopper:
 
     def __init__(self, config: Config):
         self.config = config
-        self.early = EarlyStopping(config.early_stopping_patience)
-        self.watchdog = LossWatchdog(config.loss_watchdog_threshold,
-                                     config.loss_watchdog_patience)
+        self.early = EarlyStopping(config.training.early_stopping_patience)
+        self.watchdog = LossWatchdog(config.training.loss_watchdog_threshold,
+                                     config.training.loss_watchdog_patience)
 
     def check(self, loss: float, eval_loss: float | None) -> str | None:
         """EARLY_STOPPING, LOSS_WATCHDOG or None; the watchdog wins when both fire."""
@@ -70,12 +70,13 @@ class Stopper:
 
     def early_stopping_line(self, step: int) -> str:
         return (f"early stopping at step {step + 1}: eval loss did not improve "
-                f"for {self.config.early_stopping_patience} evaluations")
+                f"for {self.config.training.early_stopping_patience} evaluations")
 
     def watchdog_error(self, step: int, last_checkpoint: Path | None) -> UserError:
         return UserError(
             f"step {step + 1}: the training loss stayed above "
-            f"{self.config.loss_watchdog_threshold} for {self.config.loss_watchdog_patience} "
+            f"{self.config.training.loss_watchdog_threshold} for "
+            f"{self.config.training.loss_watchdog_patience} "
             f"steps in a row; training stopped (last checkpoint: {last_checkpoint or 'none'}).",
             where="loss_watchdog_threshold",
             fix="lower learning_rate or raise warmup, check the data, or raise/remove "

@@ -1,4 +1,5 @@
-"""The vision tower's part of the plan: its size, how its images are split, its memory.
+"""The vision section: the processor that reads image-bearing records, and the tower's
+part of the plan (its size, how its images are split, its memory).
 
 A vision-language model's tower encodes whole images, one contiguous run of the row's
 images per rank of the SP group (runtime/vision.py), so its activations are split by
@@ -10,12 +11,51 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from longctx_cli.config.memory_estimate import DTYPE_BYTES, format_count, format_gib
-from longctx_cli.config.schema import Config
+from pydantic import Field
+
+from longctx_cli.config.sections.base import Section
+from longctx_cli.config.shape import is_vision_language
+from longctx_cli.config.units import DTYPE_BYTES, format_count, format_gib
 from longctx_cli.errors import UserError
 from longctx_cli.layout import Layout
+
+
+class VisionSection(Section):
+    title = "model"  # docs/vlm.md explains these keys
+
+    processor_type: Literal["AutoProcessor"] | None = Field(
+        None,
+        description="Vision-language models: load the processor (image processor, tokenizer, "
+        "chat template) from `processor_path` or `base_model` with transformers' "
+        "AutoProcessor, offline. Set it (as Axolotl does) to train on image-bearing records.",
+    )
+    processor_path: str | None = Field(
+        None,
+        description="Folder of the processor's files when they are not beside `base_model` "
+        "(e.g. with `model_config`). Relative paths are read from the config's folder.",
+    )
+    image_size: int | tuple[int, int] | None = Field(
+        None,
+        description="Resize every image before the processor, as Axolotl does: an int pads it "
+        "to that square keeping its aspect ratio; `[width, height]` stretches it.",
+    )
+    image_resize_algorithm: Literal["bilinear", "bicubic", "lanczos"] = Field(
+        "bilinear", description="The resampling filter `image_size` resizes with.",
+    )
+    freeze_mm_modules: bool = Field(
+        False,
+        description="Vision-language models: freeze the vision tower and the projector; only "
+        "the language model trains (full fine-tune), or only its adapters (with `adapter`).",
+    )
+
+    @property
+    def trains_images(self) -> bool:
+        """The run reads image-bearing records through a processor (`processor_type`): a
+        model with its own causal LM (Gemma 3) then trains as a vision-language model."""
+        return bool(self.processor_type)
+
 
 # The model types whose forward runtime/vision.py rebuilds, by how their positions work.
 MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -38,9 +78,22 @@ SAVED_OUTSIDE_LAYERS = 7
 ADAM_BYTES_PER_WEIGHT = 8  # two float32 moments
 
 
-def images_attend_both_ways(config: Config, hf_config: Any) -> bool:
+@dataclass(frozen=True)
+class TowerRun:
+    """What the tower's memory depends on besides its shape: the run's dtype, whether the
+    tower trains, the row's tokens and recomputation."""
+
+    dtype: str
+    frozen: bool  # freeze_mm_modules
+    adapter: str | None
+    row_tokens: int
+    checkpointed: bool  # gradient_checkpointing
+
+
+
+def images_attend_both_ways(vision: VisionSection, hf_config: Any) -> bool:
     """A run whose image tokens attend to each other both ways (Gemma 3 with images)."""
-    return config.trains_images and (
+    return vision.trains_images and (
         str(getattr(hf_config, "model_type", "")) in BIDIRECTIONAL_IMAGE_FAMILIES)
 
 
@@ -94,16 +147,15 @@ class VisionTower:
         units = self.layers * per_layer + recomputed + SAVED_OUTSIDE_LAYERS
         return patches * self.hidden * units * dtype_bytes
 
-    def memory(self, config: Config, layout: Layout) -> tuple[int, int]:
+    def memory(self, run: TowerRun, layout: Layout) -> tuple[int, int]:
         """(weights + gradients + optimizer state, saved activations) bytes per rank."""
-        b = DTYPE_BYTES[config.dtype]
-        trained = not config.freeze_mm_modules and config.adapter is None
+        b = DTYPE_BYTES[run.dtype]
+        trained = not run.frozen and run.adapter is None
         weights = self.parameters * (b + (b + ADAM_BYTES_PER_WEIGHT if trained else 0))
         if layout.fsdp:
             weights //= layout.dp_shard * layout.sp
-        patches = self.patches_per_rank(config.row_tokens, layout.sp)
-        return weights, self.activation_bytes(patches, b, bool(config.freeze_mm_modules),
-                                              bool(config.gradient_checkpointing))
+        patches = self.patches_per_rank(run.row_tokens, layout.sp)
+        return weights, self.activation_bytes(patches, b, run.frozen, run.checkpointed)
 
 
 def refuse_unless_rebuilt(model_config: Any) -> None:
@@ -126,30 +178,30 @@ def refuse_unless_rebuilt(model_config: Any) -> None:
             fix=f"pick one of {', '.join(VISION_FAMILIES)}, or train without longctx.")
 
 
-def check_vision(config: Config, hf_config: Any, layout: Layout) -> VisionTower | None:
-    """The rules of a vision-language run (UserError on the first broken one); its tower."""
-    from longctx_cli.config.model_shape import is_vision_language
-
-    if not config.processor_type:
+def check_vision(vision: VisionSection, hf_config: Any, layout: Layout, streamed: bool,
+                 rl: str | None) -> VisionTower | None:
+    """The rules of a vision-language run (UserError on the first broken one); its tower.
+    `streamed`: the run reads a `pretraining_dataset`; `rl`: its preference or RL method."""
+    if not vision.processor_type:
         # What only the processor reads would be ignored without it.
         given = [key for key, unset in (("processor_path", None), ("image_size", None),
                                         ("image_resize_algorithm", "bilinear"))
-                 if getattr(config, key) != unset]
+                 if getattr(vision, key) != unset]
         if given:
             raise UserError(
                 f"`{given[0]}` is set without `processor_type`, so no processor would read it "
                 "and the records would be tokenized as text.", where=given[0],
                 fix="add `processor_type: AutoProcessor` to train on image-bearing records, "
                 f"or remove `{given[0]}`.")
-    elif config.pretraining_dataset:
+    elif streamed:
         raise UserError(
             "`pretraining_dataset` streams text rows; it has no images for `processor_type`.",
             where="pretraining_dataset",
             fix="list image-bearing records under `datasets` (type: chat_template), or drop "
             "`processor_type`.")
-    if not is_vision_language(hf_config, images=config.trains_images):
+    if not is_vision_language(hf_config, images=vision.trains_images):
         for key in ("processor_type", "freeze_mm_modules"):
-            if getattr(config, key):
+            if getattr(vision, key):
                 raise UserError(
                     f"`{key}` is set, but the model longctx trains has no vision tower (model type "
                     f"`{getattr(hf_config, 'model_type', '?')}`).", where=key,
@@ -162,7 +214,7 @@ def check_vision(config: Config, hf_config: Any, layout: Layout) -> VisionTower 
             "vision-language models do not run under tensor parallelism here: the tower and "
             "the merge of its features are not split over a TP group.",
             where="tensor_parallel_size", fix="use `tensor_parallel_size: 1`.")
-    if images_attend_both_ways(config, hf_config) and layout.sp > 1 and layout.mode != "ulysses":
+    if images_attend_both_ways(vision, hf_config) and layout.sp > 1 and layout.mode != "ulysses":
         raise UserError(
             f"model type `{tower.model_type}` lets the tokens of one image attend to each other "
             f"in both directions. `sequence_parallel_mode: {layout.mode}` runs a ring, whose "
@@ -171,29 +223,29 @@ def check_vision(config: Config, hf_config: Any, layout: Layout) -> VisionTower 
             where="sequence_parallel_mode",
             fix="set `sequence_parallel_mode: ulysses`: after its all-to-all each rank holds "
             "the whole row for some heads and applies the model's own mask.")
-    if config.processor_type and tower.model_type not in PREPARED_FAMILIES:
+    if vision.processor_type and tower.model_type not in PREPARED_FAMILIES:
         raise UserError(
             f"`processor_type` with model type `{tower.model_type}`: longctx prepares image "
             f"rows with the processors of {', '.join(PREPARED_FAMILIES)} only so far (this "
             "family's forward is exact; its processor's rows are not tested).",
             where="processor_type",
             fix=f"use a model of {', '.join(PREPARED_FAMILIES)}, or train on text only.")
-    if config.rl is not None:
+    if rl is not None:
         raise UserError(
-            f"`rl: {config.rl}` on a vision-language model: longctx trains these with the "
+            f"`rl: {rl}` on a vision-language model: longctx trains these with the "
             "causal-LM loss only so far (no preference or GRPO rows with images).",
             where="rl", fix="drop `rl` to fine-tune on image-bearing chats.")
     return tower
 
 
-def plan_rows(tower: VisionTower, config: Config, layout: Layout) -> list[tuple[str, str]]:
+def plan_rows(tower: VisionTower, run: TowerRun, layout: Layout) -> list[tuple[str, str]]:
     """The plan's rows about the tower (the `model` section)."""
-    weights, saved = tower.memory(config, layout)
-    patches = tower.patches_per_rank(config.row_tokens, layout.sp)
-    trains = ("frozen (`freeze_mm_modules`)" if config.freeze_mm_modules else
+    weights, saved = tower.memory(run, layout)
+    patches = tower.patches_per_rank(run.row_tokens, layout.sp)
+    trains = ("frozen (`freeze_mm_modules`)" if run.frozen else
               "base weights frozen; LoRA adapters where `lora_target_modules` match its "
               "layers' names (`freeze_mm_modules: true` keeps them out)"
-              if config.adapter is not None else "trained")
+              if run.adapter is not None else "trained")
     split = (f"whole images, one run of the row's images per rank of each SP group of "
              f"{layout.sp}; features all-gathered" if layout.sp > 1 else "whole images")
     attention = ([("image attention", "both ways within each image, the model's own mask: "

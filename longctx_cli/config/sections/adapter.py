@@ -1,0 +1,121 @@
+"""The adapter section: LoRA/QLoRA adapters and the quantized base they train on, with the
+layouts a quantized base cannot run in and the plan's adapter row."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from longctx_cli.config.sections.base import Section
+from longctx_cli.errors import UserError
+
+
+class AdapterSection(Section):
+    title = "adapter"
+
+    adapter: Literal["lora", "qlora"] | None = Field(
+        None, description="lora, qlora (LoRA on a 4-bit base), or null for full fine-tuning."
+    )
+    load_in_4bit: bool = Field(
+        False, description="Quantize the base weights to 4 bits (bitsandbytes NF4); needs an "
+        "adapter. With `fsdp` the packed weights are sharded too (FSDP-QLoRA); not with TP."
+    )
+    load_in_8bit: bool = Field(
+        False, description="Quantize the base weights to 8 bits (bitsandbytes); needs an "
+        "adapter; not with FSDP or TP."
+    )
+    bnb_config_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra BitsAndBytesConfig arguments, e.g. `{bnb_4bit_quant_type: fp4}`."
+    )
+    lora_model_dir: str | None = Field(
+        None, description="Continue training this saved LoRA adapter instead of a new one."
+    )
+    lora_r: int = Field(8, ge=1, description="LoRA rank.")
+    lora_alpha: float = Field(16, gt=0, description="LoRA scaling numerator.")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
+    lora_target_modules: list[str] | str | None = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Module names to adapt, or `all-linear`.",
+    )
+    lora_target_linear: bool = Field(
+        False, description="Adapt every linear layer (same as `lora_target_modules: all-linear`)."
+    )
+    lora_modules_to_save: list[str] | None = Field(
+        None, description="Modules trained in full beside the adapter, e.g. [lm_head]."
+    )
+    peft_use_dora: bool = Field(False, description="DoRA: weight-decomposed LoRA.")
+    peft_use_rslora: bool = Field(False, description="rsLoRA: scale by alpha / sqrt(r).")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AdapterSection:
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ValueError("`load_in_4bit` and `load_in_8bit` are both on; choose one")
+        if self.adapter == "qlora" and not self.load_in_4bit:
+            if self.load_in_8bit:
+                raise ValueError("`adapter: qlora` is LoRA on a 4-bit base; set "
+                                 "`load_in_4bit: true` instead of load_in_8bit")
+            self.load_in_4bit = True  # what qlora means
+        if (self.load_in_4bit or self.load_in_8bit) and self.adapter is None:
+            raise ValueError("a quantized base (`load_in_4bit`/`load_in_8bit`) cannot be "
+                             "trained in full; set `adapter: lora` (or qlora)")
+        if self.lora_model_dir and self.adapter is None:
+            raise ValueError("`lora_model_dir` continues an adapter; set `adapter: lora`")
+        if self.lora_target_linear:
+            self.lora_target_modules = "all-linear"
+        return self
+
+    @property
+    def quantized(self) -> bool:
+        """The base weights are quantized by bitsandbytes (4 or 8 bits)."""
+        return self.load_in_4bit or self.load_in_8bit
+
+
+def check_adapter(adapter: AdapterSection, fsdp: bool, tp: int) -> None:
+    """The layouts an adapter's base cannot run in (`fsdp`, `tp`: the run's), and an empty
+    target list."""
+    if adapter.adapter is None:
+        return
+    if fsdp and adapter.load_in_8bit:
+        # FSDP-QLoRA (4-bit) works: FSDP2 shards the packed weights as plain uint8 tensors and
+        # bitsandbytes finds each layer's quantization state on the module again. The 8-bit
+        # layer keeps its row scales (SCB) on the weight tensor itself, which FSDP2 replaces.
+        raise UserError(
+            "FSDP with an 8-bit base (`load_in_8bit`) cannot run: bitsandbytes' 8-bit layers "
+            "keep their row scales on the weight tensor, and FSDP2 replaces that tensor with "
+            "its gathered copy, which has none (the first forward fails).",
+            where="load_in_8bit",
+            fix="use `adapter: qlora` (a 4-bit base, which FSDP shards), or turn FSDP off "
+            "(fsdp, fsdp_config, deepspeed, dp_shard_size) for the 8-bit base.",
+        )
+    if tp > 1 and adapter.quantized:
+        bits = 4 if adapter.load_in_4bit else 8
+        raise UserError(
+            f"`tensor_parallel_size` = {tp} with a {bits}-bit base "
+            "cannot run: TP turns each linear weight into a DTensor of its rows or columns, "
+            "but a bitsandbytes weight is a packed tensor whose quantization state describes "
+            "the whole matrix, and bitsandbytes cannot wrap the DTensor (the first forward "
+            "fails).",
+            where="tensor_parallel_size",
+            fix="use `tensor_parallel_size: 1`: sequence parallelism splits the sequence and "
+            "FSDP (`fsdp: true`) shards the 4-bit base; or train `adapter: lora` on a "
+            "full-precision base with TP.",
+        )
+    targets = adapter.lora_target_modules
+    if not targets or (isinstance(targets, str) and not targets.strip()):
+        raise UserError(
+            f"`lora_target_modules` = {targets!r} is empty: LoRA would train nothing.",
+            fix="list module names, e.g. `[q_proj, k_proj, v_proj, o_proj]`, or `all-linear`.",
+        )
+
+
+def adapter_rows(adapter: AdapterSection, dtype: str) -> list[tuple[str, str]]:
+    """The plan's adapter row (none for a full fine-tune)."""
+    if adapter.adapter is None:
+        return []
+    base = "4-bit" if adapter.load_in_4bit else "8-bit" if adapter.load_in_8bit else dtype
+    extras = [n for n, on in (("DoRA", adapter.peft_use_dora),
+                               ("rsLoRA", adapter.peft_use_rslora)) if on]
+    return [("adapter", f"{adapter.adapter}, r {adapter.lora_r}, {base} base"
+             + (f", {', '.join(extras)}" if extras else "")
+             + (f", from {adapter.lora_model_dir}" if adapter.lora_model_dir else ""))]

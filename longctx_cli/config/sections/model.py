@@ -1,0 +1,232 @@
+"""The model section: where the weights, the config and the tokenizer come from, and the
+dtype; and the rules the model's own config must pass (what longctx's attention and loss
+compute must be what the model computes)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from longctx_cli.config.sections.base import Section, StrictModel
+from longctx_cli.config.shape import ModelShape, attention_softcap
+from longctx_cli.errors import UserError
+from longctx_cli.kernel_choice import ModelAttention
+from longctx_cli.layout import Layout
+
+
+class SpecialTokens(StrictModel):
+    """Axolotl's `special_tokens:` mapping; each token must already be in the vocabulary."""
+
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    additional_special_tokens: list[str] | None = None
+
+
+class ModelSection(Section):
+    title = "model"
+
+    base_model: str | None = Field(
+        None, description="Hub id or local path of the model to fine-tune."
+    )
+    model_config_dict: dict[str, Any] | None = Field(
+        None,
+        alias="model_config",
+        description="Inline model config (must contain `model_type`) to build a randomly "
+        "initialised model instead of loading `base_model`; for tests and offline examples.",
+    )
+    reinit_weights: bool = Field(
+        False,
+        description="Start from random weights (drawn from `seed`) in `base_model`'s "
+        "architecture and config, not its trained weights: pretraining from scratch.",
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="Tokenizer path or hub id (default: `base_model`), or `byte` for the "
+        "built-in byte-level tokenizer that needs no files.",
+    )
+    overrides_of_model_config: dict[str, Any] | None = Field(
+        None,
+        description="Fields that replace the model config's own before the model is built "
+        "(Axolotl's key), e.g. `{attention_dropout: 0.0}`; `validate`, the fidelity probe and "
+        "training all use the overridden config.",
+    )
+    rope_scaling: dict[str, Any] | None = Field(
+        None,
+        description="Extend the model's context (Axolotl's key): `{type: yarn | linear | "
+        "llama3, factor: N | auto, ...}` with the scaling's own fields (`beta_fast`, "
+        "`low_freq_factor`, `original_max_position_embeddings`, ...). `factor: auto` is "
+        "sequence_len / the model's native context, rounded up. Becomes the model config's "
+        "`rope_parameters`, so validate, training and every saved config.json carry it; "
+        "`dynamic` and `longrope` are refused (they depend on each forward's length).",
+    )
+    rope_theta: float | None = Field(
+        None, gt=0,
+        description="The RoPE base (Axolotl's key), replacing the model's own in "
+        "`rope_parameters` (training and saved configs).",
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="Allow model/tokenizer code from the hub to run. Off unless you trust it.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16",
+        description="Dtype of the model weights and compute (Axolotl's `bf16`/`fp16` map here).",
+    )
+    base_model_config: str | None = Field(
+        None,
+        description="Where to read the model's config.json if not beside `base_model`.",
+    )
+    special_tokens: SpecialTokens | None = Field(
+        None,
+        description="Tokenizer special tokens to set (bos_token, eos_token, pad_token, "
+        "unk_token); each must already be one token of the vocabulary.",
+    )
+    tf32: bool | Literal["auto"] = Field(
+        False, description="Allow TF32 matmuls on Ampere+ GPUs (`auto`: same as true)."
+    )
+
+    @model_validator(mode="after")
+    def _model_source(self) -> ModelSection:
+        if self.base_model is None and self.model_config_dict is None:
+            raise ValueError(
+                "set `base_model` (hub id or local path) or `model_config` "
+                "(an inline config with `model_type`)"
+            )
+        if self.model_config_dict is not None and not isinstance(
+            self.model_config_dict.get("model_type"), str
+        ):
+            raise ValueError("`model_config` needs a `model_type` key naming the family, e.g. "
+                             "`model_type: llama`")
+        return self
+
+    @property
+    def random_init(self) -> bool:
+        """The weights are drawn from `seed`: an inline `model_config`, or `reinit_weights`."""
+        return self.model_config_dict is not None or self.reinit_weights
+
+    @property
+    def tokenizer_source(self) -> str | None:
+        return self.tokenizer or self.base_model
+
+
+# ---- the model's own config: what longctx must compute as the model does ------------------
+
+# The names transformers' families give the dropout on attention probabilities.
+ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob",
+                          "attn_dropout")
+
+
+def check_attention_dropout(shape: ModelShape) -> None:
+    """SP attention computes no dropout on the attention probabilities: a model whose config
+    asks for it is refused, never trained as another model."""
+    for key in ATTENTION_DROPOUT_KEYS:
+        p = shape.config_value(key)
+        if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
+            raise UserError(
+                f"the model's {key} = {p:g}: longctx's sequence-parallel attention applies no "
+                "dropout to the attention probabilities, so it would train a different model "
+                "than the one you load.",
+                where="overrides_of_model_config",
+                fix=f"add `overrides_of_model_config: {{{key}: 0.0}}` to train without "
+                "attention dropout (as long-context fine-tunes usually do).",
+            )
+
+
+def check_router_aux_loss(shape: ModelShape) -> None:
+    """A mixture-of-experts config with `output_router_logits: true` makes the model's own
+    training add `router_aux_loss_coef` x the load-balancing loss to the language-model loss;
+    longctx trains the language-model loss alone, so such a config is refused."""
+    coef = shape.config_value("router_aux_loss_coef")
+    if shape.config_value("output_router_logits") is True and (
+            not isinstance(coef, (int, float)) or coef > 0):
+        raise UserError(
+            "the model's config has output_router_logits: true, with which its own training "
+            f"adds router_aux_loss_coef ({coef}) x the router load-balancing loss to the loss; "
+            "longctx trains the language-model loss alone, so it would train differently "
+            "from the model's own training.",
+            where="overrides_of_model_config",
+            fix="add `overrides_of_model_config: {output_router_logits: false}` to train with "
+            "the language-model loss alone (the routers still learn through it).",
+        )
+
+
+def check_query_position_scaling(shape: ModelShape, layout: Layout, sequence_len: int,
+                                 micro_batch_size: int, packed: bool) -> None:
+    """Llama 4's attention temperature tuning scales its NoPE layers' queries by
+    ``log1p(floor((i + 1) / floor_scale)) * attn_scale + 1`` of ``i = arange(input length)``,
+    the token's index in the forward's input. Under SP (and in packed or concatenated rows) a
+    rank's input is its slice, so ``i`` is not the token's position in its document, and the
+    scale differs from the model's own forward as soon as an index or a position reaches
+    ``floor_scale - 1``; below that every scale is 1. One document per row at sp 1 is exact."""
+    if not shape.config_value("attn_temperature_tuning"):
+        return
+    floor = shape.config_value("floor_scale")
+    no_rope = shape.config_value("no_rope_layers")  # no_rope_layers[i] = 1: layer i has RoPE
+    if not floor or (isinstance(no_rope, list) and all(no_rope)):
+        return
+    per_rank = -(-micro_batch_size * sequence_len // layout.sp)
+    if max(per_rank, sequence_len) < floor:
+        return
+    if layout.sp == 1 and micro_batch_size == 1 and not packed:
+        return  # every row is one document from index 0: the index is the position
+    raise UserError(
+        f"the model's NoPE layers scale queries by the token's index in the forward's input "
+        f"(attn_temperature_tuning, floor_scale = {floor}), and with sequence_len "
+        f"{sequence_len} and {per_rank} tokens per rank that index reaches "
+        f"floor_scale: under sequence parallelism, packing or concatenated micro-batch rows "
+        "it is the index in a rank's slice of a row, not the token's position in its "
+        "document, so longctx would train a different model than the one you load.",
+        where="sequence_len",
+        fix=f"keep sequence_len and the tokens per rank below {floor}, or add "
+        "`overrides_of_model_config: {attn_temperature_tuning: false}` to train the model "
+        "without temperature tuning.",
+    )
+
+
+def model_attention(shape: ModelShape | None) -> ModelAttention:
+    """The model's attention as the kernel choice sees it (nothing known without a shape).
+
+    ``head_dim`` is what a flash kernel computes on: the larger of the q/k and the value head
+    dims (multi-head latent attention pads the smaller side, see ``latent_head_dims``)."""
+    if shape is None:
+        return ModelAttention()
+    dims = latent_head_dims(shape)
+    return ModelAttention(head_dim=max(dims) if dims else shape.head_dim,
+                          softcap=attention_softcap(shape) is not None,
+                          sinks=shape.attention_sinks, window=shape.sliding_window,
+                          chunked=chunked_attention(shape))
+
+
+def latent_head_dims(shape: ModelShape) -> tuple[int, int] | None:
+    """(q/k head dim, value head dim) of multi-head latent attention (DeepSeek: q/k =
+    ``qk_nope_head_dim + qk_rope_head_dim``, v = ``v_head_dim``), or None when they are one."""
+    nope, rope, v = (shape.config_value(k) for k in
+                     ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    if not all(isinstance(x, int) and x > 0 for x in (nope, rope, v)):
+        return None
+    return (nope + rope, v) if nope + rope != v else None
+
+
+def chunked_attention(shape: ModelShape) -> bool:
+    """Some layer attends within chunks (Llama 4: `attention_chunk_size`, layer type
+    `chunked_attention`)."""
+    types = shape.config_value("layer_types")
+    return bool(shape.config_value("attention_chunk_size")) and (
+        types is None or "chunked_attention" in types)
+
+
+def context_note(shape: ModelShape, sequence_len: int) -> list[str]:
+    """The plan's note on a row longer than the model's native context."""
+    if shape.max_position_embeddings and sequence_len > shape.max_position_embeddings:
+        return [
+            f"sequence_len {sequence_len} exceeds the model's max_position_embeddings "
+            f"{shape.max_position_embeddings}: positions past it are ones the model never saw; "
+            "`rope_scaling: {type: yarn, factor: auto}` extends the context to sequence_len "
+            "(docs/context.md)."
+        ]
+    return []
+
+

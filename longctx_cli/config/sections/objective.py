@@ -1,0 +1,247 @@
+"""The objective section: what the run minimises. The causal-LM loss by default; `rl:` a
+preference loss (dpo, ipo, simpo, orpo) on preference pairs, or GRPO (its settings are the
+`trl:` section, sections/grpo.py). Its rules across the data, and the plan's objective row."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+from pydantic import AliasChoices, Field, field_validator
+
+from longctx_cli.config.sections.base import Section
+from longctx_cli.config.sections.data import PREFERENCE_TYPES, DataSection, is_preference_type
+from longctx_cli.config.sections.grpo import TrlConfig, grpo_text
+from longctx_cli.config.sections.model import chunked_attention
+from longctx_cli.config.shape import ModelShape
+from longctx_cli.errors import UserError
+
+RlMethod = Literal["dpo", "ipo", "simpo", "orpo", "grpo"]
+_RL_NOT_YET = {
+    "kto": "KTO (unpaired answers) is not supported yet",
+}
+DpoLossType = Literal["sigmoid", "hinge", "ipo", "robust"]
+
+
+class ObjectiveSection(Section):
+    title = "preference optimisation"
+
+    rl: RlMethod | None = Field(
+        None,
+        description="Train on preference pairs instead of the causal-LM loss: dpo (with "
+        "`dpo_loss_type`), ipo (dpo with the ipo loss), simpo (no reference model), orpo (NLL "
+        "of the chosen sequences plus an odds-ratio term; no reference model); these need "
+        "preference datasets (docs/preference.md). grpo: online RL on prompt datasets, "
+        "completions sampled under SP and scored by the `trl.reward_funcs` (docs/rl.md).",
+    )
+    rl_beta: float | None = Field(
+        None, gt=0, validation_alias=AliasChoices("rl_beta", "dpo_beta"),
+        description="beta: how far the policy may move from the reference (dpo, ipo: the "
+        "regularisation tau); simpo: the reward scale; orpo: the odds-ratio term's weight, "
+        "also set by `orpo_alpha` (default 0.1, TRL's).",
+    )
+    orpo_alpha: float | None = Field(
+        None, gt=0, description="orpo: the weight of the odds-ratio term (TRL's ORPO `beta`; "
+        "Axolotl's name for it). The same as `rl_beta` there.",
+    )
+    dpo_loss_type: list[DpoLossType] | None = Field(
+        None, description="dpo: TRL's loss type(s): sigmoid (default), hinge, ipo, robust; "
+        "several are summed with `dpo_loss_weights`."
+    )
+    dpo_loss_weights: list[float] | None = Field(
+        None, description="dpo: weight of each `dpo_loss_type` (default 1 each)."
+    )
+    dpo_label_smoothing: float = Field(
+        0.0, ge=0.0, lt=0.5,
+        description="robust (dpo) and simpo: the probability that a preference label is "
+        "flipped.",
+    )
+    simpo_gamma: float = Field(
+        0.5, ge=0.0, description="simpo: the target reward margin gamma (TRL's default 0.5)."
+    )
+    cpo_alpha: float = Field(
+        0.0, ge=0.0, description="simpo: weight of an NLL term on the chosen sequences; only "
+        "0 (SimPO as published) is supported."
+    )
+    prefix_sharing: bool = Field(
+        False, description="rl (not orpo): each pair's prompt once in the row, the rejected "
+        "answer a branch after it that attends to the prompt and to itself, not to the chosen "
+        "answer (positions go on from the prompt). The same losses and gradients as unshared "
+        "pairs, one prompt's worth of compute and memory less per pair. Needs attention in "
+        "every layer and no sliding window or chunked attention. See docs/preference.md. "
+        "rl: grpo: on unless set to false (each prompt once for its `num_generations` "
+        "completions; docs/rl.md).",
+    )
+    precompute_ref_log_probs: bool = Field(
+        False, description="dpo/ipo with a new adapter: compute the reference log-probabilities "
+        "once before training instead of switching the adapter off at every step (a full "
+        "fine-tune or `lora_model_dir` always does; saved in output_dir for resumes)."
+    )
+
+    @field_validator("rl", mode="before")
+    @classmethod
+    def _rl_method(cls, value: Any) -> Any:
+        if value is None or value in get_args(RlMethod):
+            return value
+        why = _RL_NOT_YET.get(value, "it is an online method (it generates while it trains), "
+                              "which longctx does not run")
+        raise ValueError(f"`rl: {value}` cannot run: {why}; longctx trains "
+                         f"{', '.join(get_args(RlMethod))}")
+
+    @field_validator("dpo_loss_type", mode="before")
+    @classmethod
+    def _loss_type_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @property
+    def preference(self) -> bool:
+        """A preference loss on pairs (not GRPO, not the causal-LM loss)."""
+        return self.rl is not None and self.rl != "grpo"
+
+    @property
+    def preference_beta(self) -> float:
+        """beta of the preference loss: `rl_beta` (or ORPO's `orpo_alpha`), else TRL's 0.1."""
+        given = self.orpo_alpha if self.orpo_alpha is not None else self.rl_beta
+        return given if given is not None else 0.1
+
+    def precomputed_reference(self, adapter: str | None, continued: bool) -> bool:
+        """dpo/ipo take the reference from log-probabilities computed before training (not
+        the adapter switched off at every step): always without an adapter (a full
+        fine-tune) or with a loaded one (`continued`: switching it off would not give the
+        initial model), and on request (`precompute_ref_log_probs`)."""
+        return self.rl in ("dpo", "ipo") and (
+            adapter is None or continued or self.precompute_ref_log_probs)
+
+
+def check_preference(objective: ObjectiveSection, data: DataSection) -> None:
+    """The rules of the objective and the data together, for every objective but GRPO
+    (sections/grpo.py); raises ValueError naming the keys."""
+    entries = data.entries
+    prompts = [e for e in entries if e.type == "prompt"]
+    if prompts:
+        what = (f"`type: {prompts[0].transform}` (a Python transform)" if
+                prompts[0].transform else "`type: prompt`")
+        raise ValueError(f"{what} holds prompts to roll out, which train with `rl: grpo`; "
+                         "set `rl: grpo` (and its `trl:` section), or use an SFT type")
+    pairs = [e.type for e in entries if is_preference_type(e.type)]
+    if objective.rl is None and objective.prefix_sharing:
+        raise ValueError("`prefix_sharing: true` shares a preference pair's prompt between "
+                         "its answers; set `rl` (dpo, ipo or simpo), or drop it")
+    if objective.rl is None:
+        if pairs:
+            raise ValueError(f"`type: {pairs[0]}` holds preference pairs, which train with "
+                             "`rl:` (dpo, ipo, simpo or orpo); set `rl`, or use an SFT type")
+        return
+    others = [e.type for e in entries if not is_preference_type(e.type)]
+    if others or not data.datasets:
+        raise ValueError(f"`rl: {objective.rl}` trains on preference pairs, but a dataset has "
+                         f"`type: {others[0] if others else '(none)'}`; use a preference type "
+                         f"({', '.join(PREFERENCE_TYPES)})")
+    if data.pretraining_dataset:
+        raise ValueError("`rl` trains on preference pairs, not a `pretraining_dataset`")
+    if data.excess_length_strategy == "truncate":
+        raise ValueError("`excess_length_strategy: truncate` would cut a pair's answers off; "
+                         "with `rl` pairs longer than sequence_len are dropped and counted "
+                         "(`drop`, the default)")
+    _check_losses(objective)
+
+
+def _check_losses(objective: ObjectiveSection) -> None:
+    """The loss keys of a preference method; fills in `dpo_loss_type`'s default."""
+    rl = objective.rl
+    if objective.prefix_sharing and rl == "orpo":
+        raise ValueError("`prefix_sharing: true` with `rl: orpo`: ORPO tokenizes each "
+                         "answer's prompt on its own (the two may differ in their last "
+                         "token), and sharing is not implemented for that; drop one of "
+                         "them")
+    if objective.orpo_alpha is not None and rl != "orpo":
+        raise ValueError(f"`orpo_alpha: {objective.orpo_alpha}` weighs ORPO's odds-ratio term; "
+                         f"`rl: {rl}` does not read it: drop it, or set `rl: orpo`")
+    losses = objective.dpo_loss_type
+    if rl == "orpo":
+        if losses is not None:
+            raise ValueError("`dpo_loss_type` chooses a dpo loss; `rl: orpo` has its own: "
+                             "drop it")
+        if (objective.orpo_alpha is not None and objective.rl_beta is not None
+                and objective.orpo_alpha != objective.rl_beta):
+            raise ValueError(f"`orpo_alpha: {objective.orpo_alpha}` and `rl_beta: "
+                             f"{objective.rl_beta}` both set ORPO's beta; keep one")
+        if objective.dpo_label_smoothing:
+            raise ValueError(f"`dpo_label_smoothing: {objective.dpo_label_smoothing}` is not "
+                             "read by ORPO (TRL's ORPOTrainer has no label smoothing): drop "
+                             "it")
+        if objective.precompute_ref_log_probs:
+            raise ValueError("`precompute_ref_log_probs: true`: ORPO has no reference "
+                             "model; drop it")
+    elif rl == "ipo":
+        if losses not in (None, ["ipo"]):
+            raise ValueError(f"`rl: ipo` is dpo with the ipo loss; `dpo_loss_type: "
+                             f"{losses}` contradicts it: drop it, or use `rl: dpo`")
+        losses = ["ipo"]
+    elif rl == "simpo":
+        if losses is not None:
+            raise ValueError("`dpo_loss_type` chooses a dpo loss; `rl: simpo` has its own: "
+                             "drop it")
+        if objective.cpo_alpha:
+            raise ValueError(f"`cpo_alpha: {objective.cpo_alpha}` adds an NLL term over the "
+                             "chosen prompt and answer, which longctx does not compute yet; "
+                             "set it to 0 (SimPO as published)")
+    else:
+        losses = losses or ["sigmoid"]
+    if losses and objective.dpo_loss_weights is not None and (
+            len(objective.dpo_loss_weights) != len(losses)):
+        raise ValueError(f"`dpo_loss_weights` has {len(objective.dpo_loss_weights)} weights "
+                         f"for {len(losses)} loss types; give one per `dpo_loss_type`")
+    if objective.dpo_label_smoothing and losses and "robust" not in losses:
+        raise ValueError(f"`dpo_label_smoothing: {objective.dpo_label_smoothing}` is read only "
+                         f"by the robust loss (TRL ignores it for {', '.join(losses)}); set "
+                         "`dpo_loss_type: robust`, or drop it")
+    objective.dpo_loss_type = losses
+
+
+def check_prefix_sharing(objective: ObjectiveSection, shape: ModelShape) -> None:
+    """Shared pair prompts are a second, fully visible key range per branch document, which
+    every strategy and kernel computes (flash-attn's rows on PyTorch's flash op); a window
+    or a chunk would clip it."""
+    if not objective.prefix_sharing:
+        return
+    why = ("the model's sliding-window attention" if shape.sliding_window else
+           "the model's chunked local attention" if chunked_attention(shape) else None)
+    if why:
+        raise UserError(f"`prefix_sharing: true` cannot run with {why}: a shared prompt is a "
+                        "key range every answer token sees whole, which a window or a chunk "
+                        "would cut.", where="prefix_sharing",
+                        fix="set `prefix_sharing: false` for this model.")
+
+
+def objective_text(objective: ObjectiveSection, trl: TrlConfig | None, adapter: str | None,
+                   continued: bool) -> str:
+    """What the run minimises, and for a preference run where its reference comes from.
+    `adapter`, `continued`: the run's adapter, and whether it continues a saved one."""
+    if objective.rl is None:
+        return "causal-LM loss (mean over target tokens)"
+    if objective.rl == "grpo":
+        assert trl is not None
+        return grpo_text(trl, frozen_reference=adapter is None or continued,
+                         prefix_sharing=objective.prefix_sharing)
+    text = _preference_text(objective, objective.precomputed_reference(adapter, continued))
+    if objective.prefix_sharing:
+        text += "; each pair's prompt once in the row (prefix_sharing)"
+    return text
+
+
+def _preference_text(objective: ObjectiveSection, precomputed: bool) -> str:
+    beta = objective.preference_beta
+    if objective.rl == "orpo":
+        return (f"orpo, beta {beta:g}: NLL of the chosen sequences (mean over their targets, "
+                "prompt included) minus beta x log-sigmoid of the log odds ratio (mean over "
+                "pairs); no reference model")
+    if objective.rl == "simpo":
+        return (f"simpo, beta {beta:g}, gamma {objective.simpo_gamma:g} (mean over pairs); "
+                "no reference model")
+    losses = " + ".join(objective.dpo_loss_type or ["sigmoid"])
+    reference = ("every pair's log-probabilities under the initial weights, one no-grad SP "
+                 "pass over the rows before training (kept in output_dir)"
+                 if precomputed else "the base model with the adapter off, "
+                 "one extra no-grad forward per micro-batch, no copy")
+    return (f"{objective.rl} ({losses}), beta {beta:g} (mean over pairs); reference: "
+            f"{reference}")
