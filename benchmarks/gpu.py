@@ -80,12 +80,12 @@ from longctx_cli.parallel import (  # noqa: E402
     make_sp_meta,
     shard_batch,
 )
+from longctx_cli.parallel.block_geometry import full_row_segments  # noqa: E402
 from longctx_cli.parallel.sharding import segments_for  # noqa: E402
 from longctx_cli.parallel.torch_flash import flash_applies  # noqa: E402
 from longctx_cli.parallel.torch_kernel import (  # noqa: E402
     doc_causal_backward,
     doc_causal_forward,
-    full_row_segments,
 )
 from longctx_cli.runtime.batches import to_device  # noqa: E402
 from longctx_cli.runtime.memory_savers import activation_offload  # noqa: E402

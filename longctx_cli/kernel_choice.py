@@ -40,7 +40,7 @@ from longctx_cli.layout import CONCRETE_KERNELS, P2P_SHARDING, flash_fits
 KERNELS: tuple[str, ...] = ("auto", *CONCRETE_KERNELS)
 KernelRequest = Literal[KERNELS]  # type: ignore[valid-type]
 HALF_DTYPES = ("bfloat16", "float16")
-# Query rows and keys per score tile of the tiled matmul path (parallel/torch_kernel.py _TILE).
+# Query rows and keys per score tile of the tiled matmul path (parallel/tiled.py TILE).
 TILE = 1024
 # What PyTorch's flash op and flash-attn 2 both need (their kernels check the same).
 FLASH_MIN_CAPABILITY = (8, 0)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longctx_cli.parallel import torch_kernel
+from longctx_cli.parallel import cpu_flash
+from longctx_cli.parallel.block_geometry import full_row_segments
 from longctx_cli.parallel.features import AttentionFeatures
-from longctx_cli.parallel.torch_kernel import doc_causal_attention, full_row_segments
+from longctx_cli.parallel.torch_kernel import doc_causal_attention
 
 # Two documents: the first holds two images (one at its very start), the second one image
 # that ends the document.
@@ -78,7 +79,7 @@ def test_segments_cut_documents_at_image_runs() -> None:
 def test_bidirectional_runs_equal_the_dense_mask(window, softcap, cu, runs, matmul,
                                                  monkeypatch) -> None:
     if matmul:  # the path CUDA takes for every block (the CPU op otherwise)
-        monkeypatch.setattr(torch_kernel, "_use_matmul_path", lambda q, feats: True)
+        monkeypatch.setattr(cpu_flash, "use_tiled_path", lambda q, feats: True)
     gen = torch.Generator().manual_seed(0)
     n = cu[-1]
     q = torch.randn(n, 4, 8, generator=gen, dtype=torch.float32).requires_grad_()

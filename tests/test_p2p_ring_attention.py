@@ -13,9 +13,9 @@ import torch
 
 from longctx_cli.layout import P2P_SHARDING
 from longctx_cli.parallel import AttentionFeatures, make_sp_meta
+from longctx_cli.parallel.block_geometry import Piece, full_row_segments, piece_blocks
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.ring_p2p import step_geometry
-from longctx_cli.parallel.torch_kernel import Piece, full_row_segments, piece_blocks
 from tests.attention_cases import (
     CASES,
     FEATURE_CASES,

@@ -74,10 +74,10 @@ def test_single_process_features_match_reference(layout: str) -> None:
 
 def test_small_blocks_and_tiles_match_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """Row blocks and score tiles far smaller than the documents: every merge path runs."""
-    from longctx_cli.parallel import torch_kernel
+    from longctx_cli.parallel import block_geometry, tiled
 
-    monkeypatch.setattr(torch_kernel, "_MAX_ROWS", 3)
-    monkeypatch.setattr(torch_kernel, "_TILE", 4)
+    monkeypatch.setattr(block_geometry, "MAX_ROWS", 3)
+    monkeypatch.setattr(tiled, "TILE", 4)
     ctx = rank_state(layout="contiguous", heads_k_stride=1)
     assert_all_close(feature_runs(ctx, "small"))
 
@@ -86,14 +86,15 @@ def test_small_blocks_and_tiles_match_reference(monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.parametrize("shape", ["diagonal", "prefix", "edge"])
 def test_matmul_path_matches_cpu_kernel(shape: str, window: int | None) -> None:
     """The matmul path (CUDA, softcap) gives the CPU op's blocks, masks included."""
-    from longctx_cli.parallel import AttentionFeatures, torch_kernel
+    from longctx_cli.parallel import AttentionFeatures, cpu_flash, tiled
+    from longctx_cli.parallel.block_geometry import Block
 
     g = torch.Generator().manual_seed(7)
     # rows 0..7 sit at key positions 10..17; keys start at 10 (diagonal), 0 (prefix), 6 (edge)
     blk = {
-        "diagonal": torch_kernel._Block(0, 8, 10, 18, 10, True),
-        "prefix": torch_kernel._Block(0, 8, 0, 10, 10, False),
-        "edge": torch_kernel._Block(0, 7, 10 - 3 + 1, 10 + 8 - 3, 10, True),
+        "diagonal": Block(0, 8, 10, 18, 10, True),
+        "prefix": Block(0, 8, 0, 10, 10, False),
+        "edge": Block(0, 7, 10 - 3 + 1, 10 + 8 - 3, 10, True),
     }[shape]
     if shape == "edge" and window is None:
         pytest.skip("edge blocks exist only under a window")
@@ -102,10 +103,10 @@ def test_matmul_path_matches_cpu_kernel(shape: str, window: int | None) -> None:
     q = torch.randn(1, 8, rows, DIM, generator=g)
     k, v = (torch.randn(1, 2, keys, DIM, generator=g) for _ in range(2))
     dout = torch.randn(1, 8, rows, DIM, generator=g)
-    out, lse = torch_kernel._block_fwd(q, k, v, blk, feats)
-    out_g, lse_g = torch_kernel._block_fwd_generic(q, k, v, blk, feats)
+    out, lse = cpu_flash.block_forward(q, k, v, blk, feats)
+    out_g, lse_g = tiled.block_forward(q, k, v, blk, feats)
     assert rel_err(out_g, out) < TOL and rel_err(lse_g, lse) < TOL
-    grads = torch_kernel._block_bwd(dout, q, k, v, out, lse, blk, feats)
-    grads_g = torch_kernel._block_bwd_generic(dout, q, k, v, out, lse, blk, feats)
+    grads = cpu_flash.block_backward(dout, q, k, v, out, lse, blk, feats)
+    grads_g = tiled.block_backward(dout, q, k, v, out, lse, blk, feats)
     for a, b in zip(grads_g, grads, strict=True):
         assert a.shape == b.shape and rel_err(a, b) < TOL

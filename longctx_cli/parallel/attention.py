@@ -43,12 +43,16 @@ class AttentionStrategy(Protocol):
 
 def ring_strategy(ctx: ParallelState) -> AttentionStrategy:
     """The ring a layout runs (alone, or across the Ulysses groups of hybrid): a P2P ring
-    (``batch_*``), else ring-flash-attn's llama3 ring for the flash kernel, else ours."""
+    (``batch_*``), else the llama3 ring; each ring-flash-attn's own under the ``flash``
+    kernel (``ctx.kernel.flash_attn``), else ours on the state's resolved kernel."""
     if ctx.layout.p2p:
-        from .ring_p2p import p2p_ring_attention  # lazy: only P2P runs need it
+        from .ring_p2p import (  # lazy: only P2P runs need it
+            flash_p2p_ring_attention,
+            p2p_ring_attention,
+        )
 
-        return p2p_ring_attention
-    if ctx.layout.kernel == "flash":
+        return flash_p2p_ring_attention if ctx.kernel.flash_attn else p2p_ring_attention
+    if ctx.kernel.flash_attn:
         from .ring_flash import flash_ring_attention  # lazy: needs ring_flash_attn
 
         return flash_ring_attention
@@ -56,13 +60,13 @@ def ring_strategy(ctx: ParallelState) -> AttentionStrategy:
 
 
 def strategy_for(ctx: ParallelState) -> AttentionStrategy:
-    """The strategy function a rank with this state runs (Ulysses picks its kernel inside)."""
+    """The strategy function a rank with this state runs, on the kernel the state resolved."""
     if ctx.layout.mode == "ring":
         return ring_strategy(ctx)
     if ctx.layout.mode == "ulysses":
-        from .ulysses import ulysses_attention
+        from .ulysses import flash_ulysses_attention, ulysses_attention
 
-        return ulysses_attention
+        return flash_ulysses_attention if ctx.kernel.flash_attn else ulysses_attention
     if ctx.layout.mode == "hybrid":
         from .ulysses_ring import hybrid_attention
 
@@ -94,7 +98,6 @@ def sp_attention(
         raise ValueError(
             f"attention sinks must be one per query head ({q.shape[1]}), got {tuple(sinks.shape)}"
         )
-    strategy = strategy_for(ctx)
     if meta.bidirectional:  # image runs: only Ulysses holds whole rows (one rank does too)
         if ctx.layout.sp > 1 and ctx.layout.mode != "ulysses":
             raise NotImplementedError(
@@ -102,7 +105,9 @@ def sp_attention(
                 f"ulysses; {ctx.layout.mode} splits each document's keys across ranks")
         from .ulysses import ulysses_attention
 
-        strategy = ulysses_attention
+        strategy: AttentionStrategy = ulysses_attention
+    else:
+        strategy = strategy_for(ctx)
     if feats.chunk is not None:  # chunked local attention: chunk starts are segment starts
         meta, feats = chunked_meta(meta, feats.chunk), replace(feats, chunk=None)
     # Autocast off: every strategy keeps its statistics and merges in float32 itself, and

@@ -33,6 +33,7 @@ argument reaches it through this interface (softcapped layers take the tiled mat
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from functools import lru_cache
 from types import ModuleType
 from typing import Any
@@ -41,7 +42,12 @@ import torch
 
 from longctx_cli.kernel_choice import FA4_MAJORS, FA4_MODULE, fa4_head_dim_fits
 
-from .torch_flash import HALF_DTYPES, FlashOps
+from .features import AttentionFeatures, Segment
+from .torch_flash import HALF_DTYPES, FlashOps, flash_applies
+from .torch_flash import block_backward as flash_block_backward
+from .torch_flash import block_forward as flash_block_forward
+from .torch_flash import varlen_backward as flash_varlen_backward
+from .torch_flash import varlen_forward as flash_varlen_forward
 
 FA4_FUNCTIONS = ("_flash_attn_fwd", "_flash_attn_bwd")
 
@@ -130,3 +136,39 @@ def use_fa4_ops(ops: FlashOps | None) -> FlashOps | None:
     global _ops
     previous, _ops = _ops, ops
     return previous
+
+
+# The ``torch_flash`` kernel's entry points on the ops above, read at each call (a test's
+# stand-in installed with `use_fa4_ops` is what runs; `fa4_ops` imports on first use).
+
+
+def applies(q: torch.Tensor, feats: AttentionFeatures, v: torch.Tensor | None = None) -> bool:
+    """True when flash-attn 4 computes this call exactly (:func:`.torch_flash.flash_applies`)."""
+    return flash_applies(q, feats, v, _ops or fa4_ops())
+
+
+def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   segments: Sequence[Segment], feats: AttentionFeatures
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`.torch_flash.varlen_forward` on flash-attn 4."""
+    return flash_varlen_forward(q, k, v, segments, feats, _ops or fa4_ops())
+
+
+def varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, segments: Sequence[Segment],
+                    feats: AttentionFeatures) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`.torch_flash.varlen_backward` on flash-attn 4."""
+    return flash_varlen_backward(dout, q, k, v, out, lse, segments, feats, _ops or fa4_ops())
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  feats: AttentionFeatures) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`.torch_flash.block_forward` on flash-attn 4."""
+    return flash_block_forward(q, k, v, causal, feats, _ops or fa4_ops())
+
+
+def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, causal: bool, feats: AttentionFeatures
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`.torch_flash.block_backward` on flash-attn 4."""
+    return flash_block_backward(dout, q, k, v, out, lse, causal, feats, _ops or fa4_ops())

@@ -1,5 +1,5 @@
 """What one attention call computes besides q, k and v: the layer's features and the
-segments of a row. Shared by the kernels (:mod:`.kernels`, :mod:`.torch_flash`) and the
+segments of a row. Shared by the kernels (:mod:`.torch_kernel`, :mod:`.torch_flash`) and the
 strategies, so that no kernel module imports another for its types."""
 
 from __future__ import annotations

@@ -4,9 +4,9 @@
 ``init_device_mesh`` over the layout's named dimensions (``dp_replicate, dp_shard, ring,
 ulysses, tp``; dimensions of size one are left out) in the rank order the layout documents,
 and the groups every part of the run needs are slices or flattenings of it. The result, a
-:class:`ParallelState`, is what a rank knows about where it works; it is passed explicitly
-(to the attention through the batch's SP metadata, to the loss and the optimizer step as an
-argument).
+:class:`ParallelState`, is what a rank knows about where it works, its layout's attention
+kernel resolved once (:mod:`.kernel`) included; it is passed explicitly (to the attention
+through the batch's SP metadata, to the loss and the optimizer step as an argument).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from longctx_cli.layout import MESH_DIMS, Layout
+
+from .kernel import AttentionKernel, resolve_kernel
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,12 @@ class ParallelState:
     # The ranks holding the same parameters, whose gradients are summed: the world, or under
     # TP the ranks holding the same TP shard (dp x cp). None: this rank alone.
     replica_group: ProcessGroup | None = None
+    # The layout's attention kernel, resolved when the state is made (a changed layout,
+    # `with_layout` or `replace`, resolves its own): what strategies and blocks call.
+    kernel: AttentionKernel = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kernel", resolve_kernel(self.layout.kernel))  # frozen
 
     @classmethod
     def of_rank(cls, layout: Layout, rank: int = 0, **groups: object) -> ParallelState:

@@ -1,9 +1,11 @@
-"""Llama3-style ring attention in PyTorch (the ``torch`` and ``torch_flash`` kernels).
+"""Llama3-style ring attention in PyTorch, on the state's resolved kernel (the ``flash``
+kernel runs ring-flash-attn's own ring, and this one only for rows that ring cannot take).
 
 Forward, for each group of ``heads_k_stride`` KV heads: all-gather this group's K,V over the
 SP group (the next group's gather runs while the current one is computed), put the chunks
 in global token order (zigzag), and let every local query segment attend to the keys of its
-document (:mod:`.kernels`). Only local tensors are saved for backward.
+document (:mod:`.torch_kernel`, on the state's resolved kernel). Only local tensors are saved
+for backward.
 
 Backward re-gathers K,V per head group, computes dq locally and dK,dV for the whole row,
 then reduce-scatters dK,dV back to their owners.
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from .features import AttentionFeatures, as_features
+from .lse_merge import out_like, sink_grad
 from .sharding import (
     SPMeta,
     all_gather_tensor,
@@ -20,14 +24,7 @@ from .sharding import (
     to_global_order,
     to_rank_order,
 )
-from .torch_kernel import (
-    AttentionFeatures,
-    as_features,
-    doc_causal_backward,
-    doc_causal_forward,
-    out_like,
-    sink_grad,
-)
+from .torch_kernel import doc_causal_backward, doc_causal_forward
 
 
 class _Gather:
@@ -89,7 +86,7 @@ class RingAttention(torch.autograd.Function):
             # Each local query sees every key it may attend to here, so sinks join now.
             o, lo = doc_causal_forward(
                 q[:, qh], kf, vf, meta.segments, feats, None if sinks is None else sinks[qh],
-                kernel=meta.ctx.layout.kernel,
+                kernel=meta.ctx.kernel,
             )
             out[:, qh] = o
             lse[qh] = lo
@@ -112,7 +109,7 @@ class RingAttention(torch.autograd.Function):
                 pending = _Gather(k[:, nxt], v[:, nxt], meta)
             dqi, dkf, dvf = doc_causal_backward(
                 dout[:, qh], q[:, qh], kf, vf, out[:, qh], lse[qh], meta.segments, ctx.feats,
-                kernel=meta.ctx.layout.kernel,
+                kernel=meta.ctx.kernel,
             )
             dq[:, qh] = dqi
             dk[:, kh] = _reduce_scatter(dkf, meta)

@@ -18,7 +18,7 @@ import torch
 from longctx_cli.kernel_choice import import_ring_flash_module
 
 from .features import AttentionFeatures, as_features
-from .sharding import SPMeta, on_torch_flash
+from .sharding import SPMeta
 from .torch_flash import pad_head_dim
 
 _MODULE = "ring_flash_attn.llama3_flash_attn_varlen"
@@ -102,10 +102,10 @@ def flash_ring_attention(
     Sliding windows are passed to the kernel (``window_size``); softcapping only at sp=1
     (ring-flash-attn 0.1.8's llama3 path has no softcap argument); sinks never.
     """
-    if meta.prefixes:  # two key ranges per branch: PyTorch's flash op through our ring
+    if meta.prefixes:  # two key ranges per branch: our ring, on this kernel's flash op blocks
         from .ring import ring_attention
 
-        return ring_attention(q, k, v, on_torch_flash(meta), features, sinks)
+        return ring_attention(q, k, v, meta, features, sinks)
     ctx = meta.ctx
     feats = as_features(features)
     refuse_flash_sinks(sinks)

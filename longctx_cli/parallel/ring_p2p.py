@@ -1,5 +1,6 @@
 """Ring attention as a point-to-point ring (``ring_attn_func: batch_ring | batch_zigzag |
-batch_stripe``), in pure PyTorch (the ``torch`` kernel; ``flash`` where it fits).
+batch_stripe``), in PyTorch on the state's resolved kernel (the ``flash`` kernel runs
+ring-flash-attn's own P2P functions where they are exact, :func:`flash_p2p_ring_attention`).
 
 Every rank of an SP group of ``N`` starts with its own K/V block. In step ``t`` it holds the
 block of rank ``(r - t) mod N``: it sends that block to rank ``r + 1`` and receives the next
@@ -9,7 +10,7 @@ one in flight), never the gathered sequence. Partial results are merged exactly 
 their log-sum-exp; sinks join after the last block.
 
 Which keys of a block a local query may see is derived per (query rank, key rank) pair as
-:class:`~.kernels.Piece` s: local query rows x this block's keys, cut at the document start
+:class:`~.block_geometry.Piece` s: local query rows x this block's keys, cut at the document start
 (packed rows: documents cross ranks) and by the sliding window. The layouts:
 
 * ``contiguous`` / ``zigzag`` (``batch_ring`` / ``batch_zigzag``): runs of consecutive
@@ -32,18 +33,12 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from .block_geometry import Piece
+from .features import AttentionFeatures, as_features
+from .lse_merge import apply_sinks, out_like, sink_grad
 from .mesh import ParallelState
 from .sharding import SPMeta, local_ranges
-from .torch_kernel import (
-    AttentionFeatures,
-    Piece,
-    apply_sinks,
-    as_features,
-    out_like,
-    pieces_backward,
-    pieces_forward,
-    sink_grad,
-)
+from .torch_kernel import pieces_backward, pieces_forward
 
 log = logging.getLogger(__name__)
 
@@ -141,13 +136,6 @@ def _new_step_geometry(
     return _run_pieces(meta, src), window
 
 
-def block_kernel(kernel: str) -> str:
-    """The kernel this module's blocks run on: a row the flash kernel's ring-flash-attn
-    functions cannot take (packed, windowed, ...) runs its blocks on PyTorch's flash op,
-    present wherever flash-attn runs, not on the tiled matmul path."""
-    return "torch_flash" if kernel == "flash" else kernel
-
-
 def _warn_fallback(meta: SPMeta, why: str) -> None:
     log.warning("P2P ring on %s rows: this row runs its blocks on PyTorch's flash op, not "
                 "ring-flash-attn (%s)", meta.ctx.layout.sharding, why)
@@ -183,7 +171,7 @@ class P2PRingAttention(torch.autograd.Function):
             pieces, step_feats = step_geometry(meta, step, feats)
             if pieces:  # merged into the running result in place: no per-block copy
                 pieces_forward(q, cur[0], cur[1], pieces, step_feats, out, lse,
-                               kernel=block_kernel(meta.ctx.layout.kernel))
+                               kernel=meta.ctx.kernel)
             if pending is not None:
                 _wait(pending)
                 spare = None if step == 0 else cur  # never recycle the caller's own k, v
@@ -218,7 +206,7 @@ class P2PRingAttention(torch.autograd.Function):
             if pieces:  # dq straight into its accumulator; this block's dK/dV on their own
                 block = (dq, torch.zeros_like(cur[0]), torch.zeros_like(cur[1]))
                 pieces_backward(dout, q, cur[0], cur[1], out, lse, pieces, step_feats, block,
-                                kernel=block_kernel(meta.ctx.layout.kernel))
+                                kernel=meta.ctx.kernel)
             # This block's dK/dV so far: from the previous rank (in flight during the compute
             # above), or zero on the block's home rank.
             if step == 0:
@@ -261,14 +249,29 @@ def p2p_ring_attention(
     Same contract as :func:`.ring.ring_attention`: q ``[local_tokens, Hq, D]``, k/v
     ``[local_tokens, Hkv, D]`` (``Hq % Hkv == 0``), ``sinks`` ``[Hq]`` optional and
     differentiable; the layout is ``meta.ctx.layout.sharding`` (contiguous, zigzag or stripe).
-    With the ``flash`` kernel, ring-flash-attn's P2P functions run where they are exact
-    (see :func:`.ring_flash.flash_p2p_unfit`); other rows use this module's kernel.
+    The blocks run on the state's resolved kernel (``meta.ctx.kernel``).
     """
     feats = as_features(features)
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} must be a multiple of KV heads {k.shape[1]}")
-    ctx = meta.ctx
-    if ctx.layout.kernel == "flash" and ctx.layout.sp > 1:
+    return P2PRingAttention.apply(q, k, v, sinks, meta, feats)
+
+
+def flash_p2p_ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: SPMeta,
+    features: AttentionFeatures | float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ``flash`` kernel's P2P ring: ring-flash-attn's P2P functions run where they are
+    exact (see :func:`.ring_flash.flash_p2p_unfit`); other rows, and sp 1, run
+    :func:`p2p_ring_attention`, whose blocks are on PyTorch's flash op."""
+    feats = as_features(features)
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads {q.shape[1]} must be a multiple of KV heads {k.shape[1]}")
+    if meta.ctx.layout.sp > 1:
         from .ring_flash import flash_p2p_attention, flash_p2p_unfit
 
         why = flash_p2p_unfit(q, meta, feats, sinks)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -195,13 +195,6 @@ def refuse_prefixes(meta: SPMeta, what: str) -> None:
         raise NotImplementedError(
             f"{what} cannot compute shared pair prompts (`prefix_sharing: true`). Set "
             "`prefix_sharing: false` for this model.")
-
-
-def on_torch_flash(meta: SPMeta) -> SPMeta:
-    """`meta` for PyTorch's flash op (`torch_flash`): where a flash-attn kernel cannot take
-    a row (shared pair prompts: two key ranges per branch), the row runs on that op."""
-    layout = replace(meta.ctx.layout, kernel="torch_flash")
-    return replace(meta, ctx=replace(meta.ctx, layout=layout), _derived={})
 
 
 def document_prefixes(position_ids: torch.Tensor, cu_host: tuple[int, ...],

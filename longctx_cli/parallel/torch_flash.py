@@ -3,11 +3,11 @@
 PyTorch ships flash-attention 2 as ``aten._flash_attention_forward/backward`` (the op behind
 ``torch.nn.attention.varlen.varlen_attn``), so a GPU without the ``flash-attn`` wheel still
 gets an O(tokens) attention kernel. The op's varlen form is what the segment decomposition
-of :mod:`.kernels` needs:
+of :mod:`.block_geometry` needs:
 
 * packed ``[tokens, heads, dim]`` tensors, sequences given by ``cu_seqlens_q/k`` (int32);
 * causal masking aligned to the *bottom right* of each sequence (query ``i`` of ``n`` sees
-  keys up to ``seqlen_k - n + i``), which is a :class:`~.kernels.Segment`'s rule;
+  keys up to ``seqlen_k - n + i``), which is a :class:`~.features.Segment`'s rule;
 * ``window_size_left/right`` relative to that diagonal: a sliding window ``W`` is ``(W-1, 0)``
   (passed with ``is_causal=False``, as ``varlen_attn`` does);
 * GQA (``Hq`` a multiple of ``Hkv``, query head ``h`` reads KV head ``h // (Hq / Hkv)``);
@@ -23,7 +23,7 @@ a full row is one run; a zigzag shard is two (its second chunk's documents may s
 first). Runs cover disjoint query rows, so their results need no merge.
 
 What the op cannot take (float32, softcapping, other head dims, CPU tensors) falls back, per
-call, to the exact paths of :mod:`.kernels` (on CUDA the tiled matmul path); ``validate``
+call, to the block paths of :mod:`.torch_kernel` (on CUDA the tiled matmul path); ``validate``
 names and budgets that path. Tests point :func:`use_flash_ops` at a CPU stand-in of the two
 ops (``tests/torch_flash_standin.py``); library code never patches torch.
 """

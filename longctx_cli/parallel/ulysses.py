@@ -7,7 +7,7 @@ second all-to-all gives every rank its own tokens back for all heads.
 
 The gathered tokens are put in ascending global order. For a plain Ulysses group that is
 the whole row in true order (zigzag chunks are reordered); for a Ulysses group inside a
-hybrid SP group it is the group's share of the row, which :mod:`.hybrid` feeds to a ring.
+hybrid SP group it is the group's share of the row, which :mod:`.ulysses_ring` feeds to a ring.
 
 Both all-to-alls are linear maps that are each other's transpose, so each one's backward
 is the other one's forward: gradients are exact.
@@ -25,9 +25,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from .block_geometry import full_row_segments
+from .features import AttentionFeatures, Segment, as_features
 from .ring_flash import equal_head_dims, flash_window, refuse_flash_sinks
 from .sharding import SPMeta, local_ranges
-from .torch_kernel import AttentionFeatures, as_features, doc_causal_attention
+from .torch_kernel import DocCausalAttention
 
 
 @dataclass(frozen=True)
@@ -316,6 +318,11 @@ def _device_cu_seqlens(meta: SPMeta, device: torch.device) -> torch.Tensor:
     return meta.cu_seqlens.to(device=device, dtype=torch.int32)  # once per row
 
 
+def _row_segments(meta: SPMeta) -> tuple[Segment, ...]:
+    """The whole row's segments, which every rank holds after the all-to-all (once per row)."""
+    return full_row_segments(meta.cu_host, meta.prefixes, meta.bidirectional)
+
+
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -327,20 +334,35 @@ def ulysses_attention(
     """Exact document-causal attention of this rank's tokens by head-parallel all-to-all.
 
     q: ``[local_tokens, H, D]``, k/v: ``[local_tokens, H_kv, D]``; returns ``[local_tokens, H, D]``.
-    ``sinks`` ``[H]`` (optional): this rank applies the slice of the heads it holds.
+    ``sinks`` ``[H]`` (optional): this rank applies the slice of the heads it holds. The
+    whole row's attention runs on the state's resolved kernel (``meta.ctx.kernel``).
     """
     ctx = meta.ctx
     feats = as_features(features)
     ex = build_exchange(meta, ctx.sp_group, ctx.layout.sp)
     qh, kh, vh = heads_to_ranks(q, k, v, ex, feats.spent)
-    if ctx.layout.kernel == "flash" and not meta.prefixes and not meta.bidirectional:
-        refuse_flash_sinks(sinks)
-        out = _flash_full_row(qh, kh, vh, meta, feats)
-    else:  # flash-attn takes neither shared pair prompts nor image runs: these paths do
-        kernel = "torch_flash" if ctx.layout.kernel == "flash" else ctx.layout.kernel
-        local_sinks = None if sinks is None else sinks[local_head_slice(q.shape[1], ex, meta)]
-        out = doc_causal_attention(
-            qh, kh, vh, meta.cu_host, feats, local_sinks, kernel=kernel, prefixes=meta.prefixes,
-            bidirectional=meta.bidirectional,
-        )
+    local_sinks = None if sinks is None else sinks[local_head_slice(q.shape[1], ex, meta)]
+    out = DocCausalAttention.apply(qh, kh, vh, local_sinks, meta.derived(_row_segments), feats,
+                                   ctx.kernel)
     return heads_to_seq(out, ex)
+
+
+def flash_ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: SPMeta,
+    features: AttentionFeatures | float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ``flash`` kernel's Ulysses: flash-attn's varlen function over the whole row after
+    the all-to-all. flash-attn takes neither shared pair prompts nor image runs: such rows
+    run :func:`ulysses_attention` (on PyTorch's flash op)."""
+    if meta.prefixes or meta.bidirectional:
+        return ulysses_attention(q, k, v, meta, features, sinks)
+    ctx = meta.ctx
+    feats = as_features(features)
+    ex = build_exchange(meta, ctx.sp_group, ctx.layout.sp)
+    qh, kh, vh = heads_to_ranks(q, k, v, ex, feats.spent)
+    refuse_flash_sinks(sinks)
+    return heads_to_seq(_flash_full_row(qh, kh, vh, meta, feats), ex)
