@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import markdown_table, run_ranks, write_results
+from common import markdown_table, rounds, run_ranks, write_results
 
 from longctx_cli.layout import Layout
 from longctx_cli.parallel import (
@@ -150,16 +150,12 @@ def run_variants(args: argparse.Namespace) -> list[dict]:
         repeats = args.repeats if tokens < args.long_from else args.repeats_long
         variants = list(args.variants)
         runs: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
-        for r in range(repeats):
-            shift = r % len(variants)
-            for variant in variants[shift:] + variants[:shift]:
-                runs[variant].append(timed(variant, tokens))
-                if rank == 0:
-                    wall, cpu = runs[variant][-1]
-                    print(
-                        f"  {tokens:>6} {variant:<22} round {r}: {wall:.2f}s wall, {cpu:.2f}s cpu",
-                        flush=True,
-                    )
+        for r, variant in rounds(variants, repeats):
+            runs[variant].append(timed(variant, tokens))
+            if rank == 0:
+                wall, cpu = runs[variant][-1]
+                print(f"  {tokens:>6} {variant:<22} round {r}: {wall:.2f}s wall, {cpu:.2f}s cpu",
+                      flush=True)
         results += [summary(tokens, v, runs[v]) for v in variants]
     if args.memory:  # after all timings: the allocator settings below slow allocation down
         for res in results:

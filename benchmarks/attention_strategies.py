@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS, markdown_table, run_ranks, write_results
+from common import RESULTS, markdown_table, rounds, run_ranks, write_results
 
 _MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 
@@ -53,6 +53,17 @@ def _measure(step: Callable[[], None]) -> tuple[float, float]:
     step()
     elapsed = time.perf_counter() - start
     return elapsed, _status_mib("VmHWM") - before
+
+
+def _slowest(step: Callable[[], None]) -> tuple[float, float]:
+    """`_measure` of one call on every rank, started together: the largest of each over ranks."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    stats = torch.tensor(_measure(step), dtype=torch.float64)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    return float(stats[0]), float(stats[1])
 
 
 def _contexts(world: int, ulysses_degree: int) -> dict[str, Any]:
@@ -140,7 +151,6 @@ def _variants(rank: int, world: int, tokens: int, args: argparse.Namespace) -> d
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
-    import torch
     import torch.distributed as dist
 
     rows = []
@@ -151,13 +161,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         for n in names:  # warm-up: first-call allocations and group set-up
             dist.barrier()
             steps[n]()
-        for rep in range(args.repeats):
-            shift = rep % len(names)
-            for n in names[shift:] + names[:shift]:
-                dist.barrier()
-                stats = torch.tensor(_measure(steps[n]), dtype=torch.float64)
-                dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-                samples[n].append((float(stats[0]), float(stats[1])))
+        for _, n in rounds(names, args.repeats):
+            samples[n].append(_slowest(steps[n]))
         rows += [_summary(world, tokens, n, s) for n, s in samples.items()]
     return rows
 

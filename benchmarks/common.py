@@ -20,7 +20,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +107,7 @@ def save_record(stem: str, record: dict, out: Path | None = None) -> Path:
     return path
 
 
-# ---- ranks ---------------------------------------------------------------------------------
+# ---- ranks and rounds ----------------------------------------------------------------------
 
 
 def run_ranks(worker: Callable[..., Any], world: int, *args: Any,
@@ -118,3 +118,14 @@ def run_ranks(worker: Callable[..., Any], world: int, *args: Any,
     from tests.distributed import run_distributed
 
     return run_distributed(worker, world, *args, timeout_s=timeout_s)
+
+
+def rounds(items: Sequence[Any], repeats: int, stride: int = 1) -> Iterator[tuple[int, Any]]:
+    """(round, item): every item once per round, each round's order rotated by `stride` items
+    from the last's, so that no item is always measured first while the machine's load
+    drifts."""
+    items = list(items)
+    for r in range(repeats):
+        shift = (r * stride) % len(items)
+        for item in items[shift:] + items[:shift]:
+            yield r, item

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import RESULTS, markdown_table, write_results
+from common import RESULTS, markdown_table, rounds, write_results
 
-from benchmarks.attention_strategies import _MALLOC_ENV, _measure
+from benchmarks.attention_strategies import _MALLOC_ENV, _slowest
 from benchmarks.train_step import spawn_ranks
 
 RINGS = {  # variant -> (ring_attn_func, layout)
@@ -109,16 +109,12 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
             warm[name]()
         samples: dict[str, list[tuple[float, float]]] = {n: [] for n in steps}
         names = list(steps)
-        for rep in range(args.repeats):
-            shift = rep % len(names)
-            for name in names[shift:] + names[:shift]:
-                dist.barrier()
-                stats = torch.tensor(_measure(steps[name]), dtype=torch.float64)
-                dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-                samples[name].append((float(stats[0]), float(stats[1])))
-                if rank == 0:
-                    print(f"  {tokens} {name:<22} round {rep}: {stats[0]:7.2f}s "
-                          f"{stats[1]:7.1f} MiB", flush=True)
+        for rep, name in rounds(names, args.repeats):
+            seconds, mib = _slowest(steps[name])
+            samples[name].append((seconds, mib))
+            if rank == 0:
+                print(f"  {tokens} {name:<22} round {rep}: {seconds:7.2f}s {mib:7.1f} MiB",
+                      flush=True)
         for name, s in samples.items():
             rows.append({
                 "tokens": tokens, "variant": name, "times_s": [t for t, _ in s],

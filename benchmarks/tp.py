@@ -24,7 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import markdown_table, write_results
+from common import markdown_table, rounds, write_results
 
 from benchmarks import train_step as ts  # the shared helpers of the train-step benchmark
 from longctx_cli.config import config_from_dict
@@ -150,15 +150,12 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     for tokens in args.tokens:
         times: dict[str, list[float]] = {n: [] for n in names}
         peaks: dict[str, list[float]] = {n: [] for n in names}
-        for r in range(args.repeats):
-            shift = (r * 2) % len(names)
-            for name in names[shift:] + names[:shift]:
-                t, mib = measure(name, tokens)
-                times[name].append(t)
-                peaks[name].append(mib)
-                if rank == 0:
-                    print(f"  {tokens:>6} {name:<14} round {r}: {t:6.2f}s {mib:7.0f} MiB",
-                          flush=True)
+        for r, name in rounds(names, args.repeats, stride=2):
+            t, mib = measure(name, tokens)
+            times[name].append(t)
+            peaks[name].append(mib)
+            if rank == 0:
+                print(f"  {tokens:>6} {name:<14} round {r}: {t:6.2f}s {mib:7.0f} MiB", flush=True)
         for name in names:
             tp, sp, mode = LAYOUTS[name]
             results.append({

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import markdown_table, run_ranks, write_results
+from common import markdown_table, rounds, run_ranks, write_results
 
 from longctx_cli.config import Config, config_from_dict
 from longctx_cli.config.memory_estimate import estimate_memory
@@ -233,16 +233,14 @@ def build_contexts(strategies: list[str]) -> None:
 def run_rounds(variants: list[Variant], repeats: int, log: bool) -> dict[Variant, Measured]:
     """Every variant once per round, the order rotated each round."""
     runs = {v: Measured() for v in variants}
-    for r in range(repeats):
-        shift = (r * 3) % len(variants)
-        for v in variants[shift:] + variants[:shift]:
-            t, mib, cpu = measure(v)
-            runs[v].times_s.append(t)
-            runs[v].peaks_mib.append(mib)
-            runs[v].cpu_s.append(cpu)
-            if log:
-                print(f"  {v.tokens:>6} {v.name:<26} round {r}: {t:6.2f}s (cpu {cpu:6.2f}s) "
-                      f"{mib:7.0f} MiB", flush=True)
+    for r, v in rounds(variants, repeats, stride=3):
+        t, mib, cpu = measure(v)
+        runs[v].times_s.append(t)
+        runs[v].peaks_mib.append(mib)
+        runs[v].cpu_s.append(cpu)
+        if log:
+            print(f"  {v.tokens:>6} {v.name:<26} round {r}: {t:6.2f}s (cpu {cpu:6.2f}s) "
+                  f"{mib:7.0f} MiB", flush=True)
     return runs
 
 
