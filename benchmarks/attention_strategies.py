@@ -183,7 +183,7 @@ def _summary(world: int, tokens: int, name: str, samples: list[tuple[float, floa
 
 def run(world: int, args: argparse.Namespace) -> list[dict]:
     """One gloo job of ``world`` single-threaded processes; returns rank 0's rows."""
-    os.environ.update(_MALLOC_ENV)  # read by glibc when each spawned process starts
+    os.environ.update(_MALLOC_ENV)  # read by glibc as the ranks start (common.run_ranks)
     return run_ranks(_worker, world, args, timeout_s=args.timeout_s)[0]
 
 

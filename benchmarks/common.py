@@ -114,7 +114,11 @@ def run_ranks(worker: Callable[..., Any], world: int, *args: Any,
               timeout_s: float = math.inf) -> list[Any]:
     """`worker(rank, world, *args)` on `world` processes of one compute thread each, joined in
     a gloo group: the tests' `run_distributed` (tests/distributed.py), here with no time limit
-    unless `timeout_s` sets one. The workers' return values, in rank order."""
+    unless `timeout_s` sets one. The workers' return values, in rank order.
+
+    The processes are forks of a server that the first call starts with this process's
+    environment as it is then: set what the ranks' C libraries read at their start
+    (`MALLOC_MMAP_THRESHOLD_`) before the first call."""
     from tests.distributed import run_distributed
 
     return run_distributed(worker, world, *args, timeout_s=timeout_s)

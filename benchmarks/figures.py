@@ -384,20 +384,22 @@ def quickstart_run() -> str:
     model, by_position = passkey["models"][0], loss["models"][0]
     cell = {(c["context_len"], c["depth"]): c for c in model["cells"]}
     lengths = passkey["context_lengths"]
-    lines = [markdown_table(
+    by_depth = markdown_table(
         ["depth", *(f"{n} tok" for n in lengths)],
         ([f"{depth:.0%}", *(f"{cell[n, depth]['correct']}/{cell[n, depth]['total']}"
-                            for n in lengths)] for depth in passkey["depths"])), ""]
-    lines.append(markdown_table(["held-out loss at positions", "tokens", "loss"], [
+                            for n in lengths)] for depth in passkey["depths"]))
+    by_place = markdown_table(["held-out loss at positions", "tokens", "loss"], [
         *([f"{b['start']}-{b['end'] - 1}", f"{b['tokens']:,}", f"{b['loss']:.4f}"]
           for b in by_position["buckets"] if b["tokens"]),
-        ["all", f"{by_position['tokens']:,}", f"{by_position['overall_loss']:.4f}"]]))
+        ["all", f"{by_position['tokens']:,}", f"{by_position['overall_loss']:.4f}"]])
     return _wrap("quickstart-run", "\n".join([
         f"Seed {data['seed']}, {data['machine']}, {data['date']} "
         f"(`benchmarks/results/{QUICKSTART_RUN}`). Passkey retrieval, exact match of the key, "
         "correct / total per cell:",
         "",
-        *lines,
+        by_depth,
+        "",
+        by_place,
         "",
         f"Overall retrieval {model['accuracy']:.1%}. `longctx generate` printed "
         f"`{data['generate_printed']}`.",

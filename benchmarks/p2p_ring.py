@@ -158,7 +158,7 @@ def main() -> None:
     parser.add_argument("--load-note", default="", help="how loaded the machine was")
     parser.add_argument("--out", default=str(RESULTS / "p2p_ring.json"))
     args = parser.parse_args()
-    os.environ.update(_MALLOC_ENV)  # read by glibc when each spawned process starts
+    os.environ.update(_MALLOC_ENV)  # read by glibc as the ranks start (common.run_ranks)
     rows = spawn_ranks(worker, args)
     add_ratios(rows)
     write_results(args.out, {"sp": 4, "heads": args.heads, "dim": args.dim, "dtype": "float32",
