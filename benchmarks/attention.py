@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import statistics
 import threading
 import time
@@ -24,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import markdown_table, rounds, run_ranks, write_results
+from common import markdown_table, rounds, rss_bytes, run_ranks, write_results
 
 from longctx_cli.layout import Layout
 from longctx_cli.parallel import (
@@ -46,19 +45,14 @@ class PeakRSS:
 
     def __init__(self, interval_s: float = 0.002):
         self.interval_s, self.peak, self._stop = interval_s, 0, threading.Event()
-        self._page = os.sysconf("SC_PAGE_SIZE")
-
-    def rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self._page
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.rss())
+            self.peak = max(self.peak, rss_bytes())
             time.sleep(self.interval_s)
 
     def __enter__(self) -> PeakRSS:
-        self.base = self.peak = self.rss()
+        self.base = self.peak = rss_bytes()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
@@ -66,7 +60,7 @@ class PeakRSS:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self.rss())
+        self.peak = max(self.peak, rss_bytes())
 
 
 def full_inputs(tokens: int) -> list[torch.Tensor]:

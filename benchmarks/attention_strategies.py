@@ -24,35 +24,34 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS, markdown_table, rounds, run_ranks, write_results
+from common import (
+    RESULTS,
+    markdown_table,
+    peak_bytes,
+    reset_peak,
+    rounds,
+    rss_bytes,
+    run_ranks,
+    write_results,
+)
 
 _MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 
 
-def _status_mib(field: str) -> float:
-    text = Path("/proc/self/status").read_text()
-    return int(re.search(rf"{field}:\s+(\d+)", text).group(1)) / 1024
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-
-
 def _measure(step: Callable[[], None]) -> tuple[float, float]:
     """(seconds, peak MiB above the resident set at the start) of one call."""
-    _reset_peak()
-    before = _status_mib("VmRSS")
+    reset_peak()
+    before = rss_bytes()
     start = time.perf_counter()
     step()
     elapsed = time.perf_counter() - start
-    return elapsed, _status_mib("VmHWM") - before
+    return elapsed, (peak_bytes() - before) / 2**20
 
 
 def _slowest(step: Callable[[], None]) -> tuple[float, float]:

@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(1, str(ROOT))  # after this folder, before the installed packages
 
 
-# ---- the machine ---------------------------------------------------------------------------
+# ---- the machine and a process's memory -----------------------------------------------------
 
 
 def cpu_model() -> str | None:
@@ -58,6 +58,27 @@ def cpu_words(facts: dict[str, Any]) -> str:
     """"2-core CPU (Intel Xeon ...)": a `machine()` record as the docs name it."""
     model = facts.get("cpu_model")
     return f"{facts['cpu_count']}-core CPU" + (f" ({model})" if model else "")
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak() -> None:
+    """Start this process's resident-set high-water mark (VmHWM) again from its resident set."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_bytes(pid: int | str = "self") -> int:
+    """The resident-set high-water mark (VmHWM) of process `pid` (this one by default)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM in /proc/{pid}/status")
 
 
 # ---- tables and results files --------------------------------------------------------------

@@ -30,15 +30,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import ROOT, cpu_model, markdown_table, run_ranks, span, write_results
-
-from benchmarks.train_step import (
-    init_optimizer_state,
+from common import (
+    ROOT,
+    cpu_model,
+    markdown_table,
     peak_bytes,
     reset_peak,
     rss_bytes,
-    synthetic_row,
+    run_ranks,
+    span,
+    write_results,
 )
+
+from benchmarks.train_step import init_optimizer_state, synthetic_row
 from longctx_cli.config import config_from_dict
 from longctx_cli.config.rules import layout_for
 from longctx_cli.parallel import build_parallel_state, shard_batch

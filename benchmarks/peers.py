@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 import yaml
-from common import ROOT, markdown_table, save_record
+from common import ROOT, markdown_table, peak_bytes, save_record
 
 # The runs' helpers import torch and transformers: loaded where a run needs them, so that
 # `--table` (and benchmarks/figures.py) prints the README's table without them.
@@ -166,8 +166,6 @@ def _children(pid: int) -> list[int]:
 def _peak_kib(pid: int) -> int | None:
     """The process's VmHWM in KiB, or None once it is gone."""
     try:
-        from benchmarks.train_step import peak_bytes
-
         return peak_bytes(pid) // 1024
     except (OSError, RuntimeError):
         return None

@@ -27,7 +27,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import markdown_table, rounds, run_ranks, write_results
+from common import (
+    markdown_table,
+    peak_bytes,
+    reset_peak,
+    rounds,
+    rss_bytes,
+    run_ranks,
+    write_results,
+)
 
 from longctx_cli.config import Config, config_from_dict
 from longctx_cli.config.memory_estimate import estimate_memory
@@ -131,25 +139,6 @@ def predicted_mib(v: Variant) -> float:
 
 
 # ---- measuring a rank ------------------------------------------------------------------
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident set
-
-
-def peak_bytes(pid: int | str = "self") -> int:
-    """The resident-set high-water mark (VmHWM) of process `pid` (this one by default)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM in /proc/{pid}/status")
 
 
 def synthetic_row(tokens: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
