@@ -30,24 +30,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import (
-    RESULTS,
-    markdown_table,
-    peak_bytes,
-    reset_peak,
-    rounds,
-    rss_bytes,
-    run_ranks,
-    write_results,
-)
+from common import RESULTS, markdown_table, peak_bytes, reset_peak, rounds, run_ranks, write_results
 
 _MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 
 
 def _measure(step: Callable[[], None]) -> tuple[float, float]:
     """(seconds, peak MiB above the resident set at the start) of one call."""
-    reset_peak()
-    before = rss_bytes()
+    before = reset_peak()
     start = time.perf_counter()
     step()
     elapsed = time.perf_counter() - start

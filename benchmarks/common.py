@@ -66,10 +66,12 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def reset_peak() -> None:
-    """Start this process's resident-set high-water mark (VmHWM) again from its resident set."""
+def reset_peak() -> int:
+    """Start this process's resident-set high-water mark (VmHWM) again from its resident set,
+    and return that: `peak_bytes() - reset_peak()` is what a step between them added."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+    return rss_bytes()
 
 
 def peak_bytes(pid: int | str = "self") -> int:

@@ -36,7 +36,6 @@ from common import (
     markdown_table,
     peak_bytes,
     reset_peak,
-    rss_bytes,
     run_ranks,
     span,
     write_results,
@@ -88,8 +87,7 @@ def step(model_name: str, sp: int, tokens: int, state,
     """Build and train one step on this rank: (wall s, peak growth bytes, CPU s)."""
     config = config_for(model_name, sp, tokens)
     gc.collect()
-    base = rss_bytes()
-    reset_peak()
+    base = reset_peak()
     model = build_model(config, state)
     decoder, head = decoder_and_head(model)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -24,7 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import markdown_table, peak_bytes, reset_peak, rounds, rss_bytes, write_results
+from common import markdown_table, peak_bytes, reset_peak, rounds, write_results
 
 from benchmarks import train_step as ts  # the shared helpers of the train-step benchmark
 from longctx_cli.config import config_from_dict
@@ -109,8 +109,7 @@ def run_step(name: str, tokens: int) -> tuple[float, float] | None:
         return None
     config = layout_config(name, tokens)
     ctx = CONTEXTS[name]
-    base = rss_bytes()
-    reset_peak()
+    base = reset_peak()
     model = build_model(config, ctx)
     decoder, head = decoder_and_head(model)
     params = [p for p in model.parameters() if p.requires_grad]

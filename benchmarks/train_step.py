@@ -27,15 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import (
-    markdown_table,
-    peak_bytes,
-    reset_peak,
-    rounds,
-    rss_bytes,
-    run_ranks,
-    write_results,
-)
+from common import markdown_table, peak_bytes, reset_peak, rounds, run_ranks, write_results
 
 from longctx_cli.config import Config, config_from_dict
 from longctx_cli.config.memory_estimate import estimate_memory
@@ -173,8 +165,7 @@ def run_step(v: Variant) -> tuple[float, float, float] | None:
     config = variant_config(v)
     ctx = CONTEXTS[context_key(v.strategy)]
     gc.collect()
-    base = rss_bytes()
-    reset_peak()
+    base = reset_peak()
     model = build_model(config)
     if config.tiled_mlp:
         apply_tiled_mlp(model, config.tiled_mlp_tiles)
