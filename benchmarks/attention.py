@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
-import os
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from common import markdown_table, rounds, rss_bytes, run_ranks, write_results
 
 from longctx_cli.layout import Layout
 from longctx_cli.parallel import (
@@ -49,19 +45,14 @@ class PeakRSS:
 
     def __init__(self, interval_s: float = 0.002):
         self.interval_s, self.peak, self._stop = interval_s, 0, threading.Event()
-        self._page = os.sysconf("SC_PAGE_SIZE")
-
-    def rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self._page
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.rss())
+            self.peak = max(self.peak, rss_bytes())
             time.sleep(self.interval_s)
 
     def __enter__(self) -> PeakRSS:
-        self.base = self.peak = self.rss()
+        self.base = self.peak = rss_bytes()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
@@ -69,7 +60,7 @@ class PeakRSS:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self.rss())
+        self.peak = max(self.peak, rss_bytes())
 
 
 def full_inputs(tokens: int) -> list[torch.Tensor]:
@@ -153,16 +144,12 @@ def run_variants(args: argparse.Namespace) -> list[dict]:
         repeats = args.repeats if tokens < args.long_from else args.repeats_long
         variants = list(args.variants)
         runs: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
-        for r in range(repeats):
-            shift = r % len(variants)
-            for variant in variants[shift:] + variants[:shift]:
-                runs[variant].append(timed(variant, tokens))
-                if rank == 0:
-                    wall, cpu = runs[variant][-1]
-                    print(
-                        f"  {tokens:>6} {variant:<22} round {r}: {wall:.2f}s wall, {cpu:.2f}s cpu",
-                        flush=True,
-                    )
+        for r, variant in rounds(variants, repeats):
+            runs[variant].append(timed(variant, tokens))
+            if rank == 0:
+                wall, cpu = runs[variant][-1]
+                print(f"  {tokens:>6} {variant:<22} round {r}: {wall:.2f}s wall, {cpu:.2f}s cpu",
+                      flush=True)
         results += [summary(tokens, v, runs[v]) for v in variants]
     if args.memory:  # after all timings: the allocator settings below slow allocation down
         for res in results:
@@ -183,31 +170,19 @@ def summary(tokens: int, variant: str, runs: list[tuple[float, float]]) -> dict:
     }
 
 
-def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)  # one core per rank, as on the 2-core reference machine
-    store = dist.FileStore(os.path.join(store_dir, "store"), 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
+    """One rank (one compute thread, as on the 2-core reference machine): every variant."""
     CONTEXTS[(1, "contiguous")] = ParallelState()
     for layout in ("contiguous", "zigzag"):
         CONTEXTS[(2, layout)] = build_parallel_state(Layout(
             sp=2, sharding=layout, heads_k_stride=args.heads_k_stride, kernel="torch"))
-    results = run_variants(args)
-    if rank == 0:
-        payload = {"heads": HEADS, "dim": DIM, "threads_per_rank": 1, "results": results}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(payload, indent=1))
-        print(table(results))
-    dist.destroy_process_group()
+    return run_variants(args)
 
 
 def table(results: list[dict]) -> str:
     """Markdown table: medians of wall and CPU time, ratios to sp=1 and SDPA, peak memory."""
     by = {(r["tokens"], r["variant"]): r for r in results}
-    lines = [
-        "| tokens | variant | wall (s) | CPU (s) | wall vs sp=1 | CPU vs sp=1 "
-        "| rank-CPU-s / SDPA | peak RSS growth / rank (MiB) | runs |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for r in results:
         t, v = r["tokens"], r["variant"]
         wall, cpu = r["median_wall_s"], r["median_cpu_s"]
@@ -217,11 +192,10 @@ def table(results: list[dict]) -> str:
         c1 = f"{cpu / sp1['median_cpu_s']:.2f}x" if sp1 else "-"
         cs = f"{cpu * ranks / sdpa['median_cpu_s']:.2f}x" if sdpa else "-"
         mem = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
-        lines.append(
-            f"| {t} | {v} | {wall:.2f} | {cpu:.2f} | {w1} | {c1} | {cs} "
-            f"| {mem} | {len(r['wall_s'])} |"
-        )
-    return "\n".join(lines)
+        rows.append([t, v, f"{wall:.2f}", f"{cpu:.2f}", w1, c1, cs, mem, len(r["wall_s"])])
+    return markdown_table(["tokens", "variant", "wall (s)", "CPU (s)", "wall vs sp=1",
+                           "CPU vs sp=1", "rank-CPU-s / SDPA", "peak RSS growth / rank (MiB)",
+                           "runs"], rows)
 
 
 def main() -> None:
@@ -235,8 +209,10 @@ def main() -> None:
     parser.add_argument("--no-memory", dest="memory", action="store_false")
     parser.add_argument("--out", default="benchmarks/results/attention.json")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="longctx-bench-") as tmp:
-        mp.start_processes(worker, args=(tmp, args), nprocs=2, start_method="spawn")
+    results = run_ranks(worker, 2, args)[0]
+    write_results(args.out, {"heads": HEADS, "dim": DIM, "threads_per_rank": 1,
+                             "results": results})
+    print(table(results))
 
 
 if __name__ == "__main__":

@@ -23,38 +23,36 @@ at once so that the resident set follows live tensors.
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing as mp
 import os
-import re
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).parent / "results" / "attention_strategies.json"
+from common import RESULTS, markdown_table, peak_bytes, reset_peak, rounds, run_ranks, write_results
+
 _MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
-
-
-def _status_mib(field: str) -> float:
-    text = Path("/proc/self/status").read_text()
-    return int(re.search(rf"{field}:\s+(\d+)", text).group(1)) / 1024
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
 
 
 def _measure(step: Callable[[], None]) -> tuple[float, float]:
     """(seconds, peak MiB above the resident set at the start) of one call."""
-    _reset_peak()
-    before = _status_mib("VmRSS")
+    before = reset_peak()
     start = time.perf_counter()
     step()
     elapsed = time.perf_counter() - start
-    return elapsed, _status_mib("VmHWM") - before
+    return elapsed, (peak_bytes() - before) / 2**20
+
+
+def _slowest(step: Callable[[], None]) -> tuple[float, float]:
+    """`_measure` of one call on every rank, started together: the largest of each over ranks."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    stats = torch.tensor(_measure(step), dtype=torch.float64)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    return float(stats[0]), float(stats[1])
 
 
 def _contexts(world: int, ulysses_degree: int) -> dict[str, Any]:
@@ -141,35 +139,21 @@ def _variants(rank: int, world: int, tokens: int, args: argparse.Namespace) -> d
     return steps
 
 
-def _worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out: Any) -> None:
-    import torch
+def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world
-    )
-    try:
-        rows = []
-        for tokens in args.tokens_for[world]:
-            steps = _variants(rank, world, tokens, args)
-            names = list(steps)
-            samples: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
-            for n in names:  # warm-up: first-call allocations and group set-up
-                dist.barrier()
-                steps[n]()
-            for rep in range(args.repeats):
-                shift = rep % len(names)
-                for n in names[shift:] + names[:shift]:
-                    dist.barrier()
-                    stats = torch.tensor(_measure(steps[n]), dtype=torch.float64)
-                    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-                    samples[n].append((float(stats[0]), float(stats[1])))
-            rows += [_summary(world, tokens, n, s) for n, s in samples.items()]
-        if rank == 0:
-            out.put(rows)
-    finally:
-        dist.destroy_process_group()
+    rows = []
+    for tokens in args.tokens_for[world]:
+        steps = _variants(rank, world, tokens, args)
+        names = list(steps)
+        samples: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+        for n in names:  # warm-up: first-call allocations and group set-up
+            dist.barrier()
+            steps[n]()
+        for _, n in rounds(names, args.repeats):
+            samples[n].append(_slowest(steps[n]))
+        rows += [_summary(world, tokens, n, s) for n, s in samples.items()]
+    return rows
 
 
 def _summary(world: int, tokens: int, name: str, samples: list[tuple[float, float]]) -> dict:
@@ -188,20 +172,8 @@ def _summary(world: int, tokens: int, name: str, samples: list[tuple[float, floa
 
 def run(world: int, args: argparse.Namespace) -> list[dict]:
     """One gloo job of ``world`` single-threaded processes; returns rank 0's rows."""
-    os.environ.update(_MALLOC_ENV)  # read by glibc when each spawned process starts
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="longctx-bench-") as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [
-            ctx.Process(target=_worker, args=(r, world, store, args, queue)) for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        rows = queue.get(timeout=args.timeout_s)
-        for p in procs:
-            p.join(timeout=60)
-    return rows
+    os.environ.update(_MALLOC_ENV)  # read by glibc as the ranks start (common.run_ranks)
+    return run_ranks(_worker, world, args, timeout_s=args.timeout_s)[0]
 
 
 def add_speedups(rows: list[dict]) -> None:
@@ -211,15 +183,11 @@ def add_speedups(rows: list[dict]) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    head = "| sp | tokens | variant | median s | min-max s | speed-up vs SDPA | peak MiB/rank |"
-    lines = [head, "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(
-            f"| {r['sp']} | {r['tokens']} | {r['variant']} | {r['median_s']:.3f} | "
-            f"{r['min_s']:.3f}-{r['max_s']:.3f} | {r['speedup_vs_sdpa']:.2f}x | "
-            f"{r['peak_mib_per_rank']:.0f} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(
+        ["sp", "tokens", "variant", "median s", "min-max s", "speed-up vs SDPA", "peak MiB/rank"],
+        ([r["sp"], r["tokens"], r["variant"], f"{r['median_s']:.3f}",
+          f"{r['min_s']:.3f}-{r['max_s']:.3f}", f"{r['speedup_vs_sdpa']:.2f}x",
+          f"{r['peak_mib_per_rank']:.0f}"] for r in rows))
 
 
 def main() -> None:
@@ -231,13 +199,12 @@ def main() -> None:
     parser.add_argument("--ulysses-degree", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--timeout-s", type=float, default=3600)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS / "attention_strategies.json")
     args = parser.parse_args()
     args.tokens_for = {2: args.sp2_tokens, 4: args.sp4_tokens}
     rows = [row for world in (2, 4) if args.tokens_for[world] for row in run(world, args)]
     add_speedups(rows)
     print(table(rows))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "heads": args.heads,
         "dim": args.dim,
@@ -245,7 +212,7 @@ def main() -> None:
         "ulysses_degree": args.ulysses_degree,
         "cpu_count": os.cpu_count(),
     }
-    args.out.write_text(json.dumps({"config": meta, "rows": rows}, indent=2) + "\n")
+    write_results(args.out, {"config": meta, "rows": rows})
     print(f"results written to {args.out}")
 
 

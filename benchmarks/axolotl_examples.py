@@ -27,8 +27,8 @@ import tempfile
 from pathlib import Path
 
 import yaml
+from common import RESULTS, ROOT, markdown_table, shown, write_results
 
-ROOT = Path(__file__).resolve().parent.parent
 STAND_IN = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
             "num_key_value_heads": 8, "vocab_size": 128256,
@@ -183,10 +183,9 @@ def summary(result: dict) -> str:
         "stand-in config was used, so these check everything but the model's shape);",
         f"- {outcomes['refused']} are refused, each in one paragraph. First reasons:",
         "",
-        "| configs | first reason |",
-        "|---|---|",
+        markdown_table(["configs", "first reason"],
+                       ([n, reason.replace("|", "/")] for reason, n in reasons.most_common())),
     ]
-    lines += [f"| {n} | {reason.replace('|', '/')} |" for reason, n in reasons.most_common()]
     return "\n".join(lines)
 
 
@@ -207,9 +206,8 @@ def main() -> None:
     else:
         result = survey(args.axolotl, args.nproc_per_node)
         result["summary"] = summary(result)
-        out = ROOT / "benchmarks" / "results" / f"axolotl-examples-{result['date']}.json"
-        out.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {out.relative_to(ROOT)}", file=sys.stderr)
+        out = write_results(RESULTS / f"axolotl-examples-{result['date']}.json", result)
+        print(f"wrote {shown(out)}", file=sys.stderr)
     print(result.get("summary") or summary(result))
     if args.docs:  # docs/axolotl.md shows the newest results file's summary
         from longctx_cli.config.docs import render_axolotl

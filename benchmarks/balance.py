@@ -27,7 +27,6 @@ the slowdown when ranks wait for each other on every row, as they do every layer
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from collections import OrderedDict
@@ -36,11 +35,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from common import RESULTS, markdown_table, write_results
 
 from longctx_cli.data.pack import ffd_bins
 from longctx_cli.layout import Layout
-
-RESULTS = Path(__file__).parent / "results" / "balance.json"
 
 
 @dataclass(frozen=True)
@@ -291,14 +289,14 @@ def readme_table(report: dict[str, Any]) -> str:
     one = report["workloads"][f"one_doc_{report['row_len']}"]["results"]
     pk = report["workloads"]["packed"]
     head = ["strategy"] + [f"1 doc sp={sp}" for sp in sps] + [f"packed sp={sp}" for sp in sps]
-    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    rows = []
     for s in report["strategies"]:
         name = s["name"] + (" (total/sp, not counted)" if s["mode"] == "ulysses" else "")
         cells = [f"{one[s['name']][str(sp)]['max_over_mean']:.3f}" for sp in sps]
         cells += [f"{pk['results'][s['name']][str(sp)]['max_over_mean']:.3f}" for sp in sps]
-        lines.append("| " + " | ".join([name, *cells]) + " |")
+        rows.append([name, *cells])
     d = pk["distribution"]
-    lines.append("")
+    lines = [markdown_table(head, rows, right=range(1, len(head))), ""]
     lines.append(
         f"max/mean over SP ranks of the query-key pairs each computes under the causal document "
         f"mask (1.000 = perfect). 1 doc: one {report['row_len']}-token document per row. "
@@ -320,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sigma", type=float, default=2.0)
     p.add_argument("--min-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--out", type=Path, default=RESULTS / "balance.json")
     p.add_argument("--readme", action="store_true", help="also print docs/parallelism.md's table")
     args = p.parse_args(argv)
 
@@ -346,8 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.readme:
         print()
         print(readme_table(report))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_results(args.out, report)
     print(f"wrote {args.out}")
     return 0
 

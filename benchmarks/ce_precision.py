@@ -15,12 +15,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.context_extension import save_record  # noqa: E402
+from common import save_record
 
 VOCABULARIES = (32_000, 49_152, 151_936, 262_144)
 

@@ -19,7 +19,6 @@ import argparse
 import ast
 import json
 import os
-import platform
 import subprocess
 import sys
 import sysconfig
@@ -27,11 +26,9 @@ import time
 from pathlib import Path
 
 import yaml
+from common import ROOT, markdown_table, save_record
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tests.real_model import NATIVE_CONTEXT, smollm2_folder  # noqa: E402
+from tests.real_model import NATIVE_CONTEXT, smollm2_folder
 
 SCALINGS = {"none": None, "yarn auto": {"type": "yarn", "factor": "auto"}}
 
@@ -100,24 +97,13 @@ def main() -> None:
     names = list(results)
     print(f"\nSmolLM2-135M-Instruct, native context {NATIVE_CONTEXT:,}; held-out loss by "
           f"position over {args.documents} documents of {args.length:,} tokens, sp 2")
-    print("| positions | tokens | " + " | ".join(f"loss, {n}" for n in names) + " |")
-    print("|---|---|" + "---|" * len(names))
-    for i, bucket in enumerate(results[names[0]]["buckets"]):
-        cells = [f"{results[n]['buckets'][i]['loss']:.3f}" for n in names]
-        print(f"| {bucket['start']:,}-{bucket['end']:,} | {bucket['tokens']:,} | "
-              + " | ".join(cells) + " |")
+    print(markdown_table(
+        ["positions", "tokens", *(f"loss, {n}" for n in names)],
+        ([f"{bucket['start']:,}-{bucket['end']:,}", f"{bucket['tokens']:,}",
+          *(f"{results[n]['buckets'][i]['loss']:.3f}" for n in names)]
+         for i, bucket in enumerate(results[names[0]]["buckets"]))))
     save_record("context_extension", {"length": args.length, "documents": args.documents,
                                       "native": NATIVE_CONTEXT, "results": results})
-
-
-def save_record(stem: str, record: dict) -> None:
-    """`record` with the date and the machine, as benchmarks/results/<stem>-<date>.json."""
-    date = time.strftime("%Y-%m-%d")
-    record = {**record, "date": date,
-              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"}
-    out = ROOT / "benchmarks" / "results" / f"{stem}-{date}.json"
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

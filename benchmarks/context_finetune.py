@@ -31,12 +31,9 @@ import time
 from pathlib import Path
 
 import yaml
+from common import ROOT, markdown_table, save_record
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.context_extension import save_record  # noqa: E402
-from tests.real_model import NATIVE_CONTEXT, smollm2_folder  # noqa: E402
+from tests.real_model import NATIVE_CONTEXT, smollm2_folder
 
 SCALINGS = {"none": None, "linear auto": {"type": "linear", "factor": "auto"},
             "yarn auto": {"type": "yarn", "factor": "auto"}}
@@ -133,13 +130,12 @@ def main() -> None:
     depths = [str(d) for d in args.depths]
     print(f"\nSmolLM2-135M-Instruct (native context {NATIVE_CONTEXT:,}), passkey retrieval at "
           f"{args.length:,} tokens, teacher-forced exact match")
-    print("| model | RoPE scaling | training | keys found | "
-          + " | ".join(f"depth {float(d):.0%}" for d in depths) + " |")
-    print("|---|---|---|---|" + "---|" * len(depths))
-    for row in rows:
-        cells = [f"{row['by_depth'][d][0]}/{row['by_depth'][d][1]}" for d in depths]
-        print(f"| {row['model']} | {row['scaling']} | {row['training']} | "
-              f"{row['correct']}/{row['total']} | " + " | ".join(cells) + " |")
+    print(markdown_table(
+        ["model", "RoPE scaling", "training", "keys found",
+         *(f"depth {float(d):.0%}" for d in depths)],
+        ([row["model"], row["scaling"], row["training"], f"{row['correct']}/{row['total']}",
+          *(f"{row['by_depth'][d][0]}/{row['by_depth'][d][1]}" for d in depths)]
+         for row in rows)))
     save_record("context_finetune", {
         "length": args.length, "native": NATIVE_CONTEXT, "steps": args.steps,
         "learning_rate": args.learning_rate, "scaling": args.scaling, "seeds": args.seeds,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -28,10 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from common import RESULTS, ROOT, cpu_words, machine, markdown_table, write_results
 
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "tiny_passkey.yaml"
-RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 RESULTS_DOC = ROOT / "docs" / "results.md"  # where the example's results section is
 HEATMAP = ROOT / "docs" / "images" / "tiny_passkey_heatmap.png"
@@ -124,32 +122,6 @@ def run_example(seed: int, threads: int, workdir: Path) -> dict[str, Any]:
     }
 
 
-def machine() -> dict[str, Any]:
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_model": _cpu_model(),
-        "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
-
-
-def _cpu_model() -> str | None:
-    """The CPU's name as Linux reports it (None elsewhere)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return None
-    return next((line.split(":", 1)[1].strip() for line in lines
-                 if line.startswith("model name")), None)
-
-
-def cpu_words(machine: dict[str, Any]) -> str:
-    """"2-core CPU (Intel Xeon ...)": the machine as the README names it."""
-    model = machine.get("cpu_model")
-    return f"{machine['cpu_count']}-core CPU" + (f" ({model})" if model else "")
-
-
 # ---- README and heatmap ---------------------------------------------------------------------
 
 
@@ -218,17 +190,17 @@ def readme_section(data: dict[str, Any]) -> str:
         f"{min(r['final_loss'] for r in runs):.4f}-{max(r['final_loss'] for r in runs):.4f} "
         f"at step {runs[0]['steps']:,}.",
         "",
-        "| seed | threads/rank | trained lengths | " + " | ".join(f"{n} tokens" for n in lengths)
-        + " | overall | final held-out loss | train + eval |",
-        "|---|---|---|" + "---|" * len(lengths) + "---|---|---|",
     ]
+    rows = []
     for r in sorted(runs, key=lambda r: (r["threads_per_rank"], r["seed"])):
         held = "-" if r["final_eval_loss"] is None else f"{r['final_eval_loss']:.4f}"
-        lines.append(
-            f"| {r['seed']} | {r['threads_per_rank']} | {_pct(r['trained_accuracy'])} | "
-            + " | ".join(_pct(r["accuracy_by_length"][n]) for n in lengths)
-            + f" | {_pct(r['overall_accuracy'])} | {held} | {r['command_s']:.0f} s |")
+        rows.append([r["seed"], r["threads_per_rank"], _pct(r["trained_accuracy"]),
+                     *(_pct(r["accuracy_by_length"][n]) for n in lengths),
+                     _pct(r["overall_accuracy"]), held, f"{r['command_s']:.0f} s"])
     lines += [
+        markdown_table(["seed", "threads/rank", "trained lengths",
+                        *(f"{n} tokens" for n in lengths), "overall", "final held-out loss",
+                        "train + eval"], rows),
         "",
         "![passkey heatmap of the bundled example, mean over the runs above]"
         "(images/tiny_passkey_heatmap.png)",
@@ -324,8 +296,7 @@ def main() -> None:
             for seed in args.seeds:
                 record = run_example(seed, threads, args.workdir / f"seed{seed}-t{threads}")
                 data["runs"].append(record)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps(data, indent=2) + "\n")  # after every run
+                write_results(out, data)  # after every run
                 print(f"seed {seed} threads {threads}: trained lengths "
                       f"{_pct(record['trained_accuracy'])}, overall "
                       f"{_pct(record['overall_accuracy'])}, train {record['train_s']:.0f} s, "

@@ -16,26 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
+from common import RESULTS, ROOT, cpu_words, machine, markdown_table, write_results
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.example import (  # noqa: E402
-    EXAMPLE,
-    RESULTS,
-    ROOT,
-    _example,
-    _longctx,
-    _pct,
-    cpu_words,
-    machine,
-    rewrite_readme,
-)
+from benchmarks.example import EXAMPLE, _example, _longctx, _pct, rewrite_readme
 
 DOC = ROOT / "docs" / "eval.md"
 START, END = "<!-- example-ruler:start -->", "<!-- example-ruler:end -->"
@@ -97,9 +85,8 @@ def docs_section(data: dict[str, Any]) -> str:
         f"`{PROMPT_KEY}]` for {keys} of {len(runs)} seeds "
         f"({', '.join(repr(r['generated']) for r in runs)}).",
         "",
-        "| task | " + " | ".join(f"{n} tokens" for n in RULER_LENGTHS) + " |",
-        "|---|" + "---|" * len(RULER_LENGTHS),
     ]
+    rows = []
     for task in RULER_TASKS:
         cells = []
         for n in RULER_LENGTHS:
@@ -107,7 +94,8 @@ def docs_section(data: dict[str, Any]) -> str:
                       if c["task"] == task and c["length"] == n]
             cells.append(f"{_pct(min(scores))}-{_pct(max(scores))}" if min(scores) != max(scores)
                          else _pct(scores[0]))
-        lines.append(f"| {task} | " + " | ".join(cells) + " |")
+        rows.append([task, *cells])
+    lines.append(markdown_table(["task", *(f"{n} tokens" for n in RULER_LENGTHS)], rows))
     averages = [r["ruler_average"] for r in runs]
     lines += ["", f"RULER average over these tasks: {_pct(min(averages))} to "
               f"{_pct(max(averages))} ({SAMPLES} samples per cell; cells give the range over "
@@ -143,8 +131,7 @@ def main() -> None:
         for seed in args.seeds or [_example()["seed"], 1, 2]:
             record = run_seed(seed, args.threads, args.workdir / f"seed{seed}")
             data["runs"].append(record)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(data, indent=2) + "\n")
+            write_results(out, data)
             print(f"seed {seed}: generated {record['generated']!r}, RULER average "
                   f"{_pct(record['ruler_average'])}", flush=True)
     print(f"RULER averages: {[round(r['ruler_average'], 3) for r in data['runs']]}, "

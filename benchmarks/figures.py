@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib
 import json
 import os
 import re
@@ -33,9 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(ROOT))
+from common import RESULTS, ROOT, cpu_model, markdown_table, span, write_results
 
 
 def _json(name: str) -> dict:
@@ -87,14 +86,12 @@ def status_line() -> str:
 def status_box() -> str:
     cards, low, high = gpu_speed()
     one = " and one ".join(cards)
-    return _wrap("status", "\n".join([
-        "| hardware | status |",
-        "|---|---|",
-        "| CPU (`gloo`) | tested: every strategy against the model's own training, in the "
-        "test suite ([how](docs/families.md#how-exactness-is-judged)) |",
-        f"| one GPU | measured on one {one}: a step at {low:.2f}-{high:.2f}x plain HF's speed "
-        "([gpu.md](docs/gpu.md#measured-on-an-h100-and-an-h200)) |",
-        "| several GPUs, several nodes | implemented, never run |",
+    return _wrap("status", markdown_table(["hardware", "status"], [
+        ["CPU (`gloo`)", "tested: every strategy against the model's own training, in the test "
+         "suite ([how](docs/families.md#how-exactness-is-judged))"],
+        ["one GPU", f"measured on one {one}: a step at {low:.2f}-{high:.2f}x plain HF's speed "
+         "([gpu.md](docs/gpu.md#measured-on-an-h100-and-an-h200))"],
+        ["several GPUs, several nodes", "implemented, never run"],
     ]))
 
 
@@ -118,8 +115,7 @@ def gpu_summary() -> str:
         report = json.loads(Path(path).read_text())
         if not report.get("dry_run"):
             by_card.setdefault(_card(report), []).append((Path(path).name, report))
-    lines = ["| card | files | longctx's tok/s / plain HF's | longctx's peak / HF's, 32K on "
-             "| `validate`'s estimate / peak, the last lease |", "|---|---|---|---|---|"]
+    rows = []
     for card, reports in by_card.items():
         speed, memory, estimate = [], [], []
         for _, report in reports:
@@ -141,11 +137,11 @@ def gpu_summary() -> str:
                                             **lg["options"])
                     estimate.append(estimate_bytes(config, lg["kernel"], True)
                                     / trial["peak_bytes"])
-        files = ", ".join(f"`{name}`" for name, _ in reports)
-        lines.append(f"| {card} | {files} | {_span(speed, '.2f', 'x')} | "
-                     f"{_span(memory, '.2f', 'x')} | "
-                     f"{_span(estimate, '.2f', 'x') if estimate else '-'} |")
-    return _wrap("gpu-summary", "\n".join(lines))
+        rows.append([card, ", ".join(f"`{name}`" for name, _ in reports), span(speed, ".2f", "x"),
+                     span(memory, ".2f", "x"), span(estimate, ".2f", "x") if estimate else "-"])
+    return _wrap("gpu-summary", markdown_table(
+        ["card", "files", "longctx's tok/s / plain HF's", "longctx's peak / HF's, 32K on",
+         "`validate`'s estimate / peak, the last lease"], rows))
 
 
 def gpu_file(name: str, stem: str) -> Callable[[], str]:
@@ -220,11 +216,6 @@ def balance_table() -> str:
 # ---- docs: blocks rendered here -------------------------------------------------------------
 
 
-def _span(values: list[float], fmt: str, unit: str = "") -> str:
-    lo, hi = format(min(values), fmt), format(max(values), fmt)
-    return f"{lo}{unit}" if lo == hi else f"{lo}-{hi}{unit}"
-
-
 def prefix_sharing() -> str:
     name = "prefix-sharing-2026-11-26.json"
     data = _json(name)
@@ -291,7 +282,7 @@ def preference_results() -> str:
         "gets the",
         f"higher reward), {len(runs)} seeds, `python benchmarks/preference_example.py --seeds "
         f"{' '.join(map(str, seeds))}`",
-        f"(benchmarks/results/{name}), 2-core AMD EPYC, {_span(minutes, '.1f')} min per",
+        f"(benchmarks/results/{name}), 2-core AMD EPYC, {span(minutes, '.1f')} min per",
         "run while other jobs shared the machine:",
         "",
         "| step | " + " | ".join(c[0] for c in cols) + " |",
@@ -322,9 +313,9 @@ def grpo_example() -> str:
         f"(`benchmarks/results/{name}`), seeds {seeds}: passkey retrieval at",
         "272-320 tokens (teacher-forced exact match of the key, 320 samples over 4 lengths x 5",
         f"depths) goes from **{100 * data['before']:.1f}% before GRPO to "
-        f"{_span(acc, '.1f')}% after**; the mean reward of the",
-        f"rollouts from {_span(first, '.2f')} over the first 10 steps to {_span(last, '.2f')} "
-        f"over the last 10; {_span(minutes, '.1f')} min",
+        f"{span(acc, '.1f')}% after**; the mean reward of the",
+        f"rollouts from {span(first, '.2f')} over the first 10 steps to {span(last, '.2f')} "
+        f"over the last 10; {span(minutes, '.1f')} min",
         "per run (the machine was shared with other work). A modest, consistent gain, on a "
         "model of",
         "377K parameters: the example shows the machinery learning, not what GRPO does for a "
@@ -393,22 +384,22 @@ def quickstart_run() -> str:
     model, by_position = passkey["models"][0], loss["models"][0]
     cell = {(c["context_len"], c["depth"]): c for c in model["cells"]}
     lengths = passkey["context_lengths"]
-    lines = ["| depth | " + " | ".join(f"{n} tok" for n in lengths) + " |",
-             "|---" * (len(lengths) + 1) + "|"]
-    for depth in passkey["depths"]:
-        lines.append(f"| {depth:.0%} | " + " | ".join(
-            f"{cell[n, depth]['correct']}/{cell[n, depth]['total']}" for n in lengths) + " |")
-    lines += ["", "| held-out loss at positions | tokens | loss |", "|---|---|---|"]
-    for b in by_position["buckets"]:
-        if b["tokens"]:
-            lines.append(f"| {b['start']}-{b['end'] - 1} | {b['tokens']:,} | {b['loss']:.4f} |")
-    lines.append(f"| all | {by_position['tokens']:,} | {by_position['overall_loss']:.4f} |")
+    by_depth = markdown_table(
+        ["depth", *(f"{n} tok" for n in lengths)],
+        ([f"{depth:.0%}", *(f"{cell[n, depth]['correct']}/{cell[n, depth]['total']}"
+                            for n in lengths)] for depth in passkey["depths"]))
+    by_place = markdown_table(["held-out loss at positions", "tokens", "loss"], [
+        *([f"{b['start']}-{b['end'] - 1}", f"{b['tokens']:,}", f"{b['loss']:.4f}"]
+          for b in by_position["buckets"] if b["tokens"]),
+        ["all", f"{by_position['tokens']:,}", f"{by_position['overall_loss']:.4f}"]])
     return _wrap("quickstart-run", "\n".join([
         f"Seed {data['seed']}, {data['machine']}, {data['date']} "
         f"(`benchmarks/results/{QUICKSTART_RUN}`). Passkey retrieval, exact match of the key, "
         "correct / total per cell:",
         "",
-        *lines,
+        by_depth,
+        "",
+        by_place,
         "",
         f"Overall retrieval {model['accuracy']:.1%}. `longctx generate` printed "
         f"`{data['generate_printed']}`.",
@@ -461,10 +452,10 @@ def context_extension() -> str:
     return _wrap("context-extension", "\n".join([
         *lines,
         f"| cost of yarn inside the native {data['native']:,} positions | | | "
-        f"{_span(cost, '.1f', '%')} |",
+        f"{span(cost, '.1f', '%')} |",
         "",
         f"{data['documents']} documents of {data['length']:,} tokens, {data['machine']}, "
-        f"{data['date']}, {_span(minutes, '.1f', ' min')} per evaluation "
+        f"{data['date']}, {span(minutes, '.1f', ' min')} per evaluation "
         f"(`benchmarks/results/{CONTEXT_EXTENSION}`).",
     ]))
 
@@ -473,10 +464,7 @@ def context_finetune() -> str:
     data = _json(CONTEXT_FINETUNE)
     depths = sorted(data["rows"][0]["by_depth"], key=float)
     names = {"base": "SmolLM2 as it is"}
-    lines = ["| model | RoPE | training | keys found | "
-             + " | ".join(f"needle at {float(d):.0%}" for d in depths)
-             + " | loss, first / last step |",
-             "|---" * (5 + len(depths)) + "|"]
+    rows = []
     for row in data["rows"]:
         name = names.get(row["model"], row["model"])
         if row["model"] == "base" and row["scaling"] != "none":
@@ -484,16 +472,17 @@ def context_finetune() -> str:
         rope = "its own" if row["scaling"] == "none" else "yarn, `factor: auto`"
         losses = row.get("losses")
         loss = f"{losses[0]:.3f} / {losses[-1]:.3f}" if losses else "-"
-        lines.append(f"| {name} | {rope} | {row['training']} | {row['correct']}/{row['total']} | "
-                     + " | ".join("{}/{}".format(*row["by_depth"][d]) for d in depths)
-                     + f" | {loss} |")
+        rows.append([name, rope, row["training"], f"{row['correct']}/{row['total']}",
+                     *("{}/{}".format(*row["by_depth"][d]) for d in depths), loss])
     train = [r["train_seconds"] / 60 for r in data["rows"] if "train_seconds" in r]
     evals = [r["eval_seconds"] / 60 for r in data["rows"]]
     return _wrap("context-finetune", "\n".join([
-        *lines,
+        markdown_table(["model", "RoPE", "training", "keys found",
+                        *(f"needle at {float(d):.0%}" for d in depths),
+                        "loss, first / last step"], rows),
         "",
-        f"{data['machine']}, {data['date']}: {_span(train, '.0f', ' min')} of training per "
-        f"seed, {_span(evals, '.1f', ' min')} per evaluation "
+        f"{data['machine']}, {data['date']}: {span(train, '.0f', ' min')} of training per "
+        f"seed, {span(evals, '.1f', ' min')} per evaluation "
         f"(`benchmarks/results/{CONTEXT_FINETUNE}`).",
     ]))
 
@@ -507,9 +496,9 @@ def grpo_sharing() -> str:
     unshared, shared = rows["unshared"], rows["shared"]
 
     def cells(row: dict) -> str:
-        return (f"{_span(row['update_s'], '.1f', ' s')} | "
+        return (f"{span(row['update_s'], '.1f', ' s')} | "
                 f"{statistics.median(row['rollout_s']):.1f} s | "
-                f"{_span(row['peak_mib'], ',.0f', ' MiB')}")
+                f"{span(row['peak_mib'], ',.0f', ' MiB')}")
 
     cut = 1 - statistics.median(shared["update_s"]) / statistics.median(unshared["update_s"])
     same = all(abs(a - b) < 1e-6 for a, b in zip(shared["losses"], unshared["losses"], strict=True))
@@ -534,9 +523,6 @@ def bench_table(name: str, module: str, stem: str, key: str) -> Callable[[], str
     """The table `benchmarks/<module>.py` prints for `results/<stem>` (its `table()` over
     the JSON's `key`)."""
     def render() -> str:
-        import importlib
-
-        sys.path.insert(0, str(ROOT / "benchmarks"))  # some scripts import their siblings
         table = importlib.import_module(f"benchmarks.{module}").table
         return _wrap(name, f"{table(_json(stem)[key])}\n\n`results/{stem}`")
     return render
@@ -552,15 +538,14 @@ def validate_time() -> str:
     total = [r["total_s"] for r in runs]
     loads = [x for r in runs for x in (r["load_before"], r["load_after"])]
     return _wrap("validate-time", "\n".join([
-        f"| `{data['command']}` | {len(runs)} runs |",
-        "|---|---|",
-        f"| the plan's first line | {_span(first, '.2f', ' s')} (median "
-        f"{statistics.median(first):.2f} s) |",
-        f"| done, the fidelity probe included | {_span(total, '.1f', ' s')} (median "
-        f"{statistics.median(total):.1f} s) |",
+        markdown_table([f"`{data['command']}`", f"{len(runs)} runs"], [
+            ["the plan's first line",
+             f"{span(first, '.2f', ' s')} (median {statistics.median(first):.2f} s)"],
+            ["done, the fidelity probe included",
+             f"{span(total, '.1f', ' s')} (median {statistics.median(total):.1f} s)"]]),
         "",
         f"Timed by `python benchmarks/figures.py --time-validate {len(runs)}` on a "
-        f"{data['machine']}, {data['date']}, 1-minute load average {_span(loads, '.1f')} "
+        f"{data['machine']}, {data['date']}, 1-minute load average {span(loads, '.1f')} "
         f"(`benchmarks/results/{VALIDATE_TIME}`).",
     ]))
 
@@ -732,14 +717,9 @@ def time_validate(runs: int) -> Path:
                        "load_before": round(before, 2), "load_after": round(os.getloadavg()[0], 2)})
         print(f"plan after {first:.2f} s, done in {total:.2f} s", flush=True)
     date = time.strftime("%Y-%m-%d")
-    out = RESULTS / f"validate-time-{date}.json"
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
-               "CPU")
-    out.write_text(json.dumps({
+    return write_results(RESULTS / f"validate-time-{date}.json", {
         "command": " ".join(["longctx", *command[1:]]), "date": date,
-        "machine": f"{os.cpu_count()}-core {cpu}", "runs": record}, indent=2) + "\n")
-    return out
+        "machine": f"{os.cpu_count()}-core {cpu_model() or 'CPU'}", "runs": record})
 
 
 def main() -> None:

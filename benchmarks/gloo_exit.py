@@ -5,7 +5,8 @@ all-gather one tensor and return, either leaving the group alive (torn down duri
 interpreter finalization) or destroying it first (what `runtime/distributed.py:
 process_group_released` does on every longctx rank). A run counts as an abort when it printed
 "terminate called without an active exception" or a process died of SIGABRT. Prints a table
-and writes JSON.
+and writes JSON. Its processes are its own, not `common.run_ranks`'s: those always destroy
+their group.
 
     python benchmarks/gloo_exit.py --runs 16
 """
@@ -13,14 +14,13 @@ and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from common import RESULTS, markdown_table, save_record
 
 WORLD = 4
 ABORT_WORDS = ("terminate called", "SIGABRT", "signal 6")
@@ -67,7 +67,7 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=16)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gloo_exit.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "gloo_exit.json")
     args = parser.parse_args()
     import torch
 
@@ -75,16 +75,11 @@ def main() -> None:
     for destroy in (False, True):
         aborts = sum(one_run(destroy) for _ in range(args.runs))
         results["destroyed" if destroy else "left alive"] = aborts
-    print(f"| process group at exit | aborted runs (of {args.runs}, {WORLD} processes each) |")
-    print("|---|---|")
-    for name, aborts in results.items():
-        print(f"| {name} | {aborts} |")
-    record = {"runs": args.runs, "world": WORLD, "aborted": results, "torch": torch.__version__,
-              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-              "date": time.strftime("%Y-%m-%d")}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(markdown_table(["process group at exit",
+                          f"aborted runs (of {args.runs}, {WORLD} processes each)"],
+                         results.items()))
+    save_record("gloo_exit", {"runs": args.runs, "world": WORLD, "aborted": results,
+                              "torch": torch.__version__}, args.out)
 
 
 if __name__ == "__main__":

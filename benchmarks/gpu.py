@@ -50,52 +50,49 @@ import contextlib
 import gc
 import importlib.util
 import json
-import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import RESULTS, markdown_table, write_results
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from longctx_cli.config import config_from_dict  # noqa: E402
-from longctx_cli.config.memory_estimate import estimate_memory, tiled_scores_run  # noqa: E402
-from longctx_cli.config.plan import layout_for  # noqa: E402
-from longctx_cli.config.shape import ModelShape, attention_softcap  # noqa: E402
-from longctx_cli.kernel_choice import (  # noqa: E402
+from longctx_cli.config import config_from_dict
+from longctx_cli.config.memory_estimate import estimate_memory, tiled_scores_run
+from longctx_cli.config.plan import layout_for
+from longctx_cli.config.shape import ModelShape, attention_softcap
+from longctx_cli.kernel_choice import (
     KernelError,
     ModelAttention,
     Platform,
     choose_kernel,
     flash_kernels_import,
 )
-from longctx_cli.layout import P2P_SHARDING, Layout  # noqa: E402
-from longctx_cli.parallel import (  # noqa: E402
+from longctx_cli.layout import P2P_SHARDING, Layout
+from longctx_cli.parallel import (
     AttentionFeatures,
     ParallelState,
-    cudnn_attention,  # noqa: E402
+    cudnn_attention,
     make_sp_meta,
     shard_batch,
 )
-from longctx_cli.parallel.block_geometry import full_row_segments  # noqa: E402
-from longctx_cli.parallel.sharding import segments_for  # noqa: E402
-from longctx_cli.parallel.torch_flash import flash_applies  # noqa: E402
-from longctx_cli.parallel.torch_kernel import (  # noqa: E402
+from longctx_cli.parallel.block_geometry import full_row_segments
+from longctx_cli.parallel.sharding import segments_for
+from longctx_cli.parallel.torch_flash import flash_applies
+from longctx_cli.parallel.torch_kernel import (
     doc_causal_backward,
     doc_causal_forward,
 )
-from longctx_cli.runtime.batches import to_device  # noqa: E402
-from longctx_cli.runtime.memory_savers import activation_offload  # noqa: E402
-from longctx_cli.runtime.model import (  # noqa: E402
+from longctx_cli.runtime.batches import to_device
+from longctx_cli.runtime.memory_savers import activation_offload
+from longctx_cli.runtime.model import (
     build_model,
     decoder_and_head,
     enable_checkpointing,
     model_config_of,
 )
-from longctx_cli.train.step import forward_loss_sum  # noqa: E402
+from longctx_cli.train.step import forward_loss_sum
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LLAMA_1B = {  # TinyLlama-1.1B's shape
@@ -756,12 +753,11 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.dry_run:
         report["gpu_capability"] = list(torch.cuda.get_device_capability(device))
     started = time.perf_counter()
-    out = args.out or ROOT / "benchmarks" / "results" / f"gpu-{report['device']}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = args.out or RESULTS / f"gpu-{report['device']}.json"
 
     def save() -> None:  # after every row: a run cut short keeps what it measured
         report["seconds"] = time.perf_counter() - started
-        out.write_text(json.dumps(report, indent=1))
+        write_results(out, report)
 
     if "parity" in args.parts:
         parity(device, args.dry_run, report.setdefault("parity", []), save,
@@ -799,28 +795,29 @@ def tables(report: dict) -> str:
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     lengths = sorted({r["tokens"] for r in rows})
     if rows:
-        lines += ["", "| tokens | " + " | ".join(f"`{i}` tok/s (peak GiB)" for i in impls) + " |",
-                  "|---" * (len(impls) + 1) + "|"]
+        cells = []
         for n in lengths:
-            cells = []
+            cells.append([f"{n:,}"])
             for impl in impls:
                 r = next((r for r in rows if r["tokens"] == n and r["impl"] == impl), None)
-                cells.append("-" if r is None else r["status"] if r["status"] != "ok" else
-                             f"{r['tokens_per_s']:,.0f} ({r['peak_bytes'] / gib:.1f})")
-            lines.append(f"| {n:,} | " + " | ".join(cells) + " |")
+                cells[-1].append("-" if r is None else r["status"] if r["status"] != "ok" else
+                                 f"{r['tokens_per_s']:,.0f} ({r['peak_bytes'] / gib:.1f})")
+        lines += ["", markdown_table(["tokens", *(f"`{i}` tok/s (peak GiB)" for i in impls)],
+                                     cells)]
     if "longest" in report:
         lg = report["longest"]
         model = TINY if report.get("dry_run") else LLAMA3_8B
-        lines += ["", "| tokens | measured peak GiB | estimate now GiB | estimate / peak |",
-                  "|---|---|---|---|"]
+        cells = []
         for t in lg["trials"]:
             if t["status"] != "ok" or not t.get("peak_bytes"):
-                lines.append(f"| {t['tokens']:,} | {t['status']} | | |")
+                cells.append([f"{t['tokens']:,}", t["status"], "", ""])
                 continue
             config = longctx_config(model, t["tokens"], lg["kernel"], "bfloat16", **lg["options"])
             est = estimate_bytes(config, lg["kernel"], True)
-            lines.append(f"| {t['tokens']:,} | {t['peak_bytes'] / gib:.2f} | {est / gib:.2f} "
-                         f"| {est / t['peak_bytes']:.2f} |")
+            cells.append([f"{t['tokens']:,}", f"{t['peak_bytes'] / gib:.2f}", f"{est / gib:.2f}",
+                          f"{est / t['peak_bytes']:.2f}"])
+        lines += ["", markdown_table(["tokens", "measured peak GiB", "estimate now GiB",
+                                      "estimate / peak"], cells)]
     return "\n".join(lines)
 
 
@@ -828,8 +825,6 @@ def parity_table(rows: list[dict]) -> list[str]:
     """Worst error per kernel and dtype over strategies and windows, beside SDPA's own."""
     if not rows:
         return []
-    lines = ["", "| kernel | dtype | worst relative error, any strategy and window "
-             "| SDPA's own |", "|---|---|---|---|"]
     worst: dict = {}
     for row in rows:
         key = (row["kernel"], row["dtype"])
@@ -837,9 +832,10 @@ def parity_table(rows: list[dict]) -> list[str]:
         floor = max(row["sdpa_err"].values())
         old = worst.get(key, (0.0, 0.0))
         worst[key] = (max(old[0], err), max(old[1], floor))
-    for (kernel, dtype), (err, floor) in worst.items():
-        lines.append(f"| `{kernel}` | {dtype} | {err:.2e} | {floor:.2e} |")
-    return lines
+    return ["", *markdown_table(
+        ["kernel", "dtype", "worst relative error, any strategy and window", "SDPA's own"],
+        ([f"`{kernel}`", dtype, f"{err:.2e}", f"{floor:.2e}"]
+         for (kernel, dtype), (err, floor) in worst.items())).splitlines()]
 
 
 def kernels_table(rows: list[dict]) -> list[str]:
@@ -849,18 +845,16 @@ def kernels_table(rows: list[dict]) -> list[str]:
         return []
     kernels = list(dict.fromkeys(r["kernel"] for r in rows))
     keys = list(dict.fromkeys((r["tokens"], r["head_dim"], r["documents"]) for r in rows))
-    lines = ["", "| tokens | head dim | documents | "
-             + " | ".join(f"`{k}` fwd + bwd ms" for k in kernels) + " |",
-             "|---" * (len(kernels) + 3) + "|"]
+    cells = []
     for n, dim, docs in keys:
-        cells = []
+        cells.append([f"{n:,}", dim, docs])
         for kernel in kernels:
             r = next((r for r in rows if (r["tokens"], r["head_dim"], r["documents"], r["kernel"])
                       == (n, dim, docs, kernel)), None)
-            cells.append("-" if r is None else r["status"] if r["status"] != "ok" else
-                         f"{r['forward_ms']:.1f} + {r['backward_ms']:.1f}")
-        lines.append(f"| {n:,} | {dim} | {docs} | " + " | ".join(cells) + " |")
-    return lines
+            cells[-1].append("-" if r is None else r["status"] if r["status"] != "ok" else
+                             f"{r['forward_ms']:.1f} + {r['backward_ms']:.1f}")
+    return ["", *markdown_table(["tokens", "head dim", "documents",
+                                 *(f"`{k}` fwd + bwd ms" for k in kernels)], cells).splitlines()]
 
 
 def summary(report: dict) -> str:

@@ -20,10 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.context_extension import save_record  # noqa: E402
+from common import ROOT, save_record
 
 CONFIG = "examples/tiny_grpo.yaml"
 SFT = ROOT / "outputs" / "tiny_passkey" / "final"

@@ -25,13 +25,10 @@ import sys
 from pathlib import Path
 
 import yaml
+from common import ROOT, save_record
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.context_extension import save_record  # noqa: E402
-from benchmarks.peers import run_watched  # noqa: E402
-from benchmarks.prefix_sharing import MODEL, WORDS, save_model  # noqa: E402
+from benchmarks.peers import run_watched
+from benchmarks.prefix_sharing import MODEL, WORDS, save_model
 
 # The byte tokenizer decodes the sampled completions for the reward: a vocabulary it covers.
 MODEL = {**MODEL, "vocab_size": 384}

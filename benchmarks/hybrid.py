@@ -25,18 +25,23 @@ import json
 import os
 import platform
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from common import (
+    ROOT,
+    cpu_model,
+    markdown_table,
+    peak_bytes,
+    reset_peak,
+    run_ranks,
+    span,
+    write_results,
+)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_step import init_optimizer_state, peak_bytes, reset_peak, rss_bytes, synthetic_row
-
+from benchmarks.train_step import init_optimizer_state, synthetic_row
 from longctx_cli.config import config_from_dict
 from longctx_cli.config.plan import layout_for
 from longctx_cli.parallel import build_parallel_state, shard_batch
@@ -82,8 +87,7 @@ def step(model_name: str, sp: int, tokens: int, state,
     """Build and train one step on this rank: (wall s, peak growth bytes, CPU s)."""
     config = config_for(model_name, sp, tokens)
     gc.collect()
-    base = rss_bytes()
-    reset_peak()
+    base = reset_peak()
     model = build_model(config, state)
     decoder, head = decoder_and_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -110,21 +114,12 @@ def step(model_name: str, sp: int, tokens: int, state,
     return elapsed, float(grown), cpu
 
 
-def machine() -> str:
+def machine_line() -> str:
     """The CPU's model name and core count (what the timings depend on)."""
-    name = platform.machine()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    return f"{name}, {os.cpu_count()} cores"
+    return f"{cpu_model() or platform.machine()}, {os.cpu_count()} cores"
 
 
-def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(store_dir, "store"), WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     states = {sp: build_parallel_state(layout_for(config_for(next(iter(MODELS)), sp, 512),
                                                   WORLD, None)) for sp in SPS}
     results = []
@@ -145,23 +140,7 @@ def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
                 print(f"{model_name:48s} sp{sp}: wall {statistics.median(row['wall_s']):.2f}s "
                       f"cpu {statistics.median(row['cpu_s']):.2f}s "
                       f"peak {statistics.median(row['peak_mib']):.0f} MiB", flush=True)
-    if rank == 0:
-        payload = {"size": SIZE, "models": MODELS, "world": WORLD, "threads_per_rank": 1,
-                   "machine": machine(), "repeats": args.repeats,
-                   "row": "one document" if args.one_document else "packed documents",
-                   "scans": "state passed from rank to rank (zigzag rows)",
-                   "results": results}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(payload, indent=1))
-        print(table(results))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _span(values: list[float], fmt: str) -> str:
-    lo, hi = min(values), max(values)
-    return format(lo, fmt) if format(lo, fmt) == format(hi, fmt) else (
-        f"{format(lo, fmt)}-{format(hi, fmt)}")
+    return results
 
 
 def table(results: list[dict]) -> str:
@@ -169,20 +148,19 @@ def table(results: list[dict]) -> str:
     the busiest rank's compute-thread CPU seconds and the largest peak growth per rank, and
     the medians' ratio to the attention-only model at the same sp."""
     base = {r["sp"]: r for r in results if r["model"] == next(iter(MODELS))}
-    lines = ["| model | sp | step wall s | step CPU s per rank | CPU / attention-only | "
-             "peak MiB per rank | peak / attention-only |", "|---|---|---|---|---|---|---|"]
+    rows = []
     for r in results:
         b = base[r["sp"]]
         cpu = statistics.median(r["cpu_s"]) / statistics.median(b["cpu_s"])
         peak = statistics.median(r["peak_mib"]) / statistics.median(b["peak_mib"])
-        lines.append(
-            f"| {r['model']} | {r['sp']} | {_span(r['wall_s'], '.2f')} | "
-            f"{_span(r['cpu_s'], '.2f')} | {cpu:.2f} | {_span(r['peak_mib'], '.0f')} | "
-            f"{peak:.2f} |")
-    return "\n".join(lines)
+        rows.append([r["model"], r["sp"], span(r["wall_s"], ".2f"), span(r["cpu_s"], ".2f"),
+                     f"{cpu:.2f}", span(r["peak_mib"], ".0f"), f"{peak:.2f}"])
+    return markdown_table(["model", "sp", "step wall s", "step CPU s per rank",
+                           "CPU / attention-only", "peak MiB per rank", "peak / attention-only"],
+                          rows)
 
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "parallelism.md"
+DOC = ROOT / "docs" / "parallelism.md"
 MARKERS = ("<!-- hybrid-bench:start -->", "<!-- hybrid-bench:end -->")
 
 
@@ -224,8 +202,13 @@ def main() -> None:
         write_docs([p.resolve() for p in args.docs])
         return
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    with tempfile.TemporaryDirectory(prefix="longctx-hybrid-") as tmp:
-        mp.start_processes(worker, args=(tmp, args), nprocs=WORLD, start_method="spawn")
+    results = run_ranks(worker, WORLD, args)[0]
+    write_results(args.out, {
+        "size": SIZE, "models": MODELS, "world": WORLD, "threads_per_rank": 1,
+        "machine": machine_line(), "repeats": args.repeats,
+        "row": "one document" if args.one_document else "packed documents",
+        "scans": "state passed from rank to rank (zigzag rows)", "results": results})
+    print(table(results))
 
 
 if __name__ == "__main__":

@@ -29,12 +29,9 @@ from collections import Counter
 from pathlib import Path
 
 import yaml
+from common import ROOT, markdown_table, save_record
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks import peers, reach  # noqa: E402
-from benchmarks.context_extension import save_record  # noqa: E402
+from benchmarks import peers, reach
 
 TOOLS = ("longctx-ulysses", "longctx-ring", "alst-zero0")
 CENSUS = ROOT / "benchmarks" / "census_worker.py"
@@ -91,16 +88,15 @@ def measure(tool: str, tokens: int, work: Path, model_dir: Path, configs: dict[s
 
 def table(tokens: int, results: dict[str, dict]) -> str:
     alst = results.get("alst-zero0")
-    lines = [f"| tool | live per-token tensors at the peak, {tokens // 1024}K row (MiB per rank) "
-             "| bytes per token per rank | in hidden-size float32 vectors | vs ALST | the "
-             "peak is at |", "|---|---|---|---|---|---|"]
+    rows = []
     for tool, r in results.items():
         ratio = (f"{r['bytes_per_token_per_rank'] / alst['bytes_per_token_per_rank']:.2f}x"
                  if alst else "-")
-        lines.append(f"| {tool} | {r['token_bytes'] / MiB:,.1f} | "
-                     f"{r['bytes_per_token_per_rank']:,} | {r['hidden_units']} | {ratio} | "
-                     f"`{r['at']}` |")
-    return "\n".join(lines)
+        rows.append([tool, f"{r['token_bytes'] / MiB:,.1f}", f"{r['bytes_per_token_per_rank']:,}",
+                     r["hidden_units"], ratio, f"`{r['at']}`"])
+    return markdown_table(["tool", f"live per-token tensors at the peak, {tokens // 1024}K row "
+                           "(MiB per rank)", "bytes per token per rank",
+                           "in hidden-size float32 vectors", "vs ALST", "the peak is at"], rows)
 
 
 def main() -> None:

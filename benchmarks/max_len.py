@@ -13,11 +13,10 @@ fits, so every reported length was trained and measured under the cap.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
-import torch.distributed as dist
-from train_step import OPTIONS, STRATEGIES, Variant, init_rank, measure, spawn_ranks
+from common import markdown_table, write_results
+
+from benchmarks.train_step import OPTIONS, STRATEGIES, Variant, init_rank, measure, spawn_ranks
 
 SP_STRATEGY = {1: "sp1", 2: "sp2_zigzag", 4: "sp4_zigzag"}
 
@@ -52,31 +51,23 @@ def longest_row(
             "longest_row": checks[-1][0]}
 
 
-def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
-    init_rank(rank, store_dir, args.option)
+def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
+    init_rank(args.option)
     if args.strategies:  # named strategies (e.g. llama3 vs P2P rings at one sp)
-        results = [longest_row(STRATEGIES[s][0], args.option, args.cap_mib, args.local_tokens,
-                               rank == 0, s) for s in args.strategies]
-    else:
-        results = [longest_row(sp, args.option, args.cap_mib, args.local_tokens, rank == 0)
-                   for sp in args.sp]
-    if rank == 0:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        payload = {"cap_mib": args.cap_mib, "option": args.option, "results": results}
-        Path(args.out).write_text(json.dumps(payload, indent=1))
-        print(table(results))
-    dist.destroy_process_group()
+        return [longest_row(STRATEGIES[s][0], args.option, args.cap_mib, args.local_tokens,
+                            rank == 0, s) for s in args.strategies]
+    return [longest_row(sp, args.option, args.cap_mib, args.local_tokens, rank == 0)
+            for sp in args.sp]
 
 
 def table(results: list[dict]) -> str:
     sp1 = next((r for r in results if r["sp"] == 1), None)
-    lines = ["| sp | strategy | fixed (MiB) | MiB per 1K row tokens | longest row under cap "
-             "| vs sp=1 |", "|---|---|---|---|---|---|"]
-    for r in results:
-        ratio = f"{r['longest_row'] / sp1['longest_row']:.2f}x" if sp1 else "-"
-        lines.append(f"| {r['sp']} | {r.get('strategy', '')} | {r['intercept_mib']:.0f} | "
-                     f"{1024 * r['mib_per_token']:.1f} | {r['longest_row']} | {ratio} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["sp", "strategy", "fixed (MiB)", "MiB per 1K row tokens", "longest row under cap",
+         "vs sp=1"],
+        ([r["sp"], r.get("strategy", ""), f"{r['intercept_mib']:.0f}",
+          f"{1024 * r['mib_per_token']:.1f}", r["longest_row"],
+          f"{r['longest_row'] / sp1['longest_row']:.2f}x" if sp1 else "-"] for r in results))
 
 
 def main() -> None:
@@ -90,7 +81,10 @@ def main() -> None:
                         help="measure these strategies instead of --sp (e.g. sp4_zigzag "
                         "sp4_batch_zigzag)")
     parser.add_argument("--out", default="benchmarks/results/max_len.json")
-    spawn_ranks(worker, parser.parse_args())
+    args = parser.parse_args()
+    results = spawn_ranks(worker, args)
+    write_results(args.out, {"cap_mib": args.cap_mib, "option": args.option, "results": results})
+    print(table(results))
 
 
 if __name__ == "__main__":

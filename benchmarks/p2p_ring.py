@@ -17,19 +17,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from attention_strategies import _MALLOC_ENV, _measure
-from train_step import spawn_ranks
+from common import RESULTS, markdown_table, rounds, write_results
 
-RESULTS = Path(__file__).parent / "results" / "p2p_ring.json"
+from benchmarks.attention_strategies import _MALLOC_ENV, _slowest
+from benchmarks.train_step import spawn_ranks
+
 RINGS = {  # variant -> (ring_attn_func, layout)
     "varlen_llama3": ("varlen_llama3", "contiguous"),
     "varlen_llama3_zigzag": ("varlen_llama3", "zigzag"),
@@ -100,10 +99,7 @@ def _steps(args: argparse.Namespace, tokens: int) -> dict[str, Callable[[], None
     return steps
 
 
-def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(store_dir, "store"), 4)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=4)
+def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     rows = []
     for tokens in args.tokens:
         steps = _steps(args, tokens)
@@ -113,32 +109,19 @@ def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
             warm[name]()
         samples: dict[str, list[tuple[float, float]]] = {n: [] for n in steps}
         names = list(steps)
-        for rep in range(args.repeats):
-            shift = rep % len(names)
-            for name in names[shift:] + names[:shift]:
-                dist.barrier()
-                stats = torch.tensor(_measure(steps[name]), dtype=torch.float64)
-                dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-                samples[name].append((float(stats[0]), float(stats[1])))
-                if rank == 0:
-                    print(f"  {tokens} {name:<22} round {rep}: {stats[0]:7.2f}s "
-                          f"{stats[1]:7.1f} MiB", flush=True)
+        for rep, name in rounds(names, args.repeats):
+            seconds, mib = _slowest(steps[name])
+            samples[name].append((seconds, mib))
+            if rank == 0:
+                print(f"  {tokens} {name:<22} round {rep}: {seconds:7.2f}s {mib:7.1f} MiB",
+                      flush=True)
         for name, s in samples.items():
             rows.append({
                 "tokens": tokens, "variant": name, "times_s": [t for t, _ in s],
                 "median_s": statistics.median(t for t, _ in s),
                 "peak_mib_per_rank": statistics.median(m for _, m in s),
             })
-    if rank == 0:
-        add_ratios(rows)
-        payload = {"sp": 4, "heads": args.heads, "dim": args.dim, "dtype": "float32",
-                   "threads_per_rank": 1, "cpu_count": os.cpu_count(),
-                   "load_note": args.load_note, "rows": rows}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
-        print(table(rows))
-        print(f"results written to {args.out}")
-    dist.destroy_process_group()
+    return rows
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -157,15 +140,12 @@ def table(rows: list[dict]) -> str:
     def f(x: float | None, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
 
-    lines = ["| tokens | variant | median s | vs llama3 | vs compute only | peak MiB/rank "
-             "| llama3 peak / this |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(
-            f"| {r['tokens']} | {r['variant']} | {r['median_s']:.2f} | "
-            f"{f(r['time_vs_llama3'], '.2f')}x | {f(r['time_vs_compute_only'], '.2f')}x | "
-            f"{r['peak_mib_per_rank']:.0f} | {f(r['llama3_peak_over_this'], '.2f')}x |"
-        )
-    return "\n".join(lines)
+    return markdown_table(
+        ["tokens", "variant", "median s", "vs llama3", "vs compute only", "peak MiB/rank",
+         "llama3 peak / this"],
+        ([r["tokens"], r["variant"], f"{r['median_s']:.2f}", f"{f(r['time_vs_llama3'], '.2f')}x",
+          f"{f(r['time_vs_compute_only'], '.2f')}x", f"{r['peak_mib_per_rank']:.0f}",
+          f"{f(r['llama3_peak_over_this'], '.2f')}x"] for r in rows))
 
 
 def main() -> None:
@@ -176,10 +156,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--variants", nargs="+", default=list(RINGS))
     parser.add_argument("--load-note", default="", help="how loaded the machine was")
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--out", default=str(RESULTS / "p2p_ring.json"))
     args = parser.parse_args()
-    os.environ.update(_MALLOC_ENV)  # read by glibc when each spawned process starts
-    spawn_ranks(worker, args)
+    os.environ.update(_MALLOC_ENV)  # read by glibc as the ranks start (common.run_ranks)
+    rows = spawn_ranks(worker, args)
+    add_ratios(rows)
+    write_results(args.out, {"sp": 4, "heads": args.heads, "dim": args.dim, "dtype": "float32",
+                             "threads_per_rank": 1, "cpu_count": os.cpu_count(),
+                             "load_note": args.load_note, "rows": rows})
+    print(table(rows))
+    print(f"results written to {args.out}")
 
 
 if __name__ == "__main__":

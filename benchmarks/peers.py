@@ -47,9 +47,7 @@ import time
 from pathlib import Path
 
 import yaml
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from common import ROOT, markdown_table, peak_bytes, save_record
 
 # The runs' helpers import torch and transformers: loaded where a run needs them, so that
 # `--table` (and benchmarks/figures.py) prints the README's table without them.
@@ -168,8 +166,6 @@ def _children(pid: int) -> list[int]:
 def _peak_kib(pid: int) -> int | None:
     """The process's VmHWM in KiB, or None once it is gone."""
     try:
-        from benchmarks.train_step import peak_bytes
-
         return peak_bytes(pid) // 1024
     except (OSError, RuntimeError):
         return None
@@ -310,20 +306,20 @@ def first_step_cell(first: list[float] | None) -> str:
 
 
 def table(rows: dict[str, dict]) -> str:
-    lines = ["| row | tool | s/step min / median / max | of the limit | peak RSS per rank "
-             "(MiB) | first step after (s) min / median / max | step 1 / 3 loss |",
-             "|---|---|---|---|---|---|---|"]
+    cells = []
     for name, by_tool in rows.items():
         limit = by_tool["hf"]["s_per_step"][1] / SP
         for tool, s in by_tool.items():
             lo, med, hi = s["s_per_step"]
-            share = "" if tool == "hf" else f"{limit / med:.1%}"
             losses = s["losses"]
-            lines.append(f"| {name} | {tool} | {lo:.2f} / {med:.2f} / {hi:.2f} | {share} | "
-                         f"{s['peak_mib'][0]:,.0f}-{s['peak_mib'][1]:,.0f} | "
-                         f"{first_step_cell(s['first_step_s'])} | "
-                         f"{losses[0]:.5f} / {losses[2]:.5f} |")
-    return "\n".join(lines)
+            cells.append([name, tool, f"{lo:.2f} / {med:.2f} / {hi:.2f}",
+                          "" if tool == "hf" else f"{limit / med:.1%}",
+                          f"{s['peak_mib'][0]:,.0f}-{s['peak_mib'][1]:,.0f}",
+                          first_step_cell(s["first_step_s"]),
+                          f"{losses[0]:.5f} / {losses[2]:.5f}"])
+    return markdown_table(["row", "tool", "s/step min / median / max", "of the limit",
+                           "peak RSS per rank (MiB)", "first step after (s) min / median / max",
+                           "step 1 / 3 loss"], cells)
 
 
 # reach.py's ALST run with glibc's mmap threshold where longctx fixes its own.
@@ -345,10 +341,10 @@ def side_by_side(row: dict[str, dict], reach: dict, live: dict | None = None,
                                                                              {}).items()}
     alst = per_token[ALST_AT_LONGCTX_THRESHOLD]
     where = "on CPU" + (f", {tokens:,} tokens, sp {SP}" if tokens else "")
-    lines = [f"| {where} | s/step, min / median / max | command to first step | bytes per "
-             "token per rank, same allocator (vs ALST) |"
-             + (" live per-token tensors at the peak (vs ALST) |" if live else ""),
-             "|---|---|---|---|" + ("---|" if live else "")]
+    head = [where, "s/step, min / median / max", "command to first step",
+            "bytes per token per rank, same allocator (vs ALST)",
+            *(["live per-token tensors at the peak (vs ALST)"] if live else [])]
+    rows = []
     for tool, s in row.items():
         lo, med, hi = s["s_per_step"]
         cells = [TOOL_NAMES[tool], f"{lo:.2f} / {med:.2f} / {hi:.2f}",
@@ -360,8 +356,8 @@ def side_by_side(row: dict[str, dict], reach: dict, live: dict | None = None,
             peak = at_peak.get(tool)
             cells.append("-" if peak is None else
                          f"{peak / 1000:,.1f} KB ({peak / at_peak['alst-zero0']:.2f}x)")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return markdown_table(head, rows)
 
 
 def check_losses(name: str, by_tool: dict[str, dict]) -> None:
@@ -432,8 +428,6 @@ def main() -> None:
         raw[name] = runs
         check_losses(name, results[name])
     print(table(results))
-    from benchmarks.context_extension import save_record
-
     save_record(args.stem, {
         "command": " ".join(["python", "benchmarks/peers.py", *sys.argv[1:]]),
         "sp": SP, "threads_per_rank": 1, "steps": args.steps, "warmup": args.warmup,

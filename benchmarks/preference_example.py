@@ -24,10 +24,9 @@ import time
 from pathlib import Path
 
 import yaml
+from common import RESULTS, ROOT, shown, write_results
 
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "tiny_preference.yaml"
-RESULTS = ROOT / "benchmarks" / "results"
 ACCURACY = "eval_rewards/accuracies"
 
 
@@ -71,11 +70,10 @@ def main() -> None:
         print(f"{step:>4}  " + "  ".join(f"{v:>7.1%}" for v in values)
               + f"   {min(values):.1%}-{max(values):.1%}")
     machine = f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}"
-    out = RESULTS / f"preference_example-{time.strftime('%Y-%m-%d')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine, "config": str(EXAMPLE.relative_to(ROOT)),
-                               "runs": runs}, indent=1))
-    print(f"\nmachine: {machine}\nwrote {out.relative_to(ROOT)}")
+    out = write_results(RESULTS / f"preference_example-{time.strftime('%Y-%m-%d')}.json",
+                        {"machine": machine, "config": str(EXAMPLE.relative_to(ROOT)),
+                         "runs": runs})
+    print(f"\nmachine: {machine}\nwrote {shown(out)}")
 
 
 if __name__ == "__main__":

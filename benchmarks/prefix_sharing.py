@@ -24,12 +24,9 @@ import sys
 from pathlib import Path
 
 import yaml
+from common import ROOT, save_record
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.context_extension import save_record  # noqa: E402
-from benchmarks.peers import run_watched  # noqa: E402
+from benchmarks.peers import run_watched
 
 MODEL = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688,
          "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,

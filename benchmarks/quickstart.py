@@ -37,22 +37,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from common import RESULTS, ROOT, cpu_words, machine, markdown_table, write_results
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.example import (  # noqa: E402
-    _load,
-    accuracy_at,
-    cpu_words,
-    eval_cells,
-    machine,
-    rewrite_readme,
-)
-from benchmarks.example_after import PROMPT_KEY  # noqa: E402
+from benchmarks.example import _load, accuracy_at, eval_cells, rewrite_readme
+from benchmarks.example_after import PROMPT_KEY
 
 README = ROOT / "README.md"
-RESULTS = ROOT / "benchmarks" / "results"
 START, END = "<!-- quickstart-time:start -->", "<!-- quickstart-time:end -->"
 BUDGET_S = 300  # the promise: the first Quickstart command within 5 minutes on 2 cores
 
@@ -164,10 +154,9 @@ def readme_line(measured: list[dict[str, Any]]) -> str:
               f"retrieval at the trained lengths (seed {min(seeds)}, the config's)",
               f"`longctx generate` printed the key `{PROMPT_KEY}`"]
     columns = [_column(data) for data in measured]
-    rows = [f"| {label} | " + " | ".join(c[i] for c in columns) + " |"
-            for i, label in enumerate(labels)]
+    rows = [[label, *(c[i] for c in columns)] for i, label in enumerate(labels)]
     sources = "; ".join(f"{data['date']} (`{data['json']}`)" for data in measured)
-    lines = [START, rows[0], "|---|" + "---|" * len(columns), *rows[1:], "",
+    lines = [START, markdown_table(rows[0], rows[1:]), "",
              f"Timed by `python benchmarks/quickstart.py`: {sources}."]
     if len(measured) > 1:
         lines.append("Each CPU's float kernels round differently, so the same seed trains a "
@@ -206,8 +195,7 @@ def record_run() -> Path:
         position_loss = json.loads((evals / "position_loss.json").read_text())
     log = RESULTS / f"train-tiny_passkey-{date}.log"
     log.write_text(printed["train"])
-    out = RESULTS / f"quickstart-run-{date}.json"
-    out.write_text(json.dumps({
+    return write_results(RESULTS / f"quickstart-run-{date}.json", {
         "commands": commands, "commit": commit, "date": date,
         "machine": f"{cpu_words(machine())}, 1-minute load average "
                    f"{min(loads):.1f}-{max(loads):.1f} (other work shared it)",
@@ -215,8 +203,7 @@ def record_run() -> Path:
         "train_log": str(log.relative_to(ROOT)), "seed": config["seed"],
         "passkey": passkey, "position_loss": position_loss,
         "generate_printed": printed["generate"].strip().splitlines()[-1],
-    }, indent=2) + "\n")
-    return out
+    })
 
 
 def main() -> None:
@@ -242,8 +229,7 @@ def main() -> None:
         for _ in range(args.runs):
             with tempfile.TemporaryDirectory(prefix="longctx-quickstart-") as tmp:
                 data["runs"].append(run_quickstart(Path(tmp)))
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(data, indent=2) + "\n")
+            write_results(out, data)
             print(f"total {data['runs'][-1]['total_s']:.0f} s", flush=True)
     if args.readme:
         rewrite_readme(readme_line([data]), README, START, END)

@@ -59,14 +59,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
+from common import ROOT, markdown_table, save_record
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks import peers  # noqa: E402
-from benchmarks.context_extension import save_record  # noqa: E402
-from longctx_cli.constants import FUSED_LOSS_BLOCK_BYTES  # noqa: E402
-from longctx_cli.runtime.host_memory import THRESHOLD_ENV  # noqa: E402
+from benchmarks import peers
+from longctx_cli.constants import FUSED_LOSS_BLOCK_BYTES
+from longctx_cli.runtime.host_memory import THRESHOLD_ENV
 
 # `alst-zero0` as it runs, and with glibc's mmap threshold fixed where longctx's recipe fixes
 # its own: the same allocator for both, to compare what they keep alive.
@@ -210,10 +207,8 @@ def summarize(raw: dict[int, dict[str, list[dict]]], budget_gib: float) -> dict[
 def table(summary: dict[str, dict], budget_gib: float, verified: dict | None = None) -> str:
     lengths = list(next(iter(summary.values()))["peak_mib"])
     alst = next((s for t, s in summary.items() if t.startswith("alst")), None)
-    head = " / ".join(f"{int(t) // 1024}K" for t in lengths)
-    lines = [f"| tool | peak RSS per rank (MiB) at {head} | fixed part (MiB) | bytes per token "
-             f"per rank | vs ALST | longest row in {budget_gib:g} GiB per rank |",
-             "|---|---|---|---|---|---|"]
+    at = " / ".join(f"{int(t) // 1024}K" for t in lengths)
+    rows = []
     for tool, s in summary.items():
         ratio = (f"{s['bytes_per_token_per_rank'] / alst['bytes_per_token_per_rank']:.2f}x"
                  if alst else "-")
@@ -221,10 +216,12 @@ def table(summary: dict[str, dict], budget_gib: float, verified: dict | None = N
         if verified and tool in verified:
             v = verified[tool]
             longest += f" (ran: {v['peak_mib']:,.0f} MiB)"
-        lines.append(f"| {tool} | {' / '.join(f'{p:,.0f}' for p in s['peak_mib'].values())} | "
-                     f"{s['fixed_mib']:,.0f} | {s['bytes_per_token_per_rank']:,} | {ratio} | "
-                     f"{longest} |")
-    return "\n".join(lines)
+        rows.append([tool, " / ".join(f"{p:,.0f}" for p in s["peak_mib"].values()),
+                     f"{s['fixed_mib']:,.0f}", f"{s['bytes_per_token_per_rank']:,}", ratio,
+                     longest])
+    return markdown_table(["tool", f"peak RSS per rank (MiB) at {at}", "fixed part (MiB)",
+                           "bytes per token per rank", "vs ALST",
+                           f"longest row in {budget_gib:g} GiB per rank"], rows)
 
 
 def main() -> None:

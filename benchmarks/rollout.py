@@ -26,16 +26,11 @@ import argparse
 import copy
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.context_extension import save_record  # noqa: E402
+from common import RESULTS, markdown_table, run_ranks, save_record
 
 MODEL = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688,
          "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -158,31 +153,28 @@ def table(record: dict) -> str:
         lines += [f"Sampling {G} continuations of one {g['prompt_tokens']:,}-token prompt, "
                   f"{g['new_tokens']} new tokens each, sp 1 (median of {len(g['longctx_s'])} "
                   "runs):", "",
-                  "| sampler | tokens/s | vs generate |", "|---|---|---|",
-                  f"| longctx rollout | {tokens / ours:,.0f} | {theirs / ours:.2f}x |",
-                  f"| `model.generate` | {tokens / theirs:,.0f} | 1.00x |", ""]
+                  markdown_table(["sampler", "tokens/s", "vs generate"], [
+                      ["longctx rollout", f"{tokens / ours:,.0f}", f"{theirs / ours:.2f}x"],
+                      ["`model.generate`", f"{tokens / theirs:,.0f}", "1.00x"]]), ""]
     if "length" in record:
         rows = record["length"]
         sps = sorted(rows, key=int)
         lengths = sorted(rows[sps[0]], key=int)
-        lines += [f"Time per generated token (ms, median of {record['runs']} runs; {G} "
-                  "sequences decoded together):", "",
-                  "| prompt tokens | the model's own decoding | "
-                  + " | ".join(f"longctx sp {s}" for s in sps) + " |",
-                  "|---|---|" + "---|" * len(sps)]
+        cells = []
         for length in lengths:
             plain = rows[sps[0]][length]["generate_s"]
-            cells = [f"{1000 * statistics.median(rows[s][length]['longctx_s']):.1f}"
-                     for s in sps]
-            lines.append(f"| {int(length):,} | "
-                         + (f"{1000 * statistics.median(plain):.1f}" if plain else "-")
-                         + " | " + " | ".join(cells) + " |")
+            cells.append([f"{int(length):,}",
+                          f"{1000 * statistics.median(plain):.1f}" if plain else "-",
+                          *(f"{1000 * statistics.median(rows[s][length]['longctx_s']):.1f}"
+                            for s in sps)])
+        lines += [f"Time per generated token (ms, median of {record['runs']} runs; {G} "
+                  "sequences decoded together):", "",
+                  markdown_table(["prompt tokens", "the model's own decoding",
+                                  *(f"longctx sp {s}" for s in sps)], cells)]
     return "\n".join(lines)
 
 
 def main() -> None:
-    from tests.distributed import run_distributed
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", choices=["generate", "length", "all"], default="all")
     parser.add_argument("--runs", type=int, default=3)
@@ -199,12 +191,12 @@ def main() -> None:
         print(table(json.loads(args.table.read_text())))
         return
     # A part not run now keeps what today's file holds (each part says when it ran).
-    today = ROOT / "benchmarks" / "results" / f"rollout-{time.strftime('%Y-%m-%d')}.json"
+    today = RESULTS / f"rollout-{time.strftime('%Y-%m-%d')}.json"
     record: dict = json.loads(today.read_text()) if today.exists() else {}
     record.update({"model": MODEL, "num_generations": G, "runs": args.runs})
     if args.part in ("generate", "all"):
-        result = run_distributed(generate_part, 1, args.prompt_tokens, args.new_tokens,
-                                 args.runs, timeout_s=3600)[0]
+        result = run_ranks(generate_part, 1, args.prompt_tokens, args.new_tokens, args.runs,
+                           timeout_s=3600)[0]
         record["generate"] = {"prompt_tokens": args.prompt_tokens,
                               "new_tokens": args.new_tokens, "ran": time.strftime("%H:%M"),
                               **result}
@@ -212,8 +204,8 @@ def main() -> None:
         record["length"] = {}
         record["length_ran"] = time.strftime("%H:%M")
         for sp in args.sp:
-            result = run_distributed(length_part, sp, args.lengths, 32, args.runs,
-                                     args.plain_up_to, timeout_s=3600)[0]
+            result = run_ranks(length_part, sp, args.lengths, 32, args.runs, args.plain_up_to,
+                               timeout_s=3600)[0]
             record["length"][str(sp)] = {str(k): v for k, v in result.items()}
     print(table(record))
     save_record("rollout", record)

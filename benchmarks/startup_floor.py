@@ -29,13 +29,10 @@ import platform
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import save_record
 
-from benchmarks.context_extension import save_record  # noqa: E402
-from benchmarks.peers import one_thread_env  # noqa: E402
+from benchmarks.peers import one_thread_env
 
 # What each measured process imports, cumulatively (each step includes the ones before).
 # A rank hides torchao from transformers first (longctx_cli.runtime.startup.hide_torchao):

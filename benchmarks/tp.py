@@ -19,26 +19,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import markdown_table, peak_bytes, reset_peak, rounds, write_results
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_step as ts  # noqa: E402  (the shared helpers of the train-step benchmark)
-
-from longctx_cli.config import config_from_dict  # noqa: E402
-from longctx_cli.config.shape import ModelShape  # noqa: E402
-from longctx_cli.layout import Layout  # noqa: E402
-from longctx_cli.parallel import build_parallel_state, shard_batch  # noqa: E402
-from longctx_cli.runtime.model import build_model, decoder_and_head, model_config_of  # noqa: E402
-from longctx_cli.train.loss import valid_token_count  # noqa: E402
-from longctx_cli.train.step import forward_loss_sum, sum_gradients  # noqa: E402
+from benchmarks import train_step as ts  # the shared helpers of the train-step benchmark
+from longctx_cli.config import config_from_dict
+from longctx_cli.config.shape import ModelShape
+from longctx_cli.layout import Layout
+from longctx_cli.parallel import build_parallel_state, shard_batch
+from longctx_cli.runtime.model import build_model, decoder_and_head, model_config_of
+from longctx_cli.train.loss import valid_token_count
+from longctx_cli.train.step import forward_loss_sum, sum_gradients
 
 LAYOUTS = {  # name -> (tp, sp, mode)
     "sp1": (1, 1, "ring"),
@@ -114,8 +109,7 @@ def run_step(name: str, tokens: int) -> tuple[float, float] | None:
         return None
     config = layout_config(name, tokens)
     ctx = CONTEXTS[name]
-    base = ts.rss_bytes()
-    ts.reset_peak()
+    base = reset_peak()
     model = build_model(config, ctx)
     decoder, head = decoder_and_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -134,7 +128,7 @@ def run_step(name: str, tokens: int) -> tuple[float, float] | None:
             dist.all_reduce(p.grad, group=ctx.sp_group)
     optimizer.step()
     elapsed = time.perf_counter() - start
-    grown = ts.peak_bytes() - base
+    grown = peak_bytes() - base
     del model, decoder, head, params, optimizer, batch, loss
     return elapsed, float(grown)
 
@@ -146,10 +140,7 @@ def measure(name: str, tokens: int) -> tuple[float, float]:
     return float(stats[0]), float(stats[1]) / 2**20
 
 
-def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(store_dir, "store"), ts.WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=ts.WORLD)
+def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     build_contexts()
     for name in LAYOUTS:
         measure(name, 512)  # warm-up: one-off allocations and imports
@@ -158,15 +149,12 @@ def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
     for tokens in args.tokens:
         times: dict[str, list[float]] = {n: [] for n in names}
         peaks: dict[str, list[float]] = {n: [] for n in names}
-        for r in range(args.repeats):
-            shift = (r * 2) % len(names)
-            for name in names[shift:] + names[:shift]:
-                t, mib = measure(name, tokens)
-                times[name].append(t)
-                peaks[name].append(mib)
-                if rank == 0:
-                    print(f"  {tokens:>6} {name:<14} round {r}: {t:6.2f}s {mib:7.0f} MiB",
-                          flush=True)
+        for r, name in rounds(names, args.repeats, stride=2):
+            t, mib = measure(name, tokens)
+            times[name].append(t)
+            peaks[name].append(mib)
+            if rank == 0:
+                print(f"  {tokens:>6} {name:<14} round {r}: {t:6.2f}s {mib:7.0f} MiB", flush=True)
         for name in names:
             tp, sp, mode = LAYOUTS[name]
             results.append({
@@ -176,29 +164,20 @@ def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
                 "peak_mib": statistics.median(peaks[name]),
                 "comm_mib": {k: v / 2**20 for k, v in comm_bytes(name, tokens).items()},
             })
-    if rank == 0:
-        payload = {"model": ts.MODEL, "threads_per_rank": 1, "world": ts.WORLD,
-                   "results": results}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(payload, indent=1))
-        print(table(results))
-    dist.destroy_process_group()
+    return results
 
 
 def table(results: list[dict]) -> str:
-    lines = [
-        "| tokens | layout | world | median step (s) | peak/rank (MiB) | comm/rank/step (MiB): "
-        "attention SP | activations TP | weight grads | total |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for r in results:
         c = r["comm_mib"]
-        lines.append(
-            f"| {r['tokens']} | {r['layout']} | {r['world']} | {r['median_s']:.2f} "
-            f"| {r['peak_mib']:.0f} | {c['attention (SP)']:.1f} | {c['activations (TP)']:.1f} "
-            f"| {c['weight grads']:.1f} | {c['total']:.1f} |"
-        )
-    return "\n".join(lines)
+        rows.append([r["tokens"], r["layout"], r["world"], f"{r['median_s']:.2f}",
+                     f"{r['peak_mib']:.0f}", f"{c['attention (SP)']:.1f}",
+                     f"{c['activations (TP)']:.1f}", f"{c['weight grads']:.1f}",
+                     f"{c['total']:.1f}"])
+    return markdown_table(["tokens", "layout", "world", "median step (s)", "peak/rank (MiB)",
+                           "comm/rank/step (MiB): attention SP", "activations TP",
+                           "weight grads", "total"], rows)
 
 
 def main() -> None:
@@ -206,7 +185,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/tp.json")
-    ts.spawn_ranks(worker, parser.parse_args())
+    args = parser.parse_args()
+    results = ts.spawn_ranks(worker, args)
+    write_results(args.out, {"model": ts.MODEL, "threads_per_rank": 1, "world": ts.WORLD,
+                             "results": results})
+    print(table(results))
 
 
 if __name__ == "__main__":

@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from common import markdown_table, peak_bytes, reset_peak, rounds, run_ranks, write_results
 
 from longctx_cli.config import Config, config_from_dict
 from longctx_cli.config.memory_estimate import estimate_memory
@@ -135,25 +133,6 @@ def predicted_mib(v: Variant) -> float:
 # ---- measuring a rank ------------------------------------------------------------------
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident set
-
-
-def peak_bytes(pid: int | str = "self") -> int:
-    """The resident-set high-water mark (VmHWM) of process `pid` (this one by default)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM in /proc/{pid}/status")
-
-
 def synthetic_row(tokens: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One packed row of documents of 1/8 .. 1/2 of the row; labels -100 at document starts."""
     g = torch.Generator().manual_seed(tokens)
@@ -186,8 +165,7 @@ def run_step(v: Variant) -> tuple[float, float, float] | None:
     config = variant_config(v)
     ctx = CONTEXTS[context_key(v.strategy)]
     gc.collect()
-    base = rss_bytes()
-    reset_peak()
+    base = reset_peak()
     model = build_model(config)
     if config.memory.tiled_mlp:
         apply_tiled_mlp(model, config.memory.tiled_mlp_tiles)
@@ -235,16 +213,14 @@ def build_contexts(strategies: list[str]) -> None:
 def run_rounds(variants: list[Variant], repeats: int, log: bool) -> dict[Variant, Measured]:
     """Every variant once per round, the order rotated each round."""
     runs = {v: Measured() for v in variants}
-    for r in range(repeats):
-        shift = (r * 3) % len(variants)
-        for v in variants[shift:] + variants[:shift]:
-            t, mib, cpu = measure(v)
-            runs[v].times_s.append(t)
-            runs[v].peaks_mib.append(mib)
-            runs[v].cpu_s.append(cpu)
-            if log:
-                print(f"  {v.tokens:>6} {v.name:<26} round {r}: {t:6.2f}s (cpu {cpu:6.2f}s) "
-                      f"{mib:7.0f} MiB", flush=True)
+    for r, v in rounds(variants, repeats, stride=3):
+        t, mib, cpu = measure(v)
+        runs[v].times_s.append(t)
+        runs[v].peaks_mib.append(mib)
+        runs[v].cpu_s.append(cpu)
+        if log:
+            print(f"  {v.tokens:>6} {v.name:<26} round {r}: {t:6.2f}s (cpu {cpu:6.2f}s) "
+                  f"{mib:7.0f} MiB", flush=True)
     return runs
 
 
@@ -266,25 +242,21 @@ def plan_variants(args: argparse.Namespace) -> list[tuple[list[Variant], int]]:
     return [g for g in groups if g[0]]
 
 
-def init_rank(rank: int, store_dir: str, warmup_option: str) -> None:
-    """One benchmark rank: one thread, the gloo group, every strategy's context, a warm-up."""
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(store_dir, "store"), WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+def init_rank(warmup_option: str) -> None:
+    """One benchmark rank, in its gloo group: every strategy's context, a warm-up."""
     build_contexts(list(STRATEGIES))
     measure(Variant("sp2_zigzag", warmup_option, 512))  # one-off allocations and imports
 
 
-def spawn_ranks(worker, args: argparse.Namespace) -> None:
-    """Run `worker(rank, store_dir, args)` on WORLD spawned processes."""
+def spawn_ranks(worker, args: argparse.Namespace):
+    """`worker(rank, WORLD, args)` on WORLD ranks of one compute thread each; rank 0's value."""
     # Return freed large buffers to the OS at once, so the high-water mark is live memory.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    with tempfile.TemporaryDirectory(prefix="longctx-bench-") as tmp:
-        mp.start_processes(worker, args=(tmp, args), nprocs=WORLD, start_method="spawn")
+    return run_ranks(worker, WORLD, args)[0]
 
 
-def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
-    init_rank(rank, store_dir, "all")
+def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
+    init_rank("all")
     results = []
     for group, repeats in plan_variants(args):
         for v, m in run_rounds(group, repeats, rank == 0).items():
@@ -295,24 +267,14 @@ def worker(rank: int, store_dir: str, args: argparse.Namespace) -> None:
                 "peak_mib": statistics.median(m.peaks_mib),
                 "predicted_mib": predicted_mib(v),
             })
-    if rank == 0:
-        payload = {"model": MODEL, "threads_per_rank": 1, "world": WORLD, "results": results}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(payload, indent=1))
-        print(table(results))
-        plot(results, Path(args.out).with_suffix(".png"))
-    dist.destroy_process_group()
+    return results
 
 
 def table(results: list[dict]) -> str:
     by: dict = {}
     for r in results:  # the first group measuring a variant is its reference
         by.setdefault((r["tokens"], r["strategy"], r["option"]), r)
-    lines = [
-        "| tokens | strategy | option | median step (s) | vs sp1 | max-rank CPU (s) | vs sp1 "
-        "| peak/rank (MiB) | vs sp1 | vs same sp plain | validate (MiB) | est/meas |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for r in results:
         sp1 = by.get((r["tokens"], "sp1", "plain"))
         same = by.get((r["tokens"], r["strategy"], "plain"))
@@ -320,13 +282,13 @@ def table(results: list[dict]) -> str:
         c_ratio = f"{r['median_cpu_s'] / sp1['median_cpu_s']:.2f}x" if sp1 else "-"
         m_ratio = f"{r['peak_mib'] / sp1['peak_mib']:.2f}x" if sp1 else "-"
         s_ratio = f"{r['peak_mib'] / same['peak_mib']:.2f}x" if same else "-"
-        lines.append(
-            f"| {r['tokens']} | {r['strategy']} | {r['option']} | {r['median_s']:.2f} "
-            f"| {t_ratio} | {r['median_cpu_s']:.2f} | {c_ratio} | {r['peak_mib']:.0f} "
-            f"| {m_ratio} | {s_ratio} "
-            f"| {r['predicted_mib']:.0f} | {r['predicted_mib'] / r['peak_mib']:.2f} |"
-        )
-    return "\n".join(lines)
+        rows.append([r["tokens"], r["strategy"], r["option"], f"{r['median_s']:.2f}", t_ratio,
+                     f"{r['median_cpu_s']:.2f}", c_ratio, f"{r['peak_mib']:.0f}", m_ratio,
+                     s_ratio, f"{r['predicted_mib']:.0f}",
+                     f"{r['predicted_mib'] / r['peak_mib']:.2f}"])
+    return markdown_table(["tokens", "strategy", "option", "median step (s)", "vs sp1",
+                           "max-rank CPU (s)", "vs sp1", "peak/rank (MiB)", "vs sp1",
+                           "vs same sp plain", "validate (MiB)", "est/meas"], rows)
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -360,7 +322,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--option-repeats", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/train_step.json")
-    spawn_ranks(worker, parser.parse_args())
+    args = parser.parse_args()
+    results = spawn_ranks(worker, args)
+    write_results(args.out, {"model": MODEL, "threads_per_rank": 1, "world": WORLD,
+                             "results": results})
+    print(table(results))
+    plot(results, Path(args.out).with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -22,10 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import RESULTS, ROOT, cpu_model, markdown_table, shown, write_results
+
 CONFIG = ROOT / "examples" / "tiny_vlm.yaml"
 DATA = ROOT / "examples" / "data" / "vlm"
-RESULTS = ROOT / "benchmarks" / "results"
 
 
 def accuracy(model, processor, records: list[dict]) -> float:
@@ -84,26 +84,19 @@ def run_seed(seed: int, out: Path) -> dict:
             "model_class": type(trained).__name__, "test_records": len(records)}
 
 
-def cpu_model() -> str:
-    """The CPU's name as the kernel reports it ('?' where it does not)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
+def machine_line() -> str:
+    """"x86_64, 2 cores, AMD EPYC ...": the machine as this benchmark's results name it."""
+    return (f"{platform.machine()}, {os.cpu_count()} cores, "
+            f"{cpu_model() or platform.processor() or '?'}")
 
 
 def table(data: dict) -> str:
     """The runs as a Markdown table (printed, and written into docs/vlm.md by figures.py)."""
-    lines = ["| seed | accuracy before | accuracy after | training | loss, first -> last step |",
-             "|---:|---:|---:|---:|---|"]
-    for r in data["runs"]:
-        lines.append(f"| {r['seed']} | {r['before']:.0%} | {r['after']:.0%} | "
-                     f"{r['train_seconds'] / 60:.1f} min | {r['first_loss']:.2f} -> "
-                     f"{r['last_loss']:.3f} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["seed", "accuracy before", "accuracy after", "training", "loss, first -> last step"],
+        ([r["seed"], f"{r['before']:.0%}", f"{r['after']:.0%}",
+          f"{r['train_seconds'] / 60:.1f} min", f"{r['first_loss']:.2f} -> {r['last_loss']:.3f}"]
+         for r in data["runs"]), right=range(4))
 
 
 def main() -> None:
@@ -118,14 +111,12 @@ def main() -> None:
     result = {
         "benchmark": "vlm_example", "config": str(CONFIG.relative_to(ROOT)),
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {cpu_model()}",
+        "machine": machine_line(),
         "load_average": os.getloadavg()[0], "chance": 1 / 16, "runs": runs,
     }
     print(table(result))
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"vlm-example-{result['date']}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path.relative_to(ROOT)}")
+    path = write_results(RESULTS / f"vlm-example-{result['date']}.json", result)
+    print(f"wrote {shown(path)}")
 
 
 if __name__ == "__main__":

@@ -33,18 +33,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(ROOT))
-from benchmarks.vlm_example import cpu_model  # noqa: E402 - the path above first
+from common import RESULTS, markdown_table, shown, write_results
+
+from benchmarks.vlm_example import machine_line
 
 # Qwen2.5-VL-7B-Instruct's vision_config (depth 32, full attention in layers 7, 15, 23, 31).
 REAL_DEPTH = 32
@@ -246,7 +242,7 @@ def run(layers: int, sides: list[int], dtypes: list[str], sps: tuple[int, ...] =
         del tower
     return {
         "benchmark": "vlm_tower_memory", "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {cpu_model()}",
+        "machine": machine_line(),
         "load_average": round(os.getloadavg()[0], 2),
         "torch": torch.__version__, "transformers": _transformers_version(),
         "tower": {"class": "Qwen2_5_VisionTransformerPretrainedModel", "layers": layers,
@@ -273,22 +269,21 @@ def table(data: dict) -> str:
     """The measurement as a Markdown table (printed, and written into docs/vlm.md by
     figures.py): per dtype and sp, the busiest rank."""
     frozen = {(f["dtype"], r["sp"]): r for f in data["frozen"] for r in f["rows"]}
-    lines = ["| dtype | sp | patches on the busiest rank | saved for backward | peak in "
-             "forward | the plan's estimate | estimate / saved | every rank encodes every "
-             "image (saved) | frozen tower: saved, peak |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = []
     for run in data["by_dtype"]:
         whole = run["rows"][0]
         for r in run["rows"]:
             cold = frozen.get((run["dtype"], r["sp"]))
-            lines.append(
-                f"| {run['dtype']} | {r['sp']} | {r['max_patches']:,} | "
-                f"{_mib(r['saved_bytes'])} | {_mib(r['peak_bytes'])} | "
-                f"{_mib(r['estimate_bytes'])} | {r['estimate_bytes'] / r['saved_bytes']:.2f}x | "
-                f"{_mib(whole['saved_bytes'])} | "
-                + (f"{_mib(cold['saved_bytes'])}, {_mib(cold['peak_bytes'])} |" if cold
-                   else "- |"))
-    return "\n".join(lines)
+            rows.append([run["dtype"], r["sp"], f"{r['max_patches']:,}", _mib(r["saved_bytes"]),
+                         _mib(r["peak_bytes"]), _mib(r["estimate_bytes"]),
+                         f"{r['estimate_bytes'] / r['saved_bytes']:.2f}x",
+                         _mib(whole["saved_bytes"]),
+                         f"{_mib(cold['saved_bytes'])}, {_mib(cold['peak_bytes'])}" if cold
+                         else "-"])
+    return markdown_table(
+        ["dtype", "sp", "patches on the busiest rank", "saved for backward", "peak in forward",
+         "the plan's estimate", "estimate / saved", "every rank encodes every image (saved)",
+         "frozen tower: saved, peak"], rows, right=range(1, 9))
 
 
 def main() -> None:
@@ -309,10 +304,8 @@ def main() -> None:
         print(f"{run_['dtype']}: values saved per patch, hidden unit and layer, measured in "
               f"the layers: {run_['measured_saved_per_hidden_in_layers']} (the plan: "
               f"{data['saved_per_hidden']})")
-    RESULTS.mkdir(exist_ok=True)
-    path = args.out or RESULTS / f"vlm-tower-memory-{data['date']}.json"
-    path.write_text(json.dumps(data, indent=2) + "\n")
-    print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    path = write_results(args.out or RESULTS / f"vlm-tower-memory-{data['date']}.json", data)
+    print(f"wrote {shown(path)}")
 
 
 def summary(data: dict) -> str:

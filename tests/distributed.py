@@ -1,4 +1,5 @@
-"""Run a function on several CPU processes joined by a gloo process group, for tests.
+"""Run a function on several CPU processes joined by a gloo process group, for tests (and for
+the benchmarks' ranks: `benchmarks/common.py`'s `run_ranks`).
 
     results = run_distributed(worker, 4, arg1, arg2, timeout_s=120)
 
