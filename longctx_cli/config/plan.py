@@ -33,6 +33,7 @@ from longctx_cli.config.sections.model import (
     check_attention_dropout,
     check_query_position_scaling,
     check_router_aux_loss,
+    check_sparse_attention,
     context_note,
 )
 from longctx_cli.config.sections.objective import check_prefix_sharing, objective_text
@@ -253,6 +254,7 @@ def build_plan(
     check_without_model(config, world_size, world_source)
     check_tp_model(parallel.tensor_parallel_size, shape)
     check_attention_dropout(shape)
+    check_sparse_attention(shape)
     check_router_aux_loss(shape)
     if config.objective.rl == "grpo":
         check_grpo_router_aux_loss(config.trl, shape)

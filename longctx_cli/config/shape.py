@@ -61,6 +61,10 @@ class ModelShape:
     # The folder whose config.json `plain_fields` came from (see `_saved_plain_shape`):
     # transformers reads that file itself when the config object is needed.
     config_folder: str | None = field(default=None, repr=False, compare=False)
+    # Every distinct (heads, KV heads, head dim) of its attention layers, where the layers
+    # differ (Gemma 4's wider full-attention heads, dots3's narrower sliding layers); the
+    # fields above hold the largest of each, which is what memory is planned for.
+    layer_heads: tuple[tuple[int, int, int], ...] = ()
 
     def transformers_config(self) -> Any:
         """The transformers config of this model (built from the plain dict on first need:
@@ -82,7 +86,7 @@ class ModelShape:
         hf = self.hf_config
         if hf is not None:
             text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
-            return getattr(text, key, None)
+            return global_value(text, key)
         return (self.plain_fields or {}).get(key)
 
     @property
@@ -100,30 +104,50 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, source: str = "model config") -> ModelShape:
-        """Read the shape from a transformers `PretrainedConfig` (its text part if multimodal)."""
+        """Read the shape from a transformers `PretrainedConfig` (its text part if
+        multimodal), layer by layer where its layers differ (`layer_values`)."""
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-        heads = getattr(text, "num_attention_heads", None)
-        hidden = getattr(text, "hidden_size", None)
-        if not heads or not hidden:
+        heads = layer_values(text, "num_attention_heads")
+        hidden = global_value(text, "hidden_size")
+        model_type = str(getattr(text, "model_type", "") or "unknown")
+        if not heads or not all(heads):
             raise UserError(
-                f"cannot read `num_attention_heads`/`hidden_size` from the {source}.",
+                f"model type `{model_type}` has no attention heads (no `num_attention_heads` "
+                f"in the {source}): its layers are recurrences or state-space scans only. "
+                "longctx splits a sequence over ranks for attention and for the token mixers "
+                "of the hybrid families docs/families.md lists, so it cannot train this "
+                "model exactly.", where="base_model",
+                fix="train it without sequence parallelism (plain Hugging Face training), or "
+                "pick a family docs/families.md lists as exact.")
+        if not hidden:
+            raise UserError(
+                f"cannot read `hidden_size` from the {source}.",
                 fix="use a decoder-only causal LM (Llama, Qwen2, Mistral, ...).",
             )
-        intermediate = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None)
+        hidden = int(hidden)
+        kv = [int(k or h) for k, h in zip(layer_values(text, "num_key_value_heads")
+                                           or [None] * len(heads), heads, strict=True)]
+        dims = [int(d or hidden // h) for d, h in zip(layer_values(text, "head_dim")
+                                                       or [None] * len(heads), heads,
+                                                       strict=True)]
+        intermediate = (layer_values(text, "intermediate_size")
+                        or layer_values(text, "n_inner") or [4 * hidden])
+        layers = {(int(h), k, d) for h, k, d in zip(heads, kv, dims, strict=True)}
         return cls(
-            model_type=str(getattr(text, "model_type", "") or "unknown"),
-            hidden_size=int(hidden),
-            intermediate_size=int(intermediate or 4 * hidden),
-            num_hidden_layers=int(getattr(text, "num_hidden_layers", 1)),
-            num_attention_heads=int(heads),
-            num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
-            vocab_size=int(getattr(text, "vocab_size", 0) or 0),
+            model_type=model_type,
+            hidden_size=hidden,
+            intermediate_size=int(max(i or 4 * hidden for i in intermediate)),
+            num_hidden_layers=int(global_value(text, "num_hidden_layers") or 1),
+            num_attention_heads=int(max(heads)),
+            num_key_value_heads=max(kv),
+            head_dim=max(dims),
+            vocab_size=int(global_value(text, "vocab_size") or 0),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            max_position_embeddings=getattr(text, "max_position_embeddings", None),
+            max_position_embeddings=global_value(text, "max_position_embeddings"),
             source=source,
             context=context_line(text),
             hf_config=hf_config,
+            layer_heads=tuple(sorted(layers)) if len(layers) > 1 else (),
         )
 
     @property
@@ -165,6 +189,32 @@ def is_vision_language(hf_config: Any, images: bool = False) -> bool:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     return images or type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING
+
+
+def global_value(config: Any, key: str) -> Any:
+    """`config.key`, or None; on a heterogeneous config (transformers' `per_layer_config`)
+    the value the layers without an override of it hold, which reading it directly refuses
+    (`AmbiguousGlobalPerLayerAttributeError`)."""
+    read = getattr(config, "_getattr_without_heterogeneous_validation", None)
+    if read is not None:
+        return read(key, None)
+    return getattr(config, key, None)
+
+
+def layer_values(config: Any, key: str) -> list[Any] | None:
+    """`key` of every decoder layer, read the way the model reads it: from each layer's
+    config on a heterogeneous config (Gemma 4's `head_dim`, dots3's head counts), from a
+    per-layer list (Gemma 3n's `intermediate_size`), else the one value for all; None when
+    the config has no such key."""
+    n = int(global_value(config, "num_hidden_layers") or 1)
+    if key in (getattr(config, "per_layer_attributes", None) or ()):
+        return [getattr(config.per_layer_config[i], key, None) for i in range(n)]
+    value = global_value(config, key)
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return list(value) if len(value) == n else None
+    return [value] * n
 
 
 def attention_softcap(shape: ModelShape) -> float | None:

@@ -55,6 +55,13 @@ class SPMeta:
     # Values derived from this row, built once and read by every layer (see `derived`).
     _derived: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
     attention_calls: int = 0  # incremented by the transformers entry point
+    token_mixer_calls: int = 0  # incremented by the covered token mixers (token_mixing.py)
+
+    @property
+    def went_through_sp(self) -> bool:
+        """Some layer of the forward ran sequence-parallel: attention, or a covered token
+        mixer (a model of scans alone, e.g. a Bamba stack without attention layers)."""
+        return self.attention_calls > 0 or self.token_mixer_calls > 0
 
     @property
     def max_seqlen(self) -> int:

@@ -293,6 +293,7 @@ class TokenMixerSP:
             raise ValueError(f"{self.name}: expected this rank's one row of {meta.local_len} "
                              f"tokens, got {tuple(hidden.shape[:2])}")
         refuse_prefixes(meta, f"{self.name} (a token mixer with a state, not attention)")
+        meta.token_mixer_calls += 1
         if self.kind.passes_state and relay_applies(meta):
             # A scan on contiguous or zigzag rows: its state passes from rank to rank; the
             # module's own call (its output replaced in _after) gets one token.

@@ -470,8 +470,9 @@ def sp_hidden_states(decoder: nn.Module, batch, where: str = "base_model",
                      cache: Any = None) -> torch.Tensor:
     """Hidden states `[local_tokens, hidden]` of this rank's slice of a sharded row.
 
-    Fails loudly when no attention layer went through the SP attention: each rank would
-    then attend only to its own slice, silently. `where` names what the user should change.
+    Fails loudly when no layer went through the SP attention (or a covered token mixer):
+    each rank would then attend only to its own slice, silently. `where` names what the user
+    should change.
     `cache` (a transformers `Cache`) keeps this rank's keys and values for decoding.
     A vision-language model's decoder is its rebuilt forward (runtime/vision.py).
     """
@@ -483,7 +484,7 @@ def sp_hidden_states(decoder: nn.Module, batch, where: str = "base_model",
         input_ids=batch.input_ids, position_ids=batch.position_ids, sp_meta=batch.sp_meta,
         **cache_kwargs(decoder, cache),
     ).last_hidden_state
-    if batch.sp_meta.attention_calls == 0:
+    if not batch.sp_meta.went_through_sp:
         raise UserError(
             "the model's attention layers did not call the sequence-parallel attention, so "
             "each rank would attend only to its own slice of the sequence.",

@@ -429,7 +429,7 @@ class VisionLanguageForward:
         finally:
             if hook is not None:
                 hook.remove()
-        if meta.attention_calls == 0:
+        if not meta.went_through_sp:
             raise UserError(
                 "the language model's attention layers did not call the sequence-parallel "
                 "attention, so each rank would attend only to its own slice.",

@@ -117,16 +117,39 @@ def _shrink_rope_lists(value: Any, old_half: int, new_half: int) -> Any:
     return value
 
 
-def _layer_count(fields: dict[str, Any], layers: int) -> int:
-    """Enough leading layers to include every layer type (at least two)."""
+def _layer_count(fields: dict[str, Any], layers: int, shared: int = 0) -> int:
+    """Enough leading layers to include every layer type and every layer with overrides of
+    its own (`per_layer_config`), at least two; with `shared` layers that reuse an earlier
+    layer's keys and values (Gemma 3n, Gemma 4), that many again."""
     types = fields.get("layer_types") or fields.get("layers_block_type")  # the latter: Nemotron-H
-    if not isinstance(types, list) or not types:
-        return min(layers, 2)
-    distinct = set(types)
-    for n in range(1, len(types) + 1):
-        if set(types[:n]) == distinct:
-            return min(layers, max(n, 2))
-    return min(layers, 2)
+    n = 2
+    if isinstance(types, list) and types:
+        distinct = set(types)
+        n = max(n, next(k for k in range(1, len(types) + 1) if set(types[:k]) == distinct))
+    overrides: dict[str, int] = {}  # each distinct override, first layer holding it
+    for index, override in sorted((int(k), v) for k, v in
+                                  (fields.get("per_layer_config") or {}).items()):
+        overrides.setdefault(repr(sorted(override.items())), index)
+    n = max([n, *(index + 1 for index in overrides.values())])
+    return min(layers, 2 * n if shared else n)
+
+
+# Sizes some configs name otherwise than `intermediate_size` (transformers' attribute_map
+# covers the common names: GPT-2's `n_embd`, MPT's `d_model`, ...).
+_INTERMEDIATE_KEYS = ("ffn_hidden_size", "expert_ffn_hidden_size", "n_inner", "ffn_dim",
+                      "d_ff", "ffn_intermediate_size")
+# Experts that compute nothing (LongCat-Flash's zero experts), counted beside the real ones.
+_EXTRA_EXPERT_KEYS = ("zero_expert_num",)
+PROBE_MAX_PARAMETERS = 20_000_000  # a tiny copy larger than this was not shrunk
+# MLP width of a tiny copy whose MLP keeps only each token's top units (Gemma 3n's activation
+# sparsity: the top 5%): wide enough that float rounding moves few units across the cutoff.
+PROBE_SPARSE_INTERMEDIATE = 1024
+
+
+def _shrunk_heads(heads: int, kv: int) -> tuple[int, int]:
+    """(heads, KV heads) of the tiny copy: at most 2 KV heads, the GQA ratio kept up to 4."""
+    new_kv = min(kv, 2)
+    return new_kv * min(max(1, heads // kv), 4), new_kv
 
 
 def shrink_config(model_config: Any) -> Any:
@@ -139,69 +162,61 @@ def shrink_config(model_config: Any) -> Any:
     attention: q/k without and with rotary, v) and latent rank (``*_lora_rank``) shrinks by
     one factor, so their ratios (q/k vs v head dim) stay; expert groups (``n_group``,
     ``topk_group``) shrink with the experts, and dense-then-MoE stacks keep both kinds.
+    Keys are read under the config's own names (its ``attribute_map``), and layers that
+    differ (``per_layer_config``) shrink alike, one of each kept.
     """
     fields = model_config.to_dict()
     for key in (*_DROP_KEYS, *_DERIVED_KEYS.get(fields.get("model_type", ""), ())):
         fields.pop(key, None)
-    heads = int(fields.get("num_attention_heads") or 0)
-    hidden = int(fields.get("hidden_size") or 0)
+    names = dict(getattr(type(model_config), "attribute_map", None) or {})
+
+    def key_of(standard: str) -> str:  # the config's own name of a standard field
+        return names.get(standard, standard)
+
+    heads = int(fields.get(key_of("num_attention_heads")) or 0)
+    hidden = int(fields.get(key_of("hidden_size")) or 0)
     # Nemotron-H derives its layer count from its list of layer kinds (a property, not a field).
-    layers = int(fields.get("num_hidden_layers") or getattr(model_config, "num_hidden_layers", 0)
-                 or 0)
+    layers = int(fields.get(key_of("num_hidden_layers"))
+                 or getattr(model_config, "num_hidden_layers", 0) or 0)
     if not heads or not hidden or not layers:
         raise ValueError("the config has no num_attention_heads / hidden_size / num_hidden_layers")
-    kv = int(fields.get("num_key_value_heads") or heads)
-    groups = max(1, heads // kv)
-    new_kv = min(kv, 2)
-    new_heads = new_kv * min(groups, 4)  # GQA stays GQA (ratio kept up to 4)
-    old_head_dim = int(fields.get("head_dim") or hidden // heads)
+    kv = int(fields.get(key_of("num_key_value_heads")) or heads)
+    new_heads, new_kv = _shrunk_heads(heads, kv)
+    old_head_dim = int(fields.get(key_of("head_dim")) or hidden // heads)
     factor = PROBE_HEAD_DIM / old_head_dim
     rotary = float(fields.get("partial_rotary_factor") or 1.0)
     old_half, new_half = int(old_head_dim * rotary) // 2, int(PROBE_HEAD_DIM * rotary) // 2
     if isinstance(fields.get("qk_rope_head_dim"), int):  # MLA: rotary on its own q/k part
         old_half = fields["qk_rope_head_dim"] // 2
         new_half = _scaled_dim(fields["qk_rope_head_dim"], factor) // 2
-    fields.update(
-        num_attention_heads=new_heads,
-        num_key_value_heads=new_kv,
-        hidden_size=new_heads * PROBE_HEAD_DIM,
-        vocab_size=PROBE_VOCAB,
-        initializer_range=PROBE_INIT_RANGE,
-    )
-    if "head_dim" in fields:
-        fields["head_dim"] = PROBE_HEAD_DIM
-    new_layers = _layer_count(fields, layers)
+    fields.update({
+        key_of("num_attention_heads"): new_heads,
+        key_of("num_key_value_heads"): new_kv,
+        key_of("hidden_size"): new_heads * PROBE_HEAD_DIM,
+        key_of("vocab_size"): PROBE_VOCAB,
+        "initializer_range": PROBE_INIT_RANGE,
+    })
+    if key_of("head_dim") in fields:
+        fields[key_of("head_dim")] = PROBE_HEAD_DIM
+    shared = fields.get("num_kv_shared_layers")
+    new_layers = _layer_count(fields, layers, shared if isinstance(shared, int) else 0)
+    if isinstance(shared, int) and shared:
+        fields["num_kv_shared_layers"] = new_layers // 2  # the second half reuses the first's
+    layer_keys = {key_of("num_hidden_layers"), "num_hidden_layers"}
+    sparse = any(fields.get("activation_sparsity_pattern") or [])
+    sizes = dict(old_half=old_half, new_half=new_half, factor=factor, layers=layers,
+                 new_layers=new_layers,
+                 intermediate=PROBE_SPARSE_INTERMEDIATE if sparse else PROBE_INTERMEDIATE)
     for key, value in list(fields.items()):
-        if isinstance(value, bool):
-            continue
-        if key == "num_hidden_layers":
+        if key in layer_keys and isinstance(value, int) and not isinstance(value, bool):
             fields[key] = new_layers
-        elif isinstance(value, list) and len(value) == layers:
-            fields[key] = value[:new_layers]  # per-layer lists: layer_types and the like
-        elif key.endswith("intermediate_size") and isinstance(value, int):
-            fields[key] = PROBE_INTERMEDIATE
-        elif key in _EXPERT_COUNT_KEYS and isinstance(value, int):
-            fields[key] = min(value, PROBE_EXPERTS)
-        elif key in _EXPERT_TOPK_KEYS and isinstance(value, int):
-            fields[key] = min(value, 2)
-        elif key.endswith("_head_dim") and isinstance(value, int) and value > 0:
-            fields[key] = _scaled_dim(value, factor)
-        elif key.endswith("_lora_rank") and isinstance(value, int) and value > 0:
-            fields[key] = _scaled_dim(value, factor)
-        elif key.endswith("_token_id") and isinstance(value, int) and value >= PROBE_VOCAB:
-            fields[key] = PROBE_VOCAB - 1
-        elif key.endswith("_token_id") and isinstance(value, list):
-            fields[key] = [t if t < PROBE_VOCAB else PROBE_VOCAB - 1 for t in value]
-        elif ("window" in key or key == "attention_chunk_size") and isinstance(value, int) and (
-            "layers" not in key and "pattern" not in key
-        ):
-            fields[key] = min(value, PROBE_WINDOW)
-        elif ("softcap" in key or "soft_cap" in key) and isinstance(value, (int, float)):
-            fields[key] = min(float(value), PROBE_CAP) if value else value
-        elif ("dropout" in key or "jitter" in key) and isinstance(value, float):
-            fields[key] = 0.0  # randomness would make the two sides differ for no fault of ours
-        elif key.startswith("rope") and isinstance(value, dict):
-            fields[key] = _shrink_rope_lists(value, old_half, new_half)
+        else:
+            fields[key] = _shrunk_value(key, value, **sizes)
+    overrides = fields.get("per_layer_config")
+    if isinstance(overrides, dict):
+        fields["per_layer_config"] = {
+            index: _shrunk_layer(override, sizes, key_of)
+            for index, override in overrides.items() if int(index) < new_layers}
     _shrink_expert_groups(fields)
     _shrink_layer_periods(fields)
     _shrink_mamba(fields)
@@ -209,6 +224,63 @@ def shrink_config(model_config: Any) -> Any:
         if isinstance(fields.get(key), int) and fields[key] > 0:
             fields[key] = min(fields[key], new_layers - 1)
     return type(model_config).from_dict(fields)
+
+
+def _shrunk_value(key: str, value: Any, *, old_half: int, new_half: int, factor: float,
+                  layers: int, new_layers: int, intermediate: int) -> Any:
+    """One field of the config, shrunk as `shrink_config` says (unchanged if no rule)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, list) and len(value) == layers:  # per-layer lists: layer_types ...
+        if key.endswith("intermediate_size") or key in _INTERMEDIATE_KEYS:
+            return [intermediate] * new_layers  # ... and Gemma 3n's MLP widths
+        return value[:new_layers]
+    if isinstance(value, int):
+        if key.startswith("vocab_size"):  # Gemma 3n/4's per-layer input embeddings too
+            return PROBE_VOCAB
+        if key == "hidden_size_per_layer_input":
+            return PROBE_HEAD_DIM
+        if key.endswith("intermediate_size") or key in _INTERMEDIATE_KEYS:
+            return intermediate
+        if key in _EXPERT_COUNT_KEYS:
+            return min(value, PROBE_EXPERTS)
+        if key in _EXTRA_EXPERT_KEYS:
+            return min(value, 2)
+        if key in _EXPERT_TOPK_KEYS:
+            return min(value, 2)
+        if (key.endswith("_head_dim") or key.endswith("_lora_rank")) and value > 0:
+            return _scaled_dim(value, factor)
+        if key.endswith("_token_id") and value >= PROBE_VOCAB:
+            return PROBE_VOCAB - 1
+    if key.endswith("_token_id") and isinstance(value, list):
+        return [t if t < PROBE_VOCAB else PROBE_VOCAB - 1 for t in value]
+    if ("window" in key or key == "attention_chunk_size") and isinstance(value, int) and (
+        "layers" not in key and "pattern" not in key
+    ):
+        return min(value, PROBE_WINDOW)
+    if ("softcap" in key or "soft_cap" in key) and isinstance(value, (int, float)):
+        return min(float(value), PROBE_CAP) if value else value
+    if ("dropout" in key or "jitter" in key) and isinstance(value, float):
+        return 0.0  # randomness would make the two sides differ for no fault of ours
+    if key.startswith("rope") and isinstance(value, dict):
+        return _shrink_rope_lists(value, old_half, new_half)
+    return value
+
+
+def _shrunk_layer(override: dict[str, Any], sizes: dict[str, Any],
+                  key_of: Any) -> dict[str, Any]:
+    """One layer's own fields (`per_layer_config`), shrunk as the config's are: its heads
+    keep their GQA ratio, its head dims scale by the config's factor."""
+    out = {key: _shrunk_value(key, value, **sizes) for key, value in override.items()}
+    heads_key, kv_key = key_of("num_attention_heads"), key_of("num_key_value_heads")
+    if isinstance(override.get(heads_key), int):
+        heads = override[heads_key]
+        out[heads_key], new_kv = _shrunk_heads(heads, int(override.get(kv_key) or heads))
+        if kv_key in override:
+            out[kv_key] = new_kv
+    if isinstance(override.get(key_of("head_dim")), int):
+        out[key_of("head_dim")] = _scaled_dim(override[key_of("head_dim")], sizes["factor"])
+    return out
 
 
 def _shrink_layer_periods(fields: dict[str, Any]) -> None:
@@ -332,18 +404,19 @@ def _reference(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     """
     from longctx_cli.runtime.head import decoder_of
 
-    total, count, hidden, logits = ids.new_zeros((), dtype=torch.float32), 0, [], []
+    dtype = next(model.parameters()).dtype
+    total, count, hidden, logits = ids.new_zeros((), dtype=dtype), 0, [], []
     decoder = decoder_of(model)
     for start, end in _documents(ids):
         doc = ids[start:end][None]
         with torch.no_grad():
             hidden.append(decoder(input_ids=doc, use_cache=False).last_hidden_state[0])
         if end - start < 2:  # no target: the model's mean loss would be 0/0
-            logits.append(model(input_ids=doc, use_cache=False).logits[0].detach().float())
+            logits.append(model(input_ids=doc, use_cache=False).logits[0].detach().to(dtype))
             continue
         out = model(input_ids=doc, labels=doc, use_cache=False)
-        logits.append(out.logits[0].detach().float())
-        total = total + out.loss.float() * (end - start - 1)
+        logits.append(out.logits[0].detach().to(dtype))
+        total = total + out.loss.to(dtype) * (end - start - 1)
         count += end - start - 1
     return total / count, torch.cat(hidden), torch.cat(logits)
 
@@ -473,6 +546,20 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def _parameters_on_meta(tiny: Any, trust_remote_code: bool) -> int | None:
+    """The tiny copy's parameter count, built on the meta device (no memory); None when it
+    does not build there (the real build then reports why)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(tiny),
+                                                     trust_remote_code=trust_remote_code)
+    except Exception:  # the eager build below names what failed
+        return None
+    return sum(p.numel() for p in model.parameters())
+
+
 def _build(tiny: Any, attn: str, trust_remote_code: bool) -> Any:
     from transformers import AutoModelForCausalLM
 
@@ -559,6 +646,11 @@ def _compare(model_type: str, tiny: Any, trust_remote_code: bool, started: float
     features = active_features(tiny)
     described = f"a tiny `{model_type}` ({', '.join(features) or 'no special features'})"
     ids, pos, labels = _probe_row()
+    size = _parameters_on_meta(tiny, trust_remote_code)
+    if size is not None and size > PROBE_MAX_PARAMETERS:
+        raise _unchecked(model_type, f"longctx's shrinking left {size:,} parameters in the "
+                         "tiny copy (its config names some of its sizes in keys the probe "
+                         "does not shrink), too many to run here")
     try:
         reference = _build(tiny, "eager", trust_remote_code)
         mixers = token_mixers(reference)

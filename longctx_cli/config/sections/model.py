@@ -153,6 +153,26 @@ def check_router_aux_loss(shape: ModelShape) -> None:
         )
 
 
+def check_sparse_attention(shape: ModelShape) -> None:
+    """DeepSeek sparse attention (DeepSeek V3.2 and V4, GLM-5's DSA, dots3): a learned
+    indexer picks each query's top `index_topk` keys, and the layer reads the model's own
+    [tokens, tokens] mask to score them. longctx's attention computes every causal key of
+    the document on each rank's slice and builds no such mask, so it cannot run the indexer
+    (and a document longer than `index_topk` would attend to keys the model masks)."""
+    topk = shape.config_value("index_topk")
+    if not topk:
+        return
+    raise UserError(
+        f"model type `{shape.model_type}` uses sparse attention: an indexer picks each "
+        f"query's top {topk} keys from the layer's full [tokens, tokens] attention mask. "
+        "longctx's sequence-parallel attention builds no such mask and attends to every "
+        "causal key of a document, so it cannot run the indexer and would train a "
+        "different model.", where="base_model",
+        fix="train this model without sequence parallelism (plain Hugging Face training), "
+        "or pick a family docs/families.md lists as exact (DeepSeek V3's dense attention is "
+        "one).")
+
+
 def check_query_position_scaling(shape: ModelShape, layout: Layout, sequence_len: int,
                                  micro_batch_size: int, packed: bool) -> None:
     """Llama 4's attention temperature tuning scales its NoPE layers' queries by

@@ -279,7 +279,9 @@ def check_heads(layout: Layout, shape: ModelShape) -> None:
     """The heads one TP rank holds fit the layout's Ulysses split and heads_k_stride."""
     local = tp_local_shape(shape, layout.tp)
     try:
-        layout.check_heads(local.num_attention_heads, local.num_key_value_heads)
+        for heads, kv, _ in local.layer_heads or [(local.num_attention_heads,
+                                                   local.num_key_value_heads, 0)]:
+            layout.check_heads(heads, kv)  # every layer's heads, where the layers differ
     except LayoutError as err:
         raise UserError(err.message, fix=err.fix) from None
 
@@ -432,6 +434,7 @@ def tp_local_shape(shape: ModelShape, tp: int) -> ModelShape:
         intermediate_size=shape.intermediate_size // tp,
         vocab_size=shape.vocab_size // tp,
         hf_config=None,
+        layer_heads=tuple((h // tp, k // tp, d) for h, k, d in shape.layer_heads),
     )
 
 
