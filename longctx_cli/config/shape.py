@@ -106,7 +106,7 @@ class ModelShape:
     def from_hf_config(cls, hf_config: Any, source: str = "model config") -> ModelShape:
         """Read the shape from a transformers `PretrainedConfig` (its text part if
         multimodal), layer by layer where its layers differ (`layer_values`)."""
-        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        text = decoder_config(hf_config, source)
         heads = layer_values(text, "num_attention_heads")
         hidden = global_value(text, "hidden_size")
         model_type = str(getattr(text, "model_type", "") or "unknown")
@@ -189,6 +189,28 @@ def is_vision_language(hf_config: Any, images: bool = False) -> bool:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     return images or type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING
+
+
+def decoder_config(hf_config: Any, source: str = "model config") -> Any:
+    """The config of the decoder longctx trains: the text part of a multimodal config. An
+    encoder-decoder model (T5-style, MusicGen, Florence-2) is refused: longctx trains
+    decoder-only causal LMs, whose one decoder sees the whole sequence causally."""
+    model_type = str(getattr(hf_config, "model_type", "") or "unknown")
+    several = False
+    try:
+        text = (hf_config.get_text_config() if hasattr(hf_config, "get_text_config")
+                else hf_config)
+    except ValueError:  # transformers: several text configs (an encoder and a decoder)
+        text, several = hf_config, True
+    if several or getattr(hf_config, "is_encoder_decoder", False) or getattr(
+            text, "is_encoder_decoder", False):
+        raise UserError(
+            f"model type `{model_type}` ({source}) is an encoder-decoder model: longctx "
+            "trains decoder-only causal LMs (one decoder over the whole sequence, split "
+            "across ranks), not a separate encoder and decoder.", where="base_model",
+            fix="train this model without longctx, or pick a decoder-only family "
+            "docs/families.md lists.")
+    return text
 
 
 def global_value(config: Any, key: str) -> Any:

@@ -260,7 +260,8 @@ def _shrunk_value(key: str, value: Any, *, old_half: int, new_half: int, factor:
         return min(value, PROBE_WINDOW)
     if ("softcap" in key or "soft_cap" in key) and isinstance(value, (int, float)):
         return min(float(value), PROBE_CAP) if value else value
-    if ("dropout" in key or "jitter" in key) and isinstance(value, float):
+    if ("dropout" in key or "jitter" in key or key.endswith("pdrop")) and isinstance(
+            value, float):
         return 0.0  # randomness would make the two sides differ for no fault of ours
     if key.startswith("rope") and isinstance(value, dict):
         return _shrink_rope_lists(value, old_half, new_half)
@@ -569,7 +570,16 @@ def _build(tiny: Any, attn: str, trust_remote_code: bool) -> Any:
         copy.deepcopy(tiny), attn_implementation=attn, dtype=torch.float32,
         trust_remote_code=trust_remote_code,
     )
-    return model.train()
+    return without_dropout(model.train())
+
+
+def without_dropout(model: Any) -> Any:
+    """`model` with every dropout layer at p = 0: the probe judges the computation, and two
+    training forwards draw different masks (Phi-3's and GPT-2's residual dropout)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+    return model
 
 
 # Layers that mix tokens outside attention, by the words of the class names transformers
@@ -915,7 +925,7 @@ def _build_vision(tiny: Any, attn: str) -> Any:
     if hasattr(projector, "mm_input_projection_weight"):  # Gemma 3's starts at zero, which
         with torch.no_grad():  # would leave the tower without a gradient to compare
             projector.mm_input_projection_weight.normal_(0, 0.2)
-    return model
+    return without_dropout(model)
 
 
 def run_vision_probe(model_config: Any) -> Any:

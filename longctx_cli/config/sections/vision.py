@@ -207,8 +207,8 @@ def check_vision(vision: VisionSection, hf_config: Any, layout: Layout, streamed
                     f"`{getattr(hf_config, 'model_type', '?')}`).", where=key,
                     fix=f"remove `{key}`, or use a vision-language model.")
         return None
+    refuse_unless_rebuilt(hf_config)  # before reading a tower longctx has no rules for
     tower = VisionTower.of(hf_config)
-    refuse_unless_rebuilt(hf_config)
     if layout.tp > 1:
         raise UserError(
             "vision-language models do not run under tensor parallelism here: the tower and "
