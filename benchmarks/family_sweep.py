@@ -95,11 +95,14 @@ def reason_group(reason: str) -> str:
         ("has no attention heads", "no attention layers (recurrent / state-space)"),
         ("is an encoder-decoder model", "an encoder-decoder model"),
         ("uses sparse attention", "sparse attention (an indexer's top-k keys)"),
+        ("prefix LM", "a prefix LM (image and prompt attend both ways)"),
+        ("dropout to the attention probabilities", "attention dropout (the fix names the "
+         "override)"),
+        ("output_router_logits", "router auxiliary loss (the fix names the override)"),
+        ("does not dispatch through transformers' AttentionInterface", "attention outside "
+         "transformers' AttentionInterface"),
         ("could not check", "the probe could not build or run its tiny copy"),
         ("would train a different model", "the probe found a difference"),
-        ("dropout", "attention dropout (the fix: an override)"),
-        ("output_router_logits", "router auxiliary loss (the fix: an override)"),
-        ("prefix LM", "a prefix LM (image and prompt attend both ways)"),
     ):
         if mark in reason:
             return group

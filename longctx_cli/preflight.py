@@ -266,14 +266,15 @@ def check_lora_targets(config: Config) -> None:
 def meta_model(config: Config) -> Any:
     """The model built on the meta device from its config (no weights), or None."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from longctx_cli.config.shape import causal_lm_class
 
     hf = _hf_config(config)
     if hf is None:
         return None
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(
+            return causal_lm_class(hf).from_config(
                 hf, trust_remote_code=config.model.trust_remote_code)
     except Exception:  # noqa: BLE001 - a model transformers cannot skeletonise: not our check
         return None

@@ -213,6 +213,129 @@ FAMILIES = [
             "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 8},
            {"Mamba layer": {"attn_layer_period": 1, "attn_layer_offset": 0}},
            always_on=("MoE",)),
+    # ---- the families of 2026 that Axolotl's examples train --------------------------------
+    # Qwen3.5: gated delta-net layers (conv + linear-attention scan), then attention with an
+    # output gate and partial rotary; dense and MoE with a shared expert.
+    Family("qwen3_5_text", "qwen3_5_text",
+           {"head_dim": 8, "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8},
+           {"gated delta-net layer": {"layer_types": ALL_FULL}}),
+    Family("qwen3_5_moe_text", "qwen3_5_moe_text",
+           {"head_dim": 8, "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+           {"gated delta-net layer": {"layer_types": ALL_FULL}}, always_on=("MoE",)),
+    # Gemma 4: sliding layers of head dim 8, full-attention layers of head dim 16 (its
+    # per-layer config), keys as values on the full layers, per-layer input embeddings, and
+    # the last two layers reusing the first two's keys and values.
+    Family("gemma4_text", "gemma4_text",
+           _sliding(head_dim=8, layer_types=SLIDING_THEN_FULL * 2,
+                    num_hidden_layers=4, per_layer_config={"1": {"head_dim": 16},
+                                                           "3": {"head_dim": 16}},
+                    attention_k_eq_v=True, num_kv_shared_layers=2,
+                    hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
+                    final_logit_softcapping=1.0),
+           {"keys as values (attention_k_eq_v)": {"attention_k_eq_v": False},
+            "KV sharing": {"num_kv_shared_layers": 0},
+            "final logit softcap": {"final_logit_softcapping": None}},
+           always_on=("sliding window on layers 0 and 2",
+                      "wider full-attention heads (per_layer_config)",
+                      "per-layer input embeddings")),
+    # Gemma 4 26B-A4B: experts beside the dense MLP in every layer, no per-layer inputs.
+    Family("gemma4_text (MoE)", "gemma4_text",
+           _sliding(head_dim=8, layer_types=SLIDING_THEN_FULL, enable_moe_block=True,
+                    num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+                    hidden_size_per_layer_input=0, per_layer_config=None),
+           {"per-layer sliding window": {"layer_types": ALL_FULL}}, always_on=("MoE",)),
+    # Gemma 3n: AltUp streams, LAuReL, per-layer inputs, activation sparsity (each token keeps
+    # its top 5% of MLP units: the MLP is wide so rounding moves few across the cutoff),
+    # and KV sharing.
+    Family("gemma3n_text", "gemma3n_text",
+           _sliding(head_dim=8, layer_types=SLIDING_THEN_FULL * 2, num_hidden_layers=4,
+                    intermediate_size=[1024] * 4, num_kv_shared_layers=2,
+                    activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0],
+                    hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
+                    laurel_rank=8, altup_num_inputs=2, final_logit_softcapping=1.0,
+                    # The rows' SP padding is token 0: random weights keep the embedding's
+                    # padding row at zero, where AltUp's magnitude (a square root) has no
+                    # gradient; a trained checkpoint's padding row is not zero.
+                    pad_token_id=3),
+           {"per-layer sliding window": {"layer_types": ALL_FULL * 2},
+            "activation sparsity": {"activation_sparsity_pattern": [0.0] * 4},
+            "KV sharing": {"num_kv_shared_layers": 0}},
+           always_on=("AltUp", "LAuReL", "per-layer input embeddings")),
+    # Kimi Linear: Kimi delta attention (conv + linear-attention scan), then multi-head latent
+    # attention; MoE after a dense layer.
+    Family("kimi_linear", "kimi_linear",
+           {"layer_types": ["linear_attention", "full_attention"], "linear_num_heads": 4,
+            "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+            "linear_head_dim": 8, "num_key_value_heads": 4, "kv_lora_rank": 16,
+            "q_lora_rank": None, "qk_rope_head_dim": 4, "qk_nope_head_dim": 12,
+            "v_head_dim": 8, "num_experts": 4, "num_experts_per_token": 2,
+            "moe_intermediate_size": 32, "mlp_layer_types": ["dense", "sparse"]},
+           {"Kimi delta attention layer": {"layer_types": ALL_FULL}}, always_on=("MoE",)),
+    Family("minimax_m2", "minimax_m2",
+           {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2},
+           always_on=("MoE",)),
+    # GLM-4.5 (partial rotary, a dense layer, then MoE with a shared expert) and GLM-4.7
+    # Flash (multi-head latent attention with interleaved rotary).
+    Family("glm4_moe", "glm4_moe",
+           {"head_dim": 8, "partial_rotary_factor": 0.5, "n_routed_experts": 4,
+            "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1},
+           {"partial rotary": {"partial_rotary_factor": 1.0}}, always_on=("MoE",)),
+    Family("glm4_moe_lite", "glm4_moe_lite",
+           {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16,
+            "qk_nope_head_dim": 12, "qk_rope_head_dim": 4, "v_head_dim": 8,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "mlp_layer_types": ["dense", "sparse"]},
+           always_on=("latent attention (q/k head dim 16, v head dim 8)", "MoE")),
+    Family("deepseek_v2", "deepseek_v2",
+           {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16,
+            "qk_nope_head_dim": 12, "qk_rope_head_dim": 4, "v_head_dim": 8,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1},
+           always_on=("latent attention (q/k head dim 16, v head dim 8)", "MoE")),
+    # Mistral 3/4: Ministral's sliding window on every layer, Mistral 4's latent attention
+    # and MoE with YaRN.
+    Family("ministral", "ministral", _sliding(head_dim=8, layer_types=["sliding_attention"] * 2),
+           {"sliding window": {"layer_types": ALL_FULL}}),
+    # Ministral 3 (the text model of Mistral 3): YaRN-scaled RoPE.
+    Family("ministral3", "ministral3", {"head_dim": 8, "pad_token_id": 0}),
+    Family("mistral4", "mistral4",
+           {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16,
+            "qk_nope_head_dim": 12, "qk_rope_head_dim": 4, "v_head_dim": 8,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1},
+           always_on=("latent attention (q/k head dim 16, v head dim 8)", "MoE")),
+    Family("apertus", "apertus", {"head_dim": 8}, always_on=("xIELU activation",)),
+    Family("arcee", "arcee", {"head_dim": 8}, always_on=("ReLU-squared MLP",)),
+    Family("seed_oss", "seed_oss", {"head_dim": 8, "attention_bias": True,
+                                    "attention_dropout": 0.0, "residual_dropout": 0.0},
+           always_on=("attention biases",)),
+    Family("hunyuan_v1_dense", "hunyuan_v1_dense", {"head_dim": 8},
+           always_on=("q/k norms",)),
+    Family("nemotron", "nemotron", {"head_dim": 8, "partial_rotary_factor": 0.5},
+           {"partial rotary": {"partial_rotary_factor": 1.0}}),
+    Family("lfm2_moe", "lfm2_moe",
+           {"layer_types": ["conv", "full_attention"], "conv_L_cache": 3, "num_experts": 4,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_dense_layers": 1},
+           {"short convolution layer": {"layer_types": ALL_FULL}}, always_on=("MoE",)),
+    # Trinity (AFMoE): sliding layers, then global attention; MoE after a dense layer.
+    Family("afmoe", "afmoe",
+           _sliding(head_dim=8, layer_types=SLIDING_THEN_FULL, num_experts=4,
+                    num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1,
+                    global_attn_every_n_layers=2),
+           {"per-layer sliding window": {"layer_types": ALL_FULL}}, always_on=("MoE",)),
+    # MiMo-V2-Flash: sliding and full layers, values of their own head dim, scaled values.
+    Family("mimo_v2_flash", "mimo_v2_flash",
+           _sliding(head_dim=8, v_head_dim=4, layer_types=["full_attention", "sliding_attention"],
+                    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    mlp_layer_types=["dense", "sparse"], attention_value_scale=0.707),
+           {"per-layer sliding window": {"layer_types": ALL_FULL}},
+           always_on=("value head dim 4", "MoE")),
     # Attention dropout: SP attention applies none, so validate refuses the model and names
     # the override; both trainings run with it.
     Family("llama (attention_dropout 0.1)", "llama", {"attention_dropout": 0.1},
@@ -613,8 +736,53 @@ def render() -> str:
         "comparison with a loss bound near the reference's own rounding (a large vocabulary, "
         "long rows) would have to take the reference's cross-entropy in float64.",
         "",
+        *_sweep_section(),
     ]
     return "\n".join(lines)
+
+
+# Families Axolotl's examples name that longctx cannot train exactly, and why (the sweep's
+# reason, which tests/test_family_sweep.py checks on each).
+REFUSED_FAMILIES = (
+    ("DeepSeek V3.2 and V4, GLM-5 (`glm_moe_dsa`)", "sparse attention: an indexer picks each "
+     "query's top keys from the layer's full attention mask, which longctx's sequence-parallel "
+     "attention neither builds nor computes"),
+    ("Mamba (`mamba`)", "no attention layers: its Mamba scans are not among the token mixers "
+     "longctx passes across ranks"),
+    ("MiniMax (`minimax`, MiniMax-Text-01)", "lightning attention layers, a linear-attention "
+     "scan longctx does not pass across ranks (MiniMax-M2, `minimax_m2`, is exact)"),
+    ("Vision-language families longctx does not rebuild (InternVL, Mistral 3's and Llama 4's "
+     "vision models, GLM-4.6V, SmolVLM2, LFM2-VL, PaddleOCR-VL)", "their towers, feature merge "
+     "and positions are not rebuilt under sequence parallelism; their text models train "
+     "where transformers has a causal LM of their own"),
+)
+
+
+def _sweep_section() -> list[str]:
+    """docs/families.md's summary of benchmarks/family_sweep.py (its newest results)."""
+    import json
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    runs = sorted(results.glob("family-sweep-*.json"))
+    lines = ["## Refused, and why", "",
+             "What Axolotl's examples train that longctx cannot train exactly:", "",
+             "| family | why it is refused |", "|---|---|",
+             *[f"| {name} | {why} |" for name, why in REFUSED_FAMILIES], ""]
+    if not runs:
+        return lines
+    record = json.loads(runs[-1].read_text())
+    return lines + [
+        "## Every model type transformers knows", "",
+        f"`python benchmarks/family_sweep.py` runs `longctx validate` on each model type of "
+        f"transformers {record['transformers']}'s causal-LM and image-text-to-text mappings, "
+        "on the family's own default config (the sizes and per-layer fields transformers "
+        "gives it), one text dataset, one rank: every one is exact (the fidelity probe passed) "
+        "or refused in one paragraph naming why, never a traceback. A model type transformers "
+        f"cannot build a config of is listed apart. Run {record['date']} on "
+        f"{record['machine']} (`benchmarks/results/{runs[-1].name}`; the verdicts are "
+        "deterministic):", "",
+        record["summary"], ""]
 
 
 def _settings_text(settings: dict[str, Any]) -> str:

@@ -191,6 +191,25 @@ def is_vision_language(hf_config: Any, images: bool = False) -> bool:
     return images or type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING
 
 
+def causal_lm_class(hf_config: Any) -> Any:
+    """`AutoModelForCausalLM`, which builds every text model longctx trains: a causal LM that
+    transformers registers only beside its vision-language models (Mistral 4's
+    `Mistral4ForCausalLM`, a text model in the image-text-to-text mapping) is registered
+    with it first, through transformers' own `register`."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    )
+
+    config_class = type(hf_config)
+    if config_class not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        registered = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(config_class, None)
+        if registered is not None and registered.__name__.endswith("ForCausalLM"):
+            AutoModelForCausalLM.register(config_class, registered, exist_ok=True)
+    return AutoModelForCausalLM
+
+
 def decoder_config(hf_config: Any, source: str = "model config") -> Any:
     """The config of the decoder longctx trains: the text part of a multimodal config. An
     encoder-decoder model (T5-style, MusicGen, Florence-2) is refused: longctx trains

@@ -252,10 +252,13 @@ def longctx_attention_forward(
         )
     if query.shape[0] != 1:
         raise ValueError("SP attention takes one packed row per call (batch size 1)")
+    if isinstance(attention_mask, RefusedMask):
+        raise ValueError(attention_mask.reason)  # a layer does attend with that mask
     if attention_mask is not None:
         raise ValueError("SP attention builds document masks itself; attention_mask must be None")
     feats, sinks = attention_features(module, scaling, kwargs)
-    if torch.is_grad_enabled() and attention_inputs_spent(type(module)):
+    if torch.is_grad_enabled() and attention_inputs_spent(type(module)) and _apart(
+            query, key, value):
         feats = replace(feats, spent=True)  # training: no KV cache keeps them either
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     device_type = query.device.type
@@ -293,8 +296,29 @@ def attention_inputs_spent(layer: type) -> bool:
     if any(isinstance(node, loops) and call in list(ast.walk(node)) for node in ast.walk(forward)):
         return False  # a later pass could read them before the call
     end = (call.end_lineno, call.end_col_offset)
+    if any(_keeps(node, names) for node in ast.walk(forward)):
+        return False  # stored for later layers (Gemma 3n/4's shared keys and values)
     return not any(isinstance(node, ast.Name) and node.id in names
                    and (node.lineno, node.col_offset) > end for node in ast.walk(forward))
+
+
+def _apart(*tensors: torch.Tensor) -> bool:
+    """No two of `tensors` share memory (Gemma 4's full layers hand the keys as values)."""
+    pointers = [t.untyped_storage().data_ptr() for t in tensors]
+    return len(set(pointers)) == len(pointers)
+
+
+def _keeps(node: ast.AST, names: set[str]) -> bool:
+    """An assignment that stores one of `names` somewhere other than a plain local name (a
+    subscript or an attribute: a dict of shared keys and values, the module itself)."""
+    if not isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+        return False
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    flat = [e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List))
+                                         else [t])]
+    if all(isinstance(t, ast.Name) for t in flat) or node.value is None:
+        return False
+    return any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(node.value))
 
 
 def _mask_pattern(mask_function: Any, q_offset: int, kv_offset: int, n: int) -> torch.Tensor:
@@ -344,13 +368,29 @@ def _no_mask(
     first = torch.where(allowed.any(-1), allowed.float().argmax(-1), idx)
     run = (idx[None, :] >= first[:, None]) & causal
     if q_offset != kv_offset or not torch.equal(allowed, run):
-        raise ValueError(
+        # Refused where a layer attends with it: a model may build a mask for a layer type
+        # none of its layers has (Qwen2-MoE's sliding mask of window 0 beside full layers).
+        return RefusedMask(
             "the model's attention mask is not causal (a query may see later keys, or keys "
             "with gaps, e.g. a bidirectional or blockwise overlay); longctx's SP attention "
             "computes document-causal (optionally sliding-window) attention only, so this "
             "model would train on a different mask. Refusing."
         )
     return None
+
+
+class RefusedMask:
+    """What the mask builder returns for a mask longctx cannot compute: any use of it (a
+    layer attending with it, or reading it) raises the refusal."""
+
+    def __init__(self, reason: str):
+        self.__dict__["reason"] = reason
+
+    def __getattr__(self, name: str) -> Any:
+        raise ValueError(self.__dict__["reason"])
+
+    def __getitem__(self, index: Any) -> Any:
+        raise ValueError(self.__dict__["reason"])
 
 
 def register_sp_attention() -> str:

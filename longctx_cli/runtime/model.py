@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import (
-    AutoModelForCausalLM,
     AutoModelForImageTextToText,
     PretrainedConfig,
     PreTrainedModel,
@@ -20,10 +19,11 @@ from transformers import (
 from longctx_cli.config import Config
 from longctx_cli.config.model_shape import read_model_config
 from longctx_cli.config.sections.training import unfrozen_pattern
-from longctx_cli.config.shape import is_vision_language
+from longctx_cli.config.shape import causal_lm_class, is_vision_language
 from longctx_cli.errors import UserError
 from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
 from longctx_cli.parallel.mesh import ParallelState
+from longctx_cli.parallel.meta_relay import relay_sp_meta
 from longctx_cli.parallel.token_mixing import attach_token_mixing
 from longctx_cli.runtime.cache_kwargs import cache_kwargs
 from longctx_cli.runtime.head import cast_head_to_float32, decoder_of, model_head
@@ -94,7 +94,7 @@ def model_class_and_attention(hf_config: PretrainedConfig, attn_implementation: 
         return AutoModelForImageTextToText, {"": attn_implementation,
                                              "text_config": attn_implementation,
                                              "vision_config": "sdpa"}
-    return AutoModelForCausalLM, attn_implementation
+    return causal_lm_class(hf_config), attn_implementation
 
 
 def load_base_model(
@@ -398,6 +398,7 @@ def build_model(config: Config, state: ParallelState | None = None,
     if config.lora.load_in_4bit:
         keep_4bit_kernel_of_training(model)
     mixers = attach_token_mixing(model)  # hybrid models: scans and convolutions per document
+    relay_sp_meta(model)  # layers that call their attention without the forward's kwargs
     if mixers and config.objective.prefix_sharing:
         raise UserError(
             f"`prefix_sharing: true`, but this model mixes tokens with {mixers[0].name} (a scan "

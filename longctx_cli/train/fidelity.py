@@ -53,7 +53,8 @@ PROBE_INIT_RANGE = 0.2  # weights large enough that logits and scores are O(1), 
 PROBE_EXPERTS = 4
 PROBE_INTERMEDIATE = 64
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-_EXPERT_TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token")
+_EXPERT_TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k",
+                     "top_k_experts")
 # Layers before this index are dense, the rest MoE (DeepSeek): kept so the probe has both.
 _FIRST_MOE_LAYER_KEYS = ("first_k_dense_replace",)
 _DROP_KEYS = (
@@ -140,7 +141,7 @@ _INTERMEDIATE_KEYS = ("ffn_hidden_size", "expert_ffn_hidden_size", "n_inner", "f
                       "d_ff", "ffn_intermediate_size")
 # Experts that compute nothing (LongCat-Flash's zero experts), counted beside the real ones.
 _EXTRA_EXPERT_KEYS = ("zero_expert_num",)
-PROBE_MAX_PARAMETERS = 20_000_000  # a tiny copy larger than this was not shrunk
+PROBE_MAX_PARAMETERS = 60_000_000  # a tiny copy larger than this was not shrunk
 # MLP width of a tiny copy whose MLP keeps only each token's top units (Gemma 3n's activation
 # sparsity: the top 5%): wide enough that float rounding moves few units across the cutoff.
 PROBE_SPARSE_INTERMEDIATE = 1024
@@ -248,7 +249,8 @@ def _shrunk_value(key: str, value: Any, *, old_half: int, new_half: int, factor:
             return min(value, 2)
         if key in _EXPERT_TOPK_KEYS:
             return min(value, 2)
-        if (key.endswith("_head_dim") or key.endswith("_lora_rank")) and value > 0:
+        if (key.endswith("_head_dim") or key.endswith("_lora_rank")
+                or key == "rotary_dim") and value > 0:  # rotary_dim: GPT-J, CodeGen
             return _scaled_dim(value, factor)
         if key.endswith("_token_id") and value >= PROBE_VOCAB:
             return PROBE_VOCAB - 1
@@ -550,23 +552,23 @@ def _first_line(e: BaseException) -> str:
 def _parameters_on_meta(tiny: Any, trust_remote_code: bool) -> int | None:
     """The tiny copy's parameter count, built on the meta device (no memory); None when it
     does not build there (the real build then reports why)."""
-    from transformers import AutoModelForCausalLM
+    from longctx_cli.config.shape import causal_lm_class
 
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(copy.deepcopy(tiny),
-                                                     trust_remote_code=trust_remote_code)
+            model = causal_lm_class(tiny).from_config(copy.deepcopy(tiny),
+                                                      trust_remote_code=trust_remote_code)
     except Exception:  # the eager build below names what failed
         return None
     return sum(p.numel() for p in model.parameters())
 
 
 def _build(tiny: Any, attn: str, trust_remote_code: bool) -> Any:
-    from transformers import AutoModelForCausalLM
+    from longctx_cli.config.shape import causal_lm_class
 
     torch.manual_seed(0)
     # A copy each: from_config records the attention implementation on the config object.
-    model = AutoModelForCausalLM.from_config(
+    model = causal_lm_class(tiny).from_config(
         copy.deepcopy(tiny), attn_implementation=attn, dtype=torch.float32,
         trust_remote_code=trust_remote_code,
     )
@@ -649,8 +651,20 @@ def _covered_list() -> str:
     return "the token mixers " + ", ".join(COVERED)
 
 
+def _bypasses_interface(error: BaseException) -> bool:
+    """The model's own code never reached longctx's attention: it computes attention itself
+    (the SP guard found no call: Bloom's ALiBi attention), or looks the implementation up in
+    its own table (GPT-Neo, Falcon: a KeyError on longctx's name)."""
+    from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION
+
+    if isinstance(error, KeyError):
+        return ATTN_IMPLEMENTATION in str(error)
+    return isinstance(error, UserError) and "did not call the sequence-parallel" in str(error)
+
+
 def _compare(model_type: str, tiny: Any, trust_remote_code: bool, started: float) -> ProbeResult:
     from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
+    from longctx_cli.parallel.meta_relay import relay_sp_meta
     from longctx_cli.parallel.token_mixing import attach_token_mixing
 
     features = active_features(tiny)
@@ -682,9 +696,15 @@ def _compare(model_type: str, tiny: Any, trust_remote_code: bool, started: float
                                f"{ATTN_IMPLEMENTATION!r}")
         ours.load_state_dict(reference.state_dict())
         attach_token_mixing(ours)
+        relay_sp_meta(ours)
         loss, hidden, logits = _longctx(ours, ids, pos, labels)
         loss.backward()
     except Exception as e:
+        if _bypasses_interface(e):
+            raise _refuse(model_type, "its attention does not dispatch through transformers' "
+                          "AttentionInterface (the family computes attention in its own code, "
+                          "or picks it from its own table of implementations), so longctx's "
+                          "sequence-parallel attention would never run;") from None
         raise _refuse(model_type, f"longctx's path failed on {described} "
                       f"({type(e).__name__}: {_first_line(e)});") from None
 

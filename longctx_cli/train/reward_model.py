@@ -110,9 +110,11 @@ class RewardModel:
         model.requires_grad_(False)
         model.eval()
         model.to(state.device)
+        from longctx_cli.parallel.meta_relay import relay_sp_meta
         from longctx_cli.parallel.token_mixing import attach_token_mixing
 
         attach_token_mixing(model)  # hybrid decoders: scans and convolutions per document
+        relay_sp_meta(model)  # layers that call their attention without the forward's kwargs
         tokenizer = _load_tokenizer(tokenizer_source or source, trust)
         _settle_pad_token(tokenizer, tokenizer_source or source)
         # TRL: the model pools at the last token that is not the tokenizer's pad token.
