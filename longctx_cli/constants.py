@@ -39,7 +39,9 @@ LEAN_NORM_MIN_CHUNKS = 4
 # where tests/test_lean_norm.py checks this list against the built models; any other model
 # type is estimated as if its norms kept their float32 copies (conservative).
 LEAN_NORM_MODEL_TYPES = frozenset({
-    "bamba", "deepseek_v3", "exaone4", "falcon_h1", "glm4", "granite", "granitemoehybrid",
-    "jamba", "lfm2", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe",
-    "smollm3", "zamba2",
+    "apertus", "arcee", "bamba", "deepseek_v2", "deepseek_v3", "exaone4", "falcon_h1", "glm4",
+    "glm4_moe", "glm4_moe_lite", "granite", "granitemoehybrid", "hunyuan_v1_dense", "jamba",
+    "kimi_linear", "lfm2", "lfm2_moe", "llama", "mimo_v2_flash", "minimax_m2", "ministral",
+    "ministral3", "mistral", "mistral4", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe",
+    "seed_oss", "smollm3", "zamba2",
 })

@@ -317,6 +317,7 @@ def test_a_training_step_with_lean_norms_equals_the_models_own(checkpointing):
 def test_lean_norm_model_types_are_the_families_whose_layer_norms_all_match():
     """LEAN_NORM_MODEL_TYPES (what the memory estimate believes) is exactly the families of
     the matrix whose decoder layers' own norms all became lean."""
+    from longctx_cli.config.shape import causal_lm_class
     from longctx_cli.runtime.head import decoder_of
 
     assert LEAN_NORM_MODEL_TYPES <= {f.model_type for f in fm.FAMILIES}
@@ -326,8 +327,9 @@ def test_lean_norm_model_types_are_the_families_whose_layer_norms_all_match():
             continue
         fields = family.config()
         model_type = fields.pop("model_type")
+        hf_config = AutoConfig.for_model(model_type, **fields)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
+            model = causal_lm_class(hf_config).from_config(hf_config)
         apply_lean_rms_norm(model)
         norms = [child for layer in decoder_of(model).layers for child in layer.children()
                  if "norm" in type(child).__name__.lower()]
