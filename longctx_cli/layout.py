@@ -54,6 +54,15 @@ def divisors(n: int) -> str:
     return ", ".join(ds[:-1]) + f" or {ds[-1]}" if len(ds) > 1 else ds[0]
 
 
+def head_chunk_counts(q_heads: int, kv_heads: int, size: int) -> list[int]:
+    """The head-chunk counts a Ulysses group of ``size`` can run on these heads: each chunk
+    holds whole KV-head groups, its query heads split evenly over the group, and its KV
+    heads and the group divide one another (KV heads replicated up to the group size)."""
+    return [c for c in range(1, kv_heads + 1)
+            if not q_heads % c and not kv_heads % c and not q_heads // c % size
+            and (not kv_heads // c % size or not size % (kv_heads // c))]
+
+
 def ring_sharding(ring_attn_func: str, sharding: str | None) -> str:
     """The sharding a ring algorithm runs on: a P2P ring's name fixes it (``None``: not
     given, derive it); the stripe sharding exists only for ``batch_stripe``."""
@@ -267,6 +276,7 @@ class Layout:
     sharding: str = "contiguous"
     ring_attn_func: str = "varlen_llama3"
     heads_k_stride: int = 1
+    head_chunks: int = 1  # Ulysses: heads attended per all-to-all chunk (parallel/ulysses.py)
     kernel: str = "torch"  # one of CONCRETE_KERNELS, never auto
     kernel_reason: str = ""  # why that kernel (printed)
 
@@ -279,6 +289,14 @@ class Layout:
             if value < 1:
                 raise LayoutError(key, f"`{key}` = {value} must be at least 1.",
                                   f"set `{key}` to 1 or more.")
+        if self.head_chunks < 1 or (self.head_chunks > 1 and self.mode != "ulysses"):
+            raise LayoutError(
+                "ulysses_head_chunks",
+                f"`ulysses_head_chunks` = {self.head_chunks} cuts the heads of "
+                "`sequence_parallel_mode: ulysses` into chunks; it must be at least 1, and "
+                f"{self.mode}'s attention runs unchunked.",
+                "leave `ulysses_head_chunks` out, or use `sequence_parallel_mode: ulysses`.",
+            )
         if self.dp_shard > 1 and not self.fsdp:
             raise LayoutError("dp_shard_size", f"`dp_shard_size` = {self.dp_shard} shards "
                               "parameters, which needs FSDP.", "set `fsdp: true`.")
@@ -420,6 +438,15 @@ class Layout:
                 f"of {kv_heads}).",
                 f"use a Ulysses size that divides {kv_heads} or is a multiple of it, or "
                 "`sequence_parallel_mode: ring`.",
+            )
+        counts = head_chunk_counts(heads, kv_heads, u)
+        if self.head_chunks > 1 and self.head_chunks not in counts:
+            raise LayoutError(
+                "ulysses_head_chunks",
+                f"`ulysses_head_chunks` = {self.head_chunks} cannot cut {heads} heads with "
+                f"{kv_heads} KV heads into chunks of whole KV-head groups that split evenly "
+                f"over the Ulysses group of {u}.",
+                f"use one of {', '.join(map(str, counts))}, or leave it out (the plan picks).",
             )
         if self.ring > 1:
             ring_kv = max(1, kv_heads // u)  # KV heads each rank holds once Ulysses has run

@@ -379,6 +379,9 @@ COLUMNS = [
     Column("P2P ring sp2", 2, {**SP2, "ring_attn_func": "batch_ring"}, slow=True),
     Column("P2P zigzag sp2", 2, {**SP2, "ring_attn_func": "batch_zigzag"}),
     Column("Ulysses sp2", 2, {**SP2, "sequence_parallel_mode": "ulysses"}),
+    # 4 query heads over 2 KV heads: 2 chunks of 1 KV head, replicated to both ranks.
+    Column("Ulysses sp2, 2 head chunks", 2,
+           {**SP2, "sequence_parallel_mode": "ulysses", "ulysses_head_chunks": 2}, slow=True),
     Column("torch_flash ring sp2", 2, {**SP2, "ring_attn_func": "varlen_llama3", **TORCH_FLASH}),
     Column("torch_flash P2P stripe sp2", 2, {**SP2, **TORCH_FLASH}, slow=True),
     # 2 KV heads (4 in deepseek_v3): one (two) per Ulysses rank, no replication.

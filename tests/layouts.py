@@ -23,6 +23,7 @@ def layout_of(
     ring_attn_func: str | None = None,
     tp: int = 1,
     world: int | None = None,
+    head_chunks: int = 1,
 ) -> Layout:
     if ring_attn_func is None:  # stripe exists only for its P2P ring
         ring_attn_func = "batch_stripe" if layout == "stripe" else "varlen_llama3"
@@ -32,7 +33,7 @@ def layout_of(
         world, sp=sp, tp=tp, mode=mode,
         ulysses=ulysses_degree if mode == "hybrid" else 0,
         sharding=layout or P2P_SHARDING.get(ring_attn_func, "contiguous"),
-        ring_attn_func=ring_attn_func, heads_k_stride=heads_k_stride,
+        ring_attn_func=ring_attn_func, heads_k_stride=heads_k_stride, head_chunks=head_chunks,
         kernel="torch" if kernel == "auto" else kernel,
     )
 

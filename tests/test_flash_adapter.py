@@ -98,6 +98,15 @@ def flash_features_worker(rank: int, world_size: int) -> dict:
                 errors[f"{mode}/{f}/{case}"] = run_case(
                     ctx, lengths, hq, hkv, 300 + i, window, softcap, sinks
                 )
+    chunked = sp_state(sp=world_size, mode="ulysses", layout="contiguous", kernel="flash",
+                       head_chunks=2)
+    for f in supported["ulysses"]:  # flash-attn's Ulysses one head chunk at a time
+        window, softcap, sinks = FEATURES[f]
+        for i, case in enumerate(FEATURE_CASES):
+            lengths, hq, hkv = CASES[case]
+            errors[f"ulysses/chunked/{f}/{case}"] = run_case(
+                chunked, lengths, hq, hkv, 300 + i, window, softcap, sinks
+            )
     ring = sp_state(sp=world_size, layout="contiguous", kernel="flash")
     uly = sp_state(sp=world_size, mode="ulysses", kernel="flash")
     refused = {
@@ -112,7 +121,7 @@ def test_flash_kernel_features_exact_or_refused() -> None:
     for result in run_distributed(flash_features_worker, 2, timeout_s=180):
         bad = {k: e for k, e in result["errors"].items() if not max(e.values()) < TOL}
         assert not bad, bad
-        assert len(result["errors"]) == 7 * len(FEATURE_CASES)
+        assert len(result["errors"]) == 11 * len(FEATURE_CASES)
         refused = result["refused"]
         assert "softcap" in refused["ring/softcap"] and "ulysses" in refused["ring/softcap"]
         assert "sinks" in refused["ring/sinks"] and "sinks" in refused["ulysses/sinks"]

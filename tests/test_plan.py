@@ -660,3 +660,44 @@ def test_validate_on_a_cpu_machine_plans_a_gpu_kernel_for_the_gpus(kernel):
     assert p.layout.kernel == kernel
     assert any("this machine has no CUDA GPU; the plan assumes" in text
                for text in p.assumed), p.assumed
+
+
+# ---- Ulysses head chunks ----------------------------------------------------------------
+
+
+ULYSSES8 = {"sequence_parallel_degree": 8, "sequence_parallel_mode": "ulysses"}
+
+
+def render(p: Plan) -> str:
+    out = io.StringIO()
+    Console(file=out, width=160).print(p.to_table())
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(("sequence_len", "chunks"), [(65536, 1), (131072, 2), (262144, 4),
+                                                      (1048576, 4)])
+def test_plan_picks_the_fewest_head_chunks_under_the_target(sequence_len: int, chunks: int):
+    """Llama-3-8B at sp 8: 4 heads a rank; a head-layout tensor of the whole row is 64 MiB
+    at 64K tokens (bf16), so the plan chunks past that, up to the 4 chunks the 8 KV heads
+    allow, and prints the count with one chunk's tensor size."""
+    p = plan(8, LLAMA3_8B, sequence_len=sequence_len, bf16=True, **ULYSSES8)
+    assert p.layout.head_chunks == chunks
+    table = " ".join(render(p).split())
+    assert f"ulysses head chunks │ {chunks} ({4 // chunks} head" in table
+
+
+def test_head_chunks_shrink_the_planned_attention_buffers():
+    whole = plan(8, LLAMA3_8B, sequence_len=262144, bf16=True, ulysses_head_chunks=1,
+                 **ULYSSES8)
+    chunked = plan(8, LLAMA3_8B, sequence_len=262144, bf16=True, **ULYSSES8)
+    assert chunked.memory.attention_buffers < whole.memory.attention_buffers
+
+
+def test_head_chunks_that_split_a_kv_group_are_refused_with_the_counts_that_fit():
+    msg = rule_error(8, LLAMA3_8B, ulysses_head_chunks=3, **ULYSSES8)
+    assert "`ulysses_head_chunks` = 3" in msg and "use one of 1, 2, 4" in msg
+
+
+def test_head_chunks_outside_ulysses_are_refused():
+    msg = rule_error(4, SMALL, sequence_parallel_degree=4, ulysses_head_chunks=2)
+    assert "`ulysses_head_chunks` = 2" in msg and "ring's attention runs unchunked" in msg

@@ -17,8 +17,10 @@ from longctx_cli.parallel.ulysses import (
     _seq_to_heads,
     build_exchange,
     exchange_chunks,
+    head_chunk_counts,
     kv_replication,
     seq_to_heads,
+    usable_head_chunks,
 )
 from tests.attention_cases import (
     CASES,
@@ -77,6 +79,44 @@ def test_ulysses_attention_matches_single_process() -> None:
     assert len(results[0]) == 2 * len(LAYOUTS) * per_run
     for errors in results:  # every rank gathered the full tensors of its SP group
         assert_all_close(errors)
+
+
+def head_chunked_worker(rank: int, world_size: int) -> dict[str, dict]:
+    """Ulysses at sp 2 with the heads in 2 chunks (4 query heads: 2 a chunk, 1 a rank)."""
+    errors: dict[str, dict] = {}
+    for layout in LAYOUTS:
+        ctx = sp_state(sp=2, mode="ulysses", layout=layout, kernel="torch", head_chunks=2)
+        for i, (name, (lengths, hq, hkv)) in enumerate(CASES.items()):
+            errors[f"{layout}/{name}"] = run_case(ctx, lengths, hq, hkv, seed=i)
+            errors[f"{layout}/{name}/spent"] = run_case(ctx, lengths, hq, hkv, seed=i,
+                                                        spent=True)
+        errors.update(feature_runs(ctx, f"{layout}/features"))
+    return errors
+
+
+def test_head_chunked_ulysses_matches_single_process() -> None:
+    """Chunked by heads, forward and backward (windows, softcap, sinks, GQA replicas
+    included), Ulysses still equals the dense float64 reference."""
+    results = run_distributed(head_chunked_worker, 2, timeout_s=240)
+    assert len(results[0]) == len(LAYOUTS) * (2 * len(CASES) + len(FEATURES) * len(FEATURE_CASES))
+    for errors in results:
+        assert_all_close(errors)
+
+
+@pytest.mark.parametrize(
+    ("hq", "hkv", "size", "counts"),
+    [(4, 4, 2, [1, 2]), (8, 2, 2, [1, 2]), (8, 2, 4, [1, 2]), (32, 8, 8, [1, 2, 4]),
+     (28, 4, 4, [1]), (28, 4, 2, [1, 2]), (16, 16, 4, [1, 2, 4]), (8, 1, 4, [1])],
+)
+def test_head_chunk_counts_keep_kv_groups_whole(hq: int, hkv: int, size: int,
+                                                counts: list[int]) -> None:
+    assert head_chunk_counts(hq, hkv, size) == counts
+
+
+def test_a_layer_with_other_heads_runs_the_nearest_count_its_heads_allow() -> None:
+    assert usable_head_chunks(4, 32, 8, 8) == 4
+    assert usable_head_chunks(4, 8, 2, 2) == 2  # a narrower layer: 2 chunks
+    assert usable_head_chunks(4, 8, 1, 4) == 1
 
 
 @pytest.mark.parametrize(

@@ -283,7 +283,10 @@ def attention_buffer_bytes(
         # All-to-all outputs: q, k, v in and the attention output back; KV heads are
         # replicated up to `ulysses` when there are fewer of them.
         kv_eff = max(shape.num_key_value_heads, ulysses)
-        total += local_tokens * shape.head_dim * (2 * shape.num_attention_heads + 2 * kv_eff) * b
+        # Head chunks: one chunk's q, k, v at a time; the output is whole (its token layout).
+        chunks = layout.head_chunks if layout.kernel != "flash" else 1
+        qkv = (shape.num_attention_heads + 2 * kv_eff) // chunks
+        total += local_tokens * shape.head_dim * (qkv + shape.num_attention_heads) * b
     # After the all-to-all a ring rank holds the Ulysses group's tokens for 1/ulysses heads.
     total += ring_buffer_bytes(
         ring_attn_func or layout.ring_attn_func, shape, b, local_tokens * ulysses,

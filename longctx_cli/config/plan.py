@@ -57,7 +57,7 @@ from longctx_cli.config.sections.vision import (
 )
 from longctx_cli.config.sections.vision import plan_rows as vision_plan_rows
 from longctx_cli.config.shape import ModelShape
-from longctx_cli.config.units import format_count, format_gib
+from longctx_cli.config.units import DTYPE_BYTES, format_count, format_gib
 from longctx_cli.config.world import Platform, resolve_world
 from longctx_cli.layout import Layout, ring_reason
 
@@ -96,6 +96,20 @@ class Plan:
     attention_buffers_by_ring: tuple[tuple[str, int], ...] = ()
     ring_reason: str = ""  # why that ring (printed next to it): a config key or the default
     vision: tuple[tuple[str, str], ...] = ()  # a vision-language model's tower rows
+
+    def _head_chunk_rows(self) -> list[tuple[str, str]]:
+        """Ulysses: the head chunks and what one chunk's head-layout tensor holds."""
+        lay, m = self.layout, self.model
+        if lay.mode != "ulysses" or lay.sp == 1:
+            return []
+        heads = m.num_attention_heads // lay.tp // lay.sp // lay.head_chunks
+        chunk = self.micro_batch_tokens * max(1, heads) * m.head_dim * DTYPE_BYTES.get(
+            self.dtype, 4)
+        flash = ("; flash-attn keeps every chunk's for its backward" if lay.kernel == "flash"
+                 and lay.head_chunks > 1 else "")
+        return [("ulysses head chunks", f"{lay.head_chunks} ({heads} head"
+                 f"{'s' if heads != 1 else ''} per rank at a time; {format_gib(chunk)} per "
+                 f"head-layout tensor{flash})")]
 
     def to_table(self) -> Table:
         """The plan as a rich Table (what `longctx validate` prints)."""
@@ -145,6 +159,7 @@ class Plan:
                 *([("why this ring", self.ring_reason)] if lay.ring > 1 else []),
                 ("heads_k_stride", str(lay.heads_k_stride)
                  if lay.ring > 1 and lay.ring_attn_func == "varlen_llama3" else "-"),
+                *self._head_chunk_rows(),
                 ("sharding", lay.sharding if lay.sp > 1 else "none (sp = 1)"),
                 ("attention kernel", f"{lay.kernel} ({lay.kernel_reason})"),
                 ("fsdp", self.fsdp_detail),
@@ -202,7 +217,8 @@ def layout_for(
     `world` ranks of `platform`. `validate` and every rank build it here, so they agree
     (`sections.parallel.parallel_layout`)."""
     return parallel_layout(config.parallel, world, platform, world_source, shape,
-                           config.model.dtype, config.data.sample_packing)
+                           config.model.dtype, config.data.sample_packing,
+                           config.data.sequence_len)
 
 
 def check_without_model(

@@ -14,6 +14,13 @@ is the other one's forward: gradients are exact.
 
 GQA: when the group is larger than the number of KV heads, every KV head is replicated so
 that each rank receives one whole KV head; autograd sums the replicas' gradients back.
+
+Head chunks (``Layout.head_chunks`` > 1): the heads are cut into chunks of whole KV-head
+groups and the all-to-all, attention and the return all-to-all run one chunk at a time,
+forward and backward, so only one chunk's tensors exist in the head layout at once. The
+backward moves the chunk's q, k, v and output to the head layout again instead of keeping
+every head there from the forward. Each chunk is an ordinary Ulysses of fewer heads, so the
+result is the same.
 """
 
 from __future__ import annotations
@@ -25,11 +32,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from longctx_cli.layout import head_chunk_counts
+
 from .block_geometry import full_row_segments
 from .features import AttentionFeatures, Segment, as_features
+from .lse_merge import sink_grad
 from .ring_flash import equal_head_dims, flash_window, refuse_flash_sinks
 from .sharding import SPMeta, local_ranges
-from .torch_kernel import DocCausalAttention
+from .torch_kernel import DocCausalAttention, doc_causal_backward, doc_causal_forward
 
 
 @dataclass(frozen=True)
@@ -323,6 +333,83 @@ def _row_segments(meta: SPMeta) -> tuple[Segment, ...]:
     return full_row_segments(meta.cu_host, meta.prefixes, meta.bidirectional)
 
 
+def usable_head_chunks(wanted: int, q_heads: int, kv_heads: int, size: int) -> int:
+    """The largest count of :func:`head_chunk_counts` not above ``wanted`` (a layer whose
+    heads differ from the plan's runs the nearest count its heads allow; 1 always fits)."""
+    return max(c for c in [1, *head_chunk_counts(q_heads, kv_heads, size)] if c <= wanted)
+
+
+def _chunk_slices(q_heads: int, kv_heads: int, chunks: int) -> list[tuple[slice, slice]]:
+    hq, hk = q_heads // chunks, kv_heads // chunks
+    return [(slice(c * hq, (c + 1) * hq), slice(c * hk, (c + 1) * hk)) for c in range(chunks)]
+
+
+def _chunk_to_heads(x: torch.Tensor, heads: slice, copies: int, ex: Exchange) -> torch.Tensor:
+    """Heads ``heads`` of ``[L, H, D]`` ``x``, KV heads repeated ``copies`` times, in the head
+    layout (not differentiable: :class:`_HeadChunkedUlysses` writes its own backward)."""
+    part = x[:, heads]
+    if copies > 1:
+        part = part.repeat_interleave(copies, dim=1)
+    return _seq_to_heads(part.contiguous(), ex)
+
+
+class _HeadChunkedUlysses(torch.autograd.Function):
+    """Ulysses attention one head chunk at a time; saves q, k, v and the output in the token
+    layout (which the layer holds anyway) and the chunks' log-sum-exps."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, ex, rank, segments, feats, kernel, chunks):  # type: ignore[override]
+        copies = kv_replication(q.shape[1] // chunks, k.shape[1] // chunks, ex.size)
+        slices = _chunk_slices(q.shape[1], k.shape[1], chunks)
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+        lses = []
+        for qs, ks in slices:
+            qh = _chunk_to_heads(q, qs, 1, ex)
+            kh, vh = (_chunk_to_heads(t, ks, copies, ex) for t in (k, v))
+            local = None if sinks is None else _local_sinks(sinks, qs, ex.size, rank)
+            oh, lse = doc_causal_forward(qh, kh, vh, segments, feats, local, kernel)
+            del qh, kh, vh
+            out[:, qs] = _heads_to_seq(oh, ex)
+            lses.append(lse)
+        ctx.save_for_backward(q, k, v, out, sinks, *lses)
+        ctx.ex, ctx.segments, ctx.feats, ctx.kernel = ex, segments, feats, kernel
+        ctx.slices, ctx.copies, ctx.rank = slices, copies, rank
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, sinks, *lses = ctx.saved_tensors
+        ex, copies = ctx.ex, ctx.copies
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dsinks = None if sinks is None else torch.zeros_like(sinks)
+        for (qs, ks), lse in zip(ctx.slices, lses, strict=True):
+            qh, oh, doh = (_chunk_to_heads(t, qs, 1, ex) for t in (q, out, dout))
+            kh, vh = (_chunk_to_heads(t, ks, copies, ex) for t in (k, v))
+            dqh, dkh, dvh = doc_causal_backward(doh, qh, kh, vh, oh, lse, ctx.segments,
+                                                ctx.feats, ctx.kernel)
+            if dsinks is not None:
+                local = _local_sinks(sinks, qs, ex.size, ctx.rank)
+                dsinks[_local_sink_slice(qs, ex.size, ctx.rank)] = sink_grad(doh, oh, lse, local)
+            del qh, kh, vh, oh, doh
+            dq[:, qs] = _heads_to_seq(dqh, ex)
+            for grad, whole in ((dkh, dk), (dvh, dv)):
+                back = _heads_to_seq(grad, ex)  # [L, kv heads * copies, D]
+                if copies > 1:  # the replicas' gradients summed, as repeat_interleave's are
+                    back = back.unflatten(1, (-1, copies)).sum(2)
+                whole[:, ks] = back
+        return dq, dk, dv, dsinks, None, None, None, None, None, None
+
+
+def _local_sink_slice(heads: slice, size: int, rank: int) -> slice:
+    per_rank = (heads.stop - heads.start) // size
+    start = heads.start + rank * per_rank
+    return slice(start, start + per_rank)
+
+
+def _local_sinks(sinks: torch.Tensor, heads: slice, size: int, rank: int) -> torch.Tensor:
+    return sinks[_local_sink_slice(heads, size, rank)]
+
+
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -340,6 +427,11 @@ def ulysses_attention(
     ctx = meta.ctx
     feats = as_features(features)
     ex = build_exchange(meta, ctx.sp_group, ctx.layout.sp)
+    chunks = usable_head_chunks(ctx.layout.head_chunks, q.shape[1], k.shape[1], ex.size)
+    if chunks > 1:
+        rank = ctx.sp_rank % ex.size  # all-to-all groups are consecutive SP ranks
+        return _HeadChunkedUlysses.apply(q, k, v, sinks, ex, rank, meta.derived(_row_segments),
+                                         feats, ctx.kernel, chunks)
     qh, kh, vh = heads_to_ranks(q, k, v, ex, feats.spent)
     local_sinks = None if sinks is None else sinks[local_head_slice(q.shape[1], ex, meta)]
     out = DocCausalAttention.apply(qh, kh, vh, local_sinks, meta.derived(_row_segments), feats,
@@ -363,6 +455,14 @@ def flash_ulysses_attention(
     ctx = meta.ctx
     feats = as_features(features)
     ex = build_exchange(meta, ctx.sp_group, ctx.layout.sp)
-    qh, kh, vh = heads_to_ranks(q, k, v, ex, feats.spent)
     refuse_flash_sinks(sinks)
-    return heads_to_seq(_flash_full_row(qh, kh, vh, meta, feats), ex)
+    chunks = usable_head_chunks(ctx.layout.head_chunks, q.shape[1], k.shape[1], ex.size)
+    if chunks == 1:
+        qh, kh, vh = heads_to_ranks(q, k, v, ex, feats.spent)
+        return heads_to_seq(_flash_full_row(qh, kh, vh, meta, feats), ex)
+    outs = []  # flash-attn keeps each chunk's head layout for that chunk's backward
+    for qs, ks in _chunk_slices(q.shape[1], k.shape[1], chunks):
+        qh, kh, vh = heads_to_ranks(q[:, qs], k[:, ks], v[:, ks], ex)
+        outs.append(heads_to_seq(_flash_full_row(qh, kh, vh, meta, feats), ex))
+        del qh, kh, vh
+    return torch.cat(outs, dim=1)

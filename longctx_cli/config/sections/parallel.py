@@ -15,6 +15,7 @@ from pydantic import AliasChoices, Field, model_validator
 from longctx_cli.config.sections.base import Section, StrictModel
 from longctx_cli.config.sections.model import latent_head_dims, model_attention
 from longctx_cli.config.shape import ModelShape
+from longctx_cli.config.units import DTYPE_BYTES
 from longctx_cli.errors import UserError
 from longctx_cli.kernel_choice import KernelError, KernelRequest, Platform, choose_kernel
 from longctx_cli.layout import (
@@ -27,6 +28,7 @@ from longctx_cli.layout import (
     data_parallel_degrees,
     default_ring,
     divisors,
+    head_chunk_counts,
     ulysses_degree_for,
 )
 
@@ -92,6 +94,15 @@ class ParallelSection(Section):
         None,
         ge=1,
         description="hybrid: ranks per Ulysses group (must divide `sequence_parallel_degree`).",
+    )
+    ulysses_head_chunks: int | None = Field(
+        None,
+        ge=1,
+        description="ulysses: the heads are cut into this many chunks (whole KV-head groups) "
+        "and each chunk's all-to-all, attention and return run alone, forward and backward, "
+        "so one chunk's q, k, v and output exist in the head layout at a time. Unset: the "
+        "plan picks the fewest chunks whose head-layout tensors stay under "
+        "64 MiB (1 for short rows); validate shows it. Exact at every count.",
     )
     heads_k_stride: int = Field(
         1,
@@ -223,9 +234,34 @@ def fold_sharding(parallel: ParallelSection, notes: list[tuple[str, str]]) -> bo
 # ---- the layout: degrees, sharding, ring and kernel ----------------------------------------
 
 
+# The plan's default `ulysses_head_chunks`: the fewest chunks whose head-layout tensor (the
+# group's tokens for one chunk's heads on one rank) stays under this.
+HEAD_CHUNK_TARGET_BYTES = 64 * 2**20
+
+
+def head_chunks_for(parallel: ParallelSection, sp: int, tp: int, kernel: str,
+                    shape: ModelShape | None, sequence_len: int, dtype: str) -> int:
+    """`ulysses_head_chunks` as written, or the plan's pick for a Ulysses layout (1 for
+    every other layout, for flash-attn's Ulysses, and without a model to count heads of)."""
+    if parallel.ulysses_head_chunks is not None:
+        return parallel.ulysses_head_chunks
+    if parallel.sequence_parallel_mode != "ulysses" or sp == 1 or kernel == "flash" or (
+            shape is None):
+        return 1
+    local = tp_local_shape(shape, tp)
+    layers = local.layer_heads or ((local.num_attention_heads, local.num_key_value_heads, 0),)
+    fitting = set.intersection(*(set(head_chunk_counts(h, kv, sp)) for h, kv, _ in layers))
+    if not fitting:
+        return 1  # check_heads refuses these heads with its own reason
+    per_chunk = sequence_len * max(h for h, _, _ in layers) // sp * local.head_dim * (
+        DTYPE_BYTES.get(dtype, 4))
+    small = [c for c in sorted(fitting) if per_chunk // c <= HEAD_CHUNK_TARGET_BYTES]
+    return small[0] if small else max(fitting)
+
+
 def parallel_layout(
     parallel: ParallelSection, world: int, platform: Platform | None, world_source: str,
-    shape: ModelShape | None, dtype: str, packed: bool,
+    shape: ModelShape | None, dtype: str, packed: bool, sequence_len: int = 0,
 ) -> Layout:
     """The :class:`Layout` of `parallel` on `world` ranks of `platform`; `dtype` and `packed`
     (sample_packing) are what the kernel choice needs of the rest of the run. `platform`
@@ -252,6 +288,7 @@ def parallel_layout(
             sp=sp, tp=tp, dp_replicate=replicas, dp_shard=shards, fsdp=parallel.fsdp,
             mode=parallel.sequence_parallel_mode, ulysses=ulysses, sharding=sharding,
             ring_attn_func=ring_attn_func, heads_k_stride=parallel.heads_k_stride,
+            head_chunks=head_chunks_for(parallel, sp, tp, kernel, shape, sequence_len, dtype),
             kernel=kernel, kernel_reason=reason,
         )
     except LayoutError as err:
