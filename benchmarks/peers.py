@@ -325,6 +325,7 @@ def table(rows: dict[str, dict]) -> str:
 # reach.py's ALST run with glibc's mmap threshold where longctx fixes its own.
 ALST_AT_LONGCTX_THRESHOLD = "alst-zero0-at-longctx-threshold"
 TOOL_NAMES = {"longctx-ring": "longctx, ring", "longctx-ulysses": "longctx, Ulysses",
+              "longctx-ulysses-chunked": "longctx, Ulysses, 4 head chunks",
               "alst-zero0": "DeepSpeed ALST", "hf": "plain HF, one process"}
 
 

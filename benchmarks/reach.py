@@ -67,8 +67,11 @@ from longctx_cli.runtime.host_memory import THRESHOLD_ENV
 
 # `alst-zero0` as it runs, and with glibc's mmap threshold fixed where longctx's recipe fixes
 # its own: the same allocator for both, to compare what they keep alive.
-TOOLS = ("longctx-ring", "longctx-ulysses", "alst-zero0", peers.ALST_AT_LONGCTX_THRESHOLD,
-         "hf")
+TOOLS = ("longctx-ring", "longctx-ulysses", "longctx-ulysses-chunked", "alst-zero0",
+         peers.ALST_AT_LONGCTX_THRESHOLD, "hf")
+# `longctx-ulysses` with the heads attended a chunk at a time: the most chunks the 8 heads
+# allow at sp 2 (`ulysses_head_chunks`; the plan's own pick is 1 at these lengths).
+HEAD_CHUNKS = 4
 # longctx's host allocator setting (`host_mmap_threshold_mib`), and ALST's second run's.
 THRESHOLD_MIB = 1
 LONGCTX_MEMORY = {"gradient_checkpointing": True, "tiled_mlp": True,
@@ -130,6 +133,11 @@ def with_memory_recipe(configs: dict[str, Path]) -> None:
         ring = RING_MEMORY if tool == "longctx-ring" else {}
         path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), **LONGCTX_MEMORY,
                                         **ring}))
+    ulysses = yaml.safe_load(configs["longctx-ulysses"].read_text())
+    chunked = configs["longctx-ulysses"].with_name("longctx-ulysses-chunked.yaml")
+    chunked.write_text(yaml.safe_dump({**ulysses, "ulysses_head_chunks": HEAD_CHUNKS,
+                                       "output_dir": ulysses["output_dir"] + "-chunked"}))
+    configs["longctx-ulysses-chunked"] = chunked
 
 
 def run_length(tokens: int, tools: list[str], work: Path, steps: int, runs: int,

@@ -372,6 +372,9 @@ class _HeadChunkedUlysses(torch.autograd.Function):
             out[:, qs] = _heads_to_seq(oh, ex)
             lses.append(lse)
         ctx.save_for_backward(q, k, v, out, sinks, *lses)
+        # Spent inputs of their own memory take their gradients in place, chunk by chunk.
+        ctx.in_place = feats.spent and _apart(q, k, v) and all(
+            owns_dense_storage(t) for t in (q, k, v))
         ctx.ex, ctx.segments, ctx.feats, ctx.kernel = ex, segments, feats, kernel
         ctx.slices, ctx.copies, ctx.rank = slices, copies, rank
         return out
@@ -380,7 +383,10 @@ class _HeadChunkedUlysses(torch.autograd.Function):
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, sinks, *lses = ctx.saved_tensors
         ex, copies = ctx.ex, ctx.copies
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if ctx.in_place:  # a chunk's heads are read before they are written
+            dq, dk, dv = q.detach(), k.detach(), v.detach()
+        else:
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dsinks = None if sinks is None else torch.zeros_like(sinks)
         for (qs, ks), lse in zip(ctx.slices, lses, strict=True):
             qh, oh, doh = (_chunk_to_heads(t, qs, 1, ex) for t in (q, out, dout))
@@ -408,6 +414,11 @@ def _local_sink_slice(heads: slice, size: int, rank: int) -> slice:
 
 def _local_sinks(sinks: torch.Tensor, heads: slice, size: int, rank: int) -> torch.Tensor:
     return sinks[_local_sink_slice(heads, size, rank)]
+
+
+def _apart(*tensors: torch.Tensor) -> bool:
+    """No two of the tensors share memory."""
+    return len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors)
 
 
 def ulysses_attention(
