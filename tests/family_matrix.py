@@ -485,7 +485,7 @@ def longctx_training(family: Family, overrides: dict[str, Any]) -> dict[str, Any
     column's settings): the plan's rules (`build_plan`, on the launcher), the fidelity
     probe, then the trainer's step on the plan's layout (what `init_parallel` builds)."""
     import torch.distributed as dist
-
+    from longctx_cli.checks.fidelity import check_fidelity
     from longctx_cli.config.model_shape import read_model_config
     from longctx_cli.config.plan import build_plan
     from longctx_cli.config.world import Platform
@@ -493,7 +493,6 @@ def longctx_training(family: Family, overrides: dict[str, Any]) -> dict[str, Any
     from longctx_cli.parallel.mesh import build_parallel_state
     from longctx_cli.parallel.sharding import shard_batch
     from longctx_cli.runtime.model import build_model, decoder_and_head
-    from longctx_cli.train.fidelity import check_fidelity
     from longctx_cli.train.optim import make_optimizer
     from longctx_cli.train.step import train_step
 
@@ -579,6 +578,7 @@ def columns_worker(rank: int, world_size: int, names: list[str],
     """family -> column -> longctx's run (weights on rank 0), for these columns of this
     world size; a torch_flash run also counts its calls of the flash op's stand-in."""
     from longctx_cli.parallel.torch_flash import use_flash_ops
+
     from tests import torch_flash_standin as standin
 
     use_flash_ops(standin.OPS)  # this process only; only the torch_flash kernel calls it

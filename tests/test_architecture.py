@@ -10,17 +10,20 @@ PACKAGE = Path(__file__).resolve().parent.parent / "longctx_cli"
 
 # Top-level modules every layer may use: they import nothing of longctx_cli but each other.
 LEAVES = {"constants", "durable", "errors", "kernel_choice", "layout"}
-LAYERS = {"config", "data", "parallel", "runtime", "train", "eval", "cli"}
+LAYERS = {"config", "data", "parallel", "runtime", "launcher", "checks", "train", "eval", "cli"}
 # What each part may import from longctx_cli (besides itself).
 ALLOWED = {
     "__init__": set(),
     "__main__": {"cli"},
-    "rank": {"train", "eval", "runtime"} | LEAVES,  # what the launcher's ranks run
+    "rank": {"train", "eval", "runtime", "launcher"} | LEAVES,  # what the launcher's ranks run
     "cli": LAYERS | LEAVES | {"hub", "integrity", "preflight"},
-    "train": {"runtime", "parallel", "data", "config", "integrity", "preflight",
-              "user_code"} | LEAVES,
-    "eval": {"runtime", "parallel", "data", "config", "integrity", "preflight"} | LEAVES,
+    "train": {"checks", "runtime", "launcher", "parallel", "data", "config", "integrity",
+              "preflight", "user_code"} | LEAVES,
+    "eval": {"runtime", "launcher", "parallel", "data", "config", "integrity",
+             "preflight"} | LEAVES,
+    "checks": {"runtime", "parallel", "config"} | LEAVES,  # the fidelity probe
     "runtime": {"parallel", "data", "config"} | LEAVES,
+    "launcher": LEAVES,  # torchrun's launch and supervision: no model, no config
     "parallel": {"constants", "errors", "kernel_choice", "layout"},
     "data": {"config", "hub", "user_code"} | LEAVES,
     "config": {"constants", "errors", "hub", "kernel_choice", "layout"},

@@ -25,7 +25,7 @@ from longctx_cli.errors import UserError
 
 if TYPE_CHECKING:
     from longctx_cli.config.plan import Plan
-    from longctx_cli.runtime.launch import EarlyTorchrun
+    from longctx_cli.launcher.launch import EarlyTorchrun
 
 
 def prompt_ids(tokenizer, text: str) -> list[int]:
@@ -67,8 +67,8 @@ def run_generate(config_path: Path, checkpoint: Path, prompt_file: Path | None,
     """Entry of `longctx generate`; the process exit code. `overrides`: `--key value` config
     overrides, passed on to every rank; `early`: torchrun's agent, started while this
     launcher checks the run (see `EarlyTorchrun`)."""
+    from longctx_cli.launcher.launch import in_torchrun, launch_torchrun, rank_errors
     from longctx_cli.preflight import check_run
-    from longctx_cli.runtime.launch import in_torchrun, launch_torchrun, rank_errors
 
     overrides = list(overrides or [])
     config = load_config(config_path, overrides)

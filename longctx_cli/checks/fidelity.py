@@ -467,8 +467,8 @@ def _longctx(model: Any, ids: torch.Tensor, pos: torch.Tensor, labels: torch.Ten
     """longctx's sp=1 path, as the trainer computes it: (loss, hidden, logits)."""
     from longctx_cli.parallel.mesh import ParallelState
     from longctx_cli.parallel.sharding import shard_batch
+    from longctx_cli.runtime.loss import lm_loss_sum, valid_token_count
     from longctx_cli.runtime.model import decoder_and_head, sp_hidden_states
-    from longctx_cli.train.loss import lm_loss_sum, valid_token_count
 
     batch = shard_batch(ids, pos, labels, ParallelState())
     decoder, head = decoder_and_head(model)
@@ -953,8 +953,8 @@ def run_vision_probe(model_config: Any) -> Any:
     from longctx_cli.parallel.attention import register_sp_attention
     from longctx_cli.parallel.mesh import ParallelState
     from longctx_cli.runtime.head import model_head
+    from longctx_cli.runtime.loss import lm_loss_sum
     from longctx_cli.runtime.vision import VisionLanguageForward
-    from longctx_cli.train.loss import lm_loss_sum
 
     started = time.perf_counter()
     model_type = str(model_config.model_type)
