@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
-from longctx_cli.errors import UserError, print_error, print_interrupted
 from rich.console import Console
 
 from longctx_cli import __version__
+from longctx_cli.errors import UserError, print_error, print_interrupted
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -206,9 +206,9 @@ def validate(
 
 def _token_mixing(cfg: Any, plan: Any) -> str | None:
     """The hybrid model's layers that mix tokens outside attention, and what they cost."""
-    from longctx_cli.constants import HYBRID_MODEL_TYPES
+    from longctx_cli.families import family
 
-    if plan.model.model_type not in HYBRID_MODEL_TYPES:
+    if not family(plan.model.model_type).mixes_tokens:
         return None  # no torch import: a plain model's plan stays instant
     from longctx_cli.config.units import DTYPE_BYTES
     from longctx_cli.parallel.token_mixing import describe

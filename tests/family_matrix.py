@@ -346,7 +346,7 @@ FAMILIES = [
 
 def _tp_refusal(family: Family) -> str | None:
     """What validate says of a family that TP-sp cannot shard (config/sections/parallel.py)."""
-    from longctx_cli.config.sections.parallel import TP_FAMILIES
+    from longctx_cli.families import TP_FAMILIES
 
     return None if family.model_type in TP_FAMILIES else (
         f"model type `{family.model_type}` is not supported")
@@ -485,6 +485,7 @@ def longctx_training(family: Family, overrides: dict[str, Any]) -> dict[str, Any
     column's settings): the plan's rules (`build_plan`, on the launcher), the fidelity
     probe, then the trainer's step on the plan's layout (what `init_parallel` builds)."""
     import torch.distributed as dist
+
     from longctx_cli.checks.fidelity import check_fidelity
     from longctx_cli.config.model_shape import read_model_config
     from longctx_cli.config.plan import build_plan
@@ -578,7 +579,6 @@ def columns_worker(rank: int, world_size: int, names: list[str],
     """family -> column -> longctx's run (weights on rank 0), for these columns of this
     world size; a torch_flash run also counts its calls of the flash op's stand-in."""
     from longctx_cli.parallel.torch_flash import use_flash_ops
-
     from tests import torch_flash_standin as standin
 
     use_flash_ops(standin.OPS)  # this process only; only the torch_flash kernel calls it
@@ -601,7 +601,7 @@ def columns_worker(rank: int, world_size: int, names: list[str],
 
 def render() -> str:
     """docs/families.md: which families and features are exact under which layouts."""
-    from longctx_cli.config.sections.parallel import TP_FAMILIES
+    from longctx_cli.families import TP_FAMILIES
 
     lines = [
         "# Model families",

@@ -9,7 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "longctx_cli"
 
 # Top-level modules every layer may use: they import nothing of longctx_cli but each other.
-LEAVES = {"constants", "durable", "errors", "kernel_choice", "layout"}
+LEAVES = {"constants", "durable", "errors", "families", "kernel_choice", "layout"}
 LAYERS = {"config", "data", "parallel", "runtime", "launcher", "checks", "train", "eval", "cli"}
 # What each part may import from longctx_cli (besides itself).
 ALLOWED = {
@@ -26,7 +26,7 @@ ALLOWED = {
     "launcher": LEAVES,  # torchrun's launch and supervision: no model, no config
     "parallel": {"constants", "errors", "kernel_choice", "layout"},
     "data": {"config", "hub", "user_code"} | LEAVES,
-    "config": {"constants", "errors", "hub", "kernel_choice", "layout"},
+    "config": {"constants", "errors", "families", "hub", "kernel_choice", "layout"},
     "hub": {"errors"},
     "preflight": {"config", "data", "errors", "user_code"},
     "user_code": {"errors"},  # the user's reward functions and dataset transforms

@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from longctx_cli.config.sections.vision import BIDIRECTIONAL_IMAGE_FAMILIES
+
 from longctx_cli.constants import IGNORE_INDEX
+from longctx_cli.families import BIDIRECTIONAL_IMAGE_FAMILIES
 from longctx_cli.parallel.attention import register_sp_attention
 from longctx_cli.runtime.head import model_head
 from longctx_cli.runtime.loss import lm_loss_sum
@@ -176,8 +177,9 @@ def _built(family: str, state) -> torch.nn.Module:
 
 
 def _lora_compare(family: str, state) -> dict[str, float]:
-    from longctx_cli.runtime.model import decoder_and_head
     from peft import LoraConfig, get_peft_model
+
+    from longctx_cli.runtime.model import decoder_and_head
 
     ours = _built(family, state)
     decoder, head = decoder_and_head(ours, images=True)

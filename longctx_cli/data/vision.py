@@ -50,6 +50,7 @@ import numpy as np
 from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.data import formats, pack
 from longctx_cli.errors import UserError
+from longctx_cli.families import IMAGE_ONLY_FAMILIES
 
 if TYPE_CHECKING:
     from PIL import Image as PILImage
@@ -255,10 +256,11 @@ def _image_only_processor(folder: Path) -> Any:
         if (folder / name).is_file():
             config.update(json.loads((folder / name).read_text()))
     kind = str(config.get("processor_class", "")) + str(config.get("image_processor_type", ""))
-    if "Qwen" not in kind:
+    if not any(f.processor_marker in kind for f in IMAGE_ONLY_FAMILIES):
+        names = [f.name for f in IMAGE_ONLY_FAMILIES]
         raise UserError(
             f"cannot build the processor in {folder} ({kind or 'no processor_class'}): longctx "
-            "prepares vision data for Qwen2-VL, Qwen2.5-VL and Qwen3-VL processors.",
+            f"prepares vision data for {', '.join(names[:-1])} and {names[-1]} processors.",
             fix="use a Qwen-VL model's folder, or install torchvision if the processor needs it.")
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(folder),
@@ -273,7 +275,9 @@ def _image_only_processor(folder: Path) -> Any:
     video = folder / "video_preprocessor_config.json"  # Qwen3-VL's names its own class
     if video.is_file():
         kind += str(json.loads(video.read_text()).get("video_processor_type", ""))
-    base = "Qwen3VLProcessor" if "Qwen3VL" in kind else "Qwen2_5_VLProcessor"
+    # A later family's processor names an earlier one's parts (Qwen3-VL's image processor is
+    # Qwen2-VL's), so the last family whose marker the names hold is the folder's.
+    base = [f.image_only_processor for f in IMAGE_ONLY_FAMILIES if f.processor_marker in kind][-1]
     return image_only_processor_class(base)(image_processor=image_processor,
                                             tokenizer=tokenizer, chat_template=template)
 
