@@ -3,7 +3,7 @@
 Loads each dataset entry (or generates passkey samples), tokenizes it in its format, applies
 the length rules, packs the samples into rows, splits off the eval rows and writes the
 report. With `processor_type` set (a vision-language run), chat records go through the
-processor (`data/vision.py`: images and videos become pixel patches and expanded image
+processor (`data/vision/`: images and videos become pixel patches and expanded image
 tokens), every sample becomes a document, and the rows carry the vision columns of
 `vision.ROW_COLUMNS` besides the text ones; a text run's rows are unchanged. Whether a
 build is needed, and where and how its result is stored, is the cache's business
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from longctx_cli.config.schema import Config, DatasetConfig
-    from longctx_cli.data.vision import VisionProcessor
+    from longctx_cli.data.vision.processor import VisionProcessor
 
 # The cache names are re-exported: callers import them from here.
 __all__ = [

@@ -100,7 +100,7 @@ def eval_specs(config: Config, tokenizer: PreTrainedTokenizerBase,
 def eval_tokenizer(config: Config) -> PreTrainedTokenizerBase:
     """The tokenizer evaluation reads with: a vision-language run's is its processor's (with
     the config's special tokens and pad token), as training and `longctx generate` read it."""
-    from longctx_cli.data.vision import run_tokenizer
+    from longctx_cli.data.tokenizer import run_tokenizer
 
     return run_tokenizer(config)[0]
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from longctx_cli.config.sections.vision import refuse_unless_rebuilt
-from longctx_cli.data.vision import IMAGE, VIDEO
+from longctx_cli.data.vision.documents import IMAGE, VIDEO
 from longctx_cli.errors import UserError
 from longctx_cli.families import VISION_MODULE_NAMES, VisionFamily, vision_family
 from longctx_cli.parallel.mesh import ParallelState

@@ -19,7 +19,7 @@ from longctx_cli.config import Config
 from longctx_cli.config.plan import Plan
 from longctx_cli.data.stream import PackedStream
 from longctx_cli.data.tokenizer import pad_id as tokenizer_pad_id
-from longctx_cli.data.vision import run_tokenizer
+from longctx_cli.data.tokenizer import run_tokenizer
 from longctx_cli.launcher.startup import StartupClock
 from longctx_cli.parallel.mesh import ParallelState, build_parallel_state
 from longctx_cli.runtime.distributed import init_distributed, load_rows
