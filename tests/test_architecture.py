@@ -113,3 +113,47 @@ def test_no_import_circles():
         if start not in state:
             visit(start, [start])
     assert not circles, "\n".join(circles)
+
+
+DOC = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def _doc_rows(table_heading: str) -> list[list[str]]:
+    """The rows (cells) of the first markdown table after `table_heading` in DOC."""
+    text = DOC.read_text()
+    rows = []
+    for line in text[text.index(table_heading):].splitlines():
+        if line.startswith("|"):
+            rows.append([cell.strip() for cell in line.strip("|").split("|")])
+        elif rows:
+            break
+    return rows[2:]  # past the header and its rule
+
+
+def test_the_doc_import_table_is_the_rules():
+    """docs/architecture.md's import table says what test_import_rules enforces."""
+    import re
+
+    found = {}
+    for part, allowed in _doc_rows("| part | may import"):
+        name = re.match(r"`(\w+)`", part)[1]
+        found[name] = set(re.findall(r"`(\w+)`", allowed)) | (
+            LEAVES if "the leaves" in allowed else set())
+    rules = {part: set(allowed) - {part} for part, allowed in ALLOWED.items()
+             if part not in LEAVES and part != "__init__"}
+    assert found == rules
+
+
+def test_the_doc_names_every_module():
+    """Every module of longctx_cli has its line in docs/architecture.md, and every line
+    names a module that exists."""
+    import re
+
+    text = DOC.read_text()
+    section = text[text.index("## The modules"):]
+    section = section[: section.index("\n## ", 1)]
+    named = set(re.findall(r"^\| `([\w/]+\.py)` \|", section, flags=re.M))
+    modules = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
+    assert named <= modules, sorted(named - modules)
+    missing = {m for m in modules - named if not m.endswith("__init__.py")}
+    assert not missing, sorted(missing)
