@@ -26,7 +26,7 @@ def errors(vocab: int, hidden: int, tokens: int, logit_std: float, seed: int,
     import torch
     import torch.nn.functional as F
 
-    from longctx_cli.train.loss import lm_loss_sum
+    from longctx_cli.runtime.loss import lm_loss_sum
 
     g = torch.Generator().manual_seed(seed)
     head = torch.nn.Linear(hidden, vocab, bias=False)

@@ -45,8 +45,8 @@ from benchmarks.train_step import init_optimizer_state, synthetic_row
 from longctx_cli.config import config_from_dict
 from longctx_cli.config.plan import layout_for
 from longctx_cli.parallel import build_parallel_state, shard_batch
+from longctx_cli.runtime.loss import valid_token_count
 from longctx_cli.runtime.model import build_model, decoder_and_head
-from longctx_cli.train.loss import valid_token_count
 from longctx_cli.train.step import forward_loss_sum
 
 WORLD = 4

@@ -189,7 +189,7 @@ def _is_rank(pid: int) -> bool:
 
 
 def _is_warm_rank(pid: int) -> bool:
-    """A warm process of longctx's launcher (`runtime/warm_ranks.py`), which runs the rank the
+    """A warm process of longctx's launcher (`launcher/warm_ranks.py`), which runs the rank the
     process torchrun started hands it (that one then only waits)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")

@@ -63,7 +63,7 @@ from common import ROOT, markdown_table, save_record
 
 from benchmarks import peers
 from longctx_cli.constants import FUSED_LOSS_BLOCK_BYTES
-from longctx_cli.runtime.host_memory import THRESHOLD_ENV
+from longctx_cli.launcher.host_memory import THRESHOLD_ENV
 
 # `alst-zero0` as it runs, and with glibc's mmap threshold fixed where longctx's recipe fixes
 # its own: the same allocator for both, to compare what they keep alive.

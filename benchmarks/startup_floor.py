@@ -35,9 +35,9 @@ from common import save_record
 from benchmarks.peers import one_thread_env
 
 # What each measured process imports, cumulatively (each step includes the ones before).
-# A rank hides torchao from transformers first (longctx_cli.runtime.startup.hide_torchao):
+# A rank hides torchao from transformers first (longctx_cli.launcher.startup.hide_torchao):
 # "model code" shows what transformers costs with it, as other tools pay it.
-HIDE_TORCHAO = "from longctx_cli.runtime.startup import hide_torchao\nhide_torchao()\n"
+HIDE_TORCHAO = "from longctx_cli.launcher.startup import hide_torchao\nhide_torchao()\n"
 MODEL_CODE = ("import torch, transformers, datasets\n"
               "from transformers import LlamaForCausalLM\n")
 STAGES = {
@@ -50,7 +50,7 @@ STAGES = {
 }
 # Printed by each measured process: seconds since its creation (Linux /proc).
 PROBE = """
-from longctx_cli.runtime.startup import process_created_at
+from longctx_cli.launcher.startup import process_created_at
 _origin = process_created_at()
 {imports}
 import time

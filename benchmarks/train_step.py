@@ -35,9 +35,9 @@ from longctx_cli.config.plan import layout_for
 from longctx_cli.config.shape import ModelShape
 from longctx_cli.layout import Layout
 from longctx_cli.parallel import build_parallel_state, shard_batch
+from longctx_cli.runtime.loss import valid_token_count
 from longctx_cli.runtime.memory_savers import activation_offload, apply_tiled_mlp
 from longctx_cli.runtime.model import build_model, decoder_and_head, model_config_of
-from longctx_cli.train.loss import valid_token_count
 from longctx_cli.train.step import forward_loss_sum
 
 MODEL = {

@@ -206,9 +206,9 @@ def validate(
 
 def _token_mixing(cfg: Any, plan: Any) -> str | None:
     """The hybrid model's layers that mix tokens outside attention, and what they cost."""
-    from longctx_cli.constants import HYBRID_MODEL_TYPES
+    from longctx_cli.families import family
 
-    if plan.model.model_type not in HYBRID_MODEL_TYPES:
+    if not family(plan.model.model_type).mixes_tokens:
         return None  # no torch import: a plain model's plan stays instant
     from longctx_cli.config.units import DTYPE_BYTES
     from longctx_cli.parallel.token_mixing import describe
@@ -230,7 +230,7 @@ def _fidelity(cfg: Any, shape: Any, console: Console) -> str:
         hf_config = shape.transformers_config()
         if hf_config is None:
             return "not run: the model's config is not at hand"
-        from longctx_cli.train.fidelity import run_probe
+        from longctx_cli.checks.fidelity import run_probe
 
         return run_probe(hf_config, cfg.model.trust_remote_code, cfg.trains_images).summary()
 
@@ -302,7 +302,7 @@ def train(
     ] = False,
 ) -> None:
     """Hand over to the launcher; its return value is the exit status."""
-    from longctx_cli.runtime.launch import in_torchrun
+    from longctx_cli.launcher.launch import in_torchrun
     from longctx_cli.train.run import run_train
 
     status = run_train(
@@ -442,8 +442,8 @@ def merge_lora(
 
 def main() -> None:
     """Console entry point: run the app; a UserError is one paragraph on stderr, exit 2."""
-    from longctx_cli.runtime.launch import EarlyTorchrun
-    from longctx_cli.runtime.startup import quiet_library_loggers
+    from longctx_cli.launcher.launch import EarlyTorchrun
+    from longctx_cli.launcher.startup import quiet_library_loggers
 
     quiet_library_loggers()
     # `longctx train`, `eval` and `generate` start torchrun's agent first: its torch import

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from longctx_cli.errors import UserError, print_error, print_interrupted
-from longctx_cli.runtime.startup import process_created_at, quiet_library_loggers
-from longctx_cli.runtime.warm_ranks import WARM_FLAG, hand_over, serve
+from longctx_cli.launcher.startup import process_created_at, quiet_library_loggers
+from longctx_cli.launcher.warm_ranks import WARM_FLAG, hand_over, serve
 
 
 def leading_options(args: list[str], names: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:

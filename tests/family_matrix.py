@@ -346,7 +346,7 @@ FAMILIES = [
 
 def _tp_refusal(family: Family) -> str | None:
     """What validate says of a family that TP-sp cannot shard (config/sections/parallel.py)."""
-    from longctx_cli.config.sections.parallel import TP_FAMILIES
+    from longctx_cli.families import TP_FAMILIES
 
     return None if family.model_type in TP_FAMILIES else (
         f"model type `{family.model_type}` is not supported")
@@ -489,6 +489,7 @@ def longctx_training(family: Family, overrides: dict[str, Any]) -> dict[str, Any
     probe, then the trainer's step on the plan's layout (what `init_parallel` builds)."""
     import torch.distributed as dist
 
+    from longctx_cli.checks.fidelity import check_fidelity
     from longctx_cli.config.model_shape import read_model_config
     from longctx_cli.config.plan import build_plan
     from longctx_cli.config.world import Platform
@@ -496,7 +497,6 @@ def longctx_training(family: Family, overrides: dict[str, Any]) -> dict[str, Any
     from longctx_cli.parallel.mesh import build_parallel_state
     from longctx_cli.parallel.sharding import shard_batch
     from longctx_cli.runtime.model import build_model, decoder_and_head
-    from longctx_cli.train.fidelity import check_fidelity
     from longctx_cli.train.optim import make_optimizer
     from longctx_cli.train.step import train_step
 
@@ -604,7 +604,7 @@ def columns_worker(rank: int, world_size: int, names: list[str],
 
 def render() -> str:
     """docs/families.md: which families and features are exact under which layouts."""
-    from longctx_cli.config.sections.parallel import TP_FAMILIES
+    from longctx_cli.families import TP_FAMILIES
 
     lines = [
         "# Model families",

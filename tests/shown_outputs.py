@@ -19,7 +19,7 @@ tests/test_shown_outputs.py runs the check. Two kinds of block:
   `LOG_SOURCES`: literal text equal, each `{value}` any text); a step line's total is the
   config's `max_steps`; the start-up line names only phases the code marks; the `layout:`
   line is exactly what the plan of that config and world prints now, and the fidelity
-  probe's verdict has the shape of one `train/fidelity.py` writes.
+  probe's verdict has the shape of one `checks/fidelity.py` writes.
 * A message block: `<!-- message: NAME -->`, a fenced message (an error or warning a run
   prints when something goes wrong), `<!-- /message -->`. The test that provokes it calls
   `assert_shown_message(NAME, printed)`, which fails unless the message appears in what was
@@ -64,9 +64,9 @@ FIXTURES = {
 LOG_SOURCES = [
     "longctx_cli/data/prepare.py",
     "longctx_cli/train/loop.py",
-    "longctx_cli/train/fidelity.py",
+    "longctx_cli/checks/fidelity.py",
     "longctx_cli/train/metrics.py",
-    "longctx_cli/runtime/startup.py",
+    "longctx_cli/launcher/startup.py",
     "longctx_cli/train/summary.py",
     "longctx_cli/train/run.py",
 ]
@@ -192,7 +192,7 @@ def check_log(command: str, body: str) -> list[str]:
     plan = plan_for(config, nproc, 1)
     layout = f"layout: {plan.layout.describe()} ({plan.layout.kernel_reason})"
     templates = [t for source in LOG_SOURCES for t in _templates(ROOT / source)]
-    verdicts = _templates(ROOT / "longctx_cli/train/fidelity.py")
+    verdicts = _templates(ROOT / "longctx_cli/checks/fidelity.py")
     phases = _marked_phases()
     problems = []
     for line in body.splitlines():

@@ -9,21 +9,24 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "longctx_cli"
 
 # Top-level modules every layer may use: they import nothing of longctx_cli but each other.
-LEAVES = {"constants", "durable", "errors", "kernel_choice", "layout"}
-LAYERS = {"config", "data", "parallel", "runtime", "train", "eval", "cli"}
+LEAVES = {"constants", "durable", "errors", "families", "kernel_choice", "layout"}
+LAYERS = {"config", "data", "parallel", "runtime", "launcher", "checks", "train", "eval", "cli"}
 # What each part may import from longctx_cli (besides itself).
 ALLOWED = {
     "__init__": set(),
     "__main__": {"cli"},
-    "rank": {"train", "eval", "runtime"} | LEAVES,  # what the launcher's ranks run
+    "rank": {"train", "eval", "runtime", "launcher"} | LEAVES,  # what the launcher's ranks run
     "cli": LAYERS | LEAVES | {"hub", "integrity", "preflight"},
-    "train": {"runtime", "parallel", "data", "config", "integrity", "preflight",
-              "user_code"} | LEAVES,
-    "eval": {"runtime", "parallel", "data", "config", "integrity", "preflight"} | LEAVES,
+    "train": {"checks", "runtime", "launcher", "parallel", "data", "config", "integrity",
+              "preflight", "user_code"} | LEAVES,
+    "eval": {"runtime", "launcher", "parallel", "data", "config", "integrity",
+             "preflight"} | LEAVES,
+    "checks": {"runtime", "parallel", "config"} | LEAVES,  # the fidelity probe
     "runtime": {"parallel", "data", "config"} | LEAVES,
+    "launcher": LEAVES,  # torchrun's launch and supervision: no model, no config
     "parallel": {"constants", "errors", "kernel_choice", "layout"},
     "data": {"config", "hub", "user_code"} | LEAVES,
-    "config": {"constants", "errors", "hub", "kernel_choice", "layout"},
+    "config": {"constants", "errors", "families", "hub", "kernel_choice", "layout"},
     "hub": {"errors"},
     "preflight": {"config", "data", "errors", "user_code"},
     "user_code": {"errors"},  # the user's reward functions and dataset transforms
@@ -110,3 +113,47 @@ def test_no_import_circles():
         if start not in state:
             visit(start, [start])
     assert not circles, "\n".join(circles)
+
+
+DOC = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def _doc_rows(table_heading: str) -> list[list[str]]:
+    """The rows (cells) of the first markdown table after `table_heading` in DOC."""
+    text = DOC.read_text()
+    rows = []
+    for line in text[text.index(table_heading):].splitlines():
+        if line.startswith("|"):
+            rows.append([cell.strip() for cell in line.strip("|").split("|")])
+        elif rows:
+            break
+    return rows[2:]  # past the header and its rule
+
+
+def test_the_doc_import_table_is_the_rules():
+    """docs/architecture.md's import table says what test_import_rules enforces."""
+    import re
+
+    found = {}
+    for part, allowed in _doc_rows("| part | may import"):
+        name = re.match(r"`(\w+)`", part)[1]
+        found[name] = set(re.findall(r"`(\w+)`", allowed)) | (
+            LEAVES if "the leaves" in allowed else set())
+    rules = {part: set(allowed) - {part} for part, allowed in ALLOWED.items()
+             if part not in LEAVES and part != "__init__"}
+    assert found == rules
+
+
+def test_the_doc_names_every_module():
+    """Every module of longctx_cli has its line in docs/architecture.md, and every line
+    names a module that exists."""
+    import re
+
+    text = DOC.read_text()
+    section = text[text.index("## The modules"):]
+    section = section[: section.index("\n## ", 1)]
+    named = set(re.findall(r"^\| `([\w/]+\.py)` \|", section, flags=re.M))
+    modules = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
+    assert named <= modules, sorted(named - modules)
+    missing = {m for m in modules - named if not m.endswith("__init__.py")}
+    assert not missing, sorted(missing)

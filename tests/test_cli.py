@@ -244,7 +244,7 @@ def test_subprocess_usage_error_has_no_traceback():
 
 
 def test_rank_threads_share_the_cores_and_warn_when_a_user_value_oversubscribes():
-    from longctx_cli.runtime.launch import rank_threads
+    from longctx_cli.launcher.launch import rank_threads
 
     assert rank_threads(None, 2, 8) == ("4", None)
     assert rank_threads("", 4, 2) == ("1", None)  # never 0 threads

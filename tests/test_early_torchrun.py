@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from longctx_cli.runtime.launch import EarlyTorchrun, torchrun_command
+from longctx_cli.launcher.launch import EarlyTorchrun, torchrun_command
 
 TIMEOUT_S = 120
 
@@ -49,7 +49,7 @@ def _launcher(script: str, *args: str) -> subprocess.CompletedProcess:
     """Run `script` (a launcher's life with an `EarlyTorchrun` called `early`) in a process of
     its own; its output and its agent's, whose stderr is the launcher's."""
     code = "import os, signal, sys, time\n" \
-        "from longctx_cli.runtime.launch import EarlyTorchrun\n" \
+        "from longctx_cli.launcher.launch import EarlyTorchrun\n" \
         "early = EarlyTorchrun()\n" + textwrap.dedent(script)
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                           timeout=TIMEOUT_S)

@@ -132,7 +132,7 @@ def test_unreachable_hub_fails_in_seconds_naming_what_to_download(tmp_path, data
 def test_the_first_rank_error_is_shown_once_with_its_rank(tmp_path):
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from longctx_cli.runtime.launch import describe_failure, failure_exit_code
+    from longctx_cli.launcher.launch import describe_failure, failure_exit_code
 
     def failure(rank: int, message: str | None, at: float, code: int = 2) -> ProcessFailure:
         path = tmp_path / f"error-{rank}.json"

@@ -21,11 +21,11 @@ from transformers import (
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.llama import modeling_llama
 
+from longctx_cli.checks.fidelity import TOLERANCE, check_fidelity, run_probe, shrink_config
 from longctx_cli.config import Config
 from longctx_cli.errors import UserError
 from longctx_cli.runtime.head import LogitTransform
 from longctx_cli.runtime.model import decoder_and_head
-from longctx_cli.train.fidelity import TOLERANCE, check_fidelity, run_probe, shrink_config
 
 TINY = {
     "hidden_size": 32,
@@ -306,7 +306,7 @@ def test_the_models_own_noise_is_tight_without_noisy_kernels(model_type: str) ->
     # the model's own padded-batch training against its per-document training. For a plain
     # attention model the two agree closely, so the allowance stays shut where no kernel
     # is noisy.
-    from longctx_cli.train import fidelity
+    from longctx_cli.checks import fidelity
 
     tiny = fidelity.shrink_config(AutoConfig.for_model(model_type))
     ids, _, _ = fidelity._probe_row()

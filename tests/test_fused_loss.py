@@ -1,4 +1,4 @@
-"""The fused lm_head + cross-entropy (`train/loss.py:LinearCrossEntropy`) against autograd
+"""The fused lm_head + cross-entropy (`runtime/loss.py:LinearCrossEntropy`) against autograd
 through the model's own head and torch's cross_entropy: the loss and every gradient."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longctx_cli.runtime.head import LogitTransform, ModelHead
-from longctx_cli.train.loss import LinearCrossEntropy, fused_head, lm_loss_sum
+from longctx_cli.runtime.loss import LinearCrossEntropy, fused_head, lm_loss_sum
 
 
 def _case(dtype: torch.dtype, bias: bool, seed: int = 0):
@@ -178,7 +178,7 @@ def test_sliced_tensor_core_path_adds_every_vocabulary_slice():
     """The CUDA path's slicing (scratch rows fewer than the vocabulary, a ragged last slice)
     gives the same sum as one float32 matmul of the half values; the product is computed here
     as the CUDA op defines it, half inputs with a float32 result."""
-    from longctx_cli.train.loss import add_head_weight_grad
+    from longctx_cli.runtime.loss import add_head_weight_grad
 
     g = torch.Generator().manual_seed(1)
     grad = torch.randn(37, 500, generator=g).bfloat16()
@@ -197,7 +197,7 @@ def test_sliced_tensor_core_path_adds_every_vocabulary_slice():
 def test_the_float32_output_matmul_binds_as_the_cuda_path_calls_it():
     """`aten::mm.dtype_out` exists with this Python signature (it has no CPU kernel: the
     dispatcher, not the argument parser, refuses it here)."""
-    from longctx_cli.train.loss import half_mm_f32
+    from longctx_cli.runtime.loss import half_mm_f32
 
     a, b = torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(8, 2, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match=r"mm\.dtype_out"):

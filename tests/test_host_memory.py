@@ -1,5 +1,5 @@
 """`host_mmap_threshold_mib` fixes glibc's mmap threshold in each rank
-(`runtime/host_memory.py`): a block of a few MiB is then mapped on its own, and given back
+(`launcher/host_memory.py`): a block of a few MiB is then mapped on its own, and given back
 when freed, even after a larger block was freed (which, left alone, raises glibc's threshold
 and sends such blocks to the heap)."""
 
@@ -16,7 +16,7 @@ import pytest
 # then take 4 MiB and say how much of it was mapped on its own.
 SCRIPT = """
 import ctypes, sys
-from longctx_cli.runtime.host_memory import fix_mmap_threshold
+from longctx_cli.launcher.host_memory import fix_mmap_threshold
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",

@@ -18,7 +18,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from longctx_cli.constants import LEAN_NORM_CHUNK_TENSORS, LEAN_NORM_MODEL_TYPES
+from longctx_cli.constants import LEAN_NORM_CHUNK_TENSORS
+from longctx_cli.families import LEAN_NORM_MODEL_TYPES
 from longctx_cli.runtime.memory_savers import (
     _LEAN_MARK,
     apply_lean_rms_norm,

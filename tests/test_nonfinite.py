@@ -14,7 +14,7 @@ from tests.shown_outputs import assert_shown_message
 from tests.train_helpers import IN_A_RANK, read_metrics, run_longctx, write_config, write_documents
 
 # Test-only faults for the ranks, loaded through PYTHONPATH: a rank is a process torchrun
-# started (RANK set) or a warm process that will run one (runtime/warm_ranks.py; RANK arrives
+# started (RANK set) or a warm process that will run one (launcher/warm_ranks.py; RANK arrives
 # with the hand-over, so the faulty rank is picked at call time).
 FAULTS = f"""
 import os, sys

@@ -21,7 +21,7 @@ import yaml
 from longctx_cli.config import known_models
 from longctx_cli.config.model_shape import _PLAIN_DEFAULTS, _plain_shape, build_from_dict
 from longctx_cli.config.shape import ModelShape
-from longctx_cli.constants import HYBRID_MODEL_TYPES
+from longctx_cli.families import HYBRID_MODEL_TYPES
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "tiny_passkey.yaml"

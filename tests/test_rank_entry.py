@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from longctx_cli.eval.run import _launch_args
+from longctx_cli.launcher.launch import RANK_MODULE, rank_command, torchrun_command
 from longctx_cli.rank import leading_options
-from longctx_cli.runtime.launch import RANK_MODULE, rank_command, torchrun_command
 
 
 def test_the_eval_launchers_arguments_are_read_back_in_order():

@@ -101,7 +101,7 @@ def _workers(proc: subprocess.Popen) -> dict[int, psutil.Process]:
     learnt its RANK at the hand-over, which /proc/PID/environ does not show."""
     import yaml
 
-    from longctx_cli.runtime.supervise import rank_progress
+    from longctx_cli.launcher.supervise import rank_progress
 
     config = yaml.safe_load(Path(proc.args[4]).read_text())
     since = psutil.Process(proc.pid).create_time()
@@ -211,7 +211,7 @@ def test_kill_during_save_never_yields_that_checkpoint(runs):
 def test_failure_summary_names_the_rank_that_died_first():
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from longctx_cli.runtime.launch import describe_failure, failure_exit_code
+    from longctx_cli.launcher.launch import describe_failure, failure_exit_code
 
     # Rank 1 was killed; torchrun then stopped rank 0 with SIGTERM.
     killed = {

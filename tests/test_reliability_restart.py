@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from longctx_cli.errors import PREEMPTED_EXIT
-from longctx_cli.runtime.supervise import PREEMPTED_MARKER, find_hang
+from longctx_cli.launcher.supervise import PREEMPTED_MARKER, find_hang
 from longctx_cli.train.checkpoint_files import list_checkpoints
 from tests.test_nonfinite import FAULTS as NAN_FAULTS
 from tests.test_reliability_kill import (
@@ -224,7 +224,7 @@ def test_a_crash_at_the_same_step_is_retried_once_not_forever(runs):
 
 
 def test_the_same_fault_on_another_rank_is_the_same_fault():
-    from longctx_cli.runtime.supervise import _kind_of
+    from longctx_cli.launcher.supervise import _kind_of
 
     first = "train failed: rank 0 (local rank 0, pid 27639) exited with status 1; ..."
     again = "train failed: rank 1 (local rank 1, pid 30011) exited with status 1; ..."

@@ -82,11 +82,11 @@ def _longctx(rank: int, world_size: int, scaling: dict[str, Any],
     """What `longctx train` runs on each rank: the plan (`check_run`), the probe, the step."""
     import os
 
+    from longctx_cli.checks.fidelity import check_fidelity
     from longctx_cli.parallel.mesh import build_parallel_state
     from longctx_cli.parallel.sharding import shard_batch
     from longctx_cli.preflight import check_run
     from longctx_cli.runtime.model import build_model, decoder_and_head
-    from longctx_cli.train.fidelity import check_fidelity
     from longctx_cli.train.optim import make_optimizer
     from longctx_cli.train.step import train_step
 

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from longctx_cli.config.load import config_from_dict
 from longctx_cli.data import cache
 from longctx_cli.data.prepare import prepare
+from longctx_cli.launcher.startup import needs_torchao
 from longctx_cli.runtime import distributed
-from longctx_cli.runtime.startup import needs_torchao
 from longctx_cli.train.run import confirm_data_cache
 from tests.train_helpers import TINY_LLAMA, write_documents
 
@@ -245,7 +245,7 @@ def test_a_rank_without_torchao_builds_its_model():
     importing torchao (a fresh interpreter, as a rank is)."""
     code = (
         "import sys\n"
-        "from longctx_cli.runtime.startup import hide_torchao\n"
+        "from longctx_cli.launcher.startup import hide_torchao\n"
         "assert hide_torchao()\n"
         "from transformers import AutoConfig, AutoModelForCausalLM\n"
         f"config = AutoConfig.for_model(**{TINY_LLAMA!r})\n"
@@ -264,7 +264,7 @@ def test_an_error_every_rank_raised_alike_names_the_lowest_rank(tmp_path):
 
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from longctx_cli.runtime.launch import describe_failure
+    from longctx_cli.launcher.launch import describe_failure
 
     def failure(rank: int, message: str, at: float) -> ProcessFailure:
         path = tmp_path / f"error-{rank}.json"

@@ -74,7 +74,7 @@ def _step_worker(rank: int, world: int, family: str, tp: int, sp: int, mode: str
     from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
     from longctx_cli.parallel.sharding import shard_batch
     from longctx_cli.runtime.head import model_head
-    from longctx_cli.train.loss import lm_loss_sum
+    from longctx_cli.runtime.loss import lm_loss_sum
     from longctx_cli.train.step import sum_gradients
     from tests.layouts import rank_state, sp_state
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from longctx_cli.constants import HYBRID_MODEL_TYPES
+from longctx_cli.families import HYBRID_MODEL_TYPES
 from longctx_cli.parallel.sharding import make_sp_meta, slice_sequence, to_global_order
 from longctx_cli.parallel.token_mixing import mixer_rows
 from tests import family_matrix as fm
@@ -132,7 +132,7 @@ def _tiny_config(name: str):
     from transformers import AutoConfig
 
     if name in TWINS:
-        from longctx_cli.train.fidelity import shrink_config
+        from longctx_cli.checks.fidelity import shrink_config
 
         return shrink_config(AutoConfig.for_model(name, **TWINS[name]))
     family = next(f for f in fm.FAMILIES if f.name == name)

@@ -126,7 +126,7 @@ def test_keys_no_processor_would_read_are_refused(overrides, where) -> None:
 def test_fidelity_probe_checks_gemma3_with_its_bidirectional_images() -> None:
     from transformers import Gemma3Config
 
-    from longctx_cli.train.fidelity import run_probe
+    from longctx_cli.checks.fidelity import run_probe
 
     result = run_probe(Gemma3Config(), images=True)
     assert "images" in result.summary() and result.worst_gradient_rel_error < 1e-4

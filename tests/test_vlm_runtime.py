@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from longctx_cli.config.sections.vision import BIDIRECTIONAL_IMAGE_FAMILIES
 from longctx_cli.constants import IGNORE_INDEX
+from longctx_cli.families import BIDIRECTIONAL_IMAGE_FAMILIES
 from longctx_cli.parallel.attention import register_sp_attention
 from longctx_cli.runtime.head import model_head
+from longctx_cli.runtime.loss import lm_loss_sum
 from longctx_cli.runtime.vision import VisionLanguageForward, split_images
-from longctx_cli.train.loss import lm_loss_sum
 from tests.distributed import run_distributed
 from tests.layouts import sp_state
 from tests.vlm_models import FAMILIES, VIDEO_FAMILIES, image_row, own_vlm_step, tiny_vlm

@@ -1,4 +1,4 @@
-"""Warm rank processes (`runtime.warm_ranks`): the rank torchrun starts hands itself to the
+"""Warm rank processes (`launcher.warm_ranks`): the rank torchrun starts hands itself to the
 process that imported ahead; that process runs it with the rank's environment, working
 directory and arguments, signals reach it, its exit status is the rank's, and either side's
 death takes the other with it. Without a warm process a rank runs by itself."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from longctx_cli.runtime.warm_ranks import WARM_RANKS_ENV, WarmRanks
+from longctx_cli.launcher.warm_ranks import WARM_RANKS_ENV, WarmRanks
 
 PROGRAM = "tests.warm_rank_program"
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,7 +135,7 @@ def test_without_a_warm_process_the_rank_runs_itself(warm, tmp_path, how):
 
 
 def test_close_ends_the_waiting_processes_without_a_word(tmp_path):
-    code = (f"import os, sys, time\nfrom longctx_cli.runtime.warm_ranks import WarmRanks\n"
+    code = (f"import os, sys, time\nfrom longctx_cli.launcher.warm_ranks import WarmRanks\n"
             f"w = WarmRanks({PROGRAM!r}, ['report', {str(tmp_path)!r}, '0'], 2, dict(os.environ))\n"
             "time.sleep(float(sys.argv[1]))\nprint(*[p.pid for p in w.processes])\n"
             "w.close()\nprint(*[p.returncode for p in w.processes])\n")
@@ -151,7 +151,7 @@ def test_close_ends_the_waiting_processes_without_a_word(tmp_path):
 
 def test_a_launcher_gone_ends_the_waiting_processes(tmp_path):
     # The launcher is killed without closing them: their pipe's far end closes with it.
-    code = (f"import os\nfrom longctx_cli.runtime.warm_ranks import WarmRanks\n"
+    code = (f"import os\nfrom longctx_cli.launcher.warm_ranks import WarmRanks\n"
             f"w = WarmRanks({PROGRAM!r}, ['report', {str(tmp_path)!r}, '0'], 1, dict(os.environ))\n"
             "print(w.processes[0].pid, flush=True)\nos.kill(os.getpid(), 9)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""A rank program for tests/test_warm_ranks.py: `runtime.warm_ranks` around a `run` that
+"""A rank program for tests/test_warm_ranks.py: `launcher.warm_ranks` around a `run` that
 reports where and how it ran, waits for a signal, or sleeps."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from longctx_cli.runtime.warm_ranks import WARM_FLAG, hand_over, serve
+from longctx_cli.launcher.warm_ranks import WARM_FLAG, hand_over, serve
 
 
 def warm_up(argv: list[str]) -> None:

@@ -11,11 +11,8 @@ from longctx_cli.config.schema import Config
 from longctx_cli.config.sections.parallel import tp_local_shape
 from longctx_cli.config.shape import LINEAR_MODULES, MLP_LINEARS, ModelShape, attention_softcap
 from longctx_cli.config.units import DTYPE_BYTES, format_gib
-from longctx_cli.constants import (
-    FUSED_LOSS_BLOCK_BYTES,
-    LEAN_NORM_MODEL_TYPES,
-    LOGIT_TRANSFORM_KEYS,
-)
+from longctx_cli.constants import FUSED_LOSS_BLOCK_BYTES, LOGIT_TRANSFORM_KEYS
+from longctx_cli.families import family
 from longctx_cli.kernel_choice import TILE
 from longctx_cli.layout import Layout
 
@@ -140,9 +137,9 @@ def lora_parameter_count(config: Config, shape: ModelShape) -> tuple[int, list[s
 
 def lean_norm(config: Config, shape: ModelShape, tp: int = 1) -> bool:
     """Whether training runs the layers' norms through the lean RMSNorm (`runtime/model.py`
-    applies it without TP; LEAN_NORM_MODEL_TYPES: the model types where it covers every norm
-    of a layer). Remote code may define its own norms: counted as plain ones."""
-    return (shape.model_type in LEAN_NORM_MODEL_TYPES and tp == 1
+    applies it without TP; `lean_norms` in families.py: the model types where it covers every
+    norm of a layer). Remote code may define its own norms: counted as plain ones."""
+    return (family(shape.model_type).lean_norms and tp == 1
             and not config.model.trust_remote_code)
 
 
@@ -214,7 +211,7 @@ def _activation_bytes(
 
 
 def fused_loss(config: Config, shape: ModelShape) -> bool:
-    """Whether the trainer's loss will run fused (`train/loss.py:fused_head`: a plain linear
+    """Whether the trainer's loss will run fused (`runtime/loss.py:fused_head`: a plain linear
     head, no autocast, no FSDP2 or TP sharding, no logit transform, no adapter on it). A
     preference run (`rl`) never does: its per-token log-probabilities feed per-pair losses
     (`train/preference.py`), so the shard's logits exist at once (a chunk's with

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from longctx_cli.config.schema import Config, DatasetConfig
     from longctx_cli.data.rows import Rows
-    from longctx_cli.data.vision import VisionProcessor
+    from longctx_cli.data.vision.processor import VisionProcessor
 
 __all__ = [
     "EVAL_DIR", "FINGERPRINT_FILE", "PIPELINE_VERSION", "REPORT_FILE", "SCRATCH_DIR", "TRAIN_DIR",
@@ -86,7 +86,7 @@ def compute_fingerprint(config: Config, tokenizer: PreTrainedTokenizerBase | Non
     a vision run's processor is loaded from the config when not given, and its tokenizer
     is the one used)."""
     if config.vision.processor_type:
-        from longctx_cli.data.vision import load_config_processor
+        from longctx_cli.data.tokenizer import load_config_processor
 
         processor = processor or load_config_processor(config)
         tokenizer = processor.tokenizer
@@ -111,7 +111,7 @@ def fingerprint_parts(
                           _file_content),
              "tokenizer": tokenizer_fingerprint(tok)}
     if config.vision.processor_type:
-        from longctx_cli.data.vision import processor_fingerprint
+        from longctx_cli.data.vision.processor import processor_fingerprint
 
         if processor is None:
             raise ValueError("a vision run's fingerprint needs its processor")
@@ -165,7 +165,7 @@ def _run_parts(
 
 
 def _vision_part(config: Config) -> dict[str, Any]:
-    from longctx_cli.data.vision import VISION_VERSION
+    from longctx_cli.data.vision.processor import VISION_VERSION
 
     size = config.vision.image_size
     return {"version": VISION_VERSION, "image_size": list(size) if isinstance(size, tuple)
@@ -179,7 +179,7 @@ def _images_part(source: load.Source, entry: DatasetConfig, seed: int,
     costs a read of each image per `prepare`; decoding them is what a build costs."""
     import tempfile
 
-    from longctx_cli.data.vision import entry_records, referenced_files
+    from longctx_cli.data.vision.records import entry_records, referenced_files
 
     h = hashlib.sha256()
     with tempfile.TemporaryDirectory(prefix="longctx-scan-") as scratch:
@@ -384,10 +384,10 @@ def _tokenizer_source(config: Config, identify: Callable[[Path], Any]) -> dict[s
     source = config.model.tokenizer_source
     code = [Path(tokenizer_module.__file__)]
     if config.vision.processor_type:  # a vision run's tokenizer is its processor's
-        from longctx_cli.data import vision
+        from longctx_cli.data.vision import processor
 
-        source = vision.processor_folder(config)
-        code.append(Path(vision.__file__))
+        source = processor.processor_folder(config)
+        code.append(Path(processor.__file__))
     if source is None or config.model.trust_remote_code:
         return None
     if source == tokenizer_module.BYTE:

@@ -3,7 +3,7 @@
 Loads each dataset entry (or generates passkey samples), tokenizes it in its format, applies
 the length rules, packs the samples into rows, splits off the eval rows and writes the
 report. With `processor_type` set (a vision-language run), chat records go through the
-processor (`data/vision.py`: images and videos become pixel patches and expanded image
+processor (`data/vision/`: images and videos become pixel patches and expanded image
 tokens), every sample becomes a document, and the rows carry the vision columns of
 `vision.ROW_COLUMNS` besides the text ones; a text run's rows are unchanged. Whether a
 build is needed, and where and how its result is stored, is the cache's business
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from longctx_cli.config.schema import Config, DatasetConfig
-    from longctx_cli.data.vision import VisionProcessor
+    from longctx_cli.data.vision.processor import VisionProcessor
 
 # The cache names are re-exported: callers import them from here.
 __all__ = [
@@ -276,8 +276,8 @@ def _split_rows(
         # Mix the datasets before packing (FFD keeps input order among equal lengths).
         order = np.random.default_rng(config.training.seed).permutation(len(lengths))
         samples, lengths = samples.select(order), lengths[order]
-    write = _write_vision_rows if vp is not None else _write_rows
-    rows = write(samples, lengths, config, work / f"{split}-rows.arrow", progress)
+    rows = _write_rows(samples, lengths, _row_format(vp), config, work / f"{split}-rows.arrow",
+                       progress)
     return rows, length_histogram(np.concatenate(raw_lengths), config.data.sequence_len)
 
 
@@ -300,7 +300,8 @@ def _entry_samples(
         samples = _tokenized(entry, source, config, tok, work, stats, progress)
     lengths = _lengths(samples)
     raw = lengths[lengths > 0]
-    samples, lengths = _apply_length_rules(samples, lengths, entry, source, config, stats)
+    samples, lengths = _apply_length_rules(samples, lengths, _TEXT_ROWS, entry, source, config,
+                                           stats)
     stats.samples, stats.tokens = len(lengths), int(lengths.sum())
     stats.target_tokens = _target_tokens(samples)
     if len(samples):
@@ -498,33 +499,121 @@ def _num_proc(config: Config, n_records: int) -> int | None:
     return n if n > 1 else None
 
 
-def _apply_length_rules(
-    samples: Dataset, lengths: np.ndarray, entry: DatasetConfig, source: load.Source | None,
-    config: Config, stats: DatasetStats,
-) -> tuple[Dataset, np.ndarray]:
-    """Skip empty samples and apply `excess_length_strategy` to those over sequence_len."""
-    limit = config.data.sequence_len
-    empty = lengths == 0
-    if entry.type != "pretrain":
-        stats.skipped = int(empty.sum())
-    too_long = lengths > limit
-    stats.too_long = int(too_long.sum())
-    if stats.too_long and config.data.excess_length_strategy == "error":
-        first = int(np.argmax(too_long))
-        where = source.where(first) if source else f"passkey sample {first + 1}"
+@dataclass(frozen=True)
+class _RowFormat:
+    """What the one pipeline (length rules, truncation, packing) knows of its samples: a
+    text run's (input_ids, labels, position_ids) or a vision run's documents, whose images
+    a row must hold whole (`vp`: the processor)."""
+
+    vp: VisionProcessor | None = None
+
+    @property
+    def unit(self) -> str:
+        return "documents" if self.vp is not None else "samples"
+
+    @property
+    def cut_columns(self) -> tuple[str, ...] | None:
+        """The columns truncation cuts: a document's text and its token types, never its
+        pixels; every column of a text sample (None)."""
+        return ("input_ids", "labels", "mm_token_type_ids") if self.vp is not None else None
+
+    def features(self) -> Any:
+        return vision.features(vision.DOC_COLUMNS) if self.vp is not None else None
+
+    def refuse_too_long(self, samples: Dataset, lengths: np.ndarray, n: int,
+                        source: load.Source | None, limit: int, count: int) -> None:
+        """`excess_length_strategy: error` on sample `n` (`count` samples are too long)."""
+        if self.vp is not None:  # says which and why (its image tokens)
+            vision.check_fits(vision.docs_from_table(samples.data.slice(n, 1).table)[0], limit)
+        where = source.where(n) if source else f"passkey sample {n + 1}"
         raise UserError(
-            f"a sample is {int(lengths[first]):,} tokens long, more than sequence_len "
-            f"({limit:,}); {stats.too_long} samples of this dataset are.",
+            f"a sample is {int(lengths[n]):,} tokens long, more than sequence_len "
+            f"({limit:,}); {count} samples of this dataset are.",
             where=where,
             fix="raise `sequence_len`, or set `excess_length_strategy: drop` or `truncate`.",
         )
-    keep = ~empty
+
+    def check_cuttable(self, samples: Dataset, lengths: np.ndarray, too_long: np.ndarray,
+                       limit: int) -> None:
+        """`truncate` cuts a document's text only where all of its image and video tokens
+        stay (an image is never cut: its features would not match its tokens)."""
+        if self.vp is None:
+            return
+        types, sources = samples.data.column("mm_token_type_ids"), samples.data.column("source")
+        for n in np.flatnonzero(too_long).tolist():
+            if any(t != vision.TEXT for t in types[n].as_py()[limit:]):
+                raise UserError(
+                    f"this conversation is {int(lengths[n]):,} tokens, more than sequence_len "
+                    f"{limit:,}, and its image/video tokens reach past token {limit:,}; "
+                    "`excess_length_strategy: truncate` cuts text only, never an image (its "
+                    "features would no longer match its tokens).", where=sources[n].as_py(),
+                    fix="use `excess_length_strategy: drop`, shrink the images (`image_size`, "
+                    "or a smaller `max_pixels` in preprocessor_config.json), or raise "
+                    "`sequence_len`.")
+
+    def write(self, samples: Dataset, bins: list[list[int]], path: Path, progress: bool
+              ) -> Dataset:
+        """The bins' rows to an Arrow file, memory-mapped back: a vision row is
+        `vision.vision_row` of its documents (vision.ROW_COLUMNS), so with FFD the rows are
+        exactly `vision.pack_vision_documents`'."""
+        if self.vp is None:
+            chunks = pack.iter_chunks(bins, _CHUNK_BINS)
+            if progress and len(bins) > 20 * _CHUNK_BINS and _on_terminal():
+                from tqdm.auto import tqdm
+
+                chunks = tqdm(chunks, total=-(-len(bins) // _CHUNK_BINS), desc="Packing",
+                              unit="chunk")
+            return _write_samples(_rows_of(samples, chunks), path)
+        from datasets import Dataset
+        from datasets.arrow_writer import ArrowWriter
+
+        arrow = samples.with_format("arrow")
+        with ArrowWriter(features=vision.features(vision.ROW_COLUMNS), path=str(path)) as writer:
+            for chunk in pack.iter_chunks(bins, _VISION_CHUNK_BINS):
+                wanted = sorted({i for b in chunk for i in b})
+                docs = vision.docs_from_table(arrow[wanted])
+                at = {i: k for k, i in enumerate(wanted)}
+                writer.write_table(vision.rows_table(
+                    [vision.vision_row([docs[at[i]] for i in b]) for b in chunk]))
+            writer.finalize()
+        return Dataset.from_file(str(path))
+
+
+_TEXT_ROWS = _RowFormat()
+
+
+def _row_format(vp: VisionProcessor | None) -> _RowFormat:
+    return _RowFormat(vp) if vp is not None else _TEXT_ROWS
+
+
+def _apply_length_rules(
+    samples: Dataset, lengths: np.ndarray, fmt: _RowFormat, entry: DatasetConfig,
+    source: load.Source | None, config: Config, stats: DatasetStats,
+) -> tuple[Dataset, np.ndarray]:
+    """Skip empty text samples and apply `excess_length_strategy` to those over
+    sequence_len (a vision document is never empty: records without targets are skipped
+    as they are encoded)."""
+    limit = config.data.sequence_len
+    keep = np.ones(len(lengths), dtype=bool)
+    if fmt.vp is None:
+        empty = lengths == 0
+        if entry.type != "pretrain":
+            stats.skipped = int(empty.sum())
+        keep = ~empty
+    too_long = lengths > limit
+    stats.too_long = int(too_long.sum())
+    if stats.too_long and config.data.excess_length_strategy == "error":
+        fmt.refuse_too_long(samples, lengths, int(np.argmax(too_long)), source, limit,
+                            stats.too_long)
     if stats.too_long and config.data.excess_length_strategy == "drop":
         keep &= ~too_long
         stats.dropped = stats.too_long
     elif stats.too_long:
-        samples = samples.map(_truncate, batched=True, fn_kwargs={"limit": limit},
-                              desc="Truncating", new_fingerprint=f"trunc-{uuid.uuid4().hex}")
+        fmt.check_cuttable(samples, lengths, too_long, limit)
+        samples = samples.map(_truncate, batched=True,
+                              fn_kwargs={"limit": limit, "columns": fmt.cut_columns},
+                              features=fmt.features(), desc="Truncating",
+                              new_fingerprint=f"trunc-{uuid.uuid4().hex}")
         lengths = np.minimum(lengths, limit)
         stats.truncated = stats.too_long
     if not keep.all():
@@ -533,12 +622,16 @@ def _apply_length_rules(
     return samples, lengths
 
 
-def _truncate(batch: dict[str, list], *, limit: int) -> dict[str, list]:
-    return {k: [v[:limit] for v in values] for k, values in batch.items()}
+def _truncate(batch: dict[str, list], *, limit: int, columns: tuple[str, ...] | None
+              ) -> dict[str, list]:
+    """The first `limit` tokens of each sample, in `columns` (None: every column)."""
+    return {k: [v[:limit] for v in values] if columns is None or k in columns else values
+            for k, values in batch.items()}
 
 
 def _write_rows(
-    samples: Dataset, lengths: np.ndarray, config: Config, path: Path, progress: bool
+    samples: Dataset, lengths: np.ndarray, fmt: _RowFormat, config: Config, path: Path,
+    progress: bool,
 ) -> Dataset:
     """Pack (or not) the samples into rows and write them to an Arrow file."""
     if config.data.sample_packing:
@@ -546,13 +639,8 @@ def _write_rows(
         bins = packer(lengths.tolist(), config.data.sequence_len)
     else:
         bins = [[i] for i in range(len(lengths))]
-    chunks = pack.iter_chunks(bins, _CHUNK_BINS)
-    _say(progress, f"Packing {len(lengths):,} samples into {len(bins):,} rows")
-    if progress and len(bins) > 20 * _CHUNK_BINS and _on_terminal():
-        from tqdm.auto import tqdm
-
-        chunks = tqdm(chunks, total=-(-len(bins) // _CHUNK_BINS), desc="Packing", unit="chunk")
-    return _write_samples(_rows_of(samples, chunks), path)
+    _say(progress, f"Packing {len(lengths):,} {fmt.unit} into {len(bins):,} rows")
+    return fmt.write(samples, bins, path, progress)
 
 
 def _rows_of(samples: Dataset, chunks: Any) -> Iterator[tuple[list[int], list[int], list[int]]]:
@@ -602,7 +690,8 @@ def _vision_entry_samples(
     samples = _write_documents(docs, work / "documents.arrow")
     lengths = _lengths(samples)
     raw = lengths.copy()
-    samples, lengths = _vision_length_rules(samples, lengths, config, stats)
+    samples, lengths = _apply_length_rules(samples, lengths, _row_format(vp), entry, source,
+                                           config, stats)
     stats.samples, stats.tokens = len(lengths), int(lengths.sum())
     if len(samples):
         import pyarrow.compute as pc
@@ -699,47 +788,6 @@ def _write_documents(docs: Any, path: Path) -> Dataset:
     return Dataset.from_file(str(path))
 
 
-def _vision_length_rules(samples: Dataset, lengths: np.ndarray, config: Config,
-                         stats: DatasetStats) -> tuple[Dataset, np.ndarray]:
-    """`excess_length_strategy` for documents: `error` says which and why (its image tokens),
-    `drop` drops, `truncate` cuts a document's text only where all of its image and video
-    tokens stay (an image is never cut: its features would not match its tokens)."""
-    limit = config.data.sequence_len
-    too_long = lengths > limit
-    stats.too_long = int(too_long.sum())
-    if not stats.too_long:
-        return samples, lengths
-    strategy = config.data.excess_length_strategy
-    if strategy == "error":
-        first = int(np.argmax(too_long))
-        vision.check_fits(vision.docs_from_table(samples.data.slice(first, 1).table)[0], limit)
-    if strategy == "drop":
-        index = np.flatnonzero(~too_long)
-        stats.dropped = stats.too_long
-        return samples.select(index), lengths[index]
-    types, sources = samples.data.column("mm_token_type_ids"), samples.data.column("source")
-    for n in np.flatnonzero(too_long).tolist():
-        if any(t != vision.TEXT for t in types[n].as_py()[limit:]):
-            raise UserError(
-                f"this conversation is {int(lengths[n]):,} tokens, more than sequence_len "
-                f"{limit:,}, and its image/video tokens reach past token {limit:,}; "
-                "`excess_length_strategy: truncate` cuts text only, never an image (its "
-                "features would no longer match its tokens).", where=sources[n].as_py(),
-                fix="use `excess_length_strategy: drop`, shrink the images (`image_size`, or "
-                "a smaller `max_pixels` in preprocessor_config.json), or raise `sequence_len`.")
-    samples = samples.map(_truncate_text, batched=True, fn_kwargs={"limit": limit},
-                          features=vision.features(vision.DOC_COLUMNS), desc="Truncating",
-                          new_fingerprint=f"trunc-{uuid.uuid4().hex}")
-    stats.truncated = stats.too_long
-    return samples, np.minimum(lengths, limit)
-
-
-def _truncate_text(batch: dict[str, list], *, limit: int) -> dict[str, list]:
-    return {k: [v[:limit] for v in values] if k in ("input_ids", "labels",
-                                                    "mm_token_type_ids") else values
-            for k, values in batch.items()}
-
-
 def _collapsed(runs: list[tuple[str, bool]], vp: VisionProcessor) -> list[tuple[str, bool]]:
     """A report sample with each run of image/video tokens written once with its count."""
     tokens = list(vp.feature_tokens.values())
@@ -751,30 +799,3 @@ def _collapsed(runs: list[tuple[str, bool]], vp: VisionProcessor) -> list[tuple[
         return f"{token}x{len(text) // len(token)}"
 
     return [(pattern.sub(shorter, text), target) for text, target in runs]
-
-
-def _write_vision_rows(
-    samples: Dataset, lengths: np.ndarray, config: Config, path: Path, progress: bool
-) -> Dataset:
-    """Pack (or not) the documents into rows (vision.ROW_COLUMNS) and write them: the bins
-    are the text path's, each row is `vision.vision_row` of its documents, so with FFD the
-    rows are exactly `vision.pack_vision_documents`'."""
-    from datasets import Dataset
-    from datasets.arrow_writer import ArrowWriter
-
-    if config.data.sample_packing:
-        packer = pack.sequential_bins if config.data.sample_packing_sequentially else pack.ffd_bins
-        bins = packer(lengths.tolist(), config.data.sequence_len)
-    else:
-        bins = [[i] for i in range(len(lengths))]
-    _say(progress, f"Packing {len(lengths):,} documents into {len(bins):,} rows")
-    arrow = samples.with_format("arrow")
-    with ArrowWriter(features=vision.features(vision.ROW_COLUMNS), path=str(path)) as writer:
-        for chunk in pack.iter_chunks(bins, _VISION_CHUNK_BINS):
-            wanted = sorted({i for b in chunk for i in b})
-            docs = vision.docs_from_table(arrow[wanted])
-            at = {i: k for k, i in enumerate(wanted)}
-            writer.write_table(vision.rows_table(
-                [vision.vision_row([docs[at[i]] for i in b]) for b in chunk]))
-        writer.finalize()
-    return Dataset.from_file(str(path))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from longctx_cli.errors import UserError
 
@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from longctx_cli.config.schema import Config
+    from longctx_cli.data.vision.processor import VisionProcessor
 
 BYTE = "byte"
 
@@ -156,3 +157,36 @@ def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
     probe = "Hello, World!  12345 \u00e9t\u00e9\n\tThe pass key is 0."
     h.update(json.dumps(tok(probe)["input_ids"]).encode())
     return h.hexdigest()[:16]
+
+
+# ---- the tokenizer of a run (a vision run's is its processor's) ---------------------------
+
+
+def run_tokenizer(config: Config) -> tuple[Any, Any]:
+    """The tokenizer a run reads with, and what is saved beside its weights (in `final/`, a
+    checkpoint, a merged model): a vision-language run's processor's tokenizer and its
+    processor files (`ProcessorFiles`), else the run's tokenizer for both. Train, eval,
+    generate and merge-lora read through this one rule."""
+    from longctx_cli.data.vision.processor import ProcessorFiles, processor_folder
+
+    if not config.trains_images:
+        tok = load_tokenizer(config)
+        return tok, tok
+    processor = load_config_processor(config)
+    return processor.tokenizer, ProcessorFiles(processor, processor_folder(config))
+
+
+def load_config_processor(config: Config) -> VisionProcessor:
+    """The processor of a vision run, with the config's special_tokens, a pad token and a
+    chat template on its tokenizer (so `chat_template: tokenizer_default` means the
+    processor's own template, as for a text model's tokenizer)."""
+    from longctx_cli.data.vision.processor import load_processor, processor_folder
+
+    vp = load_processor(processor_folder(config), image_size=config.vision.image_size,
+                        image_resize_algorithm=config.vision.image_resize_algorithm)
+    tok = vp.tokenizer
+    if not isinstance(getattr(tok, "chat_template", None), str) and vp.chat_template:
+        tok.chat_template = vp.chat_template
+    apply_special_tokens(tok, config)
+    ensure_pad_token(tok)
+    return vp

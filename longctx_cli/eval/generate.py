@@ -25,7 +25,7 @@ from longctx_cli.errors import UserError
 
 if TYPE_CHECKING:
     from longctx_cli.config.plan import Plan
-    from longctx_cli.runtime.launch import EarlyTorchrun
+    from longctx_cli.launcher.launch import EarlyTorchrun
 
 
 def prompt_ids(tokenizer, text: str) -> list[int]:
@@ -42,7 +42,7 @@ def vision_prompt(processor: Any, text: str, base_dir: Path) -> tuple[list[int],
     loaded once by the caller, which also reads its tokenizer."""
     import torch
 
-    from longctx_cli.data.vision import encode_vision_prompt
+    from longctx_cli.data.vision.tokens import encode_vision_prompt
     from longctx_cli.runtime.batches import media_inputs
 
     try:
@@ -67,8 +67,8 @@ def run_generate(config_path: Path, checkpoint: Path, prompt_file: Path | None,
     """Entry of `longctx generate`; the process exit code. `overrides`: `--key value` config
     overrides, passed on to every rank; `early`: torchrun's agent, started while this
     launcher checks the run (see `EarlyTorchrun`)."""
+    from longctx_cli.launcher.launch import in_torchrun, launch_torchrun, rank_errors
     from longctx_cli.preflight import check_run
-    from longctx_cli.runtime.launch import in_torchrun, launch_torchrun, rank_errors
 
     overrides = list(overrides or [])
     config = load_config(config_path, overrides)
@@ -96,7 +96,8 @@ def run_generate(config_path: Path, checkpoint: Path, prompt_file: Path | None,
     # Forward only: the SP degree is the machine's (one SP group over the ranks by default).
     config, plan = check_run(config, "generate", nproc_per_node, overrides=overrides)
     if config.trains_images:  # the ranks read a copy: its image paths made absolute
-        from longctx_cli.data.vision import load_config_processor, with_absolute_paths
+        from longctx_cli.data.tokenizer import load_config_processor
+        from longctx_cli.data.vision.records import with_absolute_paths
 
         base = (prompt_file.parent if prompt_file is not None and str(prompt_file) != "-"
                 else Path.cwd())
@@ -150,9 +151,8 @@ def generate_on_ranks(config: Config, plan: Plan, checkpoint: Path, text: str,
     """Inside torchrun, every rank: greedy decoding after one SP prefill."""
     import torch.distributed as dist
 
-    from longctx_cli.data.tokenizer import load_tokenizer
+    from longctx_cli.data.tokenizer import load_config_processor, load_tokenizer
     from longctx_cli.data.tokenizer import pad_id as tokenizer_pad_id
-    from longctx_cli.data.vision import load_config_processor
     from longctx_cli.eval.checkpoint_loading import load_for_eval
     from longctx_cli.parallel.mesh import build_parallel_state
     from longctx_cli.runtime.distributed import init_distributed

@@ -32,7 +32,7 @@ from longctx_cli.eval.checkpoint_loading import (
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-    from longctx_cli.data.vision import ProcessorFiles
+    from longctx_cli.data.vision.processor import ProcessorFiles
 
 # The attention the merged model is saved with: a standard one, so that it loads anywhere.
 MERGE_ATTENTION = "sdpa"
@@ -132,7 +132,7 @@ def saved_with(config: Config) -> ProcessorFiles | PreTrainedTokenizerBase:
     """What is saved beside the merged weights: a vision-language run's processor files
     (tokenizer, image processor, chat template, under the model's own processor class), else
     the tokenizer, exactly as the trainer's `final/` holds them (`train/loop.py`)."""
-    from longctx_cli.data.vision import run_tokenizer
+    from longctx_cli.data.tokenizer import run_tokenizer
 
     return run_tokenizer(config)[1]
 

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from longctx_cli.eval.passkey_grid import GridSpec
     from longctx_cli.eval.report import ModelResult
     from longctx_cli.eval.ruler_eval import RulerSpec
+    from longctx_cli.launcher.launch import EarlyTorchrun
     from longctx_cli.parallel.mesh import ParallelState
-    from longctx_cli.runtime.launch import EarlyTorchrun
 
 
 # Said when `position_loss` is skipped: the config holds no held-out rows, or (`rl:`) rows of
@@ -100,7 +100,7 @@ def eval_specs(config: Config, tokenizer: PreTrainedTokenizerBase,
 def eval_tokenizer(config: Config) -> PreTrainedTokenizerBase:
     """The tokenizer evaluation reads with: a vision-language run's is its processor's (with
     the config's special tokens and pad token), as training and `longctx generate` read it."""
-    from longctx_cli.data.vision import run_tokenizer
+    from longctx_cli.data.tokenizer import run_tokenizer
 
     return run_tokenizer(config)[0]
 
@@ -114,7 +114,7 @@ def has_held_out(config: Config) -> bool:
 
 def import_rank_modules() -> None:
     """Import what an eval or generate rank runs (model loading, the process group): first
-    thing in such a rank, or ahead of it in a warm process (`runtime.warm_ranks`)."""
+    thing in such a rank, or ahead of it in a warm process (`launcher.warm_ranks`)."""
     import longctx_cli.eval.checkpoint_loading  # noqa: F401
     import longctx_cli.runtime.distributed  # noqa: F401
     import longctx_cli.runtime.model  # noqa: F401
@@ -131,9 +131,9 @@ def run_eval(
     """Entry of `longctx eval`; returns the process exit code. `overrides`: `--key value`
     config overrides, passed on to every rank; `early`: torchrun's agent, started while this
     launcher checks the run (see `EarlyTorchrun`)."""
+    from longctx_cli.launcher.host_memory import fix_mmap_threshold
+    from longctx_cli.launcher.launch import in_torchrun, launch_torchrun, rank_errors
     from longctx_cli.preflight import check_run
-    from longctx_cli.runtime.host_memory import fix_mmap_threshold
-    from longctx_cli.runtime.launch import in_torchrun, launch_torchrun, rank_errors
 
     overrides = list(overrides or [])
     config = load_config(config_path, overrides)

@@ -1,2 +1,2 @@
-"""What train and eval share: distributed init and the parallel layout, batches, the torchrun
-launch, model building. Imports parallel, data and config; never train or eval."""
+"""What train and eval share on a rank: distributed init, batches, model building, the
+head and its loss. Imports parallel, data and config; never train or eval."""

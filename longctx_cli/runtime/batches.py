@@ -75,7 +75,7 @@ def collate_images(rows: Rows | Dataset) -> VisionInputs | None:
 
 def media_inputs(pixels: torch.Tensor, grids: list, kinds: list[int] | tuple[int, ...],
                  seconds: list[float]) -> VisionInputs:
-    """The model side's inputs of stored media (data/vision.py's layout): patch rows with
+    """The model side's inputs of stored media (data/vision/documents.py's layout): patch rows with
     their `[t, h, w]` grids, or, where the grids are `(0, H, W)`, whole images of one row each,
     `[images, C, H, W]` as LLaVA's tower takes them."""
     if all(g[0] == 0 for g in grids):

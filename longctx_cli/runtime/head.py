@@ -6,7 +6,7 @@
 hidden states themselves (in token chunks, on this rank's slice), so they must apply the same
 transform, or they train and score a different model. This module is the one place that does
 it; the transform is read from the model config's attributes, never from the family's name.
-A transform not listed here is caught by the fidelity probe (`train/fidelity.py`), which
+A transform not listed here is caught by the fidelity probe (`checks/fidelity.py`), which
 compares this head against the model's own forward before training.
 
 `cast_head_to_float32` (TRL's `cast_lm_head_to_fp32`) keeps `lm_head`'s weights in float32

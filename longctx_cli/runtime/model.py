@@ -21,6 +21,7 @@ from longctx_cli.config.model_shape import read_model_config
 from longctx_cli.config.sections.training import unfrozen_pattern
 from longctx_cli.config.shape import causal_lm_class, is_vision_language
 from longctx_cli.errors import UserError
+from longctx_cli.families import VISION_MODULE_NAMES
 from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.meta_relay import relay_sp_meta
@@ -340,7 +341,7 @@ def unwrap(model: nn.Module) -> PreTrainedModel:
 
 
 # Module names inside a VLM's tower or projector (peft's `exclude_modules` regex).
-VISION_MODULES_PATTERN = r".*\b(visual|vision_tower|multi_modal_projector)\b.*"
+VISION_MODULES_PATTERN = rf".*\b({'|'.join(VISION_MODULE_NAMES)})\b.*"
 
 
 def freeze_vision_modules(model: nn.Module) -> None:

@@ -31,13 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from longctx_cli.config.sections.vision import (
-    BIDIRECTIONAL_IMAGE_FAMILIES,
-    MROPE_FAMILIES,
-    refuse_unless_rebuilt,
-)
-from longctx_cli.data.vision import IMAGE, VIDEO
+from longctx_cli.config.sections.vision import refuse_unless_rebuilt
+from longctx_cli.data.vision.documents import IMAGE, VIDEO
 from longctx_cli.errors import UserError
+from longctx_cli.families import VISION_MODULE_NAMES, VisionFamily, vision_family
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import (
     ShardedBatch,
@@ -134,10 +131,10 @@ def with_vision(batch: ShardedBatch, input_ids: torch.Tensor, position_ids: torc
     return replace(batch, vision=WholeRow(ids, text, images))
 
 
-def vision_family(model: nn.Module) -> str:
-    """The model type of a VLM this module can train exactly, or a user error."""
+def rebuilt_family(model: nn.Module) -> VisionFamily:
+    """The record of a VLM this module can train exactly, or a user error."""
     refuse_unless_rebuilt(model.config)
-    return str(model.config.model_type)
+    return vision_family(str(model.config.model_type))
 
 
 def image_runs(types: torch.Tensor, cu_host: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -193,8 +190,8 @@ def split_images(patches: list[int], parts: int) -> list[tuple[int, int]]:
 def vision_modules(model: nn.Module) -> list[nn.Module]:
     """The tower and projector of a VLM (what `freeze_mm_modules` freezes); [] for text."""
     inner = getattr(model, "model", None)
-    names = ("visual", "vision_tower", "multi_modal_projector")
-    return [getattr(inner, n) for n in names if isinstance(getattr(inner, n, None), nn.Module)]
+    return [getattr(inner, n) for n in VISION_MODULE_NAMES
+            if isinstance(getattr(inner, n, None), nn.Module)]
 
 
 class _GatherFeatures(torch.autograd.Function):
@@ -242,7 +239,7 @@ class VisionLanguageForward:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.family = vision_family(model)
+        self.family = rebuilt_family(model)
         self.inner = model.model  # the ...Model holding the tower and the language model
         config = model.config
         self.image_token_id = int(config.image_token_id)
@@ -263,7 +260,7 @@ class VisionLanguageForward:
 
     def encode(self, media: VisionInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Features `[tokens, hidden]` of `media` in row order, and the deepstack levels."""
-        if self.family not in MROPE_FAMILIES:
+        if self.family.pixels == "images":
             config = self.model.config
             # LLaVA picks a tower layer and drops its class token; Gemma 3 pools the last.
             choice = {key: getattr(config, key) for key in ("vision_feature_layer",
@@ -286,7 +283,7 @@ class VisionLanguageForward:
         """Rotary positions of a full padded row (`types`: its `token_types`): `[3, T]` for
         mRoPE families, computed per document by the model's `get_rope_index`; `[1, T]` (the
         text positions) otherwise."""
-        if self.family not in MROPE_FAMILIES:
+        if self.family.positions != "mrope":
             return text_positions[None]
         images = media.only(IMAGE) if media is not None else None
         videos = media.only(VIDEO) if media is not None else None
@@ -307,7 +304,7 @@ class VisionLanguageForward:
                         "the row has no such media.", where="datasets",
                         fix="keep each record's images and videos with it, and keep vision "
                         "tokens such as <|video_pad|> out of text records.")
-                if count and kind == VIDEO and self.family == "qwen3_vl":
+                if count and kind == VIDEO and self.family.timestamped_video:
                     count = _items_of_runs(items.image_grid_thw[seen[kind]:], count)
                 if count:
                     first = seen[kind]
@@ -360,7 +357,7 @@ class VisionLanguageForward:
         end = batch.sp_meta.cu_host[1]
         self.decode_offset = int(full_positions[:, :end].max()) + 1 - end
         meta = batch.sp_meta
-        if self.family in BIDIRECTIONAL_IMAGE_FAMILIES:
+        if self.family.images_attend == "both_ways":
             # The row's image runs, read from its whole ids: only this class knows them.
             meta.bidirectional = image_runs(types, meta.cu_host)
         state = meta.ctx
@@ -395,7 +392,7 @@ class VisionLanguageForward:
     def _text_only(self, batch: ShardedBatch, cache: Any = None) -> torch.Tensor:
         """A row without images: mRoPE's three axes all take the text positions."""
         positions = batch.position_ids.reshape(1, 1, -1)
-        if self.family in MROPE_FAMILIES:
+        if self.family.positions == "mrope":
             positions = positions.expand(3, 1, -1)
         zero = self._tower_zero(batch.input_ids.device)  # the tower first, as on every rank
         self.decode_offset = 0
@@ -411,7 +408,7 @@ class VisionLanguageForward:
         embeddings of its `visual` tokens. The merge happens in a hook on the embedding, so
         that it runs inside the language model's forward: under FSDP2 the embedding's weight
         is gathered there."""
-        if self.family not in MROPE_FAMILIES:
+        if self.family.positions != "mrope":
             positions = positions[0]
         embedding = self.language_model.get_input_embeddings()
         hook = None
@@ -443,7 +440,7 @@ class VisionLanguageForward:
         text positions `position_ids`, which mRoPE shifts by the prompt's offset on all
         three axes (the model's own rule for text after its vision tokens)."""
         positions = position_ids + self.decode_offset
-        if self.family in MROPE_FAMILIES:
+        if self.family.positions == "mrope":
             positions = positions[None].expand(3, -1, -1)
         return self.language_model(input_ids=input_ids, position_ids=positions, sp_meta=sp_meta,
                                    **cache_kwargs(self.language_model, cache))
@@ -454,7 +451,7 @@ class VisionLanguageForward:
         """The smallest input the tower takes: one merged patch of zeros (one blank image
         for fixed-size towers)."""
         vision = self.model.config.vision_config
-        if self.family in MROPE_FAMILIES:
+        if self.family.pixels == "patches":
             merge = vision.spatial_merge_size
             width = (getattr(vision, "in_channels", 3) * vision.temporal_patch_size
                      * vision.patch_size**2)

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from longctx_cli.config import Config
+from longctx_cli.launcher.supervise import clear_marker, resume_setting, write_marker
 from longctx_cli.runtime.model import load_base_model
-from longctx_cli.runtime.supervise import clear_marker, resume_setting, write_marker
 from longctx_cli.train.checkpoint_files import (
     export_final,
     load_checkpoint,

@@ -19,11 +19,11 @@ from longctx_cli.config import Config
 from longctx_cli.config.plan import Plan
 from longctx_cli.data.stream import PackedStream
 from longctx_cli.data.tokenizer import pad_id as tokenizer_pad_id
-from longctx_cli.data.vision import run_tokenizer
+from longctx_cli.data.tokenizer import run_tokenizer
+from longctx_cli.launcher.startup import StartupClock
 from longctx_cli.parallel.mesh import ParallelState, build_parallel_state
 from longctx_cli.runtime.distributed import init_distributed, load_rows
 from longctx_cli.runtime.model import build_model, decoder_and_head
-from longctx_cli.runtime.startup import StartupClock
 from longctx_cli.train.checkpointer import Checkpointer
 from longctx_cli.train.evaluation import Evaluator
 from longctx_cli.train.metrics import Metrics

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from longctx_cli.config import Config
 from longctx_cli.errors import UserError
-from longctx_cli.runtime.startup import StartupClock
+from longctx_cli.launcher.startup import StartupClock
 from longctx_cli.train.step import StepResult
 
 ACCURACY = "rewards/accuracies"  # the preference metric the progress bar shows

@@ -5,7 +5,7 @@ per rank tells the launcher how far each rank got (for restarts and hang detecti
 Signals only set a flag (nothing else is safe inside a handler); the flag is combined over the
 world with one all-reduce per optimizer step, so a signal to any single rank, to the launcher
 or to all of them ends the run at the same step everywhere. The launcher side is
-:mod:`longctx_cli.runtime.supervise`.
+:mod:`longctx_cli.launcher.supervise`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from longctx_cli.errors import PREEMPTED_EXIT
-from longctx_cli.runtime.supervise import PROGRESS_DIR
+from longctx_cli.launcher.supervise import PROGRESS_DIR
 
 
 class Preempted(Exception):

@@ -20,16 +20,16 @@ from longctx_cli.data.cache import (
     witness,
 )
 from longctx_cli.errors import UserError
-from longctx_cli.preflight import check_run
-from longctx_cli.runtime.host_memory import fix_mmap_threshold
-from longctx_cli.runtime.launch import (
+from longctx_cli.launcher.host_memory import fix_mmap_threshold
+from longctx_cli.launcher.launch import (
     EarlyTorchrun,
     in_torchrun,
     launched_by_longctx,
     rank_errors,
 )
-from longctx_cli.runtime.startup import STARTUP_ENV, StartupClock, hide_torchao, needs_torchao
-from longctx_cli.runtime.supervise import Supervision, resume_setting, supervise
+from longctx_cli.launcher.startup import STARTUP_ENV, StartupClock, hide_torchao, needs_torchao
+from longctx_cli.launcher.supervise import Supervision, resume_setting, supervise
+from longctx_cli.preflight import check_run
 
 # Things a finished or running job leaves in output_dir; their presence means "another run".
 RUN_ARTIFACTS = ("metrics.jsonl", "final")
@@ -121,13 +121,13 @@ def run_train(
 
 def import_rank_modules(config: Config) -> None:
     """Import what a training rank runs (torch, transformers' model code, the loop): first
-    thing in a rank, or ahead of it in a warm process (`runtime.warm_ranks`)."""
+    thing in a rank, or ahead of it in a warm process (`launcher.warm_ranks`)."""
     from longctx_cli.train.optim import TORCHAO_OPTIMIZERS
 
     if not needs_torchao(config, config.training.optimizer in TORCHAO_OPTIMIZERS):
         hide_torchao()  # before the imports below bring in transformers' model code
+    import longctx_cli.checks.fidelity  # noqa: F401
     import longctx_cli.runtime.distributed  # noqa: F401
-    import longctx_cli.train.fidelity  # noqa: F401
     import longctx_cli.train.loop  # noqa: F401
     import longctx_cli.train.preemption  # noqa: F401
 
@@ -138,8 +138,8 @@ def _train_on_rank(config: Config, overwrite: bool, overrides: list[str],
     loop. Ranks a user's own torchrun or srun started also check what longctx's launcher
     would have checked first: the world around the config and the output folder."""
     import_rank_modules(config)
+    from longctx_cli.checks.fidelity import check_fidelity
     from longctx_cli.runtime.distributed import process_group_released
-    from longctx_cli.train.fidelity import check_fidelity
     from longctx_cli.train.loop import train
     from longctx_cli.train.preemption import Preempted
 

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from longctx_cli.config import Config
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import ShardedBatch
+from longctx_cli.runtime.loss import lm_loss_sum, valid_token_count
 from longctx_cli.runtime.memory_savers import activation_offload
 from longctx_cli.runtime.model import sp_hidden_states
-from longctx_cli.train.loss import lm_loss_sum, valid_token_count
 from longctx_cli.train.precision import Precision
 from longctx_cli.train.preference import (
     PreferenceLoss,

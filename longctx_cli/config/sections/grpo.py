@@ -12,8 +12,8 @@ from longctx_cli.config.sections.base import StrictModel
 from longctx_cli.config.sections.data import DataSection, is_import_path
 from longctx_cli.config.sections.model import chunked_attention
 from longctx_cli.config.shape import ModelShape
-from longctx_cli.constants import HYBRID_MODEL_TYPES
 from longctx_cli.errors import UserError
+from longctx_cli.families import family
 
 GrpoLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 
@@ -413,7 +413,7 @@ def rollout_decoding_note(trl: TrlConfig, shape: ModelShape) -> list[str]:
     window or chunk, layers that mix tokens outside attention): what its rollouts cost."""
     why = ("its layers attend within a sliding window" if shape.sliding_window else
            "its layers attend within chunks" if chunked_attention(shape) else
-           "some layers mix tokens outside attention" if shape.model_type in HYBRID_MODEL_TYPES
+           "some layers mix tokens outside attention" if family(shape.model_type).mixes_tokens
            else None)
     if why is None:
         return []

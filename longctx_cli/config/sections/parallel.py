@@ -17,6 +17,7 @@ from longctx_cli.config.sections.model import latent_head_dims, model_attention
 from longctx_cli.config.shape import ModelShape
 from longctx_cli.config.units import DTYPE_BYTES
 from longctx_cli.errors import UserError
+from longctx_cli.families import TP_FAMILIES, family
 from longctx_cli.kernel_choice import KernelError, KernelRequest, Platform, choose_kernel
 from longctx_cli.layout import (
     Layout,
@@ -407,11 +408,6 @@ def ring_notes(parallel: ParallelSection, shape: ModelShape, layout: Layout) -> 
 
 # ---- tensor parallelism (TP-sp) -------------------------------------------------------------
 
-# Families whose transformers `base_model_tp_plan` is colwise/rowwise only and whose decoder
-# layers hold nothing but attention, MLP and norms (what the TP-sp plan shards exactly).
-TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-
-
 def _refuse(what: str, fix: str) -> UserError:
     return UserError(f"`tensor_parallel_size` > 1 with {what}", fix=fix)
 
@@ -439,7 +435,7 @@ def check_tp_model(tp: int, shape: ModelShape) -> None:
     """Heads / KV heads / intermediate size divisible by T; a family TP-sp can shard."""
     if tp == 1:
         return
-    if shape.model_type not in TP_FAMILIES:
+    if not family(shape.model_type).tensor_parallel:
         raise _refuse(
             f"model type `{shape.model_type}` is not supported; TP-sp shards the dense "
             f"decoders {', '.join(TP_FAMILIES)} from their transformers `base_model_tp_plan`.",

@@ -19,6 +19,7 @@ from longctx_cli.config.sections.base import Section
 from longctx_cli.config.shape import is_vision_language
 from longctx_cli.config.units import DTYPE_BYTES, format_count, format_gib
 from longctx_cli.errors import UserError
+from longctx_cli.families import PREPARED_FAMILIES, VISION_FAMILIES, vision_family
 from longctx_cli.layout import Layout
 
 
@@ -57,18 +58,6 @@ class VisionSection(Section):
         return bool(self.processor_type)
 
 
-# The model types whose forward runtime/vision.py rebuilds, by how their positions work.
-MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-FLAT_FAMILIES = ("llava", "gemma3")
-VISION_FAMILIES = MROPE_FAMILIES + FLAT_FAMILIES
-# Those whose processor's rows `longctx preprocess` builds and tests (data/vision.py).
-PREPARED_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3")
-# Families whose image tokens attend to each other both ways (a bidirectional block inside
-# the causal mask). Only Ulysses computes it: after its all-to-all a rank holds the whole
-# row for some heads, while a ring's ranks each hold a part of every document's keys.
-BIDIRECTIONAL_IMAGE_FAMILIES = ("gemma3",)
-# A prefix LM: the image and the prompt after it attend to each other both ways.
-PREFIX_LM_FAMILIES = ("paligemma",)
 # Values a tower block keeps per patch and hidden unit for its backward (inputs of the norms,
 # q/k/v, attention output, MLP in/out), and what the patch embedding and the merger keep once:
 # measured on Qwen2.5-VL-7B's tower width by benchmarks/vlm_tower_memory.py (23.7 per layer in
@@ -93,8 +82,8 @@ class TowerRun:
 
 def images_attend_both_ways(vision: VisionSection, hf_config: Any) -> bool:
     """A run whose image tokens attend to each other both ways (Gemma 3 with images)."""
-    return vision.trains_images and (
-        str(getattr(hf_config, "model_type", "")) in BIDIRECTIONAL_IMAGE_FAMILIES)
+    family = vision_family(str(getattr(hf_config, "model_type", "")))
+    return vision.trains_images and family is not None and family.images_attend == "both_ways"
 
 
 @dataclass(frozen=True)
@@ -115,12 +104,14 @@ class VisionTower:
             return None
         layers = getattr(vision, "depth", None) or getattr(vision, "num_hidden_layers", 1)
         hidden = getattr(vision, "hidden_size", None) or getattr(vision, "embed_dim", 0)
+        model_type = str(getattr(hf_config, "model_type", ""))
+        family = vision_family(model_type)
         merge = int(getattr(vision, "spatial_merge_size", 1) or 1)
-        if getattr(hf_config, "mm_tokens_per_image", None):  # Gemma 3 pools patches to tokens
+        if family is not None and family.tower == "pooled":  # Gemma 3 pools patches to tokens
             side = int(vision.image_size) // int(vision.patch_size)
             merge = max(1, side // math.isqrt(int(hf_config.mm_tokens_per_image)))
         return cls(
-            model_type=str(getattr(hf_config, "model_type", "")),
+            model_type=model_type,
             layers=int(layers), hidden=int(hidden),
             intermediate=int(getattr(vision, "intermediate_size", 4 * hidden) or 4 * hidden),
             merge=merge,
@@ -161,7 +152,8 @@ class VisionTower:
 def refuse_unless_rebuilt(model_config: Any) -> None:
     """Refuse a VLM family longctx does not rebuild, with the true reason."""
     model_type = str(getattr(model_config, "model_type", ""))
-    if model_type in PREFIX_LM_FAMILIES:
+    family = vision_family(model_type)
+    if family is not None and family.images_attend == "prefix":
         raise UserError(
             f"model type `{model_type}` lets its image and the prompt after it attend to each "
             "other in both directions (a prefix LM). longctx's sequence-parallel attention "
@@ -169,7 +161,7 @@ def refuse_unless_rebuilt(model_config: Any) -> None:
             where="base_model",
             fix="train this model without longctx, or pick a vision-language family longctx "
             f"trains exactly ({', '.join(VISION_FAMILIES)}).")
-    if model_type not in VISION_FAMILIES:
+    if family is None or not family.rebuilt:
         raise UserError(
             f"model type `{model_type}` takes images, but longctx does not rebuild its "
             "forward under sequence parallelism (the tower, the merge of image features and "
@@ -223,7 +215,7 @@ def check_vision(vision: VisionSection, hf_config: Any, layout: Layout, streamed
             where="sequence_parallel_mode",
             fix="set `sequence_parallel_mode: ulysses`: after its all-to-all each rank holds "
             "the whole row for some heads and applies the model's own mask.")
-    if vision.processor_type and tower.model_type not in PREPARED_FAMILIES:
+    if vision.processor_type and not vision_family(tower.model_type).prepared:
         raise UserError(
             f"`processor_type` with model type `{tower.model_type}`: longctx prepares image "
             f"rows with the processors of {', '.join(PREPARED_FAMILIES)} only so far (this "
@@ -251,7 +243,7 @@ def plan_rows(tower: VisionTower, run: TowerRun, layout: Layout) -> list[tuple[s
     attention = ([("image attention", "both ways within each image, the model's own mask: "
                    "Ulysses attends over the whole row per head; a fused kernel takes each "
                    "image as one block, except in sliding-window layers (the tiled path)")]
-                 if tower.model_type in BIDIRECTIONAL_IMAGE_FAMILIES else [])
+                 if vision_family(tower.model_type).images_attend == "both_ways" else [])
     return [
         *attention,
         ("vision tower", f"{tower.layers} layers, hidden {tower.hidden}, "

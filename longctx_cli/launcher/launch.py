@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from longctx_cli.errors import PREEMPTED_EXIT, UserError
-from longctx_cli.runtime.warm_ranks import WarmRanks
+from longctx_cli.launcher.warm_ranks import WarmRanks
 
 # Set for the ranks we launch: they hand a UserError to us instead of each printing it.
 LAUNCHED_ENV = "LONGCTX_LAUNCHED"
@@ -29,8 +29,8 @@ TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 # What each rank runs (`-m RANK_MODULE COMMAND ...`): the command without the CLI layer.
 RANK_MODULE = "longctx_cli.rank"
 # This module, run as torchrun with a one-line failure summary (`torchrun_main`) ...
-LAUNCH_MODULE = "longctx_cli.runtime.launch"
-# ... or as `python -m longctx_cli.runtime.launch AWAIT_FLAG FD STDERR_FD`: an `EarlyTorchrun`.
+LAUNCH_MODULE = "longctx_cli.launcher.launch"
+# ... or as `python -m longctx_cli.launcher.launch AWAIT_FLAG FD STDERR_FD`: an `EarlyTorchrun`.
 AWAIT_FLAG = "--await-command-on-fd"
 # Where the torchrun wrapper writes the one-line reason a job failed (read by the supervisor).
 FAILURE_FILE_ENV = "LONGCTX_FAILURE_FILE"

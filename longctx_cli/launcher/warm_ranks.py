@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from longctx_cli.runtime.startup import RANK_CREATED_ENV
+from longctx_cli.launcher.startup import RANK_CREATED_ENV
 
 # The folder with one socket per local rank (`<LOCAL_RANK>.sock`), in the ranks' environment.
 WARM_RANKS_ENV = "LONGCTX_WARM_RANKS"

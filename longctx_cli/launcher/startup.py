@@ -22,7 +22,7 @@ from typing import Any
 
 STARTUP_ENV = "LONGCTX_STARTUP"
 # When the rank process torchrun started was created, where a warm process runs the rank
-# (`runtime.warm_ranks`): the clock counts torchrun's part up to then, not to the warm
+# (`launcher.warm_ranks`): the clock counts torchrun's part up to then, not to the warm
 # process's own (earlier) creation.
 RANK_CREATED_ENV = "LONGCTX_RANK_CREATED"
 

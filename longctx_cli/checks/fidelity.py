@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 
-from longctx_cli.config.sections.vision import BIDIRECTIONAL_IMAGE_FAMILIES, refuse_unless_rebuilt
+from longctx_cli.config.sections.vision import refuse_unless_rebuilt
 from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.errors import UserError
+from longctx_cli.families import Tower, vision_family
 
 TOLERANCE = 1e-4
 # Where only gradients miss TOLERANCE while the forward agrees, the probe measures the
@@ -467,8 +468,8 @@ def _longctx(model: Any, ids: torch.Tensor, pos: torch.Tensor, labels: torch.Ten
     """longctx's sp=1 path, as the trainer computes it: (loss, hidden, logits)."""
     from longctx_cli.parallel.mesh import ParallelState
     from longctx_cli.parallel.sharding import shard_batch
+    from longctx_cli.runtime.loss import lm_loss_sum, valid_token_count
     from longctx_cli.runtime.model import decoder_and_head, sp_hidden_states
-    from longctx_cli.train.loss import lm_loss_sum, valid_token_count
 
     batch = shard_batch(ids, pos, labels, ParallelState())
     decoder, head = decoder_and_head(model)
@@ -847,14 +848,15 @@ def shrink_vision_config(model_config: Any) -> Any:
     tiny = copy.deepcopy(model_config)
     text = shrink_config(model_config.get_text_config())
     vision = tiny.vision_config
-    if hasattr(vision, "depth"):  # Qwen-VL towers
+    tower = _tower(tiny)
+    if tower == "merged":  # Qwen-VL towers
         vision.depth = 2
         if hasattr(vision, "fullatt_block_indexes"):
             vision.fullatt_block_indexes = [1]
         if hasattr(vision, "deepstack_visual_indexes"):
             vision.deepstack_visual_indexes = [0, 1]
         vision.out_hidden_size = text.hidden_size
-    elif getattr(tiny, "mm_tokens_per_image", None):  # Gemma 3: 4 x 4 patches pooled to 2 x 2
+    elif tower == "pooled":  # Gemma 3: 4 x 4 patches pooled to 2 x 2
         vision.num_hidden_layers = 2
         vision.image_size = 4 * vision.patch_size
         tiny.mm_tokens_per_image = 4
@@ -870,6 +872,17 @@ def shrink_vision_config(model_config: Any) -> Any:
     return tiny
 
 
+def _tower(model_config: Any) -> Tower:
+    """How the tower of `model_config` makes image tokens: its family's record, else read
+    from its config (a multimodal class that is its own causal LM without a record)."""
+    family = vision_family(str(getattr(model_config, "model_type", "")))
+    if family is not None:
+        return family.tower
+    if hasattr(model_config.vision_config, "depth"):
+        return "merged"
+    return "pooled" if getattr(model_config, "mm_tokens_per_image", None) else "per_patch"
+
+
 def _vision_row(tiny: Any) -> tuple[Any, ...]:
     """The probe's packed row and, per document, what the model's own forward takes."""
     from longctx_cli.runtime.vision import VisionInputs
@@ -879,7 +892,7 @@ def _vision_row(tiny: Any) -> tuple[Any, ...]:
     image_id = tiny.image_token_id
     start = getattr(tiny, "vision_start_token_id", getattr(tiny, "boi_token_index", None))
     end = getattr(tiny, "vision_end_token_id", getattr(tiny, "eoi_token_index", None))
-    flat = not hasattr(vision, "depth")
+    flat = _tower(tiny) != "merged"
     ids, labels, pos, docs, all_pixels, all_grids = [], [], [], [], [], []
     for spec in _VISION_DOCUMENTS:
         d_ids, d_pixels, d_grids = [], [], []
@@ -926,7 +939,7 @@ def _own_vision_training(model: Any, docs: list, image_id: int) -> float:
             if images.image_grid_thw is not None:
                 kwargs.update(image_grid_thw=images.image_grid_thw,
                               mm_token_type_ids=(ids == image_id).long()[None])
-        if model.config.model_type in BIDIRECTIONAL_IMAGE_FAMILIES:  # its bidirectional images
+        if vision_family(model.config.model_type).images_attend == "both_ways":  # Gemma 3
             kwargs["token_type_ids"] = (ids == image_id).long()[None]
         loss = model(input_ids=ids[None], labels=lab[None], **kwargs).loss * (n / sum(counts))
         loss.backward()
@@ -953,8 +966,8 @@ def run_vision_probe(model_config: Any) -> Any:
     from longctx_cli.parallel.attention import register_sp_attention
     from longctx_cli.parallel.mesh import ParallelState
     from longctx_cli.runtime.head import model_head
+    from longctx_cli.runtime.loss import lm_loss_sum
     from longctx_cli.runtime.vision import VisionLanguageForward
-    from longctx_cli.train.loss import lm_loss_sum
 
     started = time.perf_counter()
     model_type = str(model_config.model_type)

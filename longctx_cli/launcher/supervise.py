@@ -31,7 +31,7 @@ from pathlib import Path
 from types import FrameType
 
 from longctx_cli.errors import PREEMPTED_EXIT, UserError
-from longctx_cli.runtime.launch import (
+from longctx_cli.launcher.launch import (
     FAILURE_FILE_ENV,
     EarlyTorchrun,
     TorchrunJob,

@@ -1,0 +1,346 @@
+"""The processor of a vision run: loading it offline (without torchvision where
+need be), Axolotl's resize keys, where a config's processor is, what identifies
+it (the cache fingerprint) and what a checkpoint saves of it."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from longctx_cli.data.vision.documents import IMAGE, VIDEO
+from longctx_cli.errors import UserError
+from longctx_cli.families import IMAGE_ONLY_FAMILIES
+
+RESIZE_ALGORITHMS = ("bilinear", "bicubic", "lanczos")  # what Axolotl's schema accepts
+
+
+@dataclass
+class VisionProcessor:
+    """A Hugging Face processor plus the Axolotl resize keys, applied before it."""
+
+    processor: Any
+    image_size: int | tuple[int, int] | None = None  # int: padded square; pair: (w, h)
+    resample: int = 2  # PIL.Image.Resampling.BILINEAR, Axolotl's default
+    video_size: dict[str, int] | None = None  # the video processor's pixel budget, if any
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processor.tokenizer
+
+    @property
+    def image_processor(self) -> Any:
+        return self.processor.image_processor
+
+    @property
+    def image_token(self) -> str:
+        """The placeholder the chat template writes for an image (Gemma 3's is its
+        begin-of-image token, expanded around the feature tokens)."""
+        return getattr(self.processor, "image_token", None) or "<|image_pad|>"
+
+    @property
+    def video_token(self) -> str | None:
+        """The placeholder of a video; None for processors that take no videos."""
+        return getattr(self.processor, "video_token", None)
+
+    @property
+    def feature_tokens(self) -> dict[int, str]:
+        """Per media kind, the token that stands for one feature in the expanded ids (the
+        placeholder itself, except Gemma 3's: its tokenizer's `image_token`)."""
+        image = getattr(self.tokenizer, "image_token", None) or self.image_token
+        return {IMAGE: image, **({VIDEO: self.video_token} if self.video_token else {})}
+
+    def feature_ids(self) -> dict[int, int]:
+        """Per media kind, the id of its feature token (only those in the vocabulary)."""
+        vocab = self.tokenizer.get_vocab()
+        return {kind: vocab[token] for kind, token in self.feature_tokens.items()
+                if token in vocab}
+
+    def video_replacement(self, grid: tuple[int, int, int], fps: float, frames: int) -> str:
+        """What a video's placeholder becomes: one token per merged patch or, for a processor
+        that places frames by timestamps (Qwen3-VL), each temporal patch as its own run,
+        `<t seconds>` then its tokens between the vision markers, as transformers' Qwen3-VL
+        processor writes it (its `_calculate_timestamps`, frames `0..frames-1` at `fps`)."""
+        ip = self.image_processor
+        merge = int(ip.merge_size) ** 2
+        token = str(self.video_token)
+        timestamps = getattr(self.processor, "_calculate_timestamps", None)
+        if timestamps is None:
+            return token * (int(np.prod(grid)) // merge)
+        per_frame = token * (int(grid[1]) * int(grid[2]) // merge)
+        start, end = self.processor.vision_start_token, self.processor.vision_end_token
+        times = timestamps(list(range(frames)), fps, int(ip.temporal_patch_size))
+        return "".join(f"<{times[t]:.1f} seconds>{start}{per_frame}{end}"
+                       for t in range(int(grid[0])))
+
+    @property
+    def patched(self) -> bool:
+        """True for Qwen-VL's image processors (pixels as patch rows with a t*h*w grid);
+        False for whole-image ones (LLaVA's CLIP, Gemma 3's SigLIP): `[images, C, H, W]`."""
+        ip = self.image_processor
+        return hasattr(ip, "temporal_patch_size") and hasattr(ip, "merge_size")
+
+    @functools.cached_property
+    def image_shape(self) -> tuple[int, ...]:
+        """(C, H, W) of every image a whole-image processor makes (its fixed input size),
+        read from what it makes of a blank image."""
+        from PIL import Image
+
+        out = self.image_processor(images=[Image.new("RGB", (32, 32))], return_tensors="np")
+        return tuple(int(x) for x in np.asarray(out["pixel_values"]).shape[1:])
+
+    @property
+    def chat_template(self) -> str:
+        return (getattr(self.processor, "chat_template", None)
+                or getattr(self.tokenizer, "chat_template", None) or "")
+
+
+
+
+def load_processor(
+    path: str, *, image_size: int | Sequence[int] | None = None,
+    image_resize_algorithm: str | None = None,
+) -> VisionProcessor:
+    """The processor in folder `path`, offline, with Axolotl's resize keys attached.
+
+    `AutoProcessor` first. Qwen2/2.5/3-VL processors also build a video processor that
+    needs torchvision; where that is missing (CPU installs), the same processor class is
+    built without it from the folder's tokenizer, image processor and chat template, which
+    is all the image path uses (videos given as frames go through the image processor's
+    own resize and normalisation, then are grouped in time here).
+    """
+    size = _image_size(image_size)
+    resample = _resample(image_resize_algorithm)
+    folder = Path(path)
+    if not folder.is_dir():
+        raise UserError(f"processor folder {path} does not exist.",
+                        fix="point `processor_path` (or `base_model`) at a local folder "
+                        "holding the model's processor files; nothing is downloaded here.")
+    try:
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True)
+    except Exception as first:  # noqa: BLE001 - every failure of the full processor gets the fallback
+        try:
+            processor = _image_only_processor(folder)
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the files are the user's; say which failed
+            raise UserError(
+                f"cannot load a processor from {path}: {first} (without a video processor: "
+                f"{exc}).",
+                fix="point it at a folder holding the model's tokenizer files, "
+                "preprocessor_config.json and chat template, as saved by "
+                "`processor.save_pretrained`.") from None
+    if not hasattr(processor, "image_processor") or not hasattr(processor, "tokenizer"):
+        raise UserError(f"{path} holds no image processor, so it is not a vision-language "
+                        "model's processor.",
+                        fix="use the folder of a vision-language model (Qwen2-VL, Qwen2.5-VL, "
+                        "Qwen3-VL, LLaVA, Gemma 3) whose preprocessor_config.json and tokenizer "
+                        "files are there.")
+    return VisionProcessor(processor, size, resample, _video_size(folder, processor))
+
+
+def _image_only_processor(folder: Path) -> Any:
+    """The folder's Qwen-VL processor class without its video processor (see load_processor)."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+
+    config = {}
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        if (folder / name).is_file():
+            config.update(json.loads((folder / name).read_text()))
+    kind = str(config.get("processor_class", "")) + str(config.get("image_processor_type", ""))
+    if not any(f.processor_marker in kind for f in IMAGE_ONLY_FAMILIES):
+        names = [f.name for f in IMAGE_ONLY_FAMILIES]
+        raise UserError(
+            f"cannot build the processor in {folder} ({kind or 'no processor_class'}): longctx "
+            f"prepares vision data for {', '.join(names[:-1])} and {names[-1]} processors.",
+            fix="use a Qwen-VL model's folder, or install torchvision if the processor needs it.")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(folder),
+                                                               local_files_only=True)
+    template = getattr(tokenizer, "chat_template", None)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        file = folder / name
+        if file.is_file():
+            text = file.read_text()
+            template = json.loads(text)["chat_template"] if name.endswith("json") else text
+            break
+    video = folder / "video_preprocessor_config.json"  # Qwen3-VL's names its own class
+    if video.is_file():
+        kind += str(json.loads(video.read_text()).get("video_processor_type", ""))
+    # A later family's processor names an earlier one's parts (Qwen3-VL's image processor is
+    # Qwen2-VL's), so the last family whose marker the names hold is the folder's.
+    base = [f.image_only_processor for f in IMAGE_ONLY_FAMILIES if f.processor_marker in kind][-1]
+    return image_only_processor_class(base)(image_processor=image_processor,
+                                            tokenizer=tokenizer, chat_template=template)
+
+
+@functools.cache
+def image_only_processor_class(base: str = "Qwen2_5_VLProcessor") -> Any:
+    """transformers' processor class `base` (Qwen2.5-VL's, or Qwen3-VL's, which places video
+    frames by timestamps) with no video processor attribute (built on first use, so that
+    importing this module does not import transformers' models).
+
+    ProcessorMixin reads a processor's parts from its `__init__` signature; dropping
+    `video_processor` from it is what lets the class be built without torchvision. Its
+    `__call__` (placeholder expansion, tokenizing, mm_token_type_ids) is transformers' own.
+    """
+    import transformers
+
+    class ImageOnlyQwenVLProcessor(getattr(transformers, base)):
+        def __init__(self, image_processor: Any = None, tokenizer: Any = None,
+                     chat_template: str | None = None, **kwargs: Any):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template,
+                             **kwargs)
+
+    return ImageOnlyQwenVLProcessor
+
+
+def _video_size(folder: Path, processor: Any) -> dict[str, int] | None:
+    """The video processor's pixel budget (Qwen's differs from the image one), read from the
+    loaded video processor or, without one, from video_preprocessor_config.json."""
+    video = getattr(processor, "video_processor", None)
+    size = getattr(video, "size", None)
+    if size is None and (folder / "video_preprocessor_config.json").is_file():
+        config = json.loads((folder / "video_preprocessor_config.json").read_text())
+        size = dict(config.get("size") or {})
+        if config.get("min_pixels") is not None:
+            size["shortest_edge"] = config["min_pixels"]
+        if config.get("max_pixels") is not None:
+            size["longest_edge"] = config["max_pixels"]
+    if not size:
+        return None
+    size = dict(size)
+    if size.get("shortest_edge") and size.get("longest_edge"):
+        return {"shortest_edge": int(size["shortest_edge"]),
+                "longest_edge": int(size["longest_edge"])}
+    return None
+
+
+def _image_size(value: int | Sequence[int] | None) -> int | tuple[int, int] | None:
+    fix = ("write `image_size: 448` (padded to a 448x448 square, aspect ratio kept) or "
+           "`image_size: [width, height]` (resized to exactly that), or leave it out.")
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise UserError(f"`image_size` must be a number of pixels, found {value!r}.", fix=fix)
+    if isinstance(value, int):
+        if value < 1:
+            raise UserError(f"`image_size` must be positive, found {value}.", fix=fix)
+        return value
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+        return int(value[0]), int(value[1])
+    raise UserError(f"`image_size` must be an integer or a [width, height] pair, found "
+                    f"{value!r}.", fix=fix)
+
+
+def _resample(name: str | None) -> int:
+    from PIL import Image
+
+    if name is None:
+        return int(Image.Resampling.BILINEAR)
+    key = str(name).lower()
+    if key not in RESIZE_ALGORITHMS:
+        raise UserError(f"`image_resize_algorithm` {name!r} is not one of "
+                        f"{', '.join(RESIZE_ALGORITHMS)}.",
+                        fix="use bilinear (the default), bicubic or lanczos.")
+    return int(getattr(Image.Resampling, key.upper()))
+
+
+def as_vision_processor(processor: Any) -> VisionProcessor:
+    return processor if isinstance(processor, VisionProcessor) else VisionProcessor(processor)
+
+
+def _patch_dim(vp: VisionProcessor) -> int:
+    if not vp.patched:  # one row per whole image
+        return int(np.prod(vp.image_shape))
+    ip = vp.image_processor
+    return 3 * int(ip.temporal_patch_size) * int(ip.patch_size) ** 2
+
+
+def patch_dim(processor: Any) -> int:
+    """Width of one row of pixel_values: a patch (3 * temporal_patch_size * patch_size**2) for
+    the Qwen-VL processors, a whole image (C * H * W) for LLaVA's and Gemma 3's."""
+    return _patch_dim(as_vision_processor(processor))
+
+
+
+# Bump when the meaning of a cached vision row changes. 2: Qwen3-VL videos as timestamped
+# runs per temporal patch (rows cached before would train ids its processor never writes).
+VISION_VERSION = 2
+
+
+def processor_folder(config: Any) -> str:
+    """Where `config`'s processor is: `processor_path` (a relative one beside the config
+    when it is there, as trl.reward_funcs models are found, else as given), else
+    `base_model`."""
+    if config.vision.processor_path:
+        given = Path(config.vision.processor_path).expanduser()
+        beside = Path(config.source_dir or ".") / given
+        return str(beside if not given.is_absolute() and beside.is_dir() else given)
+    if config.model.base_model:
+        return str(config.model.base_model)
+    raise UserError("`processor_type` is set but there is no folder to load the processor "
+                    "from: `base_model` is not set.", where="processor_path",
+                    fix="set `processor_path:` to the folder of the model's processor files "
+                    "(preprocessor_config.json, tokenizer files, chat template).")
+
+
+def processor_fingerprint(vp: VisionProcessor) -> dict[str, Any]:
+    """What of a loaded processor decides the documents, besides its tokenizer (fingerprinted
+    as a text run's): the image processor's settings, the template, the video budget."""
+    import hashlib
+
+    import PIL
+
+    def short(text: str) -> str:
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    ip = vp.image_processor
+    settings = ip.to_dict() if hasattr(ip, "to_dict") else vars(ip)
+    return {"class": type(vp.processor).__name__, "image_processor": type(ip).__name__,
+            "settings": short(json.dumps(settings, sort_keys=True, default=str)),
+            "chat_template": short(vp.chat_template), "video_size": vp.video_size,
+            "tokens": [vp.image_token, vp.video_token], "version": VISION_VERSION,
+            "pillow": PIL.__version__}  # its resize filters make the pixels
+
+
+class ProcessorFiles:
+    """What a vision-language checkpoint saves beside its weights: the processor's files
+    (tokenizer, image processor, chat template), under the processor class the model's own
+    folder names, so `AutoProcessor.from_pretrained` loads them as it loads the original.
+    (Without torchvision, `load_processor` builds an image-only subclass; that name must not
+    reach the checkpoint.)"""
+
+    def __init__(self, processor: VisionProcessor, source: str | Path):
+        self.processor = processor.processor
+        self.source = Path(source)
+
+    def original_class(self, name: str) -> str:
+        """The `processor_class` the source folder's `name` file gives (else the class the
+        image-only one extends)."""
+        path = self.source / name
+        if path.is_file():
+            given = json.loads(path.read_text()).get("processor_class")
+            if given:
+                return str(given)
+        return type(self.processor).__bases__[0].__name__
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        self.processor.save_pretrained(str(folder))
+        if type(self.processor).__name__ != "ImageOnlyQwenVLProcessor":
+            return
+        for name in ("processor_config.json", "preprocessor_config.json"):
+            path = Path(folder) / name
+            if path.is_file():
+                saved = json.loads(path.read_text())
+                if "processor_class" in saved:
+                    saved["processor_class"] = self.original_class(name)
+                    path.write_text(json.dumps(saved, indent=2) + "\n")

@@ -1,0 +1,175 @@
+"""What longctx knows of a model family, one record per model type: the text traits code
+branches on and, for a vision-language family, how its forward, processor and probe work.
+
+A leaf module (it imports nothing of longctx_cli): config, data, runtime and the checks read
+the same records. A model type without a record has no trait (`family` returns a blank one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+# How a vision-language family's rotary positions work: `mrope` 3-D positions `[3, T]` from
+# the model's `get_rope_index` over each document's image grids; `text` the 1-D text ones.
+Positions = Literal["mrope", "text"]
+# How its image tokens attend: `causal` as text; `both_ways` within each image (a
+# bidirectional block inside the causal mask); `prefix` the image and the prompt after it both
+# ways (a prefix LM, which longctx does not compute).
+ImageAttention = Literal["causal", "both_ways", "prefix"]
+# The tower's input, as its processor lays pixels out: `patches` rows of patches with a
+# `[t, h, w]` grid per item (videos too); `images` whole images `[images, C, H, W]`.
+Pixels = Literal["patches", "images"]
+# How the tower turns patches into image tokens, which is how the probe shrinks it: `merged`
+# a patch tower of `depth` blocks whose merger joins patches (Qwen-VL); `pooled` a fixed-size
+# tower pooled to `mm_tokens_per_image` tokens (Gemma 3); `per_patch` a fixed-size tower with
+# one token per patch (CLIP/SigLIP towers, LLaVA).
+Tower = Literal["merged", "pooled", "per_patch"]
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    """A vision-language family's forward, processor and probe, as longctx rebuilds them."""
+
+    name: str  # as the messages name it
+    positions: Positions
+    images_attend: ImageAttention
+    pixels: Pixels
+    tower: Tower
+    modules: tuple[str, ...]  # the tower's and projector's attributes on the inner model
+    # A video is one run of placeholders (False) or one run per temporal patch, each after
+    # its timestamp (True: Qwen3-VL).
+    timestamped_video: bool = False
+    # Built without its video processor where torchvision is missing (data/vision): the
+    # text of the folder's processor class names that marks the family, and the class.
+    processor_marker: str | None = None
+    image_only_processor: str | None = None
+    prepared: bool = True  # `longctx preprocess` builds and tests its processor's rows
+
+    @property
+    def rebuilt(self) -> bool:
+        """Whether runtime/vision.py rebuilds its forward under SP (a prefix LM: no)."""
+        return self.images_attend != "prefix"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model type: the traits code branches on (all off for a model type not listed)."""
+
+    model_type: str
+    # Some layers mix tokens outside attention, which parallel/token_mixing.py runs exactly
+    # (its COVERED classes; tests/test_token_mixing.py checks the two agree). `validate`
+    # builds such a model on the meta device to describe them; for other model types its
+    # plan needs neither torch nor transformers.
+    mixes_tokens: bool = False
+    # The decoder layers' own norms (the layer's direct children) are all Llama-style
+    # RMSNorms, which training runs through the lean RMSNorm (runtime/memory_savers.py,
+    # checked against transformers 5.24's code): the memory estimate then counts no float32
+    # copy of a norm's input. Only families of tests/family_matrix.py, where
+    # tests/test_lean_norm.py checks this against the built models; any other model type is
+    # estimated as if its norms kept their float32 copies (conservative).
+    lean_norms: bool = False
+    # Its transformers `base_model_tp_plan` is colwise/rowwise only and its decoder layers
+    # hold nothing but attention, MLP and norms (what the TP-sp plan shards exactly).
+    tensor_parallel: bool = False
+    vision: VisionFamily | None = None
+
+
+_QWEN_VL = dict(positions="mrope", images_attend="causal", pixels="patches", tower="merged",
+                modules=("visual",))
+_FIXED_TOWER = dict(pixels="images", modules=("vision_tower", "multi_modal_projector"))
+
+_RECORDS = (
+    # Vision-language families, in the order the messages list them.
+    Family("qwen2_vl", vision=VisionFamily(
+        "Qwen2-VL", **_QWEN_VL, processor_marker="Qwen2VL",
+        image_only_processor="Qwen2_5_VLProcessor")),
+    Family("qwen2_5_vl", vision=VisionFamily(
+        "Qwen2.5-VL", **_QWEN_VL, processor_marker="Qwen2_5_VL",
+        image_only_processor="Qwen2_5_VLProcessor")),
+    Family("qwen3_vl", vision=VisionFamily(
+        "Qwen3-VL", **_QWEN_VL, timestamped_video=True, processor_marker="Qwen3VL",
+        image_only_processor="Qwen3VLProcessor")),
+    Family("llava", vision=VisionFamily(
+        "LLaVA", positions="text", images_attend="causal", tower="per_patch", **_FIXED_TOWER)),
+    Family("gemma3", vision=VisionFamily(
+        "Gemma 3", positions="text", images_attend="both_ways", tower="pooled",
+        **_FIXED_TOWER)),
+    Family("paligemma", vision=VisionFamily(
+        "PaliGemma", positions="text", images_attend="prefix", tower="per_patch",
+        prepared=False, **_FIXED_TOWER)),
+    # Text families, by model type.
+    Family("apertus", lean_norms=True),
+    Family("arcee", lean_norms=True),
+    Family("bamba", mixes_tokens=True, lean_norms=True),
+    Family("deepseek_v2", lean_norms=True),
+    Family("deepseek_v3", lean_norms=True),
+    Family("exaone4", lean_norms=True),
+    Family("falcon_h1", mixes_tokens=True, lean_norms=True),
+    Family("glm4", lean_norms=True),
+    Family("glm4_moe", lean_norms=True),
+    Family("glm4_moe_lite", lean_norms=True),
+    Family("granite", lean_norms=True),
+    Family("granitemoehybrid", mixes_tokens=True, lean_norms=True),
+    Family("hunyuan_v1_dense", lean_norms=True),
+    Family("jamba", mixes_tokens=True, lean_norms=True),
+    Family("kimi_linear", mixes_tokens=True, lean_norms=True),
+    Family("lara_mini", mixes_tokens=True),
+    Family("lfm2", mixes_tokens=True, lean_norms=True),
+    Family("lfm2_moe", mixes_tokens=True, lean_norms=True),
+    Family("lfm3", mixes_tokens=True),
+    Family("llama", lean_norms=True, tensor_parallel=True),
+    Family("mimo_v2_flash", lean_norms=True),
+    Family("minimax_m2", lean_norms=True),
+    Family("ministral", lean_norms=True),
+    Family("ministral3", lean_norms=True),
+    Family("mistral", lean_norms=True, tensor_parallel=True),
+    Family("mistral4", lean_norms=True),
+    Family("mixtral", lean_norms=True),
+    Family("nemotron_h", mixes_tokens=True),
+    Family("olmo_hybrid", mixes_tokens=True),
+    Family("phi3", lean_norms=True),
+    Family("qwen2", lean_norms=True, tensor_parallel=True),
+    Family("qwen3", lean_norms=True, tensor_parallel=True),
+    Family("qwen3_5", mixes_tokens=True),
+    Family("qwen3_5_moe", mixes_tokens=True),
+    Family("qwen3_5_moe_text", mixes_tokens=True),
+    Family("qwen3_5_text", mixes_tokens=True),
+    Family("qwen3_moe", lean_norms=True),
+    Family("qwen3_next", mixes_tokens=True),
+    Family("seed_oss", lean_norms=True),
+    Family("smollm3", lean_norms=True),
+    Family("zamba2", mixes_tokens=True, lean_norms=True),
+)
+FAMILIES: dict[str, Family] = {f.model_type: f for f in _RECORDS}
+
+
+def family(model_type: str) -> Family:
+    """The record of `model_type` (a blank one, every trait off, if longctx has none)."""
+    return FAMILIES.get(model_type) or Family(model_type)
+
+
+def vision_family(model_type: str) -> VisionFamily | None:
+    """The vision-language record of `model_type`, or None."""
+    return family(model_type).vision
+
+
+# The model types of a trait, read from the records (for messages and the tests).
+HYBRID_MODEL_TYPES = frozenset(t for t, f in FAMILIES.items() if f.mixes_tokens)
+LEAN_NORM_MODEL_TYPES = frozenset(t for t, f in FAMILIES.items() if f.lean_norms)
+TP_FAMILIES = tuple(t for t, f in FAMILIES.items() if f.tensor_parallel)
+# Vision-language families whose forward runtime/vision.py rebuilds ...
+VISION_FAMILIES = tuple(t for t, f in FAMILIES.items() if f.vision and f.vision.rebuilt)
+# ... those whose processor's rows `longctx preprocess` builds and tests ...
+PREPARED_FAMILIES = tuple(t for t in VISION_FAMILIES if FAMILIES[t].vision.prepared)
+# ... and those whose image tokens attend to each other both ways. Only Ulysses computes it:
+# after its all-to-all a rank holds the whole row for some heads, while a ring's ranks each
+# hold a part of every document's keys.
+BIDIRECTIONAL_IMAGE_FAMILIES = tuple(
+    t for t in VISION_FAMILIES if FAMILIES[t].vision.images_attend == "both_ways")
+# Every family's tower and projector attribute names (what `freeze_mm_modules` freezes).
+VISION_MODULE_NAMES = tuple(dict.fromkeys(
+    name for f in FAMILIES.values() if f.vision for name in f.vision.modules))
+# The vision families whose processor is built without torchvision where it is missing.
+IMAGE_ONLY_FAMILIES = tuple(
+    f.vision for f in FAMILIES.values() if f.vision and f.vision.image_only_processor)
