@@ -47,8 +47,11 @@ LAYOUTS = {  # name -> (world, layout keywords)
     "hybrid": (4, {"sp": 4, "mode": "hybrid", "ulysses_degree": 2}),
     "ring-sp4": (4, {"sp": 4, "layout": "zigzag"}),
     "ulysses-sp4": (4, {"sp": 4, "mode": "ulysses"}),
+    # DP ranks each take the same row: the KL mean over them is each one's, counted once
+    # per SP group; their gradient shares are divided by the DP degree.
+    "dp2-x-sp2": (4, {"sp": 2, "layout": "zigzag"}),
 }
-SLOW_LAYOUTS = ("hybrid", "ring-sp4", "ulysses-sp4")
+SLOW_LAYOUTS = ("hybrid", "ring-sp4", "ulysses-sp4", "dp2-x-sp2")
 # What the KTO metrics are: TRL's means over the chosen (or rejected) examples of the batch.
 SHOWN = ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected",
          "rewards/margins")
@@ -120,10 +123,10 @@ def longctx_worker(rank: int, world: int, layout: dict, losses: dict, ids: list)
         loss = KtoLoss(beta=BETA, **keys)
         result = kto_loss_sum(model, decoder, head, batch, labels, state, loss,
                               chunk_size=16 if name == "kto-weighted" else None)
-        (result.loss_sum / result.examples).backward()
+        (result.loss_sum / result.examples / state.layout.dp).backward()
         grads = adapter_grads(model)
         for g in grads.values():
-            dist.all_reduce(g)  # the step's gradient sync (over SP)
+            dist.all_reduce(g)  # the step's gradient sync (over SP and DP)
         sums = result.metric_sums
         metrics = {"kl": result.kl}
         for side in ("chosen", "rejected"):
