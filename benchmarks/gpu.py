@@ -92,7 +92,7 @@ from longctx_cli.runtime.model import (
     enable_checkpointing,
     model_config_of,
 )
-from longctx_cli.train.step import forward_loss_sum
+from longctx_cli.train.objectives.causal_lm import forward_loss_sum
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LLAMA_1B = {  # TinyLlama-1.1B's shape

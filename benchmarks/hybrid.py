@@ -47,7 +47,7 @@ from longctx_cli.config.plan import layout_for
 from longctx_cli.parallel import build_parallel_state, shard_batch
 from longctx_cli.runtime.loss import valid_token_count
 from longctx_cli.runtime.model import build_model, decoder_and_head
-from longctx_cli.train.step import forward_loss_sum
+from longctx_cli.train.objectives.causal_lm import forward_loss_sum
 
 WORLD = 4
 SIZE = {

@@ -33,7 +33,8 @@ from longctx_cli.layout import Layout
 from longctx_cli.parallel import build_parallel_state, shard_batch
 from longctx_cli.runtime.loss import valid_token_count
 from longctx_cli.runtime.model import build_model, decoder_and_head, model_config_of
-from longctx_cli.train.step import forward_loss_sum, sum_gradients
+from longctx_cli.train.objectives.causal_lm import forward_loss_sum
+from longctx_cli.train.step import sum_gradients
 
 LAYOUTS = {  # name -> (tp, sp, mode)
     "sp1": (1, 1, "ring"),

@@ -38,7 +38,7 @@ from longctx_cli.parallel import build_parallel_state, shard_batch
 from longctx_cli.runtime.loss import valid_token_count
 from longctx_cli.runtime.memory_savers import activation_offload, apply_tiled_mlp
 from longctx_cli.runtime.model import build_model, decoder_and_head, model_config_of
-from longctx_cli.train.step import forward_loss_sum
+from longctx_cli.train.objectives.causal_lm import forward_loss_sum
 
 MODEL = {
     "model_type": "llama",

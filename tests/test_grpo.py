@@ -405,7 +405,7 @@ def trl_step(keys: dict, spg: int, data: dict, old: list, ref: list) -> dict:
 
 
 def step_worker(rank: int, world: int, cases: dict, data: dict, old: list, ref: list) -> dict:
-    """One optimizer step at dp 2 (sp 1) as rollout.py's `GrpoSteps.step` runs it: each
+    """One optimizer step at dp 2 (sp 1) as objectives/grpo.py's `Grpo` runs it: each
     rank's micro-batches through `grpo_loss` with the step's micro-batch count and tokens,
     each loss backpropagated, the gradients summed over the ranks."""
     import torch.distributed as dist

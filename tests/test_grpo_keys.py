@@ -122,7 +122,7 @@ def test_loss_keys_reach_the_loss():
     config = Config(base_model="m", rl="grpo", micro_batch_size=4, sequence_len=1024,
                     datasets=[{"path": "p.jsonl", "type": "prompt"}],
                     trl={"reward_funcs": ["rewards.r"], "num_generations": 4, **LOSS_KEYS})
-    loss = GrpoLoss.from_trl(config.trl)  # what GrpoSteps runs with
+    loss = GrpoLoss.from_trl(config.trl)  # what the Grpo objective runs with
     expected = {**LOSS_KEYS, "epsilon_low": LOSS_KEYS["epsilon"]}
     for field in dataclasses.fields(GrpoLoss):
         assert getattr(loss, field.name) == expected[field.name], field.name

@@ -86,3 +86,10 @@ def load_rows(config: Config, tokenizer):
     if dist.get_rank() != 0 and (prepared is None or str(prepared.path) != used[0]):
         prepared = prepare(config, tokenizer, progress=False)
     return prepared.train, prepared.eval
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """World sums of a few scalars, in float64 so token counts stay exact."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()

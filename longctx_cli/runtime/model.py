@@ -258,17 +258,22 @@ def apply_fsdp(model: nn.Module, mesh, config: Config | None = None) -> None:
 
 
 @contextlib.contextmanager
-def fsdp_weights_gathered(model: nn.Module, reshard_after_forward: bool = True,
-                          ) -> Iterator[None]:
+def fsdp_weights_gathered(model: nn.Module) -> Iterator[None]:
     """Every FSDP2-sharded weight of `model` gathered once, for the duration (rollouts):
     forwards inside issue no FSDP collective, so data-parallel groups may run different
-    numbers of them. `reshard_after_forward`: the run's setting, restored on exit (the root
-    module, as FSDP2 sets it, does not reshard after forward). A model without FSDP2 is left
-    as it is."""
+    numbers of them. Each module's resharding after forward is restored on exit as it was
+    (FSDP2 keeps it per parameter group, with no public getter: read there). A model
+    without FSDP2 is left as it is."""
     from torch.distributed.fsdp import FSDPModule
 
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if isinstance(model, FSDPModule):  # the root settles its own resharding at its first forward
+        model._get_fsdp_state()._lazy_init()
+    saved = []
     for module in modules:
+        fsdp_state = module._get_fsdp_state()
+        saved.append((fsdp_state, fsdp_state._auto_reshard_after_forward,
+                      [(g, g.post_forward_mesh_info) for g in fsdp_state._fsdp_param_groups]))
         module.set_reshard_after_forward(False, recurse=False)
         module.unshard()  # the same all-gathers on every rank, in the same order
     try:
@@ -276,8 +281,10 @@ def fsdp_weights_gathered(model: nn.Module, reshard_after_forward: bool = True,
     finally:
         for module in modules:
             module.reshard()
-            module.set_reshard_after_forward(reshard_after_forward and module is not model,
-                                             recurse=False)
+        for fsdp_state, auto, groups in saved:  # what was there, not what a run usually sets
+            fsdp_state._auto_reshard_after_forward = auto
+            for group, mesh_info in groups:
+                group.post_forward_mesh_info = mesh_info
 
 
 def keep_4bit_state_on_modules(model: nn.Module) -> int:

@@ -12,12 +12,13 @@ from longctx_cli.config import Config
 from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.runtime.batches import row_batch
+from longctx_cli.runtime.distributed import all_reduce_sum
 from longctx_cli.runtime.loss import valid_token_count
 from longctx_cli.runtime.model import decoder_and_head
+from longctx_cli.train.objectives.causal_lm import forward_loss_sum
 from longctx_cli.train.optim import is_plateau
 from longctx_cli.train.preference import PreferenceLoss, chosen_targets, preference_loss_sum
 from longctx_cli.train.schedule import interval
-from longctx_cli.train.step import all_reduce_sum, forward_loss_sum
 
 
 def eval_interval(config: Config, steps_per_epoch: int, num_steps: int) -> int | None:

@@ -34,7 +34,7 @@ processes): the per-token entropies (one float each) are gathered over the SP an
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -53,6 +53,8 @@ _CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 _TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
 _MEAN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
                  "clip_ratio/region_mean", "cispo_clip_ratio")
+# GrpoLoss fields whose `trl:` key has another name.
+_TRL_KEYS = {"epsilon_low": "epsilon", "epsilon_high": "epsilon_upper"}
 # VESPO's clamp of the summed log-ratio from below: log(1e-8), as the paper's code.
 _VESPO_LOG_FLOOR = math.log(1e-8)
 
@@ -82,20 +84,9 @@ class GrpoLoss:
 
     @classmethod
     def from_trl(cls, trl: Any) -> GrpoLoss:
-        """The loss settings of a run's `trl:` section (`config.TrlConfig`)."""
-        return cls(loss_type=trl.loss_type, beta=trl.beta, epsilon_low=trl.epsilon,
-                   epsilon_high=trl.epsilon_upper, delta=trl.delta,
-                   importance_sampling_level=trl.importance_sampling_level,
-                   temperature=trl.temperature,
-                   max_completion_length=trl.max_completion_length,
-                   use_bias_correction_kl=trl.use_bias_correction_kl,
-                   sapo_temperature_pos=trl.sapo_temperature_pos,
-                   sapo_temperature_neg=trl.sapo_temperature_neg,
-                   vespo_k_pos=trl.vespo_k_pos, vespo_lambda_pos=trl.vespo_lambda_pos,
-                   vespo_k_neg=trl.vespo_k_neg, vespo_lambda_neg=trl.vespo_lambda_neg,
-                   top_entropy_quantile=trl.top_entropy_quantile,
-                   entropy_coef=trl.entropy_coef,
-                   off_policy_mask_threshold=trl.off_policy_mask_threshold)
+        """The loss settings of a run's `trl:` section (`config.TrlConfig`): each field is the
+        section's key of its name (`_TRL_KEYS` where TRL names it otherwise)."""
+        return cls(**{f.name: getattr(trl, _TRL_KEYS.get(f.name, f.name)) for f in fields(cls)})
 
     @property
     def needs_entropy(self) -> bool:

@@ -1,16 +1,18 @@
 """The training run, top to bottom: setup, the loop over optimizer steps, the hand-off.
 
 Runs inside every rank of a torchrun job. Each concern keeps its own cadence in its own
-module and the loop only calls it: the step (step.py), which rows a step reads
-(schedule.py), reports (metrics.py), evaluation (evaluation.py), stop rules (stopping.py)
-and checkpoints and the final export (checkpointer.py).
+module and the loop only calls it: the objective (objectives/) and the step (step.py), which
+rows a step reads (schedule.py), reports (metrics.py), evaluation (evaluation.py), stop rules
+(stopping.py) and checkpoints and the final export (checkpointer.py).
 """
 
 from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,13 +29,16 @@ from longctx_cli.runtime.model import build_model, decoder_and_head
 from longctx_cli.train.checkpointer import Checkpointer
 from longctx_cli.train.evaluation import Evaluator
 from longctx_cli.train.metrics import Metrics
+from longctx_cli.train.objectives import Objective, PreparedRows
+from longctx_cli.train.objectives.causal_lm import CausalLm
+from longctx_cli.train.objectives.grpo import Grpo
+from longctx_cli.train.objectives.preference import Preference
 from longctx_cli.train.optim import is_plateau, make_optimizer, make_scheduler
 from longctx_cli.train.precision import Precision, setup_precision
 from longctx_cli.train.preemption import Preempted, PreemptionSignals, Progress
 from longctx_cli.train.preference import PreferenceLoss, reference_table
-from longctx_cli.train.rollout import GrpoSteps
 from longctx_cli.train.schedule import DataPosition, steps_per_batch
-from longctx_cli.train.step import NonFiniteError, RowSteps
+from longctx_cli.train.step import NonFiniteError, optimizer_step
 from longctx_cli.train.stopping import EARLY_STOPPING, LOSS_WATCHDOG, Stopper, nonfinite_error
 from longctx_cli.train.summary import gather_peak_memory, summary_lines
 
@@ -78,11 +83,50 @@ def close_run(metrics: Metrics, progress: Progress, end_trackers: bool) -> None:
     leave_process_group()
 
 
-def train(config: Config, plan: Plan, probe: str, clock: StartupClock | None = None) -> None:
-    """The run on this rank, under the plan `preflight.check_run` built; `probe`: its verdict;
-    `clock`: the startup phases so far (rank 0 reports them at the first step)."""
-    # ---- setup ------------------------------------------------------------------------
-    clock = clock or StartupClock.of_this_process()
+def pick_objective(config: Config, plan: Plan, state: ParallelState, model: torch.nn.Module,
+                   tokenizer, pad_id: int, data: DataPosition, train_rows, eval_rows,
+                   is_main: bool) -> tuple[Objective, PreferenceLoss | None]:
+    """The run's objective (`train/objectives/`), and its preference loss for evaluation
+    (None unless `rl:` is one of the DPO family)."""
+    decoder, lm_head = decoder_and_head(model, config.trains_images)
+    if config.objective.rl == "grpo":
+        generations = data.steps_per_epoch // steps_per_batch(config, state.layout.dp)
+        return Grpo(config, state, model, decoder, lm_head, tokenizer, train_rows, generations,
+                    grpo_reference(config, plan, state), pad_id), None
+    rows = PreparedRows(data, config, state, pad_id)
+    preference = PreferenceLoss.from_config(config)  # None: the causal-LM loss
+    if preference is None:
+        return CausalLm(config, state, decoder, lm_head, rows), None
+    # Before a resume: a precomputed reference is the initial model's.
+    splits = {"train": train_rows, **({"eval": eval_rows} if eval_rows is not None else {})}
+    preference = reference_table(model, splits, config, state, pad_id, preference,
+                                 say=lambda line: is_main and print(line, flush=True))
+    return Preference(config, state, model, decoder, lm_head, preference, rows), preference
+
+
+@dataclass
+class Run:
+    """What a rank trains with, once set up (`setup_run`)."""
+
+    state: ParallelState
+    model: torch.nn.Module
+    precision: Precision
+    use_fsdp: bool
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    data: DataPosition
+    objective: Objective
+    checkpointer: Checkpointer
+    evaluator: Evaluator
+    metrics: Metrics
+    saved_with: Any  # what final/ saves beside the weights (a VLM's processor)
+    start_step: int
+
+
+def setup_run(config: Config, plan: Plan, probe: str, clock: StartupClock) -> Run:
+    """The process group, the data, the model, its objective and optimizer, the resumed
+    checkpoint, evaluation and metrics of this rank, each phase marked on `clock`."""
     device = init_distributed(config)
     state = build_parallel_state(plan.layout, device)
     clock.mark("process group")
@@ -103,54 +147,66 @@ def train(config: Config, plan: Plan, probe: str, clock: StartupClock | None = N
 
     model, precision, use_fsdp = setup_model(config, plan, state)
     clock.mark("model")
-    decoder, lm_head = decoder_and_head(model, config.trains_images)
-    preference = PreferenceLoss.from_config(config)  # None: the causal-LM loss
-    if preference is not None:  # before a resume: a precomputed reference is the initial model
-        splits = {"train": train_rows, **({"eval": eval_rows} if eval_rows is not None else {})}
-        preference = reference_table(model, splits, config, state, pad_id, preference,
-                                     say=lambda line: is_main and print(line, flush=True))
+    data = DataPosition(config, state.layout.dp, train_rows, stream)
+    objective, preference = pick_objective(config, plan, state, model, tokenizer, pad_id, data,
+                                           train_rows, eval_rows, is_main)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(config, params)
-    data = DataPosition(config, state.layout.dp, train_rows, stream)
-    # What one optimizer step runs: rows through train_step, or GRPO's rollouts and update.
-    steps = (GrpoSteps(config, state, model, decoder, lm_head, tokenizer, train_rows,
-                       data.steps_per_epoch // steps_per_batch(config, state.layout.dp),
-                       grpo_reference(config, plan, state), pad_id)
-             if config.objective.rl == "grpo" else
-             RowSteps(config, state, data, pad_id, model, decoder, lm_head, preference))
     scheduler = make_scheduler(config, optimizer, data.num_steps)
     checkpointer = Checkpointer(config, data, model, optimizer, scheduler)
     evaluator = Evaluator(config, state, model, preference, eval_rows, pad_id, scheduler,
                           data.steps_per_epoch, data.num_steps)
-    stopper = Stopper(config)
     start_step = checkpointer.resume()
     metrics = Metrics(config, model, data.num_steps, start_step, is_main)
     if checkpointer.resumed_from is not None:
         metrics.write(f"resumed from {checkpointer.resumed_from} at step {start_step}")
     clock.mark("optimizer, checkpoint, metrics")
     metrics.startup(clock, Path(config.output.output_dir))
+    return Run(state, model, precision, use_fsdp, params, optimizer, scheduler, data,
+               objective, checkpointer, evaluator, metrics, saved_with, start_step)
 
-    # ---- loop -------------------------------------------------------------------------
+
+def hand_off(config: Config, run: Run, end_step: int, run_started: float) -> None:
+    """After the loop: the last checkpoint, final/ and the summary, then leave the group."""
+    final = run.checkpointer.finish(end_step, run.saved_with)
+    peaks = gather_peak_memory(run.state.device)
+    run.metrics.finish(final)
+    if dist.get_rank() == 0:
+        lines = summary_lines(time.perf_counter() - run_started, end_step - run.start_step,
+                              run.metrics.tokens, peaks, run.state.device,
+                              Path(config.output.output_dir), final)
+        print("\n".join(lines), flush=True)
+    leave_process_group()
+
+
+def train(config: Config, plan: Plan, probe: str, clock: StartupClock | None = None) -> None:
+    """The run on this rank, under the plan `preflight.check_run` built; `probe`: its verdict;
+    `clock`: the startup phases so far (rank 0 reports them at the first step)."""
+    run = setup_run(config, plan, probe, clock or StartupClock.of_this_process())
+    data, checkpointer, metrics, optimizer = run.data, run.checkpointer, run.metrics, run.optimizer
+    stopper = Stopper(config)
     end_step = data.num_steps  # unless a stop rule ends the run early
     run_started = time.perf_counter()  # for the summary at the end
     preemption = PreemptionSignals(config.run.preemption_signals)
     progress = Progress(Path(config.output.output_dir), dist.get_rank())  # read by the launcher
-    for step in range(start_step, data.num_steps):
+    for step in range(run.start_step, data.num_steps):
         lr = optimizer.param_groups[0]["lr"]
         started = time.perf_counter()
         try:
-            result = steps.step(step, params, optimizer, use_fsdp, precision)
+            batches = run.objective.micro_batches(step, run.use_fsdp, run.precision)
+            result = optimizer_step(run.objective, batches, run.model, run.params, optimizer,
+                                    config, run.state, run.use_fsdp, run.precision)
         except NonFiniteError as e:
             raise nonfinite_error(step, e, checkpointer.last) from None
         if not is_plateau(config):  # a plateau schedule steps on the eval loss instead
-            scheduler.step()
+            run.scheduler.step()
         seconds = time.perf_counter() - started
-        eval_loss = evaluator.maybe_eval(step)
+        eval_loss = run.evaluator.maybe_eval(step)
         stop = stopper.check(result.loss, eval_loss)
-        metrics.log(step, result, lr, seconds, eval_loss, stop, evaluator.metrics)
+        metrics.log(step, result, lr, seconds, eval_loss, stop, run.evaluator.metrics)
         checkpointer.maybe_save(step, metrics)
         progress.step_done(step + 1)
-        signal_name = preemption.agreed(device) if step + 1 < data.num_steps else None
+        signal_name = preemption.agreed(run.state.device) if step + 1 < data.num_steps else None
         if signal_name is not None:  # every rank saw it at this step: save, then exit 75
             saved = checkpointer.preempt(step, metrics, signal_name)
             close_run(metrics, progress, end_trackers=False)  # wandb resumes the same run
@@ -162,16 +218,7 @@ def train(config: Config, plan: Plan, probe: str, clock: StartupClock | None = N
             end_step = step + 1
             metrics.write(stopper.early_stopping_line(step))
             break
-
-    # ---- hand off: the last checkpoint, final/ and the summary -------------------------
     preemption.restore()  # a signal from here on ends the run as usual
     progress.close()
     metrics.close()
-    final = checkpointer.finish(end_step, saved_with)
-    peaks = gather_peak_memory(device)
-    metrics.finish(final)
-    if is_main:
-        lines = summary_lines(time.perf_counter() - run_started, end_step - start_step,
-                              metrics.tokens, peaks, device, Path(config.output.output_dir), final)
-        print("\n".join(lines), flush=True)
-    leave_process_group()
+    hand_off(config, run, end_step, run_started)

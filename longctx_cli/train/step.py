@@ -1,11 +1,12 @@
-"""One optimizer step: forward and backward over the step's micro-batches, one gradient sync,
-clip, and the optimizer update (or a skip when something is NaN/inf).
+"""One optimizer step, whatever the objective (`train/objectives/`): forward and backward over
+the step's micro-batches, one gradient sync, clip, and the optimizer update (or a skip when
+something is NaN/inf).
 
-The loss of a step is the single-device mean over every valid target token of the step: each
-rank sums CE over its own shard, the divisor is the exact valid-token count over the SP
-group, the DP group and the accumulation window, and gradients are summed over the ranks
-holding the same parameters. A preference run (`rl:`) divides its summed pair losses by the
-step's pair count instead (`train/preference.py`).
+The objective hands over its micro-batches, each one's summed loss and the step's divisor (the
+step's valid tokens over the SP group, the DP group and the accumulation window; a
+preference run's pairs; 1 for GRPO, whose losses are already shares); each micro-batch's
+backward is of its loss over that divisor, and gradients are summed over the ranks holding
+the same parameters.
 """
 
 from __future__ import annotations
@@ -19,15 +20,13 @@ import torch.distributed as dist
 from longctx_cli.config import Config
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import ShardedBatch
-from longctx_cli.runtime.loss import lm_loss_sum, valid_token_count
+from longctx_cli.runtime.distributed import all_reduce_sum
 from longctx_cli.runtime.memory_savers import activation_offload
-from longctx_cli.runtime.model import sp_hidden_states
+from longctx_cli.train.objectives import Objective
+from longctx_cli.train.objectives.causal_lm import CausalLm
+from longctx_cli.train.objectives.preference import Preference
 from longctx_cli.train.precision import Precision
-from longctx_cli.train.preference import (
-    PreferenceLoss,
-    chosen_targets,
-    preference_loss_sum,
-)
+from longctx_cli.train.preference import PreferenceLoss
 
 
 @dataclass
@@ -36,7 +35,7 @@ class StepResult:
     tokens: int
     grad_norm: float
     skipped: bool
-    metrics: dict[str, float] = field(default_factory=dict)  # a preference run's TRL metrics
+    metrics: dict[str, float] = field(default_factory=dict)  # the objective's (TRL's names)
     shown: tuple[str, ...] | None = None  # the metrics the step line shows (None: all)
 
 
@@ -46,25 +45,6 @@ class NonFiniteError(Exception):
     def __init__(self, what: str):
         super().__init__(what)
         self.what = what
-
-
-def forward_loss_sum(decoder, lm_head, batch: ShardedBatch, config: Config,
-                     state: ParallelState) -> torch.Tensor:
-    """Summed CE of this rank's shard of one micro-batch (the caller divides)."""
-    hidden = sp_hidden_states(decoder, batch)
-    chunk = config.memory.loss_chunk_size if config.memory.chunked_loss else None
-    if state.layout.tp > 1:  # vocab-parallel CE over the TP group
-        from longctx_cli.parallel.tensor_parallel import tp_loss_sum
-
-        return tp_loss_sum(lm_head, hidden, batch.shift_labels, state, chunk)
-    return lm_loss_sum(lm_head, hidden, batch.shift_labels, chunk)
-
-
-def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    """World sums of a few scalars, in float64 so token counts stay exact."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
 
 
 def sum_gradients(params: list[torch.nn.Parameter], state: ParallelState) -> None:
@@ -143,76 +123,46 @@ def apply_update(model: torch.nn.Module, params: list[torch.nn.Parameter],
     return loss_sum_global, grad_norm, skipped
 
 
-def train_step(
-    model: torch.nn.Module, decoder: torch.nn.Module, lm_head: torch.nn.Module,
-    params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
-    batches: list[ShardedBatch], config: Config, state: ParallelState, use_fsdp: bool,
-    precision: Precision | None = None, preference: PreferenceLoss | None = None,
-) -> StepResult:
-    """One optimizer step over `batches` (this rank's micro-batches of the step); raises
-    NonFiniteError under `on_nonfinite: stop`, else skips the update of a bad step."""
-    device = state.device
-    precision = precision or Precision(device.type)
-    local_count = sum(valid_token_count(b.shift_labels) for b in batches)
-    # A pair's loss is the same on every rank of its SP group: count it (and report it) once.
-    counts_pairs = preference is not None and state.sp_rank == 0 and state.tp_rank == 0
-    local_pairs = sum(b.num_documents // 2 for b in batches) if counts_pairs else 0
-    scores_prompts = preference is not None and preference.scores_prompts
-    local_chosen = sum(map(chosen_targets, batches)) if counts_pairs and scores_prompts else 0
-    global_count, global_pairs, global_chosen = all_reduce_sum(
-        [local_count, local_pairs, local_chosen], device)
-    divisor = max(global_pairs if preference is not None else global_count, 1.0)
-    # orpo: the pairs' mean of the NLL shares must be the mean over the step's chosen targets.
-    nll_weight = global_pairs / global_chosen if global_chosen else 1.0
+def optimizer_step(objective: Objective, batches: list, model: torch.nn.Module,
+                   params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+                   config: Config, state: ParallelState, use_fsdp: bool,
+                   precision: Precision) -> StepResult:
+    """One optimizer step of `objective` over `batches` (this rank's micro-batches of the
+    step); raises NonFiniteError under `on_nonfinite: stop`, else skips the update of a bad
+    step."""
+    counts = objective.counts(batches)
     # FSDP2 averages gradients over its mesh (the world, or dp x cp with TP, whose own sums
-    # DTensor does); the loss is already normalised by the global token count, so scale it
-    # up to turn that average into the sum we need.
-    replicas = dist.get_world_size() // state.layout.tp
-    backward_divisor = divisor / replicas if use_fsdp else divisor
+    # DTensor does); the loss is already the share of the step's, so scale it up by the
+    # replicas to turn that average into the sum we need.
+    replicas = dist.get_world_size() // state.layout.tp if use_fsdp else 1
     local_loss = 0.0
-    metric_sums: dict[str, float] = {}
+    values: list[dict] = []
     for i, batch in enumerate(batches):
         if use_fsdp:
             # Reduce-scatter only after the last micro-batch of the window.
             model.set_requires_gradient_sync(i == len(batches) - 1)
         with activation_offload(config.memory.activation_offloading):
             with precision.autocast():
-                if preference is None:
-                    loss_sum = forward_loss_sum(decoder, lm_head, batch, config, state)
-                else:
-                    pairs = preference_loss_sum(model, decoder, lm_head, batch, config, state,
-                                                preference, nll_weight=nll_weight)
-                    loss_sum = pairs.loss_sum
-                    for key, value in pairs.metric_sums.items():
-                        metric_sums[key] = metric_sums.get(key, 0.0) + value * counts_pairs
-            precision.scale(loss_sum / backward_divisor).backward()
-        local_loss += loss_sum.item() * (counts_pairs or preference is None)
+                share = objective.loss_share(batch, counts)
+            loss = share.loss_sum / counts.divisor
+            precision.scale(loss * replicas if use_fsdp else loss).backward()
+        local_loss += share.reported
+        values.append(share.metrics)
     loss_sum_global, grad_norm, skipped = apply_update(model, params, optimizer, config, state,
                                                        use_fsdp, precision, local_loss)
-    metrics = {}
-    if preference is not None:
-        sums = all_reduce_sum(list(metric_sums.values()), device) if metric_sums else []
-        metrics = {k: v / divisor for k, v in zip(metric_sums, sums, strict=True)}
-    return StepResult(loss_sum_global / divisor, int(global_count), grad_norm, skipped, metrics)
+    return StepResult(loss_sum_global / counts.divisor, counts.tokens, grad_norm, skipped,
+                      objective.step_metrics(values, counts), objective.shown)
 
 
-class RowSteps:
-    """The optimizer steps of a run on prepared rows (SFT, preference): each step reads its
-    rows (`DataPosition`) and runs `train_step` (`rl: grpo` runs `rollout.GrpoSteps`)."""
-
-    def __init__(self, config: Config, state: ParallelState, data, pad_id: int,
-                 model: torch.nn.Module, decoder: torch.nn.Module, lm_head: torch.nn.Module,
-                 preference: PreferenceLoss | None):
-        self.config, self.state, self.data, self.pad_id = config, state, data, pad_id
-        self.model, self.decoder, self.lm_head = model, decoder, lm_head
-        self.preference = preference
-
-    def step(self, step: int, params: list[torch.nn.Parameter],
-             optimizer: torch.optim.Optimizer, use_fsdp: bool,
-             precision: Precision) -> StepResult:
-        from longctx_cli.runtime.batches import micro_batches
-
-        batches = micro_batches(*self.data.step_rows(step), self.config, self.state,
-                                self.pad_id)
-        return train_step(self.model, self.decoder, self.lm_head, params, optimizer, batches,
-                          self.config, self.state, use_fsdp, precision, self.preference)
+def train_step(
+    model: torch.nn.Module, decoder: torch.nn.Module, lm_head: torch.nn.Module,
+    params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+    batches: list[ShardedBatch], config: Config, state: ParallelState, use_fsdp: bool,
+    precision: Precision | None = None, preference: PreferenceLoss | None = None,
+) -> StepResult:
+    """`optimizer_step` of the causal-LM (or, with `preference`, the preference) objective
+    over batches the caller built (the tests, the family matrix)."""
+    objective: Objective = (CausalLm(config, state, decoder, lm_head) if preference is None
+                            else Preference(config, state, model, decoder, lm_head, preference))
+    return optimizer_step(objective, batches, model, params, optimizer, config, state,
+                          use_fsdp, precision or Precision(state.device.type))

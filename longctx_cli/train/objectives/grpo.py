@@ -1,5 +1,5 @@
-"""The optimizer steps of `rl: grpo`: rollouts under SP (when due), rewards, advantages, then
-the update on rows that hold each prompt once (TRL's GRPOTrainer, the prompt never gathered).
+"""The objective of `rl: grpo`: rollouts under SP (when due), rewards, advantages, then the
+update on rows that hold each prompt once (TRL's GRPOTrainer, the prompt never gathered).
 
 A generation batch is rolled out every `steps_per_generation / gradient_accumulation_steps x
 num_iterations` optimizer steps (TRL's buffered inputs): this DP rank's `steps_per_generation`
@@ -11,7 +11,8 @@ alike. Under FSDP2 the weights are gathered once for the rollout (or, with
 SP group scores its completions with the reward functions; every rank gathers the rewards and
 lengths and computes the advantages (groups, or the batch, for the std), as TRL does over its
 processes. Each optimizer step takes the next `gradient_accumulation_steps` micro-batches of
-the batch through `grpo.grpo_loss` and one update (`step.apply_update`). Where a batch feeds
+the batch through `train/grpo.py`'s `grpo_loss` and one update (`step.optimizer_step`; each
+micro-batch's loss is already its share of the step's: the divisor is 1). Where a batch feeds
 more than one step, its rollout-time log-probabilities are computed once in a `no_grad` SP
 pass; with `beta > 0` so are the reference's (the adapter switched off, or a frozen copy of the
 initial model), both under the update's autocast.
@@ -36,7 +37,7 @@ from longctx_cli.errors import UserError
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import shard_batch
 from longctx_cli.runtime.batches import step_row_indices, to_device
-from longctx_cli.runtime.memory_savers import activation_offload
+from longctx_cli.runtime.distributed import all_reduce_sum
 from longctx_cli.runtime.model import fsdp_weights_gathered, sp_hidden_states
 from longctx_cli.runtime.sampling import Sampling, decode
 from longctx_cli.train.grpo import (
@@ -46,11 +47,11 @@ from longctx_cli.train.grpo import (
     score_tokens,
     step_tokens_of,
 )
+from longctx_cli.train.objectives import LossShare, StepCounts
 from longctx_cli.train.precision import Precision
 from longctx_cli.train.preference import reference_model
 from longctx_cli.train.rewards import RewardFunctions, advantages, function_metrics
 from longctx_cli.train.rollout_rows import group_row
-from longctx_cli.train.step import StepResult, all_reduce_sum, apply_update
 
 COMPLETIONS_FILE = "completions.jsonl"
 # What the step line shows of the run's metrics (metrics.jsonl and trackers get them all).
@@ -63,6 +64,18 @@ def sampling_of(config: Config) -> Sampling:
     return Sampling(do_sample=True, temperature=trl.temperature, top_k=trl.top_k or 0,
                     top_p=trl.top_p, min_p=trl.min_p,
                     repetition_penalty=trl.repetition_penalty)
+
+
+@dataclass
+class _CurrentStep:
+    """The optimizer step `Grpo.micro_batches` handed out last: its rollout's seconds (0: none
+    this step), the step's micro-batches over every DP rank, its scored tokens, and when its
+    update began."""
+
+    rollout_s: float = 0.0
+    micro_batches: int = 0
+    tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -79,8 +92,10 @@ class Generation:
     seconds: float = 0.0
 
 
-class GrpoSteps:
-    """The optimizer steps of a `rl: grpo` run (what the loop calls instead of `train_step`)."""
+class Grpo:
+    """The objective of a `rl: grpo` run: its micro-batches are the rollouts' rows."""
+
+    shown = SHOWN
 
     def __init__(self, config: Config, state: ParallelState, model: torch.nn.Module,
                  decoder: torch.nn.Module, head: torch.nn.Module, tokenizer, rows,
@@ -95,12 +110,15 @@ class GrpoSteps:
         self.rewards = RewardFunctions.from_config(config, state)
         self.reference = reference  # a frozen copy, or None: the adapter switched off
         self.per_micro = config.training.micro_batch_size // self.trl.num_generations  # prompts
-        # One generation batch: `micro_batches` micro-batches per DP rank, split over `split`
-        # optimizer steps, each split run `num_iterations` times (TRL's buffered inputs).
-        self.micro_batches = config.generation_steps(state.layout.dp)
-        self.split = self.micro_batches // config.training.gradient_accumulation_steps
+        # One generation batch: `micro_batches_per_generation` micro-batches per DP rank, split
+        # over `split` optimizer steps, each split run `num_iterations` times (TRL's buffered
+        # inputs).
+        self.micro_batches_per_generation = config.generation_steps(state.layout.dp)
+        self.split = (self.micro_batches_per_generation
+                      // config.training.gradient_accumulation_steps)
         self.steps_per_generation = self.split * self.trl.num_iterations
-        self.prompts_per_generation = state.layout.dp * self.micro_batches * self.per_micro
+        self.prompts_per_generation = (state.layout.dp * self.micro_batches_per_generation
+                                       * self.per_micro)
         self.generations_per_epoch = generations_per_epoch
         if self.trl.disable_dropout:  # TRL's disable_dropout_in_model, policy and reference
             for module in (model, reference):
@@ -114,50 +132,54 @@ class GrpoSteps:
         self.generation: Generation | None = None
         self.input_tokens_seen = 0
         self.counted = state.sp_rank == 0 and state.tp_rank == 0  # once per SP x TP group
-        fc = config.parallel.fsdp_config
-        self.reshard_after_forward = fc is None or fc.reshard_after_forward
+        self.current = _CurrentStep()  # what this step's `micro_batches` chose
 
-    # ---- the step -----------------------------------------------------------------------
+    # ---- the objective ------------------------------------------------------------------
 
-    def step(self, step: int, params: list[torch.nn.Parameter],
-             optimizer: torch.optim.Optimizer, use_fsdp: bool,
-             precision: Precision) -> StepResult:
+    def micro_batches(self, step: int, use_fsdp: bool, precision: Precision,
+                      ) -> list[RolloutBatch]:
+        """The step's part of its generation batch, rolled out first when due."""
         index, within = divmod(step, self.steps_per_generation)
-        if self.generation is None or self.generation.index != index:
+        rolled = self.generation is None or self.generation.index != index
+        if rolled:
             self.generation = self.roll_out(index, step, use_fsdp, precision)
-            rollout_s = self.generation.seconds
-        else:
-            rollout_s = 0.0
-        started = time.perf_counter()
+        assert self.generation is not None
         accumulation = self.config.training.gradient_accumulation_steps
         first = within % self.split * accumulation
         batches = self.generation.batches[first:first + accumulation]
-        micro_batches = self.state.layout.dp * len(batches)
-        replicas = dist.get_world_size() // self.state.layout.tp
-        local_loss = 0.0
-        sums: dict[str, list[float]] = {}
-        extremes: dict[str, list[float]] = {}
-        for i, rollout in enumerate(batches):
-            if use_fsdp:  # FSDP2 averages over its replicas; the loss is already the share
-                self.model.set_requires_gradient_sync(i == len(batches) - 1)
-            with activation_offload(self.config.memory.activation_offloading):
-                with precision.autocast():
-                    hidden = sp_hidden_states(self.decoder, rollout.batch)
-                    result = grpo_loss(self.head, hidden, rollout, self.loss, self.state,
-                                       self.chunk, micro_batches, self.generation.step_tokens)
-                precision.scale(result.loss * (replicas if use_fsdp else 1)).backward()
-            local_loss += result.loss.item() * self.counted
-            for key, (num, den) in result.metric_sums.items():
-                total = sums.setdefault(key, [0.0, 0.0])
-                total[0] += num * self.counted
-                total[1] += den * self.counted
-            for key, value in result.extremes.items():
-                extremes.setdefault(key, []).append(value)
-        loss, grad_norm, skipped = apply_update(self.model, params, optimizer, self.config,
-                                                self.state, use_fsdp, precision, local_loss)
+        self.current = _CurrentStep(self.generation.seconds if rolled else 0.0,
+                                    self.state.layout.dp * len(batches),
+                                    self.generation.split_tokens[within % self.split])
+        return batches
+
+    def counts(self, batches: list[RolloutBatch]) -> StepCounts:
+        return StepCounts(1.0, self.current.tokens)  # each loss is already its share
+
+    def loss_share(self, rollout: RolloutBatch, counts: StepCounts) -> LossShare:
+        assert self.generation is not None
+        hidden = sp_hidden_states(self.decoder, rollout.batch)
+        result = grpo_loss(self.head, hidden, rollout, self.loss, self.state, self.chunk,
+                           self.current.micro_batches, self.generation.step_tokens)
+        sums = {key: (num * self.counted, den * self.counted)
+                for key, (num, den) in result.metric_sums.items()}
+        return LossShare(result.loss, result.loss.item() * self.counted,
+                         {"sums": sums, "extremes": result.extremes})
+
+    def step_metrics(self, values: list[dict], counts: StepCounts) -> dict[str, float]:
+        assert self.generation is not None
+        rollout_s = self.current.rollout_s
         metrics = dict(self.generation.metrics) if rollout_s else {
             k: v for k, v in self.generation.metrics.items() if not k.startswith("rewards/")
             and k not in ("reward", "reward_std", "frac_reward_zero_std")}
+        sums: dict[str, list[float]] = {}
+        extremes: dict[str, list[float]] = {}
+        for value in values:
+            for key, (num, den) in value["sums"].items():
+                total = sums.setdefault(key, [0.0, 0.0])
+                total[0] += num
+                total[1] += den
+            for key, extreme in value["extremes"].items():
+                extremes.setdefault(key, []).append(extreme)
         keys = sorted(sums)
         totals = all_reduce_sum([v for k in keys for v in sums[k]], self.state.device)
         for i, key in enumerate(keys):
@@ -165,9 +187,8 @@ class GrpoSteps:
                 metrics[key] = totals[2 * i] / totals[2 * i + 1]
         metrics.update(self._extremes(extremes))
         metrics["rollout_s"] = rollout_s
-        metrics["update_s"] = time.perf_counter() - started
-        return StepResult(loss, self.generation.split_tokens[within % self.split], grad_norm,
-                          skipped, metrics, shown=SHOWN)
+        metrics["update_s"] = time.perf_counter() - self.current.started
+        return metrics
 
     def _extremes(self, extremes: dict[str, list[float]]) -> dict[str, float]:
         """The step's clip-ratio extremes over every rank's completions (NaN: none scored)."""
@@ -205,7 +226,7 @@ class GrpoSteps:
         gather = use_fsdp and self.trl.ds3_gather_for_generation
         self.model.eval()  # no dropout, and a KV cache even with gradient checkpointing
         samples: list[list[list[int]]] = []
-        with fsdp_weights_gathered(self.model, self.reshard_after_forward) if gather else (
+        with fsdp_weights_gathered(self.model) if gather else (
                 contextlib.nullcontext()):
             for k, record in enumerate(records):
                 generator = None
@@ -246,7 +267,7 @@ class GrpoSteps:
         scored = (lengths * mask).view(state.layout.dp, self.split, -1).sum((0, 2))
         step_tokens = step_tokens_of(float(scored.sum()),
                                      config.training.gradient_accumulation_steps,
-                                     self.micro_batches)
+                                     self.micro_batches_per_generation)
         offset = state.dp_rank * len(mine) * g
         my_advantages = advantage[offset:offset + len(mine) * g].tolist()
         my_mask = mask[offset:offset + len(mine) * g].tolist()
