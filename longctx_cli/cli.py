@@ -107,6 +107,11 @@ NnodesOpt = Annotated[
 ]
 
 
+def command_options(ctx: typer.Context) -> list[str]:
+    """The long options of the running command (`--nproc-per-node`, ...)."""
+    return [o for param in ctx.command.params for o in param.opts if o.startswith("--")]
+
+
 def _interrupted() -> None:
     print_interrupted()
     sys.exit(130)
@@ -186,7 +191,7 @@ def validate(
     from longctx_cli.preflight import check_run
 
     limit = parse_memory_size(memory_per_rank) if memory_per_rank is not None else None
-    cfg = load_config(config, ctx.args)
+    cfg = load_config(config, ctx.args, command_options(ctx))
     # The checks every entry point and every rank runs: the plan, then the world around the
     # config (data files, output_dir, LoRA targets).
     cfg, plan = check_run(cfg, "validate", nproc_per_node, nnodes, overrides=list(ctx.args),
@@ -258,7 +263,7 @@ def preprocess(
     from longctx_cli.config import load_config
     from longctx_cli.data.prepare import prepare
 
-    cfg = load_config(config, ctx.args)
+    cfg = load_config(config, ctx.args, command_options(ctx))
     prepared = prepare(cfg, force=force)
     console = Console()
     console.print(prepared.report.render())
