@@ -187,10 +187,11 @@ def validate(
 ) -> None:
     """Print the plan, or a UserError naming the key to fix."""
     from longctx_cli.config import load_config
-    from longctx_cli.config.fit import fit_report, parse_memory_size
+    from longctx_cli.config.fit import fit_report, judge_fit, parse_memory_size, target_memory
     from longctx_cli.preflight import check_run
 
-    limit = parse_memory_size(memory_per_rank) if memory_per_rank is not None else None
+    if memory_per_rank is not None:
+        parse_memory_size(memory_per_rank)  # a bad size is refused before anything is read
     cfg = load_config(config, ctx.args, command_options(ctx))
     # The checks every entry point and every rank runs: the plan, then the world around the
     # config (data files, output_dir, LoRA targets).
@@ -198,8 +199,12 @@ def validate(
                           assume_gpu=True)
     console = Console()
     console.print(plan.to_table())
-    if limit is not None:
-        console.print("\n".join(fit_report(cfg, plan, limit)), markup=False)
+    target = target_memory(cfg, memory_per_rank)
+    if memory_per_rank is not None and target is not None:
+        console.print("\n".join(fit_report(cfg, plan, target.bytes)), markup=False)
+    fit = judge_fit(cfg, plan, target) if target is not None else None
+    if fit is not None:
+        console.print(fit, markup=False, highlight=False)
     mixing = _token_mixing(cfg, plan)
     if mixing:
         console.print(f"token mixing: {mixing}", markup=False, highlight=False)
@@ -207,6 +212,10 @@ def validate(
     console.print(f"fidelity probe: {_fidelity(cfg, plan.model, console)}", markup=False,
                   highlight=False)
     console.print("[green]valid[/]")
+    if fit is None:  # the last line says what "valid" did not cover
+        console.print("fit not judged: no target memory per rank (give `--memory-per-rank "
+                      "80GiB` or `memory_per_rank` in the config, or run on the GPUs)",
+                      markup=False, highlight=False)
 
 
 def _token_mixing(cfg: Any, plan: Any) -> str | None:
