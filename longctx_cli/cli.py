@@ -199,6 +199,10 @@ def validate(
                           assume_gpu=True)
     console = Console()
     console.print(plan.to_table())
+    from longctx_cli.data.check import check_data
+
+    for line in check_data(cfg):  # the records, read as preprocess reads them
+        console.print(f"data: {line}", markup=False, highlight=False)
     target = target_memory(cfg, memory_per_rank)
     if memory_per_rank is not None and target is not None:
         console.print("\n".join(fit_report(cfg, plan, target.bytes)), markup=False)

@@ -383,17 +383,7 @@ def _tokenized(
     if len(records) == 0:
         raise load.empty_error(source)
     spec = format_spec(entry, config, tok)
-    missing = [c for c in spec.columns if c not in records.column_names]
-    if missing:
-        key = {"chat_template": "field_messages", "completion": "field",
-               "pretrain": "field"}.get(entry.type)
-        raise UserError(
-            f"has no field {missing[0]!r} (fields: {', '.join(records.column_names)}).",
-            where=source.label,
-            fix=(f"set `{key}:` in this dataset entry to the column that holds the "
-                 + ("conversation." if key == "field_messages" else "text.")) if key else
-            f"a `{entry.type}` dataset needs the columns {', '.join(spec.columns)}.",
-        )
+    check_columns(entry, spec, records.column_names, source.label)
     where = RecordWhere(source, None)
     if entry.shards is not None:
         # A seeded shuffle, then one contiguous shard, kept in file order.
@@ -469,6 +459,32 @@ def format_spec(
     return spec
 
 
+def check_columns(entry: DatasetConfig, spec: formats.FormatSpec, columns: list[str],
+                  label: str) -> None:
+    """The records have the fields the entry's format reads."""
+    missing = [c for c in spec.columns if c not in columns]
+    if missing:
+        key = {"chat_template": "field_messages", "completion": "field",
+               "pretrain": "field"}.get(entry.type)
+        raise UserError(
+            f"has no field {missing[0]!r} (fields: {', '.join(columns)}).",
+            where=label,
+            fix=(f"set `{key}:` in this dataset entry to the column that holds the "
+                 + ("conversation." if key == "field_messages" else "text.")) if key else
+            f"a `{entry.type}` dataset needs the columns {', '.join(spec.columns)}.",
+        )
+
+
+def too_long_error(length: int, limit: int, count: str, where: str) -> UserError:
+    """A sample over sequence_len under `excess_length_strategy: error`; `count` says how
+    many of the dataset's are."""
+    return UserError(
+        f"a sample is {length:,} tokens long, more than sequence_len ({limit:,}); {count}.",
+        where=where,
+        fix="raise `sequence_len`, or set `excess_length_strategy: drop` or `truncate`.",
+    )
+
+
 @dataclass
 class RecordWhere:
     """`file:line` of the i-th record the tokenizer sees (through a shard's selection)."""
@@ -512,12 +528,8 @@ def _apply_length_rules(
     if stats.too_long and config.data.excess_length_strategy == "error":
         first = int(np.argmax(too_long))
         where = source.where(first) if source else f"passkey sample {first + 1}"
-        raise UserError(
-            f"a sample is {int(lengths[first]):,} tokens long, more than sequence_len "
-            f"({limit:,}); {stats.too_long} samples of this dataset are.",
-            where=where,
-            fix="raise `sequence_len`, or set `excess_length_strategy: drop` or `truncate`.",
-        )
+        raise too_long_error(int(lengths[first]), limit,
+                             f"{stats.too_long} samples of this dataset are", where)
     keep = ~empty
     if stats.too_long and config.data.excess_length_strategy == "drop":
         keep &= ~too_long
