@@ -97,6 +97,8 @@ class Plan:
     attention_buffers_by_ring: tuple[tuple[str, int], ...] = ()
     ring_reason: str = ""  # why that ring (printed next to it): a config key or the default
     vision: tuple[tuple[str, str], ...] = ()  # a vision-language model's tower rows
+    # `auto` planned on a machine without CUDA: the kernel the ranks run on CUDA GPUs.
+    kernel_on_gpus: str = ""
 
     def to_table(self) -> Table:
         """The plan as a rich Table (what `longctx validate` prints)."""
@@ -147,7 +149,9 @@ class Plan:
                 ("heads_k_stride", str(lay.heads_k_stride)
                  if lay.ring > 1 and lay.ring_attn_func == "varlen_llama3" else "-"),
                 ("sharding", lay.sharding if lay.sp > 1 else "none (sp = 1)"),
-                ("attention kernel", f"{lay.kernel} ({lay.kernel_reason})"),
+                ("attention kernel", f"{lay.kernel} ({lay.kernel_reason})" + (
+                    f"; on the run's CUDA GPUs the ranks run {self.kernel_on_gpus}"
+                    if self.kernel_on_gpus else "")),
                 ("fsdp", self.fsdp_detail),
             ]),
             ("training", list(self.training)),
@@ -187,12 +191,23 @@ def _training_rows(config: Config) -> tuple[tuple[str, str], ...]:
         ("precision", model.dtype + (", tf32 matmuls" if model.tf32 else "")),
         *adapter_rows(config.lora, model.dtype),
         ("checkpoints", config.output.save_text()),
-        ("eval loss" + (" + rewards" if config.objective.rl else ""),
-         config.eval.cadence_text()),
+        ("eval loss" + (" + rewards" if config.objective.rl else ""), _eval_text(config)),
         *stop_rows(config.training),
         ("logging", config.output.trackers_text()),
     ]
     return tuple(rows)
+
+
+def _eval_text(config: Config) -> str:
+    """When the eval loss is computed; eval data that is never evaluated is said so."""
+    cadence = config.eval.cadence_text()
+    held = ("`eval_datasets`" if config.data.eval_datasets else
+            f"`val_set_size: {config.data.val_set_size:g}` (rows held out of training)"
+            if config.data.val_set_size else "")
+    if cadence not in ("none", "never") or not held:
+        return cadence
+    return (f"{cadence}: {held} is never evaluated; set `eval_steps` or `evals_per_epoch` to "
+            "evaluate it")
 
 
 def layout_for(
@@ -265,13 +280,14 @@ def build_plan(
     platform = platform or Platform.detect()
     requested = parallel.attention_kernel
     assumed: list[str] = []
-    if assume_gpu and not platform.cuda and requested == "flash":
+    if assume_gpu and not platform.cuda and requested in ("flash", "torch_flash"):
         # A login node plans a GPU job: plan it for the GPU machine and say so.
         assumed.append(
             "this machine has no CUDA GPU; the plan assumes the run's machines have Ampere or "
-            "newer CUDA GPUs with flash-attn 2 and ring-flash-attn installed (docs/gpu.md)."
+            "newer CUDA GPUs" + (" with flash-attn 2 and ring-flash-attn installed"
+                                 if requested == "flash" else "") + " (docs/gpu.md)."
         )
-        platform = Platform(cuda=True, ring_flash_attn=True)
+        platform = Platform(cuda=True, ring_flash_attn=requested == "flash")
     elif assume_gpu and not platform.cuda and requested in ("cudnn", "fa4"):
         # Kernels for Hopper and newer: plan for one, with the cuDNN torch 2.13 bundles.
         assumed.append(
@@ -282,6 +298,7 @@ def build_plan(
         platform = Platform(cuda=True, ring_flash_attn=False, capability=(9, 0),
                             cudnn_version=91800, fa4=requested == "fa4")
     layout = layout_for(config, world_size, platform, world_source, shape)
+    on_gpus = ""
     if not assumed and not platform.cuda and requested == "auto":
         # The same decision on a GPU machine, without and with flash-attn.
         bare, full = (layout_for(config, world_size, Platform(cuda=True, ring_flash_attn=has),
@@ -292,6 +309,7 @@ def build_plan(
             + ("" if full == bare else f", or {full} with flash-attn installed")
             + " (same attention)."
         )
+        on_gpus = bare + ("" if full == bare else f" ({full} with flash-attn installed)")
     check_heads(layout, shape)  # SP works on the heads TP left on the rank
     check_query_position_scaling(shape, layout, data.sequence_len, training.micro_batch_size,
                                  data.sample_packing)
@@ -304,7 +322,8 @@ def build_plan(
         tiled_scores=tiled,
     )
     tower = check_vision(config.vision, shape.hf_config, layout,
-                         streamed=bool(data.pretraining_dataset), rl=config.objective.rl)
+                         streamed=bool(data.pretraining_dataset), rl=config.objective.rl,
+                         model_type=shape.model_type)
     vision_rows: tuple[tuple[str, str], ...] = ()
     if tower is not None:
         run = TowerRun(dtype=model.dtype, frozen=config.vision.freeze_mm_modules,
@@ -354,6 +373,7 @@ def build_plan(
         fsdp_detail=fsdp_detail(parallel, layout),
         axolotl=tuple(config.axolotl_notes),
         assumed=tuple(assumed),
+        kernel_on_gpus=on_gpus,
         attention_buffers_by_ring=_buffers_by_ring(config, shape, layout),
         ring_reason=ring_reason(parallel.sequence_parallel_mode, parallel.tensor_parallel_size,
                                 parallel.ring_attn_func is not None, parallel.stride_given,

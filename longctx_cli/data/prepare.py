@@ -162,7 +162,8 @@ def _build(
     work = tmp / cache.SCRATCH_DIR
     work.mkdir()
     report = PrepareReport(config.data.sequence_len, config.data.sample_packing,
-                           config.data.excess_length_strategy, vision=vp is not None)
+                           config.data.excess_length_strategy, vision=vp is not None,
+                           sequential=config.data.sample_packing_sequentially)
     if config.objective.rl == "grpo":  # prompts to roll out, not packed rows
         from longctx_cli.data.prompts import prompt_rows
 
