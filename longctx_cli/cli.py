@@ -156,9 +156,11 @@ def _root(
     cls=_Command,
     help="Check a config against the world size and the model, and print the resolved plan."
     "\n\nThe plan shows the data x sequence parallel layout, the ring and why, tokens per "
-    "rank, the attention kernel and a rough per-rank memory estimate. Nothing is trained and "
+    "rank, the attention kernel and a rough per-rank memory estimate, judged against the "
+    "target's memory per rank when one is known. Nothing is trained and "
     "no weights are downloaded: the model's config is read (a few well-known models work "
-    "offline from a built-in table), local data files must exist and hold records, "
+    "offline from a built-in table), the first records of local data files are read as "
+    "preprocess reads them, "
     "output_dir must be writable and LoRA targets must exist in the model. Then the fidelity "
     "probe compares the loss and gradients of a tiny random model of the same family under "
     "longctx with the model's own forward (seconds)."
@@ -179,8 +181,9 @@ def validate(
         str | None,
         typer.Option(
             "--memory-per-rank",
-            help="Also answer: the smallest sequence_parallel_degree whose estimate fits in "
-            "this much memory per rank (e.g. 80GiB, 24GB).",
+            help="The target's memory per rank (e.g. 80GiB, 24GB): the plan must fit in it, "
+            "and the smallest sequence_parallel_degree that fits is reported. Default: "
+            "`memory_per_rank` in the config, else this machine's GPUs.",
             show_default=False,
         ),
     ] = None,
