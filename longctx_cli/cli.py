@@ -107,6 +107,11 @@ NnodesOpt = Annotated[
 ]
 
 
+def command_options(ctx: typer.Context) -> list[str]:
+    """The long options of the running command (`--nproc-per-node`, ...)."""
+    return [o for param in ctx.command.params for o in param.opts if o.startswith("--")]
+
+
 def _interrupted() -> None:
     print_interrupted()
     sys.exit(130)
@@ -151,9 +156,11 @@ def _root(
     cls=_Command,
     help="Check a config against the world size and the model, and print the resolved plan."
     "\n\nThe plan shows the data x sequence parallel layout, the ring and why, tokens per "
-    "rank, the attention kernel and a rough per-rank memory estimate. Nothing is trained and "
+    "rank, the attention kernel and a rough per-rank memory estimate, judged against the "
+    "target's memory per rank when one is known. Nothing is trained and "
     "no weights are downloaded: the model's config is read (a few well-known models work "
-    "offline from a built-in table), local data files must exist and hold records, "
+    "offline from a built-in table), the first records of local data files are read as "
+    "preprocess reads them, "
     "output_dir must be writable and LoRA targets must exist in the model. Then the fidelity "
     "probe compares the loss and gradients of a tiny random model of the same family under "
     "longctx with the model's own forward (seconds)."
@@ -174,27 +181,37 @@ def validate(
         str | None,
         typer.Option(
             "--memory-per-rank",
-            help="Also answer: the smallest sequence_parallel_degree whose estimate fits in "
-            "this much memory per rank (e.g. 80GiB, 24GB).",
+            help="The target's memory per rank (e.g. 80GiB, 24GB): the plan must fit in it, "
+            "and the smallest sequence_parallel_degree that fits is reported. Default: "
+            "`memory_per_rank` in the config, else this machine's GPUs.",
             show_default=False,
         ),
     ] = None,
 ) -> None:
     """Print the plan, or a UserError naming the key to fix."""
     from longctx_cli.config import load_config
-    from longctx_cli.config.fit import fit_report, parse_memory_size
+    from longctx_cli.config.fit import fit_report, judge_fit, parse_memory_size, target_memory
     from longctx_cli.preflight import check_run
 
-    limit = parse_memory_size(memory_per_rank) if memory_per_rank is not None else None
-    cfg = load_config(config, ctx.args)
+    if memory_per_rank is not None:
+        parse_memory_size(memory_per_rank)  # a bad size is refused before anything is read
+    cfg = load_config(config, ctx.args, command_options(ctx))
     # The checks every entry point and every rank runs: the plan, then the world around the
     # config (data files, output_dir, LoRA targets).
     cfg, plan = check_run(cfg, "validate", nproc_per_node, nnodes, overrides=list(ctx.args),
                           assume_gpu=True)
     console = Console()
     console.print(plan.to_table())
-    if limit is not None:
-        console.print("\n".join(fit_report(cfg, plan, limit)), markup=False)
+    from longctx_cli.data.check import check_data
+
+    for line in check_data(cfg):  # the records, read as preprocess reads them
+        console.print(f"data: {line}", markup=False, highlight=False)
+    target = target_memory(cfg, memory_per_rank)
+    if memory_per_rank is not None and target is not None:
+        console.print("\n".join(fit_report(cfg, plan, target.bytes)), markup=False)
+    fit = judge_fit(cfg, plan, target) if target is not None else None
+    if fit is not None:
+        console.print(fit, markup=False, highlight=False)
     mixing = _token_mixing(cfg, plan)
     if mixing:
         console.print(f"token mixing: {mixing}", markup=False, highlight=False)
@@ -202,6 +219,10 @@ def validate(
     console.print(f"fidelity probe: {_fidelity(cfg, plan.model, console)}", markup=False,
                   highlight=False)
     console.print("[green]valid[/]")
+    if fit is None:  # the last line says what "valid" did not cover
+        console.print("fit not judged: no target memory per rank (give `--memory-per-rank "
+                      "80GiB` or `memory_per_rank` in the config, or run on the GPUs)",
+                      markup=False, highlight=False)
 
 
 def _token_mixing(cfg: Any, plan: Any) -> str | None:
@@ -258,7 +279,7 @@ def preprocess(
     from longctx_cli.config import load_config
     from longctx_cli.data.prepare import prepare
 
-    cfg = load_config(config, ctx.args)
+    cfg = load_config(config, ctx.args, command_options(ctx))
     prepared = prepare(cfg, force=force)
     console = Console()
     console.print(prepared.report.render())

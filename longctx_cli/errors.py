@@ -12,9 +12,10 @@ class UserError(Exception):
 
     exit_code = 2
 
-    def __init__(self, message: str, *, where: str | None = None, fix: str | None = None):
-        self.where = where
-        self.fix = fix
+    def __init__(self, message: str, *, where: str | None = None, fix: str | None = None,
+                 key: str | None = None):
+        self.message, self.where, self.fix = message, where, fix
+        self.key = key  # the config key whose value is wrong, where one is (fixes re-checked)
         parts = [f"{where}: {message}" if where else message]
         if fix:
             parts.append(f"Fix: {fix}")

@@ -36,7 +36,8 @@ def _notes(data: dict) -> dict[str, str]:
 
 
 def test_unknown_key_is_a_listed_warning_and_a_near_miss_an_error() -> None:
-    assert "not a key longctx knows" in _notes({"my_team_tag": "x"})["my_team_tag"]
+    assert "not a key longctx knows" in _notes({"strict": False,
+                                                "my_team_tag": "x"})["my_team_tag"]
     msg = _error({"learning_rat": 1e-4})
     assert "unknown key `learning_rat`; did you mean `learning_rate`?" in msg
     assert msg.count("learning_rat`") == 1
@@ -47,7 +48,7 @@ def test_other_tools_keys_that_share_words_with_ours_are_not_typos() -> None:
     # "did you mean `fused_attn_kernel`".
     theirs = {"use_scattermoe": True, "liger_rms_norm_gated": True, "use_swanlab": False,
               "tokenizer_use_mistral_common": True, "expert_parallel_size": 2}
-    notes = _notes(theirs)
+    notes = _notes({"strict": False, **theirs})
     assert all("not a key longctx knows" in notes[k] for k in theirs), notes
     # One letter added (a typo in one of Axolotl's own examples), one swapped, one dropped.
     for typo, key in (("context_parapllel_size", "context_parallel_size"),
@@ -69,7 +70,8 @@ def test_strict_makes_every_unknown_key_an_error(tmp_path: Path) -> None:
     msg = _error({"strict": True, "my_team_tag": "x"})
     assert "unknown key `my_team_tag`" in msg and "strict: true" in msg
     path = tmp_path / "c.yaml"
-    path.write_text("model_config: {model_type: llama}\ntokenizer: byte\nmy_team_tag: x\n")
+    path.write_text("model_config: {model_type: llama}\ntokenizer: byte\nstrict: false\n"
+                    "my_team_tag: x\n")
     assert "my_team_tag" in dict(load_config(path).axolotl_notes)
     with pytest.raises(UserError, match="unknown key `my_team_tag`"):
         load_config(path, ["--strict"])
@@ -77,7 +79,7 @@ def test_strict_makes_every_unknown_key_an_error(tmp_path: Path) -> None:
 
 def test_unknown_dataset_key_is_listed_once_or_refused_when_near(tmp_path: Path) -> None:
     entry = {"path": "d.jsonl", "type": "completion", "team_note": "x"}
-    notes = _notes({"datasets": [entry]})
+    notes = _notes({"strict": False, "datasets": [entry]})
     assert "not a key longctx knows" in notes["datasets[0].team_note"]
     msg = _error({"datasets": [{"path": "d.jsonl", "type": "completion", "feild": "text"}]})
     assert msg.count("unknown key `datasets[0].feild`; did you mean `field`?") == 1

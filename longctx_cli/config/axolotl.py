@@ -269,7 +269,9 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "low_cpu_mem_usage": Rule("ignored", _MEMORY),
     "device_map": Rule("ignored", "each rank places the whole model on its own device"),
     "max_memory": Rule("ignored", "each rank places the whole model on its own device"),
-    "gpu_memory_limit": Rule("ignored", "each rank places the whole model on its own device"),
+    "gpu_memory_limit": Rule("mapped", "the memory `validate` judges the plan's fit against",
+                             "memory_per_rank", lambda v, _: ({"memory_per_rank": v},
+                                                              f"memory_per_rank: {v}")),
     "use_kernels": Rule("ignored", _KERNEL),
     "processor_kwargs": Rule("refused", "set the image processor's options in its own "
                              "preprocessor_config.json"),

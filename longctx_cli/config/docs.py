@@ -27,9 +27,10 @@ HEADER = """\
 <!-- Generated from longctx_cli/config/sections/ by
      `python -m longctx_cli.config.docs > docs/config.md`; do not edit by hand. -->
 
-A config is one flat YAML mapping. An unknown key one or two letters away from a known one
-is an error with a "did you mean" suggestion; any other unknown key (another tool's) is listed
-in the plan as ignored, or is an error under `strict: true` / `--strict`.
+A config is one flat YAML mapping. A key that is neither longctx's nor one of the Axolotl keys
+[axolotl.md](axolotl.md) lists is an error naming the nearest known keys; with `strict: false`
+it is listed in the plan as ignored instead, unless it is a typo of a known key (one or two
+letters away, or its start cut short): that is always an error with a "did you mean".
 `longctx validate CONFIG` checks a config against the world size and the model and prints the
 resolved plan; see [cli.md](cli.md).
 """
@@ -157,11 +158,13 @@ An Axolotl config is read as it is. Each Axolotl key is one of:
 - **refused**: it would change the math or the task and longctx cannot honour it; an error
   unless it is off (null, false, empty).
 
-Any other key is listed in the plan as ignored (newer Axolotl releases and plugins add keys
-faster than any table), unless it is a known rename (older Axolotl or other trainers' names,
-below) or one or two letters away from a known key: then it is an error with the suggestion.
-`strict: true` (or `--strict`) makes every unknown key an error. Every problem of a file is
-reported at once, each at `file:line:col`.
+Any other key is an error naming the nearest known keys. A config that asks for leniency
+with `strict: false` (as Axolotl's own examples do) has such keys listed in the plan as
+ignored (newer Axolotl releases and plugins add keys faster than any table), unless it is a
+known rename (older Axolotl or other trainers' names, below) or a typo of a known key (one or
+two letters away, or its start cut short): then it is an error with the suggestion. A
+command-line flag that is neither an option of the command nor a key is always an error.
+Every problem of a file is reported at once, each at `file:line:col`.
 Dataset keys (`type: alpaca`, `chat_template`, ...) are described in [data.md](data.md).
 A key written with no value (`fp16:`, `deepspeed:`, as Axolotl's templates leave many) is not
 set: its default applies. The one exception is `max_grad_norm:`, whose empty value means no

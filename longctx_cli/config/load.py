@@ -9,6 +9,7 @@ translated here, through the table in axolotl.py, and remembered for the plan.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,14 +105,31 @@ def known_keys(model: type[BaseModel]) -> list[str]:
 
 def near_misses(key: str, known: list[str]) -> list[str]:
     """Known keys `key` is a typo of: one edit away (a letter added, dropped, changed or two
-    swapped), two for keys of 8 letters or more; closest first.
+    swapped), two for keys of 8 letters or more, or the start of a longer key cut short
+    (`gradient_checkpoint`); closest first.
 
-    A looser match (shared words, a common prefix) takes other tools' real keys for typos:
-    `use_scattermoe` is not a misspelt `fused_attn_kernel`, nor `liger_rms_norm_gated` one of
-    `liger_rms_norm`; those are listed as ignored instead."""
+    A looser match (shared words, a key of ours that starts another tool's key) takes other
+    tools' real keys for typos: `use_scattermoe` is not a misspelt `fused_attn_kernel`, nor
+    `liger_rms_norm_gated` one of `liger_rms_norm`; those are unknown keys instead."""
     limit = 2 if len(key) >= 8 else 1
     scored = sorted((d, k) for k in known if (d := _edit_distance(key, k, limit)) <= limit)
-    return [k for _, k in scored]
+    cut_short = sorted((len(k), k) for k in known if _cut_short(key, k))
+    return list(dict.fromkeys([k for _, k in scored] + [k for _, k in cut_short]))
+
+
+def _cut_short(key: str, known: str) -> bool:
+    """`key` is most of `known`, its end missing (8 letters or more, at least 3/4 of it)."""
+    return (len(key) >= 8 and len(key) < len(known) and 4 * len(key) >= 3 * len(known)
+            and known.startswith(key))
+
+
+def nearest_keys(key: str, known: list[str], n: int = 3) -> list[str]:
+    """The known keys most like `key` (typos first, then by similarity), for the message of
+    an unknown key that is not a typo of one."""
+    import difflib
+
+    return list(dict.fromkeys([*near_misses(key, known),
+                               *difflib.get_close_matches(key, known, n=n, cutoff=0.6)]))[:n]
 
 
 def _edit_distance(a: str, b: str, limit: int) -> int:
@@ -133,25 +151,30 @@ def _edit_distance(a: str, b: str, limit: int) -> int:
 
 
 def _unknown(key: str, known: list[str], path: str, where: str,
-             strict: bool = True) -> Problem | None:
+             strict: bool | None = None) -> Problem | None:
     """The problem an unknown key is: a near-miss of a known key (a typo, or an Axolotl key
-    longctx names differently) always, any other only under `strict: true`; None: a key
-    of some other tool, which the caller lists in the plan as ignored."""
+    longctx names differently) always, any other unless the config asks for leniency
+    (`strict: false`); None: a key the caller lists in the plan as ignored."""
     renames = {} if path else axolotl.RENAMES  # top-level names of other tools
     close = near_misses(key, [*known, *renames])  # a typo of a rename suggests its target
     rename = renames.get(key) or next(iter(close), None)
     if rename is not None:
         hint = f"did you mean `{renames.get(rename, rename)}`?"
         return Problem(where, f"unknown key `{path}{key}`; {hint}", "rename or remove it.")
-    if not strict:
+    if strict is False:
         return None
-    return Problem(where, f"unknown key `{path}{key}` (`strict: true` makes every unknown key "
-                   "an error); see docs/config.md for the keys.",
-                   "rename or remove it, or set `strict: false` to have it listed as ignored.")
+    nearest = nearest_keys(key, known)
+    like = ("; the nearest known keys are " + ", ".join(f"`{k}`" for k in nearest)
+            if nearest else "")
+    under = " (`strict: true`)" if strict is True else ""
+    return Problem(where, f"unknown key `{path}{key}`{under}: neither a longctx key nor one of "
+                   f"the Axolotl keys docs/axolotl.md lists{like}.",
+                   "rename or remove it (docs/config.md lists the keys), or set `strict: false` "
+                   "to have unknown keys listed in the plan as ignored.")
 
 
-UNKNOWN_NOTE = ("ignored: not a key longctx knows (`strict: true` or --strict makes "
-                "unknown keys errors)")
+UNKNOWN_NOTE = ("ignored (`strict: false`): not a key longctx knows; without `strict: false` "
+                "it is an error")
 
 
 # ---- Axolotl translation ------------------------------------------------------------------
@@ -166,7 +189,7 @@ def _translate(
     """Our keys, the plan's notes on Axolotl keys, and `our key -> the Axolotl key it came from`."""
     known = known_keys(Config)
     everything = sorted(set(known) | set(axolotl.AXOLOTL_KEYS))
-    strict = data.get("strict") is True
+    strict = data.get("strict")
     out: dict[str, Any] = {}
     notes: list[tuple[str, str]] = []
     produced: dict[str, str] = {}
@@ -252,7 +275,7 @@ def _dataset_keys(data: dict[str, Any], locations: _Locations, problems: list[Pr
     """Report unknown keys of dataset entries (or list them as ignored, see `_unknown`);
     drop their empty keys (not set, as above)."""
     known = known_keys(DatasetConfig)
-    strict = data.get("strict") is True
+    strict = data.get("strict")
     for list_key in ("datasets", "eval_datasets"):
         entries = data.get(list_key)
         if not isinstance(entries, list):
@@ -365,6 +388,25 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any, str]]:
     return out
 
 
+def _not_a_key(key: str, where: str, options: Sequence[str]) -> Problem | None:
+    """The problem an override is that names no config key (longctx's or Axolotl's) and is
+    no typo of one (those are reported as the file's are), with the command's options and
+    the keys it is most like."""
+    known = sorted(set(known_keys(Config)) | set(axolotl.AXOLOTL_KEYS))
+    if key in known:
+        return None
+    names = [o.removeprefix("--").replace("-", "_") for o in options]
+    flags = [*near_misses(key, names), *(o for o in names if o.startswith(key))]  # --nproc
+    if not flags and (key in axolotl.RENAMES or near_misses(key, [*known, *axolotl.RENAMES])):
+        return None  # a typo of a key: "did you mean" below
+    like = [f"`--{o.replace('_', '-')}` (an option)" for o in dict.fromkeys(flags)]
+    like += [f"`--{k.replace('_', '-')}` (the key `{k}`)" for k in nearest_keys(key, known)]
+    return Problem(where, f"`--{key.replace('_', '-')}` is neither an option of this command "
+                   "nor a config key" + (f"; did you mean {' or '.join(like[:3])}?" if like
+                                         else "."),
+                   "correct it (`--help` lists the command's options, docs/config.md the keys).")
+
+
 def config_from_dict(
     data: Any,
     where: str = "config",
@@ -399,9 +441,11 @@ def config_from_dict(
     return config
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | Path, overrides: list[str] | None = None,
+                options: Sequence[str] = ()) -> Config:
     """Load and validate a YAML config file (safe_load only), then apply command-line
-    overrides (`--key value`), validated like the file."""
+    overrides (`--key value`), validated like the file. `options`: the command's own flags
+    (`--nproc-per-node`), offered when an override is neither one of them nor a config key."""
     path = Path(path)
     if not path.is_file():
         raise UserError(
@@ -451,6 +495,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         in_file = set(data)
         strict = data.get("strict") is True
         for key, value, where in parse_overrides(overrides):
+            if (problem := _not_a_key(key, where, options)) is not None:
+                problems.append(problem)  # a mistyped flag is never read as a config key
+                continue
             if key == "strict":
                 strict = value is True
             if strict and key not in in_file and key != "strict":

@@ -59,7 +59,8 @@ from longctx_cli.config.sections.vision import plan_rows as vision_plan_rows
 from longctx_cli.config.shape import ModelShape
 from longctx_cli.config.units import DTYPE_BYTES, format_count, format_gib
 from longctx_cli.config.world import Platform, resolve_world
-from longctx_cli.layout import Layout, ring_reason
+from longctx_cli.errors import UserError
+from longctx_cli.layout import CONCRETE_KERNELS, MODES, SHARDINGS, Layout, ring_reason
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -96,6 +97,8 @@ class Plan:
     attention_buffers_by_ring: tuple[tuple[str, int], ...] = ()
     ring_reason: str = ""  # why that ring (printed next to it): a config key or the default
     vision: tuple[tuple[str, str], ...] = ()  # a vision-language model's tower rows
+    # `auto` planned on a machine without CUDA: the kernel the ranks run on CUDA GPUs.
+    kernel_on_gpus: str = ""
 
     def _head_chunk_rows(self) -> list[tuple[str, str]]:
         """Ulysses: the head chunks and what one chunk's head-layout tensor holds."""
@@ -161,7 +164,9 @@ class Plan:
                  if lay.ring > 1 and lay.ring_attn_func == "varlen_llama3" else "-"),
                 *self._head_chunk_rows(),
                 ("sharding", lay.sharding if lay.sp > 1 else "none (sp = 1)"),
-                ("attention kernel", f"{lay.kernel} ({lay.kernel_reason})"),
+                ("attention kernel", f"{lay.kernel} ({lay.kernel_reason})" + (
+                    f"; on the run's CUDA GPUs the ranks run {self.kernel_on_gpus}"
+                    if self.kernel_on_gpus else "")),
                 ("fsdp", self.fsdp_detail),
             ]),
             ("training", list(self.training)),
@@ -201,12 +206,23 @@ def _training_rows(config: Config) -> tuple[tuple[str, str], ...]:
         ("precision", model.dtype + (", tf32 matmuls" if model.tf32 else "")),
         *adapter_rows(config.lora, model.dtype),
         ("checkpoints", config.output.save_text()),
-        ("eval loss" + (" + rewards" if config.objective.rl else ""),
-         config.eval.cadence_text()),
+        ("eval loss" + (" + rewards" if config.objective.rl else ""), _eval_text(config)),
         *stop_rows(config.training),
         ("logging", config.output.trackers_text()),
     ]
     return tuple(rows)
+
+
+def _eval_text(config: Config) -> str:
+    """When the eval loss is computed; eval data that is never evaluated is said so."""
+    cadence = config.eval.cadence_text()
+    held = ("`eval_datasets`" if config.data.eval_datasets else
+            f"`val_set_size: {config.data.val_set_size:g}` (rows held out of training)"
+            if config.data.val_set_size else "")
+    if cadence not in ("none", "never") or not held:
+        return cadence
+    return (f"{cadence}: {held} is never evaluated; set `eval_steps` or `evals_per_epoch` to "
+            "evaluate it")
 
 
 def layout_for(
@@ -280,13 +296,14 @@ def build_plan(
     platform = platform or Platform.detect()
     requested = parallel.attention_kernel
     assumed: list[str] = []
-    if assume_gpu and not platform.cuda and requested == "flash":
+    if assume_gpu and not platform.cuda and requested in ("flash", "torch_flash"):
         # A login node plans a GPU job: plan it for the GPU machine and say so.
         assumed.append(
             "this machine has no CUDA GPU; the plan assumes the run's machines have Ampere or "
-            "newer CUDA GPUs with flash-attn 2 and ring-flash-attn installed (docs/gpu.md)."
+            "newer CUDA GPUs" + (" with flash-attn 2 and ring-flash-attn installed"
+                                 if requested == "flash" else "") + " (docs/gpu.md)."
         )
-        platform = Platform(cuda=True, ring_flash_attn=True)
+        platform = Platform(cuda=True, ring_flash_attn=requested == "flash")
     elif assume_gpu and not platform.cuda and requested in ("cudnn", "fa4"):
         # Kernels for Hopper and newer: plan for one, with the cuDNN torch 2.13 bundles.
         assumed.append(
@@ -297,6 +314,7 @@ def build_plan(
         platform = Platform(cuda=True, ring_flash_attn=False, capability=(9, 0),
                             cudnn_version=91800, fa4=requested == "fa4")
     layout = layout_for(config, world_size, platform, world_source, shape)
+    on_gpus = ""
     if not assumed and not platform.cuda and requested == "auto":
         # The same decision on a GPU machine, without and with flash-attn.
         bare, full = (layout_for(config, world_size, Platform(cuda=True, ring_flash_attn=has),
@@ -307,6 +325,7 @@ def build_plan(
             + ("" if full == bare else f", or {full} with flash-attn installed")
             + " (same attention)."
         )
+        on_gpus = bare + ("" if full == bare else f" ({full} with flash-attn installed)")
     check_heads(layout, shape)  # SP works on the heads TP left on the rank
     check_query_position_scaling(shape, layout, data.sequence_len, training.micro_batch_size,
                                  data.sample_packing)
@@ -319,7 +338,8 @@ def build_plan(
         tiled_scores=tiled,
     )
     tower = check_vision(config.vision, shape.hf_config, layout,
-                         streamed=bool(data.pretraining_dataset), rl=config.objective.rl)
+                         streamed=bool(data.pretraining_dataset), rl=config.objective.rl,
+                         model_type=shape.model_type)
     vision_rows: tuple[tuple[str, str], ...] = ()
     if tower is not None:
         run = TowerRun(dtype=model.dtype, frozen=config.vision.freeze_mm_modules,
@@ -369,6 +389,7 @@ def build_plan(
         fsdp_detail=fsdp_detail(parallel, layout),
         axolotl=tuple(config.axolotl_notes),
         assumed=tuple(assumed),
+        kernel_on_gpus=on_gpus,
         attention_buffers_by_ring=_buffers_by_ring(config, shape, layout),
         ring_reason=ring_reason(parallel.sequence_parallel_mode, parallel.tensor_parallel_size,
                                 parallel.ring_attn_func is not None, parallel.stride_given,
@@ -397,9 +418,138 @@ def plan_for(
     config), read the model once, and apply every rule on this machine. `validate`, every
     launcher and every rank build their plan here (through `preflight.check_run`).
 
-    `assume_gpu` (`validate` on a login node): a flash kernel is planned for a CUDA machine."""
+    A broken rule's fix is re-checked before it is printed (`recheck_fix`: the values of its
+    key that pass every rule here), and the plan goes on with the first of them to find the
+    config's other problems: all of them come in one UserError.
+
+    `assume_gpu` (`validate` on a login node): a GPU kernel is planned for a CUDA machine."""
     world, source = resolve_world(config, nproc_per_node, nnodes)
-    check_without_model(config, world, source)  # fail fast, before transformers is imported
-    shape = read_model_config(config)
-    return build_plan(config, world, shape, nproc_per_node=nproc_per_node, world_source=source,
-                      assume_gpu=assume_gpu)
+    problems: list[UserError] = []
+    shape: ModelShape | None = None
+    trial = config
+    for _ in range(_MOST_PROBLEMS):
+        try:
+            check_without_model(trial, world, source)  # fail fast, before transformers
+            shape = shape or read_model_config(config)  # the keys tried do not change it
+            plan = build_plan(trial, world, shape, nproc_per_node=nproc_per_node,
+                              world_source=source, assume_gpu=assume_gpu)
+        except UserError as error:
+            checked, fixed = recheck_fix(error, trial, world, source, shape, nproc_per_node,
+                                         assume_gpu)
+            problems.append(checked)
+            if fixed is None:
+                break
+            trial = fixed
+            continue
+        if not problems:
+            return plan
+        break
+    if len(problems) == 1:
+        raise problems[0]
+    raise UserError("\n".join([f"{len(problems)} problems in the plan (each found with the "
+                               "fixes before it taken):",
+                               *(f"  {p}" for p in problems)]))
+
+
+_MOST_PROBLEMS = 6  # a plan reports at most this many problems at once
+
+
+def _candidates(key: str, config: Config, world: int, shape: ModelShape | None) -> list[Any]:
+    """The values a fix may offer for `key` (each is then tried against every rule)."""
+    parallel = config.parallel
+    if key == "sequence_parallel_degree":
+        return [d for d in range(1, world + 1) if world % d == 0]
+    if key == "ulysses_degree":
+        sp = parallel.sequence_parallel_degree
+        return [None, *(d for d in range(1, sp + 1) if sp % d == 0)]  # None: left out
+    if key == "heads_k_stride" and shape is not None:
+        kv = shape.num_key_value_heads
+        return [d for d in range(1, kv + 1) if kv % d == 0]
+    if key == "sp_sharding":
+        return list(SHARDINGS)
+    if key == "attention_kernel":
+        return ["auto", *CONCRETE_KERNELS]
+    if key == "sequence_parallel_mode":
+        return list(MODES)
+    return []
+
+
+# A broken rule of the first key may be fixed by a value of the others as well.
+_FIXED_BY = {
+    "sequence_parallel_degree": ("sequence_parallel_degree", "sequence_parallel_mode"),
+    "ulysses_degree": ("ulysses_degree", "sequence_parallel_mode"),
+    "heads_k_stride": ("heads_k_stride",),
+    "sp_sharding": ("sp_sharding", "attention_kernel"),
+    "attention_kernel": ("attention_kernel",),
+}
+
+
+def recheck_fix(
+    error: UserError, config: Config, world: int, source: str, shape: ModelShape | None,
+    nproc_per_node: int | None = None, assume_gpu: bool = False,
+) -> tuple[UserError, Config | None]:
+    """`error` with a fix whose every value passes every rule for this config on `world`
+    ranks, and the config with the first of them (None: no such value, or the error names
+    no key whose values can be tried)."""
+    keys = _FIXED_BY.get(error.key or "", ())
+    if not keys:
+        return error, None
+    if shape is None:
+        try:
+            shape = read_model_config(config)
+        except UserError:
+            return error, None  # the model's config is the problem the plan reports next
+    legal: dict[str, list[Any]] = {}
+    for key in keys:
+        current = _value(config, key)
+        for value in _candidates(key, config, world, shape):
+            trial = config.model_copy(update={key: value})
+            if value != current and _passes(trial, world, source, shape, nproc_per_node,
+                                            assume_gpu, frozenset(keys)):
+                legal.setdefault(key, []).append(value)
+    offers = [f"`{key}` to {_or(['null' if v is None else str(v) for v in values])}"
+              for key, values in legal.items()]
+    fix = (f"set {'; or '.join(offers)} (each checked against every rule for this config on "
+           f"{world} ranks)" if offers else
+           f"no other value of {_or([f'`{k}`' for k in keys])} passes every rule for this "
+           f"config on {world} ranks")
+    group = config.parallel.sequence_parallel_degree * config.parallel.tensor_parallel_size
+    launch = -(-world // group) * group  # the next world this config's groups fill
+    if launch != world and _passes(config, launch, "launched", shape, None, assume_gpu):
+        fix += f", or launch a multiple of {group} ranks"
+    checked = UserError(error.message, where=error.where, fix=fix + ".", key=error.key)
+    if not legal:
+        return checked, None
+    first_key, values = next(iter(legal.items()))
+    return checked, config.model_copy(update={first_key: values[0]})
+
+
+def _value(config: Config, key: str) -> Any:
+    return getattr(config.parallel, key)
+
+
+def _passes(config: Config, world: int, source: str, shape: ModelShape,
+            nproc_per_node: int | None, assume_gpu: bool, tried: frozenset[str] = frozenset(),
+            depth: int = 3) -> bool:
+    """Whether `config` passes every rule, or would once the other keys' problems it has are
+    fixed too (each by a value of its own keys, never by the keys already tried): a value that
+    is right for its own rule is offered even where the config has other problems."""
+    try:
+        check_without_model(config, world, source)
+        build_plan(config, world, shape, nproc_per_node=nproc_per_node, world_source=source,
+                   assume_gpu=assume_gpu)
+    except UserError as error:
+        keys = [k for k in _FIXED_BY.get(error.key or "", ()) if k not in tried]
+        if depth == 0 or not keys or error.key in tried:
+            return False
+        return any(
+            _passes(config.model_copy(update={key: value}), world, source, shape,
+                    nproc_per_node, assume_gpu, tried | {error.key or key, *keys}, depth - 1)
+            for key in keys for value in _candidates(key, config, world, shape)
+            if value != _value(config, key))
+    return True
+
+
+def _or(items: list[str]) -> str:
+    """`a, b or c`."""
+    return ", ".join(items[:-1]) + f" or {items[-1]}" if len(items) > 1 else items[0]

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from longctx_cli.errors import UserError
 
@@ -172,8 +173,7 @@ def prescan(source: Source) -> None:
     for f in source.files:
         if source.builder in ("parquet", "arrow") or f.suffix.lower() in (".parquet", ".arrow"):
             continue
-        if f.suffix.lower() == ".jsonl" or (source.builder == "json"
-                                            and f.suffix.lower() != ".json"):
+        if is_jsonl(source, f):
             source.line_numbers[f] = _scan_jsonl(f)
         elif f.suffix.lower() == ".json":
             _scan_json(f)
@@ -193,7 +193,12 @@ def _decode(raw: bytes, f: Path, lineno: int) -> str:
 
 
 def _scan_jsonl(f: Path) -> list[int]:
-    lines: list[int] = []
+    return [lineno for lineno, _ in jsonl_records(f)]
+
+
+def jsonl_records(f: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, record) of every record of a .jsonl file, in order; a line that is not
+    UTF-8 or not one JSON object is a UserError at its `file:line`."""
     with open(f, "rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
             text = _decode(raw, f, lineno).strip()
@@ -213,8 +218,24 @@ def _scan_jsonl(f: Path) -> list[int]:
                     where=f"{f}:{lineno}",
                     fix='write one object per line, e.g. {"text": "..."}.',
                 )
-            lines.append(lineno)
-    return lines
+            yield lineno, record
+
+
+def is_jsonl(source: Source, f: Path) -> bool:
+    """Whether `f` is read as JSON Lines (one record a line)."""
+    return f.suffix.lower() == ".jsonl" or (source.builder == "json"
+                                            and f.suffix.lower() != ".json")
+
+
+def json_array(f: Path) -> list[dict[str, Any]] | None:
+    """The records of a .json file holding one array of objects (checked as `prescan` does);
+    None: it holds JSON Lines instead."""
+    try:
+        _scan_json(f)
+        data = json.loads(f.read_bytes())
+    except json.JSONDecodeError:
+        return None  # "Extra data": JSON Lines, which _scan_json checked line by line
+    return data
 
 
 def _scan_json(f: Path) -> None:

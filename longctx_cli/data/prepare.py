@@ -162,7 +162,8 @@ def _build(
     work = tmp / cache.SCRATCH_DIR
     work.mkdir()
     report = PrepareReport(config.data.sequence_len, config.data.sample_packing,
-                           config.data.excess_length_strategy, vision=vp is not None)
+                           config.data.excess_length_strategy, vision=vp is not None,
+                           sequential=config.data.sample_packing_sequentially)
     if config.objective.rl == "grpo":  # prompts to roll out, not packed rows
         from longctx_cli.data.prompts import prompt_rows
 
@@ -384,17 +385,7 @@ def _tokenized(
     if len(records) == 0:
         raise load.empty_error(source)
     spec = format_spec(entry, config, tok)
-    missing = [c for c in spec.columns if c not in records.column_names]
-    if missing:
-        key = {"chat_template": "field_messages", "completion": "field",
-               "pretrain": "field"}.get(entry.type)
-        raise UserError(
-            f"has no field {missing[0]!r} (fields: {', '.join(records.column_names)}).",
-            where=source.label,
-            fix=(f"set `{key}:` in this dataset entry to the column that holds the "
-                 + ("conversation." if key == "field_messages" else "text.")) if key else
-            f"a `{entry.type}` dataset needs the columns {', '.join(spec.columns)}.",
-        )
+    check_columns(entry, spec, records.column_names, source.label)
     where = RecordWhere(source, None)
     if entry.shards is not None:
         # A seeded shuffle, then one contiguous shard, kept in file order.
@@ -470,6 +461,32 @@ def format_spec(
     return spec
 
 
+def check_columns(entry: DatasetConfig, spec: formats.FormatSpec, columns: list[str],
+                  label: str) -> None:
+    """The records have the fields the entry's format reads."""
+    missing = [c for c in spec.columns if c not in columns]
+    if missing:
+        key = {"chat_template": "field_messages", "completion": "field",
+               "pretrain": "field"}.get(entry.type)
+        raise UserError(
+            f"has no field {missing[0]!r} (fields: {', '.join(columns)}).",
+            where=label,
+            fix=(f"set `{key}:` in this dataset entry to the column that holds the "
+                 + ("conversation." if key == "field_messages" else "text.")) if key else
+            f"a `{entry.type}` dataset needs the columns {', '.join(spec.columns)}.",
+        )
+
+
+def too_long_error(length: int, limit: int, count: str, where: str) -> UserError:
+    """A sample over sequence_len under `excess_length_strategy: error`; `count` says how
+    many of the dataset's are."""
+    return UserError(
+        f"a sample is {length:,} tokens long, more than sequence_len ({limit:,}); {count}.",
+        where=where,
+        fix="raise `sequence_len`, or set `excess_length_strategy: drop` or `truncate`.",
+    )
+
+
 @dataclass
 class RecordWhere:
     """`file:line` of the i-th record the tokenizer sees (through a shard's selection)."""
@@ -526,12 +543,8 @@ class _RowFormat:
         if self.vp is not None:  # says which and why (its image tokens)
             vision.check_fits(vision.docs_from_table(samples.data.slice(n, 1).table)[0], limit)
         where = source.where(n) if source else f"passkey sample {n + 1}"
-        raise UserError(
-            f"a sample is {int(lengths[n]):,} tokens long, more than sequence_len "
-            f"({limit:,}); {count} samples of this dataset are.",
-            where=where,
-            fix="raise `sequence_len`, or set `excess_length_strategy: drop` or `truncate`.",
-        )
+        raise too_long_error(int(lengths[n]), limit, f"{count} samples of this dataset are",
+                             where)
 
     def check_cuttable(self, samples: Dataset, lengths: np.ndarray, too_long: np.ndarray,
                        limit: int) -> None:

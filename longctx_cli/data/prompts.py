@@ -55,17 +55,10 @@ def prompt_rows(config: Config, tok: PreTrainedTokenizerBase, sources: list,
         stats.records = len(records)
         if len(records) == 0:
             raise load.empty_error(source)
-        transform = _transform(entry, config, tok)
+        transform = record_transform(entry, config, tok)
         for i, record in enumerate(records):
             fields = transform(record, i, source) if transform else dict(record)
-            if "prompt" not in fields:
-                raise UserError(
-                    f"record {source.where(i)} has no `prompt` field (fields: "
-                    f"{', '.join(fields)}).",
-                    where=source.label,
-                    fix="give each record a `prompt` (text or chat messages), or name a "
-                    "transform that makes one (`type: module.function`).")
-            prompt = fields.pop("prompt")
+            prompt = pop_prompt(fields, source.where(i), source.label)
             tokens = prompt_ids(tok, prompt, config, entry, source.where(i))
             if len(tokens) > room:
                 stats.too_long += 1
@@ -93,6 +86,17 @@ def prompt_rows(config: Config, tok: PreTrainedTokenizerBase, sources: list,
                               "where": places})
 
 
+def pop_prompt(fields: dict[str, Any], where: str, label: str) -> Any:
+    """The record's `prompt`, taken out of its fields."""
+    if "prompt" not in fields:
+        raise UserError(
+            f"record {where} has no `prompt` field (fields: {', '.join(fields)}).",
+            where=label,
+            fix="give each record a `prompt` (text or chat messages), or name a "
+            "transform that makes one (`type: module.function`).")
+    return fields.pop("prompt")
+
+
 def prompt_ids(tok: PreTrainedTokenizerBase, prompt: Any, config: Config,
                entry: DatasetConfig, where: str) -> list[int]:
     """The prompt's tokens (see the module doc)."""
@@ -111,7 +115,7 @@ def prompt_ids(tok: PreTrainedTokenizerBase, prompt: Any, config: Config,
         fix="write the prompt as a string or as messages.")
 
 
-def _transform(entry: DatasetConfig, config: Config, tok: PreTrainedTokenizerBase):
+def record_transform(entry: DatasetConfig, config: Config, tok: PreTrainedTokenizerBase):
     """The entry's Axolotl transform as `(record, index, source) -> fields`, or None."""
     if not entry.transform:
         return None

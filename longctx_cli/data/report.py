@@ -61,6 +61,7 @@ class PrepareReport:
     seconds: float = 0.0
     prompts: bool = False  # rl: grpo: the rows are prompts to roll out, not packed rows
     vision: bool = False  # processor_type: rows of documents with images and videos
+    sequential: bool = False  # sample_packing_sequentially: rows filled in the data's order
 
     # ---- serialisation (the cache keeps its report so a reuse can print it) -------------
     def to_dict(self) -> dict[str, Any]:
@@ -146,7 +147,8 @@ class PrepareReport:
                 table.add_column(name, justify="left" if name == "split" else "right")
             table.add_row("train", f"{self.train.rows:,}", f"{self.train.tokens:,}")
             return table
-        mode = "packed (FFD)" if self.sample_packing else "one sample per row"
+        mode = ("one sample per row" if not self.sample_packing else
+                "packed in order (sequential)" if self.sequential else "packed (FFD)")
         table = Table(title=f"Rows of {self.sequence_len:,} tokens, {mode}", title_justify="left")
         names = ["split", "rows", "tokens", "target tokens", "packing efficiency"]
         if self.vision:

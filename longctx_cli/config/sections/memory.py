@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from longctx_cli.config.sections.base import Section
+from longctx_cli.config.units import GIB, memory_size
 
 
 class MemorySection(Section):
@@ -45,6 +46,14 @@ class MemorySection(Section):
     tiled_mlp_tiles: int | None = Field(
         None, ge=1, description="Number of MLP tiles (default: tokens / hidden_size, at least 1)."
     )
+    memory_per_rank: int | float | str | None = Field(
+        None,
+        description="Memory each rank's GPU has (e.g. `80GiB`, `80GB`; a plain number is GiB, "
+        "as Axolotl's `gpu_memory_limit`): `validate` refuses a plan whose memory estimate, "
+        "with its margin, exceeds it, and names the fixes that fit. `--memory-per-rank` "
+        "overrides it; unset, `validate` judges against the GPUs of the machine it runs on, "
+        "if it has any.",
+    )
     host_mmap_threshold_mib: int | None = Field(
         None, ge=1,
         description="glibc's mmap threshold for every rank, in MiB: blocks from this size up "
@@ -52,6 +61,19 @@ class MemorySection(Section):
         "resident as heap fragments (a CPU rank's memory follows what is alive; each large "
         "block costs fresh pages). Unset: glibc's own, or your MALLOC_MMAP_THRESHOLD_.",
     )
+
+    @field_validator("memory_per_rank")
+    @classmethod
+    def _memory_size(cls, value: Any) -> Any:
+        if value is not None and memory_per_rank_bytes(value) is None:
+            raise ValueError("write a size such as `80GiB`, `80GB` or a number of GiB")
+        return value
+
+    @property
+    def memory_per_rank_bytes(self) -> int | None:
+        """`memory_per_rank` in bytes (None: unset)."""
+        return None if self.memory_per_rank is None else memory_per_rank_bytes(
+            self.memory_per_rank)
 
     @field_validator("activation_offloading", mode="before")
     @classmethod
@@ -68,6 +90,15 @@ class MemorySection(Section):
             data = {**data, "gradient_checkpointing": True}
             data.setdefault("activation_offloading", True)
         return data
+
+
+def memory_per_rank_bytes(value: int | float | str) -> int | None:
+    """Bytes in a `memory_per_rank` (a number is GiB; None: not a size)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return int(value * GIB) if value > 0 else None
+    return memory_size(value)
 
 
 def memory_notes(memory: MemorySection) -> list[str]:

@@ -293,7 +293,7 @@ def parallel_layout(
             kernel=kernel, kernel_reason=reason,
         )
     except LayoutError as err:
-        raise UserError(err.message, fix=err.fix) from None
+        raise UserError(err.message, fix=err.fix, key=err.key) from None
 
 
 def _resolve_kernel(requested: str, platform: Platform | None, ring: int,
@@ -309,7 +309,8 @@ def _resolve_kernel(requested: str, platform: Platform | None, ring: int,
             sharding=sharding, ring_attn_func=ring_attn_func, ring=ring, packed=packed,
         )
     except KernelError as err:
-        raise UserError(err.message, where="attention_kernel", fix=err.fix) from None
+        raise UserError(err.message, where="attention_kernel", fix=err.fix,
+                        key="attention_kernel") from None
     return choice.kernel, choice.reason
 
 
@@ -321,7 +322,7 @@ def check_heads(layout: Layout, shape: ModelShape) -> None:
                                                    local.num_key_value_heads, 0)]:
             layout.check_heads(heads, kv)  # every layer's heads, where the layers differ
     except LayoutError as err:
-        raise UserError(err.message, fix=err.fix) from None
+        raise UserError(err.message, fix=err.fix, key=err.key) from None
 
 
 def check_sequence_len(sequence_len: int, layout: Layout) -> None:

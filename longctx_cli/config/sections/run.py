@@ -13,9 +13,12 @@ from longctx_cli.config.sections.base import Section
 class RunSection(Section):
     title = "output"
 
-    strict: bool = Field(
-        False,
-        description="Command-line overrides may only replace keys the file already has.",
+    strict: bool | None = Field(
+        None,
+        description="How unknown keys are read. Unset: a key that is neither longctx's nor "
+        "one of the Axolotl keys docs/axolotl.md lists is an error; `false`: it is listed in "
+        "the plan as ignored (a near typo of a known key stays an error); `true`: as unset, "
+        "and command-line overrides may only replace keys the file already has.",
     )
     collective_timeout_s: int = Field(
         300,

@@ -171,9 +171,10 @@ def refuse_unless_rebuilt(model_config: Any) -> None:
 
 
 def check_vision(vision: VisionSection, hf_config: Any, layout: Layout, streamed: bool,
-                 rl: str | None) -> VisionTower | None:
+                 rl: str | None, model_type: str = "") -> VisionTower | None:
     """The rules of a vision-language run (UserError on the first broken one); its tower.
-    `streamed`: the run reads a `pretraining_dataset`; `rl`: its preference or RL method."""
+    `streamed`: the run reads a `pretraining_dataset`; `rl`: its preference or RL method;
+    `model_type`: the model's (its shape knows it where no transformers config was read)."""
     if not vision.processor_type:
         # What only the processor reads would be ignored without it.
         given = [key for key, unset in (("processor_path", None), ("image_size", None),
@@ -196,7 +197,7 @@ def check_vision(vision: VisionSection, hf_config: Any, layout: Layout, streamed
             if getattr(vision, key):
                 raise UserError(
                     f"`{key}` is set, but the model longctx trains has no vision tower (model type "
-                    f"`{getattr(hf_config, 'model_type', '?')}`).", where=key,
+                    f"`{model_type or getattr(hf_config, 'model_type', '?')}`).", where=key,
                     fix=f"remove `{key}`, or use a vision-language model.")
         return None
     refuse_unless_rebuilt(hf_config)  # before reading a tower longctx has no rules for
