@@ -30,7 +30,10 @@ RENDERED_WITH_TEMPLATE = ("chat_template", "chat_template.default", "chat_templa
 
 
 # The chat templates longctx ships (data/chat_templates.py holds their text).
-SHIPPED_CHAT_TEMPLATES = ("chatml", "llama3", "qwen3", "gemma3", "phi_3")
+SHIPPED_CHAT_TEMPLATES = (
+    "chatml", "llama3", "qwen3", "gemma3", "phi_3", "qwen_25", "qwen2_vl", "qwen3_5",
+    "falcon_h1", "llama4", "llama3_2_vision", "gemma", "gemma3n", "gemma4", "gemma4_unified",
+    "cohere", "deepseek_v2", "jamba", "llava", "pixtral")
 CHAT_TEMPLATE_FALLBACK = "tokenizer_default_fallback_"
 
 
@@ -261,8 +264,10 @@ class DataSection(Section):
     chat_template: str = Field(
         "tokenizer_default",
         description="Chat template for `chat_template` datasets: tokenizer_default (the "
-        "tokenizer's own), chatml, llama3, qwen3, gemma3, phi_3 (shipped with longctx), "
-        "jinja (`chat_template_jinja`), or tokenizer_default_fallback_<name>.",
+        "tokenizer's own), one shipped with longctx (chatml, llama3, qwen3, gemma3, phi_3, "
+        "qwen_25, qwen2_vl, qwen3_5, falcon_h1, llama4, llama3_2_vision, gemma, gemma3n, "
+        "gemma4, gemma4_unified, cohere, deepseek_v2, jamba, llava, pixtral), jinja "
+        "(`chat_template_jinja`), or tokenizer_default_fallback_<name>.",
     )
     chat_template_jinja: str | None = Field(
         None, description="Jinja text of the template, or a path to a .jinja file, for "
