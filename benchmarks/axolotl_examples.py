@@ -192,6 +192,7 @@ def _validate_with_families(jobs: list[tuple[Path, Path, int]], cache: Path
 
 def _reason(output: str) -> str:
     """The first problem of a refusal, with its file location and quoted values dropped."""
+    output = output[output.find("error:"):] if "error:" in output else output  # after a plan
     first = re.sub(r"^error: (\d+ problems in the config: )?", "", output)
     first = re.sub(r"^\S+\.ya?ml(:\d+:\d+)?: ", "", first)
     first = re.sub(r" \S+\.ya?ml:\d+:\d+: .*", "", first)

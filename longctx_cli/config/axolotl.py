@@ -411,7 +411,6 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "gptq": Rule("refused", "GPTQ bases are not supported; use load_in_4bit (bitsandbytes)"),
     # ---- adapter
     "lora_fan_in_fan_out": Rule("refused", "only for Conv1D models (GPT-2); not supported"),
-    "lora_target_parameters": Rule("refused", "LoRA on raw parameters is not supported"),
     "lora_rank_pattern": Rule("refused", "per-module LoRA ranks are not supported"),
     "lora_alpha_pattern": Rule("refused", "per-module LoRA alphas are not supported"),
     "peft_layers_to_transform": Rule("refused", "adapting a subset of layers is not supported"),
@@ -542,7 +541,8 @@ SAME: tuple[str, ...] = (
     "early_stopping_patience", "loss_watchdog_threshold", "loss_watchdog_patience", "seed",
     "strict", "adapter", "load_in_4bit", "load_in_8bit", "bnb_config_kwargs", "lora_model_dir",
     "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear",
-    "lora_modules_to_save", "peft_use_dora", "peft_use_rslora", "eval_steps", "evals_per_epoch",
+    "lora_target_parameters", "lora_modules_to_save", "peft_use_dora", "peft_use_rslora",
+    "eval_steps", "evals_per_epoch",
     "eval_strategy", "output_dir", "save_steps", "saves_per_epoch", "save_strategy",
     "save_total_limit", "logging_steps", "use_tensorboard", "use_wandb", "wandb_project",
     "wandb_entity", "wandb_name", "wandb_run_id", "wandb_mode", "wandb_watch",
