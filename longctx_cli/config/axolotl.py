@@ -504,7 +504,6 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "dataloader_num_workers": Rule("ignored", _DATALOADER),
     "dataloader_prefetch_factor": Rule("ignored", _DATALOADER),
     "dataloader_drop_last": Rule("ignored", "a step's last partial window is always dropped"),
-    "dataset_exact_deduplication": Rule("refused", "deduplication is not supported"),
     # ---- RL and other trainers (math-changing)
     "vllm": Rule("refused", _VLLM_SERVER),
     "reward_model": Rule("refused", _RL),
@@ -527,6 +526,7 @@ SAME: tuple[str, ...] = (
     "base_model", "base_model_config", "trust_remote_code", "special_tokens", "tf32",
     "datasets", "dataset_prepared_path", "val_set_size", "sequence_len", "sample_packing",
     "chat_template", "chat_template_jinja", "train_on_inputs", "shuffle_merged_datasets",
+    "dataset_exact_deduplication",
     "pretraining_dataset", "streaming", "sample_packing_sequentially", "curriculum_sampling",
     "reinit_weights", "unfrozen_parameters", "merge_lora", "rope_scaling", "rope_theta",
     "rl", "rl_beta", "dpo_beta", "dpo_loss_type", "dpo_loss_weights", "dpo_label_smoothing",

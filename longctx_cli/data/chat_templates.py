@@ -27,6 +27,7 @@ TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
 _SAME_AS = {"gemma4_unified": "gemma4"}
 TEMPLATES = {name: (TEMPLATE_DIR / f"{_SAME_AS.get(name, name)}.jinja").read_text(
     encoding="utf-8") for name in SHIPPED_CHAT_TEMPLATES}
+CHATML = TEMPLATES["chatml"]  # the plainest one, which the tests also render by name
 END_OF_TURN = {
     "chatml": "<|im_end|>", "llama3": "<|eot_id|>", "qwen3": "<|im_end|>",
     "gemma3": "<end_of_turn>", "phi_3": "<|end|>", "qwen_25": "<|im_end|>",

@@ -284,6 +284,12 @@ class DataSection(Section):
         "packed rows after (false: keep file order in the cache; the trainer still draws "
         "rows in a seeded order).",
     )
+    dataset_exact_deduplication: bool = Field(
+        False, description="Drop every record identical to an earlier one of the same split "
+        "(all its fields, across the split's datasets) before tokenizing; the preprocess "
+        "report counts them per dataset. Not with `processor_type`, `rl: grpo` or "
+        "`pretraining_dataset`."
+    )
     pretraining_dataset: list[DatasetConfig] | None = Field(
         None,
         description="Datasets streamed during training instead of `datasets` (type "
@@ -299,6 +305,14 @@ class DataSection(Section):
     @classmethod
     def _pretraining_entries(cls, value: Any) -> Any:
         return as_entries(value)
+
+    @model_validator(mode="after")
+    def _deduplicated_data(self) -> DataSection:
+        if self.dataset_exact_deduplication and self.pretraining_dataset:
+            raise ValueError("`dataset_exact_deduplication` cannot compare the records of a "
+                             "streamed `pretraining_dataset` (they are never all read "
+                             "before training); drop one of them")
+        return self
 
     @model_validator(mode="after")
     def _chat_template_names(self) -> DataSection:
