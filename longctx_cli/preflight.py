@@ -117,6 +117,7 @@ def preflight(config: Config) -> None:
     check_datasets(config)
     check_eval_data(config)
     check_lora_targets(config)
+    check_lora_parameters(config)
     check_user_code(config)
 
 
@@ -260,6 +261,28 @@ def check_lora_targets(config: Config) -> None:
             f"layers are {', '.join(linear)}.",
             where="lora_target_modules",
             fix="list names from that set, or use `all-linear`.",
+        )
+
+
+def check_lora_parameters(config: Config) -> None:
+    """Every name in `lora_target_parameters` matches a parameter of the model that no
+    linear module holds (peft's rule: the name, or its last dotted parts)."""
+    targets = config.lora.lora_target_parameters
+    if config.lora.adapter is None or not targets:
+        return
+    model = meta_model(config)
+    if model is None:
+        return  # the model's config is not available offline: nothing to check against
+    names = [n for n, _ in model.named_parameters()]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        own = sorted({".".join(n.split(".")[-3:]) for n in names if ".experts." in n})
+        raise UserError(
+            f"the model has no parameter named {', '.join(map(repr, missing))}"
+            + (f"; its experts' parameters are {', '.join(own)}" if own else "") + ".",
+            where="lora_target_parameters",
+            fix="name parameters as the model holds them (e.g. `mlp.experts.gate_up_proj`), "
+            "or drop the key.",
         )
 
 

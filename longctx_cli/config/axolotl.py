@@ -413,7 +413,6 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "gptq": Rule("refused", "GPTQ bases are not supported; use load_in_4bit (bitsandbytes)"),
     # ---- adapter
     "lora_fan_in_fan_out": Rule("refused", "only for Conv1D models (GPT-2); not supported"),
-    "lora_target_parameters": Rule("refused", "LoRA on raw parameters is not supported"),
     "lora_rank_pattern": Rule("refused", "per-module LoRA ranks are not supported"),
     "lora_alpha_pattern": Rule("refused", "per-module LoRA alphas are not supported"),
     "peft_layers_to_transform": Rule("refused", "adapting a subset of layers is not supported"),
@@ -507,7 +506,6 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "dataloader_num_workers": Rule("ignored", _DATALOADER),
     "dataloader_prefetch_factor": Rule("ignored", _DATALOADER),
     "dataloader_drop_last": Rule("ignored", "a step's last partial window is always dropped"),
-    "dataset_exact_deduplication": Rule("refused", "deduplication is not supported"),
     # ---- RL and other trainers (math-changing)
     "vllm": Rule("refused", _VLLM_SERVER),
     "reward_model": Rule("refused", _RL),
@@ -530,6 +528,7 @@ SAME: tuple[str, ...] = (
     "base_model", "base_model_config", "trust_remote_code", "special_tokens", "tf32",
     "datasets", "dataset_prepared_path", "val_set_size", "sequence_len", "sample_packing",
     "chat_template", "chat_template_jinja", "train_on_inputs", "shuffle_merged_datasets",
+    "dataset_exact_deduplication",
     "pretraining_dataset", "streaming", "sample_packing_sequentially", "curriculum_sampling",
     "reinit_weights", "unfrozen_parameters", "merge_lora", "rope_scaling", "rope_theta",
     "rl", "rl_beta", "dpo_beta", "dpo_loss_type", "dpo_loss_weights", "dpo_label_smoothing",
@@ -544,7 +543,8 @@ SAME: tuple[str, ...] = (
     "early_stopping_patience", "loss_watchdog_threshold", "loss_watchdog_patience", "seed",
     "strict", "adapter", "load_in_4bit", "load_in_8bit", "bnb_config_kwargs", "lora_model_dir",
     "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear",
-    "lora_modules_to_save", "peft_use_dora", "peft_use_rslora", "eval_steps", "evals_per_epoch",
+    "lora_target_parameters", "lora_modules_to_save", "peft_use_dora", "peft_use_rslora",
+    "eval_steps", "evals_per_epoch",
     "eval_strategy", "output_dir", "save_steps", "saves_per_epoch", "save_strategy",
     "save_total_limit", "logging_steps", "use_tensorboard", "use_wandb", "wandb_project",
     "wandb_entity", "wandb_name", "wandb_run_id", "wandb_mode", "wandb_watch",

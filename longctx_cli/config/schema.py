@@ -129,6 +129,14 @@ class Config(StrictModel):
         else:
             check_preference(objective, data)
         check_streamed(data, self.training.max_steps)
+        if data.dataset_exact_deduplication and (self.vision.processor_type
+                                                 or objective.rl == "grpo"):
+            # Records are compared where text datasets (and preference pairs) are tokenized;
+            # these paths read theirs elsewhere (image records, GRPO's prompts).
+            what = "`processor_type` (a vision run)" if self.vision.processor_type else \
+                "`rl: grpo`"
+            raise ValueError(f"`dataset_exact_deduplication` is not done with {what}: its "
+                             "records are read by another path; drop the key")
         if fold_sharding(self.parallel, self._axolotl_notes):
             self.memory.gradient_checkpointing = True  # fsdp_config.activation_checkpointing
         if self.training.early_stopping_patience is not None and not self.eval.scheduled:

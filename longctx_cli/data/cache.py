@@ -146,6 +146,8 @@ def _run_parts(
         "val_set_size": config.data.val_set_size,
         "train_on_inputs": config.data.train_on_inputs,
         "shuffle_merged_datasets": config.data.shuffle_merged_datasets,
+        # Only when on, so other caches keep their names.
+        **({"exact_deduplication": True} if config.data.dataset_exact_deduplication else {}),
         "chat_template": config.data.chat_template,
         "chat_template_jinja": _jinja_part(config),
         "named_templates": hashlib.sha256(json.dumps(chat_templates.TEMPLATES, sort_keys=True)

@@ -1,9 +1,12 @@
 """Named chat templates shipped with longctx, and picking the template a dataset uses.
 
 Each template is written from its format's published token layout (the text a model of that
-family sees around every turn). They are plain Jinja for `apply_chat_template(chat_template=...)`
-and render turns as `messages` of `{role, content}`. `END_OF_TURN` is the text each one puts
-right after a turn's content: the marker `train_on_eos` is about.
+family sees around every turn), one `templates/<name>.jinja` file each, its layout in the
+comment at its top. They are plain Jinja for `apply_chat_template(chat_template=...)` and
+render turns as `messages` of `{role, content}` (content a string, or for the vision families
+a list of parts whose image, video and audio parts are written as the family's markers).
+`END_OF_TURN` is the text each one puts right after a turn's content: the marker
+`train_on_eos` is about.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from longctx_cli.config.sections.data import CHAT_TEMPLATE_FALLBACK
+from longctx_cli.config.sections.data import CHAT_TEMPLATE_FALLBACK, SHIPPED_CHAT_TEMPLATES
 from longctx_cli.errors import UserError
 
 if TYPE_CHECKING:
@@ -19,79 +22,21 @@ if TYPE_CHECKING:
 
     from longctx_cli.config.schema import Config, DatasetConfig
 
-# ChatML: <|im_start|>role\ncontent<|im_end|>\n per turn.
-CHATML = (
-    "{%- for m in messages -%}"
-    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
-
-# Llama 3 instruct: bos, then per turn a header, a blank line, the trimmed text, <|eot_id|>.
-LLAMA3 = (
-    "{{- bos_token if bos_token else '' -}}"
-    "{%- for m in messages -%}"
-    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' -}}"
-    "{{- m['content'] | trim -}}{{- '<|eot_id|>' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}"
-    "{%- endif -%}"
-)
-
-# Qwen3: ChatML turns; an assistant turn after the last user turn opens with a think block
-# (its `reasoning_content`, empty when none and it is the final turn), as Qwen3 renders it.
-QWEN3 = (
-    "{%- set ns = namespace(last_user=-1) -%}"
-    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}"
-    "{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
-    "{%- for m in messages -%}"
-    "{{- '<|im_start|>' + m['role'] + '\\n' -}}"
-    "{%- if m['role'] == 'assistant' and loop.index0 > ns.last_user -%}"
-    "{%- set thought = m['reasoning_content'] if m['reasoning_content'] is string else '' -%}"
-    "{%- if thought or loop.last -%}"
-    "{{- '<think>\\n' + thought.strip('\\n') + '\\n</think>\\n\\n' -}}"
-    "{%- endif -%}{%- endif -%}"
-    "{{- m['content'] + '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and not enable_thinking -%}"
-    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}{%- endif -%}"
-)
-
-# Gemma 3: bos; user and model turns only (a system text opens the first user turn);
-# <start_of_turn>role\ntext<end_of_turn>\n, the assistant role is written `model`.
-GEMMA3 = (
-    "{{- bos_token if bos_token else '' -}}"
-    "{%- set ns = namespace(prefix='', first=0) -%}"
-    "{%- if messages and messages[0]['role'] == 'system' -%}"
-    "{%- set ns.prefix = messages[0]['content'] | trim -%}{%- set ns.first = 1 -%}"
-    "{%- endif -%}"
-    "{%- for m in messages[ns.first:] -%}"
-    "{%- set role = 'model' if m['role'] == 'assistant' else m['role'] -%}"
-    "{%- if (role == 'user') != (loop.index0 % 2 == 0) -%}"
-    "{{- raise_exception('gemma3 needs turns alternating user/assistant, starting with user') -}}"
-    "{%- endif -%}"
-    "{{- '<start_of_turn>' + role + '\\n' -}}"
-    "{%- if loop.first and ns.first -%}{{- ns.prefix + '\\n\\n' -}}{%- endif -%}"
-    "{{- m['content'] | trim -}}{{- '<end_of_turn>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}"
-)
-
-# Phi-3: <|role|>\ntext<|end|>\n per turn; a finished conversation ends with eos.
-PHI_3 = (
-    "{%- for m in messages -%}"
-    "{{- '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}"
-    "{%- elif eos_token -%}{{- eos_token -}}{%- endif -%}"
-)
-
-TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3, "qwen3": QWEN3, "gemma3": GEMMA3,
-             "phi_3": PHI_3}
-END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "qwen3": "<|im_end|>",
-               "gemma3": "<end_of_turn>", "phi_3": "<|end|>"}
+TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
+# Names whose model family writes its turns as another shipped template does.
+_SAME_AS = {"gemma4_unified": "gemma4"}
+TEMPLATES = {name: (TEMPLATE_DIR / f"{_SAME_AS.get(name, name)}.jinja").read_text(
+    encoding="utf-8") for name in SHIPPED_CHAT_TEMPLATES}
+CHATML = TEMPLATES["chatml"]  # the plainest one, which the tests also render by name
+END_OF_TURN = {
+    "chatml": "<|im_end|>", "llama3": "<|eot_id|>", "qwen3": "<|im_end|>",
+    "gemma3": "<end_of_turn>", "phi_3": "<|end|>", "qwen_25": "<|im_end|>",
+    "qwen2_vl": "<|im_end|>", "qwen3_5": "<|im_end|>", "falcon_h1": "<|im_end|>",
+    "llama4": "<|eot|>", "llama3_2_vision": "<|eot_id|>", "gemma": "<end_of_turn>",
+    "gemma3n": "<end_of_turn>", "gemma4": "<turn|>", "gemma4_unified": "<turn|>",
+    "cohere": "<|END_OF_TURN_TOKEN|>", "deepseek_v2": "<｜end▁of▁sentence｜>",
+    "jamba": "<|eom|>", "llava": "</s>", "pixtral": "</s>",
+}
 _FALLBACK = CHAT_TEMPLATE_FALLBACK
 
 

@@ -13,6 +13,8 @@ build is needed, and where and how its result is stored, is the cache's business
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import re
@@ -251,6 +253,8 @@ def _split_rows(
     all_samples: list[Dataset] = []
     all_lengths: list[np.ndarray] = []
     raw_lengths: list[np.ndarray] = []
+    # dataset_exact_deduplication: the digests of the split's records read so far.
+    seen: set[bytes] | None = set() if config.data.dataset_exact_deduplication else None
     for n, (entry, source) in enumerate(zip(entries, sources, strict=True)):
         stats = DatasetStats(entry.path or "passkey", entry.type, split)
         if vp is not None:
@@ -258,7 +262,7 @@ def _split_rows(
                                                           work / f"{split}-{n}", stats, progress)
         else:
             samples, lengths, raw = _entry_samples(entry, source, config, tok,
-                                                   work / f"{split}-{n}", stats, progress)
+                                                   work / f"{split}-{n}", stats, progress, seen)
         report.datasets.append(stats)
         all_samples.append(samples)
         all_lengths.append(lengths)
@@ -290,15 +294,17 @@ def _loss_summary(s: DatasetStats) -> str:
 def _entry_samples(
     entry: DatasetConfig, source: load.Source | None, config: Config,
     tok: PreTrainedTokenizerBase, work: Path, stats: DatasetStats, progress: bool,
+    seen: set[bytes] | None = None,
 ) -> tuple[Dataset, np.ndarray, np.ndarray]:
-    """(samples, their lengths, lengths before the excess-length rule) of one entry."""
+    """(samples, their lengths, lengths before the excess-length rule) of one entry; with
+    `seen` (dataset_exact_deduplication), its records not seen before only."""
     work.mkdir(parents=True)
     if entry.type == "passkey":
         samples = _passkey_samples(entry, config, tok, work)
         stats.records = len(samples)
     else:
         assert source is not None
-        samples = _tokenized(entry, source, config, tok, work, stats, progress)
+        samples = _tokenized(entry, source, config, tok, work, stats, progress, seen)
     lengths = _lengths(samples)
     raw = lengths[lengths > 0]
     samples, lengths = _apply_length_rules(samples, lengths, _TEXT_ROWS, entry, source, config,
@@ -377,7 +383,7 @@ def _write_samples(rows: Any, path: Path) -> Dataset:
 
 def _tokenized(
     entry: DatasetConfig, source: load.Source, config: Config, tok: PreTrainedTokenizerBase,
-    work: Path, stats: DatasetStats, progress: bool,
+    work: Path, stats: DatasetStats, progress: bool, seen: set[bytes] | None = None,
 ) -> Dataset:
     load.prescan(source)
     records = load.load_records(source, entry, cache_dir=str(work / "hf"))
@@ -394,6 +400,8 @@ def _tokenized(
         records = records.select(keep)
         where = RecordWhere(source, keep.tolist())
         stats.records = len(records)
+    if seen is not None:
+        records, where = _new_records(records, where, seen, stats)
     _say(progress, f"Tokenizing {source.label}: {len(records):,} records")
     tokenized = records.map(
         formats.tokenize_batch, batched=True, with_indices=True,
@@ -412,6 +420,24 @@ def _tokenized(
     pieces = ((ids, list(ids), pos) for ids, pos in formats.pretrain_pieces(docs,
                                                                            config.data.sequence_len))
     return _write_samples(pieces, work / "pieces.arrow")
+
+
+def _new_records(records: Dataset, where: RecordWhere, seen: set[bytes],
+                 stats: DatasetStats) -> tuple[Dataset, RecordWhere]:
+    """The records whose every field differs from each record in `seen` (which they join),
+    in file order; `stats.duplicates` counts the others. Errors keep naming file lines."""
+    keep = []
+    for i, record in enumerate(records):
+        digest = hashlib.sha256(json.dumps(record, sort_keys=True, default=str)
+                                .encode()).digest()
+        if digest not in seen:
+            seen.add(digest)
+            keep.append(i)
+    stats.duplicates = len(records) - len(keep)
+    if not stats.duplicates:
+        return records, where
+    lines = keep if where.origin is None else [where.origin[i] for i in keep]
+    return records.select(keep), RecordWhere(where.source, lines)
 
 
 def _map_features(spec: formats.FormatSpec) -> Any:

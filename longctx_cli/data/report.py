@@ -14,6 +14,7 @@ class DatasetStats:
     type: str
     split: str  # "train" or "eval"
     records: int = 0  # raw records read (pretrain: documents; passkey: samples generated)
+    duplicates: int = 0  # identical to an earlier record of the split (dataset_exact_deduplication)
     skipped: int = 0  # nothing to train on (empty text, or a conversation without reply)
     skip_reason: str = "empty text"  # summary of skip_reasons
     skip_reasons: dict[str, int] = field(default_factory=dict)  # reason -> records
@@ -105,6 +106,9 @@ class PrepareReport:
         table = Table(title="Datasets", title_justify="left")
         names = ["split", "dataset", "type", "records", "skipped", "too long", "samples",
                  "tokens", "target tokens"]
+        deduplicated = any(d.duplicates for d in self.datasets)
+        if deduplicated:
+            names.insert(4, "duplicates")
         if self.vision:
             names.append("images (tokens)")
         for name in names:
@@ -118,6 +122,8 @@ class PrepareReport:
                 too_long = f"{d.too_long:,} {what}"
             cells = [d.split, _short(d.label), d.type, f"{d.records:,}", skipped, too_long,
                      f"{d.samples:,}", f"{d.tokens:,}", f"{d.target_tokens:,}"]
+            if deduplicated:
+                cells.insert(4, f"{d.duplicates:,} dropped")
             if self.vision:
                 cells.append(f"{d.images:,} ({d.image_tokens:,})")
             table.add_row(*cells)

@@ -197,7 +197,10 @@ def apply_lora(model: PreTrainedModel, config: Config) -> nn.Module:
         r=config.lora.lora_r,
         lora_alpha=config.lora.lora_alpha,
         lora_dropout=config.lora.lora_dropout,
-        target_modules=config.lora.lora_target_modules,
+        # [] where only parameters are adapted (peft's own way to say no modules).
+        target_modules=config.lora.lora_target_modules if config.lora.lora_target_modules
+        or not config.lora.lora_target_parameters else [],
+        target_parameters=config.lora.lora_target_parameters,
         modules_to_save=config.lora.lora_modules_to_save,
         use_dora=config.lora.peft_use_dora,
         use_rslora=config.lora.peft_use_rslora,

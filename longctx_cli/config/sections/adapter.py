@@ -41,6 +41,13 @@ class AdapterSection(Section):
     lora_target_linear: bool = Field(
         False, description="Adapt every linear layer (same as `lora_target_modules: all-linear`)."
     )
+    lora_target_parameters: list[str] | None = Field(
+        None, description="Parameters to adapt that no linear module holds, e.g. a MoE "
+        "block's fused expert weights `[mlp.experts.gate_up_proj, mlp.experts.down_proj]` "
+        "(peft's `target_parameters`: a name or its last dotted parts); with "
+        "`lora_target_modules` both are adapted. Not with `lora_dropout` or DoRA (peft "
+        "cannot apply either to a parameter).",
+    )
     lora_modules_to_save: list[str] | None = Field(
         None, description="Modules trained in full beside the adapter, e.g. [lm_head]."
     )
@@ -63,6 +70,12 @@ class AdapterSection(Section):
             raise ValueError("`lora_model_dir` continues an adapter; set `adapter: lora`")
         if self.lora_target_linear:
             self.lora_target_modules = "all-linear"
+        if self.lora_target_parameters and (self.lora_dropout or self.peft_use_dora):
+            key = "lora_dropout" if self.lora_dropout else "peft_use_dora"
+            raise ValueError(f"`lora_target_parameters` cannot be trained with `{key}`: peft's "
+                             "LoRA on a parameter computes the adapted weight, not the "
+                             "layer's input, so it has no input to drop out and no DoRA "
+                             f"norm; set `{key}` off")
         return self
 
     @property
@@ -102,6 +115,8 @@ def check_adapter(adapter: AdapterSection, fsdp: bool, tp: int) -> None:
             "full-precision base with TP.",
         )
     targets = adapter.lora_target_modules
+    if adapter.lora_target_parameters and targets in (None, []):
+        return  # LoRA on the parameters alone
     if not targets or (isinstance(targets, str) and not targets.strip()):
         raise UserError(
             f"`lora_target_modules` = {targets!r} is empty: LoRA would train nothing.",
@@ -116,6 +131,8 @@ def adapter_rows(adapter: AdapterSection, dtype: str) -> list[tuple[str, str]]:
     base = "4-bit" if adapter.load_in_4bit else "8-bit" if adapter.load_in_8bit else dtype
     extras = [n for n, on in (("DoRA", adapter.peft_use_dora),
                                ("rsLoRA", adapter.peft_use_rslora)) if on]
+    if adapter.lora_target_parameters:
+        extras.append("parameters " + ", ".join(adapter.lora_target_parameters))
     return [("adapter", f"{adapter.adapter}, r {adapter.lora_r}, {base} base"
              + (f", {', '.join(extras)}" if extras else "")
              + (f", from {adapter.lora_model_dir}" if adapter.lora_model_dir else ""))]

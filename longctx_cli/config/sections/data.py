@@ -30,7 +30,10 @@ RENDERED_WITH_TEMPLATE = ("chat_template", "chat_template.default", "chat_templa
 
 
 # The chat templates longctx ships (data/chat_templates.py holds their text).
-SHIPPED_CHAT_TEMPLATES = ("chatml", "llama3", "qwen3", "gemma3", "phi_3")
+SHIPPED_CHAT_TEMPLATES = (
+    "chatml", "llama3", "qwen3", "gemma3", "phi_3", "qwen_25", "qwen2_vl", "qwen3_5",
+    "falcon_h1", "llama4", "llama3_2_vision", "gemma", "gemma3n", "gemma4", "gemma4_unified",
+    "cohere", "deepseek_v2", "jamba", "llava", "pixtral")
 CHAT_TEMPLATE_FALLBACK = "tokenizer_default_fallback_"
 
 
@@ -261,8 +264,10 @@ class DataSection(Section):
     chat_template: str = Field(
         "tokenizer_default",
         description="Chat template for `chat_template` datasets: tokenizer_default (the "
-        "tokenizer's own), chatml, llama3, qwen3, gemma3, phi_3 (shipped with longctx), "
-        "jinja (`chat_template_jinja`), or tokenizer_default_fallback_<name>.",
+        "tokenizer's own), one shipped with longctx (chatml, llama3, qwen3, gemma3, phi_3, "
+        "qwen_25, qwen2_vl, qwen3_5, falcon_h1, llama4, llama3_2_vision, gemma, gemma3n, "
+        "gemma4, gemma4_unified, cohere, deepseek_v2, jamba, llava, pixtral), jinja "
+        "(`chat_template_jinja`), or tokenizer_default_fallback_<name>.",
     )
     chat_template_jinja: str | None = Field(
         None, description="Jinja text of the template, or a path to a .jinja file, for "
@@ -279,6 +284,12 @@ class DataSection(Section):
         "packed rows after (false: keep file order in the cache; the trainer still draws "
         "rows in a seeded order).",
     )
+    dataset_exact_deduplication: bool = Field(
+        False, description="Drop every record identical to an earlier one of the same split "
+        "(all its fields, across the split's datasets) before tokenizing; the preprocess "
+        "report counts them per dataset. Not with `processor_type`, `rl: grpo` or "
+        "`pretraining_dataset`."
+    )
     pretraining_dataset: list[DatasetConfig] | None = Field(
         None,
         description="Datasets streamed during training instead of `datasets` (type "
@@ -294,6 +305,14 @@ class DataSection(Section):
     @classmethod
     def _pretraining_entries(cls, value: Any) -> Any:
         return as_entries(value)
+
+    @model_validator(mode="after")
+    def _deduplicated_data(self) -> DataSection:
+        if self.dataset_exact_deduplication and self.pretraining_dataset:
+            raise ValueError("`dataset_exact_deduplication` cannot compare the records of a "
+                             "streamed `pretraining_dataset` (they are never all read "
+                             "before training); drop one of them")
+        return self
 
     @model_validator(mode="after")
     def _chat_template_names(self) -> DataSection:
