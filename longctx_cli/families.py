@@ -45,6 +45,8 @@ class VisionFamily:
     processor_marker: str | None = None
     image_only_processor: str | None = None
     prepared: bool = True  # `longctx preprocess` builds and tests its processor's rows
+    # mRoPE's (t, h, w) sections where the config names none (the model's own default).
+    mrope_section: tuple[int, ...] | None = None
 
     @property
     def rebuilt(self) -> bool:
@@ -82,13 +84,14 @@ _FIXED_TOWER = dict(pixels="images", modules=("vision_tower", "multi_modal_proje
 _RECORDS = (
     # Vision-language families, in the order the messages list them.
     Family("qwen2_vl", vision=VisionFamily(
-        "Qwen2-VL", **_QWEN_VL, processor_marker="Qwen2VL",
+        "Qwen2-VL", **_QWEN_VL, processor_marker="Qwen2VL", mrope_section=(16, 24, 24),
         image_only_processor="Qwen2_5_VLProcessor")),
     Family("qwen2_5_vl", vision=VisionFamily(
-        "Qwen2.5-VL", **_QWEN_VL, processor_marker="Qwen2_5_VL",
+        "Qwen2.5-VL", **_QWEN_VL, processor_marker="Qwen2_5_VL", mrope_section=(16, 24, 24),
         image_only_processor="Qwen2_5_VLProcessor")),
     Family("qwen3_vl", vision=VisionFamily(
         "Qwen3-VL", **_QWEN_VL, timestamped_video=True, processor_marker="Qwen3VL",
+        mrope_section=(24, 20, 20),
         image_only_processor="Qwen3VLProcessor")),
     Family("llava", vision=VisionFamily(
         "LLaVA", positions="text", images_attend="causal", tower="per_patch", **_FIXED_TOWER)),
