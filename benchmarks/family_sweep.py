@@ -101,6 +101,8 @@ def reason_group(reason: str) -> str:
         ("output_router_logits", "router auxiliary loss (the fix names the override)"),
         ("does not dispatch through transformers' AttentionInterface", "attention outside "
          "transformers' AttentionInterface"),
+        ("builds its vision tower as the timm backbone", "a timm vision tower (no tiny "
+         "copy; its text model is checked alone)"),
         ("could not check", "the probe could not build or run its tiny copy"),
         ("would train a different model", "the probe found a difference"),
     ):

@@ -45,6 +45,8 @@ class VisionFamily:
     processor_marker: str | None = None
     image_only_processor: str | None = None
     prepared: bool = True  # `longctx preprocess` builds and tests its processor's rows
+    # mRoPE's (t, h, w) sections where the config names none (the model's own default).
+    mrope_section: tuple[int, ...] | None = None
 
     @property
     def rebuilt(self) -> bool:
@@ -73,6 +75,8 @@ class Family:
     # hold nothing but attention, MLP and norms (what the TP-sp plan shards exactly).
     tensor_parallel: bool = False
     vision: VisionFamily | None = None
+    # Takes images, but runtime/vision.py does not rebuild its forward: why (the refusal).
+    vision_refusal: str | None = None
 
 
 _QWEN_VL = dict(positions="mrope", images_attend="causal", pixels="patches", tower="merged",
@@ -82,13 +86,14 @@ _FIXED_TOWER = dict(pixels="images", modules=("vision_tower", "multi_modal_proje
 _RECORDS = (
     # Vision-language families, in the order the messages list them.
     Family("qwen2_vl", vision=VisionFamily(
-        "Qwen2-VL", **_QWEN_VL, processor_marker="Qwen2VL",
+        "Qwen2-VL", **_QWEN_VL, processor_marker="Qwen2VL", mrope_section=(16, 24, 24),
         image_only_processor="Qwen2_5_VLProcessor")),
     Family("qwen2_5_vl", vision=VisionFamily(
-        "Qwen2.5-VL", **_QWEN_VL, processor_marker="Qwen2_5_VL",
+        "Qwen2.5-VL", **_QWEN_VL, processor_marker="Qwen2_5_VL", mrope_section=(16, 24, 24),
         image_only_processor="Qwen2_5_VLProcessor")),
     Family("qwen3_vl", vision=VisionFamily(
         "Qwen3-VL", **_QWEN_VL, timestamped_video=True, processor_marker="Qwen3VL",
+        mrope_section=(24, 20, 20),
         image_only_processor="Qwen3VLProcessor")),
     Family("llava", vision=VisionFamily(
         "LLaVA", positions="text", images_attend="causal", tower="per_patch", **_FIXED_TOWER)),
@@ -98,6 +103,23 @@ _RECORDS = (
     Family("paligemma", vision=VisionFamily(
         "PaliGemma", positions="text", images_attend="prefix", tower="per_patch",
         prepared=False, **_FIXED_TOWER)),
+    # Vision-language families runtime/vision.py does not rebuild, each with the reason.
+    Family("gemma4", vision_refusal=(
+        "Gemma 4's image tokens attend both ways on its sliding-window layers only and "
+        "causally on its full-attention layers (`use_bidirectional_attention: vision`), and "
+        "its tower takes each image as a variable-length run of patches with 2-D position ids "
+        "(`image_position_ids`), pooled to a count that depends on the image: the VLM path "
+        "computes neither (its both-ways images are Gemma 3's, on every layer, from whole "
+        "fixed-size images)")),
+    Family("gemma3n", vision_refusal=(
+        "Gemma 3n's vision tower is a timm MobileNetV5 backbone and it also takes audio "
+        "(`input_features`, its audio tower); the VLM path rebuilds neither tower, and longctx "
+        "has no audio inputs at all")),
+    Family("llama4", vision_refusal=(
+        "Llama 4's processor cuts each image into tiles plus a global view, with tile "
+        "separator tokens, and its forward applies the projector to the tower's "
+        "pixel-shuffled features itself (not in `get_image_features`): the VLM path lays out "
+        "and merges neither")),
     # Text families, by model type.
     Family("apertus", lean_norms=True),
     Family("arcee", lean_norms=True),

@@ -758,6 +758,13 @@ REFUSED_FAMILIES = (
      "vision models, GLM-4.6V, SmolVLM2, LFM2-VL, PaddleOCR-VL)", "their towers, feature merge "
      "and positions are not rebuilt under sequence parallelism; their text models train "
      "where transformers has a causal LM of their own"),
+    ("Gemma 4's images (`gemma4`)", "its image tokens attend both ways on sliding-window "
+     "layers only, and its tower takes variable-length patch runs with 2-D position ids: "
+     "the VLM path computes neither (its text, and its default config without towers, are "
+     "exact)"),
+    ("Gemma 3n's images and audio (`gemma3n`)", "a timm MobileNetV5 vision tower the probe "
+     "cannot shrink, an audio tower, and no audio inputs in longctx; its language model "
+     "(`gemma3n_text`) is exact"),
 )
 
 

@@ -23,6 +23,10 @@ EXPECTED = {
     "codegen": ("exact", ""),  # n_embd / n_head / rotary_dim
     "nemotron": ("exact", ""),  # its layers call attention without the forward's kwargs
     "granitemoehybrid": ("exact", ""),  # all-Mamba stack at its defaults
+    # vision-language defaults the probe's own shrinking failed on before
+    "qwen2_vl": ("exact", ""),  # its merger writes the tower's hidden_size
+    "qwen2_5_vl": ("exact", ""),  # mrope_section (16, 24, 24) shrinks with the head dim
+    "gemma4": ("exact", ""),  # a wrapper without towers: its text config shrinks inside it
     # refused, each for its own reason
     "mamba": ("refused", "no attention layers (recurrent / state-space)"),
     "rwkv": ("refused", "no attention layers (recurrent / state-space)"),
@@ -36,6 +40,8 @@ EXPECTED = {
     "gpt_neo": ("refused", "attention outside transformers' AttentionInterface"),
     "minimax": ("refused", "layers that mix tokens outside attention (not covered)"),
     "paligemma": ("refused", "a prefix LM (image and prompt attend both ways)"),
+    "gemma3n": ("refused", "a timm vision tower (no tiny copy; its text model is checked "
+                "alone)"),
     "internvl": ("refused", "a vision-language family longctx does not rebuild"),
     "llava_next": ("refused", "a vision-language family longctx does not rebuild"),
 }

@@ -360,6 +360,34 @@ def test_shrink_keeps_layer_types_gqa_and_makes_windows_active() -> None:
     assert (qwen.num_attention_heads, qwen.num_key_value_heads) == (8, 2)
 
 
+def test_shrinking_a_multimodal_config_fits_its_towers_and_mrope() -> None:
+    from longctx_cli.checks.fidelity import PROBE_HEAD_DIM, shrink_vision_config
+
+    qwen = shrink_vision_config(AutoConfig.for_model("qwen2_5_vl"))  # no mrope_section named
+    assert sum(qwen.text_config.rope_parameters["mrope_section"]) == PROBE_HEAD_DIM // 2
+    assert qwen.vision_config.out_hidden_size == qwen.text_config.hidden_size
+    qwen2 = shrink_vision_config(AutoConfig.for_model("qwen2_vl"))  # its merger: hidden_size
+    assert qwen2.vision_config.hidden_size == qwen2.text_config.hidden_size
+    bare = shrink_vision_config(AutoConfig.for_model("gemma4"), images=False)  # no towers
+    assert bare.vision_config is None and bare.text_config.vocab_size == 128
+    assert bare.image_token_id >= 128  # a text probe's random ids never name an image
+
+
+def test_gemma4_with_its_towers_trains_its_text_exactly() -> None:
+    from transformers.models.gemma4 import configuration_gemma4 as g4
+
+    config = AutoConfig.for_model("gemma4", vision_config=g4.Gemma4VisionConfig().to_dict(),
+                                  audio_config=g4.Gemma4AudioConfig().to_dict())
+    assert run_probe(config).summary().startswith("passed")
+
+
+def test_gemma3n_is_refused_for_its_timm_tower_naming_its_text_model() -> None:
+    with pytest.raises(UserError) as e:
+        run_probe(AutoConfig.for_model("gemma3n"))
+    assert "timm backbone `mobilenetv5_300m_enc`" in str(e.value)
+    assert "`gemma3n_text`" in e.value.fix
+
+
 def test_trainer_check_respects_the_switch() -> None:
     base = {"model_config": {"model_type": "llama", **TINY}, "datasets": [{"path": "x"}]}
     assert check_fidelity(Config(**base)).startswith("passed")

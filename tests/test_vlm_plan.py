@@ -86,6 +86,26 @@ def test_paligemma_is_refused_as_a_prefix_lm() -> None:
     assert "prefix LM" in str(e.value) and e.value.where == "base_model"
 
 
+@pytest.mark.parametrize("model_type, why", [
+    ("gemma4", "sliding-window layers only"),
+    ("llama4", "into tiles plus a global view"),
+    ("gemma3n", "longctx has no audio inputs"),
+])
+def test_vlm_families_not_rebuilt_are_refused_with_their_own_reason(model_type, why) -> None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    if config.vision_config is None:  # Gemma 4's default has no tower: give it its own
+        from transformers.models.gemma4 import configuration_gemma4 as g4
+
+        config = AutoConfig.for_model(model_type, vision_config=g4.Gemma4VisionConfig())
+    with pytest.raises(UserError) as e:
+        _plan(config, processor_type="AutoProcessor")
+    text = str(e.value)
+    assert "does not rebuild its forward" in text and why in text, text
+    assert e.value.where == "base_model" and "\n" not in text
+
+
 @pytest.mark.parametrize("overrides, where", [
     ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
     ({"rl": "dpo", "datasets": [{"path": "p.jsonl", "type": "chatml.intel"}]}, "rl"),

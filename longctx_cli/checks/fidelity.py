@@ -522,14 +522,45 @@ def run_probe(model_config: Any, trust_remote_code: bool = False, images: bool =
     with torch.random.fork_rng(devices=[]):
         try:
             causal = _causal_lm_config(model_config)
+            _refuse_timm_tower(model_type, causal)
             # A multimodal class that is its own causal LM (Gemma 3) trains its language
             # model on text: the tiny copy keeps the class, its parts shrunk.
-            tiny = (shrink_vision_config(causal) if getattr(causal, "vision_config", None)
-                    is not None else shrink_config(causal))
+            tiny = (shrink_vision_config(causal, images=False) if _is_wrapper(causal)
+                    else shrink_config(causal))
+        except UserError:
+            raise
         except Exception as e:  # any config class may reject our shrunk fields
             raise _unchecked(model_type, "longctx's own shrinking of the config to a tiny "
                              f"model failed ({type(e).__name__}: {_first_line(e)})") from None
         return _compare(model_type, tiny, trust_remote_code, started)
+
+
+def _refuse_timm_tower(model_type: str, config: Any) -> None:
+    """A multimodal model whose vision tower is a timm backbone (Gemma 3n's MobileNetV5,
+    named by `vision_config.architecture`) has no size fields a tiny copy could shrink."""
+    import importlib.util
+
+    architecture = getattr(getattr(config, "vision_config", None), "architecture", None)
+    if not isinstance(architecture, str):
+        return
+    missing = ("; timm is not installed here, and transformers builds the tower with it"
+               if importlib.util.find_spec("timm") is None else "")
+    raise UserError(
+        f"model type `{model_type}` builds its vision tower as the timm backbone "
+        f"`{architecture}` (`vision_config.architecture`), whose sizes timm fixes: the "
+        f"fidelity probe cannot build a tiny copy of it{missing}. The tower trains nothing "
+        "on text, and longctx does not rebuild this family's image forward, so whether "
+        "longctx trains the whole model exactly is unchecked and training is refused.",
+        where="fidelity_probe",
+        fix=f"train its language model alone (`model_config` set to the config's "
+        f"`text_config`, model type `{config.get_text_config().model_type}`, which the "
+        "probe checks), or set `fidelity_probe: false` to train without the check.")
+
+
+def _is_wrapper(config: Any) -> bool:
+    """A multimodal config holding its text part as a sub-config (with or without towers)."""
+    return (hasattr(config, "get_text_config") and hasattr(config, "vision_config")
+            and config.get_text_config() is not config)
 
 
 def _causal_lm_config(model_config: Any) -> Any:
@@ -842,12 +873,37 @@ def _remember(path: Path, summary: str) -> None:
 _VISION_DOCUMENTS = ((5, (1, 4, 4), 4, (1, 2, 4), 3), (7,), (2, (1, 4, 2), 4))
 
 
-def shrink_vision_config(model_config: Any) -> Any:
-    """A tiny copy: the text part as `fidelity.shrink_config` shrinks it, a two-layer tower
-    with small images, and image token ids inside the tiny vocabulary."""
+def shrink_vision_config(model_config: Any, images: bool = True) -> Any:
+    """A tiny copy of a multimodal config: the text part as `fidelity.shrink_config` shrinks
+    it, a two-layer tower with small images, a one-layer audio tower (Gemma 3n, Gemma 4),
+    and, with `images`, the multimodal token ids inside the tiny vocabulary (a text probe
+    leaves them outside it, where its random text never names one, as a text run's data
+    does not). A part the config leaves out (Gemma 4's default has no towers) stays out."""
     tiny = copy.deepcopy(model_config)
     text = shrink_config(model_config.get_text_config())
     vision = tiny.vision_config
+    if vision is not None:
+        _shrink_tower(tiny, vision, text)
+    if getattr(tiny, "audio_config", None) is not None:
+        _shrink_audio(tiny.audio_config)
+    tiny.text_config = text
+    if not images:
+        return tiny
+    vocab = text.vocab_size
+    named = ("image_token_id", "video_token_id", "vision_start_token_id",
+             "vision_end_token_id", "boi_token_index", "eoi_token_index")
+    # Then any other multimodal token the wrapper names (Gemma 4's boi/eoi/audio tokens).
+    others = sorted(k for k, v in tiny.to_diff_dict().items() if k not in named
+                    and isinstance(v, int) and v >= vocab
+                    and (k.endswith("_token_id") or k.endswith("_token_index")))
+    for offset, key in enumerate((*named, *others)):
+        if getattr(tiny, key, None) is not None:
+            setattr(tiny, key, vocab - 1 - offset)
+    return tiny
+
+
+def _shrink_tower(tiny: Any, vision: Any, text: Any) -> None:
+    """The tower cut to two layers with images of a few patches (see `Tower`)."""
     tower = _tower(tiny)
     if tower == "merged":  # Qwen-VL towers
         vision.depth = 2
@@ -855,7 +911,14 @@ def shrink_vision_config(model_config: Any) -> Any:
             vision.fullatt_block_indexes = [1]
         if hasattr(vision, "deepstack_visual_indexes"):
             vision.deepstack_visual_indexes = [0, 1]
-        vision.out_hidden_size = text.hidden_size
+        vision.num_heads = 2  # blocks 32 wide, in two heads of 16
+        if hasattr(vision, "out_hidden_size"):
+            vision.hidden_size, vision.intermediate_size = 32, PROBE_INTERMEDIATE
+            vision.out_hidden_size = text.hidden_size
+        else:  # Qwen2-VL: blocks `embed_dim` wide, the merger writes `hidden_size`
+            vision.embed_dim = 32
+            vision.hidden_size = text.hidden_size
+        _shrink_mrope(text, tiny)
     elif tower == "pooled":  # Gemma 3: 4 x 4 patches pooled to 2 x 2
         vision.num_hidden_layers = 2
         vision.image_size = 4 * vision.patch_size
@@ -863,13 +926,32 @@ def shrink_vision_config(model_config: Any) -> Any:
     else:  # CLIP/SigLIP-style towers: two layers, images of 2 x 2 patches
         vision.num_hidden_layers = 2
         vision.image_size = 2 * vision.patch_size
-    tiny.text_config = text
-    vocab = text.vocab_size
-    for offset, key in enumerate(("image_token_id", "video_token_id", "vision_start_token_id",
-                                  "vision_end_token_id", "boi_token_index", "eoi_token_index")):
-        if getattr(tiny, key, None) is not None:
-            setattr(tiny, key, vocab - 1 - offset)
-    return tiny
+
+
+def _shrink_mrope(text: Any, tiny: Any) -> None:
+    """mRoPE's (t, h, w) sections split the rotary half of a head: they shrink with the head
+    dim, each kept at least 1, summing to the tiny head's half (the family's own default
+    where the config names none)."""
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    family = vision_family(str(getattr(tiny, "model_type", "")))
+    sections = rope.get("mrope_section") or (family.mrope_section if family else None)
+    if not sections:
+        return
+    half = PROBE_HEAD_DIM // 2
+    scaled = [max(1, s * half // sum(sections)) for s in sections]
+    scaled[0] += half - sum(scaled)  # the rounding's remainder on the temporal section
+    rope["mrope_section"] = scaled
+    text.rope_parameters = rope
+
+
+def _shrink_audio(audio: Any) -> None:
+    """An audio tower of one layer and two heads (it trains nothing on text or images, but
+    is built with the model)."""
+    for key, value in (("num_hidden_layers", 1), ("conf_num_hidden_layers", 1),
+                       ("num_attention_heads", 2), ("conf_num_attention_heads", 2),
+                       ("hidden_size", 32)):
+        if hasattr(audio, key):
+            setattr(audio, key, value)
 
 
 def _tower(model_config: Any) -> Tower:

@@ -20,6 +20,7 @@ from longctx_cli.config.shape import is_vision_language
 from longctx_cli.config.units import DTYPE_BYTES, format_count, format_gib
 from longctx_cli.errors import UserError
 from longctx_cli.families import PREPARED_FAMILIES, VISION_FAMILIES, vision_family
+from longctx_cli.families import family as family_record
 from longctx_cli.layout import Layout
 
 
@@ -162,10 +163,11 @@ def refuse_unless_rebuilt(model_config: Any) -> None:
             fix="train this model without longctx, or pick a vision-language family longctx "
             f"trains exactly ({', '.join(VISION_FAMILIES)}).")
     if family is None or not family.rebuilt:
+        why = family_record(model_type).vision_refusal
         raise UserError(
             f"model type `{model_type}` takes images, but longctx does not rebuild its "
             "forward under sequence parallelism (the tower, the merge of image features and "
-            "its positions), so it cannot train it exactly.",
+            f"its positions){f': {why}' if why else ''}, so it cannot train it exactly.",
             where="base_model",
             fix=f"pick one of {', '.join(VISION_FAMILIES)}, or train without longctx.")
 
