@@ -63,7 +63,11 @@ FAMILIES: dict[str, str | tuple[str, dict] | None] = {
     "ByteDance-Seed/Seed-OSS-36B-Instruct": "seed_oss",
     "CohereForAI/c4ai-command-r7b-12-2024": "cohere2",
     "HuggingFaceTB/SmolVLM2-2.2B-Instruct": "smolvlm",
-    "LiquidAI/LFM2-350M": "lfm2", "LiquidAI/LFM2-8B-A1B": "lfm2_moe",
+    "LiquidAI/LFM2-350M": "lfm2",
+    # transformers' LFM2-MoE defaults name no layer types (its model cannot be built from
+    # them); the published model mixes short convolutions with a few attention layers.
+    "LiquidAI/LFM2-8B-A1B": ("lfm2_moe", {"num_hidden_layers": 24, "layer_types": [
+        "full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)]}),
     "LiquidAI/LFM2-VL-450M": "lfm2_vl",
     "Mapika/GLM-5.2-NVFP4": "glm_moe_dsa", "THUDM/GLM-4-32B-0414": "glm4",
     "zai-org/GLM-4.5-Air": "glm4_moe", "zai-org/GLM-4.6V-Flash": "glm46v",
@@ -92,8 +96,13 @@ FAMILIES: dict[str, str | tuple[str, dict] | None] = {
     "mistralai/Voxtral-Mini-3B-2507": "voxtral",
     "axolotl-ai-co/gpt-oss-120b-dequantized": "gpt_oss", "openai/gpt-oss-20b": "gpt_oss",
     "openai/gpt-oss-safeguard-20b": "gpt_oss",
-    "axolotl-quants/DeepSeek-V2.5-bnb-nf4-bf16": "deepseek_v2",
-    "deepseek-ai/DeepSeek-V2-Lite": "deepseek_v2", "nvidia/DeepSeek-V4-Flash-NVFP4": "deepseek_v4",
+    # transformers' DeepSeek-V2 defaults route to no expert count (`num_experts_per_tok`
+    # None, which its own forward cannot run); the published models route to 6.
+    "axolotl-quants/DeepSeek-V2.5-bnb-nf4-bf16": ("deepseek_v2", {
+        "num_experts_per_tok": 6, "n_routed_experts": 160, "n_group": 8, "topk_group": 3,
+        "topk_method": "group_limited_greedy"}),
+    "deepseek-ai/DeepSeek-V2-Lite": ("deepseek_v2", {"num_experts_per_tok": 6,
+                                                     "first_k_dense_replace": 1}), "nvidia/DeepSeek-V4-Flash-NVFP4": "deepseek_v4",
     "google/gemma-2-2b": "gemma2", "google/gemma-2-9b": "gemma2",
     "google/gemma-3-1b-it": "gemma3_text", "google/gemma-3-270m-it": "gemma3_text",
     "google/gemma-3-4b-it": "gemma3", "google/gemma-3-12b-it": "gemma3",
