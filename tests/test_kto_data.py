@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from longctx_cli.data.kto import KTO_TYPES, kl_completions, kto_ids, kto_sample, kto_texts
+from longctx_cli.config.sections.data import KTO_TYPES
+from longctx_cli.data.kto import kl_completions, kto_ids, kto_sample, kto_texts
 from longctx_cli.errors import UserError
 from tests.test_preference import base_model, lora_config, tokenizer
 
@@ -35,12 +36,13 @@ def test_axolotl_prompt_strings():
                            {"role": "assistant", "content": "Hello"}], "label": True}
     assert kto_texts(chat, "chatml.argilla_chat", "r")[:2] == (
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", "Hello<|im_end|>")
-    assert {"kto", "llama3.intel", "chatml.prompt_pairs"} <= set(KTO_TYPES)
+    assert {"llama3.intel", "chatml.prompt_pairs"} <= set(KTO_TYPES)
 
 
 def test_label_must_be_boolean():
     with pytest.raises(UserError, match="boolean `label`"):
-        kto_texts({"prompt": "a", "completion": "b", "label": "yes"}, "kto", "data.jsonl:3")
+        kto_texts({"prompt": "a", "completion": "b", "label": "yes"}, "chatml.ultra",
+                  "data.jsonl:3")
     with pytest.raises(UserError, match="`completion`"):
         kto_texts({"prompt": "a", "label": True}, "llama3.ultra", "data.jsonl:3")
 

@@ -516,8 +516,6 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "dpo_padding_free": Rule("ignored", "longctx always packs pairs without padding"),
     "rl_adapter_ref_model": Rule(
         "ignored", "with an adapter the reference is always the base with the adapter off"),
-    "kto_desirable_weight": Rule("refused", "KTO is not supported yet"),
-    "kto_undesirable_weight": Rule("refused", "KTO is not supported yet"),
     "ebft": Rule("refused", _RL),
     "trainer_cls": Rule("refused", "longctx has one trainer"),
     "use_eaft": Rule("refused", "a modified loss is not supported"),

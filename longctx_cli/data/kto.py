@@ -3,8 +3,7 @@ examples -> KTO samples, each the example's sequence and its mismatched KL seque
 
 The record types are Axolotl's KTO types (`chatml.*`, `llama3.*`: argilla, argilla_chat,
 intel, prompt_pairs, ultra), whose prompt strings are the same chat blocks as its preference
-types (`data/preference.py`), and `kto`, TRL's own unpaired format (`prompt`, `completion`,
-`label`, the prompt already rendered). `label` is the completion's desirability.
+types (`data/preference.py`); `label` is the completion's desirability.
 
 Tokenization is TRL's (`KTOTrainer`): an eos appended to a completion that does not end with
 one, `prompt` and `prompt + completion` tokenized whole, the completion starting where the two
@@ -15,26 +14,38 @@ example takes the chunk's last completion): `kl_completions`. A KTO sample is th
 sequences back to back, `[prompt_i + completion_i]` then `[prompt_i + completion_{i-1}]`,
 positions from 0 in each, targets on the completions only; `train/objectives/kto.py` reads
 document `2k` as example `k`'s completion and `2k + 1` as its KL sequence.
+
+`kto_rows` writes one KTO sample per row with its label (`kto_label`), in the order the trainer
+reads them (in order, as TRL's sequential sampler): the examples of every entry, shuffled with
+the seed when `shuffle_merged_datasets` (before the rotation, as a dataset handed to TRL
+would be), then rotated in chunks of `micro_batch_size`, so each micro-batch of rows is one of
+TRL's batches. A chunk holding a sample longer than `sequence_len` is dropped whole (the
+other examples' KL completions stay those of their chunk) and counted.
 """
 
 from __future__ import annotations
 
+import random
 from os.path import commonprefix  # any two sequences, token lists included
 from typing import TYPE_CHECKING, Any
 
+from longctx_cli.config.sections.data import KTO_TYPES
 from longctx_cli.constants import IGNORE_INDEX
+from longctx_cli.data import load
 from longctx_cli.data.preference import TEMPLATES, string_field
+from longctx_cli.data.report import DatasetStats, PrepareReport, RowStats
 from longctx_cli.errors import UserError
 
 if TYPE_CHECKING:
+    from datasets import Dataset
     from transformers import PreTrainedTokenizerBase
+
+    from longctx_cli.config.schema import Config
 
 # type suffix -> the record key holding the user's question (argilla_chat: a conversation)
 _QUESTION_KEYS = {"argilla": "instruction", "intel": "question", "prompt_pairs": "prompt",
                   "ultra": "prompt"}
 _OWNER = "a KTO example"
-KTO_TYPES = ("kto", *(f"{style}.{kind}" for style in TEMPLATES
-                      for kind in (*_QUESTION_KEYS, "argilla_chat")))
 
 
 def kto_texts(record: dict[str, Any], type_: str, where: str) -> tuple[str, str, bool]:
@@ -44,9 +55,7 @@ def kto_texts(record: dict[str, Any], type_: str, where: str) -> tuple[str, str,
         raise UserError(f"a KTO example needs a boolean `label` (whether its completion is "
                         f"desirable), found {label!r}.", where=where,
                         fix="give every record `label: true` or `label: false`.")
-    if type_ == "kto":
-        return (string_field(record, ("prompt",), where, "prompt", _OWNER),
-                string_field(record, ("completion",), where, "completion", _OWNER), label)
+    assert type_ in KTO_TYPES, type_  # the config's rules admit no other
     style, kind = type_.split(".")
     system_block, user_block, end = TEMPLATES[style]
     if kind == "argilla_chat":  # `completion` is the conversation [user turn, assistant turn]
@@ -99,3 +108,58 @@ def kto_sample(prompt: list[int], completion: list[int], kl_completion: list[int
         labels += [IGNORE_INDEX] * len(prompt) + answer
         positions += list(range(len(prompt) + len(answer)))
     return ids, labels, positions
+
+
+def kto_rows(config: Config, tok: PreTrainedTokenizerBase, sources: list,
+             report: PrepareReport, work: str) -> Dataset:
+    """The KTO rows of the train split (see the module doc): `input_ids`, `labels`,
+    `position_ids` and `kto_label`."""
+    from datasets import Dataset
+
+    examples: list[tuple[list[int], list[int], bool, int]] = []  # + the entry's index
+    for n, (entry, source) in enumerate(zip(config.data.datasets, sources, strict=True)):
+        stats = DatasetStats(entry.path or "kto", entry.type, "train")
+        report.datasets.append(stats)
+        load.prescan(source)
+        records = load.load_records(source, entry, cache_dir=f"{work}/hf")
+        stats.records = len(records)
+        if len(records) == 0:
+            raise load.empty_error(source)
+        for i, record in enumerate(records):
+            prompt, completion, label = kto_texts(record, entry.type, source.where(i))
+            prompt_ids, completion_ids = kto_ids(tok, prompt, completion)
+            examples.append((prompt_ids, completion_ids, label, n))
+    if config.data.shuffle_merged_datasets:
+        random.Random(config.training.seed).shuffle(examples)
+    batch = config.training.micro_batch_size
+    kl = kl_completions([e[1] for e in examples], batch)
+    columns: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": [],
+                                "kto_label": []}
+    for start in range(0, len(examples), batch):
+        chunk = [(*examples[i], kl[i]) for i in range(start, min(start + batch, len(examples)))]
+        samples = [kto_sample(prompt, completion, kl_completion)
+                   for prompt, completion, _, _, kl_completion in chunk]
+        too_long = any(len(ids) > config.data.sequence_len for ids, _, _ in samples)
+        for (*_, label, n, _), (ids, labels, positions) in zip(chunk, samples, strict=True):
+            stats = report.datasets[n]
+            if too_long:
+                stats.too_long += len(ids) > config.data.sequence_len
+                stats.dropped += 1
+                continue
+            stats.samples += 1
+            stats.tokens += len(ids)
+            stats.target_tokens += sum(t != IGNORE_INDEX for t in labels)
+            for key, value in zip(columns, (ids, labels, positions, label), strict=True):
+                columns[key].append(value)
+    if not columns["input_ids"]:
+        raise UserError(f"no KTO example is left to train on: every micro-batch of "
+                        f"{batch} holds one longer than `sequence_len: "
+                        f"{config.data.sequence_len}` (its two sequences together).",
+                        where="datasets", fix="raise sequence_len, or shorten the data.")
+    dropped = sum(s.dropped for s in report.datasets)
+    if dropped:
+        report.notes.append(f"{dropped} KTO example(s) dropped: their micro-batch of {batch} "
+                            "held a sample longer than sequence_len.")
+    report.train = RowStats(len(columns["input_ids"]), sum(s.tokens for s in report.datasets),
+                            sum(s.target_tokens for s in report.datasets), 0.0)
+    return Dataset.from_dict(columns)
