@@ -71,3 +71,35 @@ def test_ids_and_kl_completions_match_trl():
     assert ids == prompt + completion + prompt + kl[0]
     assert labels == [-100] * len(prompt) + completion + [-100] * len(prompt) + kl[0]
     assert positions == [*range(len(prompt) + len(completion)), *range(len(prompt) + len(kl[0]))]
+
+
+def test_prepared_rows_keep_trls_batches(tmp_path):
+    """`prepare` under `rl: kto`: one sample a row with its label, in file order, each KL
+    completion from its own micro-batch; a micro-batch holding a sample longer than
+    sequence_len is dropped whole and counted, and the next batches keep their pairing."""
+    import json
+
+    from longctx_cli.config.load import config_from_dict
+    from longctx_cli.data.prepare import prepare
+
+    records = [{**r, "prompt": r["prompt"] * (30 if i == 2 else 1)}
+               for i, r in enumerate(RECORDS)]
+    records.append({"prompt": "One more.", "completion": "Done.", "label": True})
+    path = tmp_path / "kto.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = config_from_dict({
+        "model_config": {"model_type": "llama"}, "tokenizer": "byte", "sequence_len": 600,
+        "dataset_prepared_path": str(tmp_path / "prepared"), "rl": "kto", "adapter": "lora",
+        "datasets": [{"path": str(path), "type": "llama3.ultra"}], "sample_packing": False,
+        "shuffle_merged_datasets": False, "micro_batch_size": BATCH})
+    tok = tokenizer()
+    prepared = prepare(config, tok, progress=False)
+    rows = prepared.train
+    kept = [0, 1, 4, 5]  # examples 2 and 3 were one micro-batch, with a long prompt in it
+    assert rows["kto_label"] == [records[i]["label"] for i in kept]
+    ids = [kto_ids(tok, *kto_texts(records[i], "llama3.ultra", "r")[:2]) for i in kept]
+    for row, (prompt, completion), (_, partner) in zip(
+            range(4), ids, [ids[1], ids[0], ids[3], ids[2]], strict=True):
+        assert rows[row]["input_ids"] == kto_sample(prompt, completion, partner)[0]
+    stats = prepared.report.datasets[0]
+    assert (stats.dropped, stats.too_long, stats.samples) == (2, 1, 4)
