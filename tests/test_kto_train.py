@@ -13,7 +13,9 @@ import torch
 
 from tests.train_helpers import read_metrics, run_longctx, train, write_config
 
-BETA, DESIRABLE = 0.5, 0.75
+# A heavy desirable weight: the first update raises the completions' log-ratios, so the
+# second step's KL point is positive (with lighter ones it is clamped to 0 here).
+BETA, DESIRABLE = 0.5, 4.0
 BATCH = 2  # micro_batch_size: TRL's per_device_train_batch_size
 
 
@@ -107,6 +109,7 @@ def test_kto_sp2_step_matches_trl(tmp_path):
                 "logps/rejected"):
         assert abs(got[key] - want[key]) < 1e-4 * max(1.0, abs(want[key])), (key, got, want)
     assert abs(got["rewards/margins"]) > 0  # the first update moved the policy
+    assert want["kl"] > 0  # the KL point is exercised, not clamped to 0
 
 
 @pytest.mark.parametrize("overrides, expected", [
