@@ -160,9 +160,8 @@ class Kto:
 
     def micro_batches(self, step: int, use_fsdp: bool, precision: Precision) -> list[KtoBatch]:
         assert self.rows is not None, "an objective without rows is handed its batches"
-        data, indices = self.rows.data.step_rows(step)
         batches = self.rows.micro_batches(step)
-        labels = data.select([i for b in batches for i in b.rows])["kto_label"]
+        labels = self.rows.data.rows.select([i for b in batches for i in b.rows])["kto_label"]
         out, start = [], 0
         for b in batches:  # each batch records its rows, in order
             out.append(KtoBatch(b, torch.tensor(labels[start:start + len(b.rows)])))
