@@ -228,7 +228,7 @@ def test_every_problem_in_one_report_with_locations(tmp_path):
         "model_config: {model_type: llama}\n"
         "sequence_parallel_degree: true\n"
         "max_seq_length: 4096\n"
-        "rl: kto\n"
+        "rl: gdpo\n"
         "optimizer: adafactor\n"
         "seed: 1\n"
         "seed: 2\n"
@@ -240,7 +240,7 @@ def test_every_problem_in_one_report_with_locations(tmp_path):
     assert "6 problems" in text
     assert f"{path}:2:27: `sequence_parallel_degree` = True is invalid" in text
     assert f"{path}:3:1: unknown key `max_seq_length`; did you mean `sequence_len`?" in text
-    assert f"{path}:4:5: `rl` = 'kto' is invalid: `rl: kto` cannot run" in text
+    assert f"{path}:4:5: `rl` = 'gdpo' is invalid: `rl: gdpo` cannot run" in text
     assert f"{path}:5:12: `optimizer` = 'adafactor' is invalid" in text
     assert f"{path}:7:1: duplicate key `seed` (first at line 6)" in text
     assert "did you mean `fsdp_config`?" in text

@@ -516,8 +516,6 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "dpo_padding_free": Rule("ignored", "longctx always packs pairs without padding"),
     "rl_adapter_ref_model": Rule(
         "ignored", "with an adapter the reference is always the base with the adapter off"),
-    "kto_desirable_weight": Rule("refused", "KTO is not supported yet"),
-    "kto_undesirable_weight": Rule("refused", "KTO is not supported yet"),
     "ebft": Rule("refused", _RL),
     "trainer_cls": Rule("refused", "longctx has one trainer"),
     "use_eaft": Rule("refused", "a modified loss is not supported"),
@@ -532,7 +530,8 @@ SAME: tuple[str, ...] = (
     "pretraining_dataset", "streaming", "sample_packing_sequentially", "curriculum_sampling",
     "reinit_weights", "unfrozen_parameters", "merge_lora", "rope_scaling", "rope_theta",
     "rl", "rl_beta", "dpo_beta", "dpo_loss_type", "dpo_loss_weights", "dpo_label_smoothing",
-    "simpo_gamma", "cpo_alpha", "precompute_ref_log_probs", "orpo_alpha", "trl",
+    "simpo_gamma", "cpo_alpha", "precompute_ref_log_probs", "orpo_alpha", "kto_desirable_weight",
+    "kto_undesirable_weight", "trl",
     "sequence_parallel_degree", "context_parallel_size", "heads_k_stride", "ring_attn_func",
     "fsdp", "fsdp_version", "fsdp_config", "deepspeed", "dp_shard_size", "dp_replicate_size",
     "tensor_parallel_size", "world_size", "micro_batch_size", "gradient_accumulation_steps",

@@ -23,7 +23,11 @@ from longctx_cli.config.sections.evaluation import EvalSection
 from longctx_cli.config.sections.grpo import TrlConfig, check_grpo
 from longctx_cli.config.sections.memory import MemorySection
 from longctx_cli.config.sections.model import ModelSection
-from longctx_cli.config.sections.objective import ObjectiveSection, check_preference
+from longctx_cli.config.sections.objective import (
+    ObjectiveSection,
+    check_kto,
+    check_preference,
+)
 from longctx_cli.config.sections.output import OutputSection
 from longctx_cli.config.sections.parallel import ParallelSection, fold_sharding
 from longctx_cli.config.sections.run import RunSection
@@ -118,6 +122,8 @@ class Config(StrictModel):
         if self.trl is not None and objective.rl != "grpo":
             raise ValueError("`trl:` holds the settings of `rl: grpo`; set `rl: grpo`, or drop "
                              "the section")
+        check_kto(objective, data, self.training.micro_batch_size, self.lora.adapter,
+                  bool(self.lora.lora_model_dir))  # and its keys without `rl: kto`
         if objective.rl == "grpo":
             check_grpo(self.trl, data, self.training.micro_batch_size,
                        self.parallel.tensor_parallel_size,
@@ -126,7 +132,7 @@ class Config(StrictModel):
                        self._axolotl_notes)
             if "prefix_sharing" not in objective.model_fields_set:
                 objective.prefix_sharing = True  # the long prompt once per group, unless asked
-        else:
+        elif objective.rl != "kto":
             check_preference(objective, data)
         check_streamed(data, self.training.max_steps)
         if data.dataset_exact_deduplication and (self.vision.processor_type

@@ -161,6 +161,9 @@ def _run_parts(
         **({"prefix_sharing": True} if config.objective.prefix_sharing else {}),
         # rl: grpo keeps prompts, not packed rows (data/prompts.py).
         **({"grpo_prompts": _prompts_part(config)} if config.objective.rl == "grpo" else {}),
+        # rl: kto writes labelled examples in TRL's batches of micro_batch_size (data/kto.py).
+        **({"kto_batch": config.training.micro_batch_size} if config.objective.rl == "kto"
+           else {}),
         # A vision run (only then, so text caches keep their names).
         **({"vision": _vision_part(config)} if config.vision.processor_type else {}),
     }

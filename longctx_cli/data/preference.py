@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 # The prompt templates of Axolotl's preference types: (system block, user block + opening of
 # the assistant turn, end of an answer).
-_TEMPLATES = {
+TEMPLATES = {
     "chatml": ("<|im_start|>system\n{system}<|im_end|>\n",
                "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n", "<|im_end|>"),
     "llama3": ("<|start_header_id|>system<|end_header_id|>\n\n{system}<|eot_id|>",
@@ -51,11 +51,14 @@ _CONVERSATION_KINDS = ("ultra", "argilla_chat")
 # The types this module renders; config.schema declares them (PREFERENCE_TYPES).
 RENDERED_TYPES = (
     "preference", "chat_template.default", "chat_template.argilla",
-    *(f"{style}.{kind}" for style in _TEMPLATES for kind in (*_FIELDS, *_CONVERSATION_KINDS)),
+    *(f"{style}.{kind}" for style in TEMPLATES for kind in (*_FIELDS, *_CONVERSATION_KINDS)),
 )
 
 
-def _field(record: dict[str, Any], keys: tuple[str, ...], where: str, what: str) -> str:
+def string_field(record: dict[str, Any], keys: tuple[str, ...], where: str, what: str,
+                 owner: str = "a preference pair") -> str:
+    """The first of `keys` that `record` holds, a string; `owner`: what the record is, for
+    the error when none is."""
     for key in keys:
         value = record.get(key)
         if value is not None:
@@ -65,7 +68,7 @@ def _field(record: dict[str, Any], keys: tuple[str, ...], where: str, what: str)
                     where=where, fix="store the text as a string.")
             return value
     names = " or ".join(f"`{k}`" for k in keys)
-    raise UserError(f"a preference pair has no {what} ({names} is missing or null).",
+    raise UserError(f"{owner} has no {what} ({names} is missing or null).",
                     where=where, fix=f"give every record a string {names}, or drop the record.")
 
 
@@ -75,24 +78,24 @@ def pair_texts(record: dict[str, Any], type_: str, where: str, *,
                template: str | None = None) -> tuple[str, str, str]:
     """(prompt, chosen, rejected) text of one record of a preference type."""
     if type_ == "preference":  # TRL's standard text format
-        return tuple(_field(record, (k,), where, k) for k in ("prompt", "chosen", "rejected"))
+        return tuple(string_field(record, (k,), where, k) for k in ("prompt", "chosen", "rejected"))
     if type_ == "chat_template.default":
         return _chat_template_texts(record, where, tok, messages_field, chosen_field,
                                     rejected_field, template)
     if type_ == "chat_template.argilla":
         return _rendered_pair(*_argilla_conversation(record, where), where, tok, template)
     style, kind = type_.split(".")
-    system_block, user_block, end = _TEMPLATES[style]
+    system_block, user_block, end = TEMPLATES[style]
     if kind in _CONVERSATION_KINDS:
         chosen = _turn(record, "chosen", 1, where)
         rejected = _turn(record, "rejected", 1, where)
         question = (_turn(record, "chosen", 0, where) if kind == "argilla_chat"
-                    else _field(record, ("prompt",), where, "prompt"))
+                    else string_field(record, ("prompt",), where, "prompt"))
     else:
         prompt_keys, chosen_keys, rejected_keys = _FIELDS[kind]
-        question = _field(record, prompt_keys, where, "prompt")
-        chosen = _field(record, chosen_keys, where, "chosen")
-        rejected = _field(record, rejected_keys, where, "rejected")
+        question = string_field(record, prompt_keys, where, "prompt")
+        chosen = string_field(record, chosen_keys, where, "chosen")
+        rejected = string_field(record, rejected_keys, where, "rejected")
     system = record.get("system") if kind != "argilla_chat" else None
     prompt = (system_block.format(system=system) if system else "") + user_block.format(
         prompt=question)

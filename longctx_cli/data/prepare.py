@@ -172,6 +172,12 @@ def _build(
         prompt_rows(config, tok, train_sources, report, str(work)).save_to_disk(
             str(tmp / cache.TRAIN_DIR))
         return report
+    if config.objective.rl == "kto":  # one labelled example per row, in TRL's batches
+        from longctx_cli.data.kto import kto_rows
+
+        kto_rows(config, tok, train_sources, report, str(work)).save_to_disk(
+            str(tmp / cache.TRAIN_DIR))
+        return report
     train_rows, hist = _split_rows("train", config.data.datasets, train_sources, config, tok, work,
                                    progress, report, vp)
     report.length_histogram = hist

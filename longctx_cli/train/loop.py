@@ -32,6 +32,7 @@ from longctx_cli.train.metrics import Metrics
 from longctx_cli.train.objectives import Objective, PreparedRows
 from longctx_cli.train.objectives.causal_lm import CausalLm
 from longctx_cli.train.objectives.grpo import Grpo
+from longctx_cli.train.objectives.kto import Kto, KtoLoss
 from longctx_cli.train.objectives.preference import Preference
 from longctx_cli.train.optim import is_plateau, make_optimizer, make_scheduler
 from longctx_cli.train.precision import Precision, setup_precision
@@ -94,6 +95,8 @@ def pick_objective(config: Config, plan: Plan, state: ParallelState, model: torc
         return Grpo(config, state, model, decoder, lm_head, tokenizer, train_rows, generations,
                     grpo_reference(config, plan, state), pad_id), None
     rows = PreparedRows(data, config, state, pad_id)
+    if config.objective.rl == "kto":
+        return Kto(config, state, model, decoder, lm_head, KtoLoss.from_config(config), rows), None
     preference = PreferenceLoss.from_config(config)  # None: the causal-LM loss
     if preference is None:
         return CausalLm(config, state, decoder, lm_head, rows), None

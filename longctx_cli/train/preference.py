@@ -71,7 +71,7 @@ class PreferenceLoss:
 
     @classmethod
     def from_config(cls, config: Config) -> PreferenceLoss | None:
-        if config.objective.rl is None or config.objective.rl == "grpo":  # grpo: objectives/grpo.py
+        if config.objective.rl in (None, "grpo", "kto"):  # objectives/grpo.py, objectives/kto.py
             return None
         types = tuple(config.objective.dpo_loss_type or ())
         weights = tuple(config.objective.dpo_loss_weights or [1.0] * len(types))

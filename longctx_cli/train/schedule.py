@@ -117,7 +117,9 @@ class DataPosition:
 
     def __init__(self, config: Config, dp_size: int, train_rows: Dataset | None,
                  stream: PackedStream | None):
-        self.seed, self.shuffle = config.training.seed, not config.data.curriculum_sampling
+        # rl: kto reads its rows in order: each micro-batch is one of TRL's batches (data/kto.py).
+        self.seed, self.shuffle = config.training.seed, not (
+            config.data.curriculum_sampling or config.objective.rl == "kto")
         self.rows, self.stream = train_rows, stream
         self.per_step = rows_per_batch(config, dp_size)
         if stream is not None:

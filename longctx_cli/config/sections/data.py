@@ -25,6 +25,10 @@ DatasetType = Literal[
 ]
 PREFERENCE_TYPES = get_args(DatasetType)[
     get_args(DatasetType).index("preference"):get_args(DatasetType).index("prompt")]
+# Axolotl's KTO types (`rl: kto`): the names of preference types whose records hold one
+# labelled completion instead of a pair (data/kto.py renders them).
+KTO_TYPES = tuple(f"{style}.{kind}" for style in ("chatml", "llama3")
+                  for kind in ("argilla", "argilla_chat", "intel", "prompt_pairs", "ultra"))
 # The types rendered with the config's (or the entry's) `chat_template`.
 RENDERED_WITH_TEMPLATE = ("chat_template", "chat_template.default", "chat_template.argilla")
 

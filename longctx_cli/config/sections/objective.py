@@ -1,5 +1,6 @@
 """The objective section: what the run minimises. The causal-LM loss by default; `rl:` a
-preference loss (dpo, ipo, simpo, orpo) on preference pairs, or GRPO (its settings are the
+preference loss (dpo, ipo, simpo, orpo) on preference pairs, KTO on unpaired labelled
+completions, or GRPO (its settings are the
 `trl:` section, sections/grpo.py). Its rules across the data, and the plan's objective row."""
 
 from __future__ import annotations
@@ -9,16 +10,18 @@ from typing import Any, Literal, get_args
 from pydantic import AliasChoices, Field, field_validator
 
 from longctx_cli.config.sections.base import Section
-from longctx_cli.config.sections.data import PREFERENCE_TYPES, DataSection, is_preference_type
+from longctx_cli.config.sections.data import (
+    KTO_TYPES,
+    PREFERENCE_TYPES,
+    DataSection,
+    is_preference_type,
+)
 from longctx_cli.config.sections.grpo import TrlConfig, grpo_text
 from longctx_cli.config.sections.model import chunked_attention
 from longctx_cli.config.shape import ModelShape
 from longctx_cli.errors import UserError
 
-RlMethod = Literal["dpo", "ipo", "simpo", "orpo", "grpo"]
-_RL_NOT_YET = {
-    "kto": "KTO (unpaired answers) is not supported yet",
-}
+RlMethod = Literal["dpo", "ipo", "simpo", "orpo", "kto", "grpo"]
 DpoLossType = Literal["sigmoid", "hinge", "ipo", "robust"]
 
 
@@ -30,14 +33,16 @@ class ObjectiveSection(Section):
         description="Train on preference pairs instead of the causal-LM loss: dpo (with "
         "`dpo_loss_type`), ipo (dpo with the ipo loss), simpo (no reference model), orpo (NLL "
         "of the chosen sequences plus an odds-ratio term; no reference model); these need "
-        "preference datasets (docs/preference.md). grpo: online RL on prompt datasets, "
-        "completions sampled under SP and scored by the `trl.reward_funcs` (docs/rl.md).",
+        "preference datasets (docs/preference.md). kto: TRL's KTO loss on completions "
+        "labelled desirable or not (Axolotl's KTO types; docs/preference.md). grpo: online "
+        "RL on prompt datasets, completions sampled under SP and scored by the "
+        "`trl.reward_funcs` (docs/rl.md).",
     )
     rl_beta: float | None = Field(
         None, gt=0, validation_alias=AliasChoices("rl_beta", "dpo_beta"),
         description="beta: how far the policy may move from the reference (dpo, ipo: the "
-        "regularisation tau); simpo: the reward scale; orpo: the odds-ratio term's weight, "
-        "also set by `orpo_alpha` (default 0.1, TRL's).",
+        "regularisation tau); kto: TRL's KTO beta; simpo: the reward scale; orpo: the "
+        "odds-ratio term's weight, also set by `orpo_alpha` (default 0.1, TRL's).",
     )
     orpo_alpha: float | None = Field(
         None, gt=0, description="orpo: the weight of the odds-ratio term (TRL's ORPO `beta`; "
@@ -77,13 +82,21 @@ class ObjectiveSection(Section):
         "fine-tune or `lora_model_dir` always does; saved in output_dir for resumes)."
     )
 
+    kto_desirable_weight: float | None = Field(
+        None, gt=0, description="kto: the weight of a desirable example's loss (TRL's "
+        "`desirable_weight`, default 1).",
+    )
+    kto_undesirable_weight: float | None = Field(
+        None, gt=0, description="kto: the weight of an undesirable example's loss (TRL's "
+        "`undesirable_weight`, default 1).",
+    )
+
     @field_validator("rl", mode="before")
     @classmethod
     def _rl_method(cls, value: Any) -> Any:
         if value is None or value in get_args(RlMethod):
             return value
-        why = _RL_NOT_YET.get(value, "it is an online method (it generates while it trains), "
-                              "which longctx does not run")
+        why = "it is an online method (it generates while it trains), which longctx does not run"
         raise ValueError(f"`rl: {value}` cannot run: {why}; longctx trains "
                          f"{', '.join(get_args(RlMethod))}")
 
@@ -94,8 +107,8 @@ class ObjectiveSection(Section):
 
     @property
     def preference(self) -> bool:
-        """A preference loss on pairs (not GRPO, not the causal-LM loss)."""
-        return self.rl is not None and self.rl != "grpo"
+        """A preference loss on pairs (not KTO, not GRPO, not the causal-LM loss)."""
+        return self.rl is not None and self.rl not in ("kto", "grpo")
 
     @property
     def preference_beta(self) -> float:
@@ -112,9 +125,60 @@ class ObjectiveSection(Section):
             adapter is None or continued or self.precompute_ref_log_probs)
 
 
+# The keys of the DPO family that KTO does not read.
+_NOT_KTO = ("orpo_alpha", "dpo_loss_type", "dpo_loss_weights", "dpo_label_smoothing",
+            "simpo_gamma", "cpo_alpha", "prefix_sharing", "precompute_ref_log_probs")
+
+
+def check_kto(objective: ObjectiveSection, data: DataSection, micro_batch_size: int,
+              adapter: str | None, continued: bool) -> None:
+    """The rules of `rl: kto` (and of its keys without it); raises ValueError naming the keys.
+    `continued`: the adapter is loaded (`lora_model_dir`)."""
+    weights = [k for k in ("kto_desirable_weight", "kto_undesirable_weight")
+               if getattr(objective, k) is not None]
+    if objective.rl != "kto":
+        if weights:
+            raise ValueError(f"`{weights[0]}` weighs KTO's loss; `rl: {objective.rl}` does not "
+                             "read it: drop it, or set `rl: kto`")
+        return
+    given = [k for k in _NOT_KTO if k in objective.model_fields_set]
+    if given:
+        raise ValueError(f"`{given[0]}` is a setting of the DPO family, which `rl: kto` does "
+                         "not read: drop it")
+    others = [e.type for e in data.entries if e.type not in KTO_TYPES]
+    if others or not data.datasets:
+        raise ValueError(f"`rl: kto` trains on labelled completions, but a dataset has "
+                         f"`type: {others[0] if others else '(none)'}`; use a KTO type "
+                         f"({', '.join(KTO_TYPES)})")
+    if data.pretraining_dataset:
+        raise ValueError("`rl: kto` trains on labelled completions, not a "
+                         "`pretraining_dataset`")
+    if data.eval_datasets or data.val_set_size:
+        raise ValueError("`rl: kto` has no evaluation yet (TRL's KTO eval metrics are not "
+                         "computed): drop `eval_datasets` and `val_set_size`")
+    if "sample_packing" in data.model_fields_set and data.sample_packing:
+        raise ValueError("`sample_packing: true` with `rl: kto`: each KTO example is a row of "
+                         "its own (its KL sequence belongs to its micro-batch), as in Axolotl, "
+                         "which refuses packing with kto; set `sample_packing: false`")
+    if data.excess_length_strategy == "truncate":
+        raise ValueError("`excess_length_strategy: truncate` would cut a KTO example's "
+                         "completion off; with `rl: kto` a micro-batch of examples with one "
+                         "longer than sequence_len is dropped and counted (`drop`)")
+    if micro_batch_size < 2:
+        raise ValueError(f"`micro_batch_size: {micro_batch_size}` with `rl: kto`: KTO's KL "
+                         "reference point pairs each prompt with another example's completion "
+                         "of the micro-batch (TRL refuses a batch of 1); set it to 2 or more")
+    if adapter is None or continued:
+        raise ValueError("`rl: kto` takes its reference from the base model with a new "
+                         "adapter switched off; a full fine-tune or a loaded adapter "
+                         "(`lora_model_dir`) would need a reference copy, which KTO does not "
+                         "have yet: set `adapter: lora` (or qlora) without `lora_model_dir`")
+
+
 def check_preference(objective: ObjectiveSection, data: DataSection) -> None:
-    """The rules of the objective and the data together, for every objective but GRPO
-    (sections/grpo.py); raises ValueError naming the keys."""
+    """The rules of the objective and the data together, for the DPO family and the
+    causal-LM loss (GRPO: sections/grpo.py; KTO: `check_kto`); raises ValueError naming the
+    keys."""
     entries = data.entries
     prompts = [e for e in entries if e.type == "prompt"]
     if prompts:
@@ -219,6 +283,8 @@ def objective_text(objective: ObjectiveSection, trl: TrlConfig | None, adapter: 
     `adapter`, `continued`: the run's adapter, and whether it continues a saved one."""
     if objective.rl is None:
         return "causal-LM loss (mean over target tokens)"
+    if objective.rl == "kto":
+        return _kto_text(objective)
     if objective.rl == "grpo":
         assert trl is not None
         return grpo_text(trl, frozen_reference=adapter is None or continued,
@@ -227,6 +293,14 @@ def objective_text(objective: ObjectiveSection, trl: TrlConfig | None, adapter: 
     if objective.prefix_sharing:
         text += "; each pair's prompt once in the row (prefix_sharing)"
     return text
+
+
+def _kto_text(objective: ObjectiveSection) -> str:
+    weights = [objective.kto_desirable_weight or 1.0, objective.kto_undesirable_weight or 1.0]
+    return (f"kto, beta {objective.preference_beta:g}, desirable x{weights[0]:g}, undesirable "
+            f"x{weights[1]:g} (mean over examples); KL reference point: each micro-batch's "
+            "prompts with its completions rotated by one (TRL's); reference: the base model "
+            "with the adapter off")
 
 
 def _preference_text(objective: ObjectiveSection, precomputed: bool) -> str:

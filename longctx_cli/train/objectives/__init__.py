@@ -9,8 +9,7 @@ everything else: accumulation, gradient sync, autocast, backward and the update.
 - `causal_lm.py`: SFT and pretraining rows, summed CE over the step's valid tokens.
 - `preference.py`: the DPO family (`rl: dpo/ipo/simpo/orpo`), pair losses over the step's pairs.
 - `grpo.py`: `rl: grpo`, rollouts as the micro-batch source, TRL's GRPO loss.
-- `kto.py`: TRL's KTO loss on KTO rows under SP (its loss and metrics; `rl: kto` still has no
-  data path, and the config refuses it).
+- `kto.py`: `rl: kto`, TRL's KTO loss with its KL reference point on KTO rows.
 """
 
 from __future__ import annotations

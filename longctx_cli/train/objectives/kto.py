@@ -15,20 +15,28 @@ its processes), clamped at 0 and detached; the mismatched documents get no gradi
 Each example's loss is weighted by `desirable_weight` (label true) or `undesirable_weight`;
 TRL's micro-batch loss is their mean over the micro-batch's examples, so the step divides the
 summed losses by the step's example count (equal micro-batches: TRL's mean over the
-accumulation window and the processes).
+accumulation window and the processes). `Kto` is the objective of `rl: kto`: its micro-batches
+are prepared KTO rows (`data/kto.py`, one example per row with its `kto_label`, read in order)
+with their labels.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from longctx_cli.config import Config
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import ShardedBatch
+from longctx_cli.runtime.distributed import all_reduce_sum
+from longctx_cli.runtime.loss import valid_token_count
 from longctx_cli.runtime.model import sp_hidden_states
+from longctx_cli.train.objectives import LossShare, PreparedRows, StepCounts
+from longctx_cli.train.precision import Precision
 from longctx_cli.train.preference import SequenceLogps, reference_model, sequence_logps
 
 LOSS_TYPES = ("kto", "apo_zero_unpaired")
@@ -44,6 +52,13 @@ class KtoLoss:
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
     loss_type: str = "kto"
+
+    @classmethod
+    def from_config(cls, config: Config) -> KtoLoss:
+        """`rl: kto`'s settings: `rl_beta`, `kto_desirable_weight`, `kto_undesirable_weight`."""
+        objective = config.objective
+        return cls(objective.preference_beta, objective.kto_desirable_weight or 1.0,
+                   objective.kto_undesirable_weight or 1.0)
 
     @property
     def uses_kl(self) -> bool:
@@ -118,3 +133,65 @@ def kto_loss_sum(model: torch.nn.Module, decoder: torch.nn.Module, head: torch.n
     losses, values = loss.example_losses(policy, reference, labels.to(policy.chosen.device), kl)
     return ExamplesResult(losses.sum(), int(losses.numel()), float(kl),
                           {k: float(v.sum()) for k, v in values.items()})
+
+
+@dataclass(frozen=True)
+class KtoBatch:
+    """A micro-batch of KTO rows: its sharded documents and each example's label."""
+
+    batch: ShardedBatch
+    labels: torch.Tensor  # [examples], bool, in the row's order
+
+
+class Kto:
+    """`rl: kto`: TRL's KTO loss over the step's examples, with TRL's metrics (the KL point
+    averaged over the micro-batches, rewards and log-probabilities over the chosen and the
+    rejected examples). An example's loss is the same on every rank of its SP x TP group:
+    the first rank of the group counts it (and its metrics) once."""
+
+    shown = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins")
+
+    def __init__(self, config: Config, state: ParallelState, model: torch.nn.Module,
+                 decoder: torch.nn.Module, lm_head: torch.nn.Module, loss: KtoLoss,
+                 rows: PreparedRows | None = None):
+        self.config, self.state, self.model = config, state, model
+        self.decoder, self.lm_head, self.loss, self.rows = decoder, lm_head, loss, rows
+        self.counted = state.sp_rank == 0 and state.tp_rank == 0  # once per SP x TP group
+
+    def micro_batches(self, step: int, use_fsdp: bool, precision: Precision) -> list[KtoBatch]:
+        assert self.rows is not None, "an objective without rows is handed its batches"
+        batches = self.rows.micro_batches(step)
+        labels = self.rows.data.rows.select([i for b in batches for i in b.rows])["kto_label"]
+        out, start = [], 0
+        for b in batches:  # each batch records its rows, in order
+            out.append(KtoBatch(b, torch.tensor(labels[start:start + len(b.rows)])))
+            start += len(b.rows)
+        return out
+
+    def counts(self, batches: Sequence[KtoBatch]) -> StepCounts:
+        local_count = sum(valid_token_count(b.batch.shift_labels) for b in batches)
+        local_examples = sum(len(b.labels) for b in batches) if self.counted else 0
+        tokens, examples = all_reduce_sum([local_count, local_examples], self.state.device)
+        return StepCounts(max(examples, 1.0), int(tokens))
+
+    def loss_share(self, batch: KtoBatch, counts: StepCounts) -> LossShare:
+        chunk = self.config.memory.loss_chunk_size if self.config.memory.chunked_loss else None
+        result = kto_loss_sum(self.model, self.decoder, self.lm_head, batch.batch, batch.labels,
+                              self.state, self.loss, chunk)
+        metrics = {k: v * self.counted for k, v in result.metric_sums.items()}
+        metrics["kl"] = result.kl * self.counted  # the same on every rank: a mean over batches
+        metrics["batches"] = float(self.counted)
+        return LossShare(result.loss_sum, result.loss_sum.item() * self.counted, metrics)
+
+    def step_metrics(self, values: list[dict], counts: StepCounts) -> dict[str, float]:
+        keys = [*METRICS, "count/chosen", "count/rejected", "kl", "batches"]
+        local = [sum(v[k] for v in values) for k in keys]
+        sums = dict(zip(keys, all_reduce_sum(local, self.state.device), strict=True))
+        out = {"kl": sums["kl"] / max(sums["batches"], 1.0)}
+        for key in METRICS:  # TRL's means over the chosen (or rejected) examples
+            side = key.split("/")[1]
+            if sums[f"count/{side}"]:
+                out[key] = sums[key] / sums[f"count/{side}"]
+        if "rewards/chosen" in out and "rewards/rejected" in out:
+            out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+        return out
