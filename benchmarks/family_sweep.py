@@ -2,7 +2,7 @@
 image-text-to-text model from: each gets a verdict, exact (the fidelity probe passed) or
 refused in one paragraph, never a traceback.
 
-    python benchmarks/family_sweep.py [--types llama gemma4_text ...] [--docs]
+    python benchmarks/family_sweep.py [--types llama gemma4_text ...] [--update] [--docs]
 
 Each model type runs with the family's own defaults (`AutoConfig.for_model`, the sizes
 transformers gives its flagship, per-layer fields and all) as an inline `model_config`, one
@@ -10,6 +10,8 @@ text dataset, sp 1, in this process (imports paid once). A config transformers i
 build is listed apart ("not built"). Prints a table (verdicts, then the refusals grouped by
 their first words), writes `benchmarks/results/family-sweep-<date>.json`; docs/families.md
 shows its summary (`python -m tests.family_matrix > docs/families.md`, or `--docs`).
+`--types ... --update` reruns those types and writes their verdicts into the newest saved
+sweep (naming them and the date under "rerun"), so one family's mend needs no full sweep.
 A 12 GiB address-space cap turns a runaway allocation into a refusal, not the machine's OOM.
 """
 
@@ -24,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import markdown_table, save_record
+from common import RESULTS, markdown_table, save_record, shown, write_results
 
 MEMORY_CAP = 12 * 1024**3
 # Keys of a config's `to_dict()` that are bookkeeping, not the model.
@@ -128,9 +130,17 @@ def summary(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _updated(rerun: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The newest saved sweep's verdicts with `rerun`'s in their place."""
+    newest = sorted(RESULTS.glob("family-sweep-*.json"))[-1]
+    return {**json.loads(newest.read_text())["results"], **rerun}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", nargs="*", help="only these model types")
+    parser.add_argument("--update", action="store_true",
+                        help="write the --types verdicts into the newest saved sweep")
     parser.add_argument("--docs", action="store_true", help="regenerate docs/families.md")
     args = parser.parse_args()
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -144,9 +154,18 @@ def main() -> None:
             print(f"{model_type:32} {r['verdict']:10} {r['seconds']:6.1f}s  "
                   f"{reason_group(r['reason']) if r['verdict'] != 'exact' else ''}",
                   flush=True)
+    if args.update and args.types:
+        results = _updated(results)
     text = summary(results)
     print(text)
-    if not args.types:
+    if args.update and args.types:
+        newest = sorted(RESULTS.glob("family-sweep-*.json"))[-1]
+        record = json.loads(newest.read_text())
+        rerun = {**record.get("rerun", {}),
+                 **{t: time.strftime("%Y-%m-%d") for t in args.types}}
+        write_results(newest, {**record, "results": results, "summary": text, "rerun": rerun})
+        print(f"updated {shown(newest)}")
+    elif not args.types:
         import transformers
 
         save_record("family-sweep", {"transformers": transformers.__version__,

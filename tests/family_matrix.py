@@ -791,8 +791,17 @@ def _sweep_section() -> list[str]:
         "or refused in one paragraph naming why, never a traceback. A model type transformers "
         f"cannot build a config of is listed apart. Run {record['date']} on "
         f"{record['machine']} (`benchmarks/results/{runs[-1].name}`; the verdicts are "
-        "deterministic):", "",
+        "deterministic)" + _rerun_text(record.get("rerun", {})) + ":", "",
         record["summary"], ""]
+
+
+def _rerun_text(rerun: dict[str, str]) -> str:
+    """`--update`'s reruns of single model types into the saved sweep, by date."""
+    by_date: dict[str, list[str]] = {}
+    for model_type, date in sorted(rerun.items()):
+        by_date.setdefault(date, []).append(f"`{model_type}`")
+    return "".join(f"; rerun {date} after a mend: {', '.join(types)}"
+                   for date, types in sorted(by_date.items()))
 
 
 def _settings_text(settings: dict[str, Any]) -> str:
