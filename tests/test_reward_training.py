@@ -166,3 +166,104 @@ def test_matches_trl(layout, references):
                 assert abs(value - want) < 1e-4 * max(1.0, abs(want)), (name, key, value, want)
     losses = {name: references[name]["loss"] for name in LOSSES}
     assert len({round(v, 6) for v in losses.values()}) == len(losses)  # each option matters
+
+
+def reward_config(tmp_path, name: str, data, **overrides):
+    from tests.train_helpers import write_config
+
+    settings = {
+        "datasets": [{"path": str(data), "type": "chatml.intel"}], "reward_model": True,
+        "sequence_len": 640, "sample_packing": False, "gradient_accumulation_steps": 2,
+        "max_steps": 3, "learning_rate": 0.01, "center_rewards_coefficient": 0.01,
+        "val_set_size": 0, "eval_steps": None,
+    }
+    return write_config(tmp_path, name, data, **{**settings, **overrides})
+
+
+def test_train_sp2_as_sp1_and_loads_as_a_classifier(tmp_path):
+    """`longctx train` with `reward_model: true`: a full fine-tune of the tiny Llama's
+    classifier over Ulysses sp 2 steps as the single-process run does, logs TRL's metric
+    names, and its final/ loads with AutoModelForSequenceClassification (one label, the
+    tokenizer's pad id)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.test_preference_train import write_pairs
+    from tests.train_helpers import assert_same_run, read_metrics, train
+
+    data = write_pairs(tmp_path / "pairs.jsonl", count=24)
+    one = reward_config(tmp_path, "sp1", data)
+    two = reward_config(tmp_path, "sp2", data, sequence_parallel_degree=2,
+                        sequence_parallel_mode="ulysses")
+    train(one, 1)
+    train(two, 2)
+    assert_same_run(tmp_path / "sp2", tmp_path / "sp1", tol=1e-4)
+    records = read_metrics(tmp_path / "sp2")
+    assert all(name in r for r in records for name in METRICS)
+    assert 0.0 <= records[-1]["accuracy"] <= 1.0
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "sp2" / "final")
+    assert model.config.num_labels == 1 and model.config.pad_token_id == 0
+    assert type(model).__name__ == "LlamaForSequenceClassification"
+
+
+def test_bradley_terry_pairs_are_the_rendered_conversation():
+    """Axolotl's `bradley_terry.chat_template`: `system` and `input` are the prompt turns,
+    `chosen` and `rejected` the assistant's answer, rendered with the chat template."""
+    from longctx_cli.data.preference import pair_texts
+
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    record = {"system": "Be brief.", "input": "Sky?", "chosen": "Blue.", "rejected": "Green."}
+    got = pair_texts(record, "bradley_terry.chat_template", "r:1", tok=tokenizer(),
+                     template=template)
+    assert got == ("<system>Be brief.</s><user>Sky?</s><assistant>", "Blue.</s>", "Green.</s>")
+    record["system"] = ""  # an empty system turn is left out, as Axolotl does
+    assert pair_texts(record, "bradley_terry.chat_template", "r:1", tok=tokenizer(),
+                      template=template)[0] == "<user>Sky?</s><assistant>"
+
+
+def test_preference_rows_hold_trls_reward_ids(references):
+    """A text pair tokenized for the preference rows (`pair_sample`) is TRL's RewardTrainer
+    tokenization of `prompt + answer` (eos appended): the same sequences are scored."""
+    from longctx_cli.data.preference import pair_sample
+
+    for (prompt, chosen, rejected, _), ids in zip(PAIRS, references["plain"]["ids"],
+                                                  strict=True):
+        row, _, positions, why = pair_sample(tokenizer(), prompt, chosen, rejected)
+        assert not why
+        split = positions.index(0, 1)  # where the rejected sequence starts
+        assert (row[:split], row[split:]) == tuple(ids)
+
+
+RULES = [  # (keys besides the tiny model and a pair dataset, what the error names)
+    ({"reward_model": True, "rl": "dpo"}, "keep one of them"),
+    ({"center_rewards_coefficient": 0.01}, "set `reward_model: true`"),
+    ({"reward_model": True, "rl_beta": 0.2}, "`rl_beta` is a key of `rl`"),
+    ({"reward_model": True, "prefix_sharing": True}, "`prefix_sharing` is a key of `rl`"),
+    ({"reward_model": True, "val_set_size": 0.1}, "not supported with `reward_model: true`"),
+    ({"reward_model": True, "datasets": [{"path": "d.jsonl", "type": "completion"}]},
+     "trains on preference pairs"),
+    ({"num_labels": 1}, "set `reward_model: true`"),
+    ({"reward_model": True, "num_labels": 2}, "`num_labels` = 2"),
+    ({"model_type": "AutoModelForSequenceClassification"}, "set `reward_model: true`"),
+]
+
+
+@pytest.mark.parametrize("keys, named", RULES)
+def test_reward_model_keys_are_checked(keys, named):
+    from longctx_cli.config import config_from_dict
+    from longctx_cli.errors import UserError
+
+    base = {"model_config": {"model_type": "llama"}, "eval_steps": None,
+            "datasets": [{"path": "d.jsonl", "type": "chatml.intel"}]}
+    with pytest.raises(UserError) as error:
+        config_from_dict({**base, **keys})
+    assert named in str(error.value), str(error.value)
+
+
+def test_reward_model_config_is_accepted():
+    from longctx_cli.config import config_from_dict
+
+    config = config_from_dict({"model_config": {"model_type": "llama"}, "reward_model": True,
+                               "center_rewards_coefficient": 0.01, "val_set_size": 0,
+                               "datasets": [{"path": "d.jsonl", "type": "chatml.intel"}]})
+    assert config.objective.reward_model and config.objective.center_rewards_coefficient == 0.01

@@ -1,6 +1,7 @@
 """The objective section: what the run minimises. The causal-LM loss by default; `rl:` a
 preference loss (dpo, ipo, simpo, orpo) on preference pairs, or GRPO (its settings are the
-`trl:` section, sections/grpo.py). Its rules across the data, and the plan's objective row."""
+`trl:` section, sections/grpo.py); `reward_model:` a reward model's pairwise loss on preference
+pairs. Its rules across the data, and the plan's objective row."""
 
 from __future__ import annotations
 
@@ -77,6 +78,20 @@ class ObjectiveSection(Section):
         "fine-tune or `lora_model_dir` always does; saved in output_dir for resumes)."
     )
 
+    reward_model: bool = Field(
+        False, description="Train a reward model on preference pairs instead of the "
+        "causal-LM loss, as TRL's RewardTrainer does: the model loads as "
+        "AutoModelForSequenceClassification with one label (a new `score` head), each "
+        "sequence is scored at its last token that is not padding, and the loss is "
+        "-logsigmoid(r_chosen - r_rejected) (mean over pairs). Needs preference datasets; "
+        "checkpoints load with AutoModelForSequenceClassification (docs/preference.md).",
+    )
+    center_rewards_coefficient: float | None = Field(
+        None, description="reward_model: adds this times (r_chosen + r_rejected)^2 to each "
+        "pair's loss, which keeps the rewards centred on 0 (TRL's RewardConfig option; "
+        "default none).",
+    )
+
     @field_validator("rl", mode="before")
     @classmethod
     def _rl_method(cls, value: Any) -> Any:
@@ -123,6 +138,13 @@ def check_preference(objective: ObjectiveSection, data: DataSection) -> None:
         raise ValueError(f"{what} holds prompts to roll out, which train with `rl: grpo`; "
                          "set `rl: grpo` (and its `trl:` section), or use an SFT type")
     pairs = [e.type for e in entries if is_preference_type(e.type)]
+    if objective.center_rewards_coefficient is not None and not objective.reward_model:
+        raise ValueError(f"`center_rewards_coefficient: {objective.center_rewards_coefficient}` "
+                         "centres a reward model's rewards; set `reward_model: true`, or drop "
+                         "it")
+    if objective.reward_model:
+        _check_reward_model(objective, data)
+        return
     if objective.rl is None and objective.prefix_sharing:
         raise ValueError("`prefix_sharing: true` shares a preference pair's prompt between "
                          "its answers; set `rl` (dpo, ipo or simpo), or drop it")
@@ -143,6 +165,35 @@ def check_preference(objective: ObjectiveSection, data: DataSection) -> None:
                          "with `rl` pairs longer than sequence_len are dropped and counted "
                          "(`drop`, the default)")
     _check_losses(objective)
+
+
+def _check_reward_model(objective: ObjectiveSection, data: DataSection) -> None:
+    """`reward_model: true`: preference pairs, no `rl` nor its keys, no eval data yet."""
+    if objective.rl is not None:
+        raise ValueError(f"`reward_model: true` trains a reward model, `rl: {objective.rl}` a "
+                         "policy on the same pairs; keep one of them")
+    given = [key for key in ("rl_beta", "orpo_alpha", "dpo_loss_type", "dpo_loss_weights")
+             if getattr(objective, key) is not None]
+    given += [key for key in ("prefix_sharing", "precompute_ref_log_probs")
+              if getattr(objective, key)]
+    if given:
+        raise ValueError(f"`{given[0]}` is a key of `rl`, which a reward model (`reward_model: "
+                         "true`) does not read: drop it")
+    others = [e.type for e in data.entries if not is_preference_type(e.type)]
+    if others or not data.datasets:
+        raise ValueError(f"`reward_model: true` trains on preference pairs, but a dataset has "
+                         f"`type: {others[0] if others else '(none)'}`; use a preference type "
+                         f"({', '.join(PREFERENCE_TYPES)})")
+    if data.pretraining_dataset:
+        raise ValueError("`reward_model: true` trains on preference pairs, not a "
+                         "`pretraining_dataset`")
+    if data.excess_length_strategy == "truncate":
+        raise ValueError("`excess_length_strategy: truncate` would cut a pair's answers off; "
+                         "with `reward_model: true` pairs longer than sequence_len are dropped "
+                         "and counted (`drop`, the default)")
+    if data.eval_datasets or data.val_set_size:
+        raise ValueError("eval data (`eval_datasets`, `val_set_size`) is not supported with "
+                         "`reward_model: true` yet: drop it (or set `val_set_size: 0`)")
 
 
 def _check_losses(objective: ObjectiveSection) -> None:
@@ -217,6 +268,12 @@ def objective_text(objective: ObjectiveSection, trl: TrlConfig | None, adapter: 
                    continued: bool) -> str:
     """What the run minimises, and for a preference run where its reference comes from.
     `adapter`, `continued`: the run's adapter, and whether it continues a saved one."""
+    if objective.reward_model:
+        centred = objective.center_rewards_coefficient
+        return ("reward model: -logsigmoid(r_chosen - r_rejected)"
+                + (f" + {centred:g} x (r_chosen + r_rejected)^2" if centred is not None else "")
+                + " (mean over pairs), each sequence's reward the one-label `score` head at "
+                "its last token")
     if objective.rl is None:
         return "causal-LM loss (mean over target tokens)"
     if objective.rl == "grpo":

@@ -11,6 +11,7 @@ everything else: accumulation, gradient sync, autocast, backward and the update.
 - `grpo.py`: `rl: grpo`, rollouts as the micro-batch source, TRL's GRPO loss.
 - `kto.py`: TRL's KTO loss on KTO rows under SP (its loss and metrics; `rl: kto` still has no
   data path, and the config refuses it).
+- `reward_training.py`: `reward_model: true`, TRL's reward-model loss over the step's pairs.
 """
 
 from __future__ import annotations
