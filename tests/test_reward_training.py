@@ -245,6 +245,8 @@ RULES = [  # (keys besides the tiny model and a pair dataset, what the error nam
     ({"num_labels": 1}, "set `reward_model: true`"),
     ({"reward_model": True, "num_labels": 2}, "`num_labels` = 2"),
     ({"model_type": "AutoModelForSequenceClassification"}, "set `reward_model: true`"),
+    ({"reward_model": True, "tensor_parallel_size": 2}, "`tensor_parallel_size > 1` is not"),
+    ({"reward_model": True, "adapter": "lora", "merge_lora": True}, "`merge_lora: true` is"),
 ]
 
 
@@ -260,6 +262,20 @@ def test_reward_model_keys_are_checked(keys, named):
     assert named in str(error.value), str(error.value)
 
 
+def test_forward_only_commands_refuse_a_reward_model():
+    from longctx_cli.config import config_from_dict
+    from longctx_cli.errors import UserError
+    from longctx_cli.preflight import check_run
+
+    config = config_from_dict({"model_config": {"model_type": "llama"}, "reward_model": True,
+                               "val_set_size": 0, "eval_steps": None,
+                               "datasets": [{"path": "d.jsonl", "type": "chatml.intel"}]})
+    for command in ("eval", "generate", "merge-lora"):
+        with pytest.raises(UserError) as error:
+            check_run(config, command, 1)
+        assert f"`longctx {command}` runs a causal LM" in str(error.value)
+
+
 def test_reward_model_config_is_accepted():
     from longctx_cli.config import config_from_dict
 
@@ -267,3 +283,23 @@ def test_reward_model_config_is_accepted():
                                "center_rewards_coefficient": 0.01, "val_set_size": 0,
                                "datasets": [{"path": "d.jsonl", "type": "chatml.intel"}]})
     assert config.objective.reward_model and config.objective.center_rewards_coefficient == 0.01
+
+
+@pytest.mark.slow
+def test_fsdp_dp2_trains_as_one_process(tmp_path):
+    """FSDP2 over 2 DP ranks (the `score` head a group of its own) takes the same steps as
+    one process accumulating the same 2 micro-batches."""
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.test_preference_train import write_pairs
+    from tests.train_helpers import assert_same_run, train
+
+    data = write_pairs(tmp_path / "pairs.jsonl", count=16)
+    one = reward_config(tmp_path, "one", data, max_steps=2)
+    two = reward_config(tmp_path, "fsdp", data, max_steps=2, fsdp=True,
+                        gradient_accumulation_steps=1)
+    train(one, 1)
+    train(two, 2)
+    assert_same_run(tmp_path / "fsdp", tmp_path / "one", tol=1e-4)
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "fsdp" / "final")
+    assert model.config.num_labels == 1

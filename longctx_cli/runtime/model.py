@@ -264,6 +264,8 @@ def apply_fsdp(model: nn.Module, mesh, config: Config | None = None) -> None:
     for layer in decoder.layers:
         fully_shard(layer, mesh=mesh, **options)
     head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
+    if head is None:  # a reward model (`reward_model: true`): its classifier's `score`
+        head = base.score
     if head.weight is embedding.weight:
         # Tied embeddings: one weight, used first by the decoder and last by the loss (which
         # calls lm_head itself, outside any parent's forward). One group of both modules
