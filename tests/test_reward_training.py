@@ -32,6 +32,7 @@ LAYOUTS = {  # name -> (world, layout keywords)
     "sp1": (1, {"sp": 1}),
     "ring-zigzag": (2, {"sp": 2, "layout": "zigzag"}),
     "ulysses": (2, {"sp": 2, "mode": "ulysses"}),
+    "p2p-stripe": (2, {"sp": 2, "ring_attn_func": "batch_stripe"}),  # the default ring
     "hybrid": (4, {"sp": 4, "mode": "hybrid", "ulysses_degree": 2}),
     "ring-sp4": (4, {"sp": 4, "layout": "zigzag"}),
 }
@@ -239,6 +240,8 @@ RULES = [  # (keys besides the tiny model and a pair dataset, what the error nam
     ({"center_rewards_coefficient": 0.01}, "set `reward_model: true`"),
     ({"reward_model": True, "rl_beta": 0.2}, "`rl_beta` is a key of `rl`"),
     ({"reward_model": True, "prefix_sharing": True}, "`prefix_sharing` is a key of `rl`"),
+    ({"reward_model": True, "dpo_label_smoothing": 0.1}, "`dpo_label_smoothing` is a key"),
+    ({"reward_model": True, "simpo_gamma": 1.0}, "`simpo_gamma` is a key of `rl`"),
     ({"reward_model": True, "val_set_size": 0.1}, "not supported with `reward_model: true`"),
     ({"reward_model": True, "datasets": [{"path": "d.jsonl", "type": "completion"}]},
      "trains on preference pairs"),

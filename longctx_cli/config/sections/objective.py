@@ -167,15 +167,18 @@ def check_preference(objective: ObjectiveSection, data: DataSection) -> None:
     _check_losses(objective)
 
 
+# The keys of the preference losses (`rl`), which a reward model does not read.
+_RL_KEYS = ("rl_beta", "orpo_alpha", "dpo_loss_type", "dpo_loss_weights", "dpo_label_smoothing",
+            "simpo_gamma", "cpo_alpha", "prefix_sharing", "precompute_ref_log_probs")
+
+
 def _check_reward_model(objective: ObjectiveSection, data: DataSection) -> None:
     """`reward_model: true`: preference pairs, no `rl` nor its keys, no eval data yet."""
     if objective.rl is not None:
         raise ValueError(f"`reward_model: true` trains a reward model, `rl: {objective.rl}` a "
                          "policy on the same pairs; keep one of them")
-    given = [key for key in ("rl_beta", "orpo_alpha", "dpo_loss_type", "dpo_loss_weights")
-             if getattr(objective, key) is not None]
-    given += [key for key in ("prefix_sharing", "precompute_ref_log_probs")
-              if getattr(objective, key)]
+    fields = type(objective).model_fields
+    given = [key for key in _RL_KEYS if getattr(objective, key) != fields[key].default]
     if given:
         raise ValueError(f"`{given[0]}` is a key of `rl`, which a reward model (`reward_model: "
                          "true`) does not read: drop it")
