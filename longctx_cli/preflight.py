@@ -47,6 +47,12 @@ def check_run(
     targets) is not looked at again; for ranks whose longctx launcher checked it."""
     from longctx_cli.config.plan import plan_for
 
+    if command in FORWARD_ONLY and config.objective.reward_model:
+        raise UserError(
+            f"`longctx {command}` runs a causal LM, but `reward_model: true` trains a "
+            "sequence classifier (a `score` head, no LM head).", where="reward_model",
+            fix="load the run's final/ with AutoModelForSequenceClassification (and peft "
+            "for an adapter) to score with it.")
     if command in FORWARD_ONLY:
         config, plan = forward_only_plan(config, nproc_per_node, nnodes,
                                          sp_given=sp_degree_given(overrides or []))

@@ -147,9 +147,20 @@ def _tokenizer_config(value: Any, data: dict[str, Any]) -> tuple[dict[str, Any],
 _CAUSAL_LM_CLASSES = ("AutoModelForCausalLM",)
 # What Axolotl's vision-language configs name: longctx picks the class from the model's config.
 _IMAGE_TEXT_CLASSES = ("AutoModelForImageTextToText", "AutoModelForVision2Seq")
+_CLASSIFICATION_CLASSES = ("AutoModelForSequenceClassification",)
 
 
 def _model_type(value: Any, data: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    if isinstance(value, str) and (value in _CLASSIFICATION_CLASSES
+                                   or value.endswith("ForSequenceClassification")):
+        if data.get("reward_model") is not True:
+            raise MappingProblem(
+                f"`model_type` = {value!r} is a sequence-classification class, which longctx "
+                "trains only as a reward model: set `reward_model: true`, or use "
+                "AutoModelForCausalLM")
+        return {}, ("no effect: with `reward_model: true` longctx loads with "
+                    "AutoModelForSequenceClassification (one label), which picks the model's "
+                    "class")
     if isinstance(value, str) and (value in _IMAGE_TEXT_CLASSES
                                    or value.endswith("ForConditionalGeneration")):
         return {}, ("no effect: longctx loads a vision-language model with "
@@ -165,6 +176,15 @@ def _model_type(value: Any, data: dict[str, Any]) -> tuple[dict[str, Any], str]:
     return {}, "no effect: longctx always loads with AutoModelForCausalLM, which picks " + (
         "the same class" if value != "AutoModelForCausalLM" else "the model's class"
     )
+
+
+def _num_labels(value: Any, data: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    if value != 1 or isinstance(value, bool) or data.get("reward_model") is not True:
+        raise MappingProblem(
+            f"`num_labels` = {value!r}: longctx builds a sequence-classification head only for "
+            "a reward model, with one label; set `reward_model: true` and `num_labels: 1`, or "
+            "drop it")
+    return {}, "no effect: a reward model (`reward_model: true`) always has one label"
 
 
 def _fsdp_list(value: Any, data: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -229,9 +249,9 @@ _HUB = "uploading to the Hugging Face hub is not part of longctx; push output_di
 _TRACKER = "longctx logs to metrics.jsonl, TensorBoard and Weights & Biases only"
 _MEMORY = "a memory/speed setting of Axolotl's trainer that changes no result here"
 _DATALOADER = "longctx's data loader reads prepared rows directly; no workers are involved"
-_RL = ("reward models, PPO and other online trainers are not supported; longctx trains the "
-       "causal-LM loss, the preference losses of `rl: dpo|ipo|simpo|orpo` and `rl: grpo` with "
-       "reward functions")
+_RL = ("process reward models, PPO and other online trainers are not supported; longctx "
+       "trains the causal-LM loss, the preference losses of `rl: dpo|ipo|simpo|orpo`, `rl: "
+       "grpo` with reward functions and reward models (`reward_model: true`)")
 _VLLM_SERVER = ("rollouts are sampled by longctx itself under SP (the prompt prefilled across "
                 "the SP group); a vLLM server is not used: drop the `vllm:` section")
 
@@ -240,9 +260,10 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "base_model_ignore_patterns": Rule("ignored", "longctx downloads the model as is"),
     "cls_model_config": Rule("ignored", "longctx reads the config with AutoConfig"),
     "model_type": Rule(
-        "mapped", "longctx always uses AutoModelForCausalLM", "-", _model_type,
+        "mapped", "longctx uses AutoModelForCausalLM (AutoModelForSequenceClassification with "
+        "`reward_model: true`)", "-", _model_type,
         ("AutoModelForCausalLM", "<X>ForCausalLM", "AutoModelForImageTextToText",
-         "<X>ForConditionalGeneration"),
+         "<X>ForConditionalGeneration", "AutoModelForSequenceClassification (reward_model)"),
     ),
     "tokenizer_type": Rule(
         "ignored", "longctx loads tokenizers with AutoTokenizer, which picks the class the "
@@ -508,10 +529,8 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "dataloader_drop_last": Rule("ignored", "a step's last partial window is always dropped"),
     # ---- RL and other trainers (math-changing)
     "vllm": Rule("refused", _VLLM_SERVER),
-    "reward_model": Rule("refused", _RL),
     "process_reward_model": Rule("refused", _RL),
-    "center_rewards_coefficient": Rule("refused", _RL),
-    "num_labels": Rule("refused", "sequence classification is not supported"),
+    "num_labels": Rule("mapped", "a reward model's head has one label", "-", _num_labels, ("1",)),
     "dpo_use_weighting": Rule("refused", "WPO weighting is not supported"),
     "dpo_padding_free": Rule("ignored", "longctx always packs pairs without padding"),
     "rl_adapter_ref_model": Rule(
@@ -531,7 +550,7 @@ SAME: tuple[str, ...] = (
     "reinit_weights", "unfrozen_parameters", "merge_lora", "rope_scaling", "rope_theta",
     "rl", "rl_beta", "dpo_beta", "dpo_loss_type", "dpo_loss_weights", "dpo_label_smoothing",
     "simpo_gamma", "cpo_alpha", "precompute_ref_log_probs", "orpo_alpha", "kto_desirable_weight",
-    "kto_undesirable_weight", "trl",
+    "kto_undesirable_weight", "trl", "reward_model", "center_rewards_coefficient",
     "sequence_parallel_degree", "context_parallel_size", "heads_k_stride", "ring_attn_func",
     "fsdp", "fsdp_version", "fsdp_config", "deepspeed", "dp_shard_size", "dp_replicate_size",
     "tensor_parallel_size", "world_size", "micro_batch_size", "gradient_accumulation_steps",

@@ -134,6 +134,13 @@ class Config(StrictModel):
                 objective.prefix_sharing = True  # the long prompt once per group, unless asked
         elif objective.rl != "kto":
             check_preference(objective, data)
+        if objective.reward_model:  # what the classifier's path does not build yet
+            refused = ("tensor_parallel_size > 1" if self.parallel.tensor_parallel_size > 1
+                       else "processor_type (a vision-language run)" if self.trains_images
+                       else "merge_lora: true" if self.output.merge_lora else None)
+            if refused:
+                raise ValueError(f"`reward_model: true` with `{refused}` is not supported "
+                                 "yet: drop one of them")
         check_streamed(data, self.training.max_steps)
         if data.dataset_exact_deduplication and (self.vision.processor_type
                                                  or objective.rl == "grpo"):

@@ -12,7 +12,9 @@ answer starts where the two token lists first differ (a merge across the boundar
 back, as it does in TRL). `rl: orpo` tokenizes as TRL's `ORPOTrainer` does instead
 (`orpo_pair_sample`): without the tokenizer's special tokens, the bos id put before each
 sequence that does not start with it, the eos id after each answer. The prompt strings of
-the `chatml.*` and `llama3.*` types are Axolotl's; `chat_template.default` renders
+the `chatml.*` and `llama3.*` types are Axolotl's; `bradley_terry.chat_template` (Axolotl's
+reward-model type) renders `system` (if any) and `input` as the prompt turns and `chosen`,
+`rejected` as the assistant's answers with the chat template; `chat_template.default` renders
 `field_messages` with the model's own template.
 """
 
@@ -51,6 +53,7 @@ _CONVERSATION_KINDS = ("ultra", "argilla_chat")
 # The types this module renders; config.schema declares them (PREFERENCE_TYPES).
 RENDERED_TYPES = (
     "preference", "chat_template.default", "chat_template.argilla",
+    "bradley_terry.chat_template",
     *(f"{style}.{kind}" for style in TEMPLATES for kind in (*_FIELDS, *_CONVERSATION_KINDS)),
 )
 
@@ -84,6 +87,12 @@ def pair_texts(record: dict[str, Any], type_: str, where: str, *,
                                     rejected_field, template)
     if type_ == "chat_template.argilla":
         return _rendered_pair(*_argilla_conversation(record, where), where, tok, template)
+    if type_ == "bradley_terry.chat_template":  # Axolotl's reward-model type
+        system = record.get("system")
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": string_field(record, ("input",), where, "input")})
+        answers = [string_field(record, (k,), where, k) for k in ("chosen", "rejected")]
+        return _rendered_pair(messages, answers, where, tok, template)
     style, kind = type_.split(".")
     system_block, user_block, end = TEMPLATES[style]
     if kind in _CONVERSATION_KINDS:

@@ -468,7 +468,8 @@ def format_spec(
                               rejected_field=entry.field_rejected,
                               orpo=config.objective.rl == "orpo",
                               share_prompt=config.objective.prefix_sharing)
-    if entry.type in ("chat_template.default", "chat_template.argilla"):  # pairs, rendered
+    if entry.type in ("chat_template.default", "chat_template.argilla",
+                      "bradley_terry.chat_template"):  # pairs, rendered
         spec.template = chat_templates.resolve_template(config, entry, tok)[0]
     if entry.type != "chat_template":
         return spec

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import warnings
 from collections.abc import Iterator
@@ -98,6 +99,29 @@ def model_class_and_attention(hf_config: PretrainedConfig, attn_implementation: 
     return causal_lm_class(hf_config), attn_implementation
 
 
+def reward_model_class(hf_config: PretrainedConfig) -> tuple[Any, PretrainedConfig]:
+    """`reward_model: true`: the Auto class of the model (TRL's
+    RewardTrainer loads `AutoModelForSequenceClassification` with `num_labels=1`), checked to
+    be transformers' generic one (`score` on the decoder's hidden state at the last non-pad
+    token, which `objectives/reward_training.py` reproduces), and its config with one label."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers.modeling_layers import GenericForSequenceClassification
+
+    model_class = AutoModelForSequenceClassification._model_mapping.get(type(hf_config), None)
+    if model_class is None or not issubclass(model_class, GenericForSequenceClassification):
+        raise UserError(
+            f"`reward_model: true`, but model type `{hf_config.model_type}` has "
+            + ("no sequence-classification model in transformers" if model_class is None else
+               f"a classifier ({model_class.__name__}) other than transformers' generic one, "
+               "whose forward longctx does not reproduce under sequence parallelism") + ".",
+            where="reward_model", fix="train a reward model of a decoder family whose "
+            "sequence classifier is transformers' generic one (Llama, Mistral, Qwen2/3, "
+            "Gemma, Phi-3, OLMo, ...).")
+    hf_config = copy.deepcopy(hf_config)
+    hf_config.num_labels = 1  # the only output is the reward
+    return AutoModelForSequenceClassification, hf_config
+
+
 def load_base_model(
     config: Config, attn_implementation: str, quantize: bool = True,
     hf_config: PretrainedConfig | None = None,
@@ -110,6 +134,8 @@ def load_base_model(
     quantization = bnb_quantization(config, dtype) if quantize else None
     auto_class, attn = model_class_and_attention(hf_config, attn_implementation,
                                                  config.trains_images)
+    if config.objective.reward_model:
+        auto_class, hf_config = reward_model_class(hf_config)
     if config.model.trust_remote_code:
         warnings.warn(
             "trust_remote_code is on: code from the model repository will run.", stacklevel=2
@@ -147,6 +173,8 @@ def load_base_model(
 
             # gpt-oss ships MXFP4 expert weights: trained in `dtype`, so dequantised on load.
             overridden.update(quantization_config=Mxfp4Config(dequantize=True))
+        if config.objective.reward_model:  # the checkpoint's own config, a one-label head
+            overridden["config"] = hf_config
         model = auto_class.from_pretrained(
             config.model.base_model,
             attn_implementation=attn,
@@ -204,7 +232,8 @@ def apply_lora(model: PreTrainedModel, config: Config) -> nn.Module:
         modules_to_save=config.lora.lora_modules_to_save,
         use_dora=config.lora.peft_use_dora,
         use_rslora=config.lora.peft_use_rslora,
-        task_type="CAUSAL_LM",
+        # SEQ_CLS: peft trains a reward model's new `score` head whole beside the adapter.
+        task_type="SEQ_CLS" if config.objective.reward_model else "CAUSAL_LM",
         # A frozen tower gets no adapters either (its linear names match the LM's).
         exclude_modules=VISION_MODULES_PATTERN if config.vision.freeze_mm_modules else None,
     )
@@ -238,6 +267,8 @@ def apply_fsdp(model: nn.Module, mesh, config: Config | None = None) -> None:
     for layer in decoder.layers:
         fully_shard(layer, mesh=mesh, **options)
     head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
+    if head is None:  # a reward model (`reward_model: true`): its classifier's `score`
+        head = base.score
     if head.weight is embedding.weight:
         # Tied embeddings: one weight, used first by the decoder and last by the loss (which
         # calls lm_head itself, outside any parent's forward). One group of both modules

@@ -25,7 +25,8 @@ from longctx_cli.data.tokenizer import run_tokenizer
 from longctx_cli.launcher.startup import StartupClock
 from longctx_cli.parallel.mesh import ParallelState, build_parallel_state
 from longctx_cli.runtime.distributed import init_distributed, load_rows
-from longctx_cli.runtime.model import build_model, decoder_and_head
+from longctx_cli.runtime.head import decoder_of
+from longctx_cli.runtime.model import build_model, decoder_and_head, unwrap
 from longctx_cli.train.checkpointer import Checkpointer
 from longctx_cli.train.evaluation import Evaluator
 from longctx_cli.train.metrics import Metrics
@@ -34,6 +35,7 @@ from longctx_cli.train.objectives.causal_lm import CausalLm
 from longctx_cli.train.objectives.grpo import Grpo
 from longctx_cli.train.objectives.kto import Kto, KtoLoss
 from longctx_cli.train.objectives.preference import Preference
+from longctx_cli.train.objectives.reward_training import RewardLoss, RewardTraining
 from longctx_cli.train.optim import is_plateau, make_optimizer, make_scheduler
 from longctx_cli.train.precision import Precision, setup_precision
 from longctx_cli.train.preemption import Preempted, PreemptionSignals, Progress
@@ -89,12 +91,19 @@ def pick_objective(config: Config, plan: Plan, state: ParallelState, model: torc
                    is_main: bool) -> tuple[Objective, PreferenceLoss | None]:
     """The run's objective (`train/objectives/`), and its preference loss for evaluation
     (None unless `rl:` is one of the DPO family)."""
+    rows = PreparedRows(data, config, state, pad_id)
+    if config.objective.reward_model:  # a classifier: its decoder and `score`, no lm_head
+        base = unwrap(model)
+        # TRL: the head pools at the last token that is not the pad token; saved with it.
+        base.config.get_text_config().pad_token_id = pad_id
+        return RewardTraining(state, decoder_of(base), base.score,
+                              RewardLoss(config.objective.center_rewards_coefficient), pad_id,
+                              rows), None
     decoder, lm_head = decoder_and_head(model, config.trains_images)
     if config.objective.rl == "grpo":
         generations = data.steps_per_epoch // steps_per_batch(config, state.layout.dp)
         return Grpo(config, state, model, decoder, lm_head, tokenizer, train_rows, generations,
                     grpo_reference(config, plan, state), pad_id), None
-    rows = PreparedRows(data, config, state, pad_id)
     if config.objective.rl == "kto":
         return Kto(config, state, model, decoder, lm_head, KtoLoss.from_config(config), rows), None
     preference = PreferenceLoss.from_config(config)  # None: the causal-LM loss

@@ -19,7 +19,7 @@ DatasetType = Literal[
     "preference", "chat_template.default", "chat_template.argilla", "chatml.intel",
     "chatml.icr", "chatml.prompt_pairs", "chatml.argilla", "chatml.ultra", "chatml.argilla_chat",
     "llama3.intel", "llama3.icr", "llama3.prompt_pairs", "llama3.argilla", "llama3.ultra",
-    "llama3.argilla_chat",
+    "llama3.argilla_chat", "bradley_terry.chat_template",
     # prompts to roll out (with `rl: grpo`), see data/prompts.py
     "prompt",
 ]
@@ -30,7 +30,8 @@ PREFERENCE_TYPES = get_args(DatasetType)[
 KTO_TYPES = tuple(f"{style}.{kind}" for style in ("chatml", "llama3")
                   for kind in ("argilla", "argilla_chat", "intel", "prompt_pairs", "ultra"))
 # The types rendered with the config's (or the entry's) `chat_template`.
-RENDERED_WITH_TEMPLATE = ("chat_template", "chat_template.default", "chat_template.argilla")
+RENDERED_WITH_TEMPLATE = ("chat_template", "chat_template.default", "chat_template.argilla",
+                          "bradley_terry.chat_template")
 
 
 # The chat templates longctx ships (data/chat_templates.py holds their text).

@@ -1,7 +1,8 @@
 """The objective section: what the run minimises. The causal-LM loss by default; `rl:` a
 preference loss (dpo, ipo, simpo, orpo) on preference pairs, KTO on unpaired labelled
-completions, or GRPO (its settings are the
-`trl:` section, sections/grpo.py). Its rules across the data, and the plan's objective row."""
+completions, or GRPO (its settings are the `trl:` section, sections/grpo.py); `reward_model:`
+a reward model's pairwise loss on preference pairs. Its rules across the data, and the plan's
+objective row."""
 
 from __future__ import annotations
 
@@ -89,6 +90,19 @@ class ObjectiveSection(Section):
     kto_undesirable_weight: float | None = Field(
         None, gt=0, description="kto: the weight of an undesirable example's loss (TRL's "
         "`undesirable_weight`, default 1).",
+    )
+    reward_model: bool = Field(
+        False, description="Train a reward model on preference pairs instead of the "
+        "causal-LM loss, as TRL's RewardTrainer does: the model loads as "
+        "AutoModelForSequenceClassification with one label (a new `score` head), each "
+        "sequence is scored at its last token that is not padding, and the loss is "
+        "-logsigmoid(r_chosen - r_rejected) (mean over pairs). Needs preference datasets; "
+        "checkpoints load with AutoModelForSequenceClassification (docs/preference.md).",
+    )
+    center_rewards_coefficient: float | None = Field(
+        None, description="reward_model: adds this times (r_chosen + r_rejected)^2 to each "
+        "pair's loss, which keeps the rewards centred on 0 (TRL's RewardConfig option; "
+        "default none).",
     )
 
     @field_validator("rl", mode="before")
@@ -187,6 +201,13 @@ def check_preference(objective: ObjectiveSection, data: DataSection) -> None:
         raise ValueError(f"{what} holds prompts to roll out, which train with `rl: grpo`; "
                          "set `rl: grpo` (and its `trl:` section), or use an SFT type")
     pairs = [e.type for e in entries if is_preference_type(e.type)]
+    if objective.center_rewards_coefficient is not None and not objective.reward_model:
+        raise ValueError(f"`center_rewards_coefficient: {objective.center_rewards_coefficient}` "
+                         "centres a reward model's rewards; set `reward_model: true`, or drop "
+                         "it")
+    if objective.reward_model:
+        _check_reward_model(objective, data)
+        return
     if objective.rl is None and objective.prefix_sharing:
         raise ValueError("`prefix_sharing: true` shares a preference pair's prompt between "
                          "its answers; set `rl` (dpo, ipo or simpo), or drop it")
@@ -207,6 +228,38 @@ def check_preference(objective: ObjectiveSection, data: DataSection) -> None:
                          "with `rl` pairs longer than sequence_len are dropped and counted "
                          "(`drop`, the default)")
     _check_losses(objective)
+
+
+# The keys of the preference losses (`rl`), which a reward model does not read.
+_RL_KEYS = ("rl_beta", "orpo_alpha", "dpo_loss_type", "dpo_loss_weights", "dpo_label_smoothing",
+            "simpo_gamma", "cpo_alpha", "prefix_sharing", "precompute_ref_log_probs")
+
+
+def _check_reward_model(objective: ObjectiveSection, data: DataSection) -> None:
+    """`reward_model: true`: preference pairs, no `rl` nor its keys, no eval data yet."""
+    if objective.rl is not None:
+        raise ValueError(f"`reward_model: true` trains a reward model, `rl: {objective.rl}` a "
+                         "policy on the same pairs; keep one of them")
+    fields = type(objective).model_fields
+    given = [key for key in _RL_KEYS if getattr(objective, key) != fields[key].default]
+    if given:
+        raise ValueError(f"`{given[0]}` is a key of `rl`, which a reward model (`reward_model: "
+                         "true`) does not read: drop it")
+    others = [e.type for e in data.entries if not is_preference_type(e.type)]
+    if others or not data.datasets:
+        raise ValueError(f"`reward_model: true` trains on preference pairs, but a dataset has "
+                         f"`type: {others[0] if others else '(none)'}`; use a preference type "
+                         f"({', '.join(PREFERENCE_TYPES)})")
+    if data.pretraining_dataset:
+        raise ValueError("`reward_model: true` trains on preference pairs, not a "
+                         "`pretraining_dataset`")
+    if data.excess_length_strategy == "truncate":
+        raise ValueError("`excess_length_strategy: truncate` would cut a pair's answers off; "
+                         "with `reward_model: true` pairs longer than sequence_len are dropped "
+                         "and counted (`drop`, the default)")
+    if data.eval_datasets or data.val_set_size:
+        raise ValueError("eval data (`eval_datasets`, `val_set_size`) is not supported with "
+                         "`reward_model: true` yet: drop it (or set `val_set_size: 0`)")
 
 
 def _check_losses(objective: ObjectiveSection) -> None:
@@ -281,6 +334,12 @@ def objective_text(objective: ObjectiveSection, trl: TrlConfig | None, adapter: 
                    continued: bool) -> str:
     """What the run minimises, and for a preference run where its reference comes from.
     `adapter`, `continued`: the run's adapter, and whether it continues a saved one."""
+    if objective.reward_model:
+        centred = objective.center_rewards_coefficient
+        return ("reward model: -logsigmoid(r_chosen - r_rejected)"
+                + (f" + {centred:g} x (r_chosen + r_rejected)^2" if centred is not None else "")
+                + " (mean over pairs), each sequence's reward the one-label `score` head at "
+                "its last token")
     if objective.rl is None:
         return "causal-LM loss (mean over target tokens)"
     if objective.rl == "kto":

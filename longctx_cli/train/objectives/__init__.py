@@ -10,6 +10,7 @@ everything else: accumulation, gradient sync, autocast, backward and the update.
 - `preference.py`: the DPO family (`rl: dpo/ipo/simpo/orpo`), pair losses over the step's pairs.
 - `grpo.py`: `rl: grpo`, rollouts as the micro-batch source, TRL's GRPO loss.
 - `kto.py`: `rl: kto`, TRL's KTO loss with its KL reference point on KTO rows.
+- `reward_training.py`: `reward_model: true`, TRL's reward-model loss over the step's pairs.
 """
 
 from __future__ import annotations
