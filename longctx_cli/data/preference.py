@@ -90,7 +90,8 @@ def pair_texts(record: dict[str, Any], type_: str, where: str, *,
     if type_ == "bradley_terry.chat_template":  # Axolotl's reward-model type
         system = record.get("system")
         messages = [{"role": "system", "content": system}] if system else []
-        messages.append({"role": "user", "content": string_field(record, ("input",), where, "input")})
+        prompt = string_field(record, ("input",), where, "input")
+        messages.append({"role": "user", "content": prompt})
         answers = [string_field(record, (k,), where, k) for k in ("chosen", "rejected")]
         return _rendered_pair(messages, answers, where, tok, template)
     style, kind = type_.split(".")
