@@ -235,7 +235,7 @@ def refusal(tmp_path: Path, records: list[dict] | None = None, command: str = "v
     ({"dpo_label_smoothing": 0.1}, "robust"),
     ({"dpo_loss_type": ["sigmoid", "hinge"], "dpo_loss_weights": [1.0]}, "one per"),
     ({"rl": "ipo", "dpo_loss_type": "hinge"}, "ipo loss"),
-    ({"datasets": "chat_template.default", "chat_template": "qwen_25"}, "ships chatml"),
+    ({"datasets": "chat_template.default", "chat_template": "metharme"}, "ships chatml"),
 ])
 def test_config_refusals(tmp_path, overrides, expected):
     if overrides.get("datasets") is None and "datasets" in overrides:  # an SFT type with rl

@@ -47,8 +47,9 @@ def test_cli_import_does_not_import_torch_or_transformers():
 
 
 def test_validate_of_every_example_does_not_import_torch(tmp_path):
-    """The plan needs neither torch nor transformers; only the fidelity probe does, and it
-    runs after the plan is printed (here it is switched off to see the plan's own imports)."""
+    """The plan needs neither torch nor transformers; only the fidelity probe and the data
+    check (which tokenizes with the run's tokenizer) do, and both run after the plan is
+    printed (here both are left out to see the plan's own imports)."""
     # The examples' models are inline Llamas and ids of the built-in table (offline); the
     # hybrid example's model needs transformers for its config and torch to describe its
     # token-mixing layers, after the plan; the vision-language example's nested config is
@@ -57,6 +58,7 @@ def test_validate_of_every_example_does_not_import_torch(tmp_path):
         "import os, sys; os.environ['HF_HUB_OFFLINE'] = '1'; sys.argv = ['longctx', 'validate', "
         "sys.argv[1], '--nproc-per-node', '8', '--nnodes', sys.argv[2], '--fidelity-probe', "
         "'false']\n"
+        "import longctx_cli.data.check as data_check; data_check.check_data = lambda c: []\n"
         "from longctx_cli.cli import main\n"
         "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
     )
