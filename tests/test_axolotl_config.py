@@ -58,7 +58,10 @@ def _local_data(name: str, tmp_path: Path, monkeypatch) -> None:
         for local in map(Path, [files] if isinstance(files, str) else files):
             if local.suffix in (".jsonl", ".json"):
                 local.parent.mkdir(parents=True, exist_ok=True)
-                local.write_text(json.dumps({"text": "one record"}) + "\n")
+                pair = "bradley_terry" in str(entry.get("type"))  # a reward model's pair
+                record = ({"input": "a question", "chosen": "a good answer",
+                           "rejected": "a bad answer"} if pair else {"text": "one record"})
+                local.write_text(json.dumps(record) + "\n")
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.iterdir()))

@@ -285,6 +285,22 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "embeddings_skip_upcast": Rule("ignored", "embeddings keep the model's dtype"),
     "fix_untrained_tokens": Rule("refused", "re-initialising token embeddings is not supported"),
     "model_kwargs": Rule("refused", "extra from_pretrained arguments are not supported"),
+    "tokenizer_use_mistral_common": Rule(
+        "refused", "the mistral-common tokenizer is not supported; longctx tokenizes with the "
+        "model's Hugging Face tokenizer, whose tokens may differ"),
+    "revision_of_model": Rule(
+        "refused", "loading a model revision is not supported; download that revision and "
+        "give its folder as `base_model`"),
+    "quantize_moe_experts": Rule(
+        "refused", "quantizing MoE expert weights is not supported (QLoRA quantizes the linear "
+        "layers only)"),
+    "llama4_linearized_experts": Rule(
+        "refused", "Axolotl's linearized Llama 4 experts rewrite the model's expert modules, "
+        "which longctx does not do"),
+    "expert_parallel_size": Rule(
+        "refused", "expert parallelism is not supported; experts are sharded with the rest of "
+        "the model by FSDP"),
+    "diffusion": Rule("refused", "diffusion language-model training is not supported"),
     "model_revision": Rule("refused", "pin the revision by downloading it to a local folder"),
     "experimental_skip_move_to_device": Rule("ignored", _MEMORY),
     "low_cpu_mem_usage": Rule("ignored", _MEMORY),
@@ -360,6 +376,9 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "liger_glu_activation": Rule("ignored", _KERNEL),
     "liger_layer_norm": Rule("ignored", _KERNEL),
     "liger_cross_entropy": Rule("ignored", _KERNEL),
+    "liger_rms_norm_gated": Rule("ignored", _KERNEL),
+    "use_scattermoe": Rule("ignored", _KERNEL),
+    "use_sonicmoe": Rule("ignored", _KERNEL),
     "liger_fused_linear_cross_entropy": Rule("ignored", _KERNEL),
     "cut_cross_entropy": Rule("ignored", _KERNEL),
     "lora_mlp_kernel": Rule("ignored", _KERNEL),
@@ -484,6 +503,8 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "mlflow_run_name": Rule("ignored", _TRACKER),
     "hf_mlflow_log_artifacts": Rule("ignored", _TRACKER),
     "use_comet": Rule("ignored", _TRACKER),
+    "use_swanlab": Rule("ignored", _TRACKER),
+    "otel_metrics_host": Rule("ignored", _TRACKER),
     "comet_api_key": Rule("ignored", _TRACKER),
     "comet_workspace": Rule("ignored", _TRACKER),
     "comet_project_name": Rule("ignored", _TRACKER),
