@@ -301,6 +301,9 @@ AXOLOTL_KEYS: dict[str, Rule] = {
         "refused", "expert parallelism is not supported; experts are sharded with the rest of "
         "the model by FSDP"),
     "diffusion": Rule("refused", "diffusion language-model training is not supported"),
+    "use_onebitllms": Rule(
+        "refused", "onebitllms' ternary (1.58-bit) layers are not supported; longctx trains "
+        "the model's own linear layers"),
     "model_revision": Rule("refused", "pin the revision by downloading it to a local folder"),
     "experimental_skip_move_to_device": Rule("ignored", _MEMORY),
     "low_cpu_mem_usage": Rule("ignored", _MEMORY),
@@ -505,6 +508,8 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "use_comet": Rule("ignored", _TRACKER),
     "use_swanlab": Rule("ignored", _TRACKER),
     "otel_metrics_host": Rule("ignored", _TRACKER),
+    "otel_metrics_port": Rule("ignored", _TRACKER),
+    "swanlab_project": Rule("ignored", _TRACKER),
     "comet_api_key": Rule("ignored", _TRACKER),
     "comet_workspace": Rule("ignored", _TRACKER),
     "comet_project_name": Rule("ignored", _TRACKER),
