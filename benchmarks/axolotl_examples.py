@@ -229,10 +229,11 @@ def ranks_of(config: dict, default: int) -> int:
     return world
 
 
-def survey(axolotl: Path, nproc: int) -> dict:
+def survey(axolotl: Path, nproc: int, only: list[str] | None = None) -> dict:
     os.environ["HF_HUB_OFFLINE"] = "1"
     examples = sorted(p for p in (axolotl / "examples").rglob("*.y*ml")
-                      if "archived" not in p.parts)
+                      if "archived" not in p.parts
+                      and (not only or any(o in str(p.relative_to(axolotl)) for o in only)))
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         jobs, configs = [], []
@@ -343,11 +344,19 @@ def main() -> None:
     parser.add_argument("--nproc-per-node", type=int, default=8)
     parser.add_argument("--docs", action="store_true", help="rewrite docs/axolotl.md's summary")
     parser.add_argument("--from-json", type=Path, help="summarise an earlier run's JSON")
+    parser.add_argument("--only", action="append", metavar="TEXT",
+                        help="just the configs whose path holds TEXT (repeatable); prints "
+                             "each outcome and writes no results file")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:  # the family pass, in its own process (see _validate_with_families)
         jobs = [(Path(p), Path(f), n) for p, f, n in json.loads(args.worker.read_text())]
         print(json.dumps(_validate_all(jobs)))
+        return
+    if args.only:
+        for row in survey(args.axolotl, args.nproc_per_node, args.only)["configs"]:
+            print(f"{row['config']}: {row['outcome']}"
+                  + (f"\n    {row['reason']}" if "reason" in row else ""))
         return
     if args.from_json:
         result = json.loads(args.from_json.read_text())
