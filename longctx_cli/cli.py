@@ -401,6 +401,7 @@ def eval_(
     context_settings=OVERRIDES,
     epilog="Examples:\n\n"
     "  longctx generate my.yaml --checkpoint outputs/run/final --prompt-file prompt.txt\n\n"
+    "  longctx generate my.yaml --checkpoint outputs/run/final --prompt 'Once upon'\n\n"
     "  cat prompt.txt | longctx generate my.yaml --checkpoint outputs/run/merged "
     "--nproc-per-node 4",
 )
@@ -418,6 +419,11 @@ def generate(
         typer.Option("--prompt-file", help="UTF-8 text file with the prompt (default: stdin).",
                      show_default=False),
     ] = None,
+    prompt: Annotated[
+        str | None,
+        typer.Option("--prompt", help="The prompt itself (instead of --prompt-file or stdin).",
+                     show_default=False),
+    ] = None,
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", min=1, help="Most tokens to generate.")
     ] = 64,
@@ -428,7 +434,8 @@ def generate(
 
     raise typer.Exit(run_generate(config, checkpoint, prompt_file, max_new_tokens,
                                   nproc_per_node, list(ctx.args),
-                                  early=ctx.obj))  # main()'s EarlyTorchrun, if it started one
+                                  early=ctx.obj,  # main()'s EarlyTorchrun, if it started one
+                                  prompt=prompt))
 
 
 @app.command(

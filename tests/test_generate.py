@@ -72,3 +72,20 @@ def test_generate_refuses_a_prompt_beyond_sequence_len(tmp_path, model_dir):
                          "--prompt-file", str(prompt))
     assert result.returncode == 2 and "beyond `sequence_len` = 64" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_generate_reads_the_prompt_from_the_command_line(tmp_path, model_dir):
+    """`--prompt TEXT` is tokenized like the file's text (here 100 bytes: past the row), and
+    giving both --prompt and --prompt-file is refused."""
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps({"base_model": str(model_dir), "tokenizer": "byte",
+                                  "sequence_len": 64}))
+    result = run_longctx("generate", str(config), "--checkpoint", str(model_dir),
+                         "--prompt", "x" * 100)
+    assert result.returncode == 2 and "--prompt: the prompt is 100 tokens" in result.stderr
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("hi")
+    result = run_longctx("generate", str(config), "--checkpoint", str(model_dir),
+                         "--prompt", "hi", "--prompt-file", str(prompt))
+    assert result.returncode == 2 and "both --prompt and --prompt-file" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -63,20 +63,27 @@ def vision_prompt(processor: Any, text: str, base_dir: Path) -> tuple[list[int],
 
 def run_generate(config_path: Path, checkpoint: Path, prompt_file: Path | None,
                  max_new_tokens: int, nproc_per_node: int | None,
-                 overrides: list[str] | None = None, early: EarlyTorchrun | None = None) -> int:
+                 overrides: list[str] | None = None, early: EarlyTorchrun | None = None,
+                 prompt: str | None = None) -> int:
     """Entry of `longctx generate`; the process exit code. `overrides`: `--key value` config
     overrides, passed on to every rank; `early`: torchrun's agent, started while this
-    launcher checks the run (see `EarlyTorchrun`)."""
+    launcher checks the run (see `EarlyTorchrun`); `prompt`: the prompt's text itself
+    (`--prompt`), else it is read from `prompt_file` or stdin."""
     from longctx_cli.launcher.launch import in_torchrun, launch_torchrun, rank_errors
     from longctx_cli.preflight import check_run
 
     overrides = list(overrides or [])
+    if prompt is not None and prompt_file is not None:
+        raise UserError("both --prompt and --prompt-file are given.", where="--prompt",
+                        fix="give the prompt one way: --prompt TEXT or --prompt-file FILE.")
     config = load_config(config_path, overrides)
     if in_torchrun():
         from longctx_cli.eval.run import import_rank_modules
 
         import_rank_modules()
-        if prompt_file is None:
+        if prompt is not None:
+            prompt_file, text = None, prompt
+        elif prompt_file is None:
             raise UserError("ranks read the prompt from a file.", where="--prompt-file",
                             fix="pass --prompt-file (or run `longctx generate` itself).")
         with rank_errors(alike_on_every_rank=True):
@@ -84,15 +91,16 @@ def run_generate(config_path: Path, checkpoint: Path, prompt_file: Path | None,
         from longctx_cli.runtime.distributed import process_group_released
 
         with rank_errors(), process_group_released():
-            generate_on_ranks(config, plan, checkpoint, prompt_file.read_text(encoding="utf-8"),
-                              max_new_tokens)
+            generate_on_ranks(config, plan, checkpoint,
+                              text if prompt_file is None else prompt_file.read_text(
+                                  encoding="utf-8"), max_new_tokens)
         return 0
     from longctx_cli.data.tokenizer import load_tokenizer
     from longctx_cli.eval.checkpoint_loading import check_intact, checkpoint_kind
 
     checkpoint_kind(checkpoint)
     check_intact(checkpoint)
-    text = _read_prompt(prompt_file)
+    text = prompt if prompt is not None else _read_prompt(prompt_file)
     # Forward only: the SP degree is the machine's (one SP group over the ranks by default).
     config, plan = check_run(config, "generate", nproc_per_node, overrides=overrides)
     if config.trains_images:  # the ranks read a copy: its image paths made absolute
@@ -112,7 +120,7 @@ def run_generate(config_path: Path, checkpoint: Path, prompt_file: Path | None,
             f"the prompt is {n:,} tokens; with --max-new-tokens {max_new_tokens} the row "
             f"would be {n + max_new_tokens:,}, beyond `sequence_len` = {limit:,} (what the "
             "plan budgets memory for).",
-            where="--prompt-file",
+            where="--prompt" if prompt is not None else "--prompt-file",
             fix="shorten the prompt, lower --max-new-tokens, or raise `sequence_len` (e.g. "
             f"`--sequence-len {n + max_new_tokens}` after the config; more ranks for memory).",
         )
