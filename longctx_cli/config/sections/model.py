@@ -143,8 +143,8 @@ def check_mistral_common(model: ModelSection, data: Any, rl: str | None,
         if model.tokenizer == "byte" else
         ("`special_tokens`", "mistral-common's special tokens are fixed by its file")
         if model.special_tokens is not None else
-        ("`processor_type` (a vision run)", "images are encoded by the model's processor, "
-         "not by mistral-common")
+        ("`processor_type` (a vision run)", "a vision run reads its records through the "
+         "model's processor and its Hugging Face tokenizer, not mistral-common")
         if trains_images else
         (f"`rl: {rl}`", "preference pairs and prompts are rendered with a chat template")
         if rl else
