@@ -196,3 +196,13 @@ def test_without_the_package_the_error_names_the_install(tmp_path, monkeypatch):
         load_tokenizer(_config(tmp_path, _folder(tmp_path, "v3")))
     assert err.value.where == "tokenizer_use_mistral_common"
     assert "pip install 'longctx[mistral]'" in str(err.value)
+
+
+def test_validate_reads_the_records_with_the_mistral_common_tokenizer(tmp_path):
+    # `longctx validate` tokenizes the first records as preprocess does, with the same ids.
+    from longctx_cli.data.check import check_data
+
+    folder = _folder(tmp_path, "v7")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n")
+    (line,) = check_data(_config(tmp_path, folder))
+    assert line.endswith(f"1 records read, {len(_reference(folder, CHAT)[0])} tokens"), line
