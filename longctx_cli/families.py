@@ -77,10 +77,11 @@ class Family:
     vision: VisionFamily | None = None
     # Takes images, but runtime/vision.py does not rebuild its forward: why (the refusal).
     vision_refusal: str | None = None
-    # Such a family whose `...ForConditionalGeneration` runs a text row exactly as its
-    # language model does (no image input, no image token: the tower is never called), where
-    # transformers registers no causal LM for it: longctx loads that class as its causal LM
-    # and trains it on text, as Gemma 3's (which transformers registers itself).
+    # A multimodal family whose `...ForConditionalGeneration` runs a text row exactly as its
+    # language model does (no image or audio input: its towers are never called), where
+    # transformers registers no causal LM for it: longctx loads that class (transformers'
+    # multimodal-LM mapping) as its causal LM and trains it on text, as Gemma 3's (which
+    # transformers registers itself).
     trains_text: bool = False
 
 
@@ -130,6 +131,9 @@ _RECORDS = (
         "rotary positions over its patches) and its projector merges each image's patches "
         "by that size, while the VLM path encodes whole fixed-size images; its processor's "
         "rows (image rows broken by [IMG_BREAK] tokens) are not prepared either")),
+    # An audio-language family: its text rows through its own class (longctx has no audio
+    # inputs; `processor_type` takes image processors only).
+    Family("voxtral", trains_text=True, lean_norms=True),
     # Text families, by model type.
     Family("apertus", lean_norms=True),
     Family("arcee", lean_norms=True),

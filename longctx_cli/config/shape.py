@@ -198,19 +198,24 @@ def causal_lm_class(hf_config: Any) -> Any:
     """`AutoModelForCausalLM`, which builds every text model longctx trains: a causal LM that
     transformers registers only beside its vision-language models (Mistral 4's
     `Mistral4ForCausalLM`, a text model in the image-text-to-text mapping) is registered
-    with it first, through transformers' own `register`; so is the image-text-to-text class
-    of a family that trains text through it (`Family.trains_text`: Mistral 3)."""
+    with it first, through transformers' own `register`; so is the multimodal class of a
+    family that trains text through it (`Family.trains_text`: Mistral 3, Voxtral)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING,
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+        MODEL_FOR_MULTIMODAL_LM_MAPPING,
     )
 
     config_class = type(hf_config)
     if config_class not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        registered = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(config_class, None)
-        own = family(str(getattr(hf_config, "model_type", ""))).trains_text
-        if registered is not None and (registered.__name__.endswith("ForCausalLM") or own):
+        if family(str(getattr(hf_config, "model_type", ""))).trains_text:
+            registered = MODEL_FOR_MULTIMODAL_LM_MAPPING.get(config_class, None)
+        else:
+            registered = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(config_class, None)
+            if registered is not None and not registered.__name__.endswith("ForCausalLM"):
+                registered = None
+        if registered is not None:
             AutoModelForCausalLM.register(config_class, registered, exist_ok=True)
     return AutoModelForCausalLM
 
