@@ -77,6 +77,12 @@ class Family:
     vision: VisionFamily | None = None
     # Takes images, but runtime/vision.py does not rebuild its forward: why (the refusal).
     vision_refusal: str | None = None
+    # A multimodal family whose `...ForConditionalGeneration` runs a text row exactly as its
+    # language model does (no image or audio input: its towers are never called), where
+    # transformers registers no causal LM for it: longctx loads that class (transformers'
+    # multimodal-LM mapping) as its causal LM and trains it on text, as Gemma 3's (which
+    # transformers registers itself).
+    trains_text: bool = False
 
 
 _QWEN_VL = dict(positions="mrope", images_attend="causal", pixels="patches", tower="merged",
@@ -120,6 +126,14 @@ _RECORDS = (
         "separator tokens, and its forward applies the projector to the tower's "
         "pixel-shuffled features itself (not in `get_image_features`): the VLM path lays out "
         "and merges neither")),
+    Family("mistral3", trains_text=True, lean_norms=True, vision_refusal=(
+        "Mistral 3's Pixtral tower takes each image at its own size (`image_sizes`, 2-D "
+        "rotary positions over its patches) and its projector merges each image's patches "
+        "by that size, while the VLM path encodes whole fixed-size images; its processor's "
+        "rows (image rows broken by [IMG_BREAK] tokens) are not prepared either")),
+    # An audio-language family: its text rows through its own class (longctx has no audio
+    # inputs; `processor_type` takes image processors only).
+    Family("voxtral", trains_text=True, lean_norms=True),
     # Text families, by model type.
     Family("apertus", lean_norms=True),
     Family("arcee", lean_norms=True),

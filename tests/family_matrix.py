@@ -304,6 +304,24 @@ FAMILIES = [
            {"sliding window": {"layer_types": ALL_FULL}}),
     # Ministral 3 (the text model of Mistral 3): YaRN-scaled RoPE.
     Family("ministral3", "ministral3", {"head_dim": 8, "pad_token_id": 0}),
+    # Mistral 3 (Mistral Small 3.1, Ministral 3, Magistral, Mistral Medium 3.5) on text:
+    # its own Mistral3ForConditionalGeneration (a Pixtral tower, never called on text) around
+    # a Ministral 3 language model.
+    Family("mistral3 (text rows)", "mistral3",
+           {"text_config": {"model_type": "ministral3", **BASE, "head_dim": 8,
+                            "pad_token_id": 0},
+            "vision_config": {"hidden_size": 16, "intermediate_size": 32,
+                              "num_hidden_layers": 1, "num_attention_heads": 2,
+                              "head_dim": 8, "image_size": 32, "patch_size": 8}},
+           always_on=("a Pixtral vision tower and projector beside the text model",)),
+    # Voxtral on text: its own VoxtralForConditionalGeneration (a Whisper-style audio tower,
+    # never called on text) around a Llama language model.
+    Family("voxtral (text rows)", "voxtral",
+           {"text_config": {"model_type": "llama", **BASE},
+            "audio_config": {"hidden_size": 16, "intermediate_size": 32,
+                             "num_hidden_layers": 1, "num_attention_heads": 2,
+                             "num_mel_bins": 8, "max_source_positions": 16}},
+           always_on=("an audio tower and projector beside the text model",)),
     Family("mistral4", "mistral4",
            {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16,
             "qk_nope_head_dim": 12, "qk_rope_head_dim": 4, "v_head_dim": 8,
@@ -348,8 +366,9 @@ def _tp_refusal(family: Family) -> str | None:
     """What validate says of a family that TP-sp cannot shard (config/sections/parallel.py)."""
     from longctx_cli.families import TP_FAMILIES
 
-    return None if family.model_type in TP_FAMILIES else (
-        f"model type `{family.model_type}` is not supported")
+    # A multimodal row's refusal names its language model, the decoder TP-sp would shard.
+    decoder = family.fields.get("text_config", {}).get("model_type", family.model_type)
+    return None if decoder in TP_FAMILIES else f"model type `{decoder}` is not supported"
 
 
 @dataclass(frozen=True)
@@ -757,7 +776,8 @@ REFUSED_FAMILIES = (
     ("Vision-language families longctx does not rebuild (InternVL, Mistral 3's and Llama 4's "
      "vision models, GLM-4.6V, SmolVLM2, LFM2-VL, PaddleOCR-VL)", "their towers, feature merge "
      "and positions are not rebuilt under sequence parallelism; their text models train "
-     "where transformers has a causal LM of their own"),
+     "where transformers has a causal LM of their own, and Mistral 3 (`mistral3`) trains "
+     "text rows through its own class (the row above)"),
     ("Gemma 4's images (`gemma4`)", "its image tokens attend both ways on sliding-window "
      "layers only, and its tower takes variable-length patch runs with 2-D position ids: "
      "the VLM path computes neither (its text, and its default config without towers, are "

@@ -50,8 +50,7 @@ def test_other_tools_keys_that_share_words_with_ours_are_not_typos() -> None:
     notes = _notes(theirs)
     assert all("ignored" in notes[k] and "did you mean" not in notes[k] for k in theirs), notes
     # Those that would change the run are refused with their own reason.
-    for key, value, why in (("tokenizer_use_mistral_common", True, "mistral-common tokenizer"),
-                            ("expert_parallel_size", 2, "expert parallelism")):
+    for key, value, why in (("expert_parallel_size", 2, "expert parallelism"),):
         msg = _error({key: value})
         assert f"`{key}` is not supported" in msg and why in msg and "did you mean" not in msg
     # One letter added (a typo in one of Axolotl's own examples), one swapped, one dropped.

@@ -90,6 +90,7 @@ def test_paligemma_is_refused_as_a_prefix_lm() -> None:
     ("gemma4", "sliding-window layers only"),
     ("llama4", "into tiles plus a global view"),
     ("gemma3n", "longctx has no audio inputs"),
+    ("mistral3", "takes each image at its own size"),
 ])
 def test_vlm_families_not_rebuilt_are_refused_with_their_own_reason(model_type, why) -> None:
     from transformers import AutoConfig
@@ -104,6 +105,18 @@ def test_vlm_families_not_rebuilt_are_refused_with_their_own_reason(model_type, 
     text = str(e.value)
     assert "does not rebuild its forward" in text and why in text, text
     assert e.value.where == "base_model" and "\n" not in text
+
+
+def test_mistral3_trains_its_text_rows_and_its_refusal_of_images_says_so() -> None:
+    # Its own class runs text rows as its language model does (tests/family_matrix.py:
+    # exact under every strategy); images are refused with the way to its text.
+    from transformers import Mistral3Config
+
+    with pytest.raises(UserError) as e:
+        _plan(Mistral3Config(), processor_type="AutoProcessor")
+    assert e.value.fix.startswith("drop `processor_type` to train its text rows")
+    plan = _plan(Mistral3Config())
+    assert "vision tower" not in _rows(plan) and plan.memory.vision_tower == 0
 
 
 @pytest.mark.parametrize("overrides, where", [

@@ -558,8 +558,10 @@ def _refuse_timm_tower(model_type: str, config: Any) -> None:
 
 
 def _is_wrapper(config: Any) -> bool:
-    """A multimodal config holding its text part as a sub-config (with or without towers)."""
-    return (hasattr(config, "get_text_config") and hasattr(config, "vision_config")
+    """A multimodal config holding its text part as a sub-config (with or without towers;
+    an audio tower alone: Voxtral)."""
+    return (hasattr(config, "get_text_config")
+            and (hasattr(config, "vision_config") or hasattr(config, "audio_config"))
             and config.get_text_config() is not config)
 
 
@@ -881,7 +883,7 @@ def shrink_vision_config(model_config: Any, images: bool = True) -> Any:
     does not). A part the config leaves out (Gemma 4's default has no towers) stays out."""
     tiny = copy.deepcopy(model_config)
     text = shrink_config(model_config.get_text_config())
-    vision = tiny.vision_config
+    vision = getattr(tiny, "vision_config", None)  # Voxtral: an audio tower only
     if vision is not None:
         _shrink_tower(tiny, vision, text)
     if getattr(tiny, "audio_config", None) is not None:

@@ -285,9 +285,6 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "embeddings_skip_upcast": Rule("ignored", "embeddings keep the model's dtype"),
     "fix_untrained_tokens": Rule("refused", "re-initialising token embeddings is not supported"),
     "model_kwargs": Rule("refused", "extra from_pretrained arguments are not supported"),
-    "tokenizer_use_mistral_common": Rule(
-        "refused", "the mistral-common tokenizer is not supported; longctx tokenizes with the "
-        "model's Hugging Face tokenizer, whose tokens may differ"),
     "revision_of_model": Rule(
         "refused", "loading a model revision is not supported; download that revision and "
         "give its folder as `base_model`"),

@@ -22,7 +22,7 @@ from longctx_cli.config.sections.data import DataSection, DatasetConfig, check_s
 from longctx_cli.config.sections.evaluation import EvalSection
 from longctx_cli.config.sections.grpo import TrlConfig, check_grpo
 from longctx_cli.config.sections.memory import MemorySection
-from longctx_cli.config.sections.model import ModelSection
+from longctx_cli.config.sections.model import ModelSection, check_mistral_common
 from longctx_cli.config.sections.objective import (
     ObjectiveSection,
     check_kto,
@@ -142,6 +142,7 @@ class Config(StrictModel):
                 raise ValueError(f"`reward_model: true` with `{refused}` is not supported "
                                  "yet: drop one of them")
         check_streamed(data, self.training.max_steps)
+        check_mistral_common(self.model, data, objective.rl, self.trains_images)
         if data.dataset_exact_deduplication and (self.vision.processor_type
                                                  or objective.rl == "grpo"):
             # Records are compared where text datasets (and preference pairs) are tokenized;

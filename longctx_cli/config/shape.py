@@ -13,6 +13,7 @@ from typing import Any
 
 from longctx_cli.config.rope import context_line
 from longctx_cli.errors import UserError
+from longctx_cli.families import family
 
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
@@ -183,29 +184,38 @@ def is_vision_language(hf_config: Any, images: bool = False) -> bool:
     """A model longctx trains with its images: a vision part in its config, and either no
     causal LM of its own in transformers, or `images` (the run sets `processor_type`).
     Qwen3.5 and Gemma 3 have a causal LM: without a processor longctx trains that language
-    model on text, as before images were supported."""
+    model on text, as before images were supported; so does a family whose record says its
+    own class trains text (`Family.trains_text`: Mistral 3)."""
     if getattr(hf_config, "vision_config", None) is None:
         return False
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    return images or type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING
+    return images or (type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING
+                      and not family(str(getattr(hf_config, "model_type", ""))).trains_text)
 
 
 def causal_lm_class(hf_config: Any) -> Any:
     """`AutoModelForCausalLM`, which builds every text model longctx trains: a causal LM that
     transformers registers only beside its vision-language models (Mistral 4's
     `Mistral4ForCausalLM`, a text model in the image-text-to-text mapping) is registered
-    with it first, through transformers' own `register`."""
+    with it first, through transformers' own `register`; so is the multimodal class of a
+    family that trains text through it (`Family.trains_text`: Mistral 3, Voxtral)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING,
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+        MODEL_FOR_MULTIMODAL_LM_MAPPING,
     )
 
     config_class = type(hf_config)
     if config_class not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        registered = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(config_class, None)
-        if registered is not None and registered.__name__.endswith("ForCausalLM"):
+        if family(str(getattr(hf_config, "model_type", ""))).trains_text:
+            registered = MODEL_FOR_MULTIMODAL_LM_MAPPING.get(config_class, None)
+        else:
+            registered = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(config_class, None)
+            if registered is not None and not registered.__name__.endswith("ForCausalLM"):
+                registered = None
+        if registered is not None:
             AutoModelForCausalLM.register(config_class, registered, exist_ok=True)
     return AutoModelForCausalLM
 

@@ -404,6 +404,11 @@ def _tokenizer_source(config: Config, identify: Callable[[Path], Any]) -> dict[s
         files = {f.name: identify(f) for f in sorted(folder.iterdir())
                  if f.is_file() and f.suffix.lower() not in _WEIGHT_SUFFIXES}
     special = config.model.special_tokens
+    if config.model.tokenizer_use_mistral_common:  # another library reads the same files
+        from longctx_cli.data import mistral_tokenizer
+
+        code.append(Path(mistral_tokenizer.__file__))
+        files = {"mistral_common": _library_version("mistral-common"), "files": files}
     return {
         "files": files,
         "libraries": {name: _library_version(name) for name in _TOKENIZER_LIBRARIES

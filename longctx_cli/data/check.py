@@ -61,8 +61,10 @@ def check_data(config: Config) -> list[str]:
             elif config.vision.processor_type and entry.type == "chat_template":
                 outcome = _vision_records(entry, source, records, config, tok)
             else:
+                # A processor's text records read with its tokenizer (a mistral-common
+                # tokenizer's own `.tokenizer` is the library's, not a processor's part).
                 outcome = _text_records(entry, source, records, config,
-                                        getattr(tok, "tokenizer", tok))
+                                        tok.tokenizer if config.vision.processor_type else tok)
             lines.append(f"{label}: {read}, {outcome}")
     return lines
 

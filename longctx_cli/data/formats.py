@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from longctx_cli.config.sections.data import is_preference_type
 from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.data import preference
+from longctx_cli.data.mistral_tokenizer import chat_ids as mistral_chat_ids
+from longctx_cli.data.mistral_tokenizer import is_mistral_common
 from longctx_cli.errors import UserError
 
 if TYPE_CHECKING:
@@ -416,6 +418,8 @@ def chat(
         return [], [], "no target tokens"
     if first.role == "assistant":
         return [], [], "starts with an assistant turn"
+    if is_mistral_common(tok):  # encoded by mistral-common itself, targets located on ids
+        return mistral_chat_ids(tok, spec, turns, where)
     text, spans = chat_target_spans(tok, spec, turns, where)
     return encode_spans(tok, text, spans)
 

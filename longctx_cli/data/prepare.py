@@ -489,6 +489,8 @@ def format_spec(
     if entry.roles is not None:
         spec.roles = {src: role for role, sources in entry.roles.items() for src in sources}
     spec.roles_to_train = tuple(spec.roles.get(r, r) for r in entry.roles_to_train)
+    if config.model.tokenizer_use_mistral_common:
+        return spec  # mistral-common encodes the chat itself; it has no template to render
     template, markers = chat_templates.resolve_template(config, entry, tok)
     spec.template, spec.end_markers = template, tuple(markers)
     return spec

@@ -54,6 +54,12 @@ def load_tokenizer(config: Config) -> PreTrainedTokenizerBase:
         )
     if source == BYTE:
         tok = byte_tokenizer()
+    elif config.model.tokenizer_use_mistral_common:
+        from longctx_cli.data.mistral_tokenizer import load_mistral_common
+        from longctx_cli.hub import hub_reachable
+
+        tok = load_mistral_common(source, local_only=not Path(source).expanduser().exists()
+                                  and not hub_reachable())
     else:
         tok = _from_pretrained(source, config.model.trust_remote_code)
     apply_special_tokens(tok, config)

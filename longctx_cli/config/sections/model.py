@@ -84,6 +84,15 @@ class ModelSection(Section):
         description="Tokenizer special tokens to set (bos_token, eos_token, pad_token, "
         "unk_token); each must already be one token of the vocabulary.",
     )
+    tokenizer_use_mistral_common: bool = Field(
+        False,
+        description="Tokenize with Mistral's own library (the `mistral-common` package, "
+        "`pip install 'longctx[mistral]'`) through transformers' MistralCommonBackend: "
+        "`tokenizer` (default `base_model`) holds its `tekken.json` or `tokenizer.model.v*`, "
+        "and `chat_template` datasets are encoded by mistral-common itself (its fine-tuning "
+        "mode), not rendered with a chat template. Text datasets only (`chat_template`, "
+        "`completion`, `pretrain`), supervised fine-tuning only.",
+    )
     tf32: bool | Literal["auto"] = Field(
         False, description="Allow TF32 matmuls on Ampere+ GPUs (`auto`: same as true)."
     )
@@ -110,6 +119,46 @@ class ModelSection(Section):
     @property
     def tokenizer_source(self) -> str | None:
         return self.tokenizer or self.base_model
+
+
+# Dataset types whose text a mistral-common tokenizer encodes (a chat by mistral-common's own
+# encoding, a text as its plain tokens).
+MISTRAL_COMMON_TYPES = ("chat_template", "completion", "pretrain")
+
+
+def check_mistral_common(model: ModelSection, data: Any, rl: str | None,
+                         trains_images: bool) -> None:
+    """What `tokenizer_use_mistral_common: true` cannot go with; raises ValueError naming it.
+
+    mistral-common encodes conversations itself and cannot add or rename tokens, so nothing
+    that renders a chat template or edits the vocabulary can use it."""
+    if not model.tokenizer_use_mistral_common:
+        return
+    entries = [*data.datasets, *data.eval_datasets, *(data.pretraining_dataset or [])]
+    other = next((e.type for e in entries if e.type not in MISTRAL_COMMON_TYPES), None)
+    template = next((t for t in (data.chat_template, *(e.chat_template for e in entries))
+                     if t not in (None, "tokenizer_default")), None)
+    refused = (
+        ("`tokenizer: byte`", "the byte tokenizer is not a mistral-common one")
+        if model.tokenizer == "byte" else
+        ("`special_tokens`", "mistral-common's special tokens are fixed by its file")
+        if model.special_tokens is not None else
+        ("`processor_type` (a vision run)", "a vision run reads its records through the "
+         "model's processor and its Hugging Face tokenizer, not mistral-common")
+        if trains_images else
+        (f"`rl: {rl}`", "preference pairs and prompts are rendered with a chat template")
+        if rl else
+        (f"`chat_template: {template}`", "mistral-common encodes the chat in its own format")
+        if template else
+        (f"dataset `type: {other}`", "mistral-common encodes "
+         f"{', '.join(MISTRAL_COMMON_TYPES)} datasets only")
+        if other else
+        ("`field_thinking`", "longctx passes turns to mistral-common as text, not thinking "
+         "chunks")
+        if any(e.field_thinking for e in entries) else None)
+    if refused:
+        raise ValueError(f"`tokenizer_use_mistral_common: true` with {refused[0]} is not "
+                         f"supported: {refused[1]}; drop one of them")
 
 
 # ---- the model's own config: what longctx must compute as the model does ------------------

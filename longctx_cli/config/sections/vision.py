@@ -163,13 +163,16 @@ def refuse_unless_rebuilt(model_config: Any) -> None:
             fix="train this model without longctx, or pick a vision-language family longctx "
             f"trains exactly ({', '.join(VISION_FAMILIES)}).")
     if family is None or not family.rebuilt:
-        why = family_record(model_type).vision_refusal
+        record = family_record(model_type)
+        why = record.vision_refusal
+        text = "drop `processor_type` to train its text rows (exact), " if record.trains_text \
+            else ""
         raise UserError(
             f"model type `{model_type}` takes images, but longctx does not rebuild its "
             "forward under sequence parallelism (the tower, the merge of image features and "
             f"its positions){f': {why}' if why else ''}, so it cannot train it exactly.",
             where="base_model",
-            fix=f"pick one of {', '.join(VISION_FAMILIES)}, or train without longctx.")
+            fix=f"{text}pick one of {', '.join(VISION_FAMILIES)}, or train without longctx.")
 
 
 def check_vision(vision: VisionSection, hf_config: Any, layout: Layout, streamed: bool,
