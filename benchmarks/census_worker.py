@@ -13,11 +13,17 @@ each storage, the innermost modules around that operator, shape, dtype); with `-
 also the sum after every operator (`census-<rank>.timeline.tsv`), to see each moment. Pure
 PyTorch, no change to the tool measured: longctx's ranks and the peer's script run under it
 alike.
+
+With `--account`, after every operator the rank also reads its resident set (/proc/self/statm)
+and glibc's allocator statistics (`mallinfo2`: bytes in use from the heap and from mmap,
+bytes freed but kept in the heap), and keeps them at the resident set's highest point beside
+the census there: what the resident peak is made of (`account` in the JSON).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import runpy
@@ -30,11 +36,35 @@ from torch.nn.modules import module as module_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 SMALLEST = 256 * 1024  # storages below this are left out (their sum is not what grows)
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class MallInfo2(ctypes.Structure):  # glibc's `struct mallinfo2` (glibc 2.33 and later)
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def allocator_reader():
+    """A function giving {rss, heap_in_use, mmap_in_use, heap_free} in bytes now."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    statm = open("/proc/self/statm", "rb", buffering=0)  # noqa: SIM115 (read per operator)
+
+    def read() -> dict[str, int]:
+        statm.seek(0)
+        info = libc.mallinfo2()
+        return {"rss": int(statm.read().split()[1]) * PAGE, "heap_in_use": info.uordblks,
+                "mmap_in_use": info.hblkhd, "heap_free": info.fordblks}
+    return read
 
 
 class Census(TorchDispatchMode):
-    def __init__(self, out: Path, token_dims: set[int], timeline: bool = False) -> None:
+    def __init__(self, out: Path, token_dims: set[int], timeline: bool = False,
+                 account: bool = False) -> None:
         super().__init__()
+        self.allocator = allocator_reader() if account else None
+        self.account: dict | None = None  # at the highest resident set
         self.out, self.token_dims = out, token_dims
         self.timeline: list[tuple[str, int]] | None = [] if timeline else None
         self.live: dict[int, tuple] = {}
@@ -81,8 +111,22 @@ class Census(TorchDispatchMode):
         if self.token_bytes > self.peak:
             self.peak = self.token_bytes
             self.at_peak = (self.where(func), list(self.live.values()))
+        if self.allocator is not None:
+            now = self.allocator()
+            if self.account is None or now["rss"] > self.account["rss"]:
+                tensors = sum(v[1] for v in self.live.values())
+                self.account = {**now, "tensors": tensors, "token_tensors": self.token_bytes,
+                                "at": self.where(func), "live": list(self.live.values())}
 
     def write(self) -> None:
+        if self.account is not None:  # the high-water mark, between operators included
+            status = Path("/proc/self/status").read_text()
+            self.account["rss_high_water"] = 1024 * int(
+                status.split("VmHWM:")[1].split()[0])
+            self.account["live"] = [  # the largest storages alive at the resident peak
+                {"bytes": v[1], "made_by": v[2], "shape": list(v[3]), "dtype": v[4],
+                 "per_token": v[5]} for v in sorted(self.account["live"], key=lambda v: -v[1])
+            ][:40]
         if self.timeline is not None:
             with self.out.with_suffix(".timeline.tsv").open("w") as f:
                 f.writelines(f"{n}\t{where}\n" for where, n in self.timeline)
@@ -90,7 +134,8 @@ class Census(TorchDispatchMode):
             return
         at, live = self.at_peak
         self.out.write_text(json.dumps({
-            "token_bytes": self.peak, "all_bytes": sum(v[1] for v in live), "at": at,
+            "account": self.account, "token_bytes": self.peak,
+            "all_bytes": sum(v[1] for v in live), "at": at,
             "live": [{"bytes": v[1], "made_by": v[2], "shape": list(v[3]), "dtype": v[4],
                       "per_token": v[5]} for v in sorted(live, key=lambda v: -v[1])],
         }))
@@ -105,11 +150,15 @@ def main() -> None:
     p.add_argument("--sp", type=int, default=2)
     p.add_argument("--timeline", action="store_true",
                    help="also write the per-token bytes after every operator (.timeline.tsv)")
+    p.add_argument("--account", action="store_true",
+                   help="also keep the resident set and the allocator's statistics at the "
+                        "resident set's highest point")
     args = p.parse_args(argv[:split])
     target = argv[split + 1:]
     args.out.mkdir(parents=True, exist_ok=True)
     census = Census(args.out / f"census-{os.environ.get('RANK', '0')}.json",
-                    {args.tokens_per_rank, args.tokens_per_rank * args.sp}, args.timeline)
+                    {args.tokens_per_rank, args.tokens_per_rank * args.sp}, args.timeline,
+                    args.account)
 
     def enter(module, inputs) -> None:
         census.modules.append(type(module).__name__)

@@ -4,6 +4,17 @@ against DeepSpeed ALST, each with its full memory recipe (`reach.py`'s), one row
     python benchmarks/live_activations.py                    # a 16K row, 2.5 min on 2 cores
     python benchmarks/live_activations.py --tokens 4096      # the count does not depend on it
     python benchmarks/live_activations.py --table results/live-activations-2026-11-27.json
+    python benchmarks/live_activations.py --account --lengths 8192 16384 32768
+
+`--account` explains the resident set instead: at each length every rank also reads its
+resident set and glibc's allocator statistics after every operator (`census_worker.py
+--account`), and at the resident set's highest point splits it into the census's tensors
+with a token dimension, its other tensors (weights, gradients, optimizer state), what the
+allocator has handed out beyond those tensors (storages under the census's 256 KiB floor,
+Python objects, buffers outside autograd), what it holds freed, and what lies outside it
+(code, the interpreter's own arenas, stacks). A line through the lengths gives each part's
+bytes per token per rank: the resident slope, term by term. ALST runs with longctx's glibc
+mmap threshold there, the same allocator for both.
 
 `reach.py` measures each rank's resident set, which holds what does not grow with the row
 too: between 8K and 32K tokens ALST's peak is in its loss (shards of `[tokens / shards,
@@ -34,20 +45,30 @@ from common import ROOT, markdown_table, save_record
 from benchmarks import peers, reach
 
 TOOLS = ("longctx-ulysses", "longctx-ring", "alst-zero0")
+# The resident set's parts (`--account`), in the order they add up to it.
+PARTS = {"token_tensors": "tensors with a token dimension",
+         "other_tensors": "other tensors (weights, gradients, optimizer state)",
+         "untracked_in_use": "handed out by malloc beyond those (small storages, Python, "
+                             "buffers)",
+         "heap_free": "freed but kept by malloc",
+         "outside_malloc": "outside malloc (code, interpreter arenas, stacks)"}
 CENSUS = ROOT / "benchmarks" / "census_worker.py"
 MiB = 2**20
 
 
 def command(tool: str, tokens: int, work: Path, model_dir: Path, configs: dict[str, Path],
-            out: Path, peer_python: Path | None, timeline: bool = False) -> list[str]:
+            out: Path, peer_python: Path | None, timeline: bool = False,
+            account: bool = False) -> list[str]:
     census = [f"--nproc-per-node={peers.SP}", str(CENSUS), "--out", str(out),
               "--tokens-per-rank", str(tokens // peers.SP), "--sp", str(peers.SP),
-              *(["--timeline"] if timeline else []), "--"]
+              *(["--timeline"] if timeline else []), *(["--account"] if account else []),
+              "--"]
     if tool.startswith("longctx"):
         return [sys.executable, "-m", "torch.distributed.run", *census, "longctx", "train",
                 str(configs[tool])]
     return [str(peer_python), "-m", "torch.distributed.run", *census,
-            *peers.alst_worker_args(tool, work, model_dir, 1, out / "result.json",
+            *peers.alst_worker_args(tool, work, model_dir, 2 if account else 1,
+                                    out / "result.json",
                                     reach.worker_flags(tool, tokens, None))]
 
 
@@ -58,7 +79,7 @@ def first_loss(tool: str, configs: dict[str, Path], out: Path) -> float:
 
 
 def measure(tool: str, tokens: int, work: Path, model_dir: Path, configs: dict[str, Path],
-            peer_python: Path | None, timeline: bool = False) -> dict:
+            peer_python: Path | None, timeline: bool = False, account: bool = False) -> dict:
     out = work / f"census-{tool}"
     shutil.rmtree(out, ignore_errors=True)
     if tool.startswith("longctx"):  # a fresh run: the rank checks output_dir itself
@@ -66,9 +87,12 @@ def measure(tool: str, tokens: int, work: Path, model_dir: Path, configs: dict[s
                       ignore_errors=True)
     log = work / f"census-{tool}.log"
     with log.open("w") as f:
-        argv = command(tool, tokens, work, model_dir, configs, out, peer_python, timeline)
-        code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT,
-                              env=peers.one_thread_env(), cwd=ROOT).returncode
+        argv = command(tool, tokens, work, model_dir, configs, out, peer_python, timeline,
+                       account)
+        threshold = reach.THRESHOLD_MIB << 20 if account and tool.startswith("alst") else None
+        with reach.allocator_threshold(threshold):  # the same allocator as longctx's ranks
+            code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT,
+                                  env=peers.one_thread_env(), cwd=ROOT).returncode
     if code != 0:
         raise SystemExit(f"{tool} failed ({code}); see {log}")
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("census-*.json"))]
@@ -78,7 +102,17 @@ def measure(tool: str, tokens: int, work: Path, model_dir: Path, configs: dict[s
         if t["per_token"]:
             made_by[f"{t['made_by']} {tuple(t['shape'])}"] += t["bytes"]
     per_rank = tokens // peers.SP
-    return {"token_bytes": top["token_bytes"], "all_bytes": top["all_bytes"], "at": top["at"],
+    parts = None
+    if account:  # the rank with the higher resident set, at its highest point
+        a = max((r["account"] for r in ranks), key=lambda a: a["rss"])
+        handed_out = a["heap_in_use"] + a["mmap_in_use"]
+        parts = {"rss": a["rss"], "token_tensors": a["token_tensors"],
+                 "other_tensors": a["tensors"] - a["token_tensors"],
+                 "untracked_in_use": handed_out - a["tensors"], "heap_free": a["heap_free"],
+                 "outside_malloc": a["rss"] - handed_out - a["heap_free"], "at": a["at"],
+                 "rss_high_water": a.get("rss_high_water"), "live": a.get("live", [])[:12]}
+    return {"account": parts, "token_bytes": top["token_bytes"],
+            "all_bytes": top["all_bytes"], "at": top["at"],
             "bytes_per_token_per_rank": round(top["token_bytes"] / per_rank),
             "hidden_units": round(top["token_bytes"] / per_rank / (4 * peers.LLAMA["hidden_size"]),
                                   1),
@@ -99,6 +133,58 @@ def table(tokens: int, results: dict[str, dict]) -> str:
                            "in hidden-size float32 vectors", "vs ALST", "the peak is at"], rows)
 
 
+def account_table(by_length: dict[int, dict[str, dict]]) -> str:
+    """Each tool's resident slope, part by part (bytes per token per rank, a least-squares
+    line through the lengths), and the parts at the longest length."""
+    longest = max(by_length)
+    rows = []
+    for tool in by_length[longest]:
+        def slope(key: str, tool: str = tool) -> float:
+            return reach.fit([(n // peers.SP, by_length[n][tool]["account"][key] / MiB)
+                              for n in sorted(by_length)])[1]
+        rows.append([f"{tool}: resident set", f"{slope('rss'):,.0f}",
+                     f"{by_length[longest][tool]['account']['rss'] / MiB:,.1f}"])
+        for key, name in PARTS.items():
+            rows.append([f"  {name}", f"{slope(key):,.0f}",
+                         f"{by_length[longest][tool]['account'][key] / MiB:,.1f}"])
+        if all(by_length[n][tool]["account"].get("rss_high_water") for n in by_length):
+            rows.append([f"{tool}: high-water mark (inside operators too)",
+                         f"{slope('rss_high_water'):,.0f}",
+                         f"{by_length[longest][tool]['account']['rss_high_water'] / MiB:,.1f}"])
+    return markdown_table(["at the resident peak", "bytes per token per rank (slope)",
+                           f"MiB per rank at {longest // 1024}K"], rows, right=(1, 2))
+
+
+def run_account(args, peer_python: Path | None) -> None:
+    begun = time.time()
+    by_length: dict[int, dict[str, dict]] = {}
+    for tokens in args.lengths:
+        work = args.work / reach.row_name(tokens)
+        # Two steps: the second holds AdamW's state through its forward and backward, the
+        # steady peak (reach.py's), where one step peaks in its optimizer update.
+        model_dir, configs = peers.prepare_workload(reach.row_name(tokens), work, 2)
+        reach.with_memory_recipe(configs)
+        by_length[tokens] = {}
+        for tool in args.tools:
+            r = measure(tool, tokens, work, model_dir, configs, peer_python, account=True)
+            by_length[tokens][tool] = r
+            print(f"{tokens}: {tool}: resident {r['account']['rss'] / MiB:,.1f} MiB at "
+                  f"`{r['account']['at']}`, loss {r['loss']:.5f}", flush=True)
+        losses = [r["loss"] for r in by_length[tokens].values()]
+        if max(losses) - min(losses) > 1e-4 * abs(losses[0]):
+            raise SystemExit(f"the tools' losses differ at {tokens}: {losses}")
+    print(account_table(by_length))
+    save_record(args.stem + "-account", {
+        "command": " ".join(["python", "benchmarks/live_activations.py", *sys.argv[1:]]),
+        "lengths": args.lengths, "sp": peers.SP, "model": peers.LLAMA,
+        "longctx_memory": reach.LONGCTX_MEMORY, "ring": reach.RING_MEMORY,
+        "alst_flags": list(reach.worker_flags("alst-zero0", max(args.lengths), None)),
+        "alst_mmap_threshold_mib": reach.THRESHOLD_MIB, "parts": PARTS,
+        "results": {str(n): r for n, r in by_length.items()},
+        "total_s": round(time.time() - begun),
+    })
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=16384, help="the row, over both SP ranks")
@@ -106,15 +192,25 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=ROOT / "outputs" / "live_activations")
     p.add_argument("--stem", default="live-activations")
     p.add_argument("--table", type=Path, help="only print the table of a saved JSON")
+    p.add_argument("--account", action="store_true", help="split the resident peak into its "
+                   "parts at each of --lengths, and fit each part's slope")
+    p.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768],
+                   help="rows (over both SP ranks) for --account")
     p.add_argument("--timeline", action="store_true", help="also write each rank's per-token "
                    "bytes after every operator (census-<rank>.timeline.tsv in the work folder)")
     args = p.parse_args()
     if args.table:
         record = json.loads(args.table.read_text())
-        print(table(record["tokens"], record["results"]))
+        if "lengths" in record:
+            print(account_table({int(n): r for n, r in record["results"].items()}))
+        else:
+            print(table(record["tokens"], record["results"]))
         return
     peer_python = (peers.ensure_peer_venv() if any(t.startswith("alst") for t in args.tools)
                    else None)
+    if args.account:
+        run_account(args, peer_python)
+        return
     begun = time.time()
     work = args.work / reach.row_name(args.tokens)
     model_dir, configs = peers.prepare_workload(reach.row_name(args.tokens), work, 1)
