@@ -8,6 +8,10 @@ IGNORE_INDEX = -100
 # at a time: small beside a step's memory at any vocabulary, large enough that the block's
 # matmuls run at speed. `validate`'s memory estimate counts the same block.
 FUSED_LOSS_BLOCK_BYTES = 64 * 2**20
+# Gradients are summed over the replica group in buckets of at most this many bytes (one
+# bucket's copy alive at a time, not a second copy of every gradient); a gradient at least
+# this large is summed in place. DDP's default bucket size.
+GRAD_BUCKET_BYTES = 25 * 2**20
 # Model-config keys of a logit transform after lm_head (`runtime/head.py`): such a head takes
 # the autograd loss path, not the fused one.
 LOGIT_TRANSFORM_KEYS = ("logit_scale", "logits_scaling", "final_logit_softcapping")

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from longctx_cli.config import Config
+from longctx_cli.constants import GRAD_BUCKET_BYTES
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import ShardedBatch
 from longctx_cli.runtime.distributed import all_reduce_sum
@@ -47,27 +48,48 @@ class NonFiniteError(Exception):
         self.what = what
 
 
-def sum_gradients(params: list[torch.nn.Parameter], state: ParallelState) -> None:
-    """Sum gradients over the ranks holding the same parameters (the loss is pre-divided),
-    one flat buffer per dtype; under TP, DTensor's partial sums over the TP group first."""
+def sum_gradients(params: list[torch.nn.Parameter], state: ParallelState,
+                  bucket_bytes: int = GRAD_BUCKET_BYTES) -> None:
+    """Sum gradients over the ranks holding the same parameters (the loss is pre-divided), in
+    buckets of one dtype of at most `bucket_bytes`; under TP, DTensor's partial sums over the
+    TP group first."""
     if state.layout.tp > 1:
         from longctx_cli.parallel.tensor_parallel import finish_partial_gradients
 
         finish_partial_gradients(params)
     if state.replica_group is None:
         return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            by_dtype.setdefault(grad.dtype, []).append(grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
+    for bucket in gradient_buckets(params, bucket_bytes):
+        if len(bucket) == 1 and bucket[0].is_contiguous():  # summed where it is
+            dist.all_reduce(bucket[0], group=state.replica_group)
+            continue
+        flat = torch.cat([g.reshape(-1) for g in bucket])
         dist.all_reduce(flat, group=state.replica_group)
         offset = 0
-        for g in grads:
+        for g in bucket:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def gradient_buckets(params: list[torch.nn.Parameter],
+                     limit: int = GRAD_BUCKET_BYTES) -> list[list[torch.Tensor]]:
+    """The parameters' local gradients in order, grouped by dtype into buckets of at most
+    `limit` bytes (a gradient larger than that alone in its bucket)."""
+    buckets: list[list[torch.Tensor]] = []
+    open_bucket: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        size = grad.numel() * grad.element_size()
+        bucket, filled = open_bucket.get(grad.dtype, ([], 0))
+        if bucket and filled + size > limit:
+            buckets.append(bucket)
+            bucket, filled = [], 0
+        bucket.append(grad)
+        open_bucket[grad.dtype] = (bucket, filled + size)
+    buckets.extend(bucket for bucket, _ in open_bucket.values() if bucket)
+    return buckets
 
 
 def nonfinite_ranks(local_value: float, device: torch.device) -> list[int]:
