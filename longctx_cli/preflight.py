@@ -124,6 +124,7 @@ def preflight(config: Config) -> None:
     check_eval_data(config)
     check_lora_targets(config)
     check_lora_parameters(config)
+    check_quantized_experts(config)
     check_user_code(config)
 
 
@@ -290,6 +291,40 @@ def check_lora_parameters(config: Config) -> None:
             fix="name parameters as the model holds them (e.g. `mlp.experts.gate_up_proj`), "
             "or drop the key.",
         )
+
+
+def check_quantized_experts(config: Config) -> None:
+    """`quantize_moe_experts`: the model has fused expert weights to quantize, and LoRA
+    targets none of them (peft cannot train a LoRA on a bitsandbytes-parametrized weight)."""
+    if not config.lora.quantize_moe_experts:
+        return
+    from longctx_cli.config.shape import fused_expert_names
+
+    model = meta_model(config)
+    if model is None:
+        return  # the model's config is not available offline: nothing to check against
+    experts = fused_expert_names(model)
+    if not experts:
+        raise UserError(
+            f"`quantize_moe_experts: true`, but model type `{model.config.model_type}` has no "
+            "fused expert weights (3-D parameters named `expert`) to quantize: its linear "
+            "layers, experts included, are quantized by `load_in_4bit` already.",
+            where="quantize_moe_experts", fix="remove `quantize_moe_experts`.")
+    targets = config.lora.lora_target_parameters or []
+    adapted = [t for t in targets if any(n == t or n.endswith("." + t) for n in experts)]
+    if adapted:
+        raise UserError(
+            f"`lora_target_parameters` {adapted} adapt expert weights that "
+            "`quantize_moe_experts` quantizes, which peft cannot train: its LoRA on a "
+            "parameter that bitsandbytes already parametrizes is never removed after the "
+            "forward (peft removes only its plain delta proxy, not the low-rank factor proxy "
+            "it uses for experts, so the deltas pile up step after step), and of two adapted "
+            "weights of one experts module the second reads the cached dequantized weight "
+            "without its LoRA (no gradient).",
+            where="lora_target_parameters",
+            fix="drop those names (LoRA on the attention and other linear layers still "
+            "trains, the 4-bit experts stay frozen), or set `quantize_moe_experts: false` to "
+            "adapt the experts in the run's dtype.")
 
 
 def meta_model(config: Config) -> Any:

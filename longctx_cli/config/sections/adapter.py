@@ -25,6 +25,12 @@ class AdapterSection(Section):
         False, description="Quantize the base weights to 8 bits (bitsandbytes); needs an "
         "adapter; not with FSDP or TP."
     )
+    quantize_moe_experts: bool = Field(
+        False, description="With `load_in_4bit`: also quantize the MoE experts' fused 3-D "
+        "weights (e.g. `mlp.experts.gate_up_proj`), which the 4-bit linear layers leave in "
+        "full precision, with bitsandbytes' `replace_parameter_4bit` (Axolotl's key). The "
+        "experts stay frozen: LoRA on them (`lora_target_parameters`) is refused. Not with FSDP."
+    )
     bnb_config_kwargs: dict[str, Any] | None = Field(
         None, description="Extra BitsAndBytesConfig arguments, e.g. `{bnb_4bit_quant_type: fp4}`."
     )
@@ -66,6 +72,14 @@ class AdapterSection(Section):
         if (self.load_in_4bit or self.load_in_8bit) and self.adapter is None:
             raise ValueError("a quantized base (`load_in_4bit`/`load_in_8bit`) cannot be "
                              "trained in full; set `adapter: lora` (or qlora)")
+        if self.quantize_moe_experts and not self.load_in_4bit:
+            raise ValueError(
+                "`quantize_moe_experts: true` quantizes the experts' fused weights to 4 bits "
+                "with bitsandbytes' `replace_parameter_4bit`, which needs a 4-bit base; "
+                + ("bitsandbytes has no 8-bit counterpart for a parameter outside a linear "
+                   "layer, so set `load_in_4bit: true` (adapter: qlora) instead of load_in_8bit"
+                   if self.load_in_8bit else "set `load_in_4bit: true` (adapter: qlora)")
+                + ", or remove the key")
         if self.lora_model_dir and self.adapter is None:
             raise ValueError("`lora_model_dir` continues an adapter; set `adapter: lora`")
         if self.lora_target_linear:
@@ -101,6 +115,17 @@ def check_adapter(adapter: AdapterSection, fsdp: bool, tp: int) -> None:
             fix="use `adapter: qlora` (a 4-bit base, which FSDP shards), or turn FSDP off "
             "(fsdp, fsdp_config, deepspeed, dp_shard_size) for the 8-bit base.",
         )
+    if fsdp and adapter.quantize_moe_experts:
+        raise UserError(
+            "FSDP with `quantize_moe_experts: true` is not supported: the experts' 4-bit "
+            "weights are parametrizations (bitsandbytes' `replace_parameter_4bit`) whose "
+            "packed bytes FSDP2 would shard and gather, and longctx has not verified that "
+            "run against the model's own training.",
+            where="quantize_moe_experts",
+            fix="turn FSDP off (fsdp, fsdp_config, deepspeed, dp_shard_size) and let sequence "
+            "parallelism split the sequence, or remove `quantize_moe_experts` (the experts "
+            "then stay in the run's dtype and FSDP shards them).",
+        )
     if tp > 1 and adapter.quantized:
         bits = 4 if adapter.load_in_4bit else 8
         raise UserError(
@@ -131,6 +156,8 @@ def adapter_rows(adapter: AdapterSection, dtype: str) -> list[tuple[str, str]]:
     base = "4-bit" if adapter.load_in_4bit else "8-bit" if adapter.load_in_8bit else dtype
     extras = [n for n, on in (("DoRA", adapter.peft_use_dora),
                                ("rsLoRA", adapter.peft_use_rslora)) if on]
+    if adapter.quantize_moe_experts:
+        extras.append("4-bit experts")
     if adapter.lora_target_parameters:
         extras.append("parameters " + ", ".join(adapter.lora_target_parameters))
     return [("adapter", f"{adapter.adapter}, r {adapter.lora_r}, {base} base"
