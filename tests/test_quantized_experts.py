@@ -2,13 +2,14 @@
 too (bitsandbytes' `replace_parameter_4bit`, the call Axolotl makes), which the 4-bit linear
 layers leave in full precision.
 
-A tiny Qwen3-MoE trained by longctx with it at sp 2 (the P2P stripe default and Ulysses, gloo)
-has, at every step, the loss and LoRA gradients of the same quantized peft model's own
-Hugging Face forward/backward in one process on the same documents (built here with
-transformers, bitsandbytes and peft directly, not with longctx's loader), and the same final
-weights. The rounding of the experts matters: the reference with full-precision experts has
-a visibly different loss. Where it cannot run (an 8-bit or full-precision base, FSDP, LoRA
-on the quantized experts, a model without fused experts) it is refused with the reason."""
+A tiny Qwen3-MoE trained by longctx with it at sp 2 (the P2P stripe default, Ulysses, and
+the P2P stripe with FSDP2 sharding the packed expert bytes; gloo) has, at every step, the
+loss and LoRA gradients of the same quantized peft model's own Hugging Face forward/backward
+in one process on the same documents (built here with transformers, bitsandbytes and peft
+directly, not with longctx's loader), and the same final LoRA weights. The rounding of the
+experts matters: the reference with full-precision experts has a visibly different loss.
+Where it cannot run (an 8-bit or full-precision base, LoRA on the quantized experts, a
+model without fused experts) it is refused with the reason."""
 
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ FAMILY = next(f for f in fm.FAMILIES if f.name == "qwen3_moe")
 QLORA = {"adapter": "qlora", "lora_r": 4, "lora_alpha": 8,
          "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
          "quantize_moe_experts": True}
-COLUMNS = ["P2P stripe sp2 (default)", "Ulysses sp2"]
+FSDP = "FSDP sp2 (P2P stripe)"
+SETTINGS = {**{c: fm.COLUMN[c].settings for c in ("P2P stripe sp2 (default)", "Ulysses sp2")},
+            FSDP: {**fm.SP2, "fsdp": True}}
+COLUMNS = list(SETTINGS)
 GRAD_TOL = 1e-4
 
 
@@ -38,12 +42,17 @@ def _recording(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> list
     grads: list[dict] = []
 
     def hook(opt, args, kwargs):
-        grads.append({names[id(p)]: p.grad.detach().double().numpy().copy()
+        grads.append({names[id(p)]: _full(p.grad).detach().double().numpy().copy()
                       for group in opt.param_groups for p in group["params"]
                       if p.grad is not None})
 
     optimizer.register_step_pre_hook(hook)
     return grads
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A whole tensor of an FSDP2 shard (collective: every rank steps), else itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def _hf_quantized_peft_model(config, quantize_experts: bool = True) -> torch.nn.Module:
@@ -117,7 +126,7 @@ def _longctx(column: str) -> dict:
     from longctx_cli.train.optim import make_optimizer
     from longctx_cli.train.step import train_step
 
-    config = fm.make_config(FAMILY, {**fm.COLUMN[column].settings, **QLORA})
+    config = fm.make_config(FAMILY, {**SETTINGS[column], **QLORA})
     plan = build_plan(config, dist.get_world_size(), read_model_config(config),
                       platform=Platform(**fm.CPU))
     state = build_parallel_state(plan.layout, torch.device("cpu"))
@@ -130,11 +139,12 @@ def _longctx(column: str) -> dict:
     for step in range(fm.STEPS):
         batches = [shard_batch(*fm.packed_row(i), state, 0) for i in fm.step_rows(step)]
         losses.append(train_step(model, decoder, head, params, optimizer, batches, config,
-                                 state, use_fsdp=False).loss)
-    quantized = sorted(f"{name}.{param}" for name, module in model.named_modules()
-                       for param in getattr(module, "parametrizations", {}))
+                                 state, use_fsdp=column == FSDP).loss)
+    packed = {f"{name}.{param}": chain.original for name, module in model.named_modules()
+              for param, chain in getattr(module, "parametrizations", {}).items()}
     return {"losses": losses, "weights": fm._weights(model), "grads": grads,
-            "quantized": quantized}
+            "quantized": sorted(packed),
+            "sharded": sorted(n for n, t in packed.items() if hasattr(t, "full_tensor"))}
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -163,6 +173,8 @@ def test_the_experts_are_quantized_and_their_rounding_matters(runs):
         assert len(quantized) == 2 * layers, quantized
         assert all(n.endswith(("experts.gate_up_proj", "experts.down_proj"))
                    for n in quantized), quantized
+        # FSDP2 shards the packed bytes (and gathers them for the forward), nothing else does
+        assert runs[column]["sharded"] == (quantized if column == FSDP else []), column
     reference = runs["reference"]
     change = abs(reference["unrounded_loss"] - reference["losses"][0]) / reference["losses"][0]
     assert change > 100 * fm.LOSS_TOL, change
@@ -189,16 +201,6 @@ def test_refused_without_a_4bit_base():
         with pytest.raises(ValueError, match="needs a 4-bit base") as error:
             fm.make_config(FAMILY, {**QLORA, **extra})
         assert said in str(error.value)
-
-
-def test_refused_with_fsdp():
-    from longctx_cli.config.sections.adapter import check_adapter
-    from longctx_cli.errors import UserError
-
-    config = fm.make_config(FAMILY, QLORA)
-    check_adapter(config.lora, fsdp=False, tp=1)
-    with pytest.raises(UserError, match="FSDP with `quantize_moe_experts: true`"):
-        check_adapter(config.lora, fsdp=True, tp=1)
 
 
 def test_lora_on_the_quantized_experts_is_refused_with_peft_s_reason():
@@ -241,3 +243,51 @@ def test_the_memory_estimate_holds_the_experts_in_4_bits():
     assert with_experts.parameters - without.parameters == (
         int(experts * packed) + int(experts * scales))
     assert any("quantize_moe_experts" in n for n in notes)
+
+
+# ---- the command line: checkpoints, resume, merge-lora ----------------------------------
+
+
+def test_fsdp_run_checkpoints_resumes_and_merges_into_the_rounded_experts(tmp_path):
+    """`longctx train` with FSDP at sp 2 saves checkpoints of the 4-bit experts (their packed
+    bytes under their own names, which torch.distributed.checkpoint maps back), a run resumed
+    from checkpoint-2 ends on the same adapter bit for bit, and `merge-lora` writes experts
+    that are the base's experts rounded through 4 bits, the weights the adapter trained with."""
+    import shutil
+
+    import bitsandbytes.functional as F
+    from safetensors.torch import load_file
+
+    from tests.train_helpers import final_tensors, run_longctx, train, write_config
+    from tests.train_helpers import write_documents as documents
+
+    data = documents(tmp_path / "docs.jsonl")
+    model = {**FAMILY.config(), "model_type": "qwen3_moe"}
+    options = {**QLORA, "model_config": model, "sequence_parallel_degree": 2, "fsdp": True,
+               "max_steps": 3, "save_steps": 2, "eval_steps": 3}
+    train(write_config(tmp_path, "run", data, **options), 2)
+    (tmp_path / "resumed").mkdir()
+    shutil.copytree(tmp_path / "run" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    train(write_config(tmp_path, "resumed", data, resume_from_checkpoint="auto", **options), 2)
+    want = final_tensors(tmp_path / "run", adapter=True)
+    got = final_tensors(tmp_path / "resumed", adapter=True)
+    assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+    merged = tmp_path / "merged"
+    result = run_longctx("merge-lora", str(tmp_path / "run.yaml"), "--checkpoint",
+                         str(tmp_path / "run" / "final"), "--output", str(merged))
+    assert result.returncode == 0, result.stderr[-3000:]
+    base = load_file(str(tmp_path / "run" / "final" / "base_model" / "model.safetensors"))
+    out = load_file(str(merged / "model.safetensors"))
+    # transformers saves the experts one by one (gate, up, down); the model fuses gate and up.
+    experts = "model.layers.0.mlp.experts"
+    count = model["num_experts"]
+
+    def fused(weights: dict) -> torch.Tensor:
+        return torch.stack([torch.cat([weights[f"{experts}.{e}.gate_proj.weight"],
+                                       weights[f"{experts}.{e}.up_proj.weight"]])
+                            for e in range(count)])
+
+    packed, state = F.quantize_4bit(fused(base), compress_statistics=True, quant_type="nf4")
+    assert torch.equal(fused(out), F.dequantize_4bit(packed, state))
+    assert not torch.equal(fused(out), fused(base))

@@ -86,14 +86,26 @@ def quantize_fused_experts(model: nn.Module, quantization: Any) -> int:
     bits with bitsandbytes' `replace_parameter_4bit`, the call Axolotl makes, with the
     base's own quant type and double quantization; the weight is then a parametrization
     that dequantizes on access (frozen, like the 4-bit linear layers). Returns how many."""
-    from bitsandbytes.nn.parametrize import replace_parameter_4bit
+    from bitsandbytes.nn import parametrize as bnb_parametrize
 
     names = fused_expert_names(model)
     for name in names:
         module_name, _, param_name = name.rpartition(".")
-        replace_parameter_4bit(model.get_submodule(module_name), param_name,
-                               compress_statistics=quantization.bnb_4bit_use_double_quant,
-                               quant_type=quantization.bnb_4bit_quant_type)
+        module = model.get_submodule(module_name)
+        bnb_parametrize.replace_parameter_4bit(
+            module, param_name, compress_statistics=quantization.bnb_4bit_use_double_quant,
+            quant_type=quantization.bnb_4bit_quant_type)
+        # bitsandbytes also hooks the module's state dict to write a Hugging Face-style
+        # quantized checkpoint: the packed bytes under the weight's plain name, its
+        # quantization state as extra keys. torch.distributed.checkpoint (longctx's
+        # checkpoints, resume, the final export) maps every key back to an attribute, which
+        # those are not: without the hook the bytes keep their own name
+        # (`parametrizations.<name>.original`), and the state is rebuilt on load by the same
+        # quantization of the same base.
+        hooks = module._state_dict_hooks  # the hook's handle is not returned: find it
+        for key, hook in list(hooks.items()):
+            if getattr(hook, "func", None) is bnb_parametrize._parametrized_state_dict_post_hook:
+                del hooks[key]
     return len(names)
 
 

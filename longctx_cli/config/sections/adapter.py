@@ -29,7 +29,8 @@ class AdapterSection(Section):
         False, description="With `load_in_4bit`: also quantize the MoE experts' fused 3-D "
         "weights (e.g. `mlp.experts.gate_up_proj`), which the 4-bit linear layers leave in "
         "full precision, with bitsandbytes' `replace_parameter_4bit` (Axolotl's key). The "
-        "experts stay frozen: LoRA on them (`lora_target_parameters`) is refused. Not with FSDP."
+        "experts stay frozen: LoRA on them (`lora_target_parameters`) is refused. With "
+        "`fsdp` their packed bytes are sharded too."
     )
     bnb_config_kwargs: dict[str, Any] | None = Field(
         None, description="Extra BitsAndBytesConfig arguments, e.g. `{bnb_4bit_quant_type: fp4}`."
@@ -114,17 +115,6 @@ def check_adapter(adapter: AdapterSection, fsdp: bool, tp: int) -> None:
             where="load_in_8bit",
             fix="use `adapter: qlora` (a 4-bit base, which FSDP shards), or turn FSDP off "
             "(fsdp, fsdp_config, deepspeed, dp_shard_size) for the 8-bit base.",
-        )
-    if fsdp and adapter.quantize_moe_experts:
-        raise UserError(
-            "FSDP with `quantize_moe_experts: true` is not supported: the experts' 4-bit "
-            "weights are parametrizations (bitsandbytes' `replace_parameter_4bit`) whose "
-            "packed bytes FSDP2 would shard and gather, and longctx has not verified that "
-            "run against the model's own training.",
-            where="quantize_moe_experts",
-            fix="turn FSDP off (fsdp, fsdp_config, deepspeed, dp_shard_size) and let sequence "
-            "parallelism split the sequence, or remove `quantize_moe_experts` (the experts "
-            "then stay in the run's dtype and FSDP shards them).",
         )
     if tp > 1 and adapter.quantized:
         bits = 4 if adapter.load_in_4bit else 8
