@@ -212,6 +212,13 @@ def test_lora_on_the_quantized_experts_is_refused_with_peft_s_reason():
     with pytest.raises(UserError, match="which peft cannot train") as error:
         check_quantized_experts(config)
     assert error.value.where == "lora_target_parameters"
+    # peft maps `down_proj` (and `all-linear`) of a transformers-5 MoE onto the experts' fused
+    # parameters itself: the same LoRA on the quantized experts, refused the same way.
+    for modules in (["q_proj", "down_proj"], "all-linear"):
+        config = fm.make_config(FAMILY, {**QLORA, "lora_target_modules": modules})
+        with pytest.raises(UserError, match="turns these names into LoRA on the fused parameters") as error:
+            check_quantized_experts(config)
+        assert error.value.where == "lora_target_modules" and "down_proj" in str(error.value)
 
 
 def test_a_model_without_fused_experts_is_refused():

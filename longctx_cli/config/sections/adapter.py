@@ -29,8 +29,9 @@ class AdapterSection(Section):
         False, description="With `load_in_4bit`: also quantize the MoE experts' fused 3-D "
         "weights (e.g. `mlp.experts.gate_up_proj`), which the 4-bit linear layers leave in "
         "full precision, with bitsandbytes' `replace_parameter_4bit` (Axolotl's key). The "
-        "experts stay frozen: LoRA on them (`lora_target_parameters`) is refused. With "
-        "`fsdp` their packed bytes are sharded too."
+        "experts stay frozen: LoRA on them (`lora_target_parameters`, or module names "
+        "peft maps onto them, e.g. `down_proj`) is refused. With `fsdp` their packed bytes "
+        "are sharded too."
     )
     bnb_config_kwargs: dict[str, Any] | None = Field(
         None, description="Extra BitsAndBytesConfig arguments, e.g. `{bnb_4bit_quant_type: fp4}`."
