@@ -124,6 +124,7 @@ def preflight(config: Config) -> None:
     check_eval_data(config)
     check_lora_targets(config)
     check_lora_parameters(config)
+    check_quantized_experts(config)
     check_user_code(config)
 
 
@@ -290,6 +291,71 @@ def check_lora_parameters(config: Config) -> None:
             fix="name parameters as the model holds them (e.g. `mlp.experts.gate_up_proj`), "
             "or drop the key.",
         )
+
+
+def check_quantized_experts(config: Config) -> None:
+    """`quantize_moe_experts`: the model has fused expert weights to quantize, and LoRA
+    targets none of them (peft cannot train a LoRA on a bitsandbytes-parametrized weight)."""
+    if not config.lora.quantize_moe_experts:
+        return
+    from longctx_cli.config.shape import fused_expert_names
+
+    model = meta_model(config)
+    if model is None:
+        return  # the model's config is not available offline: nothing to check against
+    experts = fused_expert_names(model)
+    if not experts:
+        raise UserError(
+            f"`quantize_moe_experts: true`, but model type `{model.config.model_type}` has no "
+            "fused expert weights (3-D parameters named `expert`) to quantize: its linear "
+            "layers, experts included, are quantized by `load_in_4bit` already.",
+            where="quantize_moe_experts", fix="remove `quantize_moe_experts`.")
+    asked = config.lora.lora_target_parameters or []
+    adapted = [t for t in asked if any(n == t or n.endswith("." + t) for n in experts)]
+    where, why = "lora_target_parameters", f"`lora_target_parameters` {adapted} put LoRA on"
+    if not adapted:
+        parameters, modules = peft_conversion(config, model)
+        adapted = [t for t in sorted(set(parameters) - set(asked))
+                   if any(n == t or n.endswith("." + t) for n in experts)]
+        where = "lora_target_modules"
+        why = (f"`lora_target_modules` {modules}: peft, for this MoE family under transformers "
+               f"5, turns these names into LoRA on the fused parameters {adapted}: on")
+    if adapted:
+        raise UserError(
+            f"{why} expert weights that `quantize_moe_experts` quantizes, which peft cannot "
+            "train: its LoRA on a parameter that bitsandbytes already parametrizes is never "
+            "removed after the forward (peft removes only its plain delta proxy, not the "
+            "low-rank factor proxy it uses for experts, so the deltas pile up step after "
+            "step), and of two adapted weights of one experts module the second reads the "
+            "cached dequantized weight without its LoRA (no gradient).",
+            where=where,
+            fix="drop those names (LoRA on the attention and other linear layers still "
+            "trains, the 4-bit experts stay frozen), or set `quantize_moe_experts: false` to "
+            "adapt the experts in the run's dtype.")
+
+
+def peft_conversion(config: Config, model: Any) -> tuple[list[str], list[str]]:
+    """The parameters peft adapts for the run's LoRA targets, and the module names it turned
+    into parameters: on transformers 5 its MoE conversion maps module names onto the fused
+    expert parameters (`down_proj` -> the experts' `down_proj`, `gate_proj` + `up_proj` ->
+    `gate_up_proj`)."""
+    from peft import LoraConfig
+    from peft.utils.transformers_weight_conversion import (
+        convert_peft_config_for_transformers,
+        get_model_conversion_mapping,
+    )
+
+    lora = LoraConfig(r=config.lora.lora_r, target_modules=config.lora.lora_target_modules,
+                      target_parameters=config.lora.lora_target_parameters)
+    named = lora.target_modules
+    try:
+        convert_peft_config_for_transformers(lora, model, get_model_conversion_mapping(model))
+    except ValueError:  # a target peft cannot convert: get_peft_model reports it
+        pass
+    if isinstance(named, str):  # a pattern or all-linear: peft resolved it as a whole
+        return list(lora.target_parameters or []), [named]
+    kept = set(lora.target_modules or [])
+    return list(lora.target_parameters or []), [n for n in named or [] if n not in kept]
 
 
 def meta_model(config: Config) -> Any:

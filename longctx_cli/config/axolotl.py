@@ -288,9 +288,6 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "revision_of_model": Rule(
         "refused", "loading a model revision is not supported; download that revision and "
         "give its folder as `base_model`"),
-    "quantize_moe_experts": Rule(
-        "refused", "quantizing MoE expert weights is not supported (QLoRA quantizes the linear "
-        "layers only)"),
     "llama4_linearized_experts": Rule(
         "refused", "Axolotl's linearized Llama 4 experts rewrite the model's expert modules, "
         "which longctx does not do"),
@@ -590,6 +587,7 @@ SAME: tuple[str, ...] = (
     "save_total_limit", "logging_steps", "use_tensorboard", "use_wandb", "wandb_project",
     "wandb_entity", "wandb_name", "wandb_run_id", "wandb_mode", "wandb_watch",
     "wandb_log_model", "resume_from_checkpoint",
+    "quantize_moe_experts",
 )
 
 # Names an Axolotl (or HF Trainer / LLaMA-Factory / TRL) user may write that mean one of

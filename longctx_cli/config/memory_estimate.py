@@ -344,6 +344,8 @@ def estimate_memory(
     full_trainable = (lora_parameter_count(config, shape)[0] if config.lora.adapter is not None
                       else full_params)
     tp, sp = layout.tp, layout.sp
+    # `quantize_moe_experts` (never with TP): the experts' fused weights, packed into 4 bits.
+    experts = shape.fused_expert_weights if config.lora.quantize_moe_experts else 0
     # TP: weights, projections, attention heads and logits columns are 1/tp per rank.
     shape = tp_local_shape(shape, tp)
     base = shape.parameter_count()
@@ -357,6 +359,14 @@ def estimate_memory(
         packed, scales = quantized_weight_bytes(config)
         packed_bytes, replicated = int(linear * packed), int(linear * scales)
         weight_bytes += packed_bytes - linear * b
+    if experts:
+        # Packed like a linear layer's weight, with the same scales per block.
+        packed, scales = quantized_weight_bytes(config)
+        packed_bytes += int(experts * packed)
+        replicated += int(experts * scales)
+        weight_bytes += int(experts * packed)
+        notes.append(f"quantize_moe_experts: the experts' {experts:,} fused weights are held "
+                     f"in 4 bits ({format_gib(int(experts * (packed + scales)))} with scales).")
     if config.lora.adapter is not None:
         trainable, unmatched = lora_parameter_count(config, shape)
         if unmatched:

@@ -8,6 +8,7 @@ Nothing here imports `torch.distributed`; torch is imported only inside function
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,24 @@ class ModelShape:
             text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
             return global_value(text, key)
         return (self.plain_fields or {}).get(key)
+
+    @cached_property
+    def fused_expert_weights(self) -> int:
+        """Weights of the MoE experts' fused 3-D parameters (`fused_expert_names`), which
+        `quantize_moe_experts` packs into 4 bits; counted on the meta-device model (0 when
+        its config is unknown or it has none). Built once per shape, on first need."""
+        import torch
+
+        hf = self.transformers_config()
+        if hf is None:
+            return 0
+        try:
+            with torch.device("meta"):
+                model = causal_lm_class(hf).from_config(hf)
+        except Exception:  # noqa: BLE001 - a model transformers cannot skeletonise: none known
+            return 0
+        experts = set(fused_expert_names(model))
+        return sum(p.numel() for n, p in model.named_parameters() if n in experts)
 
     @property
     def sliding_window(self) -> bool:
@@ -178,6 +197,14 @@ class ModelShape:
         embeddings = self.vocab_size * self.hidden_size
         lm_head = 0 if self.tie_word_embeddings else embeddings
         return embeddings + lm_head + self.num_hidden_layers * per_layer + self.hidden_size
+
+
+def fused_expert_names(model: Any) -> list[str]:
+    """The parameters `quantize_moe_experts` quantizes, as Axolotl picks them: every
+    parameter of three or more dimensions whose name says `expert` (transformers 5's fused
+    `gate_up_proj` / `down_proj` of a MoE block, `[experts, out, in]`), which bitsandbytes'
+    Linear4bit replacement leaves in full precision."""
+    return [n for n, p in model.named_parameters() if p.ndim >= 3 and "expert" in n.lower()]
 
 
 def is_vision_language(hf_config: Any, images: bool = False) -> bool:

@@ -55,6 +55,8 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
         model_class_and_attention,
         model_config_of,
         peft_quietly,
+        quantize_fused_experts,
+        remove_fused_expert_quantization,
     )
 
     output = output or default_output(config)
@@ -101,6 +103,9 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
     if quantization is not None:
         # The adapter learned on the dequantised weights: merge into exactly those.
         base = base.dequantize().to(dtype)
+        if config.lora.quantize_moe_experts:  # the experts as training saw them: 4-bit rounded
+            quantize_fused_experts(base, quantization)
+            remove_fused_expert_quantization(base)
         bits = '4' if config.lora.load_in_4bit else '8'
         say(f"dequantised the {bits}-bit base to {config.model.dtype} "
             "(what the adapter was trained against) before merging")

@@ -20,7 +20,7 @@ from transformers import (
 from longctx_cli.config import Config
 from longctx_cli.config.model_shape import read_model_config
 from longctx_cli.config.sections.training import unfrozen_pattern
-from longctx_cli.config.shape import causal_lm_class, is_vision_language
+from longctx_cli.config.shape import causal_lm_class, fused_expert_names, is_vision_language
 from longctx_cli.errors import UserError
 from longctx_cli.families import VISION_MODULE_NAMES
 from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
@@ -79,6 +79,49 @@ def bnb_quantization(config: Config, dtype: torch.dtype):
                   "bnb_4bit_compute_dtype": dtype, **kwargs}
         return BitsAndBytesConfig(load_in_4bit=True, **kwargs)
     return BitsAndBytesConfig(load_in_8bit=True, **kwargs)
+
+
+def quantize_fused_experts(model: nn.Module, quantization: Any) -> int:
+    """`quantize_moe_experts`: pack every fused expert weight (`fused_expert_names`) into 4
+    bits with bitsandbytes' `replace_parameter_4bit`, the call Axolotl makes, with the
+    base's own quant type and double quantization; the weight is then a parametrization
+    that dequantizes on access (frozen, like the 4-bit linear layers). Returns how many."""
+    from bitsandbytes.nn import parametrize as bnb_parametrize
+
+    names = fused_expert_names(model)
+    for name in names:
+        module_name, _, param_name = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        bnb_parametrize.replace_parameter_4bit(
+            module, param_name, compress_statistics=quantization.bnb_4bit_use_double_quant,
+            quant_type=quantization.bnb_4bit_quant_type)
+        # bitsandbytes also hooks the module's state dict to write a Hugging Face-style
+        # quantized checkpoint: the packed bytes under the weight's plain name, its
+        # quantization state as extra keys. torch.distributed.checkpoint (longctx's
+        # checkpoints, resume, the final export) maps every key back to an attribute, which
+        # those are not: without the hook the bytes keep their own name
+        # (`parametrizations.<name>.original`), and the state is rebuilt on load by the same
+        # quantization of the same base.
+        hooks = module._state_dict_hooks  # the hook's handle is not returned: find it
+        for key, hook in list(hooks.items()):
+            if getattr(hook, "func", None) is bnb_parametrize._parametrized_state_dict_post_hook:
+                del hooks[key]
+    return len(names)
+
+
+def remove_fused_expert_quantization(model: nn.Module) -> None:
+    """Turn every 4-bit fused expert weight (`quantize_fused_experts`) back into a plain
+    parameter holding its dequantized value (merge-lora: what the adapter trained against)."""
+    from bitsandbytes.nn.parametrize import Bnb4bitParametrization
+    from torch.nn.utils import parametrize
+
+    for module in list(model.modules()):
+        for name, chain in list(getattr(module, "parametrizations", {}).items()):
+            if any(isinstance(p, Bnb4bitParametrization) for p in chain):
+                value = getattr(module, name).detach().clone()  # dequantized
+                # leave_parametrized=True cannot set a float value into the packed bytes.
+                parametrize.remove_parametrizations(module, name, leave_parametrized=False)
+                setattr(module, name, nn.Parameter(value, requires_grad=False))
 
 
 def load_device_map() -> dict[str, object]:
@@ -182,6 +225,13 @@ def load_base_model(
             trust_remote_code=config.model.trust_remote_code,
             **overridden,
         )
+    if quantization is not None and config.lora.quantize_moe_experts and not (
+            quantize_fused_experts(model, quantization)):
+        raise UserError(
+            f"`quantize_moe_experts: true`, but model type `{model.config.model_type}` has no "
+            "fused expert weights (3-D parameters named `expert`) to quantize.",
+            where="quantize_moe_experts", fix="remove the key: this model's linear layers "
+            "are all quantized by `load_in_4bit` already.")
     if model.config._attn_implementation != attn_implementation:
         raise UserError(
             f"model type `{model.config.model_type}` did not accept attn_implementation "

@@ -25,6 +25,14 @@ class AdapterSection(Section):
         False, description="Quantize the base weights to 8 bits (bitsandbytes); needs an "
         "adapter; not with FSDP or TP."
     )
+    quantize_moe_experts: bool = Field(
+        False, description="With `load_in_4bit`: also quantize the MoE experts' fused 3-D "
+        "weights (e.g. `mlp.experts.gate_up_proj`), which the 4-bit linear layers leave in "
+        "full precision, with bitsandbytes' `replace_parameter_4bit` (Axolotl's key). The "
+        "experts stay frozen: LoRA on them (`lora_target_parameters`, or module names "
+        "peft maps onto them, e.g. `down_proj`) is refused. With `fsdp` their packed bytes "
+        "are sharded too."
+    )
     bnb_config_kwargs: dict[str, Any] | None = Field(
         None, description="Extra BitsAndBytesConfig arguments, e.g. `{bnb_4bit_quant_type: fp4}`."
     )
@@ -66,6 +74,14 @@ class AdapterSection(Section):
         if (self.load_in_4bit or self.load_in_8bit) and self.adapter is None:
             raise ValueError("a quantized base (`load_in_4bit`/`load_in_8bit`) cannot be "
                              "trained in full; set `adapter: lora` (or qlora)")
+        if self.quantize_moe_experts and not self.load_in_4bit:
+            raise ValueError(
+                "`quantize_moe_experts: true` quantizes the experts' fused weights to 4 bits "
+                "with bitsandbytes' `replace_parameter_4bit`, which needs a 4-bit base; "
+                + ("bitsandbytes has no 8-bit counterpart for a parameter outside a linear "
+                   "layer, so set `load_in_4bit: true` (adapter: qlora) instead of load_in_8bit"
+                   if self.load_in_8bit else "set `load_in_4bit: true` (adapter: qlora)")
+                + ", or remove the key")
         if self.lora_model_dir and self.adapter is None:
             raise ValueError("`lora_model_dir` continues an adapter; set `adapter: lora`")
         if self.lora_target_linear:
@@ -131,6 +147,8 @@ def adapter_rows(adapter: AdapterSection, dtype: str) -> list[tuple[str, str]]:
     base = "4-bit" if adapter.load_in_4bit else "8-bit" if adapter.load_in_8bit else dtype
     extras = [n for n, on in (("DoRA", adapter.peft_use_dora),
                                ("rsLoRA", adapter.peft_use_rslora)) if on]
+    if adapter.quantize_moe_experts:
+        extras.append("4-bit experts")
     if adapter.lora_target_parameters:
         extras.append("parameters " + ", ".join(adapter.lora_target_parameters))
     return [("adapter", f"{adapter.adapter}, r {adapter.lora_r}, {base} base"
