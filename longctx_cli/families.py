@@ -77,6 +77,10 @@ class Family:
     vision: VisionFamily | None = None
     # Takes images, but runtime/vision.py does not rebuild its forward: why (the refusal).
     vision_refusal: str | None = None
+    # The class of its MoE blocks' fused experts, whose `gate_up_proj` `[experts, hidden,
+    # 2 x inner]` (gate, then up) and `down_proj` `[experts, inner, hidden]`
+    # `llama4_linearized_experts` turns into one linear per expert (runtime/experts.py).
+    fused_experts: str | None = None
 
 
 _QWEN_VL = dict(positions="mrope", images_attend="causal", pixels="patches", tower="merged",
@@ -121,7 +125,7 @@ _RECORDS = (
         "Gemma 3n's vision tower is a timm MobileNetV5 backbone and it also takes audio "
         "(`input_features`, its audio tower); the VLM path rebuilds neither tower, and longctx "
         "has no audio inputs at all")),
-    Family("llama4", vision_refusal=(
+    Family("llama4", fused_experts="Llama4TextExperts", vision_refusal=(
         "Llama 4's processor cuts each image into tiles plus a global view, with tile "
         "separator tokens, and its forward applies the projector to the tower's "
         "pixel-shuffled features itself (not in `get_image_features`): the VLM path lays out "
@@ -147,6 +151,7 @@ _RECORDS = (
     Family("lfm2_moe", mixes_tokens=True, lean_norms=True),
     Family("lfm3", mixes_tokens=True),
     Family("llama", lean_norms=True, tensor_parallel=True),
+    Family("llama4_text", fused_experts="Llama4TextExperts"),
     Family("mimo_v2_flash", lean_norms=True),
     Family("minimax_m2", lean_norms=True),
     Family("ministral", lean_norms=True),

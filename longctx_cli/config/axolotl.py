@@ -294,9 +294,6 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "quantize_moe_experts": Rule(
         "refused", "quantizing MoE expert weights is not supported (QLoRA quantizes the linear "
         "layers only)"),
-    "llama4_linearized_experts": Rule(
-        "refused", "Axolotl's linearized Llama 4 experts rewrite the model's expert modules, "
-        "which longctx does not do"),
     "expert_parallel_size": Rule(
         "refused", "expert parallelism is not supported; experts are sharded with the rest of "
         "the model by FSDP"),

@@ -28,6 +28,7 @@ from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.meta_relay import relay_sp_meta
 from longctx_cli.parallel.token_mixing import attach_token_mixing
 from longctx_cli.runtime.cache_kwargs import cache_kwargs
+from longctx_cli.runtime.experts import linearize_experts
 from longctx_cli.runtime.head import cast_head_to_float32, decoder_of, model_head
 from longctx_cli.runtime.memory_savers import apply_lean_rms_norm, apply_tiled_mlp
 
@@ -437,6 +438,8 @@ def build_model(config: Config, state: ParallelState | None = None,
     state = state or ParallelState()
     register_sp_attention()
     model = load_base_model(config, ATTN_IMPLEMENTATION, hf_config=hf_config)
+    if config.model.llama4_linearized_experts:  # before LoRA: it may target the new linears
+        linearize_experts(model, bnb_quantization(config, DTYPES[config.model.dtype]))
     if config.lora.load_in_4bit:
         keep_4bit_kernel_of_training(model)
     mixers = attach_token_mixing(model)  # hybrid models: scans and convolutions per document

@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 from longctx_cli.config.sections.base import Section, StrictModel
 from longctx_cli.config.shape import ModelShape, attention_softcap
 from longctx_cli.errors import UserError
+from longctx_cli.families import family
 from longctx_cli.kernel_choice import ModelAttention
 from longctx_cli.layout import Layout
 
@@ -87,6 +88,15 @@ class ModelSection(Section):
     tf32: bool | Literal["auto"] = Field(
         False, description="Allow TF32 matmuls on Ampere+ GPUs (`auto`: same as true)."
     )
+    llama4_linearized_experts: bool = Field(
+        False,
+        description="Llama 4 (Axolotl's key): after loading, turn each MoE block's fused "
+        "expert weights into one linear layer per expert and projection "
+        "(`experts.gate_projs.N`, `up_projs.N`, `down_projs.N`), which LoRA can target and "
+        "QLoRA quantizes; the same model, and full exports are saved in the model's own "
+        "layout (adapters on those layers load on a linearized model: `longctx eval`, "
+        "`merge-lora`).",
+    )
 
     @model_validator(mode="after")
     def _model_source(self) -> ModelSection:
@@ -133,6 +143,23 @@ def check_attention_dropout(shape: ModelShape) -> None:
                 fix=f"add `overrides_of_model_config: {{{key}: 0.0}}` to train without "
                 "attention dropout (as long-context fine-tunes usually do).",
             )
+
+
+def check_linearized_experts(enabled: bool, shape: ModelShape, load_in_8bit: bool) -> None:
+    """`llama4_linearized_experts` needs a family whose fused experts longctx linearizes,
+    and quantizes them in 4 bits only (QLoRA)."""
+    if enabled and load_in_8bit:
+        raise UserError(
+            "`llama4_linearized_experts: true` with `load_in_8bit: true`: longctx quantizes "
+            "the linearized experts in 4 bits only (QLoRA), so they would stay unquantized.",
+            where="load_in_8bit",
+            fix="use `load_in_4bit: true` (`adapter: qlora`), or no quantization.")
+    if enabled and family(shape.model_type).fused_experts is None:
+        raise UserError(
+            f"`llama4_linearized_experts: true`, but model type `{shape.model_type}` has no "
+            "fused experts longctx linearizes (Llama 4's `Llama4TextExperts`).",
+            where="llama4_linearized_experts",
+            fix="remove `llama4_linearized_experts`, or train a Llama 4 model.")
 
 
 def check_router_aux_loss(shape: ModelShape) -> None:
