@@ -182,6 +182,27 @@ def test_refused_where_it_cannot_apply(overrides, where, says):
     assert e.value.where == where and says in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_checkpoint_saved_linearized_is_refused_not_loaded_with_random_experts(
+        tmp_path: Path):
+    """Axolotl's `...-Linearized-...` checkpoints: transformers would leave the experts at
+    their random initialisation."""
+    from longctx_cli.data.tokenizer import byte_tokenizer
+    from longctx_cli.errors import UserError
+    from longctx_cli.runtime.experts import linearize_experts
+    from longctx_cli.runtime.model import build_model, load_base_model
+
+    model = load_base_model(fm.make_config(FAMILY), "eager")
+    linearize_experts(model)
+    model.save_pretrained(tmp_path / "linearized")  # the linear layers' own names
+    byte_tokenizer().save_pretrained(tmp_path / "linearized")
+    config = fm.make_config(FAMILY, ON).model_copy(deep=True)
+    config.model.base_model, config.model.model_config_dict = str(tmp_path / "linearized"), None
+    with pytest.raises(UserError) as e:
+        build_model(config)
+    assert e.value.where == "base_model" and ".experts.down_projs.0.weight" in str(e.value)
+    assert "delinearize-llama4" in e.value.fix and "\n" not in str(e.value)
+
+
 def test_axolotl_key_is_the_model_sections_own():
     from longctx_cli.config import Config
 

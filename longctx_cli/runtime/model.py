@@ -28,7 +28,7 @@ from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.meta_relay import relay_sp_meta
 from longctx_cli.parallel.token_mixing import attach_token_mixing
 from longctx_cli.runtime.cache_kwargs import cache_kwargs
-from longctx_cli.runtime.experts import linearize_experts
+from longctx_cli.runtime.experts import linearize_experts, refuse_linearized_checkpoint
 from longctx_cli.runtime.head import cast_head_to_float32, decoder_of, model_head
 from longctx_cli.runtime.memory_savers import apply_lean_rms_norm, apply_tiled_mlp
 
@@ -176,13 +176,16 @@ def load_base_model(
             overridden.update(quantization_config=Mxfp4Config(dequantize=True))
         if config.objective.reward_model:  # the checkpoint's own config, a one-label head
             overridden["config"] = hf_config
-        model = auto_class.from_pretrained(
+        model, loading = auto_class.from_pretrained(
             config.model.base_model,
             attn_implementation=attn,
             dtype=dtype,
             trust_remote_code=config.model.trust_remote_code,
+            output_loading_info=True,
             **overridden,
         )
+        refuse_linearized_checkpoint(loading.get("unexpected_keys") or (),
+                                     config.model.base_model)
     if model.config._attn_implementation != attn_implementation:
         raise UserError(
             f"model type `{model.config.model_type}` did not accept attn_implementation "
