@@ -175,6 +175,9 @@ _RECORDS = (
     Family("zamba2", mixes_tokens=True, lean_norms=True),
 )
 FAMILIES: dict[str, Family] = {f.model_type: f for f in _RECORDS}
+# The linear layers `llama4_linearized_experts` gives a fused experts module, one of each per
+# expert (`<experts>.gate_projs.<e>`, ...): runtime/experts.py's `LinearizedExperts`.
+LINEARIZED_EXPERT_LINEARS = ("gate_projs", "up_projs", "down_projs")
 
 
 def family(model_type: str) -> Family:

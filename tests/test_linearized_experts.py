@@ -203,6 +203,31 @@ def test_a_checkpoint_saved_linearized_is_refused_not_loaded_with_random_experts
     assert "delinearize-llama4" in e.value.fix and "\n" not in str(e.value)
 
 
+def test_lora_may_target_the_expert_linears_of_a_linearized_model():
+    """validate's LoRA target check knows the linears training makes (and only then)."""
+    from longctx_cli.errors import UserError
+    from longctx_cli.preflight import check_lora_targets
+
+    lora = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8,
+            "lora_target_modules": ["q_proj", "gate_projs.3", "down_projs.0"]}
+    check_lora_targets(fm.make_config(FAMILY, {**ON, **lora}))
+    with pytest.raises(UserError) as e:
+        check_lora_targets(fm.make_config(FAMILY, lora))
+    assert e.value.where == "lora_target_modules" and "'gate_projs.3'" in str(e.value)
+
+
+def test_lora_target_parameters_of_the_fused_experts_are_refused_once_linearized():
+    from longctx_cli.errors import UserError
+    from longctx_cli.preflight import check_lora_parameters
+
+    lora = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj"],
+            "lora_target_parameters": ["feed_forward.experts.gate_up_proj"]}
+    check_lora_parameters(fm.make_config(FAMILY, lora))  # the fused model has them
+    with pytest.raises(UserError) as e:
+        check_lora_parameters(fm.make_config(FAMILY, {**ON, **lora}))
+    assert e.value.where == "lora_target_parameters"
+
+
 def test_axolotl_key_is_the_model_sections_own():
     from longctx_cli.config import Config
 

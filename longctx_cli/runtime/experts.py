@@ -26,8 +26,9 @@ _LINEAR_KEY = re.compile(r"^(?P<experts>.+)\.(?P<proj>gate|up|down)_projs\.(?P<e
 
 
 class LinearizedExperts(nn.Module):
-    """One `gate`, `up` and `down` linear per expert, computing the fused module's forward:
-    rows grouped by expert in, `down(act(gate(x)) * up(x))` per expert out."""
+    """One `gate`, `up` and `down` linear per expert (families.py LINEARIZED_EXPERT_LINEARS
+    names them), computing the fused module's forward: rows grouped by expert in,
+    `down(act(gate(x)) * up(x))` per expert out."""
 
     def __init__(self, fused: nn.Module) -> None:
         super().__init__()
