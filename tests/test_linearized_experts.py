@@ -96,7 +96,10 @@ def test_full_export_loads_in_plain_transformers(tmp_path: Path):
     assert torch.allclose(_logits(plain, ids), want, atol=1e-5, rtol=1e-5)
 
 
-def test_merge_lora_on_expert_linears_writes_a_plain_model(tmp_path: Path):
+@pytest.mark.parametrize("adapter", [{"adapter": "lora"},
+                                     {"adapter": "qlora", "load_in_4bit": True}])
+def test_merge_lora_on_expert_linears_writes_a_plain_model(tmp_path: Path, adapter: dict):
+    """QLoRA: merged into the dequantized 4-bit experts, what the adapter trained against."""
     from transformers import AutoModelForCausalLM
 
     from longctx_cli.data.tokenizer import byte_tokenizer
@@ -104,7 +107,9 @@ def test_merge_lora_on_expert_linears_writes_a_plain_model(tmp_path: Path):
     from longctx_cli.runtime.model import build_model, load_base_model
     from longctx_cli.train.checkpoint_files import export_final
 
-    lora = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "tokenizer": "byte",
+    if adapter["adapter"] == "qlora":
+        pytest.importorskip("bitsandbytes")
+    lora = {**adapter, "lora_r": 4, "lora_alpha": 8, "tokenizer": "byte",
             "lora_target_modules": ["q_proj", *(f"{proj}_projs.{e}" for e in range(4)
                                                 for proj in ("gate", "up", "down"))]}
     config = fm.make_config(FAMILY, {**ON, **lora})
@@ -118,14 +123,19 @@ def test_merge_lora_on_expert_linears_writes_a_plain_model(tmp_path: Path):
     model.eval()
     ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(1))
     want = _logits(model, ids)
-    base = load_base_model(config, "eager")
+    base = load_base_model(config, "eager", quantize=False)
     assert (_logits(base, ids) - want).abs().max() > 1e-3  # the adapter changes the output
     export_final(model, byte_tokenizer(), tmp_path / "final", True,
-                 lambda d: load_base_model(config, "sdpa").save_pretrained(d))
+                 lambda d: load_base_model(config, "sdpa", quantize=False).save_pretrained(d))
     merged = merge_lora(config, tmp_path / "final", tmp_path / "merged", say=lambda _: None)
     plain = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32,
                                                  attn_implementation="eager")
     assert torch.allclose(_logits(plain, ids), want, atol=1e-5, rtol=1e-5)
+    if adapter["adapter"] == "lora":  # `longctx eval` loads the adapter on a linearized base
+        from longctx_cli.eval.checkpoint_loading import load_for_eval
+
+        loaded = load_for_eval(config, tmp_path / "final")
+        assert torch.allclose(_logits(loaded, ids), want, atol=1e-5, rtol=1e-5)
 
 
 def test_qlora_quantizes_the_expert_linears_exactly():
