@@ -590,6 +590,7 @@ SAME: tuple[str, ...] = (
     "save_total_limit", "logging_steps", "use_tensorboard", "use_wandb", "wandb_project",
     "wandb_entity", "wandb_name", "wandb_run_id", "wandb_mode", "wandb_watch",
     "wandb_log_model", "resume_from_checkpoint",
+    "llama4_linearized_experts",
 )
 
 # Names an Axolotl (or HF Trainer / LLaMA-Factory / TRL) user may write that mean one of
