@@ -74,12 +74,11 @@ def linearize_experts(model: nn.Module, quantization: Any = None) -> int:
     `BitsAndBytesConfig`, with which each expert's linear is quantized as bitsandbytes
     quantizes the model's other linears on loading (the fused weights were not)."""
     name = fused_experts_class(model)
-    found = [(parent, child_name, child) for parent in model.modules()
+    found = [(parent, child_name) for parent in model.modules()
              for child_name, child in parent.named_children() if type(child).__name__ == name]
-    for parent, child_name, child in found:
-        experts = LinearizedExperts(child)
+    for parent, child_name in found:  # one block at a time: its fused weights then go
+        experts = LinearizedExperts(getattr(parent, child_name))
         setattr(parent, child_name, experts)
-        del child  # the fused weights go with the last reference to them
         if quantization is not None:
             for projs in (experts.gate_projs, experts.up_projs, experts.down_projs):
                 for e, linear in enumerate(projs):

@@ -93,7 +93,9 @@ class ModelSection(Section):
         description="Llama 4 (Axolotl's key): after loading, turn each MoE block's fused "
         "expert weights into one linear layer per expert and projection "
         "(`experts.gate_projs.N`, `up_projs.N`, `down_projs.N`), which LoRA can target and "
-        "QLoRA quantizes; the same model, and full exports are saved in the model's own "
+        "QLoRA quantizes (bitsandbytes loads the fused experts unquantized, so loading "
+        "holds them in `dtype` until each block is quantized); the same model, and full "
+        "exports are saved in the model's own "
         "layout (adapters on those layers load on a linearized model: `longctx eval`, "
         "`merge-lora`).",
     )
