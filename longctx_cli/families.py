@@ -7,6 +7,7 @@ the same records. A model type without a record has no trait (`family` returns a
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -178,6 +179,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in _RECORDS}
 # The linear layers `llama4_linearized_experts` gives a fused experts module, one of each per
 # expert (`<experts>.gate_projs.<e>`, ...): runtime/experts.py's `LinearizedExperts`.
 LINEARIZED_EXPERT_LINEARS = ("gate_projs", "up_projs", "down_projs")
+# A linearized expert's weight as a state dict (or a checkpoint saved so) names it.
+LINEARIZED_EXPERT_KEY = re.compile(
+    r"^(?P<experts>.+)\.(?P<proj>gate|up|down)_projs\.(?P<e>\d+)\.weight$")
 
 
 def family(model_type: str) -> Family:

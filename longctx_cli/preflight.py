@@ -125,6 +125,10 @@ def preflight(config: Config) -> None:
     check_lora_targets(config)
     check_lora_parameters(config)
     check_user_code(config)
+    if not config.model.random_init:
+        from longctx_cli.config.sections.model import check_linearized_checkpoint
+
+        check_linearized_checkpoint(config.model.base_model)
 
 
 def check_user_code(config: Config) -> None:

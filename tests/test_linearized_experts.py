@@ -196,8 +196,10 @@ def test_a_checkpoint_saved_linearized_is_refused_not_loaded_with_random_experts
         tmp_path: Path):
     """Axolotl's `...-Linearized-...` checkpoints: transformers would leave the experts at
     their random initialisation."""
+    from longctx_cli.config.sections.model import check_linearized_checkpoint
     from longctx_cli.data.tokenizer import byte_tokenizer
     from longctx_cli.errors import UserError
+    from longctx_cli.preflight import preflight
     from longctx_cli.runtime.experts import linearize_experts
     from longctx_cli.runtime.model import build_model, load_base_model
 
@@ -207,10 +209,15 @@ def test_a_checkpoint_saved_linearized_is_refused_not_loaded_with_random_experts
     byte_tokenizer().save_pretrained(tmp_path / "linearized")
     config = fm.make_config(FAMILY, ON).model_copy(deep=True)
     config.model.base_model, config.model.model_config_dict = str(tmp_path / "linearized"), None
-    with pytest.raises(UserError) as e:
-        build_model(config)
-    assert e.value.where == "base_model" and ".experts.down_projs.0.weight" in str(e.value)
-    assert "delinearize-llama4" in e.value.fix and "\n" not in str(e.value)
+    for refuse in (build_model, preflight):  # the loader, and validate where it can read it
+        with pytest.raises(UserError) as e:
+            refuse(config)
+        assert e.value.where == "base_model" and ".experts.down_projs.0.weight" in str(e.value)
+        assert "delinearize-llama4" in e.value.fix and "\n" not in str(e.value)
+    (tmp_path / "plain").mkdir()
+    load_base_model(fm.make_config(FAMILY), "eager").save_pretrained(tmp_path / "plain")
+    config.model.base_model = str(tmp_path / "plain")
+    check_linearized_checkpoint(config.model.base_model)  # the model's own layout passes
 
 
 def test_lora_may_target_the_expert_linears_of_a_linearized_model():

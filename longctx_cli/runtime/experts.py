@@ -11,18 +11,14 @@ module class and its layout.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from longctx_cli.errors import UserError
-from longctx_cli.families import family
-
-# A linearized expert's weight, as the state dict names it: `<experts>.<proj>s.<index>.weight`.
-_LINEAR_KEY = re.compile(r"^(?P<experts>.+)\.(?P<proj>gate|up|down)_projs\.(?P<e>\d+)\.weight$")
+from longctx_cli.config.sections.model import linearized_checkpoint_error
+from longctx_cli.families import LINEARIZED_EXPERT_KEY, family
 
 
 class LinearizedExperts(nn.Module):
@@ -108,7 +104,7 @@ def fused_expert_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     linear: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
-        match = _LINEAR_KEY.match(key)
+        match = LINEARIZED_EXPERT_KEY.match(key)
         if match is None:
             out[key] = value
         else:
@@ -127,18 +123,8 @@ def _stacked(weights: dict[int, torch.Tensor]) -> torch.Tensor:
 
 
 def refuse_linearized_checkpoint(unexpected_keys: Iterable[str], base_model: str) -> None:
-    """A checkpoint saved with linearized experts (Axolotl's `...-Linearized-...` models)
-    holds weights the model's own experts module has no place for: transformers would leave
-    those experts at their random initialisation. Refused, on the loader's unexpected keys."""
-    linear = next((k for k in sorted(unexpected_keys) if _LINEAR_KEY.match(k)), None)
-    if linear is None:
-        return
-    raise UserError(
-        f"`base_model` = {base_model!r} holds linearized expert weights (e.g. `{linear}`), not "
-        "the model's own fused experts (`gate_up_proj`, `down_proj`), so its experts would "
-        "be loaded as random weights. longctx loads the model's own layout and linearizes it "
-        "itself (`llama4_linearized_experts`).",
-        where="base_model",
-        fix="use the original checkpoint (e.g. meta-llama/Llama-4-Scout-17B-16E-Instruct) with "
-        "`llama4_linearized_experts: true` (and `load_in_4bit: true` to quantize it), or "
-        "convert this one back to the fused layout first (Axolotl's `delinearize-llama4`).")
+    """Refuse a checkpoint saved with linearized experts, on the loader's unexpected keys
+    (validate refuses it already where its weight index is on this machine)."""
+    linear = next((k for k in sorted(unexpected_keys) if LINEARIZED_EXPERT_KEY.match(k)), None)
+    if linear is not None:
+        raise linearized_checkpoint_error(linear, base_model)
