@@ -250,3 +250,23 @@ def test_axolotl_key_is_the_model_sections_own():
 
     config = Config(base_model="unused", datasets=[{"path": "unused"}], **ON)
     assert config.model.llama4_linearized_experts
+
+
+@pytest.mark.slow  # the CLI end to end: two `longctx train` runs (about a minute)
+def test_longctx_train_fsdp_sp2_linearized_equals_the_fused_run(tmp_path: Path):
+    """`longctx train` with FSDP2 at sp 2, linearized, equals the fused model's sp 1 run (the
+    family matrix holds that one exact against the model's own training), and its final/
+    loads in plain transformers with the fused experts."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.train_helpers import assert_same_run, train, write_config, write_documents
+
+    model = {**FAMILY.config(), "vocab_size": 260}  # the byte tokenizer's vocabulary
+    data = write_documents(tmp_path / "docs.jsonl")
+    common = {"model_config": model, "max_steps": 3, "eval_steps": 3}
+    train(write_config(tmp_path, "fused", data, **common), 1)
+    train(write_config(tmp_path, "linear", data, **common, **ON, fsdp=True,
+                       sequence_parallel_degree=2), 2)
+    assert_same_run(tmp_path / "linear", tmp_path / "fused", tol=1e-5, weight_tol=1e-4)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "linear" / "final")
+    assert any(n.endswith("experts.gate_up_proj") for n, _ in plain.named_parameters())
