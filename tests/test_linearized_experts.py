@@ -245,6 +245,20 @@ def test_lora_target_parameters_of_the_fused_experts_are_refused_once_linearized
     assert e.value.where == "lora_target_parameters"
 
 
+def test_the_fidelity_probe_runs_the_linearized_experts():
+    """The probe (every run's start, and validate) compares longctx's linearized side with
+    the model's own fused forward, gradients mapped back; remembered apart from a plain pass."""
+    from transformers import AutoConfig
+
+    from longctx_cli.checks.fidelity import run_probe, verdict_path
+
+    config = AutoConfig.for_model("llama4_text")
+    result = run_probe(config, linearized=True)
+    assert result.summary().startswith("passed") and "experts linearized" in result.features
+    assert result.gradients_checked == run_probe(config).gradients_checked  # every one
+    assert verdict_path(config, linearized=True) != verdict_path(config)
+
+
 def test_axolotl_key_is_the_model_sections_own():
     from longctx_cli.config import Config
 
