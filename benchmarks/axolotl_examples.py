@@ -108,11 +108,14 @@ FAMILIES: dict[str, str | tuple[str, dict] | None] = {
     "google/gemma-3-1b-it": "gemma3_text", "google/gemma-3-270m-it": "gemma3_text",
     "google/gemma-3-4b-it": "gemma3", "google/gemma-3-12b-it": "gemma3",
     "google/gemma-3-27b-it": "gemma3", "google/gemma-3n-E2B-it": "gemma3n",
-    "google/gemma-4-E2B-it": "gemma4", "google/gemma-4-31B": "gemma4",
+    # transformers' Gemma 4 configs default to no towers (its text model); the published
+    # instruction models carry a vision tower (E2B an audio one too).
+    "google/gemma-4-E2B-it": ("gemma4", {"vision_config": {}, "audio_config": {}}),
+    "google/gemma-4-31B": "gemma4",
     **dict.fromkeys(("google/gemma-4-26B-A4B", "nvidia/Gemma-4-26B-A4B-NVFP4"), (
         "gemma4", {"text_config": {"enable_moe_block": True, "num_experts": 128,
                                    "top_k_experts": 8, "moe_intermediate_size": 704}})),
-    "google/gemma-4-12B-it": "gemma4_unified",
+    "google/gemma-4-12B-it": ("gemma4_unified", {"vision_config": {}}),
     "ibm-granite/granite-4.0-tiny-preview": "granitemoehybrid",
     "microsoft/Phi-3-mini-4k-instruct": "phi3", "microsoft/Phi-3.5-mini-instruct": "phi3",
     "microsoft/phi-1_5": "phi", "microsoft/phi-2": "phi",

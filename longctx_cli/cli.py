@@ -253,7 +253,8 @@ def _fidelity(cfg: Any, shape: Any, console: Console) -> str:
             return "not run: the model's config is not at hand"
         from longctx_cli.checks.fidelity import run_probe
 
-        return run_probe(hf_config, cfg.model.trust_remote_code, cfg.trains_images).summary()
+        return run_probe(hf_config, cfg.model.trust_remote_code, cfg.trains_images,
+                         cfg.model.llama4_linearized_experts).summary()
 
 
 @app.command(

@@ -7,6 +7,7 @@ the same records. A model type without a record has no trait (`family` returns a
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -83,6 +84,10 @@ class Family:
     # multimodal-LM mapping) as its causal LM and trains it on text, as Gemma 3's (which
     # transformers registers itself).
     trains_text: bool = False
+    # The class of its MoE blocks' fused experts, whose `gate_up_proj` `[experts, hidden,
+    # 2 x inner]` (gate, then up) and `down_proj` `[experts, inner, hidden]`
+    # `llama4_linearized_experts` turns into one linear per expert (runtime/experts.py).
+    fused_experts: str | None = None
 
 
 _QWEN_VL = dict(positions="mrope", images_attend="causal", pixels="patches", tower="merged",
@@ -117,11 +122,17 @@ _RECORDS = (
         "(`image_position_ids`), pooled to a count that depends on the image: the VLM path "
         "computes neither (its both-ways images are Gemma 3's, on every layer, from whole "
         "fixed-size images)")),
+    Family("gemma4_unified", vision_refusal=(
+        "Gemma 4 unified has no vision tower: it embeds each image's raw patches with their "
+        "2-D position ids (`image_position_ids`) straight into the text model, whose image "
+        "tokens attend both ways (`use_bidirectional_attention: vision`): the VLM path "
+        "computes neither (its both-ways images are Gemma 3's, from a tower's pooled "
+        "features)")),
     Family("gemma3n", vision_refusal=(
         "Gemma 3n's vision tower is a timm MobileNetV5 backbone and it also takes audio "
         "(`input_features`, its audio tower); the VLM path rebuilds neither tower, and longctx "
         "has no audio inputs at all")),
-    Family("llama4", vision_refusal=(
+    Family("llama4", fused_experts="Llama4TextExperts", vision_refusal=(
         "Llama 4's processor cuts each image into tiles plus a global view, with tile "
         "separator tokens, and its forward applies the projector to the tower's "
         "pixel-shuffled features itself (not in `get_image_features`): the VLM path lays out "
@@ -155,6 +166,7 @@ _RECORDS = (
     Family("lfm2_moe", mixes_tokens=True, lean_norms=True),
     Family("lfm3", mixes_tokens=True),
     Family("llama", lean_norms=True, tensor_parallel=True),
+    Family("llama4_text", fused_experts="Llama4TextExperts"),
     Family("mimo_v2_flash", lean_norms=True),
     Family("minimax_m2", lean_norms=True),
     Family("ministral", lean_norms=True),
@@ -178,6 +190,12 @@ _RECORDS = (
     Family("zamba2", mixes_tokens=True, lean_norms=True),
 )
 FAMILIES: dict[str, Family] = {f.model_type: f for f in _RECORDS}
+# The linear layers `llama4_linearized_experts` gives a fused experts module, one of each per
+# expert (`<experts>.gate_projs.<e>`, ...): runtime/experts.py's `LinearizedExperts`.
+LINEARIZED_EXPERT_LINEARS = ("gate_projs", "up_projs", "down_projs")
+# A linearized expert's weight as a state dict (or a checkpoint saved so) names it.
+LINEARIZED_EXPERT_KEY = re.compile(
+    r"^(?P<experts>.+)\.(?P<proj>gate|up|down)_projs\.(?P<e>\d+)\.weight$")
 
 
 def family(model_type: str) -> Family:

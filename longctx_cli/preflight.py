@@ -126,6 +126,10 @@ def preflight(config: Config) -> None:
     check_lora_parameters(config)
     check_quantized_experts(config)
     check_user_code(config)
+    if not config.model.random_init:
+        from longctx_cli.config.sections.model import check_linearized_checkpoint
+
+        check_linearized_checkpoint(config.model.base_model)
 
 
 def check_user_code(config: Config) -> None:
@@ -281,6 +285,11 @@ def check_lora_parameters(config: Config) -> None:
     if model is None:
         return  # the model's config is not available offline: nothing to check against
     names = [n for n, _ in model.named_parameters()]
+    if config.model.llama4_linearized_experts:  # training replaces the fused experts' ones
+        from longctx_cli.config.model_shape import linearized_expert_classes
+
+        fused = {k.rsplit(".", 2)[0] for k in linearized_expert_classes(model)}
+        names = [n for n in names if n.rsplit(".", 1)[0] not in fused]
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
         own = sorted({".".join(n.split(".")[-3:]) for n in names if ".experts." in n})
@@ -378,7 +387,11 @@ def meta_model(config: Config) -> Any:
 def module_classes(config: Config) -> dict[str, str] | None:
     """{module name: class name} of the model: a plain family's from its shape, any other's
     built on the meta device from its config."""
-    from longctx_cli.config.model_shape import plain_module_classes, read_model_config
+    from longctx_cli.config.model_shape import (
+        linearized_expert_classes,
+        plain_module_classes,
+        read_model_config,
+    )
 
     try:
         plain = plain_module_classes(read_model_config(config))
@@ -389,7 +402,10 @@ def module_classes(config: Config) -> dict[str, str] | None:
     model = meta_model(config)
     if model is None:
         return None
-    return {name: type(m).__name__ for name, m in model.named_modules() if name}
+    names = {name: type(m).__name__ for name, m in model.named_modules() if name}
+    if config.model.llama4_linearized_experts:  # the expert linears training makes
+        names.update(linearized_expert_classes(model))
+    return names
 
 
 def _hf_config(config: Config) -> Any:

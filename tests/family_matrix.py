@@ -782,6 +782,9 @@ REFUSED_FAMILIES = (
      "layers only, and its tower takes variable-length patch runs with 2-D position ids: "
      "the VLM path computes neither (its text, and its default config without towers, are "
      "exact)"),
+    ("Gemma 4 unified's images (`gemma4_unified`)", "no vision tower: raw patches with 2-D "
+     "position ids are embedded straight into the text model, whose image tokens attend both "
+     "ways; the VLM path computes neither (its text, and its default config, are exact)"),
     ("Gemma 3n's images and audio (`gemma3n`)", "a timm MobileNetV5 vision tower the probe "
      "cannot shrink, an audio tower, and no audio inputs in longctx; its language model "
      "(`gemma3n_text`) is exact"),

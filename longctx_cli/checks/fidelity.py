@@ -508,11 +508,13 @@ def _unchecked(model_type: str, what: str) -> UserError:
     )
 
 
-def run_probe(model_config: Any, trust_remote_code: bool = False, images: bool = False
-              ) -> ProbeResult:
+def run_probe(model_config: Any, trust_remote_code: bool = False, images: bool = False,
+              linearized: bool = False) -> ProbeResult:
     """Compare longctx's sp=1 training computation with the model's own; raise UserError on
-    any difference; `images`: the run trains with them (`processor_type`). Leaves the
-    global RNG state as it found it."""
+    any difference; `images`: the run trains with them (`processor_type`); `linearized`:
+    longctx's side linearizes the experts (`llama4_linearized_experts`), its gradients
+    mapped back to the model's own fused parameters. Leaves the global RNG state as it
+    found it."""
     from longctx_cli.config.shape import is_vision_language
 
     if is_vision_language(model_config, images):
@@ -532,7 +534,7 @@ def run_probe(model_config: Any, trust_remote_code: bool = False, images: bool =
         except Exception as e:  # any config class may reject our shrunk fields
             raise _unchecked(model_type, "longctx's own shrinking of the config to a tiny "
                              f"model failed ({type(e).__name__}: {_first_line(e)})") from None
-        return _compare(model_type, tiny, trust_remote_code, started)
+        return _compare(model_type, tiny, trust_remote_code, started, linearized)
 
 
 def _refuse_timm_tower(model_type: str, config: Any) -> None:
@@ -696,12 +698,14 @@ def _bypasses_interface(error: BaseException) -> bool:
     return isinstance(error, UserError) and "did not call the sequence-parallel" in str(error)
 
 
-def _compare(model_type: str, tiny: Any, trust_remote_code: bool, started: float) -> ProbeResult:
+def _compare(model_type: str, tiny: Any, trust_remote_code: bool, started: float,
+             linearized: bool = False) -> ProbeResult:
     from longctx_cli.parallel.attention import ATTN_IMPLEMENTATION, register_sp_attention
     from longctx_cli.parallel.meta_relay import relay_sp_meta
     from longctx_cli.parallel.token_mixing import attach_token_mixing
+    from longctx_cli.runtime.experts import fused_expert_state, linearize_experts
 
-    features = active_features(tiny)
+    features = active_features(tiny) + (("experts linearized",) if linearized else ())
     described = f"a tiny `{model_type}` ({', '.join(features) or 'no special features'})"
     ids, pos, labels = _probe_row()
     size = _parameters_on_meta(tiny, trust_remote_code)
@@ -729,6 +733,8 @@ def _compare(model_type: str, tiny: Any, trust_remote_code: bool, started: float
             raise RuntimeError(f"the model did not accept attn_implementation "
                                f"{ATTN_IMPLEMENTATION!r}")
         ours.load_state_dict(reference.state_dict())
+        if linearized:  # after loading the reference's (fused) weights
+            linearize_experts(ours)
         attach_token_mixing(ours)
         relay_sp_meta(ours)
         loss, hidden, logits = _longctx(ours, ids, pos, labels)
@@ -746,6 +752,8 @@ def _compare(model_type: str, tiny: Any, trust_remote_code: bool, started: float
     loss_err = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
     ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
     grads = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
+    if linearized:  # each expert's linear gradients, back in the fused parameters' layout
+        grads = fused_expert_state(grads)
     if grads.keys() != ref_grads.keys():
         only_ref = sorted(ref_grads.keys() - grads.keys())
         only_ours = sorted(grads.keys() - ref_grads.keys())
@@ -810,11 +818,13 @@ def check_fidelity(config: Any, hf_config: Any = None) -> str:
         from longctx_cli.config.model_shape import read_model_config
 
         hf_config = read_model_config(config).transformers_config()
-    images = config.trains_images
-    path = None if config.model.trust_remote_code else verdict_path(hf_config, images)
+    images, linearized = config.trains_images, config.model.llama4_linearized_experts
+    path = None if config.model.trust_remote_code else verdict_path(hf_config, images,
+                                                                    linearized)
     if path is not None and path.is_file():
         return f"{path.read_text()}; remembered from an earlier probe of this model config"
-    summary = run_probe(hf_config, config.model.trust_remote_code, images).summary()
+    summary = run_probe(hf_config, config.model.trust_remote_code, images,
+                        linearized).summary()
     if path is not None:
         _remember(path, summary)
     return summary
@@ -833,10 +843,10 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
-def verdict_path(hf_config: Any, images: bool = False) -> Path:
+def verdict_path(hf_config: Any, images: bool = False, linearized: bool = False) -> Path:
     """Where a pass of the probe on this model config is remembered: a file named by the
-    digest of the config, whether it trains with images, longctx's source files and the
-    library versions."""
+    digest of the config, whether it trains with images or linearized experts, longctx's
+    source files and the library versions."""
     import hashlib
     import os
 
@@ -844,7 +854,8 @@ def verdict_path(hf_config: Any, images: bool = False) -> Path:
 
     digest = hashlib.sha256()
     for part in (hf_config.to_json_string(use_diff=False), torch.__version__,
-                 transformers.__version__, _source_digest(), "images" * images):
+                 transformers.__version__, _source_digest(), "images" * images,
+                 "linearized" * linearized):
         digest.update(part.encode())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "longctx" / "fidelity" / f"{digest.hexdigest()[:32]}.txt"

@@ -288,9 +288,6 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "revision_of_model": Rule(
         "refused", "loading a model revision is not supported; download that revision and "
         "give its folder as `base_model`"),
-    "llama4_linearized_experts": Rule(
-        "refused", "Axolotl's linearized Llama 4 experts rewrite the model's expert modules, "
-        "which longctx does not do"),
     "expert_parallel_size": Rule(
         "refused", "expert parallelism is not supported; experts are sharded with the rest of "
         "the model by FSDP"),
@@ -588,6 +585,7 @@ SAME: tuple[str, ...] = (
     "wandb_entity", "wandb_name", "wandb_run_id", "wandb_mode", "wandb_watch",
     "wandb_log_model", "resume_from_checkpoint",
     "quantize_moe_experts",
+    "llama4_linearized_experts",
 )
 
 # Names an Axolotl (or HF Trainer / LLaMA-Factory / TRL) user may write that mean one of

@@ -16,6 +16,7 @@ from longctx_cli.config import known_models
 from longctx_cli.config.schema import Config
 from longctx_cli.config.shape import ATTENTION_LINEARS, MLP_LINEARS, ModelShape
 from longctx_cli.errors import UserError
+from longctx_cli.families import FAMILIES, LINEARIZED_EXPERT_LINEARS
 from longctx_cli.hub import hub_reachable
 
 # ---- reading the model config -----------------------------------------------------------
@@ -160,6 +161,15 @@ def plain_module_classes(shape: ModelShape) -> dict[str, str] | None:
     names.update({"model.norm": f"{prefix}RMSNorm",
                   "model.rotary_emb": f"{prefix}RotaryEmbedding", "lm_head": "Linear"})
     return names
+
+
+def linearized_expert_classes(model: Any) -> dict[str, str]:
+    """{module name: class name} of the linear layers `llama4_linearized_experts` gives each
+    fused experts module of `model` (built on the meta device), for the LoRA target check."""
+    fused = {f.fused_experts for f in FAMILIES.values() if f.fused_experts}
+    return {f"{name}.{proj}.{e}": "Linear" for name, module in model.named_modules()
+            if type(module).__name__ in fused for proj in LINEARIZED_EXPERT_LINEARS
+            for e in range(module.gate_up_proj.shape[0])}
 
 
 def _plain_context(fields: dict[str, Any], defaults: dict[str, Any]) -> str:

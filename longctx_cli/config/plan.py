@@ -31,6 +31,7 @@ from longctx_cli.config.sections.grpo import (
 from longctx_cli.config.sections.memory import memory_notes
 from longctx_cli.config.sections.model import (
     check_attention_dropout,
+    check_linearized_experts,
     check_query_position_scaling,
     check_router_aux_loss,
     check_sparse_attention,
@@ -288,6 +289,8 @@ def build_plan(
     check_attention_dropout(shape)
     check_sparse_attention(shape)
     check_router_aux_loss(shape)
+    check_linearized_experts(model.llama4_linearized_experts, shape,
+                             config.lora.load_in_8bit, config.lora.quantize_moe_experts)
     if config.objective.rl == "grpo":
         check_grpo_router_aux_loss(config.trl, shape)
     # A plain dict (no transformers config yet) holds no RoPE settings to check.

@@ -47,6 +47,7 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
     """Write `base + adapter` of `checkpoint` (a LoRA `final/`) to `output`; returns it."""
     from peft import PeftModel
 
+    from longctx_cli.runtime.experts import fused_expert_state, linearize_experts
     from longctx_cli.runtime.model import (
         DTYPES,
         bnb_quantization,
@@ -100,6 +101,8 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
                         where="--checkpoint",
                         fix="make the adapter's base model reachable (a local folder, or "
                         "the hub), or bundle it as final/base_model/.") from None
+    linearized = config.model.llama4_linearized_experts and linearize_experts(
+        base, quantization) > 0  # as training did, quantized too: the adapter may target them
     if quantization is not None:
         # The adapter learned on the dequantised weights: merge into exactly those.
         base = base.dequantize().to(dtype)
@@ -114,7 +117,9 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
     merged.config.use_cache = True
     tmp = output.with_name(output.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    merged.save_pretrained(tmp, safe_serialization=True)
+    # Linearized experts are saved in the model's own layout, which plain transformers loads.
+    state = fused_expert_state(merged.state_dict()) if linearized else None
+    merged.save_pretrained(tmp, state_dict=state, safe_serialization=True)
     companion.save_pretrained(tmp)  # as the trainer exported it to final/
     output.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(output, ignore_errors=True)

@@ -28,6 +28,7 @@ from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.meta_relay import relay_sp_meta
 from longctx_cli.parallel.token_mixing import attach_token_mixing
 from longctx_cli.runtime.cache_kwargs import cache_kwargs
+from longctx_cli.runtime.experts import linearize_experts, refuse_linearized_checkpoint
 from longctx_cli.runtime.head import cast_head_to_float32, decoder_of, model_head
 from longctx_cli.runtime.memory_savers import apply_lean_rms_norm, apply_tiled_mlp
 
@@ -218,13 +219,16 @@ def load_base_model(
             overridden.update(quantization_config=Mxfp4Config(dequantize=True))
         if config.objective.reward_model:  # the checkpoint's own config, a one-label head
             overridden["config"] = hf_config
-        model = auto_class.from_pretrained(
+        model, loading = auto_class.from_pretrained(
             config.model.base_model,
             attn_implementation=attn,
             dtype=dtype,
             trust_remote_code=config.model.trust_remote_code,
+            output_loading_info=True,
             **overridden,
         )
+        refuse_linearized_checkpoint(loading.get("unexpected_keys") or (),
+                                     config.model.base_model)
     if quantization is not None and config.lora.quantize_moe_experts and not (
             quantize_fused_experts(model, quantization)):
         raise UserError(
@@ -487,6 +491,8 @@ def build_model(config: Config, state: ParallelState | None = None,
     state = state or ParallelState()
     register_sp_attention()
     model = load_base_model(config, ATTN_IMPLEMENTATION, hf_config=hf_config)
+    if config.model.llama4_linearized_experts:  # before LoRA: it may target the new linears
+        linearize_experts(model, bnb_quantization(config, DTYPES[config.model.dtype]))
     if config.lora.load_in_4bit:
         keep_4bit_kernel_of_training(model)
     mixers = attach_token_mixing(model)  # hybrid models: scans and convolutions per document

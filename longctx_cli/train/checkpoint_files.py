@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from longctx_cli.durable import COMPLETE_MARKER, fsync_dir
 from longctx_cli.errors import UserError
 from longctx_cli.integrity import verify_files, write_manifest
+from longctx_cli.runtime.experts import LinearizedExperts, fused_expert_state
 
 try:  # its home module moved between torch releases
     from torch.distributed.checkpoint import CheckpointException
@@ -292,6 +293,8 @@ def _write_export(
             _point_adapter_at(tmp, (out / "base_model").resolve())
     else:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if any(isinstance(m, LinearizedExperts) for m in base.modules()):
+            full_state = fused_expert_state(full_state)  # the model's own layout again
         base.save_pretrained(tmp, state_dict=full_state, safe_serialization=True)
     _plain_attention_config(tmp)
     tokenizer.save_pretrained(tmp)

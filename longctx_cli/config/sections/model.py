@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 from longctx_cli.config.sections.base import Section, StrictModel
 from longctx_cli.config.shape import ModelShape, attention_softcap
 from longctx_cli.errors import UserError
+from longctx_cli.families import LINEARIZED_EXPERT_KEY, family
 from longctx_cli.kernel_choice import ModelAttention
 from longctx_cli.layout import Layout
 
@@ -95,6 +96,17 @@ class ModelSection(Section):
     )
     tf32: bool | Literal["auto"] = Field(
         False, description="Allow TF32 matmuls on Ampere+ GPUs (`auto`: same as true)."
+    )
+    llama4_linearized_experts: bool = Field(
+        False,
+        description="Llama 4 (Axolotl's key): after loading, turn each MoE block's fused "
+        "expert weights into one linear layer per expert and projection "
+        "(`experts.gate_projs.N`, `up_projs.N`, `down_projs.N`), which LoRA can target and "
+        "QLoRA quantizes (bitsandbytes loads the fused experts unquantized, so loading "
+        "holds them in `dtype` until each block is quantized); the same model, and full "
+        "exports are saved in the model's own "
+        "layout (adapters on those layers load on a linearized model: `longctx eval`, "
+        "`merge-lora`).",
     )
 
     @model_validator(mode="after")
@@ -182,6 +194,87 @@ def check_attention_dropout(shape: ModelShape) -> None:
                 fix=f"add `overrides_of_model_config: {{{key}: 0.0}}` to train without "
                 "attention dropout (as long-context fine-tunes usually do).",
             )
+
+
+def check_linearized_experts(enabled: bool, shape: ModelShape, load_in_8bit: bool,
+                             quantize_moe_experts: bool = False) -> None:
+    """`llama4_linearized_experts` needs a family whose fused experts longctx linearizes,
+    and quantizes them in 4 bits only (QLoRA), as linear layers (not as fused weights)."""
+    if enabled and quantize_moe_experts:
+        raise UserError(
+            "`llama4_linearized_experts: true` with `quantize_moe_experts: true`: the "
+            "linearized experts are linear layers, which QLoRA quantizes itself; the fused "
+            "weights `quantize_moe_experts` packs no longer exist once they are linearized.",
+            where="quantize_moe_experts",
+            fix="remove `quantize_moe_experts` (the linearized experts are quantized in 4 bits "
+            "under `load_in_4bit` already), or `llama4_linearized_experts`.")
+    if enabled and load_in_8bit:
+        raise UserError(
+            "`llama4_linearized_experts: true` with `load_in_8bit: true`: longctx quantizes "
+            "the linearized experts in 4 bits only (QLoRA), so they would stay unquantized.",
+            where="load_in_8bit",
+            fix="use `load_in_4bit: true` (`adapter: qlora`), or no quantization.")
+    if enabled and family(shape.model_type).fused_experts is None:
+        raise UserError(
+            f"`llama4_linearized_experts: true`, but model type `{shape.model_type}` has no "
+            "fused experts longctx linearizes (Llama 4's `Llama4TextExperts`).",
+            where="llama4_linearized_experts",
+            fix="remove `llama4_linearized_experts`, or train a Llama 4 model.")
+
+
+def linearized_checkpoint_error(key: str, base_model: str) -> UserError:
+    """The refusal of a checkpoint saved with linearized experts (Axolotl's
+    `...-Linearized-...` models; `key` one of its linearized weights): transformers would
+    leave the model's own experts at their random initialisation."""
+    return UserError(
+        f"`base_model` = {base_model!r} holds linearized expert weights (e.g. `{key}`), not "
+        "the model's own fused experts (`gate_up_proj`, `down_proj`), so its experts would "
+        "be loaded as random weights. longctx loads the model's own layout and linearizes it "
+        "itself (`llama4_linearized_experts`).",
+        where="base_model",
+        fix="use the original checkpoint (e.g. meta-llama/Llama-4-Scout-17B-16E-Instruct) with "
+        "`llama4_linearized_experts: true` (and `load_in_4bit: true` to quantize it), or "
+        "convert this one back to the fused layout first (Axolotl's `delinearize-llama4`).")
+
+
+def check_linearized_checkpoint(base_model: str | None) -> None:
+    """Refuse, before anything loads, a base model saved with linearized experts, where its
+    weight names are on this machine (a local folder, or the Hub cache): the index of a
+    sharded checkpoint, else the header of its one weights file. Elsewhere the loader's
+    check refuses it (runtime/experts.py)."""
+    names = _checkpoint_weight_names(base_model) if base_model else []
+    key = next((k for k in sorted(names) if LINEARIZED_EXPERT_KEY.match(k)), None)
+    if key is not None:
+        raise linearized_checkpoint_error(key, base_model)
+
+
+def _checkpoint_weight_names(base_model: str) -> list[str]:
+    """The weight names of `base_model`'s safetensors checkpoint, read without a download
+    ([] where none is on this machine or it cannot be read)."""
+    import json
+    from pathlib import Path
+
+    from huggingface_hub import try_to_load_from_cache
+    from safetensors import SafetensorError, safe_open
+
+    def local(name: str) -> Path | None:
+        if Path(base_model).is_dir():
+            return Path(base_model) / name if (Path(base_model) / name).is_file() else None
+        try:
+            cached = try_to_load_from_cache(base_model, name)
+        except ValueError:  # not a Hub id either: the plan reports the model's config
+            return None
+        return Path(cached) if isinstance(cached, str) else None
+
+    try:
+        if (index := local("model.safetensors.index.json")) is not None:
+            return list(json.loads(index.read_text()).get("weight_map", {}))
+        if (weights := local("model.safetensors")) is not None:
+            with safe_open(str(weights), "pt") as f:
+                return list(f.keys())
+    except (OSError, ValueError, SafetensorError):
+        return []  # unreadable here: the loader reports it
+    return []
 
 
 def check_router_aux_loss(shape: ModelShape) -> None:
