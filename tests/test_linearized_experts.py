@@ -178,13 +178,16 @@ def test_qlora_quantizes_the_expert_linears_exactly():
     ({}, "llama4_linearized_experts", "has no fused experts"),
     ({"adapter": "lora", "load_in_8bit": True, "lora_r": 4, "lora_alpha": 8,
       "lora_target_modules": ["q_proj"]}, "load_in_8bit", "in 4 bits only"),
+    ({"adapter": "qlora", "load_in_4bit": True, "quantize_moe_experts": True, "lora_r": 4,
+      "lora_alpha": 8, "lora_target_modules": ["q_proj"]}, "quantize_moe_experts",
+     "no longer exist once they are linearized"),
 ])
 def test_refused_where_it_cannot_apply(overrides, where, says):
     from longctx_cli.config.model_shape import read_model_config
     from longctx_cli.config.plan import build_plan
     from longctx_cli.errors import UserError
 
-    family = FAMILY if where == "load_in_8bit" else next(
+    family = FAMILY if where != "llama4_linearized_experts" else next(
         f for f in fm.FAMILIES if f.name == "llama")
     config = fm.make_config(family, {**ON, **overrides})
     with pytest.raises(UserError) as e:

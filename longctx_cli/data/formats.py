@@ -419,7 +419,7 @@ def chat(
     if first.role == "assistant":
         return [], [], "starts with an assistant turn"
     if is_mistral_common(tok):  # encoded by mistral-common itself, targets located on ids
-        return mistral_chat_ids(tok, spec, turns, where)
+        return mistral_chat_ids(tok, spec.train_on_eos, turns, where)
     text, spans = chat_target_spans(tok, spec, turns, where)
     return encode_spans(tok, text, spans)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from os.path import commonprefix
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.errors import UserError
@@ -21,7 +21,6 @@ from longctx_cli.errors import UserError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from longctx_cli.data.formats import FormatSpec, Turn
 
 INSTALL_FIX = "install it with `pip install 'longctx[mistral]'` (or `pip install mistral-common`)"
 # Stand-ins for a turn's content: one token each in Tekken and SentencePiece vocabularies,
@@ -75,8 +74,16 @@ def _encode(tok: PreTrainedTokenizerBase, messages: list[dict[str, Any]], where:
         ) from None
 
 
+class ChatTurn(Protocol):
+    """A conversation's turn as the chat formats hold it (data/formats.py's `Turn`)."""
+
+    train: bool
+
+    def message(self) -> dict[str, Any]: ...
+
+
 def chat_ids(
-    tok: PreTrainedTokenizerBase, spec: FormatSpec, turns: list[Turn], where: str
+    tok: PreTrainedTokenizerBase, train_on_eos: str, turns: list[ChatTurn], where: str
 ) -> tuple[list[int], list[int], str]:
     """Ids and labels of a conversation encoded by mistral-common: a token is a target when
     it is a trained turn's content, or the eos right after it for the turns `train_on_eos`
@@ -85,7 +92,7 @@ def chat_ids(
     full = _encode(tok, messages, where)
     trained = [n for n, t in enumerate(turns) if t.train]
     marker_turns = {"turn": trained, "last": trained[-1:], "all": range(len(turns)),
-                    "none": []}[spec.train_on_eos]
+                    "none": []}[train_on_eos]
     target = [False] * len(full)
     for n in sorted(set(trained) | set(marker_turns)):
         start, end = _locate(tok, messages, n, full, where)
