@@ -29,3 +29,51 @@ def test_swanlab_keys_of_axolotls_examples_are_ignored_tracker_keys() -> None:
               "swanlab_completion_log_interval": 100, "swanlab_completion_max_buffer": 128}
     notes = _notes(theirs)
     assert all("ignored" in notes[k] and "Weights & Biases" in notes[k] for k in theirs), notes
+
+
+# ---- drop_system_message ---------------------------------------------------------------------
+
+
+def test_drop_system_message_leaves_out_a_first_system_turn(tmp_path) -> None:
+    from longctx_cli.data.chat_templates import resolve_template
+    from tests.test_data_formats import SHAREGPT, TOK, cfg, one, sharegpt, tokenize
+
+    rec = sharegpt(("system", "Be brief."), ("human", "Q"), ("gpt", "A"), ("human", "Q2"),
+                   ("gpt", "A2"))
+    bare = sharegpt(("human", "Q"), ("gpt", "A"), ("human", "Q2"), ("gpt", "A2"))
+    dropped = {**SHAREGPT, "drop_system_message": True}
+    with_system = one(tokenize(tmp_path, [rec], SHAREGPT, chat_template="chatml"))
+    assert "Be brief." in TOK.decode(with_system[0])
+    # Gemma's template has no system role (why Axolotl's gemma2 example drops it).
+    with pytest.raises(UserError, match="no system role"):
+        tokenize(tmp_path, [rec], SHAREGPT, chat_template="gemma")
+    for template in ("chatml", "gemma"):
+        got = one(tokenize(tmp_path, [rec], dropped, chat_template=template))
+        assert got == one(tokenize(tmp_path, [bare], SHAREGPT, chat_template=template))
+        # The text is the template's rendering of the conversation without its system turn.
+        config = cfg(tmp_path, dropped, chat_template=template)
+        messages = [{"role": {"human": "user", "gpt": "assistant"}[t["from"]],
+                     "content": t["value"]} for t in bare["conversations"]]
+        text = TOK.apply_chat_template(
+            messages, chat_template=resolve_template(config, config.data.datasets[0], TOK)[0],
+            tokenize=False)
+        assert TOK.decode(got[0]) == text
+    # Only a first system turn is dropped (as Axolotl does); a later one stays.
+    later = sharegpt(("human", "Q"), ("system", "Be brief."), ("gpt", "A"))
+    ids = one(tokenize(tmp_path, [later], dropped, chat_template="chatml"))[0]
+    assert "Be brief." in TOK.decode(ids)
+
+
+def test_drop_system_message_of_a_reward_pair_and_of_other_types() -> None:
+    from longctx_cli.data.preference import pair_texts
+    from tests.test_preference import tokenizer
+
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    record = {"system": "Be brief.", "input": "Sky?", "chosen": "Blue.", "rejected": "Green."}
+    assert pair_texts(record, "bradley_terry.chat_template", "r:1", tok=tokenizer(),
+                      template=template, drop_system=True) == (
+        "<user>Sky?</s><assistant>", "Blue.</s>", "Green.</s>")
+    msg = _error({"datasets": [{"path": "d.jsonl", "type": "alpaca",
+                                "drop_system_message": True}]})
+    assert "`drop_system_message`" in msg and "`alpaca`" in msg and "chat_template" in msg
