@@ -77,3 +77,60 @@ def test_drop_system_message_of_a_reward_pair_and_of_other_types() -> None:
     msg = _error({"datasets": [{"path": "d.jsonl", "type": "alpaca",
                                 "drop_system_message": True}]})
     assert "`drop_system_message`" in msg and "`alpaca`" in msg and "chat_template" in msg
+
+
+# ---- unfrozen_parameters with an adapter -----------------------------------------------------
+
+
+def test_unfrozen_parameters_of_axolotls_gemma3_examples_train_nothing_and_are_refused() -> None:
+    # Axolotl matches them against the peft model's names (base_model.model....): none match.
+    msg = _error({"adapter": "qlora", "load_in_4bit": True,
+                  "unfrozen_parameters": ["^model.language_model.*", "^lm_head.*"]})
+    assert "`unfrozen_parameters` ['^model.language_model.*', '^lm_head.*'] with `adapter`" in msg
+    assert "start with `base_model.model.`" in msg and "nothing would train" in msg
+    assert "can match none" in _error({"adapter": "lora", "unfrozen_parameters": [
+        r"base_model\.model\.model\.layers\.1\.", "lm_head"]})
+
+
+def test_unfrozen_parameters_with_an_adapter_train_the_adapter_weights_they_match() -> None:
+    import re
+
+    from longctx_cli.runtime.model import build_model
+    from tests.train_helpers import TINY_LLAMA
+
+    common = {"model_config": TINY_LLAMA, "tokenizer": "byte", "adapter": "lora",
+              "lora_target_linear": True}
+    whole = build_model(config_from_dict(common))
+    adapter = [n for n, p in whole.named_parameters() if p.requires_grad]
+    pattern = r"base_model.model.model.layers.1.self_attn.[a-z_]+.lora_B"
+    model = build_model(config_from_dict({**common, "unfrozen_parameters": [pattern]}))
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    # Axolotl's freeze: every parameter off, then on where the pattern (literal dots) matches.
+    expected = [n for n in adapter
+                if re.match(r"base_model\.model\.model\.layers\.1\.self_attn\.[a-z_]+\.lora_B",
+                            n)]
+    assert trained == expected and len(expected) == 4, trained
+    # A base weight beside the adapter would train but never reach the adapter's export.
+    with pytest.raises(UserError, match="matches base weights") as exc:
+        build_model(config_from_dict({**common, "unfrozen_parameters": [
+            r"base_model\.model\.model\.embed_tokens"]}))
+    assert "lora_modules_to_save" in str(exc.value)
+
+
+@pytest.mark.slow  # two trainings; the rules above stay in the default run
+def test_unfrozen_adapter_weights_under_sp_equal_one_process_and_leave_the_rest(tmp_path):
+    from tests.train_helpers import (assert_same_run, final_tensors, train, write_config,
+                                     write_documents)
+
+    data = write_documents(tmp_path / "docs.jsonl", seed=6)
+    keys = {"adapter": "lora", "lora_target_linear": True, "max_steps": 2, "val_set_size": 0,
+            "eval_steps": None, "learning_rate": 1e-2,
+            "unfrozen_parameters": ["base_model.model.model.layers.1.[a-z_.]+lora_"]}
+    train(write_config(tmp_path, "sp1", data, **keys), 1)
+    train(write_config(tmp_path, "sp2", data, sequence_parallel_degree=2, **keys), 2)
+    assert_same_run(tmp_path / "sp2", tmp_path / "sp1", adapter=True)
+    final = final_tensors(tmp_path / "sp2", adapter=True)
+    # lora_B starts at zero: it moved in layer 1 only; layer 0's adapter stayed as it began.
+    for name, tensor in final.items():
+        if "lora_B" in name:
+            assert bool(tensor.abs().sum() > 0) == (".layers.1." in name), name

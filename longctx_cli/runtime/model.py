@@ -403,9 +403,16 @@ def freeze_all_but(model: nn.Module, patterns: list[str]) -> None:
     `unfrozen_pattern`), and of a pattern with rows only those rows; a list that matches
     nothing is a mistake, not a frozen run."""
     parsed = [unfrozen_pattern(p) for p in patterns]
+    # With an adapter, what peft made trainable is the adapter (and `lora_modules_to_save`).
+    adapter = ({n for n, p in model.named_parameters() if p.requires_grad}
+               if hasattr(model, "peft_config") else None)
     trained = 0
+    base = []  # base weights an adapter's pattern would train
     for name, param in model.named_parameters():
         found = [rows for regex, rows in parsed if regex.match(name)]
+        if found and adapter is not None and name not in adapter:
+            base.append(name)
+            continue
         param.requires_grad_(bool(found))
         trained += bool(found)
         if found and None not in found:  # only some rows: zero the others' gradient
@@ -415,6 +422,15 @@ def freeze_all_but(model: nn.Module, patterns: list[str]) -> None:
             frozen = (~keep).nonzero().flatten()
             param.register_hook(lambda grad, rows=frozen: grad.index_fill(
                 0, rows.to(grad.device), 0.0))
+    if base:
+        raise UserError(
+            f"`unfrozen_parameters` {patterns} with `adapter` matches base weights of the "
+            f"model ({', '.join(base[:3])}{', ...' if len(base) > 3 else ''}), which the "
+            "adapter's export (adapter_model.safetensors) does not hold: what they learnt "
+            "would be lost.",
+            where="unfrozen_parameters",
+            fix="train whole modules beside the adapter with `lora_modules_to_save` (e.g. "
+            "[lm_head, embed_tokens]), and keep `unfrozen_parameters` to adapter names.")
     if not trained:
         names = [n for n, _ in model.named_parameters()]
         raise UserError(

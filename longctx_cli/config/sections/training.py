@@ -45,6 +45,40 @@ def unfrozen_pattern(pattern: str) -> tuple[re.Pattern[str], tuple[int, int | No
     return re.compile(re.sub(r"(?<!\\)\.(?!\+)", r"\\.", pattern)), rows
 
 
+# What every parameter name of a peft-wrapped model starts with (`PeftModel.base_model.model`).
+PEFT_PREFIX = "base_model.model."
+
+
+def literal_prefix(regex: str) -> str | None:
+    """The text every match of `regex` (matched from the start) begins with, as far as it is
+    plain characters; None when the pattern branches (`|`), which this does not follow."""
+    if "|" in regex:
+        return None
+    out, i = [], 1 if regex.startswith("^") else 0
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex) and not regex[i + 1].isalnum():
+            char, i = regex[i + 1], i + 2  # an escaped punctuation mark is itself
+        elif c in ".[](){}*+?^$\\":
+            break
+        else:
+            char, i = c, i + 1
+        if i < len(regex) and regex[i] in "*?{":  # the character may be absent
+            break
+        out.append(char)
+        if i < len(regex) and regex[i] == "+":
+            break
+    return "".join(out)
+
+
+def misses_adapter_names(pattern: str) -> bool:
+    """The `unfrozen_parameters` entry can match no parameter of an adapter-wrapped model:
+    its plain start differs from `base_model.model.`, with which all their names begin."""
+    prefix = literal_prefix(unfrozen_pattern(pattern)[0].pattern)
+    return prefix is not None and not (prefix.startswith(PEFT_PREFIX)
+                                       or PEFT_PREFIX.startswith(prefix))
+
+
 class TrainingSection(Section):
     title = "training"
 
@@ -110,7 +144,10 @@ class TrainingSection(Section):
         "in which `.` is a literal dot except in `.+`, e.g. `model.layers.3[0-1].mlp`; a "
         "trailing `[start:end]` trains only those rows, e.g. new token embeddings: the others "
         "get no gradient, though a `weight_decay` still decays them, as in Axolotl); the rest "
-        "stay frozen. Not with `adapter`.",
+        "stay frozen. With `adapter` the patterns are matched, as in Axolotl, against the "
+        "adapter-wrapped names (`base_model.model.model.layers.0.self_attn.q_proj.lora_A."
+        "default.weight`) and may name adapter parameters only: those train, the rest of the "
+        "adapter stays at its initial values.",
     )
 
     @model_validator(mode="after")
