@@ -119,8 +119,13 @@ def test_unfrozen_parameters_with_an_adapter_train_the_adapter_weights_they_matc
 
 @pytest.mark.slow  # two trainings; the rules above stay in the default run
 def test_unfrozen_adapter_weights_under_sp_equal_one_process_and_leave_the_rest(tmp_path):
-    from tests.train_helpers import (assert_same_run, final_tensors, train, write_config,
-                                     write_documents)
+    from tests.train_helpers import (
+        assert_same_run,
+        final_tensors,
+        train,
+        write_config,
+        write_documents,
+    )
 
     data = write_documents(tmp_path / "docs.jsonl", seed=6)
     keys = {"adapter": "lora", "lora_target_linear": True, "max_steps": 2, "val_set_size": 0,
