@@ -139,3 +139,94 @@ def test_unfrozen_adapter_weights_under_sp_equal_one_process_and_leave_the_rest(
     for name, tensor in final.items():
         if "lora_B" in name:
             assert bool(tensor.abs().sum() > 0) == (".layers.1." in name), name
+
+
+# ---- revision_of_model -----------------------------------------------------------------------
+
+_LOAD_AT_REVISION = """
+import json, sys
+from longctx_cli.config.load import config_from_dict
+from longctx_cli.config.model_shape import read_model_config
+from longctx_cli.data.tokenizer import load_tokenizer
+from longctx_cli.preflight import meta_model
+from longctx_cli.runtime.model import load_base_model
+
+config = config_from_dict(json.loads(sys.argv[1]))
+shape = read_model_config(config)
+model = load_base_model(config, "eager")
+print(json.dumps({"shape": shape.hidden_size, "source": shape.source,
+                  "model": model.config.hidden_size,
+                  "meta": meta_model(config).config.hidden_size,
+                  "template": load_tokenizer(config).chat_template}))
+"""
+
+
+def _hub_snapshot(repo, commit: str, hidden: int, template: str) -> None:
+    """One revision of a tiny llama in the hub client's cache layout (files, no blobs)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longctx_cli.data.tokenizer import byte_tokenizer
+    from tests.train_helpers import TINY_LLAMA
+
+    folder = repo / "snapshots" / commit
+    fields = {**TINY_LLAMA, "hidden_size": hidden}
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields)).save_pretrained(folder)
+    tok = byte_tokenizer()
+    tok.chat_template = template
+    tok.save_pretrained(folder)
+
+
+def test_revision_of_model_loads_that_revision_of_model_config_and_tokenizer(tmp_path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--someone--tiny"
+    main, tagged = "a" * 40, "b" * 40
+    _hub_snapshot(repo, main, 32, "main {{ messages }}")
+    _hub_snapshot(repo, tagged, 48, "v1 {{ messages }}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(main)
+    (repo / "refs" / "v1").write_text(tagged)
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.getcwd()}
+
+    def load(**keys) -> dict:
+        data = {"base_model": "someone/tiny", "dtype": "float32", **keys}
+        run = subprocess.run([sys.executable, "-c", _LOAD_AT_REVISION, json.dumps(data)],
+                             env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return json.loads(run.stdout.strip().splitlines()[-1])
+
+    at_v1 = load(revision_of_model="v1")
+    assert (at_v1["shape"], at_v1["model"], at_v1["meta"]) == (48, 48, 48)
+    assert at_v1["template"].startswith("v1") and "someone/tiny@v1" in at_v1["source"]
+    at_commit = load(revision_of_model=tagged)  # a commit, as Axolotl's examples pin it
+    assert (at_commit["model"], at_commit["template"][:2]) == (48, "v1")
+    unpinned = load()
+    assert (unpinned["model"], unpinned["template"][:4]) == (32, "main")
+    # A revision the cache does not hold is not replaced by another.
+    path = tmp_path / "v2.yaml"
+    path.write_text("base_model: someone/tiny\nrevision_of_model: v2\ntokenizer: byte\n")
+    run = subprocess.run([sys.executable, "-m", "longctx_cli", "validate", str(path)],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    said = " ".join((run.stdout + run.stderr).split())
+    assert run.returncode == 2 and "Traceback" not in said, said
+    assert "someone/tiny" in said and "not cached" in said, said
+
+
+def test_revision_of_model_with_a_local_folder_or_inline_config_is_refused(tmp_path) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    msg = " ".join(str(_raises({"base_model": str(folder), "revision_of_model": "v1"})).split())
+    assert "`revision_of_model` = 'v1' picks a hub revision" in msg
+    assert "is a local folder" in msg and "give the hub id" in msg
+    assert "inline `model_config` has none" in _error({"revision_of_model": "v1"})
+
+
+def _raises(data: dict) -> UserError:
+    with pytest.raises(UserError) as exc:
+        config_from_dict({"tokenizer": "byte", **data})
+    return exc.value

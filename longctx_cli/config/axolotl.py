@@ -288,9 +288,6 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "tokenizer_use_mistral_common": Rule(
         "refused", "the mistral-common tokenizer is not supported; longctx tokenizes with the "
         "model's Hugging Face tokenizer, whose tokens may differ"),
-    "revision_of_model": Rule(
-        "refused", "loading a model revision is not supported; download that revision and "
-        "give its folder as `base_model`"),
     "quantize_moe_experts": Rule(
         "refused", "quantizing MoE expert weights is not supported (QLoRA quantizes the linear "
         "layers only)"),
@@ -582,6 +579,7 @@ AXOLOTL_KEYS: dict[str, Rule] = {
 # Axolotl keys that longctx's schema has under the same name and with the same meaning.
 SAME: tuple[str, ...] = (
     "base_model", "base_model_config", "trust_remote_code", "special_tokens", "tf32",
+    "revision_of_model",
     "datasets", "dataset_prepared_path", "val_set_size", "sequence_len", "sample_packing",
     "chat_template", "chat_template_jinja", "train_on_inputs", "shuffle_merged_datasets",
     "dataset_exact_deduplication",

@@ -55,7 +55,8 @@ def load_tokenizer(config: Config) -> PreTrainedTokenizerBase:
     if source == BYTE:
         tok = byte_tokenizer()
     else:
-        tok = _from_pretrained(source, config.model.trust_remote_code)
+        tok = _from_pretrained(source, config.model.trust_remote_code,
+                               config.model.revision_kwargs(source))
     apply_special_tokens(tok, config)
     ensure_pad_token(tok)
     return tok
@@ -83,7 +84,8 @@ def apply_special_tokens(tok: PreTrainedTokenizerBase, config: Config) -> None:
             setattr(tok, name, text)
 
 
-def _from_pretrained(source: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+def _from_pretrained(source: str, trust_remote_code: bool,
+                     revision: dict[str, str] | None = None) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     from longctx_cli.hub import hub_reachable, offline_error
@@ -100,11 +102,13 @@ def _from_pretrained(source: str, trust_remote_code: bool) -> PreTrainedTokenize
     if not local.exists() and not hub_reachable():
         try:  # no network: the local cache only, so a miss fails at once, not after retries
             return AutoTokenizer.from_pretrained(
-                source, trust_remote_code=trust_remote_code, local_files_only=True)
+                source, trust_remote_code=trust_remote_code, local_files_only=True,
+                **(revision or {}))
         except (OSError, ValueError):
             raise offline_error("tokenizer", source, "tokenizer") from None
     try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code,
+                                             **(revision or {}))
     except (OSError, ValueError) as exc:
         # transformers raises OSError for missing files / unknown hub ids and ValueError for
         # remote code that was not allowed; both are the user's to fix.

@@ -98,16 +98,18 @@ def _from_pretrained(source: str, config: Config, hf_config=None) -> nn.Module:
 
     from longctx_cli.runtime.model import DTYPES, model_class_and_attention
 
+    revision = config.model.revision_kwargs(source)  # an adapter's base: the run's revision
     try:
         auto_class, attn = model_class_and_attention(
             hf_config if hf_config is not None else AutoConfig.from_pretrained(
-                source, trust_remote_code=config.model.trust_remote_code), ATTN_IMPLEMENTATION,
-            config.trains_images)
+                source, trust_remote_code=config.model.trust_remote_code, **revision),
+            ATTN_IMPLEMENTATION, config.trains_images)
         model = auto_class.from_pretrained(
             source,
             attn_implementation=attn,
             dtype=DTYPES[config.model.dtype],
             trust_remote_code=config.model.trust_remote_code,
+            **revision,
             **({"config": hf_config} if hf_config is not None else {}),
         )
     except (OSError, ValueError, SafetensorError) as e:

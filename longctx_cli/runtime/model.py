@@ -180,6 +180,7 @@ def load_base_model(
             attn_implementation=attn,
             dtype=dtype,
             trust_remote_code=config.model.trust_remote_code,
+            **config.model.revision_kwargs(config.model.base_model),
             **overridden,
         )
     if model.config._attn_implementation != attn_implementation:

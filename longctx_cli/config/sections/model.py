@@ -4,6 +4,7 @@ compute must be what the model computes)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -79,6 +80,13 @@ class ModelSection(Section):
         None,
         description="Where to read the model's config.json if not beside `base_model`.",
     )
+    revision_of_model: str | None = Field(
+        None,
+        description="The hub revision (branch, tag or commit) of `base_model` to load: its "
+        "weights, its config (and `base_model_config`'s) and the tokenizer, when they come "
+        "from the hub (Axolotl's key). Not with a local `base_model` folder, whose files have "
+        "no revisions.",
+    )
     special_tokens: SpecialTokens | None = Field(
         None,
         description="Tokenizer special tokens to set (bos_token, eos_token, pad_token, "
@@ -100,7 +108,29 @@ class ModelSection(Section):
         ):
             raise ValueError("`model_config` needs a `model_type` key naming the family, e.g. "
                              "`model_type: llama`")
+        if self.revision_of_model is not None:
+            if self.model_config_dict is not None:
+                raise ValueError("`revision_of_model` picks a revision of `base_model` on the "
+                                 "hub; an inline `model_config` has none: drop it")
+            if Path(str(self.base_model)).expanduser().exists():
+                # transformers reads a local folder as it is and ignores `revision`.
+                raise ValueError(
+                    f"`revision_of_model` = {self.revision_of_model!r} picks a hub revision, "
+                    f"but `base_model` = {self.base_model!r} is a local folder, whose files "
+                    "transformers loads as they are: drop `revision_of_model`, or give the "
+                    "hub id as `base_model`")
         return self
+
+    def revision_kwargs(self, source: str | None) -> dict[str, str]:
+        """`revision=` for a `from_pretrained` of `source` when it is the base model, its
+        config or the tokenizer (as Axolotl passes it) and no local folder."""
+        if self.revision_of_model is None or source is None or source == "byte":
+            return {}
+        if source not in (self.base_model, self.base_model_config, self.tokenizer_source):
+            return {}
+        if Path(source).expanduser().exists():
+            return {}
+        return {"revision": self.revision_of_model}
 
     @property
     def random_init(self) -> bool:
