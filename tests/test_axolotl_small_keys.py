@@ -230,3 +230,12 @@ def _raises(data: dict) -> UserError:
     with pytest.raises(UserError) as exc:
         config_from_dict({"tokenizer": "byte", **data})
     return exc.value
+
+
+# ---- optimizer: muon -------------------------------------------------------------------------
+
+
+def test_axolotls_muon_is_refused_with_how_it_differs_from_torchs() -> None:
+    msg = _error({"optimizer": "muon"})
+    assert "`optimizer: muon`" in msg and "DistMuon" in msg and "torch.optim.Muon" in msg
+    assert "never trained" in msg and "optimizer: adamw" in msg

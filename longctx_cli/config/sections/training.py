@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, get_args
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from longctx_cli.config.sections.base import Section
 
@@ -20,6 +20,19 @@ Optimizer = Literal[
     "adamw_torch_8bit", "adamw_torch_4bit", "ao_adamw_8bit", "ao_adamw_4bit", "ao_adamw_fp8",
 ]
 OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
+# Axolotl's optimizers that torch's own cannot reproduce, and why.
+REFUSED_OPTIMIZERS = {
+    "muon": (
+        "the `muon` of Axolotl is not torch.optim.Muon: on more than one GPU (Axolotl then builds "
+        "a device mesh, as for FSDP2) it is DistMuon (from Dion), whose Newton-Schulz "
+        "iteration uses a different coefficient triple at each of its five steps and scales "
+        "each update by sqrt(fan_out / fan_in), and on one process the Muon of Moonlight, which "
+        "leaves every norm and bias out of the optimizer (never trained) and updates "
+        "embeddings by its own AdamW; torch.optim.Muon runs one coefficient triple and scales "
+        "by sqrt(max(1, fan_out / fan_in)) or 0.2 sqrt(max(fan_out, fan_in)), so it would "
+        "train a different model than Axolotl does; use `optimizer: adamw` (or one of the "
+        "others listed in docs/config.md)"),
+}
 Scheduler = Literal[
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
     "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr",
@@ -149,6 +162,13 @@ class TrainingSection(Section):
         "default.weight`) and may name adapter parameters only: those train, the rest of the "
         "adapter stays at its initial values.",
     )
+
+    @field_validator("optimizer", mode="before")
+    @classmethod
+    def _refused_optimizer(cls, value: Any) -> Any:
+        if isinstance(value, str) and value in REFUSED_OPTIMIZERS:
+            raise ValueError(f"`optimizer: {value}`: {REFUSED_OPTIMIZERS[value]}")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainingSection:
