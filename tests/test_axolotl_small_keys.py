@@ -239,3 +239,21 @@ def test_axolotls_muon_is_refused_with_how_it_differs_from_torchs() -> None:
     msg = _error({"optimizer": "muon"})
     assert "`optimizer: muon`" in msg and "DistMuon" in msg and "torch.optim.Muon" in msg
     assert "never trained" in msg and "optimizer: adamw" in msg
+
+
+# ---- Axolotl's cloud launcher configs --------------------------------------------------------
+
+
+def test_a_cloud_launcher_config_is_named_for_what_it_is(tmp_path) -> None:
+    from longctx_cli.config.load import load_config
+
+    path = tmp_path / "modal.yaml"
+    path.write_text("project_name:\nvolumes:\n  - name: axolotl-data\n    mount: /workspace/data\n"
+                    "secrets:\n  - HF_TOKEN\ngpu: h100\ngpu_count: 1\nmemory: 128\n")
+    with pytest.raises(UserError) as exc:
+        load_config(path)
+    msg = " ".join(str(exc.value).split())
+    assert msg.startswith(f"{path}: this is an Axolotl cloud launcher config (keys `gpu`")
+    assert "not a training config" in msg and "--cloud" in msg and "Fix: give longctx" in msg
+    # A training config that happens to use one such name is read as one.
+    assert "unknown key `gpu`" in _error({"gpu": "h100"})
