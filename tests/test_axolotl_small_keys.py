@@ -4,7 +4,10 @@ dataset's `drop_system_message`, `unfrozen_parameters` with an adapter, `revisio
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import torch
 
 from longctx_cli.config.load import config_from_dict
 from longctx_cli.errors import UserError
@@ -257,3 +260,131 @@ def test_a_cloud_launcher_config_is_named_for_what_it_is(tmp_path) -> None:
     assert "not a training config" in msg and "--cloud" in msg and "Fix: give longctx" in msg
     # A training config that happens to use one such name is read as one.
     assert "unknown key `gpu`" in _error({"gpu": "h100"})
+
+
+# ---- tokens: added tokens, resized embeddings ------------------------------------------------
+
+_TOKEN_KEYS = {"tokens": ["<|im_start|>"], "special_tokens": {"eos_token": "<|im_end|>"}}
+_DOCS = [(17, 1, 22, 24), (30, 9, 23), (12, 38, 12), (5, 26, 33)]  # two steps of two rows
+
+
+def _token_config(**keys: Any):
+    from longctx_cli.config import Config
+    from tests.train_helpers import TINY_LLAMA
+
+    return Config(model_config=TINY_LLAMA, tokenizer="byte", datasets=[{"path": "unused"}],
+                  dtype="float32", attention_kernel="torch", learning_rate=0.01,
+                  adam_epsilon=1e-6, lr_scheduler="constant", gradient_accumulation_steps=2,
+                  max_steps=2, seed=7, **keys)
+
+
+def _token_row(index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A packed row whose documents use the two added tokens (ids 384 and 385)."""
+    docs = _DOCS[index]
+    g = torch.Generator().manual_seed(100 + index)
+    ids = torch.randint(3, 386, (sum(docs),), generator=g)
+    ids[::5] = 384
+    ids[2::7] = 385
+    pos = torch.cat([torch.arange(n) for n in docs])
+    labels = ids.clone()
+    labels[pos == 0] = -100
+    return ids, pos, labels
+
+
+def _added_tokens_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """`longctx train`'s step on a ring of `world_size` ranks, the added tokens' model."""
+    from longctx_cli.config.model_shape import read_model_config
+    from longctx_cli.config.plan import build_plan
+    from longctx_cli.config.world import Platform
+    from longctx_cli.parallel.mesh import build_parallel_state
+    from longctx_cli.parallel.sharding import shard_batch
+    from longctx_cli.runtime.model import build_model, decoder_and_head
+    from longctx_cli.train.optim import make_optimizer
+    from longctx_cli.train.step import train_step
+
+    config = _token_config(**_TOKEN_KEYS, sequence_parallel_degree=world_size,
+                           sequence_parallel_mode="ring")
+    plan = build_plan(config, world_size, read_model_config(config),
+                      platform=Platform(cuda=False, ring_flash_attn=False))
+    state = build_parallel_state(plan.layout, torch.device("cpu"))
+    model = build_model(config, state)
+    decoder, head = decoder_and_head(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(config, params)
+    losses = []
+    for step in range(2):
+        batches = [shard_batch(*_token_row(i), state, 0) for i in (2 * step, 2 * step + 1)]
+        losses.append(train_step(model, decoder, head, params, optimizer, batches, config,
+                                 state, use_fsdp=False).loss)
+    # numpy: pickled by value (tensors would travel as handles that die with the worker)
+    weights = {k: v.detach().double().numpy().copy() for k, v in model.named_parameters()}
+    return {"losses": losses, "weights": weights if rank == 0 else None}
+
+
+def test_added_tokens_train_under_sp_as_hf_trains_the_resized_model() -> None:
+    from longctx_cli.data.tokenizer import load_tokenizer
+    from longctx_cli.runtime.model import load_base_model
+    from longctx_cli.train.optim import make_optimizer
+    from tests.distributed import run_distributed
+    from tests.own_training import own_training
+
+    config = _token_config(**_TOKEN_KEYS)
+    tok = load_tokenizer(config)
+    # Axolotl's order: the named special tokens, then `tokens`.
+    assert len(tok) == 386
+    assert tok.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>"]) == [384, 385]
+    assert tok.eos_token == "<|im_end|>" and tok("a<|im_start|>b").input_ids[1] == 385
+    # HF's own resize of the same model, new rows drawn from the seed, as Axolotl resizes.
+    model = load_base_model(_token_config(), "eager")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        model.resize_token_embeddings(386, mean_resizing=False)
+    new_rows = model.get_input_embeddings().weight[384:].detach().clone()
+    ours = load_base_model(config, "eager")
+    assert ours.get_input_embeddings().num_embeddings == 386 == ours.config.vocab_size
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(),
+                                                 model.state_dict().values(), strict=True))
+    optimizer = make_optimizer(config, list(model.parameters()))
+    steps = [[(d, None) for i in (2 * s, 2 * s + 1)
+              for d in torch.split(_token_row(i)[0], list(_DOCS[i])) if d.numel() > 1]
+             for s in range(2)]
+    want = own_training(model.train(), optimizer, steps, config.training.max_grad_norm)
+    got = run_distributed(_added_tokens_worker, 2, timeout_s=300)[0]
+    for a, b in zip(got["losses"], want["losses"], strict=True):
+        assert abs(a - b) / abs(b) < 1e-5, (got["losses"], want["losses"])
+    for name, w in want["weights"].items():
+        w = torch.from_numpy(w)
+        assert float((torch.from_numpy(got["weights"][name]) - w).norm() / w.norm()) < 1e-4, name
+    # The new rows trained (in the input embeddings and the untied lm_head).
+    moved = torch.from_numpy(got["weights"]["model.embed_tokens.weight"][384:]).float() - new_rows
+    assert moved.abs().min(dim=1).values.gt(0).all() and moved.norm() > 1e-3
+    assert got["weights"]["lm_head.weight"].shape[0] == 386
+
+
+def test_embeddings_size_rules_of_axolotl_and_the_adapter_rule() -> None:
+    from longctx_cli.runtime.model import build_model, embeddings_size, load_base_model
+
+    plain = _token_config()
+    assert embeddings_size(plain, 386, 384) == 386
+    assert embeddings_size(plain, 380, 384) == 384  # larger embeddings stay
+    assert embeddings_size(_token_config(shrink_embeddings=True), 380, 384) == 380
+    assert embeddings_size(_token_config(resize_token_embeddings_to_32x=True), 386, 384) == 416
+    assert embeddings_size(_token_config(resize_token_embeddings_to_32x=True), 384, 384) == 384
+    padded = load_base_model(_token_config(**_TOKEN_KEYS, resize_token_embeddings_to_32x=True),
+                             "eager")
+    assert padded.get_input_embeddings().num_embeddings == 416 == padded.lm_head.out_features
+    mean = load_base_model(_token_config(**_TOKEN_KEYS, mean_resizing_embeddings=True), "eager")
+    rows = mean.get_input_embeddings().weight.detach()
+    # transformers' mean resizing: drawn around the old rows' mean (not the seed's N(0, std))
+    assert (rows[384:].mean(0) - rows[:384].mean(0)).norm() < rows[:384].std(0).norm()
+    # With an adapter the new rows train only in modules peft saves whole, as Axolotl asks.
+    assert "lora_modules_to_save: [embed_tokens, lm_head]" in _error(
+        {"adapter": "lora", "tokens": ["<x>"]})
+    with pytest.raises(UserError, match="lacks \\['lm_head'\\]"):
+        build_model(_token_config(**_TOKEN_KEYS, adapter="lora", lora_target_linear=True,
+                                  lora_modules_to_save=["embed_tokens"]))
+    model = build_model(_token_config(**_TOKEN_KEYS, adapter="lora", lora_target_linear=True,
+                                      lora_modules_to_save=["embed_tokens", "lm_head"]))
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert {"base_model.model.model.embed_tokens.modules_to_save.default.weight",
+            "base_model.model.lm_head.modules_to_save.default.weight"} <= trained

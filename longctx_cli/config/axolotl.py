@@ -277,11 +277,7 @@ AXOLOTL_KEYS: dict[str, Rule] = {
         "ignored", "chat-template label masks come from the template's assistant turns; "
         "end-of-turn tokens are not configured separately"
     ),
-    "tokens": Rule("refused", "adding tokens needs resized embeddings, not supported yet"),
     "added_tokens_overrides": Rule("refused", "rewriting the vocabulary is not supported"),
-    "resize_token_embeddings_to_32x": Rule("ignored", _MEMORY),
-    "mean_resizing_embeddings": Rule("ignored", "longctx never resizes embeddings"),
-    "shrink_embeddings": Rule("refused", "longctx never resizes embeddings"),
     "embeddings_skip_upcast": Rule("ignored", "embeddings keep the model's dtype"),
     "fix_untrained_tokens": Rule("refused", "re-initialising token embeddings is not supported"),
     "model_kwargs": Rule("refused", "extra from_pretrained arguments are not supported"),
@@ -579,7 +575,8 @@ AXOLOTL_KEYS: dict[str, Rule] = {
 # Axolotl keys that longctx's schema has under the same name and with the same meaning.
 SAME: tuple[str, ...] = (
     "base_model", "base_model_config", "trust_remote_code", "special_tokens", "tf32",
-    "revision_of_model",
+    "revision_of_model", "tokens", "resize_token_embeddings_to_32x", "mean_resizing_embeddings",
+    "shrink_embeddings",
     "datasets", "dataset_prepared_path", "val_set_size", "sequence_len", "sample_packing",
     "chat_template", "chat_template_jinja", "train_on_inputs", "shuffle_merged_datasets",
     "dataset_exact_deduplication",

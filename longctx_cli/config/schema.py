@@ -159,6 +159,12 @@ class Config(StrictModel):
         if self.training.early_stopping_patience is not None and not self.eval.scheduled:
             raise ValueError("`early_stopping_patience` needs evaluations: set `eval_steps`, "
                              "`evals_per_epoch` or `eval_strategy: epoch`")
+        if self.lora.adapter is not None and self.model.tokens and not (
+                self.lora.lora_modules_to_save):
+            raise ValueError("`tokens` adds rows to the embeddings and lm_head, which with "
+                             "`adapter` train only as modules peft saves whole: set "
+                             "`lora_modules_to_save: [embed_tokens, lm_head]` (the model's "
+                             "names for them), as Axolotl requires")
         missed = [p for p in self.training.unfrozen_parameters or []
                   if self.lora.adapter is not None and misses_adapter_names(p)]
         if missed:

@@ -131,13 +131,19 @@ def _from_pretrained(source: str, config: Config, hf_config=None) -> nn.Module:
 def _load_lora(path: Path, config: Config) -> nn.Module:
     from peft import PeftModel
 
-    from longctx_cli.runtime.model import changes_model_config, model_config_of, peft_quietly
+    from longctx_cli.runtime.model import (
+        changes_model_config,
+        fit_embeddings,
+        model_config_of,
+        peft_quietly,
+    )
 
     # The adapter was trained on the base under the run's config (RoPE scaling, overrides);
     # a bundled base_model/ was saved with it already.
     run_config = model_config_of(config) if changes_model_config(config) and not (
         path / "base_model").is_dir() else None
     base = _from_pretrained(lora_base_path(path), config, run_config)
+    fit_embeddings(base, config)  # the rows the run added (`tokens`), before the adapter loads
     with peft_quietly():
         return PeftModel.from_pretrained(base, str(path)).merge_and_unload()
 

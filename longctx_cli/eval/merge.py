@@ -51,6 +51,7 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
         DTYPES,
         bnb_quantization,
         changes_model_config,
+        fit_embeddings,
         load_device_map,
         model_class_and_attention,
         model_config_of,
@@ -93,6 +94,7 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
             config.trains_images)
         base = auto_class.from_pretrained(base_path, **kwargs,
                                           **config.model.revision_kwargs(base_path))
+        fit_embeddings(base, config)  # the rows the run added, before the adapter loads
     except (OSError, ValueError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"could not load the base model {base_path!r}: {first}",

@@ -122,6 +122,54 @@ def reward_model_class(hf_config: PretrainedConfig) -> tuple[Any, PretrainedConf
     return AutoModelForSequenceClassification, hf_config
 
 
+def embeddings_size(config: Config, tokenizer_length: int, current: int) -> int:
+    """The number of embedding rows the model gets (Axolotl's rule): the tokenizer's length
+    (rounded up to 32 with `resize_token_embeddings_to_32x`) when the embeddings are smaller,
+    or larger and `shrink_embeddings`; else they stay as they are."""
+    target = tokenizer_length
+    if config.model.resize_token_embeddings_to_32x:
+        target = -(-tokenizer_length // 32) * 32
+    if current < target or (current > target and config.model.shrink_embeddings):
+        return target
+    return current
+
+
+def fit_embeddings(model: PreTrainedModel, config: Config) -> None:
+    """Resize the embeddings (and an untied lm_head) to the tokenizer's length with added
+    tokens, as Axolotl does: transformers' `resize_token_embeddings`, new rows drawn from
+    `seed` (the same on every rank) or their mean with `mean_resizing_embeddings`."""
+    if not config.model.may_resize_embeddings or config.model.tokenizer_source is None:
+        return
+    from longctx_cli.data.tokenizer import load_tokenizer
+
+    current = model.get_input_embeddings().num_embeddings
+    target = embeddings_size(config, len(load_tokenizer(config)), current)
+    if target == current:
+        return
+    if config.lora.adapter is not None and target > current:
+        names = [_module_name(model, m) for m in (model.get_input_embeddings(),
+                                                  model.get_output_embeddings()) if m is not None]
+        missing = [n for n in names if n not in (config.lora.lora_modules_to_save or [])]
+        if missing:
+            raise UserError(
+                f"the tokenizer has {target - current} token(s) the model's embeddings lack "
+                f"(`tokens` / `special_tokens`), and with `adapter` their rows train only as "
+                f"modules peft saves whole; `lora_modules_to_save` lacks {missing}.",
+                where="lora_modules_to_save",
+                fix=f"set `lora_modules_to_save: {names}` (as Axolotl requires when adding "
+                "tokens), or train without `adapter`.")
+    weight = model.get_input_embeddings().weight
+    devices = [weight.device.index or 0] if weight.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # the same new rows on every rank
+        torch.manual_seed(config.training.seed)
+        model.resize_token_embeddings(target, mean_resizing=config.model.mean_resizing_embeddings)
+
+
+def _module_name(model: nn.Module, module: nn.Module) -> str:
+    """The last part of `module`'s name in `model` (`embed_tokens`, `lm_head`)."""
+    return next(name for name, m in model.named_modules() if m is module).rsplit(".", 1)[-1]
+
+
 def load_base_model(
     config: Config, attn_implementation: str, quantize: bool = True,
     hf_config: PretrainedConfig | None = None,
@@ -191,6 +239,7 @@ def load_base_model(
             fix="use a model whose attention dispatches through transformers' AttentionInterface "
             "(Llama, Qwen2/3, Mistral, Gemma, ...).",
         )
+    fit_embeddings(model, config)
     return model
 
 

@@ -90,7 +90,29 @@ class ModelSection(Section):
     special_tokens: SpecialTokens | None = Field(
         None,
         description="Tokenizer special tokens to set (bos_token, eos_token, pad_token, "
-        "unk_token); each must already be one token of the vocabulary.",
+        "unk_token, additional_special_tokens); one the vocabulary lacks is added, as Axolotl "
+        "does, and the embeddings grow with it (see `tokens`).",
+    )
+    tokens: list[str] | None = Field(
+        None,
+        description="Tokens to add to the tokenizer (Axolotl's key; after `special_tokens`, "
+        "before `additional_special_tokens`, as Axolotl adds them). The model's embeddings "
+        "(and an untied lm_head) are resized to the tokenizer's length by transformers' "
+        "`resize_token_embeddings`, the new rows drawn from `seed` (or their mean, "
+        "`mean_resizing_embeddings`), and trained; with `adapter`, list the embedding and "
+        "lm_head modules in `lora_modules_to_save`.",
+    )
+    resize_token_embeddings_to_32x: bool = Field(
+        False, description="Resize the embeddings to the tokenizer's length rounded up to a "
+        "multiple of 32 (Axolotl's key; the extra rows are tokens no text produces).",
+    )
+    mean_resizing_embeddings: bool = Field(
+        False, description="New embedding rows start at the mean of the old ones "
+        "(transformers' `mean_resizing`), not drawn from `seed` (Axolotl's key and default).",
+    )
+    shrink_embeddings: bool = Field(
+        False, description="Also resize embeddings that are larger than the tokenizer's "
+        "length down to it (Axolotl's key): the rows past it are dropped.",
     )
     tf32: bool | Literal["auto"] = Field(
         False, description="Allow TF32 matmuls on Ampere+ GPUs (`auto`: same as true)."
@@ -120,6 +142,13 @@ class ModelSection(Section):
                     "transformers loads as they are: drop `revision_of_model`, or give the "
                     "hub id as `base_model`")
         return self
+
+    @property
+    def may_resize_embeddings(self) -> bool:
+        """The config changes the tokenizer's length or the rule of the embeddings' size, so
+        the model's embeddings are fitted to the tokenizer (`runtime/model.py`)."""
+        return bool(self.tokens or self.special_tokens or self.resize_token_embeddings_to_32x
+                    or self.shrink_embeddings)
 
     def revision_kwargs(self, source: str | None) -> dict[str, str]:
         """`revision=` for a `from_pretrained` of `source` when it is the base model, its
