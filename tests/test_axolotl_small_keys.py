@@ -388,3 +388,41 @@ def test_embeddings_size_rules_of_axolotl_and_the_adapter_rule() -> None:
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert {"base_model.model.model.embed_tokens.modules_to_save.default.weight",
             "base_model.model.lm_head.modules_to_save.default.weight"} <= trained
+
+
+def test_merge_lora_resizes_the_adapters_base_as_training_did(tmp_path) -> None:
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.train_helpers import TINY_LLAMA, run_longctx, train, write_config
+
+    base = tmp_path / "base"
+    torch.manual_seed(3)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_LLAMA)).save_pretrained(base)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"text": f"<|im_start|>user {i} says hi<|im_end|> " * 3})
+                            + "\n" for i in range(24)))
+    config = write_config(tmp_path, "run", data, model_config=None, base_model=str(base),
+                          adapter="lora", lora_r=4, lora_alpha=8, lora_target_linear=True,
+                          lora_modules_to_save=["embed_tokens", "lm_head"], max_steps=2,
+                          val_set_size=0, eval_steps=None, **_TOKEN_KEYS)
+    train(config, 1)
+    final = tmp_path / "run" / "final"
+    assert not (final / "base_model").exists()  # the adapter names the 384-row base folder
+    merged_dir = tmp_path / "merged"
+    result = run_longctx("merge-lora", str(config), "--checkpoint", str(final),
+                         "--output", str(merged_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, attn_implementation="eager")
+    assert merged.config.vocab_size == 386
+    # peft's own merge onto the base resized by transformers (the saved embedding and
+    # lm_head replace the resized rows whole).
+    want = AutoModelForCausalLM.from_pretrained(base, attn_implementation="eager")
+    want.resize_token_embeddings(386, mean_resizing=False)
+    want = PeftModel.from_pretrained(want, str(final)).merge_and_unload()
+    ids = torch.tensor([[3, 40, 384, 77, 385, 90]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged.eval()(ids).logits, want.eval()(ids).logits,
+                                   rtol=1e-5, atol=1e-5)
