@@ -426,3 +426,33 @@ def test_merge_lora_resizes_the_adapters_base_as_training_did(tmp_path) -> None:
     with torch.no_grad():
         torch.testing.assert_close(merged.eval()(ids).logits, want.eval()(ids).logits,
                                    rtol=1e-5, atol=1e-5)
+
+
+def _tp_rows_worker(rank: int, world_size: int, keys: dict[str, Any]) -> str:
+    from longctx_cli.config.model_shape import read_model_config
+    from longctx_cli.config.plan import build_plan
+    from longctx_cli.config.world import Platform
+    from longctx_cli.parallel.mesh import build_parallel_state
+    from longctx_cli.runtime.model import build_model
+
+    config = _token_config(**keys, tensor_parallel_size=world_size)
+    plan = build_plan(config, world_size, read_model_config(config),
+                      platform=Platform(cuda=False, ring_flash_attn=False))
+    state = build_parallel_state(plan.layout, torch.device("cpu"))
+    try:
+        model = build_model(config, state)
+    except UserError as e:
+        return str(e)
+    return f"rows {model.get_input_embeddings().weight.full_tensor().shape[0]}"
+
+
+def test_added_tokens_under_tensor_parallelism_need_rows_tp_divides() -> None:
+    from tests.distributed import run_distributed
+
+    # One added token: 385 rows, which TP 2 cannot split; rounded up to 32 it can.
+    odd = run_distributed(_tp_rows_worker, 2, {"tokens": ["<x>"]}, timeout_s=300)[0]
+    assert "have 385 rows" in odd and "resize_token_embeddings_to_32x" in odd, odd
+    padded = run_distributed(_tp_rows_worker, 2, {"tokens": ["<x>"],
+                                                  "resize_token_embeddings_to_32x": True},
+                             timeout_s=300)[0]
+    assert padded == "rows 416", padded

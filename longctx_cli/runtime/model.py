@@ -537,6 +537,14 @@ def build_model(config: Config, state: ParallelState | None = None,
         from longctx_cli.parallel.tensor_parallel import apply_tensor_parallel
 
         base = unwrap(model)
+        rows = base.get_input_embeddings().num_embeddings
+        if rows % state.layout.tp:  # the plan checked the vocabulary before tokens were added
+            raise UserError(
+                f"with the added tokens the embeddings have {rows} rows, which "
+                f"`tensor_parallel_size` = {state.layout.tp} does not divide (TP splits the "
+                "vocabulary evenly).", where="tokens",
+                fix="set `resize_token_embeddings_to_32x: true` (a multiple of 32), or add "
+                "tokens up to a multiple of the TP size.")
         try:
             apply_tensor_parallel(decoder_of(base), base.get_output_embeddings(), state,
                                   base.config)
