@@ -456,3 +456,21 @@ def test_added_tokens_under_tensor_parallelism_need_rows_tp_divides() -> None:
                                                   "resize_token_embeddings_to_32x": True},
                              timeout_s=300)[0]
     assert padded == "rows 416", padded
+
+
+def test_eval_of_the_base_resizes_it_as_training_began(tmp_path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longctx_cli.eval.checkpoint_loading import load_for_eval
+    from longctx_cli.runtime.model import load_base_model
+    from tests.train_helpers import TINY_LLAMA
+
+    base = tmp_path / "base"
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_LLAMA)).save_pretrained(base)
+    config = config_from_dict({"base_model": str(base), "tokenizer": "byte", "dtype": "float32",
+                               "seed": 7, **_TOKEN_KEYS})
+    before = load_for_eval(config, base)
+    start = load_base_model(config, "eager")  # the model training starts from
+    assert before.get_input_embeddings().num_embeddings == 386
+    assert all(torch.equal(a, b) for a, b in zip(before.state_dict().values(),
+                                                 start.state_dict().values(), strict=True))

@@ -195,6 +195,9 @@ def load_for_eval(config: Config, path: Path) -> nn.Module:
         model = _load_lora(path, config)
     else:
         model = _from_pretrained(str(path), config, _run_config_for_base(config, path))
+        from longctx_cli.runtime.model import fit_embeddings
+
+        fit_embeddings(model, config)  # a base before the run's added tokens: as training began
     model.eval()
     model.requires_grad_(False)
     if getattr(model.config, "use_cache", False):
