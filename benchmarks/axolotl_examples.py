@@ -166,14 +166,17 @@ def family_config(model_id: str) -> dict | None:
     return fields
 
 
-def _family_cache(cache: Path, model_id: str, fields: dict) -> None:
+def _family_cache(cache: Path, model_id: str, fields: dict, revision: str | None = None
+                  ) -> None:
     """`fields` as `model_id`'s config.json in the private cache, as the hub client lays it
-    out."""
+    out (also as the example's `revision_of_model`, which the family config stands in for)."""
     repo = cache / ("models--" + model_id.replace("/", "--"))
     (repo / "snapshots" / "0").mkdir(parents=True, exist_ok=True)
     (repo / "snapshots" / "0" / "config.json").write_text(json.dumps(fields))
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / "main").write_text("0")
+    if revision:
+        (repo / "refs" / revision).write_text("0")
 
 
 def _validate_all(jobs: list[tuple[Path, Path, int]]) -> list[tuple[int, str]]:
@@ -265,7 +268,9 @@ def survey(axolotl: Path, nproc: int, only: list[str] | None = None) -> dict:
                 results[i] = (2, f"the benchmark knows no transformers family for `{model_id}`"
                               " (FAMILIES)", "family")
                 continue
-            _family_cache(cache, model_id.strip(), fields)
+            revision = configs[i].get("revision_of_model")
+            _family_cache(cache, model_id.strip(), fields,
+                          str(revision) if revision is not None else None)
             known.append(i)
         print(f"again with each model's family config: {len(known)} configs ...",
               file=sys.stderr)

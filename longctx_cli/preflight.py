@@ -419,7 +419,8 @@ def _hf_config(config: Config) -> Any:
         return build_from_dict(config.model.model_config_dict, "model_config")
     try:
         return AutoConfig.from_pretrained(str(config.model.base_model), local_files_only=True,
-                                          trust_remote_code=config.model.trust_remote_code)
+                                          trust_remote_code=config.model.trust_remote_code,
+                                          **config.model.revision_kwargs(config.model.base_model))
     except (OSError, ValueError):
         fields = known_models.lookup(str(config.model.base_model))
         return build_from_dict(fields, "base_model") if fields is not None else None

@@ -277,17 +277,10 @@ AXOLOTL_KEYS: dict[str, Rule] = {
         "ignored", "chat-template label masks come from the template's assistant turns; "
         "end-of-turn tokens are not configured separately"
     ),
-    "tokens": Rule("refused", "adding tokens needs resized embeddings, not supported yet"),
     "added_tokens_overrides": Rule("refused", "rewriting the vocabulary is not supported"),
-    "resize_token_embeddings_to_32x": Rule("ignored", _MEMORY),
-    "mean_resizing_embeddings": Rule("ignored", "longctx never resizes embeddings"),
-    "shrink_embeddings": Rule("refused", "longctx never resizes embeddings"),
     "embeddings_skip_upcast": Rule("ignored", "embeddings keep the model's dtype"),
     "fix_untrained_tokens": Rule("refused", "re-initialising token embeddings is not supported"),
     "model_kwargs": Rule("refused", "extra from_pretrained arguments are not supported"),
-    "revision_of_model": Rule(
-        "refused", "loading a model revision is not supported; download that revision and "
-        "give its folder as `base_model`"),
     "expert_parallel_size": Rule(
         "refused", "expert parallelism is not supported; experts are sharded with the rest of "
         "the model by FSDP"),
@@ -501,6 +494,19 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "otel_metrics_host": Rule("ignored", _TRACKER),
     "otel_metrics_port": Rule("ignored", _TRACKER),
     "swanlab_project": Rule("ignored", _TRACKER),
+    "swanlab_experiment_name": Rule("ignored", _TRACKER),
+    "swanlab_description": Rule("ignored", _TRACKER),
+    "swanlab_workspace": Rule("ignored", _TRACKER),
+    "swanlab_mode": Rule("ignored", _TRACKER),
+    "swanlab_log_model": Rule("ignored", _TRACKER),
+    "swanlab_log_completions": Rule("ignored", _TRACKER),
+    "swanlab_completion_log_interval": Rule("ignored", _TRACKER),
+    "swanlab_completion_max_buffer": Rule("ignored", _TRACKER),
+    "swanlab_api_key": Rule("ignored", _TRACKER),
+    "swanlab_web_host": Rule("ignored", _TRACKER),
+    "swanlab_api_host": Rule("ignored", _TRACKER),
+    "swanlab_lark_webhook_url": Rule("ignored", _TRACKER),
+    "swanlab_lark_secret": Rule("ignored", _TRACKER),
     "comet_api_key": Rule("ignored", _TRACKER),
     "comet_workspace": Rule("ignored", _TRACKER),
     "comet_project_name": Rule("ignored", _TRACKER),
@@ -560,6 +566,8 @@ AXOLOTL_KEYS: dict[str, Rule] = {
 # Axolotl keys that longctx's schema has under the same name and with the same meaning.
 SAME: tuple[str, ...] = (
     "base_model", "base_model_config", "trust_remote_code", "special_tokens", "tf32",
+    "revision_of_model", "tokens", "resize_token_embeddings_to_32x", "mean_resizing_embeddings",
+    "shrink_embeddings",
     "datasets", "dataset_prepared_path", "val_set_size", "sequence_len", "sample_packing",
     "chat_template", "chat_template_jinja", "train_on_inputs", "shuffle_merged_datasets",
     "dataset_exact_deduplication",

@@ -407,6 +407,32 @@ def _not_a_key(key: str, where: str, options: Sequence[str]) -> Problem | None:
                    "correct it (`--help` lists the command's options, docs/config.md the keys).")
 
 
+# The keys of Axolotl's cloud launcher configs (`axolotl train --cloud cloud.yaml train.yaml`:
+# Modal's and Baseten's machines, volumes and secrets), none of them a training key.
+CLOUD_LAUNCHER_KEYS = ("provider", "gpu", "gpu_count", "node_count", "volumes", "secrets",
+                       "memory", "timeout", "memory_preprocess", "timeout_preprocess",
+                       "dockerfile_commands", "docker_tag", "branch", "project_name")
+
+
+def check_not_a_cloud_launcher_config(data: dict[Any, Any], where: str) -> None:
+    """Refuse an Axolotl cloud launcher config, named for what it is: it describes the machine
+    that runs a training config, not a training run (no `base_model`, launcher keys)."""
+    if data.get("base_model") is not None or data.get("model_config") is not None:
+        return
+    found = [k for k in CLOUD_LAUNCHER_KEYS if k in data]
+    if len(found) < 2 or not {"provider", "gpu", "volumes"} & set(found):
+        return
+    raise UserError(
+        f"this is an Axolotl cloud launcher config (keys {', '.join(f'`{k}`' for k in found)}; "
+        "no `base_model`), not a training config: Axolotl reads it beside a training config in "
+        "`axolotl train --cloud <this file> <training config>` to rent the machine (Modal or "
+        "Baseten), its volumes and secrets. longctx does not rent machines; it trains on the "
+        "machine it runs on, with torchrun.",
+        where=where,
+        fix="give longctx the training config itself, and run `longctx train` on the machine "
+        "you start (with its GPUs, HF_TOKEN and WANDB_API_KEY set there).")
+
+
 def config_from_dict(
     data: Any,
     where: str = "config",
@@ -421,6 +447,7 @@ def config_from_dict(
             where=where,
             fix="write `key: value` lines, e.g. `base_model: ...` and `sequence_len: 8192`.",
         )
+    check_not_a_cloud_launcher_config(data, where)
     locations = _locations or _Locations(where)
     problems = list(_problems or [])
     translated, notes, produced = _translate(data, locations, problems)

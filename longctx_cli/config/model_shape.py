@@ -202,12 +202,13 @@ def build_from_dict(fields: dict[str, Any], key: str) -> Any:
         ) from None
 
 
-def _hub_cache_folder(model_id: str) -> Path | None:
-    """The local Hugging Face cache's folder of this id's config.json, if it holds one."""
+def _hub_cache_folder(model_id: str, revision: str | None = None) -> Path | None:
+    """The local Hugging Face cache's folder of this id's config.json (at `revision`, else
+    main), if it holds one."""
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        found = try_to_load_from_cache(model_id, "config.json")
+        found = try_to_load_from_cache(model_id, "config.json", revision=revision)
     except Exception:  # an id the hub client rejects: let transformers say why
         return None
     return Path(found).parent if isinstance(found, str) else None
@@ -283,7 +284,9 @@ def _read_model_config(config: Config) -> ModelShape:
             fix="run the command from the folder the path is relative to, or first create "
             "the model it names (e.g. a run's `output_dir/final`; examples/tiny_grpo.yaml "
             "starts from the Quickstart's outputs/tiny_passkey/final).")
-    cached = None if local.exists() else _hub_cache_folder(model_id)
+    revision = config.model.revision_kwargs(model_id)
+    at = f"@{revision['revision']}" if revision else ""  # the revision, in the plan's source
+    cached = None if local.exists() else _hub_cache_folder(model_id, **revision)
     if not local.exists() and cached is None and not hub_reachable():
         # Offline and not cached: the built-in table answers without importing transformers.
         shape = _from_table(model_id, "the hub is unreachable")
@@ -291,7 +294,8 @@ def _read_model_config(config: Config) -> ModelShape:
             return shape
     saved_folder = local if local.is_dir() else cached
     if saved_folder is not None and not trust:
-        where = (f"local path {model_id}" if local.exists() else f"{model_id} (local cache)")
+        where = (f"local path {model_id}" if local.exists()
+                 else f"{model_id}{at} (local cache)")
         shape = _saved_plain_shape(saved_folder, where)
         if shape is not None:
             return shape
@@ -308,8 +312,9 @@ def _read_model_config(config: Config) -> ModelShape:
             ) from None
         return ModelShape.from_hf_config(hf, source=f"local path {model_id}")
     try:
-        hf = AutoConfig.from_pretrained(model_id, trust_remote_code=trust, local_files_only=True)
-        return ModelShape.from_hf_config(hf, source=f"{model_id} (local cache)")
+        hf = AutoConfig.from_pretrained(model_id, trust_remote_code=trust, local_files_only=True,
+                                        **revision)
+        return ModelShape.from_hf_config(hf, source=f"{model_id}{at} (local cache)")
     except (OSError, ValueError):
         pass  # not cached: ask the hub below
     if not hub_reachable():
@@ -318,13 +323,13 @@ def _read_model_config(config: Config) -> ModelShape:
             return shape
         raise _unreadable(model_id, "the Hugging Face hub is unreachable and it is not cached")
     try:
-        hf = AutoConfig.from_pretrained(model_id, trust_remote_code=trust)
+        hf = AutoConfig.from_pretrained(model_id, trust_remote_code=trust, **revision)
     except (OSError, ValueError) as e:
         shape = _from_table(model_id, "the hub refused the download")
         if shape is not None:
             return shape
         raise _unreadable(model_id, str(e).splitlines()[0]) from None
-    return ModelShape.from_hf_config(hf, source=f"{model_id} (hub)")
+    return ModelShape.from_hf_config(hf, source=f"{model_id}{at} (hub)")
 
 
 def _is_path_not_id(model_id: str) -> bool:

@@ -31,7 +31,11 @@ from longctx_cli.config.sections.objective import (
 from longctx_cli.config.sections.output import OutputSection
 from longctx_cli.config.sections.parallel import ParallelSection, fold_sharding
 from longctx_cli.config.sections.run import RunSection
-from longctx_cli.config.sections.training import TrainingSection
+from longctx_cli.config.sections.training import (
+    PEFT_PREFIX,
+    TrainingSection,
+    misses_adapter_names,
+)
 from longctx_cli.config.sections.vision import VisionSection
 
 __all__ = ["Config", "DatasetConfig", "SECTIONS"]
@@ -156,9 +160,27 @@ class Config(StrictModel):
         if self.training.early_stopping_patience is not None and not self.eval.scheduled:
             raise ValueError("`early_stopping_patience` needs evaluations: set `eval_steps`, "
                              "`evals_per_epoch` or `eval_strategy: epoch`")
-        if self.training.unfrozen_parameters is not None and self.lora.adapter is not None:
-            raise ValueError("`unfrozen_parameters` chooses what a full fine-tune trains; with "
-                             "`adapter` only the adapter trains: drop one of them")
+        if self.lora.adapter is not None and self.model.tokens and not (
+                self.lora.lora_modules_to_save):
+            raise ValueError("`tokens` adds rows to the embeddings and lm_head, which with "
+                             "`adapter` train only as modules peft saves whole: set "
+                             "`lora_modules_to_save: [embed_tokens, lm_head]` (the model's "
+                             "names for them), as Axolotl requires")
+        missed = [p for p in self.training.unfrozen_parameters or []
+                  if self.lora.adapter is not None and misses_adapter_names(p)]
+        if missed:
+            every = len(missed) == len(self.training.unfrozen_parameters or [])
+            raise ValueError(
+                f"`unfrozen_parameters` {missed} with `adapter`: Axolotl matches these "
+                f"patterns against the adapter-wrapped model, whose parameter names all start "
+                f"with `{PEFT_PREFIX}`, and freezes every parameter they do not match, the "
+                "adapter's own included; " + (
+                    "these match none, so nothing would train (Axolotl trains nothing: it "
+                    "warns that all parameters are frozen)" if every else
+                    "these can match none of them") + "; drop one of them: without "
+                "`unfrozen_parameters` the adapter trains; without `adapter` the patterns "
+                "choose what a full fine-tune trains; or write patterns for the wrapped names "
+                f"(`{PEFT_PREFIX}model.layers.0.self_attn.q_proj.lora_A.default.weight`)")
         rows = self.training.trains_rows_of_parameters
         if rows is not None and (self.parallel.fsdp or self.parallel.tensor_parallel_size > 1):
             raise ValueError(f"`unfrozen_parameters` entry {rows!r} trains some rows "

@@ -416,6 +416,7 @@ def _tokenizer_source(config: Config, identify: Callable[[Path], Any]) -> dict[s
         "code": identify(code[0]) if len(code) == 1 else [identify(c) for c in code],
         "special_tokens": special.model_dump(mode="json") if special is not None else None,
         "trust_remote_code": config.model.trust_remote_code,
+        **({"tokens": config.model.tokens} if config.model.tokens else {}),  # added tokens
     }
 
 

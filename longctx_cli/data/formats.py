@@ -137,6 +137,7 @@ class FormatSpec:
     template: str = ""
     end_markers: tuple[str, ...] = ()
     thinking_key: str | None = None  # message key of a reasoning trace, trained with content
+    drop_system: bool = False  # leave out a first system turn (`drop_system_message`)
     # preference types: the answer columns of chat_template.default
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
@@ -187,6 +188,7 @@ def tokenize_batch(
         positions = None  # from 0 for the whole sample, except for a pair's two sequences
         if is_preference_type(spec.type):
             texts = preference.pair_texts(record, spec.type, where(i), tok=tok,
+                                          drop_system=spec.drop_system,
                                           messages_field=spec.messages_field,
                                           chosen_field=spec.chosen_field,
                                           rejected_field=spec.rejected_field,
@@ -471,6 +473,8 @@ def conversation(record: dict[str, Any], spec: FormatSpec, where: str) -> list[T
         extra = {k: raw[v] for k, v in spec.mappings.items()
                  if k not in ("role", "content") and raw.get(v) is not None}
         turns.append(Turn(role, content, train, extra))
+    if spec.drop_system and turns[0].role == "system":  # only a first one, as Axolotl does
+        turns = turns[1:]
     return turns
 
 

@@ -78,8 +78,10 @@ def string_field(record: dict[str, Any], keys: tuple[str, ...], where: str, what
 def pair_texts(record: dict[str, Any], type_: str, where: str, *,
                tok: PreTrainedTokenizerBase, messages_field: str = "messages",
                chosen_field: str = "chosen", rejected_field: str = "rejected",
-               template: str | None = None) -> tuple[str, str, str]:
-    """(prompt, chosen, rejected) text of one record of a preference type."""
+               template: str | None = None,
+               drop_system: bool = False) -> tuple[str, str, str]:
+    """(prompt, chosen, rejected) text of one record of a preference type (`drop_system`:
+    bradley_terry.chat_template leaves the record's system text out)."""
     if type_ == "preference":  # TRL's standard text format
         return tuple(string_field(record, (k,), where, k) for k in ("prompt", "chosen", "rejected"))
     if type_ == "chat_template.default":
@@ -88,7 +90,7 @@ def pair_texts(record: dict[str, Any], type_: str, where: str, *,
     if type_ == "chat_template.argilla":
         return _rendered_pair(*_argilla_conversation(record, where), where, tok, template)
     if type_ == "bradley_terry.chat_template":  # Axolotl's reward-model type
-        system = record.get("system")
+        system = None if drop_system else record.get("system")
         messages = [{"role": "system", "content": system}] if system else []
         prompt = string_field(record, ("input",), where, "input")
         messages.append({"role": "user", "content": prompt})

@@ -467,7 +467,8 @@ def format_spec(
                               chosen_field=entry.field_chosen,
                               rejected_field=entry.field_rejected,
                               orpo=config.objective.rl == "orpo",
-                              share_prompt=config.objective.prefix_sharing)
+                              share_prompt=config.objective.prefix_sharing,
+                              drop_system=entry.drop_system_message)
     if entry.type in ("chat_template.default", "chat_template.argilla",
                       "bradley_terry.chat_template"):  # pairs, rendered
         spec.template = chat_templates.resolve_template(config, entry, tok)[0]

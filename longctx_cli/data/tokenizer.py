@@ -61,35 +61,44 @@ def load_tokenizer(config: Config) -> PreTrainedTokenizerBase:
         tok = load_mistral_common(source, local_only=not Path(source).expanduser().exists()
                                   and not hub_reachable())
     else:
-        tok = _from_pretrained(source, config.model.trust_remote_code)
+        tok = _from_pretrained(source, config.model.trust_remote_code,
+                               config.model.revision_kwargs(source))
     apply_special_tokens(tok, config)
     ensure_pad_token(tok)
     return tok
 
 
 def apply_special_tokens(tok: PreTrainedTokenizerBase, config: Config) -> None:
-    """Axolotl's `special_tokens:`; each must already be one token of the vocabulary, since
-    adding tokens would need resized embeddings."""
+    """Axolotl's `special_tokens:` and `tokens:`, in Axolotl's order: the named special tokens,
+    then `tokens`, then `additional_special_tokens`. A token the vocabulary lacks is added
+    (whole, never normalised, as Axolotl adds it); the model's embeddings then grow to the
+    tokenizer's length (runtime/model.py:fit_embeddings)."""
+    from transformers import AddedToken
+
     special = config.model.special_tokens
-    if special is None:
-        return
-    for name, text in special.model_dump(exclude_none=True).items():
-        for token in text if isinstance(text, list) else [text]:
-            ids = tok.convert_tokens_to_ids(token)
-            if ids is None or ids == tok.unk_token_id and token != tok.unk_token:
-                raise UserError(
-                    f"special_tokens.{name} = {token!r} is not a token of the tokenizer's "
-                    "vocabulary; adding tokens (and resizing embeddings) is not supported.",
-                    where="special_tokens",
-                    fix="use a token the tokenizer already has (e.g. its eos token), or remove it.",
-                )
-        if name == "additional_special_tokens":
-            tok.add_special_tokens({name: text}, replace_additional_special_tokens=False)
-        else:
+    named = special.model_dump(exclude_none=True) if special is not None else {}
+    additional = named.pop("additional_special_tokens", None)
+    for name, text in named.items():
+        if _in_vocabulary(tok, text):
             setattr(tok, name, text)
+        else:
+            tok.add_special_tokens({name: AddedToken(text, rstrip=False, lstrip=False,
+                                                     normalized=False)})
+    if config.model.tokens:
+        tok.add_tokens([AddedToken(t, rstrip=False, lstrip=False, normalized=False)
+                        for t in config.model.tokens])
+    if additional is not None:
+        tok.add_special_tokens({"additional_special_tokens": additional},
+                               replace_additional_special_tokens=False)
 
 
-def _from_pretrained(source: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+def _in_vocabulary(tok: PreTrainedTokenizerBase, token: str) -> bool:
+    ids = tok.convert_tokens_to_ids(token)
+    return ids is not None and (ids != tok.unk_token_id or token == tok.unk_token)
+
+
+def _from_pretrained(source: str, trust_remote_code: bool,
+                     revision: dict[str, str] | None = None) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     from longctx_cli.hub import hub_reachable, offline_error
@@ -106,11 +115,13 @@ def _from_pretrained(source: str, trust_remote_code: bool) -> PreTrainedTokenize
     if not local.exists() and not hub_reachable():
         try:  # no network: the local cache only, so a miss fails at once, not after retries
             return AutoTokenizer.from_pretrained(
-                source, trust_remote_code=trust_remote_code, local_files_only=True)
+                source, trust_remote_code=trust_remote_code, local_files_only=True,
+                **(revision or {}))
         except (OSError, ValueError):
             raise offline_error("tokenizer", source, "tokenizer") from None
     try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code,
+                                             **(revision or {}))
     except (OSError, ValueError) as exc:
         # transformers raises OSError for missing files / unknown hub ids and ValueError for
         # remote code that was not allowed; both are the user's to fix.

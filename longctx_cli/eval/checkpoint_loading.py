@@ -98,16 +98,18 @@ def _from_pretrained(source: str, config: Config, hf_config=None) -> nn.Module:
 
     from longctx_cli.runtime.model import DTYPES, model_class_and_attention
 
+    revision = config.model.revision_kwargs(source)  # an adapter's base: the run's revision
     try:
         auto_class, attn = model_class_and_attention(
             hf_config if hf_config is not None else AutoConfig.from_pretrained(
-                source, trust_remote_code=config.model.trust_remote_code), ATTN_IMPLEMENTATION,
-            config.trains_images)
+                source, trust_remote_code=config.model.trust_remote_code, **revision),
+            ATTN_IMPLEMENTATION, config.trains_images)
         model = auto_class.from_pretrained(
             source,
             attn_implementation=attn,
             dtype=DTYPES[config.model.dtype],
             trust_remote_code=config.model.trust_remote_code,
+            **revision,
             **({"config": hf_config} if hf_config is not None else {}),
         )
     except (OSError, ValueError, SafetensorError) as e:
@@ -130,7 +132,12 @@ def _load_lora(path: Path, config: Config) -> nn.Module:
     from peft import PeftModel
 
     from longctx_cli.runtime.experts import linearize_experts
-    from longctx_cli.runtime.model import changes_model_config, model_config_of, peft_quietly
+    from longctx_cli.runtime.model import (
+        changes_model_config,
+        fit_embeddings,
+        model_config_of,
+        peft_quietly,
+    )
 
     # The adapter was trained on the base under the run's config (RoPE scaling, overrides);
     # a bundled base_model/ was saved with it already.
@@ -139,6 +146,7 @@ def _load_lora(path: Path, config: Config) -> nn.Module:
     base = _from_pretrained(lora_base_path(path), config, run_config)
     if config.model.llama4_linearized_experts:  # the adapter may target the expert linears
         linearize_experts(base)
+    fit_embeddings(base, config)  # the rows the run added (`tokens`), before the adapter loads
     with peft_quietly():
         return PeftModel.from_pretrained(base, str(path)).merge_and_unload()
 
@@ -190,6 +198,9 @@ def load_for_eval(config: Config, path: Path) -> nn.Module:
         model = _load_lora(path, config)
     else:
         model = _from_pretrained(str(path), config, _run_config_for_base(config, path))
+        from longctx_cli.runtime.model import fit_embeddings
+
+        fit_embeddings(model, config)  # a base before the run's added tokens: as training began
     model.eval()
     model.requires_grad_(False)
     if getattr(model.config, "use_cache", False):

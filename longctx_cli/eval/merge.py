@@ -52,6 +52,7 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
         DTYPES,
         bnb_quantization,
         changes_model_config,
+        fit_embeddings,
         load_device_map,
         model_class_and_attention,
         model_config_of,
@@ -94,7 +95,9 @@ def merge_lora(config: Config, checkpoint: Path, output: Path | None = None,
         auto_class, kwargs["attn_implementation"] = model_class_and_attention(
             kwargs.get("config") or _base_config(base_path, config), MERGE_ATTENTION,
             config.trains_images)
-        base = auto_class.from_pretrained(base_path, **kwargs)
+        base = auto_class.from_pretrained(base_path, **kwargs,
+                                          **config.model.revision_kwargs(base_path))
+        fit_embeddings(base, config)  # the rows the run added, before the adapter loads
     except (OSError, ValueError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"could not load the base model {base_path!r}: {first}",
@@ -135,7 +138,8 @@ def _base_config(base_path: str, config: Config) -> PretrainedConfig:
     """The base model's own config (which Auto class loads it)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(base_path, trust_remote_code=config.model.trust_remote_code)
+    return AutoConfig.from_pretrained(base_path, trust_remote_code=config.model.trust_remote_code,
+                                      **config.model.revision_kwargs(base_path))
 
 
 def saved_with(config: Config) -> ProcessorFiles | PreTrainedTokenizerBase:

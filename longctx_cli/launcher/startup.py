@@ -112,7 +112,7 @@ def _quant_method(fields: Any) -> str | None:
     return str(quant.get("quant_method")).lower() if isinstance(quant, dict) else None
 
 
-def _checkpoint_config(model_id: str) -> dict | None:
+def _checkpoint_config(model_id: str, revision: str | None = None) -> dict | None:
     """A checkpoint's config.json as a dict, from a local folder or the local Hugging Face
     cache (never the network); None when it is not at hand."""
     folder = Path(model_id).expanduser()
@@ -121,7 +121,7 @@ def _checkpoint_config(model_id: str) -> dict | None:
         try:
             from huggingface_hub import try_to_load_from_cache
 
-            path = try_to_load_from_cache(model_id, "config.json")
+            path = try_to_load_from_cache(model_id, "config.json", revision=revision)
         except Exception:  # noqa: BLE001 - an id the hub client rejects: not at hand
             return None
         if not isinstance(path, str):
@@ -142,7 +142,7 @@ def needs_torchao(config: Any, optimizer_uses_it: bool) -> bool:
         return _quant_method(config.model.model_config_dict) == "torchao"
     model = config.model
     for model_id in {str(m) for m in (model.base_model, model.base_model_config) if m}:
-        fields = _checkpoint_config(model_id)
+        fields = _checkpoint_config(model_id, **model.revision_kwargs(model_id))
         if fields is None or _quant_method(fields) == "torchao":
             return True
     return False

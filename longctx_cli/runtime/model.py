@@ -166,6 +166,54 @@ def reward_model_class(hf_config: PretrainedConfig) -> tuple[Any, PretrainedConf
     return AutoModelForSequenceClassification, hf_config
 
 
+def embeddings_size(config: Config, tokenizer_length: int, current: int) -> int:
+    """The number of embedding rows the model gets (Axolotl's rule): the tokenizer's length
+    (rounded up to 32 with `resize_token_embeddings_to_32x`) when the embeddings are smaller,
+    or larger and `shrink_embeddings`; else they stay as they are."""
+    target = tokenizer_length
+    if config.model.resize_token_embeddings_to_32x:
+        target = -(-tokenizer_length // 32) * 32
+    if current < target or (current > target and config.model.shrink_embeddings):
+        return target
+    return current
+
+
+def fit_embeddings(model: PreTrainedModel, config: Config) -> None:
+    """Resize the embeddings (and an untied lm_head) to the tokenizer's length with added
+    tokens, as Axolotl does: transformers' `resize_token_embeddings`, new rows drawn from
+    `seed` (the same on every rank) or their mean with `mean_resizing_embeddings`."""
+    if not config.model.may_resize_embeddings or config.model.tokenizer_source is None:
+        return
+    from longctx_cli.data.tokenizer import load_tokenizer
+
+    current = model.get_input_embeddings().num_embeddings
+    target = embeddings_size(config, len(load_tokenizer(config)), current)
+    if target == current:
+        return
+    if config.lora.adapter is not None and target > current:
+        names = [_module_name(model, m) for m in (model.get_input_embeddings(),
+                                                  model.get_output_embeddings()) if m is not None]
+        missing = [n for n in names if n not in (config.lora.lora_modules_to_save or [])]
+        if missing:
+            raise UserError(
+                f"the tokenizer has {target - current} token(s) the model's embeddings lack "
+                f"(`tokens` / `special_tokens`), and with `adapter` their rows train only as "
+                f"modules peft saves whole; `lora_modules_to_save` lacks {missing}.",
+                where="lora_modules_to_save",
+                fix=f"set `lora_modules_to_save: {names}` (as Axolotl requires when adding "
+                "tokens), or train without `adapter`.")
+    weight = model.get_input_embeddings().weight
+    devices = [weight.device.index or 0] if weight.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # the same new rows on every rank
+        torch.manual_seed(config.training.seed)
+        model.resize_token_embeddings(target, mean_resizing=config.model.mean_resizing_embeddings)
+
+
+def _module_name(model: nn.Module, module: nn.Module) -> str:
+    """The last part of `module`'s name in `model` (`embed_tokens`, `lm_head`)."""
+    return next(name for name, m in model.named_modules() if m is module).rsplit(".", 1)[-1]
+
+
 def load_base_model(
     config: Config, attn_implementation: str, quantize: bool = True,
     hf_config: PretrainedConfig | None = None,
@@ -225,6 +273,7 @@ def load_base_model(
             dtype=dtype,
             trust_remote_code=config.model.trust_remote_code,
             output_loading_info=True,
+            **config.model.revision_kwargs(config.model.base_model),
             **overridden,
         )
         refuse_linearized_checkpoint(loading.get("unexpected_keys") or (),
@@ -244,6 +293,7 @@ def load_base_model(
             fix="use a model whose attention dispatches through transformers' AttentionInterface "
             "(Llama, Qwen2/3, Mistral, Gemma, ...).",
         )
+    fit_embeddings(model, config)
     return model
 
 
@@ -457,9 +507,16 @@ def freeze_all_but(model: nn.Module, patterns: list[str]) -> None:
     `unfrozen_pattern`), and of a pattern with rows only those rows; a list that matches
     nothing is a mistake, not a frozen run."""
     parsed = [unfrozen_pattern(p) for p in patterns]
+    # With an adapter, what peft made trainable is the adapter (and `lora_modules_to_save`).
+    adapter = ({n for n, p in model.named_parameters() if p.requires_grad}
+               if hasattr(model, "peft_config") else None)
     trained = 0
+    base = []  # base weights an adapter's pattern would train
     for name, param in model.named_parameters():
         found = [rows for regex, rows in parsed if regex.match(name)]
+        if found and adapter is not None and name not in adapter:
+            base.append(name)
+            continue
         param.requires_grad_(bool(found))
         trained += bool(found)
         if found and None not in found:  # only some rows: zero the others' gradient
@@ -469,6 +526,15 @@ def freeze_all_but(model: nn.Module, patterns: list[str]) -> None:
             frozen = (~keep).nonzero().flatten()
             param.register_hook(lambda grad, rows=frozen: grad.index_fill(
                 0, rows.to(grad.device), 0.0))
+    if base:
+        raise UserError(
+            f"`unfrozen_parameters` {patterns} with `adapter` matches base weights of the "
+            f"model ({', '.join(base[:3])}{', ...' if len(base) > 3 else ''}), which the "
+            "adapter's export (adapter_model.safetensors) does not hold: what they learnt "
+            "would be lost.",
+            where="unfrozen_parameters",
+            fix="train whole modules beside the adapter with `lora_modules_to_save` (e.g. "
+            "[lm_head, embed_tokens]), and keep `unfrozen_parameters` to adapter names.")
     if not trained:
         names = [n for n, _ in model.named_parameters()]
         raise UserError(
@@ -527,6 +593,14 @@ def build_model(config: Config, state: ParallelState | None = None,
         from longctx_cli.parallel.tensor_parallel import apply_tensor_parallel
 
         base = unwrap(model)
+        rows = base.get_input_embeddings().num_embeddings
+        if rows % state.layout.tp:  # the plan checked the vocabulary before tokens were added
+            raise UserError(
+                f"with the added tokens the embeddings have {rows} rows, which "
+                f"`tensor_parallel_size` = {state.layout.tp} does not divide (TP splits the "
+                "vocabulary evenly).", where="tokens",
+                fix="set `resize_token_embeddings_to_32x: true` (a multiple of 32), or add "
+                "tokens up to a multiple of the TP size.")
         try:
             apply_tensor_parallel(decoder_of(base), base.get_output_embeddings(), state,
                                   base.config)

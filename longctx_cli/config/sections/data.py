@@ -56,6 +56,9 @@ def is_preference_type(type_: str) -> bool:
 
 
 TrainOnEos = Literal["turn", "last", "all", "none"]
+# The types whose conversations `drop_system_message` applies to (Axolotl's chat_template
+# strategies).
+_SYSTEM_TURN_TYPES = ("chat_template", "bradley_terry.chat_template")
 
 
 class DatasetConfig(StrictModel):
@@ -141,6 +144,12 @@ class DatasetConfig(StrictModel):
     chat_template: str | None = Field(
         None, description="chat_template: this entry's template (default: the top-level one)."
     )
+    drop_system_message: bool = Field(
+        False,
+        description="chat_template, bradley_terry.chat_template: leave out a conversation's "
+        "first turn when it is a system turn (as Axolotl does); a template's own default "
+        "system message stays.",
+    )
     data_files: str | list[str] | None = Field(
         None,
         description="Files to read: relative to a local `path` folder (or the current "
@@ -196,6 +205,10 @@ class DatasetConfig(StrictModel):
         if self.shards is not None and self.shards_idx >= self.shards:
             raise ValueError(f"`shards_idx` {self.shards_idx} must be below `shards` "
                              f"({self.shards})")
+        if self.drop_system_message and self.type not in _SYSTEM_TURN_TYPES:
+            raise ValueError(f"`drop_system_message` is read by the types "
+                             f"{', '.join(_SYSTEM_TURN_TYPES)} only, not `{self.type}`: "
+                             "drop it, or remove the system text from your data")
         if self.path is None and self.data_files is None and self.type != "passkey":
             raise ValueError(f"a `{self.type}` dataset needs a `path` or `data_files`")
         return self

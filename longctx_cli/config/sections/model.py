@@ -4,6 +4,7 @@ compute must be what the model computes)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -80,10 +81,39 @@ class ModelSection(Section):
         None,
         description="Where to read the model's config.json if not beside `base_model`.",
     )
+    revision_of_model: str | None = Field(
+        None,
+        description="The hub revision (branch, tag or commit) of `base_model` to load: its "
+        "weights, its config (and `base_model_config`'s) and the tokenizer, when they come "
+        "from the hub (Axolotl's key). Not with a local `base_model` folder, whose files have "
+        "no revisions.",
+    )
     special_tokens: SpecialTokens | None = Field(
         None,
         description="Tokenizer special tokens to set (bos_token, eos_token, pad_token, "
-        "unk_token); each must already be one token of the vocabulary.",
+        "unk_token, additional_special_tokens); one the vocabulary lacks is added, as Axolotl "
+        "does, and the embeddings grow with it (see `tokens`).",
+    )
+    tokens: list[str] | None = Field(
+        None,
+        description="Tokens to add to the tokenizer (Axolotl's key; after `special_tokens`, "
+        "before `additional_special_tokens`, as Axolotl adds them). The model's embeddings "
+        "(and an untied lm_head) are resized to the tokenizer's length by transformers' "
+        "`resize_token_embeddings`, the new rows drawn from `seed` (or their mean, "
+        "`mean_resizing_embeddings`), and trained; with `adapter`, list the embedding and "
+        "lm_head modules in `lora_modules_to_save`.",
+    )
+    resize_token_embeddings_to_32x: bool = Field(
+        False, description="Resize the embeddings to the tokenizer's length rounded up to a "
+        "multiple of 32 (Axolotl's key; the extra rows are tokens no text produces).",
+    )
+    mean_resizing_embeddings: bool = Field(
+        False, description="New embedding rows start at the mean of the old ones "
+        "(transformers' `mean_resizing`), not drawn from `seed` (Axolotl's key and default).",
+    )
+    shrink_embeddings: bool = Field(
+        False, description="Also resize embeddings that are larger than the tokenizer's "
+        "length down to it (Axolotl's key): the rows past it are dropped.",
     )
     tokenizer_use_mistral_common: bool = Field(
         False,
@@ -121,7 +151,36 @@ class ModelSection(Section):
         ):
             raise ValueError("`model_config` needs a `model_type` key naming the family, e.g. "
                              "`model_type: llama`")
+        if self.revision_of_model is not None:
+            if self.model_config_dict is not None:
+                raise ValueError("`revision_of_model` picks a revision of `base_model` on the "
+                                 "hub; an inline `model_config` has none: drop it")
+            if Path(str(self.base_model)).expanduser().exists():
+                # transformers reads a local folder as it is and ignores `revision`.
+                raise ValueError(
+                    f"`revision_of_model` = {self.revision_of_model!r} picks a hub revision, "
+                    f"but `base_model` = {self.base_model!r} is a local folder, whose files "
+                    "transformers loads as they are: drop `revision_of_model`, or give the "
+                    "hub id as `base_model`")
         return self
+
+    @property
+    def may_resize_embeddings(self) -> bool:
+        """The config changes the tokenizer's length or the rule of the embeddings' size, so
+        the model's embeddings are fitted to the tokenizer (`runtime/model.py`)."""
+        return bool(self.tokens or self.special_tokens or self.resize_token_embeddings_to_32x
+                    or self.shrink_embeddings)
+
+    def revision_kwargs(self, source: str | None) -> dict[str, str]:
+        """`revision=` for a `from_pretrained` of `source` when it is the base model, its
+        config or the tokenizer (as Axolotl passes it) and no local folder."""
+        if self.revision_of_model is None or source is None or source == "byte":
+            return {}
+        if source not in (self.base_model, self.base_model_config, self.tokenizer_source):
+            return {}
+        if Path(source).expanduser().exists():
+            return {}
+        return {"revision": self.revision_of_model}
 
     @property
     def random_init(self) -> bool:

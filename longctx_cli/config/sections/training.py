@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, get_args
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from longctx_cli.config.sections.base import Section
 
@@ -20,6 +20,19 @@ Optimizer = Literal[
     "adamw_torch_8bit", "adamw_torch_4bit", "ao_adamw_8bit", "ao_adamw_4bit", "ao_adamw_fp8",
 ]
 OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
+# Axolotl's optimizers that torch's own cannot reproduce, and why.
+REFUSED_OPTIMIZERS = {
+    "muon": (
+        "the `muon` of Axolotl is not torch.optim.Muon: on more than one GPU (Axolotl then builds "
+        "a device mesh, as for FSDP2) it is DistMuon (from Dion), whose Newton-Schulz "
+        "iteration uses a different coefficient triple at each of its five steps and scales "
+        "each update by sqrt(fan_out / fan_in), and on one process the Muon of Moonlight, which "
+        "leaves every norm and bias out of the optimizer (never trained) and updates "
+        "embeddings by its own AdamW; torch.optim.Muon runs one coefficient triple and scales "
+        "by sqrt(max(1, fan_out / fan_in)) or 0.2 sqrt(max(fan_out, fan_in)), so it would "
+        "train a different model than Axolotl does; use `optimizer: adamw` (or one of the "
+        "others listed in docs/config.md)"),
+}
 Scheduler = Literal[
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
     "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr",
@@ -43,6 +56,40 @@ def unfrozen_pattern(pattern: str) -> tuple[re.Pattern[str], tuple[int, int | No
             if rows[1] is not None and rows[0] >= rows[1]:
                 raise ValueError(f"empty row range [{first}:{last}]")
     return re.compile(re.sub(r"(?<!\\)\.(?!\+)", r"\\.", pattern)), rows
+
+
+# What every parameter name of a peft-wrapped model starts with (`PeftModel.base_model.model`).
+PEFT_PREFIX = "base_model.model."
+
+
+def literal_prefix(regex: str) -> str | None:
+    """The text every match of `regex` (matched from the start) begins with, as far as it is
+    plain characters; None when the pattern branches (`|`), which this does not follow."""
+    if "|" in regex:
+        return None
+    out, i = [], 1 if regex.startswith("^") else 0
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex) and not regex[i + 1].isalnum():
+            char, i = regex[i + 1], i + 2  # an escaped punctuation mark is itself
+        elif c in ".[](){}*+?^$\\":
+            break
+        else:
+            char, i = c, i + 1
+        if i < len(regex) and regex[i] in "*?{":  # the character may be absent
+            break
+        out.append(char)
+        if i < len(regex) and regex[i] == "+":
+            break
+    return "".join(out)
+
+
+def misses_adapter_names(pattern: str) -> bool:
+    """The `unfrozen_parameters` entry can match no parameter of an adapter-wrapped model:
+    its plain start differs from `base_model.model.`, with which all their names begin."""
+    prefix = literal_prefix(unfrozen_pattern(pattern)[0].pattern)
+    return prefix is not None and not (prefix.startswith(PEFT_PREFIX)
+                                       or PEFT_PREFIX.startswith(prefix))
 
 
 class TrainingSection(Section):
@@ -110,8 +157,18 @@ class TrainingSection(Section):
         "in which `.` is a literal dot except in `.+`, e.g. `model.layers.3[0-1].mlp`; a "
         "trailing `[start:end]` trains only those rows, e.g. new token embeddings: the others "
         "get no gradient, though a `weight_decay` still decays them, as in Axolotl); the rest "
-        "stay frozen. Not with `adapter`.",
+        "stay frozen. With `adapter` the patterns are matched, as in Axolotl, against the "
+        "adapter-wrapped names (`base_model.model.model.layers.0.self_attn.q_proj.lora_A."
+        "default.weight`) and may name adapter parameters only: those train, the rest of the "
+        "adapter stays at its initial values.",
     )
+
+    @field_validator("optimizer", mode="before")
+    @classmethod
+    def _refused_optimizer(cls, value: Any) -> Any:
+        if isinstance(value, str) and value in REFUSED_OPTIMIZERS:
+            raise ValueError(f"`optimizer: {value}`: {REFUSED_OPTIMIZERS[value]}")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainingSection:
