@@ -11,18 +11,7 @@ import torch
 
 from longctx_cli.config.load import config_from_dict
 from longctx_cli.errors import UserError
-
-BASE = {"model_config": {"model_type": "llama"}, "tokenizer": "byte"}
-
-
-def _error(data: dict) -> str:
-    with pytest.raises(UserError) as exc:
-        config_from_dict({**BASE, **data})
-    return " ".join(str(exc.value).split())
-
-
-def _notes(data: dict) -> dict[str, str]:
-    return dict(config_from_dict({**BASE, **data}).axolotl_notes)
+from tests.test_axolotl_round_two import _error, _notes
 
 
 def test_swanlab_keys_of_axolotls_examples_are_ignored_tracker_keys() -> None:
