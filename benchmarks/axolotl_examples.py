@@ -189,7 +189,9 @@ def _validate_all(jobs: list[tuple[Path, Path, int]]) -> list[tuple[int, str]]:
     results = []
     for path, folder, ranks in jobs:
         os.chdir(folder)
-        run = CliRunner().invoke(app, ["validate", str(path), "--nproc-per-node", str(ranks)])
+        # Wide enough that no message is wrapped inside a file path (the reasons drop those).
+        run = CliRunner().invoke(app, ["validate", str(path), "--nproc-per-node", str(ranks)],
+                                 env={"COLUMNS": "4000"})
         results.append((run.exit_code, " ".join(run.output.split())))
     os.chdir(ROOT)
     return results

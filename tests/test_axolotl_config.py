@@ -213,6 +213,26 @@ def test_distribution_keys(tmp_path):
         build_plan(cfg, 8, SHAPE, platform=Platform(False, False))
 
 
+def test_expert_parallel_size_shards_the_experts_by_fsdp():
+    # Axolotl's EP examples: `expert_parallel_size` alone (world = ep), and ep x dp_shard.
+    for extra, world in (({}, 4), ({"dp_shard_size": 2}, 4), ({}, 8)):
+        cfg = config_from_dict({**TINY, "expert_parallel_size": 4 // (extra.get(
+            "dp_shard_size") or 1), **extra})
+        assert cfg.parallel.fsdp and "no expert all-to-all" in dict(cfg.axolotl_notes)[
+            "expert_parallel_size"]
+        layout = build_plan(cfg, world, SHAPE, platform=Platform(False, False)).layout
+        assert (layout.fsdp, layout.dp_shard, layout.dp_replicate) == (True, world, 1)
+    cfg = config_from_dict({**TINY, "expert_parallel_size": 3})
+    with pytest.raises(UserError, match="expert_parallel_size` = 3 does not divide the 4"):
+        build_plan(cfg, 4, SHAPE, platform=Platform(False, False))
+    # Its buffer sizes change no result; the token cap drops routed tokens, so it is refused.
+    notes = dict(config_from_dict({**TINY, "expert_parallel_size": 2,
+                                   "expert_parallel_num_nvl_bytes": 1 << 28}).axolotl_notes)
+    assert notes["expert_parallel_num_nvl_bytes"].startswith("ignored")
+    msg = _error(config_from_dict, {**TINY, "expert_parallel_token_capacity": 1024})
+    assert "`expert_parallel_token_capacity` is not supported" in msg and "route" in msg
+
+
 def test_ignored_and_refused_keys():
     cfg = config_from_dict({**TINY, "plugins": ["axolotl.integrations.liger.LigerPlugin"],
                             "use_kernels": True, "hub_model_id": "me/x", "rl": None})

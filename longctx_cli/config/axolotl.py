@@ -281,9 +281,14 @@ AXOLOTL_KEYS: dict[str, Rule] = {
     "embeddings_skip_upcast": Rule("ignored", "embeddings keep the model's dtype"),
     "fix_untrained_tokens": Rule("refused", "re-initialising token embeddings is not supported"),
     "model_kwargs": Rule("refused", "extra from_pretrained arguments are not supported"),
-    "expert_parallel_size": Rule(
-        "refused", "expert parallelism is not supported; experts are sharded with the rest of "
-        "the model by FSDP"),
+    # Axolotl's DeepEP plugin: `expert_parallel_size` is a key of ours (the parallel section).
+    **{key: Rule("ignored", "DeepEP's dispatch buffers and backend; longctx has no expert "
+                 "all-to-all (`expert_parallel_size` shards the experts by FSDP2)")
+       for key in ("expert_parallel_backend", "expert_parallel_num_nvl_bytes",
+                   "expert_parallel_num_rdma_bytes", "expert_parallel_fallback_on_unsupported")},
+    "expert_parallel_token_capacity": Rule(
+        "refused", "it drops the lowest-weight token-to-expert assignments past the cap, so "
+        "the model would route differently from its own forward"),
     "diffusion": Rule("refused", "diffusion language-model training is not supported"),
     "use_onebitllms": Rule(
         "refused", "onebitllms' ternary (1.58-bit) layers are not supported; longctx trains "

@@ -172,6 +172,14 @@ class ParallelSection(Section):
     dp_shard_size: int | None = Field(
         None, ge=1, description="Ranks that shard the weights (FSDP); checked against the world."
     )
+    expert_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Axolotl's expert parallelism (its experts split over this many ranks). "
+        "longctx has no expert all-to-all: FSDP2 shards every weight, experts included, over "
+        "`dp_shard_size` x this many ranks (or the whole data-parallel world), which trains "
+        "the same model with the experts sharded at least as finely.",
+    )
     dp_replicate_size: int | None = Field(
         None, ge=1, description="Replicas of the sharded weights (HSDP when > 1 with FSDP)."
     )
@@ -227,6 +235,14 @@ def fold_sharding(parallel: ParallelSection, notes: list[tuple[str, str]]) -> bo
         fc = parallel.fsdp_config
         if parallel.fsdp_version == 1 or (fc and fc.fsdp_version == 1):
             notes.append(("fsdp_version", "1 runs as FSDP2 (same sharding)"))
+    if parallel.expert_parallel_size > 1:
+        # Axolotl's world is expert_parallel_size x dp_shard_size: here both axes shard.
+        ep, shard = parallel.expert_parallel_size, parallel.dp_shard_size or 1
+        parallel.fsdp = True
+        notes.append(("expert_parallel_size", (
+            f"{ep}: longctx has no expert all-to-all; FSDP2 shards every weight, experts "
+            f"included, over at least {ep * shard} ranks (expert_parallel_size x "
+            "dp_shard_size): the same training, experts sharded at least as finely")))
     if parallel.dp_shard_size is not None and parallel.dp_shard_size > 1:
         parallel.fsdp = True
     return parallel.fsdp_config is not None and parallel.fsdp_config.activation_checkpointing
@@ -283,7 +299,7 @@ def parallel_layout(
                                          shape, ring_attn_func, sharding, dtype, packed)
         replicas, shards = data_parallel_degrees(world, sp, tp, parallel.fsdp,
                                                  parallel.dp_replicate_size,
-                                                 parallel.dp_shard_size)
+                                                 expert_sharding(parallel, world // (sp * tp)))
         # Fills `world` by construction: the ranks check it again on the real world (mesh).
         return Layout(
             sp=sp, tp=tp, dp_replicate=replicas, dp_shard=shards, fsdp=parallel.fsdp,
@@ -294,6 +310,22 @@ def parallel_layout(
         )
     except LayoutError as err:
         raise UserError(err.message, fix=err.fix, key=err.key) from None
+
+
+def expert_sharding(parallel: ParallelSection, data_parallel: int) -> int | None:
+    """`dp_shard_size` with Axolotl's expert axis folded in (`expert_parallel_size` x
+    `dp_shard_size` ranks shard the weights), checked against the data-parallel ranks."""
+    ep, shard = parallel.expert_parallel_size, parallel.dp_shard_size
+    if ep == 1:
+        return shard
+    if data_parallel % (ep * (shard or 1)):
+        raise LayoutError(
+            "expert_parallel_size",
+            f"`expert_parallel_size` = {ep}" + (f" x dp_shard_size {shard}" if shard else "")
+            + f" does not divide the {data_parallel} data-parallel ranks.",
+            "make expert_parallel_size (x dp_shard_size) divide the world / "
+            "sequence_parallel_degree / tensor_parallel_size.")
+    return ep * (shard or 1)
 
 
 def _resolve_kernel(requested: str, platform: Platform | None, ring: int,

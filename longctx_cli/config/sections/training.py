@@ -170,6 +170,15 @@ class TrainingSection(Section):
             raise ValueError(f"`optimizer: {value}`: {REFUSED_OPTIMIZERS[value]}")
         return value
 
+    @field_validator("warmup_steps", mode="before")
+    @classmethod
+    def _whole_warmup_steps(cls, value: Any) -> Any:
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(
+                "it counts optimizer steps, a whole number (Axolotl's schema types it an "
+                f"integer too); for a fraction of the run's steps write `warmup_ratio: {value}`")
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> TrainingSection:
         if self.warmup_steps is not None and self.warmup_ratio is not None:
