@@ -217,7 +217,7 @@ def _reason(output: str) -> str:
     first = re.sub(r"^\S+\.ya?ml(:\d+:\d+)?: ", "", first)
     first = re.sub(r" \S+\.ya?ml:\d+:\d+: .*", "", first)
     first = first.split(" Fix:")[0]
-    first = re.sub(r"'[^']*'", "'...'", first)
+    first = re.sub(r"(?<![A-Za-z])'[^']*'(?![A-Za-z])", "'...'", first)  # not apostrophes
     return re.sub(r"('\.\.\.', )+('\.\.\.' or )?'\.\.\.'", "'...'", first)[:150]
 
 

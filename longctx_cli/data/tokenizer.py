@@ -199,11 +199,31 @@ def load_config_processor(config: Config) -> VisionProcessor:
     processor's own template, as for a text model's tokenizer)."""
     from longctx_cli.data.vision.processor import load_processor, processor_folder
 
-    vp = load_processor(processor_folder(config), image_size=config.vision.image_size,
+    folder = processor_folder(config)
+    vp = load_processor(folder, image_size=config.vision.image_size,
                         image_resize_algorithm=config.vision.image_resize_algorithm)
+    check_processor_class(vp.processor, config.vision.processor_type, folder)
     tok = vp.tokenizer
     if not isinstance(getattr(tok, "chat_template", None), str) and vp.chat_template:
         tok.chat_template = vp.chat_template
     apply_special_tokens(tok, config)
     ensure_pad_token(tok)
     return vp
+
+
+def check_processor_class(processor: Any, named: str | None, folder: str) -> None:
+    """A `processor_type` other than AutoProcessor names the class the folder must hold
+    (Axolotl loads that class; here AutoProcessor loads the folder's and it must agree)."""
+    if named in (None, "AutoProcessor"):
+        return
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    classes = [c.__name__ for c in type(processor).__mro__]
+    if named not in classes:
+        known = set(PROCESSOR_MAPPING_NAMES.values())
+        held = next((c for c in classes if c in known), classes[0])  # past longctx's subclass
+        raise UserError(
+            f"`processor_type: {named}` names a processor class, but the processor in "
+            f"{folder} is a {held}.", where="processor_type",
+            fix=f"write `processor_type: AutoProcessor` (the class the folder names), or "
+            f"point `processor_path` at a {named}'s files.")

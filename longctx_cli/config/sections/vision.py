@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from longctx_cli.config.sections.base import Section
 from longctx_cli.config.shape import is_vision_language
@@ -27,11 +27,13 @@ from longctx_cli.layout import Layout
 class VisionSection(Section):
     title = "model"  # docs/vlm.md explains these keys
 
-    processor_type: Literal["AutoProcessor"] | None = Field(
+    processor_type: str | None = Field(
         None,
         description="Vision-language models: load the processor (image processor, tokenizer, "
         "chat template) from `processor_path` or `base_model` with transformers' "
-        "AutoProcessor, offline. Set it (as Axolotl does) to train on image-bearing records.",
+        "AutoProcessor, offline. Set it (as Axolotl does) to train on image-bearing records. "
+        "A processor class name (`Qwen2VLProcessor`) is accepted too: the folder's processor "
+        "must be of that class.",
     )
     processor_path: str | None = Field(
         None,
@@ -51,6 +53,18 @@ class VisionSection(Section):
         description="Vision-language models: freeze the vision tower and the projector; only "
         "the language model trains (full fine-tune), or only its adapters (with `adapter`).",
     )
+
+    @field_validator("processor_type")
+    @classmethod
+    def _known_processor(cls, value: str | None) -> str | None:
+        if value in (None, "AutoProcessor"):
+            return value
+        from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+        if value not in set(PROCESSOR_MAPPING_NAMES.values()):
+            raise ValueError(f"`{value}` is not a processor class transformers has; write "
+                             "`AutoProcessor` (the class the model's folder names)")
+        return value
 
     @property
     def trains_images(self) -> bool:
