@@ -254,7 +254,7 @@ def check_lora_targets(config: Config) -> None:
     """Every name in `lora_target_modules` matches a module of the model (peft's rules: a
     list entry matches a module name or its last dotted parts; a string is a regex)."""
     targets = config.lora.lora_target_modules
-    if config.lora.adapter != "lora" or targets == "all-linear":
+    if config.lora.adapter is None or targets == "all-linear":  # lora and qlora alike
         return
     names = module_classes(config)
     if names is None:

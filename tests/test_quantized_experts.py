@@ -8,7 +8,9 @@ gloo) has, at every step, the loss and LoRA gradients of the same quantized peft
 own Hugging Face forward/backward in one process on the same documents (built here with
 transformers, bitsandbytes and peft directly, not with longctx's loader), and the same
 final LoRA weights. The rounding of the experts matters: the reference with full-precision
-experts has a visibly different loss. Where it cannot run (an 8-bit or full-precision base,
+experts has a visibly different loss. An 8-bit base holds its experts in int8 with a scale
+per row: the same check against transformers + bitsandbytes' own row-wise rounding at sp 2.
+Where it cannot run (a full-precision base,
 LoRA on the quantized experts, a model without fused experts) it is refused with the
 reason."""
 
@@ -61,7 +63,10 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def _hf_quantized_peft_model(config, quantize_experts: bool = True) -> torch.nn.Module:
     """The same model as transformers, bitsandbytes and peft build it: the seeded random init
     saved, loaded back 4-bit (NF4, double quantization), each fused expert weight quantized
-    with `replace_parameter_4bit`, LoRA on the attention projections."""
+    with `replace_parameter_4bit`, LoRA on the attention projections. An 8-bit config: loaded
+    back 8-bit, each fused expert weight replaced by its bitsandbytes row-wise int8 rounding
+    (from float16, as the 8-bit linear layers round), frozen."""
+    import bitsandbytes.functional as bnb_functional
     from bitsandbytes.nn import Linear4bit
     from bitsandbytes.nn.parametrize import replace_parameter_4bit
     from peft import LoraConfig, get_peft_model
@@ -73,6 +78,9 @@ def _hf_quantized_peft_model(config, quantize_experts: bool = True) -> torch.nn.
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=torch.float32)
+    eight = config.lora.load_in_8bit
+    if eight:
+        quant = BitsAndBytesConfig(load_in_8bit=True)
     with tempfile.TemporaryDirectory() as tmp:
         full.save_pretrained(tmp)
         model = AutoModelForCausalLM.from_pretrained(
@@ -82,6 +90,14 @@ def _hf_quantized_peft_model(config, quantize_experts: bool = True) -> torch.nn.
     assert len(experts) == 2 * hf_config.num_hidden_layers, experts  # gate_up_proj, down_proj
     for name in experts if quantize_experts else []:
         module, _, param = name.rpartition(".")
+        if eight:
+            weight = model.get_parameter(name)
+            rows = weight.detach().reshape(-1, weight.shape[-1]).half()
+            packed, stats, _ = bnb_functional.int8_vectorwise_quant(rows)
+            rounded = bnb_functional.int8_vectorwise_dequant(packed, stats)
+            setattr(model.get_submodule(module), param, torch.nn.Parameter(
+                rounded.reshape(weight.shape).float(), requires_grad=False))
+            continue
         replace_parameter_4bit(model.get_submodule(module), param, compress_statistics=True,
                                quant_type="nf4")
     for module in model.modules():
@@ -97,11 +113,11 @@ def _steps() -> list[list[tuple[torch.Tensor, None]]]:
             for step in range(fm.STEPS)]
 
 
-def _reference() -> dict:
+def _reference(base: dict = QLORA) -> dict:
     from longctx_cli.train.optim import make_optimizer
     from tests.own_training import own_training
 
-    config = fm.make_config(FAMILY, QLORA)
+    config = fm.make_config(FAMILY, base)
     model = _hf_quantized_peft_model(config)
     optimizer = make_optimizer(config, [p for p in model.parameters() if p.requires_grad])
     grads = _recording(optimizer, model)
@@ -115,7 +131,7 @@ def _reference() -> dict:
     return {**run, "grads": grads}
 
 
-def _longctx(column: str) -> dict:
+def _longctx(column: str, base: dict = QLORA) -> dict:
     """What `longctx train` runs on this process group (the family matrix's
     `longctx_training`), with the optimizer's gradients recorded."""
     import torch.distributed as dist
@@ -129,7 +145,7 @@ def _longctx(column: str) -> dict:
     from longctx_cli.train.optim import make_optimizer
     from longctx_cli.train.step import train_step
 
-    config = fm.make_config(FAMILY, {**SETTINGS[column], **QLORA})
+    config = fm.make_config(FAMILY, {**SETTINGS[column], **base})
     plan = build_plan(config, dist.get_world_size(), read_model_config(config),
                       platform=Platform(**fm.CPU))
     state = build_parallel_state(plan.layout, torch.device("cpu"))
@@ -198,12 +214,54 @@ def test_sp2_has_the_quantized_models_own_loss_and_gradients(runs, column):
 # ---- where it cannot run ----------------------------------------------------------------
 
 
-def test_refused_without_a_4bit_base():
-    for extra, said in (({"adapter": "lora", "load_in_8bit": True}, "no 8-bit counterpart"),
-                        ({"adapter": "lora"}, "set `load_in_4bit: true`")):
-        with pytest.raises(ValueError, match="needs a 4-bit base") as error:
-            fm.make_config(FAMILY, {**QLORA, **extra})
-        assert said in str(error.value)
+# An 8-bit base (Axolotl's GLM-4.7-Flash LoRA example): the experts in int8 too.
+LORA8 = {**QLORA, "adapter": "lora", "load_in_8bit": True}
+COLUMNS8 = ["P2P stripe sp2 (default)", "Ulysses sp2"]
+
+
+def _worker8(rank: int, world: int) -> dict:
+    out = {c: _longctx(c, LORA8) for c in COLUMNS8}
+    if rank == 0:
+        out["reference"] = _reference(LORA8)
+    return out if rank == 0 else {}
+
+
+@pytest.fixture(scope="module")
+def runs8() -> dict:
+    return run_distributed(_worker8, 2, timeout_s=600)[0]
+
+
+@pytest.mark.parametrize("column", COLUMNS8)
+def test_an_8bit_base_has_its_int8_experts_own_loss_and_gradients(runs8, column):
+    run, reference = runs8[column], runs8["reference"]
+    assert len(run["quantized"]) == 2 * FAMILY.config()["num_hidden_layers"]
+    change = abs(reference["unrounded_loss"] - reference["losses"][0]) / reference["losses"][0]
+    assert change > 4 * fm.LOSS_TOL, change  # the int8 rounding of the experts shows
+    for step in range(fm.STEPS):
+        loss = abs(run["losses"][step] - reference["losses"][step]) / reference["losses"][step]
+        assert loss < fm.LOSS_TOL, (step, loss)
+        assert _relative(run["grads"][step], reference["grads"][step]) < GRAD_TOL, step
+
+
+def test_qlora_targets_are_checked_as_lora_targets_are():
+    """A name that matches no module would be skipped by peft (LoRA on the others only):
+    refused for qlora as for lora (Axolotl's GLM-4.7-Flash examples name `k_proj`, `v_proj`
+    of a model whose attention has `kv_b_proj`)."""
+    from longctx_cli.errors import UserError
+    from longctx_cli.preflight import check_lora_targets
+
+    check_lora_targets(fm.make_config(FAMILY, QLORA))
+    for base in (QLORA, LORA8):
+        config = fm.make_config(FAMILY, {**base, "lora_target_modules": ["q_proj", "kv_b_proj"]})
+        with pytest.raises(UserError) as error:
+            check_lora_targets(config)
+        assert error.value.where == "lora_target_modules" and "'kv_b_proj'" in str(error.value)
+
+
+def test_refused_without_a_quantized_base():
+    with pytest.raises(ValueError, match="needs a quantized base") as error:
+        fm.make_config(FAMILY, {**QLORA, "adapter": "lora"})
+    assert "`load_in_8bit: true`" in str(error.value)
 
 
 def test_lora_on_the_quantized_experts_is_refused_with_peft_s_reason():

@@ -344,7 +344,7 @@ def estimate_memory(
     full_trainable = (lora_parameter_count(config, shape)[0] if config.lora.adapter is not None
                       else full_params)
     tp, sp = layout.tp, layout.sp
-    # `quantize_moe_experts` (never with TP): the experts' fused weights, packed into 4 bits.
+    # `quantize_moe_experts` (never with TP): the experts' fused weights, packed as the base.
     experts = shape.fused_expert_weights if config.lora.quantize_moe_experts else 0
     # TP: weights, projections, attention heads and logits columns are 1/tp per rank.
     shape = tp_local_shape(shape, tp)
@@ -365,8 +365,10 @@ def estimate_memory(
         packed_bytes += int(experts * packed)
         replicated += int(experts * scales)
         weight_bytes += int(experts * packed)
+        bits = 8 if config.lora.load_in_8bit else 4
+        held = format_gib(int(experts * (packed + scales)))
         notes.append(f"quantize_moe_experts: the experts' {experts:,} fused weights are held "
-                     f"in 4 bits ({format_gib(int(experts * (packed + scales)))} with scales).")
+                     f"in {bits} bits ({held} with scales).")
     if config.lora.adapter is not None:
         trainable, unmatched = lora_parameter_count(config, shape)
         if unmatched:

@@ -82,17 +82,65 @@ def bnb_quantization(config: Config, dtype: torch.dtype):
     return BitsAndBytesConfig(load_in_8bit=True, **kwargs)
 
 
+class RowwiseInt8(nn.Module):
+    """The parametrization of an 8-bit fused expert weight: int8 values with one float32
+    scale per row of its last axis (bitsandbytes' vectorwise quantization, as the 8-bit
+    linear layers keep theirs), dequantized to the model's dtype on access."""
+
+    def __init__(self, row_stats: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("row_stats", row_stats)
+        self.dtype = dtype
+
+    @torch.no_grad()
+    def forward(self, packed: torch.Tensor) -> torch.Tensor:
+        import bitsandbytes.functional as bnb_functional
+
+        rows = packed.reshape(-1, packed.shape[-1])
+        value = bnb_functional.int8_vectorwise_dequant(rows, self.row_stats)
+        return value.reshape(packed.shape).to(self.dtype)
+
+
+def _quantize_int8(module: nn.Module, param_name: str) -> None:
+    """Hold `module.<param_name>` in 8 bits (`RowwiseInt8`), rounded from float16 as the
+    8-bit linear layers are; one dequantization per forward of the module (cached)."""
+    import bitsandbytes.functional as bnb_functional
+    from torch.nn.utils import parametrize
+
+    weight = getattr(module, param_name)
+    rows = weight.detach().reshape(-1, weight.shape[-1]).to(torch.float16)
+    packed, row_stats, _ = bnb_functional.int8_vectorwise_quant(rows)
+    setattr(module, param_name, nn.Parameter(packed.reshape(weight.shape), requires_grad=False))
+    parametrize.register_parametrization(module, param_name,
+                                         RowwiseInt8(row_stats, weight.dtype), unsafe=True)
+    if not hasattr(module, "_int8_cache"):  # the module's experts read the weight per expert
+        def enter(mod: nn.Module, args: Any) -> None:
+            mod._int8_cache = parametrize.cached()
+            mod._int8_cache.__enter__()
+
+        def leave(mod: nn.Module, args: Any, output: Any) -> None:
+            mod._int8_cache.__exit__(None, None, None)
+
+        module._int8_cache = None
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave)
+
+
 def quantize_fused_experts(model: nn.Module, quantization: Any) -> int:
-    """`quantize_moe_experts`: pack every fused expert weight (`fused_expert_names`) into 4
-    bits with bitsandbytes' `replace_parameter_4bit`, the call Axolotl makes, with the
-    base's own quant type and double quantization; the weight is then a parametrization
-    that dequantizes on access (frozen, like the 4-bit linear layers). Returns how many."""
+    """`quantize_moe_experts`: pack every fused expert weight (`fused_expert_names`) as the
+    base is packed, the way Axolotl does. A 4-bit base: bitsandbytes' `replace_parameter_4bit`
+    with the base's own quant type and double quantization; an 8-bit one: int8 with a scale
+    per row (`RowwiseInt8`). The weight is then a parametrization that dequantizes on access
+    (frozen, like the quantized linear layers). Returns how many."""
     from bitsandbytes.nn import parametrize as bnb_parametrize
 
     names = fused_expert_names(model)
     for name in names:
         module_name, _, param_name = name.rpartition(".")
         module = model.get_submodule(module_name)
+        if quantization.load_in_8bit:
+            _quantize_int8(module, param_name)
+            continue
         bnb_parametrize.replace_parameter_4bit(
             module, param_name, compress_statistics=quantization.bnb_4bit_use_double_quant,
             quant_type=quantization.bnb_4bit_quant_type)
@@ -111,14 +159,14 @@ def quantize_fused_experts(model: nn.Module, quantization: Any) -> int:
 
 
 def remove_fused_expert_quantization(model: nn.Module) -> None:
-    """Turn every 4-bit fused expert weight (`quantize_fused_experts`) back into a plain
+    """Turn every quantized fused expert weight (`quantize_fused_experts`) back into a plain
     parameter holding its dequantized value (merge-lora: what the adapter trained against)."""
     from bitsandbytes.nn.parametrize import Bnb4bitParametrization
     from torch.nn.utils import parametrize
 
     for module in list(model.modules()):
         for name, chain in list(getattr(module, "parametrizations", {}).items()):
-            if any(isinstance(p, Bnb4bitParametrization) for p in chain):
+            if any(isinstance(p, (Bnb4bitParametrization, RowwiseInt8)) for p in chain):
                 value = getattr(module, name).detach().clone()  # dequantized
                 # leave_parametrized=True cannot set a float value into the packed bytes.
                 parametrize.remove_parametrizations(module, name, leave_parametrized=False)

@@ -26,10 +26,11 @@ class AdapterSection(Section):
         "adapter; not with FSDP or TP."
     )
     quantize_moe_experts: bool = Field(
-        False, description="With `load_in_4bit`: also quantize the MoE experts' fused 3-D "
-        "weights (e.g. `mlp.experts.gate_up_proj`), which the 4-bit linear layers leave in "
-        "full precision, with bitsandbytes' `replace_parameter_4bit` (Axolotl's key). The "
-        "experts stay frozen: LoRA on them (`lora_target_parameters`, or module names "
+        False, description="With `load_in_4bit` or `load_in_8bit`: also quantize the MoE "
+        "experts' fused 3-D weights (e.g. `mlp.experts.gate_up_proj`), which the quantized "
+        "linear layers leave in full precision (Axolotl's key): 4 bits with bitsandbytes' "
+        "`replace_parameter_4bit`, or int8 with a scale per row. The experts stay frozen: "
+        "LoRA on them (`lora_target_parameters`, or module names "
         "peft maps onto them, e.g. `down_proj`) is refused. With `fsdp` their packed bytes "
         "are sharded too."
     )
@@ -74,14 +75,11 @@ class AdapterSection(Section):
         if (self.load_in_4bit or self.load_in_8bit) and self.adapter is None:
             raise ValueError("a quantized base (`load_in_4bit`/`load_in_8bit`) cannot be "
                              "trained in full; set `adapter: lora` (or qlora)")
-        if self.quantize_moe_experts and not self.load_in_4bit:
+        if self.quantize_moe_experts and not (self.load_in_4bit or self.load_in_8bit):
             raise ValueError(
-                "`quantize_moe_experts: true` quantizes the experts' fused weights to 4 bits "
-                "with bitsandbytes' `replace_parameter_4bit`, which needs a 4-bit base; "
-                + ("bitsandbytes has no 8-bit counterpart for a parameter outside a linear "
-                   "layer, so set `load_in_4bit: true` (adapter: qlora) instead of load_in_8bit"
-                   if self.load_in_8bit else "set `load_in_4bit: true` (adapter: qlora)")
-                + ", or remove the key")
+                "`quantize_moe_experts: true` packs the experts' fused weights as the base's "
+                "linear layers are packed, so it needs a quantized base: set `load_in_4bit: "
+                "true` (adapter: qlora) or `load_in_8bit: true`, or remove the key")
         if self.lora_model_dir and self.adapter is None:
             raise ValueError("`lora_model_dir` continues an adapter; set `adapter: lora`")
         if self.lora_target_linear:
