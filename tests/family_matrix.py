@@ -812,7 +812,8 @@ def _sweep_section() -> list[str]:
         "on the family's own default config (the sizes and per-layer fields transformers "
         "gives it), one text dataset, one rank: every one is exact (the fidelity probe passed) "
         "or refused in one paragraph naming why, never a traceback. A model type transformers "
-        f"cannot build a config of is listed apart. Run {record['date']} on "
+        "cannot build a config of, or whose own model class fails on its default config, is "
+        f"listed apart (\"not built\"). Run {record['date']} on "
         f"{record['machine']} (`benchmarks/results/{runs[-1].name}`; the verdicts are "
         "deterministic)" + _rerun_text(record.get("rerun", {})) + ":", "",
         record["summary"], ""]
