@@ -11,7 +11,8 @@ build, or (where the probe could not check it) whose model its own class cannot 
 from the default (on the meta device), is listed apart ("not built"); `PUBLISHED_FIELDS`
 sets the fields whose default its own model cannot run. Prints a table (verdicts, then the
 refusals grouped by their first words), writes `benchmarks/results/family-sweep-<date>.json`;
-docs/families.md shows its summary (`python -m tests.family_matrix > docs/families.md`, or `--docs`).
+docs/families.md shows its summary (`python -m tests.family_matrix > docs/families.md`, or
+`--docs`).
 `--types ... --update` reruns those types and writes their verdicts into the newest saved
 sweep (naming them and the date under "rerun"), so one family's mend needs no full sweep.
 A 12 GiB address-space cap turns a runaway allocation into a refusal, not the machine's OOM.
