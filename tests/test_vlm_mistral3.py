@@ -44,3 +44,30 @@ def test_sp2_ulysses_and_rings_equal_the_models_own_training() -> None:
         # The first image is cut by the shard boundary of the contiguous slicings.
         assert all(r["cut_image"] for name, r in results.items()
                    if "zigzag" not in name), results
+
+
+def test_decoding_after_images_of_two_sizes_under_sp_equals_generate() -> None:
+    from tests.test_vlm_runtime import _generate_worker
+
+    for result in run_distributed(_generate_worker, 2, "mistral3", timeout_s=240):
+        assert result["ring"] == result["ulysses"] == result["generate"], result
+
+
+def test_an_image_of_one_token_alone_and_a_blank_tower_call() -> None:
+    """A rank whose run of images makes one token in all (transformers' get_image_features
+    squeezes such a call's token axis away) still gets that token's features, as encoded
+    beside the other images; the blank tower call of a text-only row runs too."""
+    import torch
+
+    from longctx_cli.runtime.vision import VisionLanguageForward
+    from tests.vlm_models import image_row, tiny_vlm
+
+    vlm = VisionLanguageForward(tiny_vlm("mistral3", "eager"))
+    media = image_row("mistral3")[4][0][2]  # the first document's 32x24 and 8x8 images
+    with torch.no_grad():
+        both, _ = vlm.encode(media)
+        alone, _ = vlm.encode(media.subset(1, 2))  # 8x8 pixels: one merged 2 x 2 patch
+        zero = vlm._tower_zero(torch.device("cpu"))
+    assert both.shape[0] == 12 + 1 and alone.shape[0] == 1
+    torch.testing.assert_close(alone, both[-1:], rtol=1e-5, atol=1e-5)
+    assert float(zero) == 0

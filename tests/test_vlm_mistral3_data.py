@@ -141,3 +141,18 @@ def test_packed_rows_give_the_trainer_the_processors_pixels_and_sizes(vp, tmp_pa
     ids = torch.tensor(rows[0].input_ids)
     merged = (media.image_sizes // (PATCH * MERGE)).prod(-1)
     assert int((ids == vp.processor.image_token_id).sum()) == int(merged.sum())
+
+
+def test_without_torchvision_loading_says_what_transformers_needs(tmp_path):
+    """transformers' PixtralProcessor cannot be imported without torchvision: loading the
+    folder then says so (not that longctx prepares no such data)."""
+    import importlib.util
+
+    from longctx_cli.errors import UserError
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: the processor loads")
+    folder = write_tiny_pixtral_processor(tmp_path / "p")
+    with pytest.raises(UserError, match="PixtralProcessor needs torchvision") as e:
+        vision.load_processor(str(folder))
+    assert "pip install torchvision" in e.value.fix

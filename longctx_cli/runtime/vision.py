@@ -272,9 +272,7 @@ class VisionLanguageForward:
     def encode(self, media: VisionInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Features `[tokens, hidden]` of `media` in row order, and the deepstack levels."""
         if self.family.pixels == "sized":  # Pixtral: each image at its own size
-            out = self.inner.get_image_features(pixel_values=media.pixel_values,
-                                                image_sizes=media.image_sizes, return_dict=True)
-            return torch.cat(out.pooler_output), []
+            return self._encode_sized(media), []
         if self.family.pixels == "images":
             config = self.model.config
             # LLaVA picks a tower layer and drops its class token; Gemma 3 pools the last.
@@ -291,6 +289,25 @@ class VisionLanguageForward:
                                             return_dict=True)
         deep = [torch.cat(level) for level in (getattr(out, "deepstack_features", None) or [])]
         return torch.cat(out.pooler_output), deep
+
+    def _encode_sized(self, media: VisionInputs) -> torch.Tensor:
+        """Features of images at their own sizes (Mistral 3's Pixtral tower and patch merger).
+
+        transformers' `get_image_features` squeezes the batch axis off the merged features,
+        which for a call of one token in all also drops the token axis; a rank whose run of
+        images makes one token (a small image alone) encodes a blank image beside it and
+        keeps its own token (the tower never attends across images, so this is exact).
+        """
+        side = self.model.config.vision_config.patch_size * int(
+            self.model.config.spatial_merge_size)
+        tokens = int((media.image_sizes // side).prod(-1).sum())
+        pixels, sizes = media.pixel_values, media.image_sizes
+        if tokens == 1:
+            pixels = torch.cat([pixels, torch.zeros_like(pixels[:1])])
+            sizes = torch.cat([sizes, sizes[:1]])
+        out = self.inner.get_image_features(pixel_values=pixels, image_sizes=sizes,
+                                            return_dict=True)
+        return torch.cat(out.pooler_output)[:tokens]
 
     def positions(self, input_ids: torch.Tensor, types: torch.Tensor,
                   text_positions: torch.Tensor, media: VisionInputs | None,

@@ -157,6 +157,12 @@ def load_processor(
         try:
             processor = _image_only_processor(folder)
         except UserError:
+            if "torchvision" in str(first).lower():  # Pixtral's processor module imports it
+                raise UserError(
+                    f"cannot load the processor in {path}: transformers' "
+                    f"{_processor_class(folder)} needs torchvision, which is not installed.",
+                    fix="install the torchvision build that matches your torch "
+                    "(`pip install torchvision`), as transformers asks.") from None
             raise
         except Exception as exc:  # noqa: BLE001 - the files are the user's; say which failed
             raise UserError(
@@ -169,9 +175,19 @@ def load_processor(
         raise UserError(f"{path} holds no image processor, so it is not a vision-language "
                         "model's processor.",
                         fix="use the folder of a vision-language model (Qwen2-VL, Qwen2.5-VL, "
-                        "Qwen3-VL, LLaVA, Gemma 3) whose preprocessor_config.json and tokenizer "
-                        "files are there.")
+                        "Qwen3-VL, LLaVA, Gemma 3, Mistral 3) whose preprocessor_config.json "
+                        "and tokenizer files are there.")
     return VisionProcessor(processor, size, resample, _video_size(folder, processor))
+
+
+def _processor_class(folder: Path) -> str:
+    """The processor class a folder's config files name (for messages)."""
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        if (folder / name).is_file():
+            given = json.loads((folder / name).read_text()).get("processor_class")
+            if given:
+                return str(given)
+    return "processor"
 
 
 def _image_only_processor(folder: Path) -> Any:
