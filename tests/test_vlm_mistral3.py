@@ -2,11 +2,10 @@
 
 One packed row of three documents (two images of different sizes in the first, none in the
 second, one more in the third), each image's tokens in its processor's layout ([IMG] rows
-broken by [IMG_BREAK], ended by [IMG_END]); at sp 2 the contiguous
-slicings (Ulysses, a ring) cut the first image. The
-tower is split by whole images (Pixtral attends within each image only), its features
-gathered and merged into each rank's tokens: the loss and every gradient (language model,
-projector with its patch merger, tower) equal each document's own
+broken by [IMG_BREAK], ended by [IMG_END]); at sp 2 the contiguous slicings (Ulysses, a
+ring) cut the first image. The tower is split by whole images (Pixtral attends within each
+image only), its features gathered and merged into each rank's tokens: the loss and every
+gradient (language model, projector with its patch merger, tower) equal each document's own
 `Mistral3ForConditionalGeneration(pixel_values=, image_sizes=, labels=)`.
 """
 
@@ -44,6 +43,17 @@ def test_sp2_ulysses_and_rings_equal_the_models_own_training() -> None:
         # The first image is cut by the shard boundary of the contiguous slicings.
         assert all(r["cut_image"] for name, r in results.items()
                    if "zigzag" not in name), results
+
+
+def _worker4(rank: int, world: int) -> dict[str, dict]:
+    state = sp_state(sp=4, kernel="torch", mode="hybrid", ulysses_degree=2)
+    return {"mistral3 sp4 hybrid": _compare("mistral3", state)}
+
+
+def test_sp4_hybrid_equals_the_models_own_training() -> None:
+    # Four ranks, three images: one rank encodes none (it runs the tower on a blank).
+    for results in run_distributed(_worker4, 4, timeout_s=300):
+        _check(results)
 
 
 def test_decoding_after_images_of_two_sizes_under_sp_equals_generate() -> None:
