@@ -156,3 +156,64 @@ def test_without_torchvision_loading_says_what_transformers_needs(tmp_path):
     with pytest.raises(UserError, match="PixtralProcessor needs torchvision") as e:
         vision.load_processor(str(folder))
     assert "pip install torchvision" in e.value.fix
+
+
+def test_a_prepared_row_trains_as_the_model_does_on_the_processors_output(vp, tmp_path,
+                                                                          images):
+    """The record's prepared row, read back as the trainer reads it, through longctx's
+    forward (sp 1) gives the loss and gradients of Mistral3ForConditionalGeneration on the
+    processor's own `input_ids`, `pixel_values` and `image_sizes`."""
+    from datasets import Dataset
+    from transformers import AutoModelForImageTextToText, Mistral3Config
+
+    from longctx_cli.parallel.attention import register_sp_attention
+    from longctx_cli.parallel.mesh import ParallelState
+    from longctx_cli.runtime.head import model_head
+    from longctx_cli.runtime.loss import lm_loss_sum
+    from longctx_cli.runtime.vision import VisionLanguageForward
+
+    config = Mistral3Config(
+        text_config={"model_type": "mistral", "hidden_size": 64, "intermediate_size": 96,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 16,
+                     "num_key_value_heads": 2, "vocab_size": len(vp.tokenizer),
+                     "sliding_window": None, "pad_token_id": 0},
+        vision_config={"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 48,
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 16,
+                       "patch_size": PATCH, "image_size": 64},
+        image_token_index=vp.processor.image_token_id, spatial_merge_size=MERGE)
+
+    def build(attn: str):
+        torch.manual_seed(0)
+        return AutoModelForImageTextToText.from_config(
+            config, attn_implementation={"": attn, "text_config": attn, "vision_config": "sdpa"},
+            dtype=torch.float32).train()
+
+    doc = vision.encode_vision_record(conversation(), vp, WHERE, base_dir=tmp_path)
+    row = vision.pack_vision_documents([doc], 512)[0]
+    media = collate_images(Dataset(vision.rows_table([row])))
+    ref = hf(vp, conversation()["messages"], tmp_path)
+    labels = torch.tensor(doc.labels)
+    reference = build("eager")
+    ref_loss = reference(input_ids=torch.as_tensor(ref["input_ids"]), labels=labels[None],
+                         pixel_values=torch.as_tensor(ref["pixel_values"]),
+                         image_sizes=torch.as_tensor(ref["image_sizes"])).loss
+    ref_loss.backward()
+    ours = build(register_sp_attention())
+    vlm = VisionLanguageForward(ours)
+    batch = vlm.shard(torch.tensor(row.input_ids), torch.tensor(row.position_ids),
+                      torch.tensor(row.labels), media, ParallelState())
+    count = int((labels[1:] != IGN).sum())
+    head = model_head(ours.get_output_embeddings(), ours.config)
+    loss = lm_loss_sum(head, vlm.hidden_states(batch), batch.shift_labels) / count
+    loss.backward()
+    want = float(ref_loss.detach())
+    assert abs(float(loss.detach()) - want) / want < 2e-5
+    mine = dict(ours.named_parameters())
+    for name, p in reference.named_parameters():
+        if p.grad is None:
+            assert mine[name].grad is None or not mine[name].grad.any(), name
+            continue
+        err = float((mine[name].grad - p.grad).norm()) / max(float(p.grad.norm()), 1e-6)
+        assert err < 2e-5, (name, err)
+    assert any("vision_tower" in n and p.grad is not None and p.grad.any()
+               for n, p in reference.named_parameters())
