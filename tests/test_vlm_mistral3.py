@@ -81,3 +81,16 @@ def test_an_image_of_one_token_alone_and_a_blank_tower_call() -> None:
     assert both.shape[0] == 12 + 1 and alone.shape[0] == 1
     torch.testing.assert_close(alone, both[-1:], rtol=1e-5, atol=1e-5)
     assert float(zero) == 0
+
+
+def _lora_worker(rank: int, world: int) -> dict:
+    from tests.test_vlm_runtime import _lora_compare
+
+    return _lora_compare("mistral3", sp_state(sp=world, kernel="torch", mode="ulysses"))
+
+
+def test_lora_with_frozen_tower_equals_the_models_own_training() -> None:
+    # The run's own build (`adapter: lora`, `freeze_mm_modules`) at sp 2 against peft's LoRA
+    # on the model's own forward, tower and projector frozen.
+    for r in run_distributed(_lora_worker, 2, timeout_s=240):
+        assert r["grad"] < 2e-5 and r["lora_b"] >= 4 and r["lora_b_norm"] > 0, r
