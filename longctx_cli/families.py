@@ -19,13 +19,16 @@ Positions = Literal["mrope", "text"]
 # ways (a prefix LM, which longctx does not compute).
 ImageAttention = Literal["causal", "both_ways", "prefix"]
 # The tower's input, as its processor lays pixels out: `patches` rows of patches with a
-# `[t, h, w]` grid per item (videos too); `images` whole images `[images, C, H, W]`.
-Pixels = Literal["patches", "images"]
+# `[t, h, w]` grid per item (videos too); `images` whole images `[images, C, H, W]`, all of
+# the tower's one size; `sized` whole images each at its own size, zero-padded to the row's
+# largest, with their `image_sizes` `[images, 2]` (height, width: Pixtral).
+Pixels = Literal["patches", "images", "sized"]
 # How the tower turns patches into image tokens, which is how the probe shrinks it: `merged`
 # a patch tower of `depth` blocks whose merger joins patches (Qwen-VL); `pooled` a fixed-size
 # tower pooled to `mm_tokens_per_image` tokens (Gemma 3); `per_patch` a fixed-size tower with
-# one token per patch (CLIP/SigLIP towers, LLaVA).
-Tower = Literal["merged", "pooled", "per_patch"]
+# one token per patch (CLIP/SigLIP towers, LLaVA); `sized` a patch tower of any image size
+# whose projector merges `spatial_merge_size`**2 patches per token (Pixtral, Mistral 3).
+Tower = Literal["merged", "pooled", "per_patch", "sized"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,11 @@ _RECORDS = (
     Family("paligemma", vision=VisionFamily(
         "PaliGemma", positions="text", images_attend="prefix", tower="per_patch",
         prepared=False, **_FIXED_TOWER)),
+    # Pixtral's tower attends within each image only (a block-diagonal mask, 2-D rotary
+    # positions restarting per image): split by whole images, it is exact.
+    Family("mistral3", trains_text=True, lean_norms=True, vision=VisionFamily(
+        "Mistral 3", positions="text", images_attend="causal", pixels="sized", tower="sized",
+        modules=("vision_tower", "multi_modal_projector"))),
     # Vision-language families runtime/vision.py does not rebuild, each with the reason.
     Family("gemma4", vision_refusal=(
         "Gemma 4's image tokens attend both ways on its sliding-window layers only and "
@@ -137,11 +145,6 @@ _RECORDS = (
         "separator tokens, and its forward applies the projector to the tower's "
         "pixel-shuffled features itself (not in `get_image_features`): the VLM path lays out "
         "and merges neither")),
-    Family("mistral3", trains_text=True, lean_norms=True, vision_refusal=(
-        "Mistral 3's Pixtral tower takes each image at its own size (`image_sizes`, 2-D "
-        "rotary positions over its patches) and its projector merges each image's patches "
-        "by that size, while the VLM path encodes whole fixed-size images; its processor's "
-        "rows (image rows broken by [IMG_BREAK] tokens) are not prepared either")),
     # An audio-language family: its text rows through its own class (longctx has no audio
     # inputs; `processor_type` takes image processors only).
     Family("voxtral", trains_text=True, lean_norms=True),

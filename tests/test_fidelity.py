@@ -373,6 +373,23 @@ def test_shrinking_a_multimodal_config_fits_its_towers_and_mrope() -> None:
     assert bare.image_token_id >= 128  # a text probe's random ids never name an image
 
 
+def test_mistral3_vision_probe_passes_with_images_of_their_own_size() -> None:
+    """Mistral 3's defaults, shrunk to a two-block Pixtral tower: the probe's row of three
+    images of different sizes (each `image_sizes`, merged 2 x 2) through longctx at sp 1
+    equals Mistral3ForConditionalGeneration's own training."""
+    from transformers import Mistral3Config
+
+    from longctx_cli.checks.fidelity import shrink_vision_config
+
+    tiny = shrink_vision_config(Mistral3Config())
+    assert tiny.vision_config.num_hidden_layers == 2 and tiny.vision_config.hidden_size == 32
+    assert tiny.image_token_id < tiny.text_config.vocab_size
+    result = run_probe(Mistral3Config(), images=True)
+    assert result.summary().startswith("passed") and "images" in result.summary()
+    assert result.loss_rel_error < 1e-4 and result.worst_gradient_rel_error < 1e-4
+    assert result.gradients_checked > 40  # the tower's and the patch merger's among them
+
+
 def test_gemma4_with_its_towers_trains_its_text_exactly() -> None:
     from transformers.models.gemma4 import configuration_gemma4 as g4
 

@@ -90,7 +90,6 @@ def test_paligemma_is_refused_as_a_prefix_lm() -> None:
     ("gemma4", "sliding-window layers only"),
     ("llama4", "into tiles plus a global view"),
     ("gemma3n", "longctx has no audio inputs"),
-    ("mistral3", "takes each image at its own size"),
     ("gemma4_unified", "has no vision tower: it embeds each image's raw patches"),
 ])
 def test_vlm_families_not_rebuilt_are_refused_with_their_own_reason(model_type, why) -> None:
@@ -106,14 +105,17 @@ def test_vlm_families_not_rebuilt_are_refused_with_their_own_reason(model_type, 
     assert e.value.where == "base_model" and "\n" not in text
 
 
-def test_mistral3_trains_its_text_rows_and_its_refusal_of_images_says_so() -> None:
-    # Its own class runs text rows as its language model does (tests/family_matrix.py:
-    # exact under every strategy); images are refused with the way to its text.
+def test_mistral3_plans_its_images_and_still_trains_its_text_rows() -> None:
+    # With a processor its Pixtral tower is planned (its projector merges 2 x 2 patches, a
+    # size named on the wrapper's config); without one its own class runs text rows as its
+    # language model does (tests/family_matrix.py: exact under every strategy).
     from transformers import Mistral3Config
 
-    with pytest.raises(UserError) as e:
-        _plan(Mistral3Config(), processor_type="AutoProcessor")
-    assert e.value.fix.startswith("drop `processor_type` to train its text rows")
+    from longctx_cli.config.sections.vision import VisionTower
+
+    assert VisionTower.of(Mistral3Config()).merge == 2
+    rows = _rows(_plan(Mistral3Config(), processor_type="AutoProcessor"))
+    assert "vision tower" in rows
     plan = _plan(Mistral3Config())
     assert "vision tower" not in _rows(plan) and plan.memory.vision_tower == 0
 

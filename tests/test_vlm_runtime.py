@@ -302,6 +302,8 @@ def _generate_worker(rank: int, world: int, family: str) -> dict[str, list[int]]
         kwargs["token_type_ids"] = (ids == 190).long()[None]
     if media.image_grid_thw is None:
         kwargs["pixel_values"] = media.pixel_values
+        if media.image_sizes is not None:  # Mistral 3: images at their own sizes
+            kwargs["image_sizes"] = media.image_sizes
     else:
         from longctx_cli.runtime.vision import IMAGE, VIDEO
 

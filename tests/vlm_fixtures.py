@@ -243,3 +243,45 @@ def assert_generation_prompt_is_the_processors(vp, base: Path, where: str) -> No
     assert doc.input_ids == ref["input_ids"][0].tolist()
     np.testing.assert_array_equal(doc.pixel_values.reshape(ref["pixel_values"].shape),
                                   ref["pixel_values"])
+
+
+# ---- Mistral 3 (Pixtral's processor) -------------------------------------------------------
+
+PIXTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]")  # ids 0 .. 4
+# Its image tokens, ids 5, 6, 7: an image placeholder becomes rows of [IMG] (one per merged
+# patch), each row ended by [IMG_BREAK], the last by [IMG_END] instead.
+PIXTRAL_IMAGE_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+# Mistral's template in the same shape: <s>, user turns in [INST] ... [/INST] (an image part
+# as [IMG]), each answer followed by </s>.
+PIXTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}[INST]"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}[IMG]"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "[/INST]{% else %}{{ message['content'] if message['content'] is string else "
+    "message['content'][0]['text'] }}</s>{% endif %}{% endfor %}"
+)
+
+
+def write_tiny_pixtral_processor(folder: str | Path, longest_edge: int = 40,
+                                 patch_size: int = 4, merge: int = 2) -> Path:
+    """A Mistral 3 processor's files in `folder`, offline: Pixtral's image processor (each
+    image resized to fit `longest_edge`, to multiples of a merged patch, `patch_size *
+    merge` pixels), a byte-level tokenizer with Mistral's turn tokens and the three image
+    tokens, and its chat template. `AutoProcessor.from_pretrained(folder)` loads it as a
+    `PixtralProcessor`."""
+    from transformers import PixtralImageProcessorPil
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = EXAMPLE.train_tokenizer(
+        [c.replace("\n", " ") for c in CORPUS] * 20, 400, PIXTRAL_SPECIALS,
+        PIXTRAL_IMAGE_TOKENS, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    images = PixtralImageProcessorPil(size={"longest_edge": longest_edge},
+                                      patch_size={"height": patch_size, "width": patch_size})
+    EXAMPLE.save_processor(folder, tokenizer, images, PIXTRAL_TEMPLATE, "PixtralProcessor",
+                           "PixtralImageProcessor", patch_size=patch_size,
+                           spatial_merge_size=merge)
+    return folder

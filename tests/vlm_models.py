@@ -24,6 +24,16 @@ FLAT = {"llava": (16, (16 // PATCH) ** 2), "gemma3": (40, 25)}
 # Gemma 3 pools 10 x 10 patches to 25 tokens (the count puts a shard boundary inside an
 # image under Ulysses); its sliding layers see 6 tokens back, fewer than an image holds.
 GEMMA3_WINDOW = 6
+# Mistral 3 (a Pixtral tower): images at their own sizes, (h, w) patches each, merged 2 x 2
+# into tokens laid out as its processor lays them: each row of tokens ends in [IMG_BREAK]
+# (here START_ID), the last one in [IMG_END] (END_ID) instead. Its first image is cut by
+# the shard boundary at sp 2 (contiguous, zigzag and Ulysses slices alike).
+SIZED = ("mistral3",)
+SIZED_DOCUMENTS = (
+    (40, (1, 8, 6), 3, (1, 2, 2), 4),
+    (24,),
+    (3, (1, 6, 4), 6),
+)
 
 
 def _config(family: str):
@@ -87,6 +97,16 @@ def _config(family: str):
                                              image_size=side, patch_size=PATCH),
             mm_tokens_per_image=tokens, image_token_index=IMAGE_ID,
             boi_token_index=START_ID, eoi_token_index=END_ID)
+    if family == "mistral3":
+        from transformers import Mistral3Config
+
+        return Mistral3Config(
+            text_config={**text, "model_type": "mistral", "head_dim": 16,
+                         "sliding_window": None},
+            vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=48,
+                               num_hidden_layers=2, num_attention_heads=2, head_dim=16,
+                               patch_size=PATCH, image_size=8 * PATCH),
+            image_token_index=IMAGE_ID, spatial_merge_size=MERGE, vision_feature_layer=-1)
     raise ValueError(family)
 
 
@@ -111,6 +131,11 @@ def _image(family: str, grid: tuple[int, int, int], gen: torch.Generator
            ) -> tuple[torch.Tensor, int]:
     """Random pixels of one image and its placeholder count."""
     t, h, w = grid
+    if family in SIZED:  # [1, 3, H, W] at its own size, and its [IMG]/[IMG_BREAK] layout
+        row = [IMAGE_ID] * (w // MERGE) + [START_ID]
+        layout = row * (h // MERGE)
+        layout[-1] = END_ID
+        return torch.randn(1, 3, h * PATCH, w * PATCH, generator=gen), layout
     if family in FLAT:
         side, tokens = FLAT[family]
         return torch.randn(1, 3, side, side, generator=gen), tokens
@@ -142,7 +167,8 @@ def image_row(family: str, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     ids, pos, labels, pixels, grids, kinds, docs = [], [], [], [], [], [], []
     video = QWEN3_VL_VIDEO_DOCUMENT if family == "qwen3_vl" else VIDEO_DOCUMENT
-    specs = DOCUMENTS + ((video,) if family in VIDEO_FAMILIES else ())
+    specs = SIZED_DOCUMENTS if family in SIZED else (
+        DOCUMENTS + ((video,) if family in VIDEO_FAMILIES else ()))
     for spec in specs:
         d_ids, d_labels, d_pixels, d_grids, d_kinds = [], [], [], [], []
         for part in spec:
@@ -156,7 +182,8 @@ def image_row(family: str, seed: int = 0):
             d_pixels.append(pix)
             d_grids.append(grid)
             d_kinds.append(kind)
-            block = [START_ID, *[VIDEO_ID if kind == VIDEO else IMAGE_ID] * n, END_ID]
+            block = [START_ID, *[VIDEO_ID if kind == VIDEO else IMAGE_ID] * n, END_ID] \
+                if isinstance(n, int) else n  # Mistral 3's tokens are its own layout
             if kind == VIDEO and family == "qwen3_vl":
                 frame = [START_ID, *[VIDEO_ID] * (n // grid[0]), END_ID]
                 stamps = torch.randint(3, IMAGE_ID - 10, (grid[0], 2), generator=gen).tolist()
@@ -179,6 +206,13 @@ def _inputs(pixels: list[torch.Tensor], grids: list, kinds: list[int],
             family: str) -> VisionInputs | None:
     if not pixels:
         return None
+    if family in SIZED:  # zero-padded to the largest, as its image processor pads a batch
+        height = max(p.shape[-2] for p in pixels)
+        width = max(p.shape[-1] for p in pixels)
+        padded = torch.cat([torch.nn.functional.pad(
+            p, (0, width - p.shape[-1], 0, height - p.shape[-2])) for p in pixels])
+        return VisionInputs(padded, image_sizes=torch.tensor(
+            [[p.shape[-2], p.shape[-1]] for p in pixels]))
     if family in FLAT:
         return VisionInputs(torch.cat(pixels))
     videos = kinds.count(VIDEO)
@@ -195,7 +229,9 @@ def own_vlm_step(model: torch.nn.Module, docs) -> float:
         kwargs = {}
         if model.config.model_type == "gemma3":  # what makes its image tokens bidirectional
             kwargs["token_type_ids"] = (ids == IMAGE_ID).long()[None]
-        if media is not None and media.image_grid_thw is None:
+        if media is not None and media.image_sizes is not None:
+            kwargs.update(pixel_values=media.pixel_values, image_sizes=media.image_sizes)
+        elif media is not None and media.image_grid_thw is None:
             kwargs["pixel_values"] = media.pixel_values
         elif media is not None:
             images, videos = media.only(IMAGE), media.only(VIDEO)

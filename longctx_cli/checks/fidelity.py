@@ -932,6 +932,10 @@ def _shrink_tower(tiny: Any, vision: Any, text: Any) -> None:
             vision.embed_dim = 32
             vision.hidden_size = text.hidden_size
         _shrink_mrope(text, tiny)
+    elif tower == "sized":  # Pixtral: two blocks 32 wide, its images a few patches a side
+        vision.num_hidden_layers, vision.num_attention_heads = 2, 2
+        vision.hidden_size, vision.head_dim = 32, 16
+        vision.intermediate_size = PROBE_INTERMEDIATE
     elif tower == "pooled":  # Gemma 3: 4 x 4 patches pooled to 2 x 2
         vision.num_hidden_layers = 2
         vision.image_size = 4 * vision.patch_size
@@ -980,14 +984,14 @@ def _tower(model_config: Any) -> Tower:
 
 def _vision_row(tiny: Any) -> tuple[Any, ...]:
     """The probe's packed row and, per document, what the model's own forward takes."""
-    from longctx_cli.runtime.vision import VisionInputs
 
     gen = torch.Generator().manual_seed(0)
     vision = tiny.vision_config
     image_id = tiny.image_token_id
     start = getattr(tiny, "vision_start_token_id", getattr(tiny, "boi_token_index", None))
     end = getattr(tiny, "vision_end_token_id", getattr(tiny, "eoi_token_index", None))
-    flat = _tower(tiny) != "merged"
+    sized = _tower(tiny) == "sized"  # each image (1, h, w) patches at its own size
+    flat = _tower(tiny) not in ("merged", "sized")
     ids, labels, pos, docs, all_pixels, all_grids = [], [], [], [], [], []
     for spec in _VISION_DOCUMENTS:
         d_ids, d_pixels, d_grids = [], [], []
@@ -995,7 +999,12 @@ def _vision_row(tiny: Any) -> tuple[Any, ...]:
             if isinstance(part, int):
                 d_ids += torch.randint(8, image_id - 8, (part,), generator=gen).tolist()
                 continue
-            if flat:
+            if sized:
+                _, h, w = part
+                d_pixels.append(torch.randn(1, 3, h * vision.patch_size, w * vision.patch_size,
+                                            generator=gen))
+                count = h * w // tiny.spatial_merge_size**2
+            elif flat:
                 side = vision.image_size
                 d_pixels.append(torch.randn(1, 3, side, side, generator=gen))
                 count = (getattr(tiny, "mm_tokens_per_image", None)
@@ -1011,16 +1020,29 @@ def _vision_row(tiny: Any) -> tuple[Any, ...]:
             d_ids += [x for x in (end,) if x is not None]
         d = torch.tensor(d_ids)
         d_labels = torch.where(d >= image_id - 5, IGNORE_INDEX, d)
-        images = (VisionInputs(torch.cat(d_pixels), None if flat else torch.tensor(d_grids))
-                  if d_pixels else None)
+        images = (_probe_inputs(d_pixels, d_grids, flat, sized) if d_pixels else None)
         docs.append((d, d_labels, images))
         ids.append(d)
         labels.append(d_labels)
         pos.append(torch.arange(len(d)))
         all_pixels += d_pixels
         all_grids += d_grids
-    images = VisionInputs(torch.cat(all_pixels), None if flat else torch.tensor(all_grids))
+    images = _probe_inputs(all_pixels, all_grids, flat, sized)
     return torch.cat(ids), torch.cat(pos), torch.cat(labels), images, docs
+
+
+def _probe_inputs(pixels: list[torch.Tensor], grids: list, flat: bool, sized: bool) -> Any:
+    """The tower's inputs of some probe images: patch rows with their grids, whole images,
+    or (`sized`) images of their own sizes zero-padded to the largest, with `image_sizes`."""
+    from longctx_cli.runtime.vision import VisionInputs
+
+    if sized:
+        top, side = max(p.shape[-2] for p in pixels), max(p.shape[-1] for p in pixels)
+        padded = torch.cat([torch.nn.functional.pad(
+            p, (0, side - p.shape[-1], 0, top - p.shape[-2])) for p in pixels])
+        return VisionInputs(padded, image_sizes=torch.tensor(
+            [list(p.shape[-2:]) for p in pixels]))
+    return VisionInputs(torch.cat(pixels), None if flat else torch.tensor(grids))
 
 
 def _own_vision_training(model: Any, docs: list, image_id: int) -> float:
@@ -1031,6 +1053,8 @@ def _own_vision_training(model: Any, docs: list, image_id: int) -> float:
         kwargs: dict[str, Any] = {}
         if images is not None:
             kwargs["pixel_values"] = images.pixel_values
+            if images.image_sizes is not None:  # Pixtral: each image at its own size
+                kwargs["image_sizes"] = images.image_sizes
             if images.image_grid_thw is not None:
                 kwargs.update(image_grid_thw=images.image_grid_thw,
                               mm_token_type_ids=(ids == image_id).long()[None])

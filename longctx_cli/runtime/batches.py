@@ -75,12 +75,26 @@ def collate_images(rows: Rows | Dataset) -> VisionInputs | None:
 
 def media_inputs(pixels: torch.Tensor, grids: list, kinds: list[int] | tuple[int, ...],
                  seconds: list[float]) -> VisionInputs:
-    """The model side's inputs of stored media (data/vision/documents.py's layout): patch rows with
-    their `[t, h, w]` grids, or, where the grids are `(0, H, W)`, whole images of one row each,
-    `[images, C, H, W]` as LLaVA's tower takes them."""
+    """The model side's inputs of stored media (data/vision/tokens.py's layout): patch rows with
+    their `[t, h, w]` grids, or, where the grids are `(0, H, W)`, whole images: of one row
+    each, `[images, C, H, W]` as LLaVA's tower takes them; or of H*W rows of C channels each
+    (Pixtral's, any size), zero-padded to the largest with their `image_sizes`, as its image
+    processor pads a batch. (One row per image and H*W rows per image differ for any image
+    of more than one pixel.)"""
     if all(g[0] == 0 for g in grids):
         _, height, width = grids[0]
-        return VisionInputs(pixels.view(len(grids), -1, height, width))
+        if pixels.shape[0] == len(grids) and all(tuple(g) == tuple(grids[0]) for g in grids):
+            return VisionInputs(pixels.view(len(grids), -1, height, width))
+        sizes = [(int(g[1]), int(g[2])) for g in grids]
+        if pixels.shape[0] != sum(h * w for h, w in sizes):
+            raise ValueError(f"{pixels.shape[0]} pixel rows fit neither one row per image nor "
+                             f"one per pixel of images {sizes}")
+        top, side = max(h for h, _ in sizes), max(w for _, w in sizes)
+        padded = pixels.new_zeros(len(sizes), pixels.shape[1], top, side)
+        for i, (rows, (h, w)) in enumerate(zip(pixels.split([h * w for h, w in sizes]), sizes,
+                                               strict=True)):
+            padded[i, :, :h, :w] = rows.T.reshape(-1, h, w)
+        return VisionInputs(padded, image_sizes=torch.tensor(sizes, dtype=torch.long))
     return VisionInputs(pixels, torch.tensor(grids, dtype=torch.long), tuple(kinds),
                         torch.tensor(seconds, dtype=torch.float32) if seconds else None)
 

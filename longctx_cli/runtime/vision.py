@@ -54,13 +54,16 @@ class VisionInputs:
     Qwen-VL families it is `[patches, patch_dim]` with `image_grid_thw` `[items, 3]` giving
     each item's patch grid (a video's frames on its first axis) and `kinds` each item's kind
     (IMAGE or VIDEO; None: all images), `seconds_per_grid` each video's time per temporal
-    patch; for fixed-size towers (LLaVA) `[images, C, H, W]`.
+    patch; for fixed-size towers (LLaVA) `[images, C, H, W]`; for towers of any image size
+    (Pixtral) `[images, C, H, W]` zero-padded to the largest, with `image_sizes` `[images, 2]`
+    each image's own (height, width) in pixels.
     """
 
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor | None = None
     kinds: tuple[int, ...] | None = None
     seconds_per_grid: torch.Tensor | None = None
+    image_sizes: torch.Tensor | None = None
 
     @property
     def num_images(self) -> int:
@@ -73,9 +76,12 @@ class VisionInputs:
         return self.kinds if self.kinds is not None else (IMAGE,) * self.num_images
 
     def patches_per_image(self) -> list[int]:
-        """Each item's rows of `pixel_values` (the tower's work for it)."""
+        """Each item's rows of `pixel_values` (the tower's work for it); an image of its own
+        size: its pixels (its patches times the square of the patch side)."""
         if self.image_grid_thw is not None:
             return [int(n) for n in self.image_grid_thw.prod(-1).tolist()]
+        if self.image_sizes is not None:
+            return [int(n) for n in self.image_sizes.prod(-1).tolist()]
         return [1] * self.num_images
 
     def to(self, device: torch.device) -> VisionInputs:
@@ -83,10 +89,15 @@ class VisionInputs:
             return None if t is None else t.to(device)
 
         return VisionInputs(self.pixel_values.to(device), moved(self.image_grid_thw),
-                            self.kinds, moved(self.seconds_per_grid))
+                            self.kinds, moved(self.seconds_per_grid), moved(self.image_sizes))
 
     def subset(self, first: int, last: int) -> VisionInputs:
         """Items `[first, last)` only."""
+        if self.image_sizes is not None:  # cropped to these images' largest: the padding
+            sizes = self.image_sizes[first:last]  # beyond it is zeros no patch reads
+            height, width = (int(x) for x in sizes.amax(0).tolist()) if len(sizes) else (0, 0)
+            return VisionInputs(self.pixel_values[first:last, :, :height, :width],
+                                image_sizes=sizes)
         if self.image_grid_thw is None:
             return VisionInputs(self.pixel_values[first:last])
         counts, kinds = self.patches_per_image(), self.kind_of()
@@ -260,6 +271,8 @@ class VisionLanguageForward:
 
     def encode(self, media: VisionInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Features `[tokens, hidden]` of `media` in row order, and the deepstack levels."""
+        if self.family.pixels == "sized":  # Pixtral: each image at its own size
+            return self._encode_sized(media), []
         if self.family.pixels == "images":
             config = self.model.config
             # LLaVA picks a tower layer and drops its class token; Gemma 3 pools the last.
@@ -276,6 +289,25 @@ class VisionLanguageForward:
                                             return_dict=True)
         deep = [torch.cat(level) for level in (getattr(out, "deepstack_features", None) or [])]
         return torch.cat(out.pooler_output), deep
+
+    def _encode_sized(self, media: VisionInputs) -> torch.Tensor:
+        """Features of images at their own sizes (Mistral 3's Pixtral tower and patch merger).
+
+        transformers' `get_image_features` squeezes the batch axis off the merged features,
+        which for a call of one token in all also drops the token axis; a rank whose run of
+        images makes one token (a small image alone) encodes a blank image beside it and
+        keeps its own token (the tower never attends across images, so this is exact).
+        """
+        side = self.model.config.vision_config.patch_size * int(
+            self.model.config.spatial_merge_size)
+        tokens = int((media.image_sizes // side).prod(-1).sum())
+        pixels, sizes = media.pixel_values, media.image_sizes
+        if tokens == 1:
+            pixels = torch.cat([pixels, torch.zeros_like(pixels[:1])])
+            sizes = torch.cat([sizes, sizes[:1]])
+        out = self.inner.get_image_features(pixel_values=pixels, image_sizes=sizes,
+                                            return_dict=True)
+        return torch.cat(out.pooler_output)[:tokens]
 
     def positions(self, input_ids: torch.Tensor, types: torch.Tensor,
                   text_positions: torch.Tensor, media: VisionInputs | None,
@@ -458,6 +490,10 @@ class VisionLanguageForward:
             return VisionInputs(torch.zeros(merge * merge, width, device=device),
                                 torch.tensor([[1, merge, merge]], device=device))
         dtype = next(self.inner.vision_tower.parameters()).dtype
+        if self.family.pixels == "sized":  # one merged token: merge x merge patches
+            side = vision.patch_size * int(self.model.config.spatial_merge_size)
+            return VisionInputs(torch.zeros(1, 3, side, side, device=device, dtype=dtype),
+                                image_sizes=torch.tensor([[side, side]], device=device))
         side = vision.image_size
         return VisionInputs(torch.zeros(1, 3, side, side, device=device, dtype=dtype))
 

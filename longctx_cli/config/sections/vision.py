@@ -121,7 +121,9 @@ class VisionTower:
         hidden = getattr(vision, "hidden_size", None) or getattr(vision, "embed_dim", 0)
         model_type = str(getattr(hf_config, "model_type", ""))
         family = vision_family(model_type)
-        merge = int(getattr(vision, "spatial_merge_size", 1) or 1)
+        # Mistral 3 names its patch merger's size on the wrapper, not on Pixtral's config.
+        merge = int(getattr(vision, "spatial_merge_size", None)
+                    or getattr(hf_config, "spatial_merge_size", 1) or 1)
         if family is not None and family.tower == "pooled":  # Gemma 3 pools patches to tokens
             side = int(vision.image_size) // int(vision.patch_size)
             merge = max(1, side // math.isqrt(int(hf_config.mm_tokens_per_image)))

@@ -85,6 +85,34 @@ class VisionProcessor:
         ip = self.image_processor
         return hasattr(ip, "temporal_patch_size") and hasattr(ip, "merge_size")
 
+    @property
+    def sized(self) -> bool:
+        """True for image processors that keep each image at its own size and say it in
+        `image_sizes` (Pixtral's): whole images, but not all of one shape."""
+        return "image_sizes" in getattr(self.image_processor, "model_input_names", ())
+
+    @property
+    def image_kwargs(self) -> dict[str, Any]:
+        """What the processor's own `__call__` adds to its image processor's arguments:
+        Pixtral's resizes to multiples of a merged patch (`patch_size * spatial_merge_size`,
+        its `_process_images`), not of the image processor's own `patch_size`."""
+        if self.sized and hasattr(self.processor, "spatial_merge_size"):
+            return {"patch_size": int(self.processor.patch_size)
+                    * int(self.processor.spatial_merge_size)}
+        return {}
+
+    @property
+    def marker_tokens(self) -> tuple[str, ...]:
+        """The tokens the processor writes around or between an image's feature tokens
+        (never targets): Qwen-VL's vision markers, Gemma 3's begin and end of image,
+        Pixtral's row breaks and image end."""
+        tok = self.tokenizer
+        return tuple(m for m in (
+            "<|vision_start|>", "<|vision_end|>", self.image_token,
+            getattr(tok, "boi_token", None), getattr(tok, "eoi_token", None),
+            getattr(self.processor, "image_break_token", None),
+            getattr(self.processor, "image_end_token", None)) if m)
+
     @functools.cached_property
     def image_shape(self) -> tuple[int, ...]:
         """(C, H, W) of every image a whole-image processor makes (its fixed input size),
@@ -129,6 +157,12 @@ def load_processor(
         try:
             processor = _image_only_processor(folder)
         except UserError:
+            if "torchvision" in str(first).lower():  # Pixtral's processor module imports it
+                raise UserError(
+                    f"cannot load the processor in {path}: transformers' "
+                    f"{_processor_class(folder)} needs torchvision, which is not installed.",
+                    fix="install the torchvision build that matches your torch "
+                    "(`pip install torchvision`), as transformers asks.") from None
             raise
         except Exception as exc:  # noqa: BLE001 - the files are the user's; say which failed
             raise UserError(
@@ -141,9 +175,19 @@ def load_processor(
         raise UserError(f"{path} holds no image processor, so it is not a vision-language "
                         "model's processor.",
                         fix="use the folder of a vision-language model (Qwen2-VL, Qwen2.5-VL, "
-                        "Qwen3-VL, LLaVA, Gemma 3) whose preprocessor_config.json and tokenizer "
-                        "files are there.")
+                        "Qwen3-VL, LLaVA, Gemma 3, Mistral 3) whose preprocessor_config.json "
+                        "and tokenizer files are there.")
     return VisionProcessor(processor, size, resample, _video_size(folder, processor))
+
+
+def _processor_class(folder: Path) -> str:
+    """The processor class a folder's config files name (for messages)."""
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        if (folder / name).is_file():
+            given = json.loads((folder / name).read_text()).get("processor_class")
+            if given:
+                return str(given)
+    return "processor"
 
 
 def _image_only_processor(folder: Path) -> Any:
@@ -259,6 +303,8 @@ def as_vision_processor(processor: Any) -> VisionProcessor:
 
 
 def _patch_dim(vp: VisionProcessor) -> int:
+    if vp.sized:  # one row per pixel, its channels (images of any size)
+        return int(vp.image_shape[0])
     if not vp.patched:  # one row per whole image
         return int(np.prod(vp.image_shape))
     ip = vp.image_processor
@@ -267,7 +313,8 @@ def _patch_dim(vp: VisionProcessor) -> int:
 
 def patch_dim(processor: Any) -> int:
     """Width of one row of pixel_values: a patch (3 * temporal_patch_size * patch_size**2) for
-    the Qwen-VL processors, a whole image (C * H * W) for LLaVA's and Gemma 3's."""
+    the Qwen-VL processors, a whole image (C * H * W) for LLaVA's and Gemma 3's, one pixel's
+    channels (C) for Pixtral's, whose images each keep their own size."""
     return _patch_dim(as_vision_processor(processor))
 
 

@@ -39,10 +39,17 @@ def _image_pixels(vp: VisionProcessor, image: PILImage.Image, where: str) -> _En
     ones give `[k, C, H, W]` (k > 1 only for Gemma 3's pan-and-scan crops, each a tower
     input of its own): each is stored as one row of C*H*W values, with grid `(0, H, W)`; the
     0 says "a whole image, not a patch grid" (runtime/batches.py reads it back as one).
+    Pixtral's keep each image at its own size: one is stored as H*W rows of its C channels
+    (pixel by pixel, row-major), with grid `(0, H, W)`, so images of any size share a row.
     """
-    out = vp.image_processor(images=[image], return_tensors="np")
+    out = vp.image_processor(images=[image], return_tensors="np", **vp.image_kwargs)
     pixels = np.asarray(out["pixel_values"], dtype=np.float32)
-    if vp.patched:
+    if vp.sized:
+        height, width = (int(x) for x in np.asarray(out["image_sizes"])[0])
+        channels = pixels.shape[1]
+        grids = [(0, height, width)]
+        pixels = pixels[0, :, :height, :width].reshape(channels, -1).T  # [H*W, C]
+    elif vp.patched:
         grid = tuple(int(x) for x in np.asarray(out["image_grid_thw"])[0])
         grids = [grid]
     else:
@@ -65,7 +72,7 @@ def _image_pixels(vp: VisionProcessor, image: PILImage.Image, where: str) -> _En
                 fix="use a LLaVA, Gemma 3 or Qwen-VL processor with transformers >= 5.") from None
         merge = int(vp.image_processor.merge_size) ** 2
         replacement = vp.image_token * (int(np.prod(grids[0])) // merge)
-    return _Encoded(pixels, grids, replacement)  # type: ignore[arg-type]
+    return _Encoded(np.ascontiguousarray(pixels), grids, replacement)  # type: ignore[arg-type]
 
 
 def video_pixels(vp: VisionProcessor, frames: list[PILImage.Image]
@@ -158,10 +165,8 @@ def encode_vision_record(
                 "text in the record contains it (or another vision marker) literally.")
     # The markers around an image's tokens (and Gemma 3's placeholder, which stays as its
     # begin-of-image token) are the processor's, never something to predict.
-    markers = ("<|vision_start|>", "<|vision_end|>", vp.image_token,
-               getattr(tok, "boi_token", None), getattr(tok, "eoi_token", None))
     vocab = tok.get_vocab()
-    never = {vocab[m] for m in markers if m and m in vocab}
+    never = {vocab[m] for m in vp.marker_tokens if m in vocab}
     labels = [IGNORE_INDEX if ty != TEXT or t in never else lab
               for t, lab, ty in zip(ids, labels, types, strict=True)]
     pixel_values = (np.concatenate([e.pixels for e in encoded]) if encoded else
