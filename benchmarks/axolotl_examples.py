@@ -319,10 +319,36 @@ def _commit(axolotl: Path) -> str | None:
         return None
 
 
+# Why a refused example is refused, by the words of its reason: a feature longctx does not
+# offer (docs/axolotl.md's key table lists each), an error of the example itself (Axolotl
+# too refuses it, or would skip or train nothing of what it names), or a computation longctx
+# cannot do exactly yet (it refuses rather than train a different model).
+OUT_OF_SCOPE = "a feature out of scope"
+EXAMPLE_ERROR = "an error of the example itself"
+NOT_EXACT = "not exact here yet"
+KINDS = (
+    *((mark, OUT_OF_SCOPE) for mark in (
+        "`ebft` is not", "`qat` is not", "`use_onebitllms` is not", "`diffusion` is not",
+        "`gptq` is not", "`lisa_n_layers` is not", "LoftQ", "`relora` is not",
+        "`fp8` is not", "`use_ray` is not", "`rl: gdpo`", "`optimizer: muon`",
+        "cloud launcher config", "`use_eaft` is not", "is not a causal-LM or image-text class",
+        "knows no transformers family")),
+    *((mark, EXAMPLE_ERROR) for mark in (
+        "unknown key", "`warmup_steps` = ", "`unfrozen_parameters`",
+        "the model has no module named")),
+)
+
+
+def reason_kind(reason: str) -> str:
+    """The kind of a refusal (`KINDS`); what no mark names is not exact here yet."""
+    return next((kind for mark, kind in KINDS if mark in reason), NOT_EXACT)
+
+
 def summary(result: dict) -> str:
     rows = result["configs"]
     outcomes = collections.Counter(r["outcome"] for r in rows)
     reasons = collections.Counter(r["reason"] for r in rows if "reason" in r)
+    kinds = collections.Counter(reason_kind(r["reason"]) for r in rows if "reason" in r)
     families = result.get("families") or per_family(rows)
     lines = [
         f"Measured by `python benchmarks/axolotl_examples.py` on {len(rows)} configs of "
@@ -334,10 +360,17 @@ def summary(result: dict) -> str:
         f"{outcomes['valid']} as they are, {outcomes[WITH_CONFIG]} whose model needs the hub "
         "(which the run had not) with that model's family config in its place "
         "(transformers' own config class of the model's type: its layers, experts, towers);",
-        f"- {outcomes['refused']} are refused, each in one paragraph. First reasons:",
+        f"- {outcomes['refused']} are refused, each in one paragraph:",
         "",
-        markdown_table(["configs", "first reason"],
-                       ([n, reason.replace("|", "/")] for reason, n in reasons.most_common())),
+        markdown_table(["refused for", "configs"],
+                       ([k, kinds[k]] for k in (OUT_OF_SCOPE, EXAMPLE_ERROR, NOT_EXACT)),
+                       right=(1,)),
+        "",
+        "Their first reasons:",
+        "",
+        markdown_table(["configs", "kind", "first reason"],
+                       ([n, reason_kind(reason), reason.replace("|", "/")]
+                        for reason, n in reasons.most_common())),
         "",
         "By family (the model type of each example's model):",
         "",
