@@ -48,6 +48,10 @@ class VisionFamily:
     prepared: bool = True  # `longctx preprocess` builds and tests its processor's rows
     # mRoPE's (t, h, w) sections where the config names none (the model's own default).
     mrope_section: tuple[int, ...] | None = None
+    # The PIL image processor built with `image_only_processor` (its own resize rule).
+    image_processor_pil: str = "Qwen2VLImageProcessorPil"
+    # Its videos are refused (data and runtime): why. None: videos train as images do.
+    video_refusal: str | None = None
 
     @property
     def rebuilt(self) -> bool:
@@ -92,6 +96,15 @@ class Family:
 
 _QWEN_VL = dict(positions="mrope", images_attend="causal", pixels="patches", tower="merged",
                 modules=("visual",))
+# GLM-4.6V's processor writes a video as one image-token run per temporal patch, each
+# between image markers and followed by its timestamp as text, the whole inside video markers
+# (the ids carry no video token: `mm_token_type_ids` marks the runs inside the markers).
+_GLM_VIDEO = (
+    "GLM-4.6V writes a video as image tokens (`<|image|>`) between `<|begin_of_video|>` and "
+    "`<|end_of_video|>`, one run per temporal patch after its timestamp taken from the video's "
+    "frame metadata, and its video processor samples frames by its own rule: longctx prepares "
+    "neither that layout nor those frames, and without them a video's tokens would read as "
+    "images")
 _FIXED_TOWER = dict(pixels="images", modules=("vision_tower", "multi_modal_projector"))
 
 _RECORDS = (
@@ -106,6 +119,10 @@ _RECORDS = (
         "Qwen3-VL", **_QWEN_VL, timestamped_video=True, processor_marker="Qwen3VL",
         mrope_section=(24, 20, 20),
         image_only_processor="Qwen3VLProcessor")),
+    Family("glm46v", vision=VisionFamily(
+        "GLM-4.6V", **_QWEN_VL, processor_marker="Glm46V", mrope_section=(8, 12, 12),
+        image_only_processor="Glm46VProcessor", image_processor_pil="Glm46VImageProcessorPil",
+        video_refusal=_GLM_VIDEO)),
     Family("llava", vision=VisionFamily(
         "LLaVA", positions="text", images_attend="causal", tower="per_patch", **_FIXED_TOWER)),
     Family("gemma3", vision=VisionFamily(

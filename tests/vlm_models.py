@@ -64,6 +64,19 @@ def _config(family: str):
                                deepstack_visual_indexes=[0, 1]),
             image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, vision_start_token_id=START_ID,
             vision_end_token_id=END_ID)
+    if family == "glm46v":
+        from transformers import Glm46VConfig
+
+        # GLM-4.6V rotates half of each head (16 wide: 4 rotary pairs in (t, h, w) sections).
+        return Glm46VConfig(
+            text_config={**text, "rope_parameters": {
+                "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                "partial_rotary_factor": 0.5}},
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                               out_hidden_size=64, patch_size=PATCH, spatial_merge_size=MERGE,
+                               temporal_patch_size=TEMPORAL, image_size=8 * PATCH),
+            image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, image_start_token_id=START_ID,
+            image_end_token_id=END_ID)
     if family == "llava":
         from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
@@ -136,13 +149,15 @@ VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 SECONDS_PER_GRID = 1.5
 
 
-def image_row(family: str, seed: int = 0):
-    """`(input_ids, position_ids, labels, media, documents)` of one packed row;
+def image_row(family: str, seed: int = 0, specs: tuple | None = None):
+    """`(input_ids, position_ids, labels, media, documents)` of one packed row (of `specs`,
+    laid out as DOCUMENTS is; by default DOCUMENTS and the family's video document);
     `documents`: per document its ids, labels and media, for the reference."""
     gen = torch.Generator().manual_seed(seed)
     ids, pos, labels, pixels, grids, kinds, docs = [], [], [], [], [], [], []
     video = QWEN3_VL_VIDEO_DOCUMENT if family == "qwen3_vl" else VIDEO_DOCUMENT
-    specs = DOCUMENTS + ((video,) if family in VIDEO_FAMILIES else ())
+    if specs is None:
+        specs = DOCUMENTS + ((video,) if family in VIDEO_FAMILIES else ())
     for spec in specs:
         d_ids, d_labels, d_pixels, d_grids, d_kinds = [], [], [], [], []
         for part in spec:

@@ -943,14 +943,17 @@ def _shrink_tower(tiny: Any, vision: Any, text: Any) -> None:
 
 def _shrink_mrope(text: Any, tiny: Any) -> None:
     """mRoPE's (t, h, w) sections split the rotary half of a head: they shrink with the head
-    dim, each kept at least 1, summing to the tiny head's half (the family's own default
-    where the config names none)."""
+    dim, each kept at least 1, summing to the tiny head's rotary half (the family's own
+    default where the config names none; GLM-4.6V rotates half of each head,
+    `partial_rotary_factor` 0.5 in its rope parameters)."""
     rope = dict(getattr(text, "rope_parameters", None) or {})
     family = vision_family(str(getattr(tiny, "model_type", "")))
     sections = rope.get("mrope_section") or (family.mrope_section if family else None)
     if not sections:
         return
-    half = PROBE_HEAD_DIM // 2
+    rotary = float(rope.get("partial_rotary_factor")
+                   or getattr(text, "partial_rotary_factor", None) or 1.0)
+    half = int(PROBE_HEAD_DIM * rotary) // 2
     scaled = [max(1, s * half // sum(sections)) for s in sections]
     scaled[0] += half - sum(scaled)  # the rounding's remainder on the temporal section
     rope["mrope_section"] = scaled

@@ -343,6 +343,7 @@ class VisionLanguageForward:
         full_ids, images = row.input_ids.to(device), row.images
         types = self.token_types(full_ids)
         n_tokens = int((types != 0).sum())
+        self._refuse_videos(images)
         if n_tokens and (images is None or not images.num_images):
             raise UserError(
                 f"the row holds {n_tokens} image or video tokens but no media.",
@@ -388,6 +389,15 @@ class VisionLanguageForward:
         hidden = self._language_model(local_ids, local_positions, meta, kwargs, visual, merged,
                                       cache)
         return hidden if zero is None else hidden + zero
+
+    def _refuse_videos(self, media: VisionInputs | None) -> None:
+        """A video in a row of a family whose videos longctx does not train: the reason."""
+        why = self.family.video_refusal
+        if why and media is not None and VIDEO in media.kind_of():
+            raise UserError(
+                f"the row holds a video, which longctx does not train for "
+                f"{self.family.name}: {why}.", where="datasets",
+                fix="drop the records with videos, or give a video's frames as images.")
 
     def _text_only(self, batch: ShardedBatch, cache: Any = None) -> torch.Tensor:
         """A row without images: mRoPE's three axes all take the text positions."""
