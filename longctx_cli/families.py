@@ -52,6 +52,8 @@ class VisionFamily:
     image_processor_pil: str = "Qwen2VLImageProcessorPil"
     # Its videos are refused (data and runtime): why. None: videos train as images do.
     video_refusal: str | None = None
+    # The tokens its processor writes around an image's tokens (never targets).
+    image_markers: tuple[str, ...] = ("<|vision_start|>", "<|vision_end|>")
 
     @property
     def rebuilt(self) -> bool:
@@ -122,7 +124,7 @@ _RECORDS = (
     Family("glm46v", vision=VisionFamily(
         "GLM-4.6V", **_QWEN_VL, processor_marker="Glm46V", mrope_section=(8, 12, 12),
         image_only_processor="Glm46VProcessor", image_processor_pil="Glm46VImageProcessorPil",
-        video_refusal=_GLM_VIDEO)),
+        video_refusal=_GLM_VIDEO, image_markers=("<|begin_of_image|>", "<|end_of_image|>"))),
     Family("llava", vision=VisionFamily(
         "LLaVA", positions="text", images_attend="causal", tower="per_patch", **_FIXED_TOWER)),
     Family("gemma3", vision=VisionFamily(

@@ -6,14 +6,21 @@ boundary of every sp-2 layout; text only; one image) through longctx's rebuilt f
 positions from the model's own `get_rope_index` per document, then sliced) under a ring, a
 zigzag ring and Ulysses: the loss and every gradient (language model, tower, merger) equal
 each document's own `forward(input_ids=, pixel_values=, image_grid_thw=, labels=)`.
-Its videos are refused (families.py `video_refusal`), not trained as images.
+Its videos are refused (families.py `video_refusal`), not trained as images. Its
+processor's rows (data/vision, with GLM's own image processor and `<|image|>` placeholder)
+equal what transformers' `Glm46VProcessor` makes of the same record.
 """
 
 from __future__ import annotations
 
-import pytest
-import torch
+from dataclasses import replace
+from pathlib import Path
 
+import numpy as np
+import pytest
+
+from longctx_cli.constants import IGNORE_INDEX
+from longctx_cli.data import vision
 from longctx_cli.errors import UserError
 from longctx_cli.families import vision_family
 from longctx_cli.parallel.attention import register_sp_attention
@@ -21,6 +28,7 @@ from longctx_cli.runtime.vision import IMAGE, VIDEO, VisionInputs, VisionLanguag
 from tests.distributed import run_distributed
 from tests.layouts import sp_state
 from tests.test_vlm_runtime import _check, _compare
+from tests.vlm_fixtures import conversation, make_image, write_tiny_glm46v_processor
 from tests.vlm_models import image_row, tiny_vlm
 
 # 37 + 9 + 10 = 56 tokens: the first image is tokens 13-28, so the contiguous halves' boundary
@@ -56,4 +64,69 @@ def test_glm46v_row_with_a_video_is_refused() -> None:
     with pytest.raises(UserError, match="video") as e:
         vlm.hidden_states(batch)
     assert vision_family("glm46v").video_refusal in str(e.value)
-    assert torch.is_tensor(ids)
+
+
+# ---- its processor's rows ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def glm_vp(tmp_path_factory):
+    return vision.load_processor(str(write_tiny_glm46v_processor(
+        tmp_path_factory.mktemp("glm"))))
+
+
+def _images(folder: Path) -> list[Path]:
+    # b.png is 20 pixels wide: GLM's resize (a 10 x 2 patch grid) is not Qwen's (8 x 2).
+    return [make_image(folder, "img/a.png", (84, 56), 1),
+            make_image(folder, "img/b.png", (20, 100), 2),
+            make_image(folder, "img/c.png", (300, 20), 3)]
+
+
+def test_glm46v_rows_equal_its_processors_own(glm_vp, tmp_path) -> None:
+    from PIL import Image
+    from transformers import Glm46VImageProcessorPil, Glm46VProcessor
+
+    assert isinstance(glm_vp.processor, Glm46VProcessor)  # built without torchvision
+    assert type(glm_vp.image_processor) is Glm46VImageProcessorPil
+    assert glm_vp.family is vision_family("glm46v") and glm_vp.image_token == "<|image|>"
+    paths = _images(tmp_path)
+    doc = vision.encode_vision_record(conversation(), glm_vp, "d.jsonl:1", base_dir=tmp_path)
+    text = glm_vp.processor.apply_chat_template(conversation()["messages"], tokenize=False)
+    ref = glm_vp.processor(text=[text], images=[Image.open(p).convert("RGB") for p in paths],
+                           return_mm_token_type_ids=True, return_tensors="np")
+    assert doc.input_ids == ref["input_ids"][0].tolist()
+    assert doc.mm_token_type_ids == ref["mm_token_type_ids"][0].tolist()
+    np.testing.assert_array_equal(doc.pixel_values, ref["pixel_values"])
+    assert doc.image_grid_thw == [tuple(g) for g in ref["image_grid_thw"].tolist()]
+    assert doc.image_grid_thw == [(1, 4, 6), (1, 10, 2), (1, 2, 30)]
+    # Targets: the answers only; images and their markers never.
+    vocab = glm_vp.tokenizer.get_vocab()
+    never = {vocab[t] for t in ("<|image|>", "<|begin_of_image|>", "<|end_of_image|>")}
+    assert all(lab == IGNORE_INDEX for t, lab in zip(doc.input_ids, doc.labels, strict=True)
+               if t in never)
+    assert any(lab != IGNORE_INDEX for lab in doc.labels)
+
+
+def test_glm46v_markers_are_never_targets_even_on_trained_inputs(glm_vp, tmp_path) -> None:
+    from longctx_cli.data.vision.records import default_spec
+
+    _images(tmp_path)
+    spec = replace(default_spec(glm_vp), train_on_inputs=True)
+    doc = vision.encode_vision_record(conversation(), glm_vp, "d.jsonl:1", base_dir=tmp_path,
+                                      spec=spec)
+    vocab = glm_vp.tokenizer.get_vocab()
+    markers = {vocab["<|begin_of_image|>"], vocab["<|end_of_image|>"]}
+    assert markers <= set(doc.input_ids)
+    assert all(lab == IGNORE_INDEX for t, lab in zip(doc.input_ids, doc.labels, strict=True)
+               if t in markers)
+
+
+def test_glm46v_record_with_a_video_is_refused(glm_vp, tmp_path) -> None:
+    frames = [make_image(tmp_path, f"f/{n}.png", (56, 56), n) for n in range(2)]
+    record = {"messages": [
+        {"role": "user", "content": [{"type": "video", "video": [str(f) for f in frames],
+                                      "fps": 2}, {"type": "text", "text": "What happens?"}]},
+        {"role": "assistant", "content": "It moves."}]}
+    with pytest.raises(UserError, match="GLM-4.6V") as e:
+        vision.encode_vision_record(record, glm_vp, "d.jsonl:2", base_dir=tmp_path)
+    assert "<|begin_of_video|>" in str(e.value)

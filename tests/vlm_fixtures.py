@@ -243,3 +243,45 @@ def assert_generation_prompt_is_the_processors(vp, base: Path, where: str) -> No
     assert doc.input_ids == ref["input_ids"][0].tolist()
     np.testing.assert_array_equal(doc.pixel_values.reshape(ref["pixel_values"].shape),
                                   ref["pixel_values"])
+
+
+# ---- GLM-4.6V --------------------------------------------------------------------------------
+
+GLM_SPECIALS = ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>")
+GLM_VISION_SPECIALS = ("<|begin_of_image|>", "<|end_of_image|>", "<|image|>",
+                       "<|begin_of_video|>", "<|end_of_video|>", "<|video|>")
+# GLM-4.6V's template in the same shape: `[gMASK]<sop>`, each turn after its role token, an
+# image part as `<|begin_of_image|><|image|><|end_of_image|>` (its processor expands the
+# `<|image|>`), a video part between the video markers.
+GLM_TEMPLATE = (
+    "[gMASK]<sop>{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part %}"
+    "<|begin_of_image|><|image|><|end_of_image|>"
+    "{% elif part['type'] == 'video' or 'video' in part %}"
+    "<|begin_of_video|><|video|><|end_of_video|>"
+    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def write_tiny_glm46v_processor(folder: str | Path) -> Path:
+    """A GLM-4.6V processor's files in `folder`, offline: transformers' own
+    `Glm46VImageProcessorPil` with a budget of at most 16 merged patches of 28 pixels (its
+    budget counts the two frames of a temporal patch), a byte-level tokenizer with GLM's chat
+    and vision tokens, GLM's template shape. `longctx_cli.data.vision.load_processor(folder)`
+    builds its `Glm46VProcessor` without the video processor (which needs torchvision)."""
+    from transformers import Glm46VImageProcessorPil
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    corpus = [c.replace("system\n", "<|system|>\n") for c in CORPUS] * 20
+    tokenizer = EXAMPLE.train_tokenizer(corpus, 400, GLM_SPECIALS, GLM_VISION_SPECIALS,
+                                        eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    frame = 28 * 28 * 2  # one merged patch of both frames
+    images = Glm46VImageProcessorPil(size={"shortest_edge": frame, "longest_edge": frame * 16},
+                                     patch_size=14, merge_size=2, temporal_patch_size=2)
+    EXAMPLE.save_processor(folder, tokenizer, images, GLM_TEMPLATE, "Glm46VProcessor",
+                           "Glm46VImageProcessor")
+    return folder

@@ -130,6 +130,12 @@ def encode_vision_record(
         if item.kind == IMAGE:
             encoded.append(_image_pixels(vp, item.frames[0], where))
         else:
+            refusal = vp.family.video_refusal if vp.family else None
+            if refusal:
+                raise UserError(
+                    f"the record holds a video, which longctx does not prepare for "
+                    f"{vp.family.name}: {refusal}.", where=where,
+                    fix="drop the records with videos, or give a video's frames as images.")
             if vp.video_token is None or not vp.patched:
                 raise UserError(
                     f"the record holds a video, and the {type(vp.processor).__name__} "
@@ -158,7 +164,7 @@ def encode_vision_record(
                 "text in the record contains it (or another vision marker) literally.")
     # The markers around an image's tokens (and Gemma 3's placeholder, which stays as its
     # begin-of-image token) are the processor's, never something to predict.
-    markers = ("<|vision_start|>", "<|vision_end|>", vp.image_token,
+    markers = (*vp.image_markers, vp.image_token,
                getattr(tok, "boi_token", None), getattr(tok, "eoi_token", None))
     vocab = tok.get_vocab()
     never = {vocab[m] for m in markers if m and m in vocab}
