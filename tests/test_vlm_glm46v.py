@@ -130,3 +130,35 @@ def test_glm46v_record_with_a_video_is_refused(glm_vp, tmp_path) -> None:
     with pytest.raises(UserError, match="GLM-4.6V") as e:
         vision.encode_vision_record(record, glm_vp, "d.jsonl:2", base_dir=tmp_path)
     assert "<|begin_of_video|>" in str(e.value)
+
+
+# ---- validate ----------------------------------------------------------------------------
+
+# GLM-4.6V-Flash's text rotary: half of each 128-wide head, in (8, 12, 12) mRoPE sections.
+FLASH_ROPE = {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [8, 12, 12],
+              "partial_rotary_factor": 0.5}
+
+
+def test_validate_passes_glm46v_with_images(tmp_path) -> None:
+    import json
+
+    import yaml
+    from transformers import AutoConfig
+    from typer.testing import CliRunner
+
+    from longctx_cli.cli import app
+
+    proc = write_tiny_glm46v_processor(tmp_path / "proc")
+    _images(tmp_path)
+    (tmp_path / "d.jsonl").write_text(json.dumps(conversation()) + "\n")
+    model = AutoConfig.for_model("glm46v", text_config={"rope_parameters": FLASH_ROPE})
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({
+        "model_config": model.to_dict(), "processor_type": "AutoProcessor",
+        "processor_path": str(proc), "sequence_len": 2048, "sequence_parallel_degree": 2,
+        "datasets": [{"path": str(tmp_path / "d.jsonl"), "type": "chat_template"}]}))
+    result = CliRunner().invoke(app, ["validate", str(tmp_path / "c.yaml"),
+                                      "--nproc-per-node", "2"])
+    out = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert "3 images decoded" in out, out
+    assert "passed: tiny random `glm46v`" in out and "images: tower split by images" in out
