@@ -27,7 +27,7 @@ from longctx_cli.parallel.attention import register_sp_attention
 from longctx_cli.runtime.vision import IMAGE, VIDEO, VisionInputs, VisionLanguageForward
 from tests.distributed import run_distributed
 from tests.layouts import sp_state
-from tests.test_vlm_runtime import _check, _compare
+from tests.test_vlm_runtime import _check, _compare, _generate_worker
 from tests.vlm_fixtures import conversation, make_image, write_tiny_glm46v_processor
 from tests.vlm_models import image_row, tiny_vlm
 
@@ -52,6 +52,13 @@ def test_glm46v_sp2_ring_and_ulysses_equal_the_models_own_training() -> None:
         _check(results)
     for spec in LAYOUTS:  # every layout's shard boundary cuts an image
         assert any(r[str(spec)]["cut_image"] for r in ranks), (spec, ranks)
+
+
+def test_glm46v_decoding_after_images_under_sp_equals_generate() -> None:
+    """Greedy tokens after a prompt with two images (ring and Ulysses at sp 2): the model's
+    own `generate`'s, whose mRoPE continues from the prompt's largest position."""
+    for result in run_distributed(_generate_worker, 2, "glm46v", timeout_s=240):
+        assert result["ring"] == result["ulysses"] == result["generate"], result
 
 
 def test_glm46v_row_with_a_video_is_refused() -> None:
