@@ -54,6 +54,9 @@ class VisionFamily:
     video_refusal: str | None = None
     # The tokens its processor writes around an image's tokens (never targets).
     image_markers: tuple[str, ...] = ("<|vision_start|>", "<|vision_end|>")
+    # Its tower takes each patch as `[channels, patch, patch]` pixels (PaddleOCR-VL's), not
+    # as one flat row: runtime/vision.py reshapes the row's patches before the tower.
+    square_patches: bool = False
 
     @property
     def rebuilt(self) -> bool:
@@ -125,6 +128,13 @@ _RECORDS = (
         "GLM-4.6V", **_QWEN_VL, processor_marker="Glm46V", mrope_section=(8, 12, 12),
         image_only_processor="Glm46VProcessor", image_processor_pil="Glm46VImageProcessorPil",
         video_refusal=_GLM_VIDEO, image_markers=("<|begin_of_image|>", "<|end_of_image|>"))),
+    # A SigLIP-style patch tower whose projector merges each image's 2 x 2 patches.
+    Family("paddleocr_vl", vision=VisionFamily(
+        "PaddleOCR-VL", positions="mrope", images_attend="causal", pixels="patches",
+        tower="merged", modules=("visual", "projector"), mrope_section=(16, 24, 24),
+        square_patches=True, video_refusal=(
+            "PaddleOCR-VL takes images only: its model has no `get_video_features` and its "
+            "processor no video processor"))),
     Family("llava", vision=VisionFamily(
         "LLaVA", positions="text", images_attend="causal", tower="per_patch", **_FIXED_TOWER)),
     Family("gemma3", vision=VisionFamily(

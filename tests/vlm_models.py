@@ -77,6 +77,18 @@ def _config(family: str):
                                temporal_patch_size=TEMPORAL, image_size=8 * PATCH),
             image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, image_start_token_id=START_ID,
             image_end_token_id=END_ID)
+    if family == "paddleocr_vl":
+        from transformers import PaddleOCRVLConfig
+
+        # A SigLIP-style tower of one-frame patches; its projector merges 2 x 2 of them.
+        return PaddleOCRVLConfig(
+            text_config={**text, "head_dim": 16, "rope_parameters": {
+                "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}},
+            vision_config=dict(num_hidden_layers=2, hidden_size=32, intermediate_size=48,
+                               num_attention_heads=2, patch_size=PATCH,
+                               spatial_merge_size=MERGE, image_size=8 * PATCH),
+            image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, vision_start_token_id=START_ID,
+            vision_end_token_id=END_ID)
     if family == "llava":
         from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
@@ -128,7 +140,12 @@ def _image(family: str, grid: tuple[int, int, int], gen: torch.Generator
         side, tokens = FLAT[family]
         return torch.randn(1, 3, side, side, generator=gen), tokens
     rows = t * h * w
-    return torch.randn(rows, 3 * TEMPORAL * PATCH * PATCH, generator=gen), rows // MERGE**2
+    frames = 1 if family in SQUARE_PATCHES else TEMPORAL  # PaddleOCR-VL: one-frame patches
+    return torch.randn(rows, 3 * frames * PATCH * PATCH, generator=gen), rows // MERGE**2
+
+
+# Families whose tower takes each patch as [3, PATCH, PATCH] pixels (their rows reshaped).
+SQUARE_PATCHES = ("paddleocr_vl",)
 
 
 # Documents: text runs (lengths) and images (grids), in order.
@@ -215,8 +232,10 @@ def own_vlm_step(model: torch.nn.Module, docs) -> float:
         elif media is not None:
             images, videos = media.only(IMAGE), media.only(VIDEO)
             if images is not None:
-                kwargs.update(pixel_values=images.pixel_values,
-                              image_grid_thw=images.image_grid_thw)
+                pixels = images.pixel_values
+                if model.config.model_type in SQUARE_PATCHES:  # as its processor makes them
+                    pixels = pixels.reshape(pixels.shape[0], 3, PATCH, PATCH)
+                kwargs.update(pixel_values=pixels, image_grid_thw=images.image_grid_thw)
             if videos is not None:
                 kwargs.update(pixel_values_videos=videos.pixel_values,
                               video_grid_thw=videos.image_grid_thw)

@@ -918,7 +918,11 @@ def shrink_vision_config(model_config: Any, images: bool = True) -> Any:
 def _shrink_tower(tiny: Any, vision: Any, text: Any) -> None:
     """The tower cut to two layers with images of a few patches (see `Tower`)."""
     tower = _tower(tiny)
-    if tower == "merged":  # Qwen-VL towers
+    if tower == "merged" and not hasattr(vision, "depth"):  # a SigLIP-style patch tower
+        vision.num_hidden_layers, vision.num_attention_heads = 2, 2  # PaddleOCR-VL's, whose
+        vision.hidden_size, vision.intermediate_size = 32, PROBE_INTERMEDIATE  # projector
+        _shrink_mrope(text, tiny)  # merges its patches
+    elif tower == "merged":  # Qwen-VL towers
         vision.depth = 2
         if hasattr(vision, "fullatt_block_indexes"):
             vision.fullatt_block_indexes = [1]
@@ -983,7 +987,7 @@ def _tower(model_config: Any) -> Tower:
 
 def _vision_row(tiny: Any) -> tuple[Any, ...]:
     """The probe's packed row and, per document, what the model's own forward takes."""
-    from longctx_cli.runtime.vision import VisionInputs
+    from longctx_cli.runtime.vision import VisionInputs, patch_width
 
     gen = torch.Generator().manual_seed(0)
     vision = tiny.vision_config
@@ -1005,9 +1009,7 @@ def _vision_row(tiny: Any) -> tuple[Any, ...]:
                          or (side // vision.patch_size) ** 2)
             else:
                 rows = part[0] * part[1] * part[2]
-                width = (getattr(vision, "in_channels", 3) * vision.temporal_patch_size
-                         * vision.patch_size**2)
-                d_pixels.append(torch.randn(rows, width, generator=gen))
+                d_pixels.append(torch.randn(rows, patch_width(vision), generator=gen))
                 d_grids.append(part)
                 count = rows // vision.spatial_merge_size**2
             d_ids += [x for x in (start,) if x is not None] + [image_id] * count
@@ -1034,6 +1036,10 @@ def _own_vision_training(model: Any, docs: list, image_id: int) -> float:
         kwargs: dict[str, Any] = {}
         if images is not None:
             kwargs["pixel_values"] = images.pixel_values
+            if vision_family(model.config.model_type).square_patches:  # as its processor
+                side = model.config.vision_config.patch_size  # makes them: [n, C, side, side]
+                kwargs["pixel_values"] = images.pixel_values.reshape(
+                    images.pixel_values.shape[0], -1, side, side)
             if images.image_grid_thw is not None:
                 kwargs.update(image_grid_thw=images.image_grid_thw,
                               mm_token_type_ids=(ids == image_id).long()[None])

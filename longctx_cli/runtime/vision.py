@@ -187,6 +187,14 @@ def split_images(patches: list[int], parts: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(bounds))
 
 
+def patch_width(vision: Any) -> int:
+    """Pixel values per patch of a patch tower's config: channels x frames x side^2 (a
+    SigLIP-style tower, PaddleOCR-VL's, names its channels `num_channels` and takes one
+    frame)."""
+    channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3)
+    return int(channels * getattr(vision, "temporal_patch_size", 1) * vision.patch_size**2)
+
+
 def vision_modules(model: nn.Module) -> list[nn.Module]:
     """The tower and projector of a VLM (what `freeze_mm_modules` freezes); [] for text."""
     inner = getattr(model, "model", None)
@@ -272,8 +280,11 @@ class VisionLanguageForward:
         # families' get_video_features is the same tower call on the videos' patches (a
         # video's frames are its grid's first axis), and under FSDP2 every rank must call
         # the tower the same number of times.
-        out = self.inner.get_image_features(media.pixel_values, media.image_grid_thw,
-                                            return_dict=True)
+        pixels = media.pixel_values
+        if self.family.square_patches:  # each row is one patch's [channels, side, side]
+            side = int(self.model.config.vision_config.patch_size)
+            pixels = pixels.reshape(pixels.shape[0], -1, side, side)
+        out = self.inner.get_image_features(pixels, media.image_grid_thw, return_dict=True)
         deep = [torch.cat(level) for level in (getattr(out, "deepstack_features", None) or [])]
         return torch.cat(out.pooler_output), deep
 
@@ -463,8 +474,7 @@ class VisionLanguageForward:
         vision = self.model.config.vision_config
         if self.family.pixels == "patches":
             merge = vision.spatial_merge_size
-            width = (getattr(vision, "in_channels", 3) * vision.temporal_patch_size
-                     * vision.patch_size**2)
+            width = patch_width(vision)
             return VisionInputs(torch.zeros(merge * merge, width, device=device),
                                 torch.tensor([[1, merge, merge]], device=device))
         dtype = next(self.inner.vision_tower.parameters()).dtype
