@@ -132,7 +132,8 @@ _RECORDS = (
     Family("paddleocr_vl", vision=VisionFamily(
         "PaddleOCR-VL", positions="mrope", images_attend="causal", pixels="patches",
         tower="merged", modules=("visual", "projector"), mrope_section=(16, 24, 24),
-        square_patches=True, video_refusal=(
+        square_patches=True, processor_marker="PaddleOCRVL",
+        image_markers=("<|IMAGE_START|>", "<|IMAGE_END|>"), video_refusal=(
             "PaddleOCR-VL takes images only: its model has no `get_video_features` and its "
             "processor no video processor"))),
     Family("llava", vision=VisionFamily(
@@ -253,6 +254,8 @@ BIDIRECTIONAL_IMAGE_FAMILIES = tuple(
 # Every family's tower and projector attribute names (what `freeze_mm_modules` freezes).
 VISION_MODULE_NAMES = tuple(dict.fromkeys(
     name for f in FAMILIES.values() if f.vision for name in f.vision.modules))
-# The vision families whose processor is built without torchvision where it is missing.
-IMAGE_ONLY_FAMILIES = tuple(
-    f.vision for f in FAMILIES.values() if f.vision and f.vision.image_only_processor)
+# The vision families whose processor classes carry a marker in their names ...
+MARKED_FAMILIES = tuple(
+    f.vision for f in FAMILIES.values() if f.vision and f.vision.processor_marker)
+# ... and those whose processor is built without torchvision where it is missing.
+IMAGE_ONLY_FAMILIES = tuple(f for f in MARKED_FAMILIES if f.image_only_processor)

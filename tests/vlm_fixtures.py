@@ -285,3 +285,44 @@ def write_tiny_glm46v_processor(folder: str | Path) -> Path:
     EXAMPLE.save_processor(folder, tokenizer, images, GLM_TEMPLATE, "Glm46VProcessor",
                            "Glm46VImageProcessor")
     return folder
+
+
+# ---- PaddleOCR-VL ------------------------------------------------------------------------
+
+PADDLE_SPECIALS = ("<unk>", "<s>", "</s>", "<|begin_of_sentence|>", "<|end_of_sentence|>")
+PADDLE_IMAGE_TOKENS = {"image_token": "<|IMAGE_PLACEHOLDER|>"}
+# PaddleOCR-VL's template in the same shape: `User:`/`Assistant:` turns, an image part as
+# `<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>` (its processor expands the middle one).
+PADDLE_TEMPLATE = (
+    "<|begin_of_sentence|>{% for message in messages %}"
+    "{{ 'User: ' if message['role'] == 'user' else 'Assistant: ' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part %}"
+    "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>"
+    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}<|end_of_sentence|>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant: {% endif %}"
+)
+
+
+def write_tiny_paddleocr_vl_processor(folder: str | Path) -> Path:
+    """A PaddleOCR-VL processor's files in `folder`, offline: transformers' own
+    `PaddleOCRVLImageProcessorPil` (one-frame 14-pixel patches, at most 16 merged patches of
+    28 pixels), a byte-level tokenizer naming `<|IMAGE_PLACEHOLDER|>` its `image_token`, and
+    its template's shape. `AutoProcessor.from_pretrained(folder)` loads it (it has no video
+    processor)."""
+    from transformers import PaddleOCRVLImageProcessorPil
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = EXAMPLE.train_tokenizer(
+        CORPUS * 20, 400, PADDLE_SPECIALS,
+        ("<|IMAGE_START|>", "<|IMAGE_END|>", *PADDLE_IMAGE_TOKENS.values()),
+        bos_token="<s>", eos_token="</s>", pad_token="<unk>",
+        extra_special_tokens=dict(PADDLE_IMAGE_TOKENS))
+    images = PaddleOCRVLImageProcessorPil(size={"shortest_edge": 28 * 28,
+                                                "longest_edge": 28 * 28 * 16})
+    EXAMPLE.save_processor(folder, tokenizer, images, PADDLE_TEMPLATE, "PaddleOCRVLProcessor",
+                           "PaddleOCRVLImageProcessor")
+    return folder

@@ -15,7 +15,7 @@ import numpy as np
 
 from longctx_cli.data.vision.documents import IMAGE, VIDEO
 from longctx_cli.errors import UserError
-from longctx_cli.families import IMAGE_ONLY_FAMILIES, VisionFamily
+from longctx_cli.families import IMAGE_ONLY_FAMILIES, MARKED_FAMILIES, VisionFamily
 
 RESIZE_ALGORITHMS = ("bilinear", "bicubic", "lanczos")  # what Axolotl's schema accepts
 
@@ -162,7 +162,7 @@ def processor_family(processor: Any) -> VisionFamily | None:
     names in the class names; the last such record, as a later family's names hold an
     earlier one's), or None."""
     names = [c.__name__ for c in type(processor).__mro__]
-    found = [f for f in IMAGE_ONLY_FAMILIES if any(f.processor_marker in n for n in names)]
+    found = [f for f in MARKED_FAMILIES if any(f.processor_marker in n for n in names)]
     return found[-1] if found else None
 
 

@@ -43,6 +43,9 @@ def _image_pixels(vp: VisionProcessor, image: PILImage.Image, where: str) -> _En
     out = vp.image_processor(images=[image], return_tensors="np")
     pixels = np.asarray(out["pixel_values"], dtype=np.float32)
     if vp.patched:
+        # PaddleOCR-VL's patches come as [C, side, side]: stored as rows like the others
+        # (its forward reshapes them back, runtime/vision.py).
+        pixels = pixels.reshape(pixels.shape[0], -1)
         grid = tuple(int(x) for x in np.asarray(out["image_grid_thw"])[0])
         grids = [grid]
     else:
