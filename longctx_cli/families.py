@@ -101,15 +101,17 @@ class Family:
 
 _QWEN_VL = dict(positions="mrope", images_attend="causal", pixels="patches", tower="merged",
                 modules=("visual",))
-# GLM-4.6V's processor writes a video as one image-token run per temporal patch, each
-# between image markers and followed by its timestamp as text, the whole inside video markers
-# (the ids carry no video token: `mm_token_type_ids` marks the runs inside the markers).
+# GLM-4.1V/4.5V/4.6V's processors write a video as one image-token run per temporal patch,
+# each between image markers and followed by its timestamp as text, the whole inside video
+# markers (the ids carry no video token: `mm_token_type_ids` marks the runs inside them).
 _GLM_VIDEO = (
-    "GLM-4.6V writes a video as image tokens (`<|image|>`) between `<|begin_of_video|>` and "
+    "its processor writes a video as image tokens (`<|image|>`) between `<|begin_of_video|>` and "
     "`<|end_of_video|>`, one run per temporal patch after its timestamp taken from the video's "
     "frame metadata, and its video processor samples frames by its own rule: longctx prepares "
     "neither that layout nor those frames, and without them a video's tokens would read as "
     "images")
+_GLM_VL = dict(_QWEN_VL, mrope_section=(8, 12, 12), video_refusal=_GLM_VIDEO,
+               image_markers=("<|begin_of_image|>", "<|end_of_image|>"))
 _FIXED_TOWER = dict(pixels="images", modules=("vision_tower", "multi_modal_projector"))
 
 _RECORDS = (
@@ -124,10 +126,15 @@ _RECORDS = (
         "Qwen3-VL", **_QWEN_VL, timestamped_video=True, processor_marker="Qwen3VL",
         mrope_section=(24, 20, 20),
         image_only_processor="Qwen3VLProcessor")),
-    Family("glm46v", vision=VisionFamily(
-        "GLM-4.6V", **_QWEN_VL, processor_marker="Glm46V", mrope_section=(8, 12, 12),
-        image_only_processor="Glm46VProcessor", image_processor_pil="Glm46VImageProcessorPil",
-        video_refusal=_GLM_VIDEO, image_markers=("<|begin_of_image|>", "<|end_of_image|>"))),
+    # GLM-4.1V, GLM-4.5V (MoE text) and GLM-4.6V: one forward (Glm46VModel is Glm4vModel),
+    # GLM-4.5V's processor GLM-4.1V's.
+    Family("glm4v", vision=VisionFamily("GLM-4.1V", **_GLM_VL, processor_marker="Glm4v",
+                                        image_only_processor="Glm4vProcessor",
+                                        image_processor_pil="Glm4vImageProcessorPil")),
+    Family("glm4v_moe", vision=VisionFamily("GLM-4.5V", **_GLM_VL)),
+    Family("glm46v", vision=VisionFamily("GLM-4.6V", **_GLM_VL, processor_marker="Glm46V",
+                                         image_only_processor="Glm46VProcessor",
+                                         image_processor_pil="Glm46VImageProcessorPil")),
     # A SigLIP-style patch tower whose projector merges each image's 2 x 2 patches.
     Family("paddleocr_vl", vision=VisionFamily(
         "PaddleOCR-VL", positions="mrope", images_attend="causal", pixels="patches",

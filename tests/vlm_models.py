@@ -64,12 +64,17 @@ def _config(family: str):
                                deepstack_visual_indexes=[0, 1]),
             image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, vision_start_token_id=START_ID,
             vision_end_token_id=END_ID)
-    if family == "glm46v":
-        from transformers import Glm46VConfig
+    if family in ("glm4v", "glm4v_moe", "glm46v"):
+        import transformers
 
-        # GLM-4.6V rotates half of each head (16 wide: 4 rotary pairs in (t, h, w) sections).
-        return Glm46VConfig(
-            text_config={**text, "rope_parameters": {
+        # GLM-4.xV rotates half of each head (16 wide: 4 rotary pairs in (t, h, w) sections);
+        # GLM-4.5V's layers after the first are MoE (4 experts, 2 per token, one shared).
+        moe = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                   n_shared_experts=1, first_k_dense_replace=1)
+        name = {"glm4v": "Glm4vConfig", "glm4v_moe": "Glm4vMoeConfig",
+                "glm46v": "Glm46VConfig"}[family]
+        return getattr(transformers, name)(
+            text_config={**text, **(moe if family == "glm4v_moe" else {}), "rope_parameters": {
                 "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
                 "partial_rotary_factor": 0.5}},
             vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
