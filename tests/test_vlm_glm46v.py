@@ -103,13 +103,16 @@ def _images(folder: Path) -> list[Path]:
             make_image(folder, "img/c.png", (300, 20), 3)]
 
 
-def test_glm46v_rows_equal_its_processors_own(glm_vp, tmp_path) -> None:
+@pytest.mark.parametrize("version, model_type", [("Glm46V", "glm46v"), ("Glm4v", "glm4v")])
+def test_glm46v_rows_equal_its_processors_own(version, model_type, tmp_path) -> None:
+    import transformers
     from PIL import Image
-    from transformers import Glm46VImageProcessorPil, Glm46VProcessor
 
-    assert isinstance(glm_vp.processor, Glm46VProcessor)  # built without torchvision
-    assert type(glm_vp.image_processor) is Glm46VImageProcessorPil
-    assert glm_vp.family is vision_family("glm46v") and glm_vp.image_token == "<|image|>"
+    glm_vp = vision.load_processor(str(write_tiny_glm46v_processor(tmp_path / "p", version)))
+    # Built without torchvision, with the family's own image processor.
+    assert isinstance(glm_vp.processor, getattr(transformers, f"{version}Processor"))
+    assert type(glm_vp.image_processor) is getattr(transformers, f"{version}ImageProcessorPil")
+    assert glm_vp.family is vision_family(model_type) and glm_vp.image_token == "<|image|>"
     paths = _images(tmp_path)
     doc = vision.encode_vision_record(conversation(), glm_vp, "d.jsonl:1", base_dir=tmp_path)
     text = glm_vp.processor.apply_chat_template(conversation()["messages"], tokenize=False)

@@ -266,13 +266,16 @@ GLM_TEMPLATE = (
 )
 
 
-def write_tiny_glm46v_processor(folder: str | Path) -> Path:
+def write_tiny_glm46v_processor(folder: str | Path, version: str = "Glm46V") -> Path:
     """A GLM-4.6V processor's files in `folder`, offline: transformers' own
     `Glm46VImageProcessorPil` with a budget of at most 16 merged patches of 28 pixels (its
     budget counts the two frames of a temporal patch), a byte-level tokenizer with GLM's chat
     and vision tokens, GLM's template shape. `longctx_cli.data.vision.load_processor(folder)`
-    builds its `Glm46VProcessor` without the video processor (which needs torchvision)."""
-    from transformers import Glm46VImageProcessorPil
+    builds its `Glm46VProcessor` without the video processor (which needs torchvision).
+    `version="Glm4v"`: GLM-4.1V's (and GLM-4.5V's) classes instead."""
+    import transformers
+
+    image_class = getattr(transformers, f"{version}ImageProcessorPil")
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -280,10 +283,10 @@ def write_tiny_glm46v_processor(folder: str | Path) -> Path:
     tokenizer = EXAMPLE.train_tokenizer(corpus, 400, GLM_SPECIALS, GLM_VISION_SPECIALS,
                                         eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     frame = 28 * 28 * 2  # one merged patch of both frames
-    images = Glm46VImageProcessorPil(size={"shortest_edge": frame, "longest_edge": frame * 16},
-                                     patch_size=14, merge_size=2, temporal_patch_size=2)
-    EXAMPLE.save_processor(folder, tokenizer, images, GLM_TEMPLATE, "Glm46VProcessor",
-                           "Glm46VImageProcessor")
+    images = image_class(size={"shortest_edge": frame, "longest_edge": frame * 16},
+                         patch_size=14, merge_size=2, temporal_patch_size=2)
+    EXAMPLE.save_processor(folder, tokenizer, images, GLM_TEMPLATE, f"{version}Processor",
+                           f"{version}ImageProcessor")
     return folder
 
 
