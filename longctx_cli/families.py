@@ -51,6 +51,15 @@ class VisionFamily:
     prepared: bool = True  # `longctx preprocess` builds and tests its processor's rows
     # mRoPE's (t, h, w) sections where the config names none (the model's own default).
     mrope_section: tuple[int, ...] | None = None
+    # The PIL image processor built with `image_only_processor` (its own resize rule).
+    image_processor_pil: str = "Qwen2VLImageProcessorPil"
+    # Its videos are refused (data and runtime): why. None: videos train as images do.
+    video_refusal: str | None = None
+    # The tokens its processor writes around an image's tokens (never targets).
+    image_markers: tuple[str, ...] = ("<|vision_start|>", "<|vision_end|>")
+    # Its tower takes each patch as `[channels, patch, patch]` pixels (PaddleOCR-VL's), not
+    # as one flat row: runtime/vision.py reshapes the row's patches before the tower.
+    square_patches: bool = False
 
     @property
     def rebuilt(self) -> bool:
@@ -95,6 +104,17 @@ class Family:
 
 _QWEN_VL = dict(positions="mrope", images_attend="causal", pixels="patches", tower="merged",
                 modules=("visual",))
+# GLM-4.1V/4.5V/4.6V's processors write a video as one image-token run per temporal patch,
+# each between image markers and followed by its timestamp as text, the whole inside video
+# markers (the ids carry no video token: `mm_token_type_ids` marks the runs inside them).
+_GLM_VIDEO = (
+    "its processor writes a video as image tokens (`<|image|>`) between `<|begin_of_video|>` and "
+    "`<|end_of_video|>`, one run per temporal patch after its timestamp taken from the video's "
+    "frame metadata, and its video processor samples frames by its own rule: longctx prepares "
+    "neither that layout nor those frames, and without them a video's tokens would read as "
+    "images")
+_GLM_VL = dict(_QWEN_VL, mrope_section=(8, 12, 12), video_refusal=_GLM_VIDEO,
+               image_markers=("<|begin_of_image|>", "<|end_of_image|>"))
 _FIXED_TOWER = dict(pixels="images", modules=("vision_tower", "multi_modal_projector"))
 
 _RECORDS = (
@@ -109,6 +129,23 @@ _RECORDS = (
         "Qwen3-VL", **_QWEN_VL, timestamped_video=True, processor_marker="Qwen3VL",
         mrope_section=(24, 20, 20),
         image_only_processor="Qwen3VLProcessor")),
+    # GLM-4.1V, GLM-4.5V (MoE text) and GLM-4.6V: one forward (Glm46VModel is Glm4vModel),
+    # GLM-4.5V's processor GLM-4.1V's.
+    Family("glm4v", vision=VisionFamily("GLM-4.1V", **_GLM_VL, processor_marker="Glm4v",
+                                        image_only_processor="Glm4vProcessor",
+                                        image_processor_pil="Glm4vImageProcessorPil")),
+    Family("glm4v_moe", vision=VisionFamily("GLM-4.5V", **_GLM_VL)),
+    Family("glm46v", vision=VisionFamily("GLM-4.6V", **_GLM_VL, processor_marker="Glm46V",
+                                         image_only_processor="Glm46VProcessor",
+                                         image_processor_pil="Glm46VImageProcessorPil")),
+    # A SigLIP-style patch tower whose projector merges each image's 2 x 2 patches.
+    Family("paddleocr_vl", vision=VisionFamily(
+        "PaddleOCR-VL", positions="mrope", images_attend="causal", pixels="patches",
+        tower="merged", modules=("visual", "projector"), mrope_section=(16, 24, 24),
+        square_patches=True, processor_marker="PaddleOCRVL",
+        image_markers=("<|IMAGE_START|>", "<|IMAGE_END|>"), video_refusal=(
+            "PaddleOCR-VL takes images only: its model has no `get_video_features` and its "
+            "processor no video processor"))),
     Family("llava", vision=VisionFamily(
         "LLaVA", positions="text", images_attend="causal", tower="per_patch", **_FIXED_TOWER)),
     Family("gemma3", vision=VisionFamily(
@@ -227,6 +264,8 @@ BIDIRECTIONAL_IMAGE_FAMILIES = tuple(
 # Every family's tower and projector attribute names (what `freeze_mm_modules` freezes).
 VISION_MODULE_NAMES = tuple(dict.fromkeys(
     name for f in FAMILIES.values() if f.vision for name in f.vision.modules))
-# The vision families whose processor is built without torchvision where it is missing.
-IMAGE_ONLY_FAMILIES = tuple(
-    f.vision for f in FAMILIES.values() if f.vision and f.vision.image_only_processor)
+# The vision families whose processor classes carry a marker in their names ...
+MARKED_FAMILIES = tuple(
+    f.vision for f in FAMILIES.values() if f.vision and f.vision.processor_marker)
+# ... and those whose processor is built without torchvision where it is missing.
+IMAGE_ONLY_FAMILIES = tuple(f for f in MARKED_FAMILIES if f.image_only_processor)

@@ -774,7 +774,7 @@ REFUSED_FAMILIES = (
     ("MiniMax (`minimax`, MiniMax-Text-01)", "lightning attention layers, a linear-attention "
      "scan longctx does not pass across ranks (MiniMax-M2, `minimax_m2`, is exact)"),
     ("Vision-language families longctx does not rebuild (InternVL, Llama 4's vision model, "
-     "GLM-4.6V, SmolVLM2, LFM2-VL, PaddleOCR-VL)", "their towers, feature merge "
+     "SmolVLM2, LFM2-VL)", "their towers, feature merge "
      "and positions are not rebuilt under sequence parallelism; their text models train "
      "where transformers has a causal LM of their own"),
     ("Gemma 4's images (`gemma4`)", "its image tokens attend both ways on sliding-window "

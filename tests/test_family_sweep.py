@@ -26,6 +26,9 @@ EXPECTED = {
     # vision-language defaults the probe's own shrinking failed on before
     "qwen2_vl": ("exact", ""),  # its merger writes the tower's hidden_size
     "qwen2_5_vl": ("exact", ""),  # mrope_section (16, 24, 24) shrinks with the head dim
+    "glm46v": ("exact", ""),  # its default sections (8, 12, 12) shrink to the tiny head
+    "glm4v_moe": ("exact", ""),  # GLM-4.6V's forward with MoE layers
+    "paddleocr_vl": ("exact", ""),  # a SigLIP-style tower (no `depth`) shrinks as one
     "gemma4": ("exact", ""),  # a wrapper without towers: its text config shrinks inside it
     # refused, each for its own reason
     "mamba": ("refused", "no attention layers (recurrent / state-space)"),

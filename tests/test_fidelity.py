@@ -368,6 +368,10 @@ def test_shrinking_a_multimodal_config_fits_its_towers_and_mrope() -> None:
     assert qwen.vision_config.out_hidden_size == qwen.text_config.hidden_size
     qwen2 = shrink_vision_config(AutoConfig.for_model("qwen2_vl"))  # its merger: hidden_size
     assert qwen2.vision_config.hidden_size == qwen2.text_config.hidden_size
+    # GLM-4.6V-Flash rotates half of each head: its sections fill that half's half.
+    glm = shrink_vision_config(AutoConfig.for_model("glm46v", text_config={"rope_parameters": {
+        "rope_type": "default", "mrope_section": [8, 12, 12], "partial_rotary_factor": 0.5}}))
+    assert sum(glm.text_config.rope_parameters["mrope_section"]) == PROBE_HEAD_DIM // 4
     bare = shrink_vision_config(AutoConfig.for_model("gemma4"), images=False)  # no towers
     assert bare.vision_config is None and bare.text_config.vocab_size == 128
     assert bare.image_token_id >= 128  # a text probe's random ids never name an image

@@ -26,18 +26,20 @@ from tests.vlm_models import FAMILIES, VIDEO_FAMILIES, image_row, own_vlm_step, 
 TOL = 2e-5
 
 
-def _reference(family: str) -> tuple[float, dict[str, torch.Tensor]]:
+def _reference(family: str, specs: tuple | None = None
+               ) -> tuple[float, dict[str, torch.Tensor]]:
     model = tiny_vlm(family, "eager")
-    loss = own_vlm_step(model, image_row(family)[4])
+    loss = own_vlm_step(model, image_row(family, specs=specs)[4])
     # A weight the forward never reads (LLaVA's unused last tower norm) has no gradient.
     return loss, {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
                   for n, p in model.named_parameters()}
 
 
-def _longctx(family: str, state) -> tuple[float, dict[str, torch.Tensor], int]:
+def _longctx(family: str, state, specs: tuple | None = None
+             ) -> tuple[float, dict[str, torch.Tensor], int]:
     model = tiny_vlm(family, register_sp_attention())
     vlm = VisionLanguageForward(model)
-    ids, pos, labels, images, docs = image_row(family)
+    ids, pos, labels, images, docs = image_row(family, specs=specs)
     batch = vlm.shard(ids, pos, labels, images, state)
     hidden = vlm.hidden_states(batch)
     count = sum(int((d_labels[1:] != IGNORE_INDEX).sum()) for _, d_labels, _ in docs)
@@ -69,9 +71,10 @@ def _slice_facts(vlm, batch, state) -> dict[str, bool]:
     return {"no_image": not bool((image & mine).any()), "cut_image": cut}
 
 
-def _compare(family: str, state) -> dict[str, float]:
-    loss, grads, calls, facts = _longctx(family, state)
-    ref_loss, ref_grads = _reference(family)
+def _compare(family: str, state, specs: tuple | None = None) -> dict[str, float]:
+    """longctx's loss and gradients against the model's own on `image_row(family, specs)`."""
+    loss, grads, calls, facts = _longctx(family, state, specs)
+    ref_loss, ref_grads = _reference(family, specs)
     assert set(ref_grads) == set(grads), set(ref_grads) ^ set(grads)
     # Relative error per weight; a gradient that is zero in exact arithmetic (a key bias
     # under softmax) is compared against a floor of the largest gradient's size.

@@ -285,3 +285,89 @@ def write_tiny_pixtral_processor(folder: str | Path, longest_edge: int = 40,
                            "PixtralImageProcessor", patch_size=patch_size,
                            spatial_merge_size=merge)
     return folder
+
+
+# ---- GLM-4.6V --------------------------------------------------------------------------------
+
+GLM_SPECIALS = ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>")
+GLM_VISION_SPECIALS = ("<|begin_of_image|>", "<|end_of_image|>", "<|image|>",
+                       "<|begin_of_video|>", "<|end_of_video|>", "<|video|>")
+# GLM-4.6V's template in the same shape: `[gMASK]<sop>`, each turn after its role token, an
+# image part as `<|begin_of_image|><|image|><|end_of_image|>` (its processor expands the
+# `<|image|>`), a video part between the video markers.
+GLM_TEMPLATE = (
+    "[gMASK]<sop>{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part %}"
+    "<|begin_of_image|><|image|><|end_of_image|>"
+    "{% elif part['type'] == 'video' or 'video' in part %}"
+    "<|begin_of_video|><|video|><|end_of_video|>"
+    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def write_tiny_glm46v_processor(folder: str | Path, version: str = "Glm46V") -> Path:
+    """A GLM-4.6V processor's files in `folder`, offline: transformers' own
+    `Glm46VImageProcessorPil` with a budget of at most 16 merged patches of 28 pixels (its
+    budget counts the two frames of a temporal patch), a byte-level tokenizer with GLM's chat
+    and vision tokens, GLM's template shape. `longctx_cli.data.vision.load_processor(folder)`
+    builds its `Glm46VProcessor` without the video processor (which needs torchvision).
+    `version="Glm4v"`: GLM-4.1V's (and GLM-4.5V's) classes instead."""
+    import transformers
+
+    image_class = getattr(transformers, f"{version}ImageProcessorPil")
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    corpus = [c.replace("system\n", "<|system|>\n") for c in CORPUS] * 20
+    tokenizer = EXAMPLE.train_tokenizer(corpus, 400, GLM_SPECIALS, GLM_VISION_SPECIALS,
+                                        eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    frame = 28 * 28 * 2  # one merged patch of both frames
+    images = image_class(size={"shortest_edge": frame, "longest_edge": frame * 16},
+                         patch_size=14, merge_size=2, temporal_patch_size=2)
+    EXAMPLE.save_processor(folder, tokenizer, images, GLM_TEMPLATE, f"{version}Processor",
+                           f"{version}ImageProcessor")
+    return folder
+
+
+# ---- PaddleOCR-VL ------------------------------------------------------------------------
+
+PADDLE_SPECIALS = ("<unk>", "<s>", "</s>", "<|begin_of_sentence|>", "<|end_of_sentence|>")
+PADDLE_IMAGE_TOKENS = {"image_token": "<|IMAGE_PLACEHOLDER|>"}
+# PaddleOCR-VL's template in the same shape: `User:`/`Assistant:` turns, an image part as
+# `<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>` (its processor expands the middle one).
+PADDLE_TEMPLATE = (
+    "<|begin_of_sentence|>{% for message in messages %}"
+    "{{ 'User: ' if message['role'] == 'user' else 'Assistant: ' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part %}"
+    "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>"
+    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}<|end_of_sentence|>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant: {% endif %}"
+)
+
+
+def write_tiny_paddleocr_vl_processor(folder: str | Path) -> Path:
+    """A PaddleOCR-VL processor's files in `folder`, offline: transformers' own
+    `PaddleOCRVLImageProcessorPil` (one-frame 14-pixel patches, at most 16 merged patches of
+    28 pixels), a byte-level tokenizer naming `<|IMAGE_PLACEHOLDER|>` its `image_token`, and
+    its template's shape. `AutoProcessor.from_pretrained(folder)` loads it (it has no video
+    processor)."""
+    from transformers import PaddleOCRVLImageProcessorPil
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = EXAMPLE.train_tokenizer(
+        CORPUS * 20, 400, PADDLE_SPECIALS,
+        ("<|IMAGE_START|>", "<|IMAGE_END|>", *PADDLE_IMAGE_TOKENS.values()),
+        bos_token="<s>", eos_token="</s>", pad_token="<unk>",
+        extra_special_tokens=dict(PADDLE_IMAGE_TOKENS))
+    images = PaddleOCRVLImageProcessorPil(size={"shortest_edge": 28 * 28,
+                                                "longest_edge": 28 * 28 * 16})
+    EXAMPLE.save_processor(folder, tokenizer, images, PADDLE_TEMPLATE, "PaddleOCRVLProcessor",
+                           "PaddleOCRVLImageProcessor")
+    return folder

@@ -74,6 +74,36 @@ def _config(family: str):
                                deepstack_visual_indexes=[0, 1]),
             image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, vision_start_token_id=START_ID,
             vision_end_token_id=END_ID)
+    if family in ("glm4v", "glm4v_moe", "glm46v"):
+        import transformers
+
+        # GLM-4.xV rotates half of each head (16 wide: 4 rotary pairs in (t, h, w) sections);
+        # GLM-4.5V's layers after the first are MoE (4 experts, 2 per token, one shared).
+        moe = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                   n_shared_experts=1, first_k_dense_replace=1)
+        name = {"glm4v": "Glm4vConfig", "glm4v_moe": "Glm4vMoeConfig",
+                "glm46v": "Glm46VConfig"}[family]
+        return getattr(transformers, name)(
+            text_config={**text, **(moe if family == "glm4v_moe" else {}), "rope_parameters": {
+                "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                "partial_rotary_factor": 0.5}},
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                               out_hidden_size=64, patch_size=PATCH, spatial_merge_size=MERGE,
+                               temporal_patch_size=TEMPORAL, image_size=8 * PATCH),
+            image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, image_start_token_id=START_ID,
+            image_end_token_id=END_ID)
+    if family == "paddleocr_vl":
+        from transformers import PaddleOCRVLConfig
+
+        # A SigLIP-style tower of one-frame patches; its projector merges 2 x 2 of them.
+        return PaddleOCRVLConfig(
+            text_config={**text, "head_dim": 16, "rope_parameters": {
+                "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}},
+            vision_config=dict(num_hidden_layers=2, hidden_size=32, intermediate_size=48,
+                               num_attention_heads=2, patch_size=PATCH,
+                               spatial_merge_size=MERGE, image_size=8 * PATCH),
+            image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, vision_start_token_id=START_ID,
+            vision_end_token_id=END_ID)
     if family == "llava":
         from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
@@ -140,7 +170,12 @@ def _image(family: str, grid: tuple[int, int, int], gen: torch.Generator
         side, tokens = FLAT[family]
         return torch.randn(1, 3, side, side, generator=gen), tokens
     rows = t * h * w
-    return torch.randn(rows, 3 * TEMPORAL * PATCH * PATCH, generator=gen), rows // MERGE**2
+    frames = 1 if family in SQUARE_PATCHES else TEMPORAL  # PaddleOCR-VL: one-frame patches
+    return torch.randn(rows, 3 * frames * PATCH * PATCH, generator=gen), rows // MERGE**2
+
+
+# Families whose tower takes each patch as [3, PATCH, PATCH] pixels (their rows reshaped).
+SQUARE_PATCHES = ("paddleocr_vl",)
 
 
 # Documents: text runs (lengths) and images (grids), in order.
@@ -161,14 +196,16 @@ VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 SECONDS_PER_GRID = 1.5
 
 
-def image_row(family: str, seed: int = 0):
-    """`(input_ids, position_ids, labels, media, documents)` of one packed row;
+def image_row(family: str, seed: int = 0, specs: tuple | None = None):
+    """`(input_ids, position_ids, labels, media, documents)` of one packed row (of `specs`,
+    laid out as DOCUMENTS is; by default DOCUMENTS and the family's video document);
     `documents`: per document its ids, labels and media, for the reference."""
     gen = torch.Generator().manual_seed(seed)
     ids, pos, labels, pixels, grids, kinds, docs = [], [], [], [], [], [], []
     video = QWEN3_VL_VIDEO_DOCUMENT if family == "qwen3_vl" else VIDEO_DOCUMENT
-    specs = SIZED_DOCUMENTS if family in SIZED else (
-        DOCUMENTS + ((video,) if family in VIDEO_FAMILIES else ()))
+    if specs is None:
+        specs = SIZED_DOCUMENTS if family in SIZED else (
+            DOCUMENTS + ((video,) if family in VIDEO_FAMILIES else ()))
     for spec in specs:
         d_ids, d_labels, d_pixels, d_grids, d_kinds = [], [], [], [], []
         for part in spec:
@@ -236,8 +273,10 @@ def own_vlm_step(model: torch.nn.Module, docs) -> float:
         elif media is not None:
             images, videos = media.only(IMAGE), media.only(VIDEO)
             if images is not None:
-                kwargs.update(pixel_values=images.pixel_values,
-                              image_grid_thw=images.image_grid_thw)
+                pixels = images.pixel_values
+                if model.config.model_type in SQUARE_PATCHES:  # as its processor makes them
+                    pixels = pixels.reshape(pixels.shape[0], 3, PATCH, PATCH)
+                kwargs.update(pixel_values=pixels, image_grid_thw=images.image_grid_thw)
             if videos is not None:
                 kwargs.update(pixel_values_videos=videos.pixel_values,
                               video_grid_thw=videos.image_grid_thw)

@@ -918,7 +918,11 @@ def shrink_vision_config(model_config: Any, images: bool = True) -> Any:
 def _shrink_tower(tiny: Any, vision: Any, text: Any) -> None:
     """The tower cut to two layers with images of a few patches (see `Tower`)."""
     tower = _tower(tiny)
-    if tower == "merged":  # Qwen-VL towers
+    if tower == "merged" and not hasattr(vision, "depth"):  # a SigLIP-style patch tower
+        vision.num_hidden_layers, vision.num_attention_heads = 2, 2  # PaddleOCR-VL's, whose
+        vision.hidden_size, vision.intermediate_size = 32, PROBE_INTERMEDIATE  # projector
+        _shrink_mrope(text, tiny)  # merges its patches
+    elif tower == "merged":  # Qwen-VL towers
         vision.depth = 2
         if hasattr(vision, "fullatt_block_indexes"):
             vision.fullatt_block_indexes = [1]
@@ -947,14 +951,17 @@ def _shrink_tower(tiny: Any, vision: Any, text: Any) -> None:
 
 def _shrink_mrope(text: Any, tiny: Any) -> None:
     """mRoPE's (t, h, w) sections split the rotary half of a head: they shrink with the head
-    dim, each kept at least 1, summing to the tiny head's half (the family's own default
-    where the config names none)."""
+    dim, each kept at least 1, summing to the tiny head's rotary half (the family's own
+    default where the config names none; GLM-4.6V rotates half of each head,
+    `partial_rotary_factor` 0.5 in its rope parameters)."""
     rope = dict(getattr(text, "rope_parameters", None) or {})
     family = vision_family(str(getattr(tiny, "model_type", "")))
     sections = rope.get("mrope_section") or (family.mrope_section if family else None)
     if not sections:
         return
-    half = PROBE_HEAD_DIM // 2
+    rotary = float(rope.get("partial_rotary_factor")
+                   or getattr(text, "partial_rotary_factor", None) or 1.0)
+    half = int(PROBE_HEAD_DIM * rotary) // 2
     scaled = [max(1, s * half // sum(sections)) for s in sections]
     scaled[0] += half - sum(scaled)  # the rounding's remainder on the temporal section
     rope["mrope_section"] = scaled
@@ -984,6 +991,7 @@ def _tower(model_config: Any) -> Tower:
 
 def _vision_row(tiny: Any) -> tuple[Any, ...]:
     """The probe's packed row and, per document, what the model's own forward takes."""
+    from longctx_cli.runtime.vision import patch_width
 
     gen = torch.Generator().manual_seed(0)
     vision = tiny.vision_config
@@ -1011,9 +1019,7 @@ def _vision_row(tiny: Any) -> tuple[Any, ...]:
                          or (side // vision.patch_size) ** 2)
             else:
                 rows = part[0] * part[1] * part[2]
-                width = (getattr(vision, "in_channels", 3) * vision.temporal_patch_size
-                         * vision.patch_size**2)
-                d_pixels.append(torch.randn(rows, width, generator=gen))
+                d_pixels.append(torch.randn(rows, patch_width(vision), generator=gen))
                 d_grids.append(part)
                 count = rows // vision.spatial_merge_size**2
             d_ids += [x for x in (start,) if x is not None] + [image_id] * count
@@ -1055,6 +1061,10 @@ def _own_vision_training(model: Any, docs: list, image_id: int) -> float:
             kwargs["pixel_values"] = images.pixel_values
             if images.image_sizes is not None:  # Pixtral: each image at its own size
                 kwargs["image_sizes"] = images.image_sizes
+            if vision_family(model.config.model_type).square_patches:  # as its processor
+                side = model.config.vision_config.patch_size  # makes them: [n, C, side, side]
+                kwargs["pixel_values"] = images.pixel_values.reshape(
+                    images.pixel_values.shape[0], -1, side, side)
             if images.image_grid_thw is not None:
                 kwargs.update(image_grid_thw=images.image_grid_thw,
                               mm_token_type_ids=(ids == image_id).long()[None])

@@ -435,7 +435,10 @@ def apply_fsdp(model: nn.Module, mesh, config: Config | None = None) -> None:
         from longctx_cli.runtime.vision import vision_modules
 
         for module in vision_modules(base):
-            encoder = getattr(module, "encoder", None)
+            # Its blocks: Qwen-VL's `blocks`, a CLIP/SigLIP tower's `encoder.layers` (under
+            # `vision_model` in PaddleOCR-VL's).
+            inner = getattr(module, "vision_model", module)
+            encoder = getattr(inner, "encoder", None)
             for block in getattr(module, "blocks", None) or getattr(encoder, "layers", []):
                 fully_shard(block, mesh=mesh, **options)
             fully_shard(module, mesh=mesh, **options)

@@ -198,6 +198,14 @@ def split_images(patches: list[int], parts: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(bounds))
 
 
+def patch_width(vision: Any) -> int:
+    """Pixel values per patch of a patch tower's config: channels x frames x side^2 (a
+    SigLIP-style tower, PaddleOCR-VL's, names its channels `num_channels` and takes one
+    frame)."""
+    channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3)
+    return int(channels * getattr(vision, "temporal_patch_size", 1) * vision.patch_size**2)
+
+
 def vision_modules(model: nn.Module) -> list[nn.Module]:
     """The tower and projector of a VLM (what `freeze_mm_modules` freezes); [] for text."""
     inner = getattr(model, "model", None)
@@ -285,8 +293,11 @@ class VisionLanguageForward:
         # families' get_video_features is the same tower call on the videos' patches (a
         # video's frames are its grid's first axis), and under FSDP2 every rank must call
         # the tower the same number of times.
-        out = self.inner.get_image_features(media.pixel_values, media.image_grid_thw,
-                                            return_dict=True)
+        pixels = media.pixel_values
+        if self.family.square_patches:  # each row is one patch's [channels, side, side]
+            side = int(self.model.config.vision_config.patch_size)
+            pixels = pixels.reshape(pixels.shape[0], -1, side, side)
+        out = self.inner.get_image_features(pixels, media.image_grid_thw, return_dict=True)
         deep = [torch.cat(level) for level in (getattr(out, "deepstack_features", None) or [])]
         return torch.cat(out.pooler_output), deep
 
@@ -375,6 +386,7 @@ class VisionLanguageForward:
         full_ids, images = row.input_ids.to(device), row.images
         types = self.token_types(full_ids)
         n_tokens = int((types != 0).sum())
+        self._refuse_videos(images)
         if n_tokens and (images is None or not images.num_images):
             raise UserError(
                 f"the row holds {n_tokens} image or video tokens but no media.",
@@ -420,6 +432,15 @@ class VisionLanguageForward:
         hidden = self._language_model(local_ids, local_positions, meta, kwargs, visual, merged,
                                       cache)
         return hidden if zero is None else hidden + zero
+
+    def _refuse_videos(self, media: VisionInputs | None) -> None:
+        """A video in a row of a family whose videos longctx does not train: the reason."""
+        why = self.family.video_refusal
+        if why and media is not None and VIDEO in media.kind_of():
+            raise UserError(
+                f"the row holds a video, which longctx does not train for "
+                f"{self.family.name}: {why}.", where="datasets",
+                fix="drop the records with videos, or give a video's frames as images.")
 
     def _text_only(self, batch: ShardedBatch, cache: Any = None) -> torch.Tensor:
         """A row without images: mRoPE's three axes all take the text positions."""
@@ -485,8 +506,7 @@ class VisionLanguageForward:
         vision = self.model.config.vision_config
         if self.family.pixels == "patches":
             merge = vision.spatial_merge_size
-            width = (getattr(vision, "in_channels", 3) * vision.temporal_patch_size
-                     * vision.patch_size**2)
+            width = patch_width(vision)
             return VisionInputs(torch.zeros(merge * merge, width, device=device),
                                 torch.tensor([[1, merge, merge]], device=device))
         dtype = next(self.inner.vision_tower.parameters()).dtype

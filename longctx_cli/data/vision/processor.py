@@ -15,7 +15,7 @@ import numpy as np
 
 from longctx_cli.data.vision.documents import IMAGE, VIDEO
 from longctx_cli.errors import UserError
-from longctx_cli.families import IMAGE_ONLY_FAMILIES
+from longctx_cli.families import IMAGE_ONLY_FAMILIES, MARKED_FAMILIES, VisionFamily
 
 RESIZE_ALGORITHMS = ("bilinear", "bicubic", "lanczos")  # what Axolotl's schema accepts
 
@@ -32,6 +32,17 @@ class VisionProcessor:
     @property
     def tokenizer(self) -> Any:
         return self.processor.tokenizer
+
+    @property
+    def family(self) -> VisionFamily | None:
+        """The family whose processor this is, where its record names one (Qwen-VL, GLM)."""
+        return processor_family(self.processor)
+
+    @property
+    def image_markers(self) -> tuple[str, ...]:
+        """The tokens the processor writes around an image's tokens (Qwen's by default)."""
+        family = self.family
+        return family.image_markers if family else VisionFamily.image_markers
 
     @property
     def image_processor(self) -> Any:
@@ -104,11 +115,12 @@ class VisionProcessor:
     @property
     def marker_tokens(self) -> tuple[str, ...]:
         """The tokens the processor writes around or between an image's feature tokens
-        (never targets): Qwen-VL's vision markers, Gemma 3's begin and end of image,
-        Pixtral's row breaks and image end."""
+        (never targets): the family's image markers (Qwen-VL's vision start and end, GLM's
+        begin and end of image), Gemma 3's begin and end of image, Pixtral's row breaks and
+        image end."""
         tok = self.tokenizer
         return tuple(m for m in (
-            "<|vision_start|>", "<|vision_end|>", self.image_token,
+            *self.image_markers, self.image_token,
             getattr(tok, "boi_token", None), getattr(tok, "eoi_token", None),
             getattr(self.processor, "image_break_token", None),
             getattr(self.processor, "image_end_token", None)) if m)
@@ -190,9 +202,20 @@ def _processor_class(folder: Path) -> str:
     return "processor"
 
 
+def processor_family(processor: Any) -> VisionFamily | None:
+    """The family whose processor class `processor` is or extends (by the marker its record
+    names in the class names; the last such record, as a later family's names hold an
+    earlier one's), or None."""
+    names = [c.__name__ for c in type(processor).__mro__]
+    found = [f for f in MARKED_FAMILIES if any(f.processor_marker in n for n in names)]
+    return found[-1] if found else None
+
+
 def _image_only_processor(folder: Path) -> Any:
-    """The folder's Qwen-VL processor class without its video processor (see load_processor)."""
-    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+    """The folder's Qwen-VL or GLM-4.6V processor class without its video processor, with
+    the family's own PIL image processor (see load_processor)."""
+    import transformers
+    from transformers import AutoTokenizer
 
     config = {}
     for name in ("processor_config.json", "preprocessor_config.json"):
@@ -204,10 +227,9 @@ def _image_only_processor(folder: Path) -> Any:
         raise UserError(
             f"cannot build the processor in {folder} ({kind or 'no processor_class'}): longctx "
             f"prepares vision data for {', '.join(names[:-1])} and {names[-1]} processors.",
-            fix="use a Qwen-VL model's folder, or install torchvision if the processor needs it.")
+            fix="use a Qwen-VL or GLM-4.6V model's folder, or install torchvision if the "
+            "processor needs it.")
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(folder),
-                                                               local_files_only=True)
     template = getattr(tokenizer, "chat_template", None)
     for name in ("chat_template.jinja", "chat_template.json"):
         file = folder / name
@@ -220,16 +242,20 @@ def _image_only_processor(folder: Path) -> Any:
         kind += str(json.loads(video.read_text()).get("video_processor_type", ""))
     # A later family's processor names an earlier one's parts (Qwen3-VL's image processor is
     # Qwen2-VL's), so the last family whose marker the names hold is the folder's.
-    base = [f.image_only_processor for f in IMAGE_ONLY_FAMILIES if f.processor_marker in kind][-1]
-    return image_only_processor_class(base)(image_processor=image_processor,
-                                            tokenizer=tokenizer, chat_template=template)
+    family = [f for f in IMAGE_ONLY_FAMILIES if f.processor_marker in kind][-1]
+    # Each family's image processor resizes by its own rule (GLM-4.6V's budget counts two
+    # frames), so the family's class, not Qwen's.
+    image_processor = getattr(transformers, family.image_processor_pil).from_pretrained(
+        str(folder), local_files_only=True)
+    return image_only_processor_class(family.image_only_processor)(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
 
 
 @functools.cache
 def image_only_processor_class(base: str = "Qwen2_5_VLProcessor") -> Any:
-    """transformers' processor class `base` (Qwen2.5-VL's, or Qwen3-VL's, which places video
-    frames by timestamps) with no video processor attribute (built on first use, so that
-    importing this module does not import transformers' models).
+    """transformers' processor class `base` (Qwen2.5-VL's, Qwen3-VL's, which places video
+    frames by timestamps, or GLM-4.6V's) with no video processor attribute (built on first
+    use, so that importing this module does not import transformers' models).
 
     ProcessorMixin reads a processor's parts from its `__init__` signature; dropping
     `video_processor` from it is what lets the class be built without torchvision. Its

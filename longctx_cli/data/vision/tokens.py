@@ -50,6 +50,9 @@ def _image_pixels(vp: VisionProcessor, image: PILImage.Image, where: str) -> _En
         grids = [(0, height, width)]
         pixels = pixels[0, :, :height, :width].reshape(channels, -1).T  # [H*W, C]
     elif vp.patched:
+        # PaddleOCR-VL's patches come as [C, side, side]: stored as rows like the others
+        # (its forward reshapes them back, runtime/vision.py).
+        pixels = pixels.reshape(pixels.shape[0], -1)
         grid = tuple(int(x) for x in np.asarray(out["image_grid_thw"])[0])
         grids = [grid]
     else:
@@ -137,6 +140,12 @@ def encode_vision_record(
         if item.kind == IMAGE:
             encoded.append(_image_pixels(vp, item.frames[0], where))
         else:
+            refusal = vp.family.video_refusal if vp.family else None
+            if refusal:
+                raise UserError(
+                    f"the record holds a video, which longctx does not prepare for "
+                    f"{vp.family.name}: {refusal}.", where=where,
+                    fix="drop the records with videos, or give a video's frames as images.")
             if vp.video_token is None or not vp.patched:
                 raise UserError(
                     f"the record holds a video, and the {type(vp.processor).__name__} "
