@@ -24,8 +24,10 @@ Pixels = Literal["patches", "images"]
 # How the tower turns patches into image tokens, which is how the probe shrinks it: `merged`
 # a patch tower of `depth` blocks whose merger joins patches (Qwen-VL); `pooled` a fixed-size
 # tower pooled to `mm_tokens_per_image` tokens (Gemma 3); `per_patch` a fixed-size tower with
-# one token per patch (CLIP/SigLIP towers, LLaVA).
-Tower = Literal["merged", "pooled", "per_patch"]
+# one token per patch (CLIP/SigLIP towers, LLaVA); `shuffled` a fixed-size tower over each
+# image's tiles (a thumbnail among them), each tile its own tower input, whose connector
+# pixel-shuffles `scale` x `scale` patches into one token (SmolVLM, InternVL).
+Tower = Literal["merged", "pooled", "per_patch", "shuffled"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,11 @@ class VisionFamily:
     prepared: bool = True  # `longctx preprocess` builds and tests its processor's rows
     # mRoPE's (t, h, w) sections where the config names none (the model's own default).
     mrope_section: tuple[int, ...] | None = None
+    # The language model's attribute on the inner model (SmolVLM's is `text_model`).
+    language: str = "language_model"
+    # `get_image_features` takes the tiles as one sample, `[1, tiles, C, H, W]` (SmolVLM,
+    # which drops all-zero tiles as batch padding), not `[tiles, C, H, W]`.
+    tiles_as_sample: bool = False
 
     @property
     def rebuilt(self) -> bool:
@@ -111,6 +118,13 @@ _RECORDS = (
     Family("gemma3", vision=VisionFamily(
         "Gemma 3", positions="text", images_attend="both_ways", tower="pooled",
         **_FIXED_TOWER)),
+    Family("smolvlm", vision=VisionFamily(
+        "SmolVLM", positions="text", images_attend="causal", pixels="images",
+        tower="shuffled", modules=("vision_model", "connector"), language="text_model",
+        tiles_as_sample=True, prepared=False)),
+    Family("internvl", vision=VisionFamily(
+        "InternVL", positions="text", images_attend="causal", tower="shuffled",
+        prepared=False, **_FIXED_TOWER)),
     Family("paligemma", vision=VisionFamily(
         "PaliGemma", positions="text", images_attend="prefix", tower="per_patch",
         prepared=False, **_FIXED_TOWER)),

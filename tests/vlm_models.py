@@ -24,6 +24,11 @@ FLAT = {"llava": (16, (16 // PATCH) ** 2), "gemma3": (40, 25)}
 # Gemma 3 pools 10 x 10 patches to 25 tokens (the count puts a shard boundary inside an
 # image under Ulysses); its sliding layers see 6 tokens back, fewer than an image holds.
 GEMMA3_WINDOW = 6
+# Tiled families (SmolVLM, InternVL): tiles of a fixed side, pixel-shuffled 2 x 2 into 9
+# tokens each; an image grid `(t, h, w)` of the rows below stands for `h * w // 8 + 1` tiles
+# here (the thumbnail counted): 7, 1 and 4 tiles, marked as their processors mark tiles.
+TILED = {"smolvlm": (24, 9), "internvl": (24, 9)}
+TILED_FAMILIES = tuple(TILED)
 
 
 def _config(family: str):
@@ -87,6 +92,25 @@ def _config(family: str):
                                              image_size=side, patch_size=PATCH),
             mm_tokens_per_image=tokens, image_token_index=IMAGE_ID,
             boi_token_index=START_ID, eoi_token_index=END_ID)
+    if family == "smolvlm":
+        from transformers import LlamaConfig, SmolVLMConfig, SmolVLMVisionConfig
+
+        side, _ = TILED[family]
+        return SmolVLMConfig(
+            vision_config=SmolVLMVisionConfig(hidden_size=32, intermediate_size=48,
+                                              num_hidden_layers=2, num_attention_heads=2,
+                                              image_size=side, patch_size=PATCH),
+            text_config=LlamaConfig(**text), scale_factor=2, image_token_id=IMAGE_ID)
+    if family == "internvl":
+        from transformers import InternVLConfig, InternVLVisionConfig, Qwen2Config
+
+        side, _ = TILED[family]
+        return InternVLConfig(
+            vision_config=InternVLVisionConfig(hidden_size=32, intermediate_size=48,
+                                               num_hidden_layers=2, num_attention_heads=2,
+                                               image_size=side, patch_size=PATCH),
+            text_config=Qwen2Config(**text), downsample_ratio=0.5, image_token_id=IMAGE_ID,
+            image_seq_length=TILED[family][1])
     raise ValueError(family)
 
 
@@ -111,6 +135,10 @@ def _image(family: str, grid: tuple[int, int, int], gen: torch.Generator
            ) -> tuple[torch.Tensor, int]:
     """Random pixels of one image and its placeholder count."""
     t, h, w = grid
+    if family in TILED:  # the image's tiles, its thumbnail last
+        side, tokens = TILED[family]
+        tiles = h * w // 8 + 1
+        return torch.randn(tiles, 3, side, side, generator=gen), tokens * tiles
     if family in FLAT:
         side, tokens = FLAT[family]
         return torch.randn(1, 3, side, side, generator=gen), tokens
@@ -157,6 +185,11 @@ def image_row(family: str, seed: int = 0):
             d_grids.append(grid)
             d_kinds.append(kind)
             block = [START_ID, *[VIDEO_ID if kind == VIDEO else IMAGE_ID] * n, END_ID]
+            if family in TILED:  # each tile after its marker (a text token), as processors
+                per_tile = TILED[family][1]  # write <row_i_col_j> or <img>
+                markers = torch.randint(3, IMAGE_ID - 10, (n // per_tile,), generator=gen)
+                block = [START_ID, *(t for m in markers.tolist()
+                                     for t in [m, *[IMAGE_ID] * per_tile]), END_ID]
             if kind == VIDEO and family == "qwen3_vl":
                 frame = [START_ID, *[VIDEO_ID] * (n // grid[0]), END_ID]
                 stamps = torch.randint(3, IMAGE_ID - 10, (grid[0], 2), generator=gen).tolist()
@@ -179,7 +212,7 @@ def _inputs(pixels: list[torch.Tensor], grids: list, kinds: list[int],
             family: str) -> VisionInputs | None:
     if not pixels:
         return None
-    if family in FLAT:
+    if family in FLAT or family in TILED:
         return VisionInputs(torch.cat(pixels))
     videos = kinds.count(VIDEO)
     return VisionInputs(torch.cat(pixels), torch.tensor(grids), tuple(kinds),
@@ -197,6 +230,8 @@ def own_vlm_step(model: torch.nn.Module, docs) -> float:
             kwargs["token_type_ids"] = (ids == IMAGE_ID).long()[None]
         if media is not None and media.image_grid_thw is None:
             kwargs["pixel_values"] = media.pixel_values
+            if model.config.model_type == "smolvlm":  # a sample's tiles [1, tiles, C, H, W]
+                kwargs["pixel_values"] = media.pixel_values[None]
         elif media is not None:
             images, videos = media.only(IMAGE), media.only(VIDEO)
             if images is not None:
