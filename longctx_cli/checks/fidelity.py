@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from longctx_cli.config.sections.vision import refuse_unless_rebuilt
+from longctx_cli.config.sections.vision import refuse_unless_rebuilt, shuffle_scale
 from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.errors import UserError
 from longctx_cli.families import Tower, vision_family
@@ -936,9 +936,18 @@ def _shrink_tower(tiny: Any, vision: Any, text: Any) -> None:
         vision.num_hidden_layers = 2
         vision.image_size = 4 * vision.patch_size
         tiny.mm_tokens_per_image = 4
+    elif tower == "shuffled":  # SmolVLM, InternVL: tiles shuffled to 2 x 2 tokens each
+        vision.num_hidden_layers = 2
+        side = 2 * shuffle_scale(tiny) * _side(vision.patch_size)
+        vision.image_size = side if isinstance(vision.image_size, int) else (side, side)
     else:  # CLIP/SigLIP-style towers: two layers, images of 2 x 2 patches
         vision.num_hidden_layers = 2
         vision.image_size = 2 * vision.patch_size
+
+
+def _side(size: Any) -> int:
+    """A square image's or patch's side (InternVL names both as (height, width))."""
+    return int(size if isinstance(size, int) else size[0])
 
 
 def _shrink_mrope(text: Any, tiny: Any) -> None:
@@ -987,7 +996,7 @@ def _vision_row(tiny: Any) -> tuple[Any, ...]:
     image_id = tiny.image_token_id
     start = getattr(tiny, "vision_start_token_id", getattr(tiny, "boi_token_index", None))
     end = getattr(tiny, "vision_end_token_id", getattr(tiny, "eoi_token_index", None))
-    flat = _tower(tiny) != "merged"
+    flat, tiled = _tower(tiny) != "merged", _tower(tiny) == "shuffled"
     ids, labels, pos, docs, all_pixels, all_grids = [], [], [], [], [], []
     for spec in _VISION_DOCUMENTS:
         d_ids, d_pixels, d_grids = [], [], []
@@ -995,7 +1004,11 @@ def _vision_row(tiny: Any) -> tuple[Any, ...]:
             if isinstance(part, int):
                 d_ids += torch.randint(8, image_id - 8, (part,), generator=gen).tolist()
                 continue
-            if flat:
+            if tiled:  # an image of tiles and its thumbnail, a few tokens each
+                side, tiles = _side(vision.image_size), part[1] * part[2] // 8 + 1
+                d_pixels.append(torch.randn(tiles, 3, side, side, generator=gen))
+                count = tiles * (side // _side(vision.patch_size) // shuffle_scale(tiny)) ** 2
+            elif flat:
                 side = vision.image_size
                 d_pixels.append(torch.randn(1, 3, side, side, generator=gen))
                 count = (getattr(tiny, "mm_tokens_per_image", None)
@@ -1031,6 +1044,9 @@ def _own_vision_training(model: Any, docs: list, image_id: int) -> float:
         kwargs: dict[str, Any] = {}
         if images is not None:
             kwargs["pixel_values"] = images.pixel_values
+            family = vision_family(model.config.model_type)
+            if family is not None and family.tiles_as_sample:  # SmolVLM: [1, tiles, ...]
+                kwargs["pixel_values"] = images.pixel_values[None]
             if images.image_grid_thw is not None:
                 kwargs.update(image_grid_thw=images.image_grid_thw,
                               mm_token_type_ids=(ids == image_id).long()[None])

@@ -81,6 +81,15 @@ class TowerRun:
 
 
 
+def shuffle_scale(hf_config: Any) -> int:
+    """Patches per image token along each side of a tiled family's pixel shuffle
+    (`tower: shuffled`): SmolVLM's `scale_factor`, the inverse of InternVL's
+    `downsample_ratio`."""
+    if getattr(hf_config, "scale_factor", None):
+        return int(hf_config.scale_factor)
+    return round(1 / float(hf_config.downsample_ratio))
+
+
 def images_attend_both_ways(vision: VisionSection, hf_config: Any) -> bool:
     """A run whose image tokens attend to each other both ways (Gemma 3 with images)."""
     family = vision_family(str(getattr(hf_config, "model_type", "")))
@@ -111,6 +120,8 @@ class VisionTower:
         if family is not None and family.tower == "pooled":  # Gemma 3 pools patches to tokens
             side = int(vision.image_size) // int(vision.patch_size)
             merge = max(1, side // math.isqrt(int(hf_config.mm_tokens_per_image)))
+        elif family is not None and family.tower == "shuffled":  # SmolVLM, InternVL
+            merge = shuffle_scale(hf_config)
         return cls(
             model_type=model_type,
             layers=int(layers), hidden=int(hidden),
