@@ -121,9 +121,11 @@ _RECORDS = (
     Family("smolvlm", vision=VisionFamily(
         "SmolVLM", positions="text", images_attend="causal", pixels="images",
         tower="shuffled", modules=("vision_model", "connector"), language="text_model",
-        tiles_as_sample=True, prepared=False)),
+        tiles_as_sample=True, processor_marker="SmolVLM",
+        image_only_processor="SmolVLMProcessor")),
     Family("internvl", vision=VisionFamily(
         "InternVL", positions="text", images_attend="causal", tower="shuffled",
+        processor_marker="InternVL", image_only_processor="InternVLProcessor",
         prepared=False, **_FIXED_TOWER)),
     Family("paligemma", vision=VisionFamily(
         "PaliGemma", positions="text", images_attend="prefix", tower="per_patch",

@@ -243,3 +243,47 @@ def assert_generation_prompt_is_the_processors(vp, base: Path, where: str) -> No
     assert doc.input_ids == ref["input_ids"][0].tolist()
     np.testing.assert_array_equal(doc.pixel_values.reshape(ref["pixel_values"].shape),
                                   ref["pixel_values"])
+
+
+# ---- SmolVLM -------------------------------------------------------------------------------
+
+SMOLVLM_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<end_of_utterance>")  # ids 0, 1, 2
+# Its image tokens: the placeholder (one per feature), the marker around each image and
+# before each tile, the thumbnail's marker, and one marker per tile position (ids 3, 4, ...).
+SMOLVLM_IMAGE_TOKENS = ("<image>", "<fake_token_around_image>", "<global-img>",
+                        *(f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5)))
+# SmolVLM's template in the same shape: `<|im_start|>User:<image>text<end_of_utterance>\n`.
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'] is string %}{{ ': ' + message['content'] }}"
+    "{% else %}{% if message['content'][0]['type'] == 'image' %}{{ ':' }}"
+    "{% else %}{{ ': ' }}{% endif %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def write_tiny_smolvlm_processor(folder: str | Path, tile: int = 16, patch_size: int = 4,
+                                 scale_factor: int = 2, longest_edge: int = 48) -> Path:
+    """A SmolVLM processor's files in `folder`, offline: its image processor splitting each
+    image into `tile`-pixel tiles (at most `longest_edge` pixels a side) plus a thumbnail, a
+    byte-level tokenizer with its image and tile tokens, and `image_seq_len` tokens per tile
+    (`(tile / patch_size) ** 2 / scale_factor ** 2`, the model's pixel shuffle).
+    `AutoProcessor.from_pretrained(folder)` loads it as a `SmolVLMProcessor` where
+    torchvision and num2words are installed; `load_processor` everywhere."""
+    from transformers import SmolVLMImageProcessorPil
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = EXAMPLE.train_tokenizer(
+        [c.replace("\n", ": ") for c in CORPUS] * 20, 400, SMOLVLM_SPECIALS,
+        SMOLVLM_IMAGE_TOKENS, pad_token="<|endoftext|>", bos_token="<|im_start|>",
+        eos_token="<end_of_utterance>")
+    images = SmolVLMImageProcessorPil(do_image_splitting=True,
+                                      size={"longest_edge": longest_edge},
+                                      max_image_size={"longest_edge": tile})
+    EXAMPLE.save_processor(folder, tokenizer, images, SMOLVLM_TEMPLATE, "SmolVLMProcessor",
+                           "SmolVLMImageProcessor",
+                           image_seq_len=(tile // patch_size) ** 2 // scale_factor**2)
+    return folder

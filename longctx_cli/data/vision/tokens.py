@@ -36,12 +36,23 @@ def _image_pixels(vp: VisionProcessor, image: PILImage.Image, where: str) -> _En
     placeholder (`replace_image_token`: the rule its `__call__` applies).
 
     Patched processors (Qwen-VL) give patch rows and a `[t, h, w]` patch grid. Whole-image
-    ones give `[k, C, H, W]` (k > 1 only for Gemma 3's pan-and-scan crops, each a tower
-    input of its own): each is stored as one row of C*H*W values, with grid `(0, H, W)`; the
-    0 says "a whole image, not a patch grid" (runtime/batches.py reads it back as one).
+    ones give `[k, C, H, W]` (k > 1 for Gemma 3's pan-and-scan crops and for the tiles and
+    thumbnail of SmolVLM and InternVL, each a tower input of its own; SmolVLM's come as one
+    sample, `[1, k, C, H, W]`): each is stored as one row of C*H*W values, with grid
+    `(0, H, W)`; the 0 says "a whole image, not a patch grid" (runtime/batches.py reads it
+    back as one).
     """
-    out = vp.image_processor(images=[image], return_tensors="np")
+    out = vp.image_processor(images=[image], return_tensors="np", **vp.images_kwargs)
     pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+    if pixels.ndim == 5:  # SmolVLM: [samples, tiles, C, H, W], one sample here
+        pixels = pixels[0]
+    mask = out.get("pixel_attention_mask")
+    if mask is not None and not np.asarray(mask).all():
+        raise UserError(  # the rows keep no mask: each tile must be whole
+            "the image processor padded a tile of this image (its pixel_attention_mask has "
+            "zeros); the rows hold whole tiles of one size only.", where=where,
+            fix="keep the processor's `do_image_splitting` / `max_image_size` settings, "
+            "which cut every image into whole tiles.")
     if vp.patched:
         grid = tuple(int(x) for x in np.asarray(out["image_grid_thw"])[0])
         grids = [grid]
@@ -158,10 +169,17 @@ def encode_vision_record(
                 "text in the record contains it (or another vision marker) literally.")
     # The markers around an image's tokens (and Gemma 3's placeholder, which stays as its
     # begin-of-image token) are the processor's, never something to predict.
+    # SmolVLM's marker around each image and tile, its thumbnail's and each tile's
+    # `<row_r_col_c>`; InternVL's `<img>` and `</img>` around each image.
     markers = ("<|vision_start|>", "<|vision_end|>", vp.image_token,
-               getattr(tok, "boi_token", None), getattr(tok, "eoi_token", None))
+               getattr(tok, "boi_token", None), getattr(tok, "eoi_token", None),
+               *(getattr(vp.processor, key, None) for key in (
+                   "fake_image_token", "global_image_token", "start_image_token",
+                   "end_image_token")))
     vocab = tok.get_vocab()
     never = {vocab[m] for m in markers if m and m in vocab}
+    if hasattr(vp.processor, "global_image_token"):  # SmolVLM's tile positions
+        never |= {i for t, i in vocab.items() if re.fullmatch(r"<row_\d+_col_\d+>", t)}
     labels = [IGNORE_INDEX if ty != TEXT or t in never else lab
               for t, lab, ty in zip(ids, labels, types, strict=True)]
     pixel_values = (np.concatenate([e.pixels for e in encoded]) if encoded else
