@@ -126,7 +126,7 @@ _RECORDS = (
     Family("internvl", vision=VisionFamily(
         "InternVL", positions="text", images_attend="causal", tower="shuffled",
         processor_marker="InternVL", image_only_processor="InternVLProcessor",
-        prepared=False, **_FIXED_TOWER)),
+        **_FIXED_TOWER)),
     Family("paligemma", vision=VisionFamily(
         "PaliGemma", positions="text", images_attend="prefix", tower="per_patch",
         prepared=False, **_FIXED_TOWER)),

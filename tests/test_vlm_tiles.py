@@ -91,3 +91,16 @@ def test_the_fidelity_probe_passes_on_the_family_defaults(family: str) -> None:
     result = run_probe(AutoConfig.for_model(family), images=True)
     assert result.summary().startswith("passed") and "images" in result.summary()
     assert result.worst_gradient_rel_error < 1e-4 and result.gradients_checked > 50
+
+
+def test_the_plan_splits_the_tower_by_tiles() -> None:
+    from tests.test_vlm_plan import _plan, _rows
+    from tests.vlm_models import _config
+
+    for family in TILED_FAMILIES:
+        rows = _rows(_plan(_config(family), processor_type="AutoProcessor"))
+        assert "2 layers, hidden 32" in rows["vision tower"]
+        assert rows["tower splits by"].startswith("whole tiles") and "SP group of 2" in \
+            rows["tower splits by"], rows
+        # A row of only image tokens: 4096 tokens x 4 patches each (2 x 2 shuffled), 2 ranks.
+        assert "8,192 patches per rank" in rows["tower memory"], rows

@@ -255,8 +255,10 @@ def plan_rows(tower: VisionTower, run: TowerRun, layout: Layout) -> list[tuple[s
               "base weights frozen; LoRA adapters where `lora_target_modules` match its "
               "layers' names (`freeze_mm_modules: true` keeps them out)"
               if run.adapter is not None else "trained")
-    split = (f"whole images, one run of the row's images per rank of each SP group of "
-             f"{layout.sp}; features all-gathered" if layout.sp > 1 else "whole images")
+    unit = ("whole tiles (each image's tiles and thumbnail are tower inputs of their own)"
+            if vision_family(tower.model_type).tower == "shuffled" else "whole images")
+    split = (f"{unit}, one run of the row's {unit.split()[1]} per rank of each SP group of "
+             f"{layout.sp}; features all-gathered" if layout.sp > 1 else unit)
     attention = ([("image attention", "both ways within each image, the model's own mask: "
                    "Ulysses attends over the whole row per head; a fused kernel takes each "
                    "image as one block, except in sliding-window layers (the tiled path)")]
