@@ -673,7 +673,8 @@ def render() -> str:
         "tiny copy, fails), it says that it could not check the family, with the error's "
         "gist; `fidelity_probe: false` is then the way to train it, unverified.",
         "",
-        "Vision-language models (Qwen2/2.5/3-VL, LLaVA, Gemma 3 with images) have their own "
+        "Vision-language models (Qwen2/2.5/3-VL, LLaVA, Gemma 3, SmolVLM, InternVL with "
+        "images) have their own "
         "table\nand tests: [docs/vlm.md](vlm.md#families).",
         "",
         "Hybrid models, whose decoder layers also mix tokens outside attention, are in the "
@@ -773,8 +774,8 @@ REFUSED_FAMILIES = (
      "longctx passes across ranks"),
     ("MiniMax (`minimax`, MiniMax-Text-01)", "lightning attention layers, a linear-attention "
      "scan longctx does not pass across ranks (MiniMax-M2, `minimax_m2`, is exact)"),
-    ("Vision-language families longctx does not rebuild (InternVL, Mistral 3's and Llama 4's "
-     "vision models, GLM-4.6V, SmolVLM2, LFM2-VL, PaddleOCR-VL)", "their towers, feature merge "
+    ("Vision-language families longctx does not rebuild (Mistral 3's and Llama 4's vision "
+     "models, GLM-4.6V, LFM2-VL, PaddleOCR-VL)", "their towers, feature merge "
      "and positions are not rebuilt under sequence parallelism; their text models train "
      "where transformers has a causal LM of their own, and Mistral 3 (`mistral3`) trains "
      "text rows through its own class (the row above)"),

@@ -27,6 +27,8 @@ EXPECTED = {
     "qwen2_vl": ("exact", ""),  # its merger writes the tower's hidden_size
     "qwen2_5_vl": ("exact", ""),  # mrope_section (16, 24, 24) shrinks with the head dim
     "gemma4": ("exact", ""),  # a wrapper without towers: its text config shrinks inside it
+    "internvl": ("exact", ""),  # tiles through a pixel-shuffled tower (and SmolVLM's)
+    "smolvlm": ("exact", ""),
     # refused, each for its own reason
     "mamba": ("refused", "no attention layers (recurrent / state-space)"),
     "rwkv": ("refused", "no attention layers (recurrent / state-space)"),
@@ -42,7 +44,6 @@ EXPECTED = {
     "paligemma": ("refused", "a prefix LM (image and prompt attend both ways)"),
     "gemma3n": ("refused", "a timm vision tower (no tiny copy; its text model is checked "
                 "alone)"),
-    "internvl": ("refused", "a vision-language family longctx does not rebuild"),
     "llava_next": ("refused", "a vision-language family longctx does not rebuild"),
 }
 
