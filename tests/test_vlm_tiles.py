@@ -104,3 +104,56 @@ def test_the_plan_splits_the_tower_by_tiles() -> None:
             rows["tower splits by"], rows
         # A row of only image tokens: 4096 tokens x 4 patches each (2 x 2 shuffled), 2 ranks.
         assert "8,192 patches per rank" in rows["tower memory"], rows
+
+
+def _lora_compare(family: str, state) -> dict:
+    """The run's own build (`longctx train`'s model: LoRA, `freeze_mm_modules`) against peft
+    on the model's own forward, with the tower and connector frozen whole."""
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+
+    from longctx_cli.constants import IGNORE_INDEX
+    from longctx_cli.runtime.loss import lm_loss_sum
+    from longctx_cli.runtime.model import decoder_and_head
+    from tests.test_vlm_runtime import _built
+    from tests.vlm_models import image_row, own_vlm_step, tiny_vlm
+
+    ours = _built(family, state)
+    decoder, head = decoder_and_head(ours, images=True)
+    ids, pos, labels, images, docs = image_row(family)
+    batch = decoder.shard(ids, pos, labels, images, state)
+    count = sum(int((d_labels[1:] != IGNORE_INDEX).sum()) for _, d_labels, _ in docs)
+    (lm_loss_sum(head, decoder.hidden_states(batch), batch.shift_labels) / count).backward()
+    reference = tiny_vlm(family, "eager")
+    for name in TOWERS:
+        if hasattr(reference.model, name):
+            getattr(reference.model, name).requires_grad_(False)
+    reference = get_peft_model(reference, LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+        exclude_modules=rf".*({'|'.join(TOWERS)}).*", task_type="CAUSAL_LM"))
+    reference.load_state_dict(ours.state_dict())
+    own_vlm_step(reference, docs)
+    trained = {n: p for n, p in ours.named_parameters() if p.requires_grad}
+    ref = dict(reference.named_parameters())
+    assert trained.keys() == {n for n, p in ref.items() if p.requires_grad}
+    assert not any(t in n for n in trained for t in TOWERS), sorted(trained)
+    errors = {}
+    for name, p in trained.items():
+        g = p.grad.clone()
+        dist.all_reduce(g, group=state.sp_group)
+        errors[name] = float((g - ref[name].grad).norm()) / max(float(ref[name].grad.norm()),
+                                                                1e-8)
+    return {"grad": max(errors.values()), "lora_b": sum("lora_B" in n for n in trained)}
+
+
+def _lora_worker(rank: int, world: int) -> dict[str, dict]:
+    # SmolVLM: its tower, connector and language model have names of their own
+    # (`vision_model`, `connector`, `text_model`); InternVL's are LLaVA's, tested there.
+    state = sp_state(sp=world, kernel="torch", mode="ulysses")
+    return {"smolvlm": _lora_compare("smolvlm", state)}
+
+
+def test_lora_with_frozen_tower_equals_the_models_own_training() -> None:
+    for results in run_distributed(_lora_worker, 2, timeout_s=240):
+        for family, r in results.items():
+            assert r["grad"] < TOL and r["lora_b"] >= 4, (family, r)

@@ -1121,7 +1121,8 @@ def run_vision_probe(model_config: Any) -> Any:
             f"gradient of `{worst}` differs by {errors[worst]:.1e} (tolerance {TOLERANCE:g})."))
     return ProbeResult(
         model_type=model_type, layers=int(tiny.text_config.num_hidden_layers),
-        features=("images: tower split by images, merged, then sharded",),
+        features=(f"images: tower split by {'tiles' if _tower(tiny) == 'shuffled' else 'images'}"
+                  ", merged, then sharded",),
         loss_rel_error=loss_err, worst_gradient=worst,
         worst_gradient_rel_error=errors[worst], gradients_checked=len(errors),
         seconds=time.perf_counter() - started,

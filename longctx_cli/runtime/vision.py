@@ -6,7 +6,8 @@ model's own pieces so that each rank computes only its slice:
 
 1. **The tower split by images.** The row's images are cut into contiguous runs balanced
    by patch count, one run per rank. Each rank encodes whole images only (these encoders
-   never attend across images, so this is exact), and the features are all-gathered.
+   never attend across images, so this is exact; SmolVLM's and InternVL's tiles are the
+   images here, each a tower input of its own), and the features are all-gathered.
    The gather's backward sums the gradients over the group, so each rank's tower
    receives the gradient of the features it produced.
 2. **Merge.** A rank embeds its own tokens and writes into the image-placeholder slots the
