@@ -25,8 +25,9 @@ FLAT = {"llava": (16, (16 // PATCH) ** 2), "gemma3": (40, 25)}
 # image under Ulysses); its sliding layers see 6 tokens back, fewer than an image holds.
 GEMMA3_WINDOW = 6
 # Tiled families (SmolVLM, InternVL): tiles of a fixed side, pixel-shuffled 2 x 2 into 9
-# tokens each; an image grid `(t, h, w)` of the rows below stands for `h * w // 8 + 1` tiles
-# here (the thumbnail counted): 7, 1 and 4 tiles, marked as their processors mark tiles.
+# tokens each; an image grid `(t, h, w)` of the rows below stands for `h * w // 5 + 1` tiles
+# here (the thumbnail counted): 10, 1 and 5 tiles, marked as their processors mark tiles, so
+# that at sp 2 the middle of the row falls inside a tile of the first image.
 TILED = {"smolvlm": (24, 9), "internvl": (24, 9)}
 TILED_FAMILIES = tuple(TILED)
 
@@ -137,7 +138,7 @@ def _image(family: str, grid: tuple[int, int, int], gen: torch.Generator
     t, h, w = grid
     if family in TILED:  # the image's tiles, its thumbnail last
         side, tokens = TILED[family]
-        tiles = h * w // 8 + 1
+        tiles = h * w // 5 + 1
         return torch.randn(tiles, 3, side, side, generator=gen), tokens * tiles
     if family in FLAT:
         side, tokens = FLAT[family]
