@@ -151,7 +151,8 @@ def load_processor(
         raise UserError(f"{path} holds no image processor, so it is not a vision-language "
                         "model's processor.",
                         fix="use the folder of a vision-language model (Qwen2-VL, Qwen2.5-VL, "
-                        "Qwen3-VL, LLaVA, Gemma 3) whose preprocessor_config.json and tokenizer "
+                        "Qwen3-VL, LLaVA, Gemma 3, SmolVLM, InternVL) whose "
+                        "preprocessor_config.json and tokenizer "
                         "files are there.")
     return VisionProcessor(processor, size, resample, _video_size(folder, processor))
 

@@ -73,7 +73,8 @@ def _image_pixels(vp: VisionProcessor, image: PILImage.Image, where: str) -> _En
             raise UserError(
                 f"the processor {type(vp.processor).__name__} does not say how it expands an "
                 "image placeholder (no `replace_image_token`).", where=where,
-                fix="use a LLaVA, Gemma 3 or Qwen-VL processor with transformers >= 5.") from None
+                fix="use a LLaVA, Gemma 3, SmolVLM, InternVL or Qwen-VL processor with "
+                "transformers >= 5.") from None
         merge = int(vp.image_processor.merge_size) ** 2
         replacement = vp.image_token * (int(np.prod(grids[0])) // merge)
     return _Encoded(pixels, grids, replacement)  # type: ignore[arg-type]
