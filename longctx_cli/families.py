@@ -27,8 +27,11 @@ Pixels = Literal["patches", "images", "sized"]
 # a patch tower of `depth` blocks whose merger joins patches (Qwen-VL); `pooled` a fixed-size
 # tower pooled to `mm_tokens_per_image` tokens (Gemma 3); `per_patch` a fixed-size tower with
 # one token per patch (CLIP/SigLIP towers, LLaVA); `sized` a patch tower of any image size
-# whose projector merges `spatial_merge_size`**2 patches per token (Pixtral, Mistral 3).
-Tower = Literal["merged", "pooled", "per_patch", "sized"]
+# whose projector merges `spatial_merge_size`**2 patches per token (Pixtral, Mistral 3);
+# `shuffled` a fixed-size tower over each image's tiles (a thumbnail among them), each tile
+# its own tower input, whose connector pixel-shuffles `scale` x `scale` patches into one
+# token (SmolVLM, InternVL).
+Tower = Literal["merged", "pooled", "per_patch", "sized", "shuffled"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,11 @@ class VisionFamily:
     # Its tower takes each patch as `[channels, patch, patch]` pixels (PaddleOCR-VL's), not
     # as one flat row: runtime/vision.py reshapes the row's patches before the tower.
     square_patches: bool = False
+    # The language model's attribute on the inner model (SmolVLM's is `text_model`).
+    language: str = "language_model"
+    # `get_image_features` takes the tiles as one sample, `[1, tiles, C, H, W]` (SmolVLM,
+    # which drops all-zero tiles as batch padding), not `[tiles, C, H, W]`.
+    tiles_as_sample: bool = False
 
     @property
     def rebuilt(self) -> bool:
@@ -150,6 +158,15 @@ _RECORDS = (
         "LLaVA", positions="text", images_attend="causal", tower="per_patch", **_FIXED_TOWER)),
     Family("gemma3", vision=VisionFamily(
         "Gemma 3", positions="text", images_attend="both_ways", tower="pooled",
+        **_FIXED_TOWER)),
+    Family("smolvlm", vision=VisionFamily(
+        "SmolVLM", positions="text", images_attend="causal", pixels="images",
+        tower="shuffled", modules=("vision_model", "connector"), language="text_model",
+        tiles_as_sample=True, processor_marker="SmolVLM",
+        image_only_processor="SmolVLMProcessor")),
+    Family("internvl", vision=VisionFamily(
+        "InternVL", positions="text", images_attend="causal", tower="shuffled",
+        processor_marker="InternVL", image_only_processor="InternVLProcessor",
         **_FIXED_TOWER)),
     Family("paligemma", vision=VisionFamily(
         "PaliGemma", positions="text", images_attend="prefix", tower="per_patch",

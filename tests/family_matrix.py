@@ -673,8 +673,9 @@ def render() -> str:
         "tiny copy, fails), it says that it could not check the family, with the error's "
         "gist; `fidelity_probe: false` is then the way to train it, unverified.",
         "",
-        "Vision-language models (Qwen2/2.5/3-VL, LLaVA, Gemma 3, Mistral 3 with images) have "
-        "their own table\nand tests: [docs/vlm.md](vlm.md#families).",
+        "Vision-language models (Qwen2/2.5/3-VL, LLaVA, Gemma 3, Mistral 3, GLM-4.6V, "
+        "PaddleOCR-VL, SmolVLM, InternVL with images) have their own table\nand tests: "
+        "[docs/vlm.md](vlm.md#families).",
         "",
         "Hybrid models, whose decoder layers also mix tokens outside attention, are in the "
         "table where longctx covers their token-mixing layer (`parallel/token_mixing.py`): "
@@ -773,8 +774,8 @@ REFUSED_FAMILIES = (
      "longctx passes across ranks"),
     ("MiniMax (`minimax`, MiniMax-Text-01)", "lightning attention layers, a linear-attention "
      "scan longctx does not pass across ranks (MiniMax-M2, `minimax_m2`, is exact)"),
-    ("Vision-language families longctx does not rebuild (InternVL, Llama 4's vision model, "
-     "SmolVLM2, LFM2-VL)", "their towers, feature merge "
+    ("Vision-language families longctx does not rebuild (Llama 4's vision model, LFM2-VL)",
+     "their towers, feature merge "
      "and positions are not rebuilt under sequence parallelism; their text models train "
      "where transformers has a causal LM of their own"),
     ("Gemma 4's images (`gemma4`)", "its image tokens attend both ways on sliding-window "

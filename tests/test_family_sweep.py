@@ -30,6 +30,8 @@ EXPECTED = {
     "glm4v_moe": ("exact", ""),  # GLM-4.6V's forward with MoE layers
     "paddleocr_vl": ("exact", ""),  # a SigLIP-style tower (no `depth`) shrinks as one
     "gemma4": ("exact", ""),  # a wrapper without towers: its text config shrinks inside it
+    "internvl": ("exact", ""),  # tiles through a pixel-shuffled tower (and SmolVLM's)
+    "smolvlm": ("exact", ""),
     # refused, each for its own reason
     "mamba": ("refused", "no attention layers (recurrent / state-space)"),
     "rwkv": ("refused", "no attention layers (recurrent / state-space)"),
@@ -45,7 +47,6 @@ EXPECTED = {
     "paligemma": ("refused", "a prefix LM (image and prompt attend both ways)"),
     "gemma3n": ("refused", "a timm vision tower (no tiny copy; its text model is checked "
                 "alone)"),
-    "internvl": ("refused", "a vision-language family longctx does not rebuild"),
     "llava_next": ("refused", "a vision-language family longctx does not rebuild"),
 }
 

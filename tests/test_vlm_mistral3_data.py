@@ -70,7 +70,7 @@ def _media(doc) -> torch.Tensor:
 
 def test_the_processor_keeps_each_images_size(vp):
     assert vp.sized and not vp.patched and vp.image_token == "[IMG]"
-    assert vp.image_kwargs == {"patch_size": PATCH * MERGE}  # the processor's own resize
+    assert vp.images_kwargs["patch_size"] == PATCH * MERGE  # the processor's own resize
     assert vp.feature_ids() == {vision.IMAGE: vp.processor.image_token_id}
     assert vision.patch_dim(vp) == 3  # one row per pixel: images of any size share a row
 

@@ -371,3 +371,89 @@ def write_tiny_paddleocr_vl_processor(folder: str | Path) -> Path:
     EXAMPLE.save_processor(folder, tokenizer, images, PADDLE_TEMPLATE, "PaddleOCRVLProcessor",
                            "PaddleOCRVLImageProcessor")
     return folder
+
+
+# ---- SmolVLM -------------------------------------------------------------------------------
+
+SMOLVLM_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<end_of_utterance>")  # ids 0, 1, 2
+# Its image tokens: the placeholder (one per feature), the marker around each image and
+# before each tile, the thumbnail's marker, and one marker per tile position (ids 3, 4, ...).
+SMOLVLM_IMAGE_TOKENS = ("<image>", "<fake_token_around_image>", "<global-img>",
+                        *(f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5)))
+# SmolVLM's template in the same shape: `<|im_start|>User:<image>text<end_of_utterance>\n`.
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'] is string %}{{ ': ' + message['content'] }}"
+    "{% else %}{% if message['content'][0]['type'] == 'image' %}{{ ':' }}"
+    "{% else %}{{ ': ' }}{% endif %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def write_tiny_smolvlm_processor(folder: str | Path, tile: int = 16, patch_size: int = 4,
+                                 scale_factor: int = 2, longest_edge: int = 48) -> Path:
+    """A SmolVLM processor's files in `folder`, offline: its image processor splitting each
+    image into `tile`-pixel tiles (at most `longest_edge` pixels a side) plus a thumbnail, a
+    byte-level tokenizer with its image and tile tokens, and `image_seq_len` tokens per tile
+    (`(tile / patch_size) ** 2 / scale_factor ** 2`, the model's pixel shuffle).
+    `AutoProcessor.from_pretrained(folder)` loads it as a `SmolVLMProcessor` where
+    torchvision and num2words are installed; `load_processor` everywhere."""
+    from transformers import SmolVLMImageProcessorPil
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = EXAMPLE.train_tokenizer(
+        [c.replace("\n", ": ") for c in CORPUS] * 20, 400, SMOLVLM_SPECIALS,
+        SMOLVLM_IMAGE_TOKENS, pad_token="<|endoftext|>", bos_token="<|im_start|>",
+        eos_token="<end_of_utterance>")
+    images = SmolVLMImageProcessorPil(do_image_splitting=True,
+                                      size={"longest_edge": longest_edge},
+                                      max_image_size={"longest_edge": tile})
+    EXAMPLE.save_processor(folder, tokenizer, images, SMOLVLM_TEMPLATE, "SmolVLMProcessor",
+                           "SmolVLMImageProcessor",
+                           image_seq_len=(tile // patch_size) ** 2 // scale_factor**2)
+    return folder
+
+
+# ---- InternVL ------------------------------------------------------------------------------
+
+INTERNVL_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
+# Its image tokens as its tokenizer names them: `<img>` and `</img>` around each image, one
+# `<IMG_CONTEXT>` per feature (what the template writes for an image), and its video token.
+INTERNVL_IMAGE_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>",
+                         "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
+# InternVL's template in the same shape: ChatML turns, an image part as `<IMG_CONTEXT>\n`.
+INTERNVL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<IMG_CONTEXT>\n"
+    "{% elif part['type'] == 'video' %}<video>\n"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tiny_internvl_processor(folder: str | Path, tile: int = 16,
+                                  image_seq_length: int = 4, max_patches: int = 6) -> Path:
+    """An InternVL processor's files in `folder`, offline: GOT-OCR2's image processor
+    cropping each image into up to `max_patches` tiles of `tile` pixels (the grid nearest its
+    aspect ratio) plus a thumbnail, a byte-level tokenizer with its image tokens, and
+    `image_seq_length` `<IMG_CONTEXT>` tokens per tile (the model's pixel-shuffled tokens).
+    `AutoProcessor.from_pretrained(folder)` loads it as an `InternVLProcessor` where
+    torchvision is installed (its video processor); `load_processor` everywhere."""
+    from transformers import GotOcr2ImageProcessorPil
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = EXAMPLE.train_tokenizer(
+        CORPUS * 20, 400, INTERNVL_SPECIALS, tuple(INTERNVL_IMAGE_TOKENS.values()),
+        pad_token="<|endoftext|>", eos_token="<|im_end|>",
+        extra_special_tokens=dict(INTERNVL_IMAGE_TOKENS))
+    images = GotOcr2ImageProcessorPil(size={"height": tile, "width": tile},
+                                      crop_to_patches=True, max_patches=max_patches)
+    EXAMPLE.save_processor(folder, tokenizer, images, INTERNVL_TEMPLATE, "InternVLProcessor",
+                           "GotOcr2ImageProcessor", image_seq_length=image_seq_length)
+    return folder

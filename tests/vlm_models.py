@@ -34,6 +34,12 @@ SIZED_DOCUMENTS = (
     (24,),
     (3, (1, 6, 4), 6),
 )
+# Tiled families (SmolVLM, InternVL): tiles of a fixed side, pixel-shuffled 2 x 2 into 9
+# tokens each; an image grid `(t, h, w)` of the rows below stands for `h * w // 5 + 1` tiles
+# here (the thumbnail counted): 10, 1 and 5 tiles, marked as their processors mark tiles, so
+# that at sp 2 the middle of the row falls inside a tile of the first image.
+TILED = {"smolvlm": (24, 9), "internvl": (24, 9)}
+TILED_FAMILIES = tuple(TILED)
 
 
 def _config(family: str):
@@ -137,6 +143,25 @@ def _config(family: str):
                                num_hidden_layers=2, num_attention_heads=2, head_dim=16,
                                patch_size=PATCH, image_size=8 * PATCH),
             image_token_index=IMAGE_ID, spatial_merge_size=MERGE, vision_feature_layer=-1)
+    if family == "smolvlm":
+        from transformers import LlamaConfig, SmolVLMConfig, SmolVLMVisionConfig
+
+        side, _ = TILED[family]
+        return SmolVLMConfig(
+            vision_config=SmolVLMVisionConfig(hidden_size=32, intermediate_size=48,
+                                              num_hidden_layers=2, num_attention_heads=2,
+                                              image_size=side, patch_size=PATCH),
+            text_config=LlamaConfig(**text), scale_factor=2, image_token_id=IMAGE_ID)
+    if family == "internvl":
+        from transformers import InternVLConfig, InternVLVisionConfig, Qwen2Config
+
+        side, _ = TILED[family]
+        return InternVLConfig(
+            vision_config=InternVLVisionConfig(hidden_size=32, intermediate_size=48,
+                                               num_hidden_layers=2, num_attention_heads=2,
+                                               image_size=side, patch_size=PATCH),
+            text_config=Qwen2Config(**text), downsample_ratio=0.5, image_token_id=IMAGE_ID,
+            image_seq_length=TILED[family][1])
     raise ValueError(family)
 
 
@@ -166,6 +191,10 @@ def _image(family: str, grid: tuple[int, int, int], gen: torch.Generator
         layout = row * (h // MERGE)
         layout[-1] = END_ID
         return torch.randn(1, 3, h * PATCH, w * PATCH, generator=gen), layout
+    if family in TILED:  # the image's tiles, its thumbnail last
+        side, tokens = TILED[family]
+        tiles = h * w // 5 + 1
+        return torch.randn(tiles, 3, side, side, generator=gen), tokens * tiles
     if family in FLAT:
         side, tokens = FLAT[family]
         return torch.randn(1, 3, side, side, generator=gen), tokens
@@ -221,6 +250,11 @@ def image_row(family: str, seed: int = 0, specs: tuple | None = None):
             d_kinds.append(kind)
             block = [START_ID, *[VIDEO_ID if kind == VIDEO else IMAGE_ID] * n, END_ID] \
                 if isinstance(n, int) else n  # Mistral 3's tokens are its own layout
+            if family in TILED:  # each tile after its marker (a text token), as processors
+                per_tile = TILED[family][1]  # write <row_i_col_j> or <img>
+                markers = torch.randint(3, IMAGE_ID - 10, (n // per_tile,), generator=gen)
+                block = [START_ID, *(t for m in markers.tolist()
+                                     for t in [m, *[IMAGE_ID] * per_tile]), END_ID]
             if kind == VIDEO and family == "qwen3_vl":
                 frame = [START_ID, *[VIDEO_ID] * (n // grid[0]), END_ID]
                 stamps = torch.randint(3, IMAGE_ID - 10, (grid[0], 2), generator=gen).tolist()
@@ -250,7 +284,7 @@ def _inputs(pixels: list[torch.Tensor], grids: list, kinds: list[int],
             p, (0, width - p.shape[-1], 0, height - p.shape[-2])) for p in pixels])
         return VisionInputs(padded, image_sizes=torch.tensor(
             [[p.shape[-2], p.shape[-1]] for p in pixels]))
-    if family in FLAT:
+    if family in FLAT or family in TILED:
         return VisionInputs(torch.cat(pixels))
     videos = kinds.count(VIDEO)
     return VisionInputs(torch.cat(pixels), torch.tensor(grids), tuple(kinds),
@@ -270,6 +304,8 @@ def own_vlm_step(model: torch.nn.Module, docs) -> float:
             kwargs.update(pixel_values=media.pixel_values, image_sizes=media.image_sizes)
         elif media is not None and media.image_grid_thw is None:
             kwargs["pixel_values"] = media.pixel_values
+            if model.config.model_type == "smolvlm":  # a sample's tiles [1, tiles, C, H, W]
+                kwargs["pixel_values"] = media.pixel_values[None]
         elif media is not None:
             images, videos = media.only(IMAGE), media.only(VIDEO)
             if images is not None:

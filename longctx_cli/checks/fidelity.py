@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from longctx_cli.config.sections.vision import refuse_unless_rebuilt
+from longctx_cli.config.sections.vision import refuse_unless_rebuilt, shuffle_scale
 from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.errors import UserError
 from longctx_cli.families import Tower, vision_family
@@ -944,9 +944,18 @@ def _shrink_tower(tiny: Any, vision: Any, text: Any) -> None:
         vision.num_hidden_layers = 2
         vision.image_size = 4 * vision.patch_size
         tiny.mm_tokens_per_image = 4
+    elif tower == "shuffled":  # SmolVLM, InternVL: tiles shuffled to 2 x 2 tokens each
+        vision.num_hidden_layers = 2
+        side = 2 * shuffle_scale(tiny) * _side(vision.patch_size)
+        vision.image_size = side if isinstance(vision.image_size, int) else (side, side)
     else:  # CLIP/SigLIP-style towers: two layers, images of 2 x 2 patches
         vision.num_hidden_layers = 2
         vision.image_size = 2 * vision.patch_size
+
+
+def _side(size: Any) -> int:
+    """A square image's or patch's side (InternVL names both as (height, width))."""
+    return int(size if isinstance(size, int) else size[0])
 
 
 def _shrink_mrope(text: Any, tiny: Any) -> None:
@@ -999,6 +1008,7 @@ def _vision_row(tiny: Any) -> tuple[Any, ...]:
     start = getattr(tiny, "vision_start_token_id", getattr(tiny, "boi_token_index", None))
     end = getattr(tiny, "vision_end_token_id", getattr(tiny, "eoi_token_index", None))
     sized = _tower(tiny) == "sized"  # each image (1, h, w) patches at its own size
+    tiled = _tower(tiny) == "shuffled"
     flat = _tower(tiny) not in ("merged", "sized")
     ids, labels, pos, docs, all_pixels, all_grids = [], [], [], [], [], []
     for spec in _VISION_DOCUMENTS:
@@ -1012,6 +1022,10 @@ def _vision_row(tiny: Any) -> tuple[Any, ...]:
                 d_pixels.append(torch.randn(1, 3, h * vision.patch_size, w * vision.patch_size,
                                             generator=gen))
                 count = h * w // tiny.spatial_merge_size**2
+            elif tiled:  # an image of tiles and its thumbnail, a few tokens each
+                side, tiles = _side(vision.image_size), part[1] * part[2] // 8 + 1
+                d_pixels.append(torch.randn(tiles, 3, side, side, generator=gen))
+                count = tiles * (side // _side(vision.patch_size) // shuffle_scale(tiny)) ** 2
             elif flat:
                 side = vision.image_size
                 d_pixels.append(torch.randn(1, 3, side, side, generator=gen))
@@ -1059,12 +1073,15 @@ def _own_vision_training(model: Any, docs: list, image_id: int) -> float:
         kwargs: dict[str, Any] = {}
         if images is not None:
             kwargs["pixel_values"] = images.pixel_values
+            family = vision_family(model.config.model_type)
             if images.image_sizes is not None:  # Pixtral: each image at its own size
                 kwargs["image_sizes"] = images.image_sizes
-            if vision_family(model.config.model_type).square_patches:  # as its processor
-                side = model.config.vision_config.patch_size  # makes them: [n, C, side, side]
+            if family is not None and family.square_patches:  # as its processor makes
+                side = model.config.vision_config.patch_size  # them: [n, C, side, side]
                 kwargs["pixel_values"] = images.pixel_values.reshape(
                     images.pixel_values.shape[0], -1, side, side)
+            if family is not None and family.tiles_as_sample:  # SmolVLM: [1, tiles, ...]
+                kwargs["pixel_values"] = images.pixel_values[None]
             if images.image_grid_thw is not None:
                 kwargs.update(image_grid_thw=images.image_grid_thw,
                               mm_token_type_ids=(ids == image_id).long()[None])
@@ -1139,7 +1156,8 @@ def run_vision_probe(model_config: Any) -> Any:
             f"gradient of `{worst}` differs by {errors[worst]:.1e} (tolerance {TOLERANCE:g})."))
     return ProbeResult(
         model_type=model_type, layers=int(tiny.text_config.num_hidden_layers),
-        features=("images: tower split by images, merged, then sharded",),
+        features=(f"images: tower split by {'tiles' if _tower(tiny) == 'shuffled' else 'images'}"
+                  ", merged, then sharded",),
         loss_rel_error=loss_err, worst_gradient=worst,
         worst_gradient_rel_error=errors[worst], gradients_checked=len(errors),
         seconds=time.perf_counter() - started,

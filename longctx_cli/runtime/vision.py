@@ -6,7 +6,8 @@ model's own pieces so that each rank computes only its slice:
 
 1. **The tower split by images.** The row's images are cut into contiguous runs balanced
    by patch count, one run per rank. Each rank encodes whole images only (these encoders
-   never attend across images, so this is exact), and the features are all-gathered.
+   never attend across images, so this is exact; SmolVLM's and InternVL's tiles are the
+   images here, each a tower input of its own), and the features are all-gathered.
    The gather's backward sums the gradients over the group, so each rank's tower
    receives the gradient of the features it produced.
 2. **Merge.** A rank embeds its own tokens and writes into the image-placeholder slots the
@@ -252,8 +253,9 @@ class VisionLanguageForward:
     """The forward of one VLM family, rebuilt from the model's own pieces (see module doc).
 
     `model` is the `...ForConditionalGeneration` (unwrapped from peft); the methods read
-    its `model.visual` / `model.vision_tower`, `get_image_features`, `get_rope_index` and
-    `language_model`, so the model's own code computes every piece.
+    its `model.visual` / `model.vision_tower` (SmolVLM's `vision_model`),
+    `get_image_features`, `get_rope_index` and `language_model` (SmolVLM's `text_model`), so
+    the model's own code computes every piece.
     """
 
     def __init__(self, model: nn.Module):
@@ -268,7 +270,7 @@ class VisionLanguageForward:
 
     @property
     def language_model(self) -> nn.Module:
-        return self.inner.language_model
+        return getattr(self.inner, self.family.language)
 
     def token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
         """`mm_token_type_ids` of a row: 1 on image placeholders, 2 on video ones."""
@@ -286,7 +288,12 @@ class VisionLanguageForward:
             # LLaVA picks a tower layer and drops its class token; Gemma 3 pools the last.
             choice = {key: getattr(config, key) for key in ("vision_feature_layer",
                       "vision_feature_select_strategy") if hasattr(config, key)}
-            out = self.inner.get_image_features(pixel_values=media.pixel_values, **choice,
+            pixels = media.pixel_values
+            if self.family.tiles_as_sample:  # SmolVLM: the tiles as one sample's images
+                pixels = pixels[None]
+            # A tiled family's image is several rows here (its tiles, then its thumbnail),
+            # each encoded on its own: their towers never attend across tiles.
+            out = self.inner.get_image_features(pixel_values=pixels, **choice,
                                                 return_dict=True)
             return torch.cat([f.reshape(-1, f.shape[-1]) for f in out.pooler_output]), []
         # One tower call for the rank's images and videos together, in row order: these
@@ -509,13 +516,14 @@ class VisionLanguageForward:
             width = patch_width(vision)
             return VisionInputs(torch.zeros(merge * merge, width, device=device),
                                 torch.tensor([[1, merge, merge]], device=device))
-        dtype = next(self.inner.vision_tower.parameters()).dtype
+        dtype = next(getattr(self.inner, self.family.modules[0]).parameters()).dtype
         if self.family.pixels == "sized":  # one merged token: merge x merge patches
             side = vision.patch_size * int(self.model.config.spatial_merge_size)
             return VisionInputs(torch.zeros(1, 3, side, side, device=device, dtype=dtype),
                                 image_sizes=torch.tensor([[side, side]], device=device))
-        side = vision.image_size
-        return VisionInputs(torch.zeros(1, 3, side, side, device=device, dtype=dtype))
+        side = vision.image_size  # InternVL's is (height, width)
+        height, width = (side, side) if isinstance(side, int) else side
+        return VisionInputs(torch.zeros(1, 3, height, width, device=device, dtype=dtype))
 
     def _tower_zero(self, device: torch.device) -> torch.Tensor:
         """A zero that depends on every tower weight, from a blank input. Every rank calls

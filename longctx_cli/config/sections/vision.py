@@ -95,6 +95,15 @@ class TowerRun:
 
 
 
+def shuffle_scale(hf_config: Any) -> int:
+    """Patches per image token along each side of a tiled family's pixel shuffle
+    (`tower: shuffled`): SmolVLM's `scale_factor`, the inverse of InternVL's
+    `downsample_ratio`."""
+    if getattr(hf_config, "scale_factor", None):
+        return int(hf_config.scale_factor)
+    return round(1 / float(hf_config.downsample_ratio))
+
+
 def images_attend_both_ways(vision: VisionSection, hf_config: Any) -> bool:
     """A run whose image tokens attend to each other both ways (Gemma 3 with images)."""
     family = vision_family(str(getattr(hf_config, "model_type", "")))
@@ -127,6 +136,8 @@ class VisionTower:
         if family is not None and family.tower == "pooled":  # Gemma 3 pools patches to tokens
             side = int(vision.image_size) // int(vision.patch_size)
             merge = max(1, side // math.isqrt(int(hf_config.mm_tokens_per_image)))
+        elif family is not None and family.tower == "shuffled":  # SmolVLM, InternVL
+            merge = shuffle_scale(hf_config)
         return cls(
             model_type=model_type,
             layers=int(layers), hidden=int(hidden),
@@ -260,8 +271,10 @@ def plan_rows(tower: VisionTower, run: TowerRun, layout: Layout) -> list[tuple[s
               "base weights frozen; LoRA adapters where `lora_target_modules` match its "
               "layers' names (`freeze_mm_modules: true` keeps them out)"
               if run.adapter is not None else "trained")
-    split = (f"whole images, one run of the row's images per rank of each SP group of "
-             f"{layout.sp}; features all-gathered" if layout.sp > 1 else "whole images")
+    unit = ("whole tiles (each image's tiles and thumbnail are tower inputs of their own)"
+            if vision_family(tower.model_type).tower == "shuffled" else "whole images")
+    split = (f"{unit}, one run of the row's {unit.split()[1]} per rank of each SP group of "
+             f"{layout.sp}; features all-gathered" if layout.sp > 1 else unit)
     attention = ([("image attention", "both ways within each image, the model's own mask: "
                    "Ulysses attends over the whole row per head; a fused kernel takes each "
                    "image as one block, except in sliding-window layers (the tiled path)")]

@@ -13,7 +13,8 @@ Each placeholder is expanded by the processor's own rule (`replace_image_token`:
 one token per merged patch, LLaVA's one per tower patch, Gemma 3's begin/end-of-image
 markers around a fixed count). Qwen-VL's pixels are patch rows with a `[t, h, w]` grid;
 whole-image processors (LLaVA's CLIP, Gemma 3's SigLIP) give `[images, C, H, W]`, stored one
-image per row with the grid `(0, H, W)` (see the Arrow layout below).
+image per row with the grid `(0, H, W)` (see the Arrow layout below); tiling ones (SmolVLM,
+InternVL) store each image's tiles and thumbnail so, one tower input per row.
 
 Records are the layouts Axolotl users have: `messages` whose `content` is a list of parts
 (`{"type": "text", "text": ...}`, `{"type": "image", "path" | "url" | "image" | "base64":

@@ -103,27 +103,19 @@ class VisionProcessor:
         return "image_sizes" in getattr(self.image_processor, "model_input_names", ())
 
     @property
-    def image_kwargs(self) -> dict[str, Any]:
-        """What the processor's own `__call__` adds to its image processor's arguments:
-        Pixtral's resizes to multiples of a merged patch (`patch_size * spatial_merge_size`,
-        its `_process_images`), not of the image processor's own `patch_size`."""
-        if self.sized and hasattr(self.processor, "spatial_merge_size"):
-            return {"patch_size": int(self.processor.patch_size)
-                    * int(self.processor.spatial_merge_size)}
-        return {}
-
-    @property
     def marker_tokens(self) -> tuple[str, ...]:
         """The tokens the processor writes around or between an image's feature tokens
         (never targets): the family's image markers (Qwen-VL's vision start and end, GLM's
         begin and end of image), Gemma 3's begin and end of image, Pixtral's row breaks and
-        image end."""
+        image end, SmolVLM's marker around each image and tile and its thumbnail's, InternVL's
+        `<img>` and `</img>` (SmolVLM's `<row_r_col_c>` tile positions: `tile_position_ids`)."""
         tok = self.tokenizer
         return tuple(m for m in (
             *self.image_markers, self.image_token,
             getattr(tok, "boi_token", None), getattr(tok, "eoi_token", None),
-            getattr(self.processor, "image_break_token", None),
-            getattr(self.processor, "image_end_token", None)) if m)
+            *(getattr(self.processor, key, None) for key in (
+                "image_break_token", "image_end_token", "fake_image_token",
+                "global_image_token", "start_image_token", "end_image_token"))) if m)
 
     @functools.cached_property
     def image_shape(self) -> tuple[int, ...]:
@@ -131,8 +123,24 @@ class VisionProcessor:
         read from what it makes of a blank image."""
         from PIL import Image
 
-        out = self.image_processor(images=[Image.new("RGB", (32, 32))], return_tensors="np")
-        return tuple(int(x) for x in np.asarray(out["pixel_values"]).shape[1:])
+        out = self.image_processor(images=[Image.new("RGB", (32, 32))], return_tensors="np",
+                                   **self.images_kwargs)
+        return tuple(int(x) for x in np.asarray(out["pixel_values"]).shape[-3:])
+
+    @property
+    def images_kwargs(self) -> dict[str, Any]:
+        """What the processor's own `__call__` passes its image processor by default (its
+        `images_kwargs`: SmolVLM's tile rows and columns, InternVL's tiles, Gemma 3's
+        pan-and-scan off, Pixtral's merged-patch size), so that an image alone is processed
+        as the processor does it."""
+        given = dict(getattr(self.processor, "images_kwargs", None) or {})
+        given.pop("return_tensors", None)
+        if self.sized and hasattr(self.processor, "spatial_merge_size"):
+            # Pixtral's resizes to multiples of a merged patch (`patch_size *
+            # spatial_merge_size`, its `_process_images`), not of its image processor's own.
+            given["patch_size"] = (int(self.processor.patch_size)
+                                   * int(self.processor.spatial_merge_size))
+        return given
 
     @property
     def chat_template(self) -> str:
@@ -187,8 +195,8 @@ def load_processor(
         raise UserError(f"{path} holds no image processor, so it is not a vision-language "
                         "model's processor.",
                         fix="use the folder of a vision-language model (Qwen2-VL, Qwen2.5-VL, "
-                        "Qwen3-VL, LLaVA, Gemma 3, Mistral 3) whose preprocessor_config.json "
-                        "and tokenizer files are there.")
+                        "Qwen3-VL, LLaVA, Gemma 3, Mistral 3, GLM-4.6V, SmolVLM, InternVL) "
+                        "whose preprocessor_config.json and tokenizer files are there.")
     return VisionProcessor(processor, size, resample, _video_size(folder, processor))
 
 
@@ -212,22 +220,26 @@ def processor_family(processor: Any) -> VisionFamily | None:
 
 
 def _image_only_processor(folder: Path) -> Any:
-    """The folder's Qwen-VL or GLM-4.6V processor class without its video processor, with
-    the family's own PIL image processor (see load_processor)."""
-    import transformers
-    from transformers import AutoTokenizer
+    """The folder's processor class without its video processor, with the family's own PIL
+    image processor (see load_processor)."""
+    import inspect
 
-    config = {}
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    config, settings = {}, {}
     for name in ("processor_config.json", "preprocessor_config.json"):
         if (folder / name).is_file():
             config.update(json.loads((folder / name).read_text()))
+    if (folder / "processor_config.json").is_file():  # the processor's own (image_seq_len)
+        settings = json.loads((folder / "processor_config.json").read_text())
     kind = str(config.get("processor_class", "")) + str(config.get("image_processor_type", ""))
     if not any(f.processor_marker in kind for f in IMAGE_ONLY_FAMILIES):
         names = [f.name for f in IMAGE_ONLY_FAMILIES]
         raise UserError(
             f"cannot build the processor in {folder} ({kind or 'no processor_class'}): longctx "
             f"prepares vision data for {', '.join(names[:-1])} and {names[-1]} processors.",
-            fix="use a Qwen-VL or GLM-4.6V model's folder, or install torchvision if the "
+            fix="use the folder of one of those models, or install torchvision if the "
             "processor needs it.")
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     template = getattr(tokenizer, "chat_template", None)
@@ -243,33 +255,77 @@ def _image_only_processor(folder: Path) -> Any:
     # A later family's processor names an earlier one's parts (Qwen3-VL's image processor is
     # Qwen2-VL's), so the last family whose marker the names hold is the folder's.
     family = [f for f in IMAGE_ONLY_FAMILIES if f.processor_marker in kind][-1]
-    # Each family's image processor resizes by its own rule (GLM-4.6V's budget counts two
-    # frames), so the family's class, not Qwen's.
-    image_processor = getattr(transformers, family.image_processor_pil).from_pretrained(
-        str(folder), local_files_only=True)
-    return image_only_processor_class(family.image_only_processor)(
-        image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
+    cls = image_only_processor_class(family.image_only_processor)
+    if family.positions == "mrope":
+        # Each family's image processor resizes by its own rule (GLM-4.6V's budget counts
+        # two frames), so the family's class, not Qwen's.
+        image_processor = getattr(transformers, family.image_processor_pil).from_pretrained(
+            str(folder), local_files_only=True)
+    else:  # transformers picks the PIL backend where torchvision is missing
+        image_processor = AutoImageProcessor.from_pretrained(str(folder), local_files_only=True)
+    own = {name for c in cls.__mro__[:2] for name in inspect.signature(c.__init__).parameters}
+    extra = {k: v for k, v in settings.items()
+             if k in own and k not in ("image_processor", "tokenizer", "video_processor",
+                                       "chat_template", "self", "kwargs")}
+    return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
+               **extra)
 
 
 @functools.cache
 def image_only_processor_class(base: str = "Qwen2_5_VLProcessor") -> Any:
     """transformers' processor class `base` (Qwen2.5-VL's, Qwen3-VL's, which places video
-    frames by timestamps, or GLM-4.6V's) with no video processor attribute (built on first
-    use, so that importing this module does not import transformers' models).
+    frames by timestamps, GLM-4.6V's, SmolVLM's or InternVL's) with no video processor
+    attribute (built on first use, so that importing this module does not import
+    transformers' models).
 
     ProcessorMixin reads a processor's parts from its `__init__` signature; dropping
     `video_processor` from it is what lets the class be built without torchvision. Its
     `__call__` (placeholder expansion, tokenizing, mm_token_type_ids) is transformers' own.
     """
     import transformers
+    from transformers.processing_utils import ProcessorMixin
 
-    class ImageOnlyQwenVLProcessor(getattr(transformers, base)):
+    parent = getattr(transformers, base)
+    if base == "SmolVLMProcessor":
+        class ImageOnlySmolVLMProcessor(parent):
+            image_only_base = base
+
+            def __init__(self, image_processor: Any = None, tokenizer: Any = None,
+                         image_seq_len: int = 169, chat_template: str | None = None,
+                         **kwargs: Any):
+                # SmolVLMProcessor's own attributes, as its __init__ sets them; that
+                # __init__ also requires num2words, which only its video prompts use.
+                self.fake_image_token = getattr(tokenizer, "fake_image_token",
+                                                "<fake_token_around_image>")
+                self.image_token = getattr(tokenizer, "image_token", "<image>")
+                self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+                self.end_of_utterance_token = getattr(tokenizer, "end_of_utterance_token",
+                                                      "<end_of_utterance>")
+                self.global_image_token = getattr(tokenizer, "global_image_token",
+                                                  "<global-img>")
+                self.image_seq_len = image_seq_len
+                self.video_token = getattr(tokenizer, "video_token", "<video>")
+                ProcessorMixin.__init__(self, image_processor, tokenizer,
+                                        chat_template=chat_template, **kwargs)
+
+            def apply_chat_template(self, conversation: Any, chat_template: str | None = None,
+                                    **kwargs: Any) -> Any:
+                # SmolVLM's own adds its video processor's frame defaults: there is none.
+                return ProcessorMixin.apply_chat_template(self, conversation, chat_template,
+                                                          **kwargs)
+
+        return ImageOnlySmolVLMProcessor
+
+    class ImageOnlyProcessor(parent):
+        image_only_base = base
+
         def __init__(self, image_processor: Any = None, tokenizer: Any = None,
                      chat_template: str | None = None, **kwargs: Any):
             super().__init__(image_processor, tokenizer, None, chat_template=chat_template,
                              **kwargs)
 
-    return ImageOnlyQwenVLProcessor
+    ImageOnlyProcessor.__name__ = ImageOnlyProcessor.__qualname__ = f"ImageOnly{base}"
+    return ImageOnlyProcessor
 
 
 def _video_size(folder: Path, processor: Any) -> dict[str, int] | None:
@@ -408,7 +464,7 @@ class ProcessorFiles:
 
     def save_pretrained(self, folder: str | Path) -> None:
         self.processor.save_pretrained(str(folder))
-        if type(self.processor).__name__ != "ImageOnlyQwenVLProcessor":
+        if getattr(type(self.processor), "image_only_base", None) is None:
             return
         for name in ("processor_config.json", "preprocessor_config.json"):
             path = Path(folder) / name

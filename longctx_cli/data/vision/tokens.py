@@ -36,14 +36,25 @@ def _image_pixels(vp: VisionProcessor, image: PILImage.Image, where: str) -> _En
     placeholder (`replace_image_token`: the rule its `__call__` applies).
 
     Patched processors (Qwen-VL) give patch rows and a `[t, h, w]` patch grid. Whole-image
-    ones give `[k, C, H, W]` (k > 1 only for Gemma 3's pan-and-scan crops, each a tower
-    input of its own): each is stored as one row of C*H*W values, with grid `(0, H, W)`; the
-    0 says "a whole image, not a patch grid" (runtime/batches.py reads it back as one).
-    Pixtral's keep each image at its own size: one is stored as H*W rows of its C channels
-    (pixel by pixel, row-major), with grid `(0, H, W)`, so images of any size share a row.
+    ones give `[k, C, H, W]` (k > 1 for Gemma 3's pan-and-scan crops and for the tiles and
+    thumbnail of SmolVLM and InternVL, each a tower input of its own; SmolVLM's come as one
+    sample, `[1, k, C, H, W]`): each is stored as one row of C*H*W values, with grid
+    `(0, H, W)`; the 0 says "a whole image, not a patch grid" (runtime/batches.py reads it
+    back as one). Pixtral's keep each image at its own size: one is stored as H*W rows of
+    its C channels (pixel by pixel, row-major), with grid `(0, H, W)`, so images of any size
+    share a row.
     """
-    out = vp.image_processor(images=[image], return_tensors="np", **vp.image_kwargs)
+    out = vp.image_processor(images=[image], return_tensors="np", **vp.images_kwargs)
     pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+    if pixels.ndim == 5:  # SmolVLM: [samples, tiles, C, H, W], one sample here
+        pixels = pixels[0]
+    mask = out.get("pixel_attention_mask")
+    if mask is not None and not np.asarray(mask).all():
+        raise UserError(  # the rows keep no mask: each tile must be whole
+            "the image processor padded a tile of this image (its pixel_attention_mask has "
+            "zeros); the rows hold whole tiles of one size only.", where=where,
+            fix="keep the processor's `do_image_splitting` / `max_image_size` settings, "
+            "which cut every image into whole tiles.")
     if vp.sized:
         height, width = (int(x) for x in np.asarray(out["image_sizes"])[0])
         channels = pixels.shape[1]
@@ -72,7 +83,8 @@ def _image_pixels(vp: VisionProcessor, image: PILImage.Image, where: str) -> _En
             raise UserError(
                 f"the processor {type(vp.processor).__name__} does not say how it expands an "
                 "image placeholder (no `replace_image_token`).", where=where,
-                fix="use a LLaVA, Gemma 3 or Qwen-VL processor with transformers >= 5.") from None
+                fix="use a LLaVA, Gemma 3, SmolVLM, InternVL or Qwen-VL processor with "
+                "transformers >= 5.") from None
         merge = int(vp.image_processor.merge_size) ** 2
         replacement = vp.image_token * (int(np.prod(grids[0])) // merge)
     return _Encoded(np.ascontiguousarray(pixels), grids, replacement)  # type: ignore[arg-type]
@@ -176,6 +188,8 @@ def encode_vision_record(
     # begin-of-image token) are the processor's, never something to predict.
     vocab = tok.get_vocab()
     never = {vocab[m] for m in vp.marker_tokens if m in vocab}
+    if hasattr(vp.processor, "global_image_token"):  # SmolVLM's tile positions
+        never |= {i for t, i in vocab.items() if re.fullmatch(r"<row_\d+_col_\d+>", t)}
     labels = [IGNORE_INDEX if ty != TEXT or t in never else lab
               for t, lab, ty in zip(ids, labels, types, strict=True)]
     pixel_values = (np.concatenate([e.pixels for e in encoded]) if encoded else
