@@ -16,6 +16,8 @@ import torch.distributed as dist
 from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.families import BIDIRECTIONAL_IMAGE_FAMILIES
 from longctx_cli.parallel.attention import register_sp_attention
+from longctx_cli.parallel.meta_relay import relay_sp_meta
+from longctx_cli.parallel.token_mixing import attach_token_mixing
 from longctx_cli.runtime.head import model_head
 from longctx_cli.runtime.loss import lm_loss_sum
 from longctx_cli.runtime.vision import VisionLanguageForward, split_images
@@ -36,6 +38,8 @@ def _reference(family: str) -> tuple[float, dict[str, torch.Tensor]]:
 
 def _longctx(family: str, state) -> tuple[float, dict[str, torch.Tensor], int]:
     model = tiny_vlm(family, register_sp_attention())
+    attach_token_mixing(model)  # as build_model does: Qwen3.5's delta-nets run per document
+    relay_sp_meta(model)
     vlm = VisionLanguageForward(model)
     ids, pos, labels, images, docs = image_row(family)
     batch = vlm.shard(ids, pos, labels, images, state)
@@ -53,7 +57,8 @@ def _longctx(family: str, state) -> tuple[float, dict[str, torch.Tensor], int]:
         grads[name] = g
     if state.layout.sp > 1:
         dist.all_reduce(value, group=state.sp_group)
-    return float(value), grads, batch.sp_meta.attention_calls, _slice_facts(vlm, batch, state)
+    facts = {**_slice_facts(vlm, batch, state), "mixer_calls": batch.sp_meta.token_mixer_calls}
+    return float(value), grads, batch.sp_meta.attention_calls, facts
 
 
 def _slice_facts(vlm, batch, state) -> dict[str, bool]:
