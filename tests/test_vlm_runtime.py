@@ -298,6 +298,8 @@ def _generate_worker(rank: int, world: int, family: str) -> dict[str, list[int]]
     for mode in ("ulysses",) if family in BIDIRECTIONAL_IMAGE_FAMILIES else ("ring", "ulysses"):
         state = sp_state(sp=world, kernel="torch", mode=mode)
         model = tiny_vlm(family, register_sp_attention()).eval()
+        attach_token_mixing(model)  # as build_model does (Qwen3.5 decodes by full forwards)
+        relay_sp_meta(model)
         decoder, head = decoder_and_head(model, images=True)
         out[mode] = greedy_tokens(decoder, head, ids.tolist(), 8, state, 0,
                                   torch.device("cpu"), None, media)
@@ -325,7 +327,7 @@ def _generate_worker(rank: int, world: int, family: str) -> dict[str, list[int]]
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava", "gemma3", "qwen3_5"])
 def test_decoding_after_images_under_sp_equals_generate(family: str) -> None:
     for result in run_distributed(_generate_worker, 2, family, timeout_s=240):
         assert result["ulysses"] == result["generate"], result
