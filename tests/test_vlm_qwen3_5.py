@@ -16,7 +16,7 @@ import pytest
 
 from tests.distributed import run_distributed
 from tests.layouts import sp_state
-from tests.test_vlm_runtime import TOL, _longctx, _reference
+from tests.test_vlm_runtime import TOL, _longctx, _lora_compare, _reference
 from tests.vlm_models import QWEN3_5
 
 LAYOUTS = (dict(mode="ulysses"), dict(mode="ring"), dict(mode="ring", layout="zigzag"))
@@ -60,3 +60,17 @@ def test_qwen3_5_images_under_sp_equal_the_models_own_training(family: str) -> N
             assert r["tower_grad"] > 0, (name, r)  # every tower weight is trained
     # Some layout cuts an image between the two ranks.
     assert any(r[name]["cut_image"] for r in ranks for name in r), ranks
+
+
+def _lora_worker(rank: int, world: int) -> dict[str, dict]:
+    state = sp_state(sp=world, kernel="torch", mode="ulysses")
+    return {family: _lora_compare(family, state) for family in QWEN3_5}
+
+
+def test_qwen3_5_lora_with_frozen_tower_equals_the_models_own_training() -> None:
+    # The run's own build (`build_model`: LoRA, `freeze_mm_modules`, its delta-nets hooked
+    # per document) against peft on the model's own class, as the other families are.
+    for results in run_distributed(_lora_worker, 2, timeout_s=300):
+        for family, r in results.items():
+            assert r["grad"] < TOL, (family, r)
+            assert r["lora_b"] >= 4 and r["lora_b_norm"] > 0, (family, r)
