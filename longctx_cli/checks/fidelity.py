@@ -1062,11 +1062,9 @@ def _own_padded_vision_errors(reference: Any, tiny: Any, docs: list, floor: floa
     width = max(len(ids) for ids, _, _ in docs)
     batch = torch.zeros((len(docs), width), dtype=torch.long)
     labels = torch.full((len(docs), width), IGNORE_INDEX)
+    mask = torch.zeros_like(batch)  # right padding: each row's real tokens first
     for row, (ids, lab, _) in enumerate(docs):
-        batch[row, :len(ids)], labels[row, :len(ids)] = ids, lab
-    mask = torch.zeros_like(batch)
-    for row, (ids, _, _) in enumerate(docs):
-        mask[row, :len(ids)] = 1
+        batch[row, :len(ids)], labels[row, :len(ids)], mask[row, :len(ids)] = ids, lab, 1
     images = [m for _, _, m in docs if m is not None]
     media = VisionInputs(torch.cat([m.pixel_values for m in images]),
                          torch.cat([m.image_grid_thw for m in images]))
