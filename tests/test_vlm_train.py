@@ -48,30 +48,6 @@ QWEN3_VL = {
         "deepstack_visual_indexes": [0, 1]},
 }
 
-# Qwen3.5: gated delta-nets beside attention, Qwen3-VL's processor and tower (no deepstack).
-QWEN3_5 = {
-    **{k: QWEN3_VL[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                "vision_end_token_id")},
-    "model_type": "qwen3_5",
-    "text_config": {
-        **{k: v for k, v in QWEN3_VL["text_config"].items() if k != "rope_scaling"},
-        "model_type": "qwen3_5_text", "head_dim": 32, "linear_key_head_dim": 8,
-        "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-        "layer_types": ["linear_attention", "full_attention"],
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                            "partial_rotary_factor": 0.5, "mrope_section": [3, 3, 2],
-                            "mrope_interleaved": True}},
-    "vision_config": {k: v for k, v in QWEN3_VL["vision_config"].items()
-                      if k != "deepstack_visual_indexes"},
-}
-
-# Qwen3.5 steps by SGD, whose update is the gradient's own size. Its delta-net's float32
-# chunked scan moves its gradients by ~1e-5 (1e-4 on its decay gate), as much as the model's
-# own forward moves when its batch changes (tests/test_vlm_qwen3_5.py checks each gradient at
-# sp 2); AdamW's first steps move each weight by about lr whatever its gradient's size, so
-# at 3 steps that noise reached 5.6e-5 in the loss and 7e-4 in the tower's patch embedding.
-OPTIMIZER = {"qwen3_5": {"optimizer": "sgd"}}
-
 
 def _llava() -> dict:
     """tests/vlm_models.py's tiny LLaVA (16x16 images, 16 tokens each), with the fixture
@@ -101,7 +77,7 @@ def _gemma3() -> dict:
     return config
 
 
-VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")  # their records hold a video too
+VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl")  # their records hold a video too
 LLAVA_IMAGE_ID = 3  # the LLaVA fixture tokenizer's <image>
 GEMMA3_IMAGE_ID = 7  # the Gemma 3 fixture tokenizer's <image_soft_token>
 # Fixed-size images: per family the image token id, the side, and the tokens per image.
@@ -109,7 +85,6 @@ FLAT_IMAGES = {"llava": (LLAVA_IMAGE_ID, 16, 16), "gemma3": (GEMMA3_IMAGE_ID, 32
 # Per family: the model, and its processor's patch size and class (tests/vlm_fixtures.py).
 FAMILIES = {"qwen2_5_vl": (QWEN2_5_VL, 14, "Qwen2_5_VLProcessor"),
             "qwen3_vl": (QWEN3_VL, 16, "Qwen3VLProcessor"),
-            "qwen3_5": (QWEN3_5, 16, "Qwen3VLProcessor"),
             "llava": (_llava(), 4, "LlavaProcessor"),
             "gemma3": (_gemma3(), 4, "Gemma3Processor")}
 
@@ -160,7 +135,7 @@ def _config(tmp: Path, name: str, family: str, **layout: Any) -> Path:
         "micro_batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": STEPS,
         "learning_rate": 1e-3, "lr_scheduler": "constant", "warmup_steps": 0,
         "adam_epsilon": 1e-6, "output_dir": str(tmp / name), "logging_steps": 1,
-        "val_set_size": 0, "collective_timeout_s": 120, **OPTIMIZER.get(family, {}), **layout,
+        "val_set_size": 0, "collective_timeout_s": 120, **layout,
     }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -180,7 +155,7 @@ def _documents(row: dict, family: str) -> list[tuple[torch.Tensor, torch.Tensor,
     docs, item, patch, video = [], 0, 0, 0
     for a, b in itertools.pairwise(starts):
         runs = [kind for kind, _ in itertools.groupby(types[a:b].tolist()) if kind]
-        if family in ("qwen3_vl", "qwen3_5"):  # a video: a run per temporal patch, one item
+        if family == "qwen3_vl":  # a video is one run per temporal patch: one item per video
             runs = _whole_videos(runs, grids[item:])
         kwargs: dict = {}
         for kind, key, grid_key in ((1, "pixel_values", "image_grid_thw"),
@@ -308,7 +283,6 @@ LAYOUTS = {
 @pytest.mark.parametrize("family, layout", [("qwen2_5_vl", "ring_sp2"),
                                             ("qwen2_5_vl", "ulysses_sp2_fsdp"),
                                             ("qwen3_vl", "ring_sp2"),
-                                            ("qwen3_5", "ring_sp2"),
                                             ("llava", "ring_sp2"),
                                             ("gemma3", "ulysses_sp2_fsdp")])
 def test_train_at_sp2_equals_the_models_own_training(trained_on: Any, family: str,
@@ -327,7 +301,6 @@ def test_train_at_sp2_equals_the_models_own_training(trained_on: Any, family: st
     assert type(loaded).__name__ == type(AutoModelForImageTextToText.from_config(
         loaded.config)).__name__ == {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                                      "qwen3_vl": "Qwen3VLForConditionalGeneration",
-                                     "qwen3_5": "Qwen3_5ForConditionalGeneration",
                                      "llava": "LlavaForConditionalGeneration",
                                      "gemma3": "Gemma3ForConditionalGeneration"}[family]
     run = {"losses": losses, "weights": {k: v.detach().double().numpy()
