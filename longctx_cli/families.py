@@ -154,6 +154,14 @@ _RECORDS = (
         image_markers=("<|IMAGE_START|>", "<|IMAGE_END|>"), video_refusal=(
             "PaddleOCR-VL takes images only: its model has no `get_video_features` and its "
             "processor no video processor"))),
+    # Qwen3.5 and its MoE: gated delta-net layers beside attention (the text records' trait),
+    # a Qwen3-VL tower without deepstack, Qwen3-VL's processor (timestamped video frames).
+    Family("qwen3_5", mixes_tokens=True, vision=VisionFamily(
+        "Qwen3.5", **_QWEN_VL, timestamped_video=True, processor_marker="Qwen3VL",
+        mrope_section=(11, 11, 10), image_only_processor="Qwen3VLProcessor")),
+    Family("qwen3_5_moe", mixes_tokens=True, vision=VisionFamily(
+        "Qwen3.5-MoE", **_QWEN_VL, timestamped_video=True, processor_marker="Qwen3VL",
+        mrope_section=(11, 11, 10), image_only_processor="Qwen3VLProcessor")),
     Family("llava", vision=VisionFamily(
         "LLaVA", positions="text", images_attend="causal", tower="per_patch", **_FIXED_TOWER)),
     Family("gemma3", vision=VisionFamily(
@@ -236,8 +244,6 @@ _RECORDS = (
     Family("phi3", lean_norms=True),
     Family("qwen2", lean_norms=True, tensor_parallel=True),
     Family("qwen3", lean_norms=True, tensor_parallel=True),
-    Family("qwen3_5", mixes_tokens=True),
-    Family("qwen3_5_moe", mixes_tokens=True),
     Family("qwen3_5_moe_text", mixes_tokens=True),
     Family("qwen3_5_text", mixes_tokens=True),
     Family("qwen3_moe", lean_norms=True),

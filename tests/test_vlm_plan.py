@@ -157,6 +157,17 @@ def test_keys_no_processor_would_read_are_refused(overrides, where) -> None:
     assert e.value.where == where, str(e.value)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_qwen3_5_images_plan_their_tower_under_rings_and_ulysses(family: str, mode: str) -> None:
+    # Its images attend causally, as its text does: a ring computes them (no refusal).
+    rows = _rows(_plan(_config(family), processor_type="AutoProcessor",
+                       sequence_parallel_mode=mode))
+    assert "2 layers, hidden 32" in rows["vision tower"] and "trained" in rows["vision tower"]
+    assert "SP group of 2" in rows["tower splits by"]
+    assert "image attention" not in rows
+
+
 def test_fidelity_probe_checks_gemma3_with_its_bidirectional_images() -> None:
     from transformers import Gemma3Config
 

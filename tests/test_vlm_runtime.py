@@ -16,6 +16,8 @@ import torch.distributed as dist
 from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.families import BIDIRECTIONAL_IMAGE_FAMILIES
 from longctx_cli.parallel.attention import register_sp_attention
+from longctx_cli.parallel.meta_relay import relay_sp_meta
+from longctx_cli.parallel.token_mixing import attach_token_mixing
 from longctx_cli.runtime.head import model_head
 from longctx_cli.runtime.loss import lm_loss_sum
 from longctx_cli.runtime.vision import VisionLanguageForward, split_images
@@ -38,6 +40,8 @@ def _reference(family: str, specs: tuple | None = None
 def _longctx(family: str, state, specs: tuple | None = None
              ) -> tuple[float, dict[str, torch.Tensor], int]:
     model = tiny_vlm(family, register_sp_attention())
+    attach_token_mixing(model)  # as build_model does: Qwen3.5's delta-nets run per document
+    relay_sp_meta(model)
     vlm = VisionLanguageForward(model)
     ids, pos, labels, images, docs = image_row(family, specs=specs)
     batch = vlm.shard(ids, pos, labels, images, state)
@@ -55,7 +59,8 @@ def _longctx(family: str, state, specs: tuple | None = None
         grads[name] = g
     if state.layout.sp > 1:
         dist.all_reduce(value, group=state.sp_group)
-    return float(value), grads, batch.sp_meta.attention_calls, _slice_facts(vlm, batch, state)
+    facts = {**_slice_facts(vlm, batch, state), "mixer_calls": batch.sp_meta.token_mixer_calls}
+    return float(value), grads, batch.sp_meta.attention_calls, facts
 
 
 def _slice_facts(vlm, batch, state) -> dict[str, bool]:
@@ -296,6 +301,8 @@ def _generate_worker(rank: int, world: int, family: str) -> dict[str, list[int]]
     for mode in ("ulysses",) if family in BIDIRECTIONAL_IMAGE_FAMILIES else ("ring", "ulysses"):
         state = sp_state(sp=world, kernel="torch", mode=mode)
         model = tiny_vlm(family, register_sp_attention()).eval()
+        attach_token_mixing(model)  # as build_model does (Qwen3.5 decodes by full forwards)
+        relay_sp_meta(model)
         decoder, head = decoder_and_head(model, images=True)
         out[mode] = greedy_tokens(decoder, head, ids.tolist(), 8, state, 0,
                                   torch.device("cpu"), None, media)
@@ -325,7 +332,7 @@ def _generate_worker(rank: int, world: int, family: str) -> dict[str, list[int]]
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava", "gemma3", "qwen3_5"])
 def test_decoding_after_images_under_sp_equals_generate(family: str) -> None:
     for result in run_distributed(_generate_worker, 2, family, timeout_s=240):
         assert result["ulysses"] == result["generate"], result

@@ -48,6 +48,28 @@ QWEN3_VL = {
         "deepstack_visual_indexes": [0, 1]},
 }
 
+# Qwen3.5: gated delta-nets beside attention, Qwen3-VL's processor and tower (no deepstack).
+QWEN3_5 = {
+    **{k: QWEN3_VL[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                "vision_end_token_id")},
+    "model_type": "qwen3_5",
+    "text_config": {
+        **{k: v for k, v in QWEN3_VL["text_config"].items() if k != "rope_scaling"},
+        "model_type": "qwen3_5_text", "head_dim": 32, "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "layer_types": ["linear_attention", "full_attention"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                            "partial_rotary_factor": 0.5, "mrope_section": [3, 3, 2],
+                            "mrope_interleaved": True}},
+    "vision_config": {k: v for k, v in QWEN3_VL["vision_config"].items()
+                      if k != "deepstack_visual_indexes"},
+}
+
+# The reference's tower attention where the model's own eager and SDPA differ: Qwen3.5's
+# tower gradients move by 3.5e-4 between the two at this seed (transformers' own code, both
+# sides eager: 8e-6), and longctx runs every tower on SDPA (runtime/model.py).
+TOWER_ATTENTION = {"qwen3_5": "sdpa"}
+
 
 def _llava() -> dict:
     """tests/vlm_models.py's tiny LLaVA (16x16 images, 16 tokens each), with the fixture
@@ -77,7 +99,7 @@ def _gemma3() -> dict:
     return config
 
 
-VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl")  # their records hold a video too
+VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")  # their records hold a video too
 LLAVA_IMAGE_ID = 3  # the LLaVA fixture tokenizer's <image>
 GEMMA3_IMAGE_ID = 7  # the Gemma 3 fixture tokenizer's <image_soft_token>
 # Fixed-size images: per family the image token id, the side, and the tokens per image.
@@ -85,6 +107,7 @@ FLAT_IMAGES = {"llava": (LLAVA_IMAGE_ID, 16, 16), "gemma3": (GEMMA3_IMAGE_ID, 32
 # Per family: the model, and its processor's patch size and class (tests/vlm_fixtures.py).
 FAMILIES = {"qwen2_5_vl": (QWEN2_5_VL, 14, "Qwen2_5_VLProcessor"),
             "qwen3_vl": (QWEN3_VL, 16, "Qwen3VLProcessor"),
+            "qwen3_5": (QWEN3_5, 16, "Qwen3VLProcessor"),
             "llava": (_llava(), 4, "LlavaProcessor"),
             "gemma3": (_gemma3(), 4, "Gemma3Processor")}
 
@@ -155,7 +178,7 @@ def _documents(row: dict, family: str) -> list[tuple[torch.Tensor, torch.Tensor,
     docs, item, patch, video = [], 0, 0, 0
     for a, b in itertools.pairwise(starts):
         runs = [kind for kind, _ in itertools.groupby(types[a:b].tolist()) if kind]
-        if family == "qwen3_vl":  # a video is one run per temporal patch: one item per video
+        if family in ("qwen3_vl", "qwen3_5"):  # a video: a run per temporal patch, one item
             runs = _whole_videos(runs, grids[item:])
         kwargs: dict = {}
         for kind, key, grid_key in ((1, "pixel_values", "image_grid_thw"),
@@ -229,8 +252,9 @@ def _reference(config_path: Path, family: str) -> dict[str, Any]:
     position = DataPosition(config, 1, rows, None)
     torch.manual_seed(config.training.seed)  # longctx's random init draws from the same seed
     model = AutoModelForImageTextToText.from_config(
-        AutoConfig.for_model(**FAMILIES[family][0]), attn_implementation="eager",
-        dtype=torch.float32).train()
+        AutoConfig.for_model(**FAMILIES[family][0]), dtype=torch.float32,
+        attn_implementation={"": "eager", "text_config": "eager",
+                             "vision_config": TOWER_ATTENTION.get(family, "eager")}).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(config, params)
     losses, images, videos, runs = [], 0, 0, 0
@@ -283,6 +307,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("family, layout", [("qwen2_5_vl", "ring_sp2"),
                                             ("qwen2_5_vl", "ulysses_sp2_fsdp"),
                                             ("qwen3_vl", "ring_sp2"),
+                                            ("qwen3_5", "ring_sp2"),
                                             ("llava", "ring_sp2"),
                                             ("gemma3", "ulysses_sp2_fsdp")])
 def test_train_at_sp2_equals_the_models_own_training(trained_on: Any, family: str,
@@ -301,6 +326,7 @@ def test_train_at_sp2_equals_the_models_own_training(trained_on: Any, family: st
     assert type(loaded).__name__ == type(AutoModelForImageTextToText.from_config(
         loaded.config)).__name__ == {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                                      "qwen3_vl": "Qwen3VLForConditionalGeneration",
+                                     "qwen3_5": "Qwen3_5ForConditionalGeneration",
                                      "llava": "LlavaForConditionalGeneration",
                                      "gemma3": "Gemma3ForConditionalGeneration"}[family]
     run = {"losses": losses, "weights": {k: v.detach().double().numpy()

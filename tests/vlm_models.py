@@ -19,6 +19,10 @@ VOCAB = 200
 IMAGE_ID, VIDEO_ID, START_ID, END_ID = 190, 191, 192, 193
 PATCH, MERGE, TEMPORAL = 4, 2, 2
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3")
+# Qwen3.5 and its MoE (tests/test_vlm_qwen3_5.py): gated delta-nets beside attention.
+QWEN3_5 = ("qwen3_5", "qwen3_5_moe")
+# The families that write a video as one run per temporal patch, each after its timestamp.
+TIMESTAMPED = ("qwen3_vl", *QWEN3_5)
 # Families with fixed-size images `[n, 3, side, side]` and a fixed token count per image.
 FLAT = {"llava": (16, (16 // PATCH) ** 2), "gemma3": (40, 25)}
 # Gemma 3 pools 10 x 10 patches to 25 tokens (the count puts a shard boundary inside an
@@ -108,6 +112,28 @@ def _config(family: str):
             vision_config=dict(num_hidden_layers=2, hidden_size=32, intermediate_size=48,
                                num_attention_heads=2, patch_size=PATCH,
                                spatial_merge_size=MERGE, image_size=8 * PATCH),
+            image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, vision_start_token_id=START_ID,
+            vision_end_token_id=END_ID)
+    if family in QWEN3_5:
+        from transformers import AutoConfig
+
+        # Gated delta-net layers beside attention (partial rotary: a quarter of each head),
+        # a Qwen3-VL-like tower without deepstack; the MoE swaps the MLPs for experts.
+        text_35 = {**text, "head_dim": 32, "linear_conv_kernel_dim": 4,
+                   "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                   "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                   "layer_types": ["linear_attention", "full_attention"],
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                       "partial_rotary_factor": 0.5,
+                                       "mrope_section": [3, 3, 2], "mrope_interleaved": True}}
+        if family == "qwen3_5_moe":
+            text_35 |= {"num_experts": 4, "num_experts_per_tok": 2,
+                        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+        return AutoConfig.for_model(
+            family, text_config=text_35,
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                               out_hidden_size=64, patch_size=PATCH, spatial_merge_size=MERGE,
+                               temporal_patch_size=TEMPORAL, num_position_embeddings=64),
             image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, vision_start_token_id=START_ID,
             vision_end_token_id=END_ID)
     if family == "llava":
@@ -221,7 +247,7 @@ VIDEO_DOCUMENT = (3, ("video", (2, 4, 4)), 5, (1, 2, 2), 2)
 # Shorter text around it for Qwen3-VL, whose timestamps lengthen the video: the row keeps the
 # others' length, so a shard boundary still cuts an image.
 QWEN3_VL_VIDEO_DOCUMENT = (1, ("video", (2, 4, 4)), 1, (1, 2, 2), 1)
-VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", *TIMESTAMPED)
 SECONDS_PER_GRID = 1.5
 
 
@@ -231,7 +257,7 @@ def image_row(family: str, seed: int = 0, specs: tuple | None = None):
     `documents`: per document its ids, labels and media, for the reference."""
     gen = torch.Generator().manual_seed(seed)
     ids, pos, labels, pixels, grids, kinds, docs = [], [], [], [], [], [], []
-    video = QWEN3_VL_VIDEO_DOCUMENT if family == "qwen3_vl" else VIDEO_DOCUMENT
+    video = QWEN3_VL_VIDEO_DOCUMENT if family in TIMESTAMPED else VIDEO_DOCUMENT
     if specs is None:
         specs = SIZED_DOCUMENTS if family in SIZED else (
             DOCUMENTS + ((video,) if family in VIDEO_FAMILIES else ()))
@@ -255,7 +281,7 @@ def image_row(family: str, seed: int = 0, specs: tuple | None = None):
                 markers = torch.randint(3, IMAGE_ID - 10, (n // per_tile,), generator=gen)
                 block = [START_ID, *(t for m in markers.tolist()
                                      for t in [m, *[IMAGE_ID] * per_tile]), END_ID]
-            if kind == VIDEO and family == "qwen3_vl":
+            if kind == VIDEO and family in TIMESTAMPED:
                 frame = [START_ID, *[VIDEO_ID] * (n // grid[0]), END_ID]
                 stamps = torch.randint(3, IMAGE_ID - 10, (grid[0], 2), generator=gen).tolist()
                 block = [START_ID, *(t for stamp in stamps for t in stamp + frame), END_ID]

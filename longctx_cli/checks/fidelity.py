@@ -962,7 +962,10 @@ def _shrink_mrope(text: Any, tiny: Any) -> None:
     """mRoPE's (t, h, w) sections split the rotary half of a head: they shrink with the head
     dim, each kept at least 1, summing to the tiny head's rotary half (the family's own
     default where the config names none; GLM-4.6V rotates half of each head,
-    `partial_rotary_factor` 0.5 in its rope parameters)."""
+    `partial_rotary_factor` 0.5 in its rope parameters). A partial rotary (Qwen3.5's quarter
+    of each head) rotates only its part; where that part of the tiny head is too small for a
+    frequency per axis it grows to the smallest that has one (still partial), so that the
+    probe's image positions move every axis."""
     rope = dict(getattr(text, "rope_parameters", None) or {})
     family = vision_family(str(getattr(tiny, "model_type", "")))
     sections = rope.get("mrope_section") or (family.mrope_section if family else None)
@@ -970,6 +973,9 @@ def _shrink_mrope(text: Any, tiny: Any) -> None:
         return
     rotary = float(rope.get("partial_rotary_factor")
                    or getattr(text, "partial_rotary_factor", None) or 1.0)
+    if int(PROBE_HEAD_DIM * rotary) // 2 < len(sections):
+        rotary = 2 * len(sections) / PROBE_HEAD_DIM
+        rope["partial_rotary_factor"] = rotary
     half = int(PROBE_HEAD_DIM * rotary) // 2
     scaled = [max(1, s * half // sum(sections)) for s in sections]
     scaled[0] += half - sum(scaled)  # the rounding's remainder on the temporal section
@@ -1093,6 +1099,38 @@ def _own_vision_training(model: Any, docs: list, image_id: int) -> float:
     return total
 
 
+def _own_padded_vision_errors(reference: Any, tiny: Any, docs: list, floor: float
+                              ) -> dict[str, float] | None:
+    """The model's own float noise with images, per parameter: its training of the probe's
+    documents as one right-padded batch (attention_mask, every document's images, the same
+    token-weighted loss) against its per-document training (``reference``, gradients already
+    computed). None for a family without patch grids or if the batch fails to run."""
+    from longctx_cli.runtime.vision import VisionInputs
+
+    if _tower(tiny) != "merged":
+        return None
+    width = max(len(ids) for ids, _, _ in docs)
+    batch = torch.zeros((len(docs), width), dtype=torch.long)
+    labels = torch.full((len(docs), width), IGNORE_INDEX)
+    mask = torch.zeros_like(batch)  # right padding: each row's real tokens first
+    for row, (ids, lab, _) in enumerate(docs):
+        batch[row, :len(ids)], labels[row, :len(ids)], mask[row, :len(ids)] = ids, lab, 1
+    images = [m for _, _, m in docs if m is not None]
+    media = VisionInputs(torch.cat([m.pixel_values for m in images]),
+                         torch.cat([m.image_grid_thw for m in images]))
+    try:
+        model = _build_vision(tiny, "eager")
+        model.load_state_dict(reference.state_dict())
+        model(input_ids=batch, attention_mask=mask, labels=labels, use_cache=False,
+              pixel_values=media.pixel_values, image_grid_thw=media.image_grid_thw,
+              mm_token_type_ids=(batch == tiny.image_token_id).long()).loss.backward()
+    except Exception:  # only a yardstick; without it nothing is accepted
+        return None
+    own = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return {n: _grad_error(own[n], p.grad, floor) for n, p in reference.named_parameters()
+            if p.grad is not None and n in own}
+
+
 def _build_vision(tiny: Any, attn: str) -> Any:
     from transformers import AutoModelForImageTextToText
 
@@ -1111,6 +1149,8 @@ def run_vision_probe(model_config: Any) -> Any:
     """Compare longctx's sp=1 VLM training computation with the model's own (see doc)."""
     from longctx_cli.parallel.attention import register_sp_attention
     from longctx_cli.parallel.mesh import ParallelState
+    from longctx_cli.parallel.meta_relay import relay_sp_meta
+    from longctx_cli.parallel.token_mixing import attach_token_mixing
     from longctx_cli.runtime.head import model_head
     from longctx_cli.runtime.loss import lm_loss_sum
     from longctx_cli.runtime.vision import VisionLanguageForward
@@ -1130,6 +1170,8 @@ def run_vision_probe(model_config: Any) -> Any:
         try:
             ours = _build_vision(tiny, register_sp_attention())
             ours.load_state_dict(reference.state_dict())
+            attach_token_mixing(ours)  # as build_model does: Qwen3.5's delta-nets per document
+            relay_sp_meta(ours)
             vlm = VisionLanguageForward(ours)
             batch = vlm.shard(ids, pos, labels, images, ParallelState())
             count = sum(int((lab[1:] != IGNORE_INDEX).sum()) for _, lab, _ in docs)
@@ -1149,7 +1191,16 @@ def run_vision_probe(model_config: Any) -> Any:
     floor = gradient_floor(ref_grads.values())
     errors = {n: _grad_error(grads[n], g, floor) for n, g in ref_grads.items()}
     worst = max(errors, key=errors.__getitem__)
-    if not (loss_err <= TOLERANCE and errors[worst] <= TOLERANCE):
+    noise: float | None = None  # the model's own noise at `worst`, when it was needed
+    if loss_err <= TOLERANCE and not errors[worst] <= TOLERANCE:
+        # A scan in float32 chunks (Qwen3.5's delta-net) moves its own gradients as much
+        # when its batch changes: accepted within a few times the model's own noise.
+        own = _own_padded_vision_errors(reference, tiny, docs, floor)
+        if own is not None and all(
+                err <= max(TOLERANCE, min(NOISE_FACTOR * own.get(n, 0.0), NOISE_CAP))
+                for n, err in errors.items()):
+            noise = own.get(worst, 0.0)
+    if not (loss_err <= TOLERANCE and (errors[worst] <= TOLERANCE or noise is not None)):
         raise _refuse(model_type, (
             f"on a tiny copy with images, a packed row through longctx (sp=1) gives a loss "
             f"{loss_err:.1e} relative away from the model's own forward(labels=), and the "
@@ -1160,5 +1211,5 @@ def run_vision_probe(model_config: Any) -> Any:
                   ", merged, then sharded",),
         loss_rel_error=loss_err, worst_gradient=worst,
         worst_gradient_rel_error=errors[worst], gradients_checked=len(errors),
-        seconds=time.perf_counter() - started,
+        seconds=time.perf_counter() - started, own_noise=noise,
         row=f"packed row of {len(_VISION_DOCUMENTS)} documents with 3 images")
