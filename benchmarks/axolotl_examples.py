@@ -11,7 +11,9 @@ hub model the examples name to its model type, and transformers' own config clas
 type gives the structure (never a llama stand-in). `examples/archived` is left out. Prints a
 table of the outcomes (refusals grouped by their reason, then counts by family), writes
 `benchmarks/results/axolotl-examples-<date>.json` (rows, per-family counts and reasons, the
-summary docs/axolotl.md shows), and with `--docs` regenerates docs/axolotl.md.
+summary docs/axolotl.md shows), and with `--docs` regenerates docs/axolotl.md. `--only TEXT`
+runs just the configs whose path holds TEXT and prints their outcomes; with `--update` it
+writes them into the newest saved results (listed under "rerun").
 """
 
 from __future__ import annotations
@@ -354,7 +356,10 @@ def summary(result: dict) -> str:
         f"Measured by `python benchmarks/axolotl_examples.py` on {len(rows)} configs of "
         f"Axolotl's `examples/` (commit {result['axolotl_commit']}, `archived/` left out, "
         f"offline, {result['date']}; each at the rank count its data-parallel degrees "
-        f"multiply to, else {result['nproc_per_node']}):",
+        f"multiply to, else {result['nproc_per_node']}"
+        + (f"; {len(result['rerun'])} configs rerun after a mend on "
+           f"{', '.join(sorted(set(result['rerun'].values())))}" if result.get("rerun") else "")
+        + "):",
         "",
         f"- {outcomes['valid'] + outcomes[WITH_CONFIG]} validate unchanged: "
         f"{outcomes['valid']} as they are, {outcomes[WITH_CONFIG]} whose model needs the hub "
@@ -390,6 +395,10 @@ def main() -> None:
     parser.add_argument("--only", action="append", metavar="TEXT",
                         help="just the configs whose path holds TEXT (repeatable); prints "
                              "each outcome and writes no results file")
+    parser.add_argument("--update", action="store_true",
+                        help="with --only: write those configs' outcomes into the newest "
+                             "saved results (naming them under `rerun`), so a mend needs no "
+                             "full survey")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:  # the family pass, in its own process (see _validate_with_families)
@@ -397,11 +406,22 @@ def main() -> None:
         print(json.dumps(_validate_all(jobs)))
         return
     if args.only:
-        for row in survey(args.axolotl, args.nproc_per_node, args.only)["configs"]:
+        rerun = survey(args.axolotl, args.nproc_per_node, args.only)
+        for row in rerun["configs"]:
             print(f"{row['config']}: {row['outcome']}"
                   + (f"\n    {row['reason']}" if "reason" in row else ""))
-        return
-    if args.from_json:
+        if not args.update:
+            return
+        newest = sorted(RESULTS.glob("axolotl-examples-*.json"))[-1]
+        result = json.loads(newest.read_text())
+        fresh = {row["config"]: row for row in rerun["configs"]}
+        result["configs"] = [fresh.get(row["config"], row) for row in result["configs"]]
+        result["rerun"] = {**result.get("rerun", {}), **dict.fromkeys(fresh, rerun["date"])}
+        result["families"] = per_family(result["configs"])
+        result["summary"] = summary(result)
+        write_results(newest, result)
+        print(f"updated {shown(newest)}", file=sys.stderr)
+    elif args.from_json:
         result = json.loads(args.from_json.read_text())
     else:
         result = survey(args.axolotl, args.nproc_per_node)
