@@ -328,13 +328,14 @@ def _commit(axolotl: Path) -> str | None:
 OUT_OF_SCOPE = "a feature out of scope"
 EXAMPLE_ERROR = "an error of the example itself"
 NOT_EXACT = "not exact here yet"
+REMOTE_CODE = "a model whose code is not in transformers (not checked offline)"
 KINDS = (
+    ("knows no transformers family", REMOTE_CODE),
     *((mark, OUT_OF_SCOPE) for mark in (
         "`ebft` is not", "`qat` is not", "`use_onebitllms` is not", "`diffusion` is not",
         "`gptq` is not", "`lisa_n_layers` is not", "LoftQ", "`relora` is not",
         "`fp8` is not", "`use_ray` is not", "`rl: gdpo`", "`optimizer: muon`",
-        "cloud launcher config", "`use_eaft` is not", "is not a causal-LM or image-text class",
-        "knows no transformers family")),
+        "cloud launcher config", "`use_eaft` is not", "is not a causal-LM or image-text class")),
     *((mark, EXAMPLE_ERROR) for mark in (
         "unknown key", "`warmup_steps` = ", "`unfrozen_parameters`",
         "the model has no module named")),
@@ -368,7 +369,8 @@ def summary(result: dict) -> str:
         f"- {outcomes['refused']} are refused, each in one paragraph:",
         "",
         markdown_table(["refused for", "configs"],
-                       ([k, kinds[k]] for k in (OUT_OF_SCOPE, EXAMPLE_ERROR, NOT_EXACT)),
+                       ([k, kinds[k]] for k in (OUT_OF_SCOPE, EXAMPLE_ERROR, REMOTE_CODE,
+                                                NOT_EXACT) if kinds[k]),
                        right=(1,)),
         "",
         "Their first reasons:",
