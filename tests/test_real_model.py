@@ -125,6 +125,10 @@ LAYOUTS = {
 }
 
 
+# The real model's loss through 30 float32 layers: the tiny models' LOSS_TOL (1e-5) is at
+# its float noise here; an AMD EPYC's kernels put the P2P ring's step losses 1.04e-5 away
+# (2026-12-02, weights 2.7e-7), an Intel Xeon's within it.
+REAL_LOSS_TOL = 2 * LOSS_TOL
 # By default ring sp 2; sp 1, Ulysses sp 3 and the llama3 ring with -m slow (every
 # strategy's exactness on tiny models runs by default: test_train_parity, the family matrix).
 DEFAULT_LAYOUTS = ("ring_sp2",)
@@ -144,7 +148,7 @@ def test_smollm2_trains_as_its_own_training(reference, smollm2, corpus, layout):
     # Tied embeddings: one weight under the model's own parameter name.
     run["weights"] = {k: run["weights"][k] for k in reference["weights"]}
     got = compare(run, reference)
-    assert got["loss"] < LOSS_TOL and got["weights"] < WEIGHT_TOL, got
+    assert got["loss"] < REAL_LOSS_TOL and got["weights"] < WEIGHT_TOL, got
     assert reference["losses"][0] < 4.0  # a pretrained model reads English: not random
 
 
