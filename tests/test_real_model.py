@@ -127,7 +127,7 @@ LAYOUTS = {
 
 # The real model's loss through 30 float32 layers: the tiny models' LOSS_TOL (1e-5) is at
 # its float noise here; an AMD EPYC's kernels put the P2P ring's step losses 1.04e-5 away
-# (2026-12-02, weights 2.7e-7), an Intel Xeon's within it.
+# (2026-12-02, weights 2.7e-7).
 REAL_LOSS_TOL = 2 * LOSS_TOL
 # By default ring sp 2; sp 1, Ulysses sp 3 and the llama3 ring with -m slow (every
 # strategy's exactness on tiny models runs by default: test_train_parity, the family matrix).
