@@ -240,3 +240,67 @@ def test_a_prepared_row_trains_as_the_model_does_sp1(setup):
 
     _, vp, base = setup
     _check(_compare(vp, base, sp_state(sp=1, kernel="torch")))
+
+
+def _worker(rank: int, world: int, base: str) -> dict[str, dict]:
+    from longctx_cli.data.tokenizer import load_config_processor
+    from tests.layouts import sp_state
+
+    vp = load_config_processor(_config(Path(base)))
+    return {f"sp{world} {spec}": _compare(vp, Path(base), sp_state(sp=world, kernel="torch",
+                                                                   **spec))
+            for spec in (dict(mode="ulysses"), dict(mode="ring"))}
+
+
+def test_a_prepared_row_trains_as_the_model_does_sp2(setup):
+    from tests.distributed import run_distributed
+
+    _, _, base = setup
+    for results in run_distributed(_worker, 2, str(base), timeout_s=240):
+        assert len(results) == 2
+        for r in results.values():
+            _check(r)
+
+
+def test_the_config_takes_it_and_the_model_must_agree(setup):
+    from longctx_cli.data.vision.mistral import MistralCommonVision, check_model_agrees
+    from longctx_cli.errors import UserError
+
+    config, vp, _ = setup
+    assert config.trains_images and isinstance(vp, MistralCommonVision)
+    check_model_agrees(vp.tokenizer, _model_config(vp))  # the same ids and patch sizes
+    for change, named in (({"image_token_index": 9}, "\\[IMG\\] id is 10"),
+                          ({"spatial_merge_size": 1}, "spatial_merge_size is 2")):
+        other = _model_config(vp)
+        for key, value in change.items():
+            setattr(other, "image_token_id" if key == "image_token_index" else key, value)
+        with pytest.raises(UserError, match=f"mistral-common's {named} but the model's"):
+            check_model_agrees(vp.tokenizer, other)
+    other = _model_config(vp)
+    other.vision_config.patch_size = 8
+    with pytest.raises(UserError, match="image_patch_size is 4 but the model's is 8"):
+        check_model_agrees(vp.tokenizer, other)
+
+
+def test_a_tokenizer_without_an_image_config_is_a_user_error(tmp_path):
+    from longctx_cli.data.tokenizer import load_config_processor
+    from longctx_cli.errors import UserError
+
+    data = json.loads(TEKKEN.read_text())
+    data.pop("image")
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tekken.json").write_text(json.dumps(data))
+    with pytest.raises(UserError, match="has no image config"):
+        load_config_processor(_config(tmp_path))
+
+
+def test_prepare_end_to_end(setup):
+    from longctx_cli.data.prepare import prepare
+
+    config, _, base = setup
+    records = [conversation(), RECORDS_TEXT]
+    (base / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (stats,) = prepare(config, progress=False).report.datasets
+    assert (stats.records, stats.skipped) == (2, 0)
+    assert stats.target_tokens == sum(sum(t != IGN for t in _reference(base / "tok", r, base)[1])
+                                      for r in records)
