@@ -276,6 +276,10 @@ def test_the_config_takes_it_and_the_model_must_agree(setup):
             setattr(other, "image_token_id" if key == "image_token_index" else key, value)
         with pytest.raises(UserError, match=f"mistral-common's {named} but the model's"):
             check_model_agrees(vp.tokenizer, other)
+    from transformers import LlavaConfig
+
+    with pytest.raises(UserError, match="Mistral 3 models .* this model is `llava`"):
+        check_model_agrees(vp.tokenizer, LlavaConfig())
     other = _model_config(vp)
     other.vision_config.patch_size = 8
     with pytest.raises(UserError, match="image_patch_size is 4 but the model's is 8"):

@@ -114,6 +114,15 @@ def check_model_agrees(tok: Any, model_config: Any) -> None:
     """mistral-common's image tokens and patch size (of the run's tokenizer `tok`) must be the
     model's: its [IMG] id is the model's `image_token_index`, its patch and merge sizes the
     tower's and the projector's; otherwise features would fill other tokens or patches."""
+    kind = getattr(model_config, "model_type", None)
+    if kind != "mistral3":  # the one family whose rows carry images of their own sizes here
+        raise UserError(
+            f"`tokenizer_use_mistral_common: true` with images trains Mistral 3 models "
+            f"(model type `mistral3`) only, and this model is `{kind}`: longctx feeds "
+            "mistral-common's images (each at its own size, with `image_sizes`) to Mistral 3's "
+            "forward alone.", where="tokenizer_use_mistral_common",
+            fix="drop `tokenizer_use_mistral_common` to read the records with the model's "
+            "processor.")
     encoder = tok.tokenizer.instruct_tokenizer.image_encoder
     ids, image = encoder.special_ids, encoder.image_config
     vision = getattr(model_config, "vision_config", None)
