@@ -197,8 +197,18 @@ def load_config_processor(config: Config) -> VisionProcessor:
     """The processor of a vision run, with the config's special_tokens, a pad token and a
     chat template on its tokenizer (so `chat_template: tokenizer_default` means the
     processor's own template, as for a text model's tokenizer)."""
-    from longctx_cli.data.vision.processor import load_processor, processor_folder
+    from longctx_cli.data.vision.mistral import mistral_common_vision
+    from longctx_cli.data.vision.processor import (
+        _image_size,
+        _resample,
+        load_processor,
+        processor_folder,
+    )
 
+    if config.model.tokenizer_use_mistral_common:  # mistral-common encodes chat and images
+        return mistral_common_vision(load_tokenizer(config), _image_size(config.vision.image_size),
+                                     _resample(config.vision.image_resize_algorithm),
+                                     str(config.model.tokenizer_source))
     folder = processor_folder(config)
     vp = load_processor(folder, image_size=config.vision.image_size,
                         image_resize_algorithm=config.vision.image_resize_algorithm)

@@ -158,6 +158,10 @@ def setup_run(config: Config, plan: Plan, probe: str, clock: StartupClock) -> Ru
     clock.mark("data")
 
     model, precision, use_fsdp = setup_model(config, plan, state)
+    if config.trains_images and config.model.tokenizer_use_mistral_common:
+        from longctx_cli.data.vision.mistral import check_model_agrees
+
+        check_model_agrees(tokenizer, model.config)  # its image tokens are the model's
     clock.mark("model")
     data = DataPosition(config, state.layout.dp, train_rows, stream)
     objective, preference = pick_objective(config, plan, state, model, tokenizer, pad_id, data,

@@ -202,7 +202,9 @@ def check_mistral_common(model: ModelSection, data: Any, rl: str | None,
     """What `tokenizer_use_mistral_common: true` cannot go with; raises ValueError naming it.
 
     mistral-common encodes conversations itself and cannot add or rename tokens, so nothing
-    that renders a chat template or edits the vocabulary can use it."""
+    that renders a chat template or edits the vocabulary can use it. A vision run
+    (`trains_images`) takes it: mistral-common encodes the images too
+    (data/vision/mistral.py)."""
     if not model.tokenizer_use_mistral_common:
         return
     entries = [*data.datasets, *data.eval_datasets, *(data.pretraining_dataset or [])]
@@ -214,9 +216,6 @@ def check_mistral_common(model: ModelSection, data: Any, rl: str | None,
         if model.tokenizer == "byte" else
         ("`special_tokens`", "mistral-common's special tokens are fixed by its file")
         if model.special_tokens is not None else
-        ("`processor_type` (a vision run)", "a vision run reads its records through the "
-         "model's processor and its Hugging Face tokenizer, not mistral-common")
-        if trains_images else
         (f"`rl: {rl}`", "preference pairs and prompts are rendered with a chat template")
         if rl else
         (f"`chat_template: {template}`", "mistral-common encodes the chat in its own format")

@@ -432,6 +432,8 @@ def processor_fingerprint(vp: VisionProcessor) -> dict[str, Any]:
     def short(text: str) -> str:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    if hasattr(vp, "fingerprint"):  # mistral-common's image encoder (data/vision/mistral.py)
+        return {**vp.fingerprint(), "version": VISION_VERSION}
     ip = vp.image_processor
     settings = ip.to_dict() if hasattr(ip, "to_dict") else vars(ip)
     return {"class": type(vp.processor).__name__, "image_processor": type(ip).__name__,

@@ -13,6 +13,7 @@ import numpy as np
 from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.data import formats
 from longctx_cli.data.vision.documents import IMAGE, TEXT, VIDEO, VisionDocument
+from longctx_cli.data.vision.mistral import MistralCommonVision, encode_mistral_record
 from longctx_cli.data.vision.processor import VisionProcessor, as_vision_processor, patch_dim
 from longctx_cli.data.vision.records import collect_media, default_spec, record_messages
 from longctx_cli.errors import UserError
@@ -140,6 +141,8 @@ def encode_vision_record(
     """
     vp = as_vision_processor(processor)
     spec = spec or default_spec(vp)
+    if isinstance(vp, MistralCommonVision):  # mistral-common's own tokens and images
+        return encode_mistral_record(record, vp, where, base_dir=base_dir, spec=spec)
     if not spec.template:
         spec = replace(spec, template=vp.chat_template)
     tok = vp.tokenizer
@@ -249,6 +252,12 @@ def encode_vision_prompt(record: dict[str, Any], processor: Any, where: str, *,
     """A generation prompt: the record's turns as training renders them, then the chat
     template's generation prompt (what `add_generation_prompt=True` appends)."""
     vp = as_vision_processor(processor)
+    if isinstance(vp, MistralCommonVision):
+        raise UserError("generating after images with `tokenizer_use_mistral_common: true` is "
+                        "not supported: mistral-common's fine-tuning mode encodes finished "
+                        "conversations only.", where=where,
+                        fix="drop `tokenizer_use_mistral_common` to generate with the "
+                        "model's processor.")
     doc = encode_vision_record(record, vp, where, base_dir=base_dir)
     tok, probe = vp.tokenizer, [{"role": "user", "content": "x"}]
     plain = tok.apply_chat_template(probe, tokenize=False, chat_template=vp.chat_template)
