@@ -66,3 +66,15 @@ def test_missing_tokenizer_is_a_user_error(tmp_path):
         load_tokenizer(_config(tokenizer=str(tmp_path / "nope")))
     with pytest.raises(UserError, match="tokenizer: byte"):
         load_tokenizer(_config())
+
+
+def test_generate_says_why_its_continuation_is_empty():
+    from longctx_cli.eval.generate import empty_continuation_note
+
+    tok = load_tokenizer(_config(tokenizer="byte"))
+    first_eos = empty_continuation_note([tok.eos_token_id], tok)
+    assert "first token was its end-of-sequence token" in first_eos
+    assert f"id {tok.eos_token_id}" in first_eos
+    blank = empty_continuation_note([tok.pad_token_id] * 9, tok)
+    assert "9 new token(s) (0, 0, 0, 0, 0, 0, 0, 0, ...)" in blank
+    assert "end-of-sequence" not in blank

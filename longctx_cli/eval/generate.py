@@ -154,6 +154,20 @@ def _read_prompt(prompt_file: Path | None) -> str:
     return text
 
 
+def empty_continuation_note(new: list[int], tokenizer: Any) -> str:
+    """Why `generate` printed nothing: the tokens it made decode to no text."""
+    eos = tokenizer.eos_token_id
+    if new and new[0] == eos:
+        what = (f"the model's first token was its end-of-sequence token "
+                f"({tokenizer.eos_token!r}, id {eos})")
+    else:
+        shown = ", ".join(map(str, new[:8])) + (", ..." if len(new) > 8 else "")
+        what = f"its {len(new)} new token(s) ({shown}) are special or blank tokens"
+    return (f"note: the continuation is empty: {what}. A base model that has not learned the "
+            "prompt's format often does this; try a longer prompt, or the chat template the "
+            "run trained with.")
+
+
 def generate_on_ranks(config: Config, plan: Plan, checkpoint: Path, text: str,
                       max_new_tokens: int) -> None:
     """Inside torchrun, every rank: greedy decoding after one SP prefill."""
@@ -184,6 +198,8 @@ def generate_on_ranks(config: Config, plan: Plan, checkpoint: Path, text: str,
     if dist.get_rank() == 0:
         continuation = tokenizer.decode(new, skip_special_tokens=True)
         print(continuation, flush=True)
+        if not continuation.strip():  # say why on stderr; stdout stays the continuation
+            print(empty_continuation_note(new, tokenizer), file=sys.stderr, flush=True)
         record = {"checkpoint": str(checkpoint), "prompt_tokens": len(prompt),
                   "new_token_ids": new, "text": continuation}
         out = Path(config.output.output_dir)
