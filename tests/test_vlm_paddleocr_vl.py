@@ -24,17 +24,11 @@ from longctx_cli.errors import UserError
 from longctx_cli.families import vision_family
 from longctx_cli.parallel.attention import register_sp_attention
 from longctx_cli.runtime.vision import IMAGE, VIDEO, VisionInputs, VisionLanguageForward
-from tests.distributed import run_distributed
 from tests.layouts import sp_state
-from tests.test_vlm_glm46v import GLM_DOCUMENTS, LAYOUTS, _images
+from tests.test_vlm_glm46v import GLM_DOCUMENTS, _images, check_every_layout
 from tests.test_vlm_runtime import _check, _compare
 from tests.vlm_fixtures import conversation, write_tiny_paddleocr_vl_processor
 from tests.vlm_models import image_row, tiny_vlm
-
-
-def _worker(rank: int, world: int) -> dict[str, dict]:
-    return {str(spec): _compare("paddleocr_vl", sp_state(sp=world, kernel="torch", **spec),
-                                GLM_DOCUMENTS) for spec in LAYOUTS}
 
 
 def test_paddleocr_vl_sp1_equals_the_models_own_training() -> None:
@@ -42,11 +36,7 @@ def test_paddleocr_vl_sp1_equals_the_models_own_training() -> None:
 
 
 def test_paddleocr_vl_sp2_ring_and_ulysses_equal_the_models_own_training() -> None:
-    ranks = run_distributed(_worker, 2, timeout_s=240)
-    for results in ranks:
-        _check(results)
-    for spec in LAYOUTS:  # every layout's shard boundary cuts an image
-        assert any(r[str(spec)]["cut_image"] for r in ranks), (spec, ranks)
+    check_every_layout("paddleocr_vl")
 
 
 def test_paddleocr_vl_row_with_a_video_is_refused() -> None:
