@@ -335,7 +335,8 @@ KINDS = (
         "`ebft` is not", "`qat` is not", "`use_onebitllms` is not", "`diffusion` is not",
         "`gptq` is not", "`lisa_n_layers` is not", "LoftQ", "`relora` is not",
         "`fp8` is not", "`use_ray` is not", "`rl: gdpo`", "`optimizer: muon`",
-        "cloud launcher config", "`use_eaft` is not", "is not a causal-LM or image-text class")),
+        "cloud launcher config", "`use_eaft` is not", "is not a causal-LM or image-text class",
+        "audio inputs are not supported", "`expert_parallel_token_capacity` is not")),
     *((mark, EXAMPLE_ERROR) for mark in (
         "unknown key", "`warmup_steps` = ", "`unfrozen_parameters`",
         "the model has no module named")),

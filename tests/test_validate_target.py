@@ -84,3 +84,21 @@ def test_the_preprocess_report_names_sequential_packing(tmp_path: Path) -> None:
     assert "packed in order (sequential)" in out and "FFD" not in out
     code, out = run("preprocess", str(config))
     assert code == 0 and "packed (FFD)" in out, out
+
+
+def test_an_audio_processor_is_refused_as_audio(tmp_path: Path) -> None:
+    """Voxtral's processor reads audio: the refusal says so, not "no vision tower"."""
+    from transformers import VoxtralConfig
+
+    folder = tmp_path / "voxtral"
+    VoxtralConfig().save_pretrained(folder)
+    config = yaml.safe_load(TINY.read_text())
+    config.pop("model_config", None)
+    config.update(base_model=str(folder), processor_type="VoxtralProcessor")
+    path = tmp_path / "audio.yaml"
+    path.write_text(yaml.safe_dump(config))
+    code, out = run("validate", str(path), *NO_PROBE)
+    out = " ".join(out.split())
+    assert code == 2, out
+    assert "`processor_type: VoxtralProcessor` reads audio records" in out, out
+    assert "model type `voxtral`" in out and "no vision tower" not in out

@@ -225,6 +225,15 @@ def check_vision(vision: VisionSection, hf_config: Any, layout: Layout, streamed
             fix="list image-bearing records under `datasets` (type: chat_template), or drop "
             "`processor_type`.")
     if not is_vision_language(hf_config, images=vision.trains_images):
+        if vision.processor_type and getattr(hf_config, "audio_config", None) is not None:
+            kind = getattr(hf_config, "model_type", model_type)
+            raise UserError(
+                f"`processor_type: {vision.processor_type}` reads audio records, and audio "
+                f"inputs are not supported: longctx trains model type `{kind}` on its text "
+                "rows only (its audio tower and the merge of audio features are not rebuilt "
+                "under sequence parallelism).", where="processor_type",
+                fix="remove `processor_type` to train the text rows of the dataset, or train "
+                "audio with plain Hugging Face training.")
         for key in ("processor_type", "freeze_mm_modules"):
             if getattr(vision, key):
                 raise UserError(
