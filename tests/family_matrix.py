@@ -382,6 +382,9 @@ class Column:
     # None where longctx trains it (then exactly).
     refuses: Callable[[Family], str | None] = lambda family: None
     slow: bool = False  # run by `pytest -m slow` only (docs/families.md shows every column)
+    # By default every ROTATION-th family runs it (each family one rotating column), llama
+    # every one; `pytest -m slow` runs the rest.
+    rotating: bool = False
 
     @property
     def flash(self) -> bool:
@@ -392,16 +395,17 @@ SP2 = {"sequence_parallel_degree": 2}
 TORCH_FLASH = {"attention_kernel": "torch_flash"}
 COLUMNS = [
     Column("sp1 vs the model", 1),
-    Column("ring sp2", 2, {**SP2, "ring_attn_func": "varlen_llama3"}),
-    Column("ring zigzag sp2", 2, {**SP2, "sp_sharding": "zigzag"}),
+    Column("ring sp2", 2, {**SP2, "ring_attn_func": "varlen_llama3"}, rotating=True),
+    Column("ring zigzag sp2", 2, {**SP2, "sp_sharding": "zigzag"}, rotating=True),
     Column("P2P stripe sp2 (default)", 2, SP2),
     Column("P2P ring sp2", 2, {**SP2, "ring_attn_func": "batch_ring"}, slow=True),
-    Column("P2P zigzag sp2", 2, {**SP2, "ring_attn_func": "batch_zigzag"}),
+    Column("P2P zigzag sp2", 2, {**SP2, "ring_attn_func": "batch_zigzag"}, rotating=True),
     Column("Ulysses sp2", 2, {**SP2, "sequence_parallel_mode": "ulysses"}),
     # 4 query heads over 2 KV heads: 2 chunks of 1 KV head, replicated to both ranks.
     Column("Ulysses sp2, 2 head chunks", 2,
            {**SP2, "sequence_parallel_mode": "ulysses", "ulysses_head_chunks": 2}, slow=True),
-    Column("torch_flash ring sp2", 2, {**SP2, "ring_attn_func": "varlen_llama3", **TORCH_FLASH}),
+    Column("torch_flash ring sp2", 2, {**SP2, "ring_attn_func": "varlen_llama3", **TORCH_FLASH},
+           rotating=True),
     Column("torch_flash P2P stripe sp2", 2, {**SP2, **TORCH_FLASH}, slow=True),
     # 2 KV heads (4 in deepseek_v3): one (two) per Ulysses rank, no replication.
     Column("hybrid sp4 (Ulysses 2 x ring 2)", 4,
@@ -410,6 +414,19 @@ COLUMNS = [
     Column("TP-sp tp2", 2, {"tensor_parallel_size": 2}, refuses=_tp_refusal, slow=True),
 ]
 COLUMN = {c.name: c for c in COLUMNS}
+ROTATING = [c.name for c in COLUMNS if c.rotating]
+
+
+def runs_by_default(family: Family, column: Column) -> bool:
+    """Whether the default run (not `-m slow`) has this cell: every family runs the
+    columns not slow nor rotating, llama every column not slow, and each other family one
+    rotating column, in turn down the table."""
+    if column.slow:
+        return False
+    if not column.rotating or family.name == "llama":
+        return True
+    index = [f.name for f in FAMILIES].index(family.name)
+    return ROTATING[index % len(ROTATING)] == column.name
 
 
 def expected(family: Family, column: Column) -> str:
@@ -596,19 +613,18 @@ def sp1_worker(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
     return out
 
 
-def columns_worker(rank: int, world_size: int, names: list[str],
-                   columns: list[str]) -> dict[str, dict[str, Any]]:
-    """family -> column -> longctx's run (weights on rank 0), for these columns of this
-    world size; a torch_flash run also counts its calls of the flash op's stand-in."""
+def columns_worker(rank: int, world_size: int,
+                   cells: list[tuple[str, str]]) -> dict[str, dict[str, Any]]:
+    """family -> column -> longctx's run (weights on rank 0), for these (family, column)
+    cells of this world size; a torch_flash run also counts its calls of the flash op's
+    stand-in."""
     from longctx_cli.parallel.torch_flash import use_flash_ops
     from tests import torch_flash_standin as standin
 
     use_flash_ops(standin.OPS)  # this process only; only the torch_flash kernel calls it
     out: dict[str, dict[str, Any]] = {}
     for family in FAMILIES:
-        if family.name not in names:
-            continue
-        for column in map(COLUMN.__getitem__, columns):
+        for column in [COLUMN[c] for f, c in cells if f == family.name]:
             assert column.world == world_size, (column, world_size)
             before = dict(standin.CALLS)
             run = longctx_training(family, column.settings)
@@ -660,7 +676,10 @@ def render() -> str:
         "(`tests/torch_flash_standin.py`: the op's signature and conventions, float64 math); "
         "the test checks that the op was called. The columns "
         + ", ".join(f"*{c.name}*" for c in COLUMNS if c.slow)
-        + " run with `pytest -m slow` (the suite's time budget); the rest in every run.",
+        + " run with `pytest -m slow` (the suite's time budget), and so do the columns "
+        + ", ".join(f"*{c}*" for c in ROTATING)
+        + " except for llama and, for each other family, one of them in turn down the "
+        "table; the rest in every run.",
         "",
         "A family that is not in this table is not assumed to work: before training (and in "
         "`longctx validate`) the *fidelity probe* builds a tiny random model of the user's "

@@ -30,12 +30,13 @@ def sp1() -> dict:
 
 
 def _cells(sp1: dict, slow: bool) -> dict[str, dict[str, dict]]:
-    """family -> column -> cell, for the multi-process columns that are (not) `slow`."""
-    columns = [c for c in fm.COLUMNS if c.world > 1 and c.slow == slow]
+    """family -> column -> cell, for the multi-process cells the default run has (or not)."""
+    wanted = [(f, c) for f in fm.FAMILIES for c in fm.COLUMNS
+              if c.world > 1 and fm.runs_by_default(f, c) != slow]
     cells: dict[str, dict[str, dict]] = {name: {} for name in NAMES}
-    for world in sorted({c.world for c in columns}):
-        names = [c.name for c in columns if c.world == world]
-        rank0 = run_distributed(fm.columns_worker, world, NAMES, names, timeout_s=600)[0]
+    for world in sorted({c.world for _, c in wanted}):
+        pairs = [(f.name, c.name) for f, c in wanted if c.world == world]
+        rank0 = run_distributed(fm.columns_worker, world, pairs, timeout_s=600)[0]
         for family, runs in rank0.items():
             for column, run in runs.items():
                 cells[family][column] = fm.compare(run, sp1[family]["reference"])
@@ -64,16 +65,18 @@ def _check(cell: dict, expected: str, what: str) -> None:
     assert cell["weights"] < fm.WEIGHT_TOL, (what, cell)
 
 
-@pytest.mark.parametrize("column", [
-    pytest.param(c.name, marks=pytest.mark.slow) if c.slow else c.name for c in fm.COLUMNS])
-@pytest.mark.parametrize("family", NAMES)
+@pytest.mark.parametrize(("family", "column"), [
+    pytest.param(f.name, c.name, id=f"{f.name}-{c.name}",
+                 marks=() if fm.runs_by_default(f, c) else pytest.mark.slow)
+    for f in fm.FAMILIES for c in fm.COLUMNS])
 def test_family_trains_exactly(request: pytest.FixtureRequest, sp1: dict, family: str,
                                column: str) -> None:
     col = fm.COLUMN[column]
     if col.world == 1:
         cell = sp1[family][column]
     else:
-        cell = request.getfixturevalue("slow_matrix" if col.slow else "matrix")[family][column]
+        default = fm.runs_by_default(FAMILY[family], col)
+        cell = request.getfixturevalue("matrix" if default else "slow_matrix")[family][column]
     want = fm.expected(FAMILY[family], col)
     _check(cell, want, f"{family} / {column}")
     if col.flash and want == "exact":
