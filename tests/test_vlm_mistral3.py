@@ -11,6 +11,8 @@ gradient (language model, projector with its patch merger, tower) equal each doc
 
 from __future__ import annotations
 
+import pytest
+
 from longctx_cli.families import VISION_FAMILIES, family
 from tests.distributed import run_distributed
 from tests.layouts import sp_state
@@ -50,6 +52,7 @@ def _worker4(rank: int, world: int) -> dict[str, dict]:
     return {"mistral3 sp4 hybrid": _compare("mistral3", state)}
 
 
+@pytest.mark.slow  # hybrid sp 4 of the VLM path runs by default in test_vlm_runtime.py
 def test_sp4_hybrid_equals_the_models_own_training() -> None:
     # Four ranks, three images: one rank encodes none (it runs the tower on a blank).
     for results in run_distributed(_worker4, 4, timeout_s=300):
@@ -89,6 +92,7 @@ def _lora_worker(rank: int, world: int) -> dict:
     return _lora_compare("mistral3", sp_state(sp=world, kernel="torch", mode="ulysses"))
 
 
+@pytest.mark.slow  # LoRA with a frozen tower runs by default in test_vlm_runtime.py
 def test_lora_with_frozen_tower_equals_the_models_own_training() -> None:
     # The run's own build (`adapter: lora`, `freeze_mm_modules`) at sp 2 against peft's LoRA
     # on the model's own forward, tower and projector frozen.
