@@ -316,6 +316,7 @@ def test_the_memory_estimate_holds_the_experts_in_4_bits():
 # ---- the command line: checkpoints, resume, merge-lora ----------------------------------
 
 
+@pytest.mark.slow  # FSDP's parity with the 4-bit experts runs by default (FSDP column above)
 def test_fsdp_run_checkpoints_resumes_and_merges_into_the_rounded_experts(tmp_path):
     """`longctx train` with FSDP at sp 2 saves checkpoints of the 4-bit experts (their packed
     bytes under their own names, which torch.distributed.checkpoint maps back), a run resumed
