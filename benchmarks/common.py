@@ -130,6 +130,35 @@ def save_record(stem: str, record: dict, out: Path | None = None) -> Path:
     return path
 
 
+def metrics_records(output_dir: Path) -> list[dict]:
+    """The records `longctx train` wrote to `output_dir`/metrics.jsonl, one a line."""
+    lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+def alternating_runs(configs: dict[bool, Path], runs: int, work: Path,
+                     one_run: Callable[[Path, Path], dict],
+                     describe: Callable[[dict], str]) -> dict[bool, list[dict]]:
+    """`one_run(config, log)` for each of two configs (feature off / on), `runs` times in
+    turn so that load drifts hit both; prints `describe(result)` after each run."""
+    results: dict[bool, list[dict]] = {on: [] for on in configs}
+    for run in range(runs):
+        for on, path in configs.items():
+            result = one_run(path, work / f"{path.stem}-run{run}.log")
+            results[on].append(result)
+            print(f"run {run} {path.stem}: {describe(result)}", flush=True)
+    return results
+
+
+def same_losses(off: Sequence[float], on: Sequence[float], rel: float,
+                floor: float = 0.0) -> None:
+    """Exits naming the first step where the two runs' losses differ by more than `rel` of
+    the loss (or of `floor`, if larger): a saving that changes the losses is not one."""
+    for a, b in zip(off, on, strict=True):
+        if abs(a - b) > rel * max(abs(a), floor):
+            raise SystemExit(f"the runs' losses differ: {a} vs {b}")
+
+
 # ---- ranks and rounds ----------------------------------------------------------------------
 
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import yaml
-from common import ROOT, markdown_table, save_record
+from common import ROOT, markdown_table, metrics_records, save_record
 
 from tests.real_model import NATIVE_CONTEXT, smollm2_folder
 
@@ -93,8 +93,7 @@ def fine_tune(args: argparse.Namespace, model: Path, seed: int) -> dict:
         "gradient_checkpointing": True, "logging_steps": 1, "save_strategy": "no",
     })
     seconds = longctx("train", config, args.work / f"{name}.yaml")
-    metrics = [json.loads(line) for line in
-               (args.work / name / "metrics.jsonl").read_text().splitlines()]
+    metrics = metrics_records(args.work / name)
     losses = [m["loss"] for m in metrics if "loss" in m]
     result = evaluate(args, model, name, SCALINGS[args.scaling], args.work / name / "final")
     return {**result, "seed": seed, "train_seconds": seconds, "losses": losses}

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from common import RESULTS, ROOT, cpu_words, machine, markdown_table, write_results
+from common import RESULTS, ROOT, cpu_words, machine, markdown_table, metrics_records, write_results
 
 EXAMPLE = ROOT / "examples" / "tiny_passkey.yaml"
 README = ROOT / "README.md"
@@ -98,8 +98,7 @@ def run_example(seed: int, threads: int, workdir: Path) -> dict[str, Any]:
     eval_s = _longctx(["eval", str(config_path), "--checkpoint", str(final),
                        "--nproc-per-node", "2"], threads, workdir / "eval.log")
     cells, trained = eval_cells(config)
-    metrics = [json.loads(line) for line in
-               (Path(config["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    metrics = metrics_records(Path(config["output_dir"]))
     lengths = sorted({c["context_len"] for c in cells})
     evals = [m["eval_loss"] for m in metrics if "eval_loss" in m]
     return {

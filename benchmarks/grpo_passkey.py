@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT, save_record
+from common import ROOT, metrics_records, save_record
 
 CONFIG = "examples/tiny_grpo.yaml"
 SFT = ROOT / "outputs" / "tiny_passkey" / "final"
@@ -60,7 +60,7 @@ def main() -> None:
         out = work / f"seed-{seed}"
         seconds = longctx("train", CONFIG, "--nproc-per-node", "2", "--overwrite", "--seed",
                           str(seed), "--output-dir", str(out), log=work / f"train-{seed}.log")
-        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        records = metrics_records(out)
         rewards = [r["reward"] for r in records if "reward" in r]
         after = accuracy(out, out / "final", work / f"eval-{seed}.log")
         runs.append({"seed": seed, "accuracy": after, "train_s": seconds,

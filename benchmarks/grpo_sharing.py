@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 import yaml
-from common import ROOT, save_record
+from common import ROOT, alternating_runs, metrics_records, same_losses, save_record
 
 from benchmarks.peers import run_watched
 from benchmarks.prefix_sharing import MODEL, WORDS, save_model
@@ -73,8 +73,7 @@ def one_run(path: Path, log: Path) -> dict:
     _, peaks = run_watched([sys.executable, "-m", "longctx_cli", "train", str(path),
                             "--overwrite"], log)
     out = Path(yaml.safe_load(path.read_text())["output_dir"])
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "update_s" in r]
+    steps = [r for r in metrics_records(out) if "update_s" in r]
     return {"update_s": [r["update_s"] for r in steps],
             "rollout_s": [r["rollout_s"] for r in steps],
             "losses": [r["loss"] for r in steps], "rewards": [r.get("reward") for r in steps],
@@ -95,17 +94,11 @@ def main() -> None:
     write_prompts(work / "prompts.jsonl", args.steps, args.prompt_tokens)
     sequence_len = args.prompt_tokens + 256  # prompt + completion
     configs = {shared: config(work, shared, sequence_len, args.steps) for shared in (False, True)}
-    runs: dict[bool, list[dict]] = {False: [], True: []}
-    for run in range(args.runs):
-        for shared, path in configs.items():
-            result = one_run(path, work / f"{path.stem}-run{run}.log")
-            runs[shared].append(result)
-            print(f"run {run} {path.stem}: update s {[round(s, 2) for s in result['update_s']]}"
-                  f", rollout s {[round(s, 2) for s in result['rollout_s']]}, peak "
-                  f"{[round(m) for m in result['peak_mib']]} MiB", flush=True)
-    for a, b in zip(runs[False][0]["losses"], runs[True][0]["losses"], strict=True):
-        if abs(a - b) > 1e-4 * max(abs(a), 1e-3):
-            raise SystemExit(f"shared and unshared losses differ: {a} vs {b}")
+    runs = alternating_runs(configs, args.runs, work, one_run, lambda result: (
+        f"update s {[round(s, 2) for s in result['update_s']]}, rollout s "
+        f"{[round(s, 2) for s in result['rollout_s']]}, peak "
+        f"{[round(m) for m in result['peak_mib']]} MiB"))
+    same_losses(runs[False][0]["losses"], runs[True][0]["losses"], 1e-4, floor=1e-3)
     rows = {}
     for shared, results in runs.items():
         updates = [statistics.median(r["update_s"]) for r in results]

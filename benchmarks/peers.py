@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 import yaml
-from common import ROOT, markdown_table, peak_bytes, save_record
+from common import ROOT, markdown_table, metrics_records, peak_bytes, save_record
 
 # The runs' helpers import torch and transformers: loaded where a run needs them, so that
 # `--table` (and benchmarks/figures.py) prints the README's table without them.
@@ -235,9 +235,7 @@ def run_watched(cmd: list[str], log: Path) -> tuple[float, dict[int, int]]:
 def longctx_steps(config_path: Path) -> list[dict]:
     """The step records (loss, tokens, tokens_per_sec) of the longctx run of `config_path`."""
     output_dir = Path(yaml.safe_load(config_path.read_text())["output_dir"])
-    records = [json.loads(line) for line in
-               (output_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if "tokens_per_sec" in r]
+    return [r for r in metrics_records(output_dir) if "tokens_per_sec" in r]
 
 
 def alst_worker_args(tool: str, work: Path, model_dir: Path, steps: int, out: Path,

@@ -14,7 +14,6 @@ Prints a table and writes benchmarks/results/preference_example-<date>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import subprocess
@@ -24,7 +23,7 @@ import time
 from pathlib import Path
 
 import yaml
-from common import RESULTS, ROOT, shown, write_results
+from common import RESULTS, ROOT, metrics_records, shown, write_results
 
 EXAMPLE = ROOT / "examples" / "tiny_preference.yaml"
 ACCURACY = "eval_rewards/accuracies"
@@ -46,8 +45,7 @@ def run(seed: int, work: Path) -> dict:
                     "2", "--overwrite"], check=True, capture_output=True, cwd=work,
                    env={**os.environ, "OMP_NUM_THREADS": "1"})
     seconds = time.perf_counter() - started
-    records = [json.loads(line) for line in
-               (work / f"out-{seed}" / "metrics.jsonl").read_text().splitlines()]
+    records = metrics_records(work / f"out-{seed}")
     curve = {r["step"]: r[ACCURACY] for r in records if ACCURACY in r}
     return {"seed": seed, "seconds": round(seconds, 1), "held_out_accuracy": curve,
             "eval_pairs_loss": {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}}

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import yaml
-from common import ROOT, save_record
+from common import ROOT, alternating_runs, metrics_records, same_losses, save_record
 
 from benchmarks.peers import run_watched
 
@@ -81,8 +81,7 @@ def one_run(path: Path, log: Path) -> dict:
     _, peaks = run_watched([sys.executable, "-m", "longctx_cli", "train", str(path),
                             "--overwrite"], log)
     out = Path(yaml.safe_load(path.read_text())["output_dir"])
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "tokens_per_sec" in r]
+    steps = [r for r in metrics_records(out) if "tokens_per_sec" in r]
     return {"seconds": [r["tokens"] / r["tokens_per_sec"] for r in steps],
             "losses": [r["loss"] for r in steps],
             "peak_mib": sorted(k / 1024 for k in peaks.values())}
@@ -102,16 +101,10 @@ def main() -> None:
     # Room for both sequences of the longest pair, unshared; a multiple of 4 (zigzag, sp 2).
     sequence_len = -(-(2 * (args.prompt_tokens + 120)) // 4) * 4
     configs = {shared: config(work, shared, sequence_len, args.steps) for shared in (False, True)}
-    runs: dict[bool, list[dict]] = {False: [], True: []}
-    for run in range(args.runs):
-        for shared, path in configs.items():
-            result = one_run(path, work / f"{path.stem}-run{run}.log")
-            runs[shared].append(result)
-            print(f"run {run} {path.stem}: s/step {[round(s, 2) for s in result['seconds']]}, "
-                  f"peak {[round(m) for m in result['peak_mib']]} MiB", flush=True)
-    for a, b in zip(runs[False][0]["losses"], runs[True][0]["losses"], strict=True):
-        if abs(a - b) > 1e-4 * abs(a):
-            raise SystemExit(f"shared and unshared losses differ: {a} vs {b}")
+    runs = alternating_runs(configs, args.runs, work, one_run, lambda result: (
+        f"s/step {[round(s, 2) for s in result['seconds']]}, "
+        f"peak {[round(m) for m in result['peak_mib']]} MiB"))
+    same_losses(runs[False][0]["losses"], runs[True][0]["losses"], 1e-4)
     rows = {}
     for shared, results in runs.items():
         medians = [statistics.median(r["seconds"][1:]) for r in results]

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import RESULTS, ROOT, cpu_model, markdown_table, shown, write_results
+from common import RESULTS, ROOT, cpu_model, markdown_table, metrics_records, shown, write_results
 
 CONFIG = ROOT / "examples" / "tiny_vlm.yaml"
 DATA = ROOT / "examples" / "data" / "vlm"
@@ -76,8 +76,7 @@ def run_seed(seed: int, out: Path) -> dict:
     before = accuracy(initial_model(seed), processor, records)
     trained = trained_model(out / "final")
     after = accuracy(trained, processor, records)
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
-               if line.startswith("{")]
+    metrics = metrics_records(out)
     losses = [m["loss"] for m in metrics if "loss" in m and "step" in m]
     return {"seed": seed, "before": before, "after": after, "train_seconds": round(train_s, 1),
             "steps": len(losses), "first_loss": losses[0], "last_loss": losses[-1],
