@@ -313,6 +313,35 @@ def test_the_memory_estimate_holds_the_experts_in_4_bits():
     assert any("quantize_moe_experts" in n for n in notes)
 
 
+@pytest.mark.parametrize("eight", [True, False], ids=["8-bit", "4-bit"])
+def test_checkpointed_steps_leave_no_dequantized_weight_cached(eight):
+    """A non-reentrant checkpoint's recompute stops inside the layer once it has what
+    backward needs, skipping plain forward hooks: the per-forward dequantization cache must
+    still close, or every dequantized expert weight stays resident (and cached) for good."""
+    from types import SimpleNamespace
+
+    from torch.nn.utils import parametrize
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longctx_cli.runtime.model import quantize_fused_experts
+
+    hf_config = AutoConfig.for_model(**FAMILY.config())
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    quantization = SimpleNamespace(load_in_8bit=eight, bnb_4bit_use_double_quant=True,
+                                   bnb_4bit_quant_type="nf4")
+    assert quantize_fused_experts(model, quantization) == 2 * hf_config.num_hidden_layers
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, hf_config.vocab_size, (1, 16))
+    enabled_before = parametrize._cache_enabled
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert parametrize._cache_enabled == enabled_before
+    if enabled_before == 0:
+        assert not parametrize._cache
+
+
 # ---- the command line: checkpoints, resume, merge-lora ----------------------------------
 
 

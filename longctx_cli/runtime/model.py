@@ -103,7 +103,7 @@ class RowwiseInt8(nn.Module):
 
 def _quantize_int8(module: nn.Module, param_name: str) -> None:
     """Hold `module.<param_name>` in 8 bits (`RowwiseInt8`), rounded from float16 as the
-    8-bit linear layers are; one dequantization per forward of the module (cached)."""
+    8-bit linear layers are."""
     import bitsandbytes.functional as bnb_functional
     from torch.nn.utils import parametrize
 
@@ -113,48 +113,66 @@ def _quantize_int8(module: nn.Module, param_name: str) -> None:
     setattr(module, param_name, nn.Parameter(packed.reshape(weight.shape), requires_grad=False))
     parametrize.register_parametrization(module, param_name,
                                          RowwiseInt8(row_stats, weight.dtype), unsafe=True)
-    if not hasattr(module, "_int8_cache"):  # the module's experts read the weight per expert
-        def enter(mod: nn.Module, args: Any) -> None:
-            mod._int8_cache = parametrize.cached()
-            mod._int8_cache.__enter__()
 
-        def leave(mod: nn.Module, args: Any, output: Any) -> None:
-            mod._int8_cache.__exit__(None, None, None)
 
-        module._int8_cache = None
-        module.register_forward_pre_hook(enter)
-        module.register_forward_hook(leave)
+def _quantize_4bit(module: nn.Module, param_name: str, quantization: Any) -> None:
+    """Hold `module.<param_name>` in 4 bits as bitsandbytes' `replace_parameter_4bit` does
+    (its quantization, its `Bnb4bitParametrization`), without the state-dict hook it adds:
+    that hook writes the packed bytes under the weight's plain name and the quantization
+    state as extra keys, which torch.distributed.checkpoint (checkpoints, resume, the final
+    export) cannot map back to attributes. The bytes keep their own name
+    (`parametrizations.<name>.original`); the state is rebuilt on load by the same
+    quantization of the same base."""
+    import bitsandbytes.functional as bnb_functional
+    from bitsandbytes.nn.parametrize import Bnb4bitParametrization
+    from torch.nn.utils import parametrize
+
+    weight = getattr(module, param_name)
+    packed, state = bnb_functional.quantize_4bit(
+        weight.data, compress_statistics=quantization.bnb_4bit_use_double_quant,
+        quant_type=quantization.bnb_4bit_quant_type)
+    setattr(module, param_name, nn.Parameter(packed, requires_grad=False))
+    parametrize.register_parametrization(module, param_name, Bnb4bitParametrization(state),
+                                         unsafe=True)
+
+
+def _cache_dequantized(module: nn.Module) -> None:
+    """One dequantization of each quantized weight per forward of `module` (its experts read
+    the weight once per expert). The closing hook runs even when the forward stops early (a
+    non-reentrant checkpoint's recompute does, by design), or the cache would stay on."""
+    from torch.nn.utils import parametrize
+
+    caches: list[Any] = []
+
+    def enter(mod: nn.Module, args: Any) -> None:
+        caches.append(parametrize.cached())
+        caches[-1].__enter__()
+
+    def leave(mod: nn.Module, args: Any, output: Any) -> None:
+        if caches:
+            caches.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
 
 
 def quantize_fused_experts(model: nn.Module, quantization: Any) -> int:
     """`quantize_moe_experts`: pack every fused expert weight (`fused_expert_names`) as the
-    base is packed, the way Axolotl does. A 4-bit base: bitsandbytes' `replace_parameter_4bit`
-    with the base's own quant type and double quantization; an 8-bit one: int8 with a scale
-    per row (`RowwiseInt8`). The weight is then a parametrization that dequantizes on access
-    (frozen, like the quantized linear layers). Returns how many."""
-    from bitsandbytes.nn import parametrize as bnb_parametrize
-
+    base is packed, the way Axolotl does. A 4-bit base: bitsandbytes' 4-bit quantization
+    with the base's own quant type and double quantization (`_quantize_4bit`); an 8-bit one:
+    int8 with a scale per row (`RowwiseInt8`). The weight is then a parametrization that
+    dequantizes on access (frozen, like the quantized linear layers). Returns how many."""
     names = fused_expert_names(model)
+    modules: dict[str, nn.Module] = {}
     for name in names:
         module_name, _, param_name = name.rpartition(".")
-        module = model.get_submodule(module_name)
+        module = modules.setdefault(module_name, model.get_submodule(module_name))
         if quantization.load_in_8bit:
             _quantize_int8(module, param_name)
-            continue
-        bnb_parametrize.replace_parameter_4bit(
-            module, param_name, compress_statistics=quantization.bnb_4bit_use_double_quant,
-            quant_type=quantization.bnb_4bit_quant_type)
-        # bitsandbytes also hooks the module's state dict to write a Hugging Face-style
-        # quantized checkpoint: the packed bytes under the weight's plain name, its
-        # quantization state as extra keys. torch.distributed.checkpoint (longctx's
-        # checkpoints, resume, the final export) maps every key back to an attribute, which
-        # those are not: without the hook the bytes keep their own name
-        # (`parametrizations.<name>.original`), and the state is rebuilt on load by the same
-        # quantization of the same base.
-        hooks = module._state_dict_hooks  # the hook's handle is not returned: find it
-        for key, hook in list(hooks.items()):
-            if getattr(hook, "func", None) is bnb_parametrize._parametrized_state_dict_post_hook:
-                del hooks[key]
+        else:
+            _quantize_4bit(module, param_name, quantization)
+    for module in modules.values():
+        _cache_dequantized(module)
     return len(names)
 
 

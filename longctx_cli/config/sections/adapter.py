@@ -28,9 +28,9 @@ class AdapterSection(Section):
     quantize_moe_experts: bool = Field(
         False, description="With `load_in_4bit` or `load_in_8bit`: also quantize the MoE "
         "experts' fused 3-D weights (e.g. `mlp.experts.gate_up_proj`), which the quantized "
-        "linear layers leave in full precision (Axolotl's key): 4 bits with bitsandbytes' "
-        "`replace_parameter_4bit`, or int8 with a scale per row. The experts stay frozen: "
-        "LoRA on them (`lora_target_parameters`, or module names "
+        "linear layers leave in full precision (Axolotl's key): 4 bits as bitsandbytes' "
+        "`replace_parameter_4bit` packs them, or int8 with a scale per row. The experts stay "
+        "frozen: LoRA on them (`lora_target_parameters`, or module names "
         "peft maps onto them, e.g. `down_proj`) is refused. With `fsdp` their packed bytes "
         "are sharded too."
     )
