@@ -213,6 +213,19 @@ FAMILIES = [
             "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 8},
            {"Mamba layer": {"attn_layer_period": 1, "attn_layer_offset": 0}},
            always_on=("MoE",)),
+    # No attention layer at all: Mamba2 (its scan passes its state from rank to rank) and
+    # Mamba / Falcon-Mamba (their selective scan takes no starting state: every rank reruns
+    # the prefix of each document it holds part of). Their rows are split into contiguous
+    # shards (zigzag where a column names it); no ring, attention kernel or head split runs.
+    Family("mamba", "mamba", {"state_size": 16, "time_step_rank": 8, "conv_kernel": 4},
+           always_on=("Mamba layers only (no attention)",)),
+    Family("mamba2", "mamba2",
+           {"num_heads": 4, "head_dim": 16, "state_size": 16, "n_groups": 1, "chunk_size": 8,
+            "conv_kernel": 4},
+           always_on=("Mamba2 layers only (no attention)",)),
+    Family("falcon_mamba", "falcon_mamba",
+           {"state_size": 16, "time_step_rank": 8, "conv_kernel": 4},
+           always_on=("Mamba layers only (no attention)", "RMS-normed B, C and dt")),
     # ---- the families of 2026 that Axolotl's examples train --------------------------------
     # Qwen3.5: gated delta-net layers (conv + linear-attention scan), then attention with an
     # output gate and partial rotary; dense and MoE with a shared expert.
@@ -371,6 +384,21 @@ def _tp_refusal(family: Family) -> str | None:
     return None if decoder in TP_FAMILIES else f"model type `{decoder}` is not supported"
 
 
+def _attention_free(family: Family) -> bool:
+    """A row without any attention layer (families.Family.attention_free)."""
+    from longctx_cli.families import family as family_record
+
+    return family_record(family.model_type).attention_free
+
+
+def _no_attention_refusal(what: str) -> Callable[[Family], str | None]:
+    """A column that sets what only attention reads: refused for attention-free rows."""
+    return lambda family: what if _attention_free(family) else None
+
+
+NO_KERNEL = "has no attention layer for the kernel to compute"
+
+
 @dataclass(frozen=True)
 class Column:
     """One layout of the trainer on `world` processes; every family is trained under it."""
@@ -403,10 +431,12 @@ COLUMNS = [
     Column("Ulysses sp2", 2, {**SP2, "sequence_parallel_mode": "ulysses"}),
     # 4 query heads over 2 KV heads: 2 chunks of 1 KV head, replicated to both ranks.
     Column("Ulysses sp2, 2 head chunks", 2,
-           {**SP2, "sequence_parallel_mode": "ulysses", "ulysses_head_chunks": 2}, slow=True),
+           {**SP2, "sequence_parallel_mode": "ulysses", "ulysses_head_chunks": 2},
+           refuses=_no_attention_refusal("no heads to cut into chunks"), slow=True),
     Column("torch_flash ring sp2", 2, {**SP2, "ring_attn_func": "varlen_llama3", **TORCH_FLASH},
-           rotating=True),
-    Column("torch_flash P2P stripe sp2", 2, {**SP2, **TORCH_FLASH}, slow=True),
+           refuses=_no_attention_refusal(NO_KERNEL), rotating=True),
+    Column("torch_flash P2P stripe sp2", 2, {**SP2, **TORCH_FLASH},
+           refuses=_no_attention_refusal(NO_KERNEL), slow=True),
     # 2 KV heads (4 in deepseek_v3): one (two) per Ulysses rank, no replication.
     Column("hybrid sp4 (Ulysses 2 x ring 2)", 4,
            {"sequence_parallel_degree": 4, "sequence_parallel_mode": "hybrid",
