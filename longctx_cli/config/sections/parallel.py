@@ -447,6 +447,11 @@ def parallel_notes(layout: Layout, nproc_per_node: int | None) -> list[str]:
 def ring_notes(parallel: ParallelSection, shape: ModelShape, layout: Layout) -> list[str]:
     """Legal but worth knowing, about the ring and the heads."""
     sp, ulysses, ring = layout.sp, layout.ulysses, layout.ring
+    if shape.attention_free:
+        return [f"model type `{shape.model_type}` has no attention layer: no ring or Ulysses "
+                f"all-to-all runs (`sequence_parallel_mode: {layout.mode}` computes the same); "
+                f"the row is cut into {layout.sharding} shards, along which its scans pass "
+                "their state or rerun document prefixes (token mixing below)."] if sp > 1 else []
     notes = []
     if parallel.ring_attn_func is None and layout.p2p and ring > 1:
         notes.append(f"ring_attn_func unset: {layout.ring_attn_func}, the sharding that "
