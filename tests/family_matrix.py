@@ -746,6 +746,18 @@ def render() -> str:
         "RecurrentGemma's recurrence) are refused by the probe, which names the layer "
         "(`tests/test_fidelity.py` checks minimax and recurrent_gemma).",
         "",
+        "Models without any attention layer, Mamba, Mamba2 (Codestral Mamba) and Falcon-Mamba "
+        "(`MambaMixer`, `Mamba2Mixer`, `FalconMambaMixer`), are rows too. Mamba2's scan passes "
+        "its state from rank to rank; Mamba's and Falcon-Mamba's take no starting state, so "
+        "each rank reruns the prefix of every document it holds part of. With no attention to "
+        "compute, a column only decides how the row is split: these rows run contiguous shards "
+        "in every SP column (the default, *P2P stripe sp2 (default)* and the Ulysses and hybrid "
+        "columns included; a stripe would hand the state over at every token, and "
+        "`sp_sharding: stripe` is refused) and zigzag shards where a column names zigzag; the "
+        "torch_flash, head-chunk and TP columns are refused, each naming the key that has "
+        "nothing to act on. RWKV and xLSTM, recurrences only, are refused by name: their "
+        "state is not in the cache interface longctx hands a rank its starting state through.",
+        "",
         "| family | features active in the test | "
         + " | ".join(c.name for c in COLUMNS) + " |",
         "|---|---|" + "---|" * len(COLUMNS),
@@ -819,8 +831,6 @@ REFUSED_FAMILIES = (
     ("DeepSeek V3.2 and V4, GLM-5 (`glm_moe_dsa`)", "sparse attention: an indexer picks each "
      "query's top keys from the layer's full attention mask, which longctx's sequence-parallel "
      "attention neither builds nor computes"),
-    ("Mamba (`mamba`)", "no attention layers: its Mamba scans are not among the token mixers "
-     "longctx passes across ranks"),
     ("MiniMax (`minimax`, MiniMax-Text-01)", "lightning attention layers, a linear-attention "
      "scan longctx does not pass across ranks (MiniMax-M2, `minimax_m2`, is exact)"),
     ("Vision-language families longctx does not rebuild (Llama 4's vision model, LFM2-VL)",
