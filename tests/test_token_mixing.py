@@ -140,8 +140,10 @@ def _tiny_config(name: str):
 
     if name == ALL_LINEAR:
         row = next(f for f in fm.FAMILIES if f.name == "qwen3_next")
+        # No cache: transformers' own cache cannot count the tokens of linear layers alone.
         return AutoConfig.for_model("qwen3_next", **{
-            **fm.BASE, **row.fields, "layer_types": ["linear_attention"] * 2})
+            **fm.BASE, **row.fields, "layer_types": ["linear_attention"] * 2,
+            "use_cache": False})
     if name in TWINS:
         from longctx_cli.checks.fidelity import shrink_config
 
@@ -260,7 +262,10 @@ def test_models_without_attention_are_exact_at_sp2() -> None:
     results = run_distributed(_attention_free_worker, 2, timeout_s=500)
     for (name, layout), (err, received) in results[1].items():
         passes = name in ("mamba2", ALL_LINEAR)
-        tolerance = max(1e-5, 2 * _own_handoff_error(name)) if name == ALL_LINEAR else 1e-5
+        # The delta-net's own hand-off noise, measured on the hybrid row's same layer (the
+        # model's cache cannot hand over the state of linear layers alone).
+        tolerance = (max(1e-5, 2 * _own_handoff_error("qwen3_next")) if name == ALL_LINEAR
+                     else 1e-5)
         assert err < tolerance, (name, layout, err, tolerance)
         assert results[0][(name, layout)][0] < tolerance, (name, layout, results[0])
         assert (received > 0) == passes, (name, layout, received)
