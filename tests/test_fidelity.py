@@ -288,6 +288,10 @@ def test_latent_attention_and_chunked_attention_families_pass() -> None:
     # Jamba's pattern: attention every 8 layers at offset 4, experts every 2 (its Mamba
     # takes no starting state: document prefixes on every sharding).
     ("jamba", {}),
+    # No attention layer at all: Mamba2's scans, Mamba's and Falcon-Mamba's selective scans.
+    ("mamba", {}),
+    ("mamba2", {}),
+    ("falcon_mamba", {}),
 ])
 def test_covered_hybrid_families_pass_on_packed_rows(model_type: str, fields: dict) -> None:
     # The model's own forward over a packed row would run its scans and convolutions across
