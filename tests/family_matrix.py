@@ -213,19 +213,6 @@ FAMILIES = [
             "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 8},
            {"Mamba layer": {"attn_layer_period": 1, "attn_layer_offset": 0}},
            always_on=("MoE",)),
-    # No attention layer at all: Mamba2 (its scan passes its state from rank to rank) and
-    # Mamba / Falcon-Mamba (their selective scan takes no starting state: every rank reruns
-    # the prefix of each document it holds part of). Their rows are split into contiguous
-    # shards (zigzag where a column names it); no ring, attention kernel or head split runs.
-    Family("mamba", "mamba", {"state_size": 16, "time_step_rank": 8, "conv_kernel": 4},
-           always_on=("Mamba layers only (no attention)",)),
-    Family("mamba2", "mamba2",
-           {"num_heads": 4, "head_dim": 16, "state_size": 16, "n_groups": 1, "chunk_size": 8,
-            "conv_kernel": 4},
-           always_on=("Mamba2 layers only (no attention)",)),
-    Family("falcon_mamba", "falcon_mamba",
-           {"state_size": 16, "time_step_rank": 8, "conv_kernel": 4},
-           always_on=("Mamba layers only (no attention)", "RMS-normed B, C and dt")),
     # ---- the families of 2026 that Axolotl's examples train --------------------------------
     # Qwen3.5: gated delta-net layers (conv + linear-attention scan), then attention with an
     # output gate and partial rotary; dense and MoE with a shared expert.
@@ -373,6 +360,20 @@ FAMILIES = [
            settings={"overrides_of_model_config": {"attention_dropout": 0.0}},
            note="attention dropout 0.1: `validate` refuses it in one paragraph naming the "
                 "override; trained with it"),
+    # (Last: new rows keep the earlier rows' rotating columns.) No attention layer at all:
+    # Mamba2 (its scan passes its state from rank to rank) and
+    # Mamba / Falcon-Mamba (their selective scan takes no starting state: every rank reruns
+    # the prefix of each document it holds part of). Their rows are split into contiguous
+    # shards (zigzag where a column names it); no ring, attention kernel or head split runs.
+    Family("mamba", "mamba", {"state_size": 16, "time_step_rank": 8, "conv_kernel": 4},
+           always_on=("Mamba layers only (no attention)",)),
+    Family("mamba2", "mamba2",
+           {"num_heads": 4, "head_dim": 16, "state_size": 16, "n_groups": 1, "chunk_size": 8,
+            "conv_kernel": 4},
+           always_on=("Mamba2 layers only (no attention)",)),
+    Family("falcon_mamba", "falcon_mamba",
+           {"state_size": 16, "time_step_rank": 8, "conv_kernel": 4},
+           always_on=("Mamba layers only (no attention)", "RMS-normed B, C and dt")),
 ]
 
 def _tp_refusal(family: Family) -> str | None:
