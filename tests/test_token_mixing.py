@@ -353,7 +353,8 @@ def test_plan_of_a_model_without_attention() -> None:
     assert plan(sp_sharding="zigzag").layout.sharding == "zigzag"
     assert plan(sequence_parallel_mode="ulysses").layout.sharding == "contiguous"
     for settings, key, says in [
-        ({"sp_sharding": "stripe"}, "sp_sharding", "would put a boundary after every token"),
+        ({"sp_sharding": "stripe"}, "sp_sharding", "puts a boundary after every token"),
+        ({"sp_sharding": "stripe"}, "sp_sharding", "leave `sp_sharding` and `ring_attn_func` out"),
         ({"ring_attn_func": "batch_stripe"}, "sp_sharding", "has no attention layer"),
         ({"attention_kernel": "torch_flash"}, "attention_kernel", "for the kernel to compute"),
         ({"tensor_parallel_size": 2, "sequence_parallel_degree": 1}, "tensor_parallel_size",

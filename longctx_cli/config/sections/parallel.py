@@ -20,6 +20,7 @@ from longctx_cli.errors import UserError
 from longctx_cli.families import TP_FAMILIES, family
 from longctx_cli.kernel_choice import KernelError, KernelRequest, Platform, choose_kernel
 from longctx_cli.layout import (
+    P2P_SHARDING,
     Layout,
     LayoutError,
     Mode,
@@ -325,11 +326,15 @@ def attention_free_sharding(parallel: ParallelSection, model_type: str) -> tuple
     what = f"model type `{model_type}` has no attention layer"
     if parallel.sp_sharding == "stripe":
         raise LayoutError(
-            "sp_sharding",
+            # Both keys name it (a stripe is batch_stripe's); the plan's fix search would try
+            # other shardings under the same ring, so the fix below is the one offered.
+            "ring_attn_func",
             f"`sp_sharding: stripe` (`ring_attn_func: batch_stripe`), but {what}: its scans "
-            "pass their state from rank to rank at shard boundaries, and a stripe (token i on "
-            "rank i % sp) would put a boundary after every token, so every rank would rerun "
-            "the whole prefix of each document instead.",
+            "carry a document across a shard boundary by passing their state to the next rank "
+            "(or, where the scan takes no starting state, by rerunning the document's prefix), "
+            "and a stripe (token i on rank i % sp) puts a boundary after every token, so every "
+            "rank would rerun nearly its whole documents and the scans would not shrink with "
+            "sp.",
             "leave `sp_sharding` and `ring_attn_func` out (contiguous shards, the default for "
             "such a model), or set `sp_sharding: zigzag`.")
     if parallel.attention_kernel not in ("auto", "torch"):
@@ -345,7 +350,8 @@ def attention_free_sharding(parallel: ParallelSection, model_type: str) -> tuple
             "to cut into chunks.", "leave `ulysses_head_chunks` out.")
     sharding = parallel.sp_sharding or "contiguous"
     # The ring of that sharding by name only: the plan shows it, no attention calls it.
-    return parallel.ring_attn_func or "varlen_llama3", sharding
+    ring = parallel.ring_attn_func or "varlen_llama3"
+    return (ring if P2P_SHARDING.get(ring, sharding) == sharding else "varlen_llama3"), sharding
 
 
 def expert_sharding(parallel: ParallelSection, data_parallel: int) -> int | None:
