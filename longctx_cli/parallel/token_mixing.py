@@ -2,7 +2,8 @@
 
 Hybrid models put short causal convolutions (LFM2), state-space scans (Mamba2 in Falcon-H1,
 Bamba, Granite 4.0-H, Nemotron-H, Zamba2) or linear attention (the gated delta-nets of
-Qwen3-Next, Qwen3.5 and OLMo hybrid) next to their attention layers. Under SP a rank holds
+Qwen3-Next, Qwen3.5 and OLMo hybrid) next to their attention layers; Mamba, Mamba2 and
+Falcon-Mamba have nothing but such scans (no attention layer at all). Under SP a rank holds
 only a slice of the row, and in a packed row the model's own forward would run these layers
 across document boundaries.
 
@@ -16,14 +17,17 @@ rank's rows hold:
 * a scan that can start from a given state, on contiguous or zigzag rows: only this rank's
   tokens; the state at a rank boundary passes from rank to rank (:mod:`.state_relay`);
 * a scan on stripe rows (a state would change hands at every token), or one that takes no
-  starting state (Jamba's Mamba): each document's whole prefix up to this rank's last token
+  starting state (the Mamba of Jamba, Mamba and Falcon-Mamba): each document's whole prefix
+  up to this rank's last token
   of it, the row's tokens arriving in one all-gather whose backward reduce-scatters the
   gradients to their owners;
 * a convolution of kernel ``k``: its pieces with the ``k - 1`` tokens before each (the
   halo), only those arriving from the ranks that hold them.
 
 Parameter gradients are each rank's tokens' share, summed over ranks by the trainer like
-every other parameter's. :func:`describe` states the cost for ``validate``.
+every other parameter's. :func:`describe` states the cost for ``validate``. Where the
+model's code calls a part without the forward's keyword arguments, :class:`MetaScope`
+hands it the row's metadata.
 """
 
 from __future__ import annotations
