@@ -18,9 +18,8 @@ rank's rows hold:
   tokens; the state at a rank boundary passes from rank to rank (:mod:`.state_relay`);
 * a scan on stripe rows (a state would change hands at every token), or one that takes no
   starting state (the Mamba of Jamba, Mamba and Falcon-Mamba): each document's whole prefix
-  up to this rank's last token
-  of it, the row's tokens arriving in one all-gather whose backward reduce-scatters the
-  gradients to their owners;
+  up to this rank's last token of it, the row's tokens arriving in one all-gather whose
+  backward reduce-scatters the gradients to their owners;
 * a convolution of kernel ``k``: its pieces with the ``k - 1`` tokens before each (the
   halo), only those arriving from the ranks that hold them.
 
