@@ -311,7 +311,9 @@ class TokenMixerSP:
         )
 
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        meta = kwargs.get("sp_meta") or self._scope.current()
+        meta = kwargs.get("sp_meta")
+        if meta is None:  # called without the forward's keyword arguments
+            meta = self._scope.current()
         if isinstance(meta, DecodeMeta):
             # Its state is not kept across a sharded prefill: the caller decodes by full
             # forwards instead (the same tokens).
