@@ -85,6 +85,12 @@ class Family:
     # builds such a model on the meta device to describe them; for other model types its
     # plan needs neither torch nor transformers.
     mixes_tokens: bool = False
+    # No attention layer at all: every layer is a covered scan (Mamba, Mamba2, Falcon-Mamba).
+    # Its shape has no heads; a row is split into contiguous (or zigzag) shards along which
+    # the scans pass their state, never a stripe, and no attention kernel or TP applies.
+    attention_free: bool = False
+    # A model of recurrences only that longctx cannot split over ranks: why (the refusal).
+    recurrence_refusal: str | None = None
     # The decoder layers' own norms (the layer's direct children) are all Llama-style
     # RMSNorms, which training runs through the lean RMSNorm (runtime/memory_savers.py,
     # checked against transformers 5.24's code): the memory estimate then counts no float32
@@ -218,6 +224,7 @@ _RECORDS = (
     Family("deepseek_v3", lean_norms=True),
     Family("exaone4", lean_norms=True),
     Family("falcon_h1", mixes_tokens=True, lean_norms=True),
+    Family("falcon_mamba", mixes_tokens=True, attention_free=True, lean_norms=True),
     Family("glm4", lean_norms=True),
     Family("glm4_moe", lean_norms=True),
     Family("glm4_moe_lite", lean_norms=True),
@@ -230,6 +237,8 @@ _RECORDS = (
     Family("lfm2", mixes_tokens=True, lean_norms=True),
     Family("lfm2_moe", mixes_tokens=True, lean_norms=True),
     Family("lfm3", mixes_tokens=True),
+    Family("mamba", mixes_tokens=True, attention_free=True, lean_norms=True),
+    Family("mamba2", mixes_tokens=True, attention_free=True, lean_norms=True),
     Family("llama", lean_norms=True, tensor_parallel=True),
     Family("llama4_text", fused_experts="Llama4TextExperts"),
     Family("mimo_v2_flash", lean_norms=True),
@@ -248,8 +257,19 @@ _RECORDS = (
     Family("qwen3_5_text", mixes_tokens=True),
     Family("qwen3_moe", lean_norms=True),
     Family("qwen3_next", mixes_tokens=True),
+    Family("rwkv", recurrence_refusal=(
+        "its time mixing (`RwkvSelfAttention`: the WKV recurrence and a token shift) keeps its "
+        "state in the model's own `state` list, not in transformers' cache interface through "
+        "which longctx hands a rank the state at its first token, and longctx does not cover "
+        "the layer, so no rank could continue a document another rank began")),
     Family("seed_oss", lean_norms=True),
     Family("smollm3", lean_norms=True),
+    Family("xlstm", recurrence_refusal=(
+        "its mLSTM blocks take their (C, n, m) state as an argument and return the new one "
+        "beside their output (the model threads them through its own xLSTMCache), outside "
+        "transformers' cache interface through which longctx hands a rank the state at its "
+        "first token, and longctx does not cover the block, so no rank could continue a "
+        "document another rank began")),
     Family("zamba2", mixes_tokens=True, lean_norms=True),
 )
 FAMILIES: dict[str, Family] = {f.model_type: f for f in _RECORDS}
@@ -273,6 +293,7 @@ def vision_family(model_type: str) -> VisionFamily | None:
 
 # The model types of a trait, read from the records (for messages and the tests).
 HYBRID_MODEL_TYPES = frozenset(t for t, f in FAMILIES.items() if f.mixes_tokens)
+ATTENTION_FREE_MODEL_TYPES = frozenset(t for t, f in FAMILIES.items() if f.attention_free)
 LEAN_NORM_MODEL_TYPES = frozenset(t for t, f in FAMILIES.items() if f.lean_norms)
 TP_FAMILIES = tuple(t for t, f in FAMILIES.items() if f.tensor_parallel)
 # Vision-language families whose forward runtime/vision.py rebuilds ...

@@ -360,6 +360,20 @@ FAMILIES = [
            settings={"overrides_of_model_config": {"attention_dropout": 0.0}},
            note="attention dropout 0.1: `validate` refuses it in one paragraph naming the "
                 "override; trained with it"),
+    # (Last: new rows keep the earlier rows' rotating columns.) No attention layer at all:
+    # Mamba2 (its scan passes its state from rank to rank) and
+    # Mamba / Falcon-Mamba (their selective scan takes no starting state: every rank reruns
+    # the prefix of each document it holds part of). Their rows are split into contiguous
+    # shards (zigzag where a column names it); no ring, attention kernel or head split runs.
+    Family("mamba", "mamba", {"state_size": 16, "time_step_rank": 8, "conv_kernel": 4},
+           always_on=("Mamba layers only (no attention)",)),
+    Family("mamba2", "mamba2",
+           {"num_heads": 4, "head_dim": 16, "state_size": 16, "n_groups": 1, "chunk_size": 8,
+            "conv_kernel": 4},
+           always_on=("Mamba2 layers only (no attention)",)),
+    Family("falcon_mamba", "falcon_mamba",
+           {"state_size": 16, "time_step_rank": 8, "conv_kernel": 4},
+           always_on=("Mamba layers only (no attention)", "RMS-normed B, C and dt")),
 ]
 
 def _tp_refusal(family: Family) -> str | None:
@@ -369,6 +383,21 @@ def _tp_refusal(family: Family) -> str | None:
     # A multimodal row's refusal names its language model, the decoder TP-sp would shard.
     decoder = family.fields.get("text_config", {}).get("model_type", family.model_type)
     return None if decoder in TP_FAMILIES else f"model type `{decoder}` is not supported"
+
+
+def _attention_free(family: Family) -> bool:
+    """A row without any attention layer (families.Family.attention_free)."""
+    from longctx_cli.families import family as family_record
+
+    return family_record(family.model_type).attention_free
+
+
+def _no_attention_refusal(what: str) -> Callable[[Family], str | None]:
+    """A column that sets what only attention reads: refused for attention-free rows."""
+    return lambda family: what if _attention_free(family) else None
+
+
+NO_KERNEL = "has no attention layer for the kernel to compute"
 
 
 @dataclass(frozen=True)
@@ -403,10 +432,12 @@ COLUMNS = [
     Column("Ulysses sp2", 2, {**SP2, "sequence_parallel_mode": "ulysses"}),
     # 4 query heads over 2 KV heads: 2 chunks of 1 KV head, replicated to both ranks.
     Column("Ulysses sp2, 2 head chunks", 2,
-           {**SP2, "sequence_parallel_mode": "ulysses", "ulysses_head_chunks": 2}, slow=True),
+           {**SP2, "sequence_parallel_mode": "ulysses", "ulysses_head_chunks": 2},
+           refuses=_no_attention_refusal("no heads to cut into chunks"), slow=True),
     Column("torch_flash ring sp2", 2, {**SP2, "ring_attn_func": "varlen_llama3", **TORCH_FLASH},
-           rotating=True),
-    Column("torch_flash P2P stripe sp2", 2, {**SP2, **TORCH_FLASH}, slow=True),
+           refuses=_no_attention_refusal(NO_KERNEL), rotating=True),
+    Column("torch_flash P2P stripe sp2", 2, {**SP2, **TORCH_FLASH},
+           refuses=_no_attention_refusal(NO_KERNEL), slow=True),
     # 2 KV heads (4 in deepseek_v3): one (two) per Ulysses rank, no replication.
     Column("hybrid sp4 (Ulysses 2 x ring 2)", 4,
            {"sequence_parallel_degree": 4, "sequence_parallel_mode": "hybrid",
@@ -716,6 +747,18 @@ def render() -> str:
         "RecurrentGemma's recurrence) are refused by the probe, which names the layer "
         "(`tests/test_fidelity.py` checks minimax and recurrent_gemma).",
         "",
+        "Models without any attention layer, Mamba, Mamba2 (Codestral Mamba) and Falcon-Mamba "
+        "(`MambaMixer`, `Mamba2Mixer`, `FalconMambaMixer`), are rows too. Mamba2's scan passes "
+        "its state from rank to rank; Mamba's and Falcon-Mamba's take no starting state, so "
+        "each rank reruns the prefix of every document it holds part of. With no attention to "
+        "compute, a column only decides how the row is split: these rows run contiguous shards "
+        "in every SP column (the default, *P2P stripe sp2 (default)* and the Ulysses and hybrid "
+        "columns included; a stripe would hand the state over at every token, and "
+        "`sp_sharding: stripe` is refused) and zigzag shards where a column names zigzag; the "
+        "torch_flash, head-chunk and TP columns are refused, each naming the key that has "
+        "nothing to act on. RWKV and xLSTM, recurrences only, are refused by name: their "
+        "state is not in the cache interface longctx hands a rank its starting state through.",
+        "",
         "| family | features active in the test | "
         + " | ".join(c.name for c in COLUMNS) + " |",
         "|---|---|" + "---|" * len(COLUMNS),
@@ -789,8 +832,6 @@ REFUSED_FAMILIES = (
     ("DeepSeek V3.2 and V4, GLM-5 (`glm_moe_dsa`)", "sparse attention: an indexer picks each "
      "query's top keys from the layer's full attention mask, which longctx's sequence-parallel "
      "attention neither builds nor computes"),
-    ("Mamba (`mamba`)", "no attention layers: its Mamba scans are not among the token mixers "
-     "longctx passes across ranks"),
     ("MiniMax (`minimax`, MiniMax-Text-01)", "lightning attention layers, a linear-attention "
      "scan longctx does not pass across ranks (MiniMax-M2, `minimax_m2`, is exact)"),
     ("Vision-language families longctx does not rebuild (Llama 4's vision model, LFM2-VL)",

@@ -23,6 +23,10 @@ EXPECTED = {
     "codegen": ("exact", ""),  # n_embd / n_head / rotary_dim
     "nemotron": ("exact", ""),  # its layers call attention without the forward's kwargs
     "granitemoehybrid": ("exact", ""),  # all-Mamba stack at its defaults
+    # no attention layer at all: scans only, their state passed or their prefixes rerun
+    "mamba": ("exact", ""),
+    "mamba2": ("exact", ""),
+    "falcon_mamba": ("exact", ""),
     # vision-language defaults the probe's own shrinking failed on before
     "qwen2_vl": ("exact", ""),  # its merger writes the tower's hidden_size
     "qwen2_5_vl": ("exact", ""),  # mrope_section (16, 24, 24) shrinks with the head dim
@@ -33,8 +37,8 @@ EXPECTED = {
     "internvl": ("exact", ""),  # tiles through a pixel-shuffled tower (and SmolVLM's)
     "smolvlm": ("exact", ""),
     # refused, each for its own reason
-    "mamba": ("refused", "no attention layers (recurrent / state-space)"),
     "rwkv": ("refused", "no attention layers (recurrent / state-space)"),
+    "xlstm": ("refused", "no attention layers (recurrent / state-space)"),
     "deepseek_v32": ("refused", "sparse attention (an indexer's top-k keys)"),
     "deepseek_v4": ("refused", "sparse attention (an indexer's top-k keys)"),
     "glm_moe_dsa": ("refused", "sparse attention (an indexer's top-k keys)"),

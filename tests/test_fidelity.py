@@ -224,10 +224,10 @@ def _assert_unchecked(message: str, model_type: str, gist: str) -> None:
 
 
 def test_a_config_that_cannot_be_shrunk_is_unchecked_not_passed() -> None:
-    config = AutoConfig.for_model("mamba")  # no attention heads to shrink
+    config = AutoConfig.for_model("rwkv")  # no attention heads to shrink
     with pytest.raises(UserError) as err:
         run_probe(config)
-    _assert_unchecked(str(err.value), "mamba", "longctx's own shrinking of the config")
+    _assert_unchecked(str(err.value), "rwkv", "longctx's own shrinking of the config")
     assert "no num_attention_heads" in str(err.value)  # the exception's one-line gist
 
 
@@ -288,6 +288,10 @@ def test_latent_attention_and_chunked_attention_families_pass() -> None:
     # Jamba's pattern: attention every 8 layers at offset 4, experts every 2 (its Mamba
     # takes no starting state: document prefixes on every sharding).
     ("jamba", {}),
+    # No attention layer at all: Mamba2's scans, Mamba's and Falcon-Mamba's selective scans.
+    ("mamba", {}),
+    ("mamba2", {}),
+    ("falcon_mamba", {}),
 ])
 def test_covered_hybrid_families_pass_on_packed_rows(model_type: str, fields: dict) -> None:
     # The model's own forward over a packed row would run its scans and convolutions across

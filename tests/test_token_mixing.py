@@ -127,10 +127,23 @@ TWINS = {
 }
 
 
+# Qwen3-Next with every layer a gated delta-net: a hybrid config without any attention.
+ALL_LINEAR = "qwen3_next (every layer linear attention)"
+# Models without attention at sp 2: Mamba2's scan passes its state, Mamba's and
+# Falcon-Mamba's rerun document prefixes (they take no starting state).
+ATTENTION_FREE = ("mamba2", "mamba", "falcon_mamba", ALL_LINEAR)
+
+
 def _tiny_config(name: str):
     """The matrix row's config, or the probe's tiny copy of a twin family."""
     from transformers import AutoConfig
 
+    if name == ALL_LINEAR:
+        row = next(f for f in fm.FAMILIES if f.name == "qwen3_next")
+        # No cache: transformers' own cache cannot count the tokens of linear layers alone.
+        return AutoConfig.for_model("qwen3_next", **{
+            **fm.BASE, **row.fields, "layer_types": ["linear_attention"] * 2,
+            "use_cache": False})
     if name in TWINS:
         from longctx_cli.checks.fidelity import shrink_config
 
@@ -233,6 +246,141 @@ def test_newer_families_twin_layers_are_exact_at_sp2(layout: str) -> None:
         assert err < tolerance, (name, layout, err, tolerance)
         if passes:  # rank 1 started from rank 0's state
             assert received > 0, (name, layout, results[1])
+
+
+def _attention_free_worker(rank: int, world: int) -> dict:
+    return {(name, layout): _relay_worker(rank, world, {"layout": layout}, name)[:2]
+            for name in ATTENTION_FREE for layout in ("contiguous", "zigzag")}
+
+
+def test_models_without_attention_are_exact_at_sp2() -> None:
+    # No attention layer at all: the token mixers alone carry the row across ranks, on
+    # contiguous and zigzag shards. Mamba2's and the delta-nets' states cross the rank
+    # boundary (rank 1 receives them); Mamba's and Falcon-Mamba's scans take no starting
+    # state and rerun document prefixes instead (nothing received). The hidden states are
+    # the model's own per-document forward (a delta-net within its own hand-off noise).
+    results = run_distributed(_attention_free_worker, 2, timeout_s=500)
+    for (name, layout), (err, received) in results[1].items():
+        passes = name in ("mamba2", ALL_LINEAR)
+        # The delta-net's own hand-off noise, measured on the hybrid row's same layer (the
+        # model's cache cannot hand over the state of linear layers alone).
+        tolerance = (max(1e-5, 2 * _own_handoff_error("qwen3_next")) if name == ALL_LINEAR
+                     else 1e-5)
+        assert err < tolerance, (name, layout, err, tolerance)
+        assert results[0][(name, layout)][0] < tolerance, (name, layout, results[0])
+        assert (received > 0) == passes, (name, layout, received)
+
+
+def _checkpointed_worker(rank: int, world: int) -> dict:
+    settings = {"sequence_parallel_degree": 2, "gradient_checkpointing": True}
+    return {name: fm.longctx_training(next(f for f in fm.FAMILIES if f.name == name), settings)
+            for name in ("mamba", "mamba2")}
+
+
+def test_mamba_blocks_recompute_with_the_rows_metadata() -> None:
+    # Activation checkpointing recomputes each Mamba block in backward, after the model's
+    # forward ended, and MambaModel calls its blocks without `sp_meta`: the recompute runs on
+    # the row's document rows (MetaScope keeps its metadata), so the gradients are the
+    # model's own per-document ones, and the scope holds nothing during a later forward.
+    from transformers import AutoModelForCausalLM
+
+    from longctx_cli.parallel.attention import register_sp_attention
+    from longctx_cli.parallel.mesh import ParallelState
+    from longctx_cli.parallel.sharding import shard_batch
+    from longctx_cli.parallel.token_mixing import attach_token_mixing
+    from longctx_cli.runtime.model import decoder_and_head, enable_checkpointing, sp_hidden_states
+
+    cfg = _tiny_config("mamba")
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(cfg).train()
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                            attn_implementation=register_sp_attention())
+    ours.load_state_dict(reference.state_dict())
+    hooks = attach_token_mixing(ours)
+    enable_checkpointing(ours, {"use_reentrant": False})
+    ours.train()
+    ids = torch.randint(3, 128, (sum(DOCS),), generator=torch.Generator().manual_seed(5))
+    # A random projection of the hidden states (a sum of squares of normed states nearly
+    # cancels in its gradients, which would leave only float noise to compare).
+    weight = torch.randn(sum(DOCS), cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    own = [decoder_and_head(reference)[0](input_ids=d[None]).last_hidden_state[0]
+           for d in torch.split(ids, list(DOCS))]
+    (torch.cat(own) * weight).sum().backward()
+    batch = shard_batch(ids, _positions(), ids.clone(), ParallelState())
+    (sp_hidden_states(decoder_and_head(ours)[0], batch) * weight).sum().backward()
+    assert hooks[0]._scope.current() is None  # outside the forward and any recompute
+    for (name, want), got in zip(reference.named_parameters(), ours.parameters(), strict=True):
+        if want.grad is not None:
+            err = float((got.grad - want.grad).norm() / want.grad.norm().clamp_min(1e-30))
+            assert err < 1e-5, (name, err)
+
+
+@pytest.mark.slow  # the sp1 recompute above runs by default; the matrix trains sp2 without
+def test_models_without_attention_train_exactly_with_checkpointing_at_sp2() -> None:
+    # Activation checkpointing recomputes each Mamba block in backward, after the model's
+    # forward ended: Mamba's blocks get no `sp_meta` from the model's code (MetaScope keeps
+    # the row's for the recompute), and Mamba2's recompute reuses the states it received.
+    (reference,) = run_distributed(_mamba_reference_worker, 1, timeout_s=300)
+    results = run_distributed(_checkpointed_worker, 2, timeout_s=500)
+    for name, run in results[0].items():
+        cell = fm.compare(run, reference[name])
+        assert "refused" not in cell, cell
+        assert cell["loss"] < fm.LOSS_TOL and cell["weights"] < fm.WEIGHT_TOL, (name, cell)
+
+
+def _mamba_reference_worker(rank: int, world: int) -> dict:
+    return {name: fm.reference_training(next(f for f in fm.FAMILIES if f.name == name))
+            for name in ("mamba", "mamba2")}
+
+
+def test_plan_of_a_model_without_attention() -> None:
+    # Contiguous shards by default (the P2P stripe ring is every other model's default);
+    # what cannot apply is refused naming its key: a stripe, an attention kernel, TP.
+    from longctx_cli.config.model_shape import read_model_config
+    from longctx_cli.config.plan import build_plan
+    from longctx_cli.config.world import Platform
+    from longctx_cli.errors import UserError
+
+    row = next(f for f in fm.FAMILIES if f.name == "mamba2")
+    cpu = Platform(cuda=False, ring_flash_attn=False)
+
+    def plan(**settings):
+        config = fm.make_config(row, {"sequence_parallel_degree": 2, **settings})
+        return build_plan(config, 2, read_model_config(config), platform=cpu)
+
+    layout = plan().layout
+    assert (layout.sharding, layout.kernel) == ("contiguous", "torch"), layout
+    assert plan(sp_sharding="zigzag").layout.sharding == "zigzag"
+    assert plan(sequence_parallel_mode="ulysses").layout.sharding == "contiguous"
+    for settings, key, says in [
+        ({"sp_sharding": "stripe"}, "sp_sharding", "puts a boundary after every token"),
+        ({"sp_sharding": "stripe"}, "sp_sharding", "leave `sp_sharding` and `ring_attn_func` out"),
+        ({"ring_attn_func": "batch_stripe"}, "sp_sharding", "has no attention layer"),
+        ({"attention_kernel": "torch_flash"}, "attention_kernel", "for the kernel to compute"),
+        ({"tensor_parallel_size": 2, "sequence_parallel_degree": 1}, "tensor_parallel_size",
+         "it has no attention layer"),
+    ]:
+        with pytest.raises(UserError) as err:
+            plan(**settings)
+        message = str(err.value)
+        assert says in message and "Fix:" in message and "\n" not in message, message
+        assert key in message, message
+
+
+@pytest.mark.parametrize("model_type", ["rwkv", "xlstm"])
+def test_recurrences_without_a_state_handoff_are_refused_by_name(model_type: str) -> None:
+    # Not a TypeError, nor "did not call the sequence-parallel attention": the reason.
+    from transformers import AutoConfig
+
+    from longctx_cli.config.shape import ModelShape
+    from longctx_cli.errors import UserError
+
+    with pytest.raises(UserError) as err:
+        ModelShape.from_hf_config(AutoConfig.for_model(model_type))
+    message = str(err.value)
+    assert f"model type `{model_type}` has no attention heads" in message, message
+    assert "cache interface" in message and "does not cover" in message, message
+    assert "Fix:" in message and "\n" not in message
 
 
 def _sp1_hidden(model_type: str, fields: dict, hooked: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -382,7 +530,11 @@ def test_validate_says_which_scans_pass_state_and_which_rerun_prefixes() -> None
             model = AutoModelForCausalLM.from_config(_tiny_config(name))
         return describe(model, 2, sharding, 1024, model.config.hidden_size, 4)
 
-    jamba = said("jamba", "contiguous")  # its Mamba takes no starting state
+    for name in ("jamba", "mamba", "falcon_mamba"):  # their Mamba takes no starting state
+        text = said(name, "contiguous")
+        assert "pass no state between ranks (the layer takes no starting state)" in text, text
+    assert "2 scan layer(s) pass their state from rank to rank" in said("mamba2", "zigzag")
+    jamba = said("jamba", "contiguous")
     assert "pass no state between ranks (the layer takes no starting state)" in jamba, jamba
     assert "instead" not in jamba and "from rank to rank" not in jamba, jamba
     bamba = said("bamba", "stripe")

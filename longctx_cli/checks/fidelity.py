@@ -35,7 +35,7 @@ import torch
 from longctx_cli.config.sections.vision import refuse_unless_rebuilt, shuffle_scale
 from longctx_cli.constants import IGNORE_INDEX
 from longctx_cli.errors import UserError
-from longctx_cli.families import Tower, vision_family
+from longctx_cli.families import Tower, family, vision_family
 
 TOLERANCE = 1e-4
 # Where only gradients miss TOLERANCE while the forward agrees, the probe measures the
@@ -175,6 +175,8 @@ def shrink_config(model_config: Any) -> Any:
     def key_of(standard: str) -> str:  # the config's own name of a standard field
         return names.get(standard, standard)
 
+    if family(str(fields.get("model_type", ""))).attention_free:
+        return type(model_config).from_dict(_shrunk_scans_only(fields))
     heads = int(fields.get(key_of("num_attention_heads")) or 0)
     hidden = int(fields.get(key_of("hidden_size")) or 0)
     # Nemotron-H derives its layer count from its list of layer kinds (a property, not a field).
@@ -323,6 +325,35 @@ def _shrink_mamba(fields: dict[str, Any]) -> None:
                       ("chunk_size", PROBE_MAMBA_CHUNK)):
         if isinstance(fields.get(key), int) and not isinstance(fields[key], bool):
             fields[key] = min(fields[key], most)
+
+
+# The tiny copy of a model without attention (Mamba, Mamba2, Falcon-Mamba): hidden size,
+# SSM state and Mamba2 heads.
+PROBE_SCAN_HIDDEN = 32
+PROBE_SCAN_STATE = 8
+PROBE_SCAN_HEADS = 4
+
+
+def _shrunk_scans_only(fields: dict[str, Any]) -> dict[str, Any]:
+    """A model of scans only: hidden 32, 2 layers, a small state, the expansion kept (the
+    inner width follows it), Mamba2's 4 heads in one group with scan chunks shorter than the
+    probe's documents (so the chunked scan carries its state across chunks)."""
+    expand = fields.get("expand") or 2
+    inner = int(expand * PROBE_SCAN_HIDDEN)
+    fields.update(hidden_size=PROBE_SCAN_HIDDEN, num_hidden_layers=2, vocab_size=PROBE_VOCAB,
+                  initializer_range=PROBE_INIT_RANGE)
+    if isinstance(fields.get("layer_types"), list):
+        fields["layer_types"] = fields["layer_types"][:2]
+    if isinstance(fields.get("intermediate_size"), int):
+        fields["intermediate_size"] = inner
+    for key, most in (("state_size", PROBE_SCAN_STATE), ("time_step_rank", PROBE_SCAN_STATE),
+                      ("n_groups", 1), ("chunk_size", PROBE_MAMBA_CHUNK)):
+        if isinstance(fields.get(key), int):
+            fields[key] = min(fields[key], most)
+    if isinstance(fields.get("num_heads"), int):  # Mamba2: heads x head dim = inner width
+        fields["num_heads"] = PROBE_SCAN_HEADS
+        fields["head_dim"] = inner // PROBE_SCAN_HEADS
+    return fields
 
 
 def _scaled_dim(value: int, factor: float) -> int:

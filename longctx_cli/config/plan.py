@@ -161,8 +161,8 @@ class Plan:
                                       self.tokens_per_rank_per_forward),
                 ("ring_attn_func", lay.ring_attn_func if lay.ring > 1 else "-"),
                 *([("why this ring", self.ring_reason)] if lay.ring > 1 else []),
-                ("heads_k_stride", str(lay.heads_k_stride)
-                 if lay.ring > 1 and lay.ring_attn_func == "varlen_llama3" else "-"),
+                ("heads_k_stride", str(lay.heads_k_stride) if lay.ring > 1
+                 and lay.ring_attn_func == "varlen_llama3" and not m.attention_free else "-"),
                 *self._head_chunk_rows(),
                 ("sharding", lay.sharding if lay.sp > 1 else "none (sp = 1)"),
                 ("attention kernel", f"{lay.kernel} ({lay.kernel_reason})" + (
@@ -394,9 +394,12 @@ def build_plan(
         assumed=tuple(assumed),
         kernel_on_gpus=on_gpus,
         attention_buffers_by_ring=_buffers_by_ring(config, shape, layout),
-        ring_reason=ring_reason(parallel.sequence_parallel_mode, parallel.tensor_parallel_size,
-                                parallel.ring_attn_func is not None, parallel.stride_given,
-                                parallel.attention_kernel),
+        ring_reason=("none runs: the model has no attention layer (the ring's name only "
+                     "fixes the sharding)" if shape.attention_free else
+                     ring_reason(parallel.sequence_parallel_mode,
+                                 parallel.tensor_parallel_size,
+                                 parallel.ring_attn_func is not None, parallel.stride_given,
+                                 parallel.attention_kernel)),
     )
 
 

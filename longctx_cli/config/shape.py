@@ -130,7 +130,18 @@ class ModelShape:
         heads = layer_values(text, "num_attention_heads")
         hidden = global_value(text, "hidden_size")
         model_type = str(getattr(text, "model_type", "") or "unknown")
-        if not heads or not all(heads):
+        attention_free = family(model_type).attention_free
+        if attention_free:  # every layer a covered scan: no heads (token_mixing.py)
+            heads = [0] * int(global_value(text, "num_hidden_layers") or 1)
+        elif (not heads or not all(heads)) and family(model_type).recurrence_refusal:
+            raise UserError(
+                f"model type `{model_type}` has no attention heads: its layers are recurrences "
+                f"only, and {family(model_type).recurrence_refusal}. longctx cannot split its "
+                "sequence over ranks exactly.", where="base_model",
+                fix="train it without sequence parallelism (plain Hugging Face training), or "
+                "pick a family docs/families.md lists as exact (Mamba, Mamba2 and Falcon-Mamba "
+                "are).")
+        elif not heads or not all(heads):
             raise UserError(
                 f"model type `{model_type}` has no attention heads (no `num_attention_heads` "
                 f"in the {source}): its layers are recurrences or state-space scans only. "
@@ -145,11 +156,11 @@ class ModelShape:
                 fix="use a decoder-only causal LM (Llama, Qwen2, Mistral, ...).",
             )
         hidden = int(hidden)
-        kv = [int(k or h) for k, h in zip(layer_values(text, "num_key_value_heads")
-                                           or [None] * len(heads), heads, strict=True)]
-        dims = [int(d or hidden // h) for d, h in zip(layer_values(text, "head_dim")
-                                                       or [None] * len(heads), heads,
-                                                       strict=True)]
+        kv = [0 if attention_free else int(k or h) for k, h in zip(
+            layer_values(text, "num_key_value_heads") or [None] * len(heads), heads,
+            strict=True)]
+        dims = [0 if attention_free else int(d or hidden // h) for d, h in zip(
+            layer_values(text, "head_dim") or [None] * len(heads), heads, strict=True)]
         intermediate = (layer_values(text, "intermediate_size")
                         or layer_values(text, "n_inner") or [4 * hidden])
         layers = {(int(h), k, d) for h, k, d in zip(heads, kv, dims, strict=True)}
@@ -169,6 +180,11 @@ class ModelShape:
             hf_config=hf_config,
             layer_heads=tuple(sorted(layers)) if len(layers) > 1 else (),
         )
+
+    @property
+    def attention_free(self) -> bool:
+        """No attention layer at all (`families.Family.attention_free`): no heads."""
+        return self.num_attention_heads == 0
 
     @property
     def q_dim(self) -> int:

@@ -143,7 +143,7 @@ class Relay:
         self.received: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _recomputing() -> bool:
+def recomputing() -> bool:
     """True inside backward: activation checkpointing is recomputing a forward."""
     return torch._C._current_graph_task_id() != -1
 
@@ -175,7 +175,7 @@ class _RecvState(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, meta: SPMeta, src: int, relay: Relay, key: int):  # type: ignore[override]
-        if _recomputing() and key in relay.received:
+        if recomputing() and key in relay.received:
             conv, recurrent = relay.received[key]
         else:
             peer = _peer(meta, src)
@@ -202,7 +202,7 @@ class _SendState(torch.autograd.Function):
     def forward(ctx, conv, recurrent, meta: SPMeta, dst: int):  # type: ignore[override]
         ctx.peer = _peer(meta, dst)
         ctx.shapes = [(t.shape, t.dtype) for t in (conv, recurrent)]
-        if not _recomputing():
+        if not recomputing():
             _send_tensor(conv.detach(), ctx.peer)
             _send_tensor(recurrent.detach(), ctx.peer)
         return conv.new_zeros(())
@@ -223,7 +223,7 @@ def run_relay(module: torch.nn.Module, local: torch.Tensor, meta: SPMeta, relay:
     with the states passed along the chain (module doc). ``kwargs``: the module's other
     arguments (no cache, no mask)."""
     outputs = []
-    relay.received = {} if not _recomputing() else relay.received
+    relay.received = {} if not recomputing() else relay.received
     me = meta.ctx.sp_rank
     carried: tuple[torch.Tensor, torch.Tensor] | None = None  # zigzag: link N-1 to link N
     for key, call in enumerate(relay_calls(meta)):

@@ -2,7 +2,8 @@
 
 Hybrid models put short causal convolutions (LFM2), state-space scans (Mamba2 in Falcon-H1,
 Bamba, Granite 4.0-H, Nemotron-H, Zamba2) or linear attention (the gated delta-nets of
-Qwen3-Next, Qwen3.5 and OLMo hybrid) next to their attention layers. Under SP a rank holds
+Qwen3-Next, Qwen3.5 and OLMo hybrid) next to their attention layers; Mamba, Mamba2 and
+Falcon-Mamba have nothing but such scans (no attention layer at all). Under SP a rank holds
 only a slice of the row, and in a packed row the model's own forward would run these layers
 across document boundaries.
 
@@ -16,14 +17,16 @@ rank's rows hold:
 * a scan that can start from a given state, on contiguous or zigzag rows: only this rank's
   tokens; the state at a rank boundary passes from rank to rank (:mod:`.state_relay`);
 * a scan on stripe rows (a state would change hands at every token), or one that takes no
-  starting state (Jamba's Mamba): each document's whole prefix up to this rank's last token
-  of it, the row's tokens arriving in one all-gather whose backward reduce-scatters the
-  gradients to their owners;
+  starting state (the Mamba of Jamba, Mamba and Falcon-Mamba): each document's whole prefix
+  up to this rank's last token of it, the row's tokens arriving in one all-gather whose
+  backward reduce-scatters the gradients to their owners;
 * a convolution of kernel ``k``: its pieces with the ``k - 1`` tokens before each (the
   halo), only those arriving from the ranks that hold them.
 
 Parameter gradients are each rank's tokens' share, summed over ranks by the trainer like
-every other parameter's. :func:`describe` states the cost for ``validate``.
+every other parameter's. :func:`describe` states the cost for ``validate``. Where the
+model's code calls a part without the forward's keyword arguments, :class:`MetaScope`
+hands it the row's metadata.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from .sharding import (
     refuse_prefixes,
     to_global_order,
 )
-from .state_relay import Relay, StateCache, relay_applies, run_relay
+from .state_relay import Relay, StateCache, recomputing, relay_applies, run_relay
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ def _conv_window(module: nn.Module) -> int:
 _CONV = ("short convolution", _conv_window, False)
 _DELTA_NET = ("gated delta-net (conv + linear-attention scan)", None, True)
 _MAMBA2 = ("Mamba2 (conv + SSM scan)", None, True)
+_MAMBA = ("Mamba (conv + selective scan)", None, False)
 COVERED: dict[str, tuple[str, Any, bool]] = {
     "Lfm2ShortConv": _CONV,
     "Lfm2MoeShortConv": _CONV,
@@ -85,8 +89,12 @@ COVERED: dict[str, tuple[str, Any, bool]] = {
     "GraniteMoeHybridMambaLayer": _MAMBA2,
     "NemotronHMamba2Mixer": _MAMBA2,
     "Zamba2MambaMixer": _MAMBA2,
-    # Its selective scan takes no starting state in a multi-token call.
-    "JambaMambaMixer": ("Mamba (conv + selective scan)", None, False),
+    "Mamba2Mixer": _MAMBA2,  # Mamba2 and Codestral Mamba: no attention layer at all
+    # Their selective scan takes no starting state in a multi-token call (Mamba and
+    # Falcon-Mamba have no attention layer at all).
+    "JambaMambaMixer": _MAMBA,
+    "MambaMixer": _MAMBA,
+    "FalconMambaMixer": _MAMBA,
 }
 
 
@@ -239,6 +247,45 @@ def token_pool(local: torch.Tensor, meta: SPMeta, rows: MixerRows) -> torch.Tens
 # ---- attaching it to a model --------------------------------------------------------------
 
 
+class MetaScope:
+    """The row's SP metadata for the duration of the forward that received it.
+
+    Some models call their token mixers without the forward's keyword arguments (MambaModel
+    and FalconMambaModel pass none to their blocks, Jamba's layer none to its Mamba), so
+    ``sp_meta`` never reaches the mixer. Hooks on the mixers' enclosing modules (the model's
+    own, nothing replaced) hold it: the outermost one called with ``sp_meta`` sets it and
+    clears it when its forward ends, even by an exception. A recompute under activation
+    checkpointing (in backward, after that forward) replays the last row, whose metadata is
+    kept for it until the next forward replaces it.
+    """
+
+    def __init__(self) -> None:
+        self._meta: Any = None  # set while the forward runs
+        self._owner: nn.Module | None = None  # the module whose forward set it
+        self._last: Any = None  # the last row's metadata, for a recompute in backward
+        self.handles: list[Any] = []
+
+    def enclose(self, module: nn.Module) -> None:
+        """Hold the metadata ``module``'s forward is called with (if any) while it runs."""
+        self.handles += [module.register_forward_pre_hook(self._enter, with_kwargs=True),
+                         module.register_forward_hook(self._exit, always_call=True)]
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        meta = kwargs.get("sp_meta")
+        if meta is not None and self._owner is None:
+            self._meta, self._owner, self._last = meta, module, meta
+
+    def _exit(self, module: nn.Module, args: tuple, out: Any) -> None:
+        if module is self._owner:
+            self._meta, self._owner = None, None
+
+    def current(self) -> Any:
+        """The metadata of the forward in flight, or of the last one inside a recompute."""
+        if self._meta is not None:
+            return self._meta
+        return self._last if recomputing() else None
+
+
 class TokenMixerSP:
     """Forward hooks that make one covered part run on document rows (see module doc).
 
@@ -247,7 +294,7 @@ class TokenMixerSP:
     parameter names, checkpoints and adapters see the model's own module.
     """
 
-    def __init__(self, module: nn.Module, kind: MixerKind, parent: nn.Module | None = None):
+    def __init__(self, module: nn.Module, kind: MixerKind, scope: MetaScope):
         self.kind = kind
         self.name = type(module).__name__
         # The rows of the call in flight. One slot: a module's forward never nests, and a
@@ -255,22 +302,18 @@ class TokenMixerSP:
         self._rows: MixerRows | None = None
         self._relay = Relay()  # states received this row (scans that pass state)
         self._relayed: torch.Tensor | None = None  # the output computed by state passing
-        # The row's layout as the enclosing layer received it, for a part its layer calls
-        # without the model's keyword arguments (Jamba's Mamba).
-        self._parent_meta: Any = None
+        # The row's layout for a part the model's code calls without the forward's keyword
+        # arguments (Jamba's Mamba, every Mamba / Falcon-Mamba layer).
+        self._scope = scope
         self.handles = (
             module.register_forward_pre_hook(self._before, with_kwargs=True),
             module.register_forward_hook(self._after, with_kwargs=True),
         )
-        if parent is not None:
-            self.handles += (parent.register_forward_pre_hook(self._enter_parent,
-                                                              with_kwargs=True),)
-
-    def _enter_parent(self, parent: nn.Module, args: tuple, kwargs: dict) -> None:
-        self._parent_meta = kwargs.get("sp_meta")
 
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        meta = kwargs.get("sp_meta", self._parent_meta)
+        meta = kwargs.get("sp_meta")
+        if meta is None:  # called without the forward's keyword arguments
+            meta = self._scope.current()
         if isinstance(meta, DecodeMeta):
             # Its state is not kept across a sharded prefill: the caller decodes by full
             # forwards instead (the same tokens).
@@ -343,9 +386,15 @@ def covered_mixers(model: nn.Module) -> list[tuple[str, nn.Module, MixerKind]]:
 
 def attach_token_mixing(model: nn.Module) -> list[TokenMixerSP]:
     """Hook every covered token-mixing part of ``model``; [] for pure-attention models."""
-    modules = dict(model.named_modules())
-    return [TokenMixerSP(m, kind, modules.get(name.rpartition(".")[0]))
-            for name, m, kind in covered_mixers(model)]
+    mixers = covered_mixers(model)
+    if not mixers:
+        return []
+    scope = MetaScope()
+    parents = {name.rpartition(".")[0] for name, _, _ in mixers}
+    for name, module in model.named_modules():  # the root and every module above a part
+        if not name or any(p == name or p.startswith(f"{name}.") for p in parents):
+            scope.enclose(module)
+    return [TokenMixerSP(m, kind, scope) for _, m, kind in mixers]
 
 
 def state_bytes(module: nn.Module, hidden: int, bytes_per_value: int) -> int:

@@ -20,6 +20,7 @@ from longctx_cli.errors import UserError
 from longctx_cli.families import TP_FAMILIES, family
 from longctx_cli.kernel_choice import KernelError, KernelRequest, Platform, choose_kernel
 from longctx_cli.layout import (
+    P2P_SHARDING,
     Layout,
     LayoutError,
     Mode,
@@ -289,14 +290,19 @@ def parallel_layout(
         check_world(sp, tp, world, world_source)
         ulysses = ulysses_degree_for(parallel.sequence_parallel_mode, sp,
                                      parallel.ulysses_degree)
-        if parallel.ring_attn_func is not None:  # named (or implied by sp_sharding): the
-            ring_attn_func, sharding = parallel.ring_attn_func, parallel.sp_sharding  # section's
+        if shape is not None and shape.attention_free:
+            ring_attn_func, sharding = attention_free_sharding(parallel, shape.model_type)
+            kernel, reason = "torch", "no attention layer: the scans run the model's own code"
         else:
-            ring_attn_func, sharding = default_ring(
-                parallel.sequence_parallel_mode, tp, None, None, parallel.stride_given,
-                parallel.attention_kernel)
-        kernel, reason = _resolve_kernel(parallel.attention_kernel, platform, sp // ulysses,
-                                         shape, ring_attn_func, sharding, dtype, packed)
+            if parallel.ring_attn_func is not None:  # named (or implied by sp_sharding): the
+                ring_attn_func, sharding = parallel.ring_attn_func, parallel.sp_sharding
+            else:
+                ring_attn_func, sharding = default_ring(
+                    parallel.sequence_parallel_mode, tp, None, None, parallel.stride_given,
+                    parallel.attention_kernel)
+            kernel, reason = _resolve_kernel(parallel.attention_kernel, platform,
+                                             sp // ulysses, shape, ring_attn_func, sharding,
+                                             dtype, packed)
         replicas, shards = data_parallel_degrees(world, sp, tp, parallel.fsdp,
                                                  parallel.dp_replicate_size,
                                                  expert_sharding(parallel, world // (sp * tp)))
@@ -310,6 +316,42 @@ def parallel_layout(
         )
     except LayoutError as err:
         raise UserError(err.message, fix=err.fix, key=err.key) from None
+
+
+def attention_free_sharding(parallel: ParallelSection, model_type: str) -> tuple[str, str]:
+    """``(ring_attn_func, sharding)`` of a model without attention (Mamba, Mamba2,
+    Falcon-Mamba): no ring ever runs, so only the sharding matters, contiguous unless the
+    config names zigzag (its scans pass their state along the shards: parallel/state_relay.py).
+    What cannot apply is refused: a stripe, an attention kernel, Ulysses head chunks."""
+    what = f"model type `{model_type}` has no attention layer"
+    if parallel.sp_sharding == "stripe":
+        raise LayoutError(
+            # Both keys name it (a stripe is batch_stripe's); the plan's fix search would try
+            # other shardings under the same ring, so the fix below is the one offered.
+            "ring_attn_func",
+            f"`sp_sharding: stripe` (`ring_attn_func: batch_stripe`), but {what}: its scans "
+            "carry a document across a shard boundary by passing their state to the next rank "
+            "(or, where the scan takes no starting state, by rerunning the document's prefix), "
+            "and a stripe (token i on rank i % sp) puts a boundary after every token, so every "
+            "rank would rerun nearly its whole documents and the scans would not shrink with "
+            "sp.",
+            "leave `sp_sharding` and `ring_attn_func` out (contiguous shards, the default for "
+            "such a model), or set `sp_sharding: zigzag`.")
+    if parallel.attention_kernel not in ("auto", "torch"):
+        raise LayoutError(
+            "attention_kernel",
+            f"`attention_kernel: {parallel.attention_kernel}`, but {what} for the kernel to "
+            "compute (its scans run the model's own code).",
+            "leave `attention_kernel` out (or `auto`).")
+    if parallel.ulysses_head_chunks is not None:
+        raise LayoutError(
+            "ulysses_head_chunks",
+            f"`ulysses_head_chunks: {parallel.ulysses_head_chunks}`, but {what}, so no heads "
+            "to cut into chunks.", "leave `ulysses_head_chunks` out.")
+    sharding = parallel.sp_sharding or "contiguous"
+    # The ring of that sharding by name only: the plan shows it, no attention calls it.
+    ring = parallel.ring_attn_func or "varlen_llama3"
+    return (ring if P2P_SHARDING.get(ring, sharding) == sharding else "varlen_llama3"), sharding
 
 
 def expert_sharding(parallel: ParallelSection, data_parallel: int) -> int | None:
@@ -348,6 +390,8 @@ def _resolve_kernel(requested: str, platform: Platform | None, ring: int,
 
 def check_heads(layout: Layout, shape: ModelShape) -> None:
     """The heads one TP rank holds fit the layout's Ulysses split and heads_k_stride."""
+    if shape.attention_free:
+        return  # no heads to split
     local = tp_local_shape(shape, layout.tp)
     try:
         for heads, kv, _ in local.layer_heads or [(local.num_attention_heads,
@@ -409,6 +453,11 @@ def parallel_notes(layout: Layout, nproc_per_node: int | None) -> list[str]:
 def ring_notes(parallel: ParallelSection, shape: ModelShape, layout: Layout) -> list[str]:
     """Legal but worth knowing, about the ring and the heads."""
     sp, ulysses, ring = layout.sp, layout.ulysses, layout.ring
+    if shape.attention_free:
+        return [f"model type `{shape.model_type}` has no attention layer: no ring or Ulysses "
+                f"all-to-all runs (`sequence_parallel_mode: {layout.mode}` computes the same); "
+                f"the row is cut into {layout.sharding} shards, along which its scans pass "
+                "their state or rerun document prefixes (token mixing below)."] if sp > 1 else []
     notes = []
     if parallel.ring_attn_func is None and layout.p2p and ring > 1:
         notes.append(f"ring_attn_func unset: {layout.ring_attn_func}, the sharding that "
@@ -468,6 +517,12 @@ def check_tp_model(tp: int, shape: ModelShape) -> None:
     """Heads / KV heads / intermediate size divisible by T; a family TP-sp can shard."""
     if tp == 1:
         return
+    if shape.attention_free:
+        raise _refuse(
+            f"model type `{shape.model_type}` is not supported: it has no attention layer, and "
+            "TP-sp shards attention heads and MLP columns (its scans' channels and states "
+            "are not split over ranks).",
+            "use `tensor_parallel_size: 1` (sequence parallelism + FSDP) for this model.")
     if not family(shape.model_type).tensor_parallel:
         raise _refuse(
             f"model type `{shape.model_type}` is not supported; TP-sp shards the dense "
