@@ -93,8 +93,10 @@ class Census(TorchDispatchMode):
         # The step's moments (`--account`): the phase now, and per (step, phase) the highest
         # resident set and the most tensor bytes, each with its parts.
         self.step, self.phase = 0, "forward"
-        self.layers: dict[int, int] = {}  # id(decoder layer) -> its index, in forward order
-        self.seen: set[int] = set()  # modules whose parameters are registered
+        self.layers: dict[int, int] = {}  # id(decoder layer) -> its index
+        self.layer_of: dict[int, int] = {}  # id(a layer's module) -> the layer's index
+        self.seen: set[int] = set()  # modules whose parameters are watched
+        self.params: set[int] = set()  # parameters with the gradient hook
         self.phases: dict[tuple[int, str], dict] = {}
 
     def where(self, func) -> str:
@@ -164,18 +166,40 @@ class Census(TorchDispatchMode):
         elif not in_backward and self.phase.startswith("backward"):
             self.phase = "gradient sum and clip"
 
+    def watch(self, params) -> None:
+        """Mark parameters as weights and their gradients, when accumulated, as gradients."""
+        for p in params:
+            self.mark(p, "weights")
+            if p.grad is not None:
+                self.mark(p.grad, "gradients")
+            if id(p) not in self.params and p.requires_grad:
+                self.params.add(id(p))
+                p.register_post_accumulate_grad_hook(lambda p: self.mark(p.grad, "gradients"))
+
     def enter(self, module) -> None:
         self.modules.append(type(module).__name__)
-        if id(module) not in self.seen and self.allocator is not None:
-            self.seen.add(id(module))
-            for p in module.parameters(recurse=False):
-                self.mark(p, "weights")
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(lambda p: self.mark(p.grad, "gradients"))
-        if type(module).__name__.endswith("DecoderLayer"):
-            index = self.layers.setdefault(id(module), len(self.layers))
-            backward = torch._C._current_autograd_node() is not None
-            self.phase = f"backward: layer {index}" if backward else "forward"
+        if self.allocator is None:
+            return
+        if self.phase == "after the update":
+            self.phase = "forward"
+        if id(module) not in self.seen:  # its parameters, and which decoder layer it is in
+            for _, inner in module.named_modules():
+                self.seen.add(id(inner))
+                if type(inner).__name__.endswith("DecoderLayer") and id(inner) not in self.layer_of:
+                    index = len(self.layers)
+                    self.layers[id(inner)] = index
+                    for _, part in inner.named_modules():
+                        self.layer_of[id(part)] = index
+            self.watch(module.parameters())
+        index = self.layer_of.get(id(module))
+        if index is None:
+            return
+        # transformers checkpoints a layer's `forward`, not its call: in backward only the
+        # layer's parts run their hooks again, and the first of them says which layer it is.
+        if torch._C._current_autograd_node() is not None:
+            self.phase = f"backward: layer {index}"
+        elif id(module) in self.layers:
+            self.phase = "forward"
 
     def leave(self, module) -> None:
         if self.modules:
@@ -185,7 +209,8 @@ class Census(TorchDispatchMode):
                 and torch._C._current_autograd_node() is None):
             self.phase = "loss"  # the head and the loss, after the last decoder layer
 
-    def update_begins(self) -> None:
+    def update_begins(self, optimizer: torch.optim.Optimizer) -> None:
+        self.watch(p for group in optimizer.param_groups for p in group["params"])
         self.phase = "optimizer update"
 
     def update_ends(self, optimizer: torch.optim.Optimizer) -> None:
@@ -194,7 +219,7 @@ class Census(TorchDispatchMode):
                 if isinstance(value, torch.Tensor):
                     self.mark(value, "optimizer state")
         self.step += 1
-        self.phase = "forward"
+        self.phase = "after the update"  # zero_grad, the next batch: until a module runs
         self.modules.clear()  # a module left by an exception or a recompute
 
     def parts(self, now: dict[str, int], at: str) -> dict:
@@ -246,7 +271,7 @@ class Census(TorchDispatchMode):
         at, live = self.at_peak
         self.out.write_text(json.dumps({
             "account": self.account, "token_bytes": self.peak,
-            "all_bytes": sum(v[1] for v in live), "at": at, "live": listed(live),
+            "all_bytes": sum(v[1] for v in live), "at": at, "live": listed(live)[:400],
             "steps": self.step,
             "phases": [{"step": step, "phase": phase, **moment}
                        for (step, phase), moment in self.phases.items()],
@@ -277,7 +302,7 @@ def main() -> None:
     module_hooks.register_module_forward_hook(lambda module, i, o: census.leave(module))
     if args.account:
         optimizer_hooks.register_optimizer_step_pre_hook(
-            lambda optimizer, a, k: census.update_begins())
+            lambda optimizer, a, k: census.update_begins(optimizer))
         optimizer_hooks.register_optimizer_step_post_hook(
             lambda optimizer, a, k: census.update_ends(optimizer))
     try:

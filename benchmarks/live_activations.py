@@ -102,16 +102,16 @@ def measure(tool: str, tokens: int, work: Path, model_dir: Path, configs: dict[s
         if t["per_token"]:
             made_by[f"{t['made_by']} {tuple(t['shape'])}"] += t["bytes"]
     per_rank = tokens // peers.SP
-    parts = None
+    parts = phases = None
     if account:  # the rank with the higher resident set, at its highest point
         a = max((r["account"] for r in ranks), key=lambda a: a["rss"])
-        handed_out = a["heap_in_use"] + a["mmap_in_use"]
-        parts = {"rss": a["rss"], "token_tensors": a["token_tensors"],
+        parts = {**{k: v for k, v in a.items() if k != "live"},
                  "other_tensors": a["tensors"] - a["token_tensors"],
-                 "untracked_in_use": handed_out - a["tensors"], "heap_free": a["heap_free"],
-                 "outside_malloc": a["rss"] - handed_out - a["heap_free"], "at": a["at"],
-                 "rss_high_water": a.get("rss_high_water"), "live": a.get("live", [])[:12]}
-    return {"account": parts, "token_bytes": top["token_bytes"],
+                 "live": a.get("live", [])[:12]}
+        # Each rank's moments of its last step (the steady one: AdamW's state held through it).
+        phases = [[{k: v for k, v in m.items() if k != "step"} for m in r["phases"]
+                   if m["step"] == r["steps"] - 1] for r in ranks]
+    return {"account": parts, "phases": phases, "token_bytes": top["token_bytes"],
             "all_bytes": top["all_bytes"], "at": top["at"],
             "bytes_per_token_per_rank": round(top["token_bytes"] / per_rank),
             "hidden_units": round(top["token_bytes"] / per_rank / (4 * peers.LLAMA["hidden_size"]),
