@@ -183,13 +183,12 @@ class Census(TorchDispatchMode):
         if self.phase == "after the update":
             self.phase = "forward"
         if id(module) not in self.seen:  # its parameters, and which decoder layer it is in
-            for _, inner in module.named_modules():
-                self.seen.add(id(inner))
-                if type(inner).__name__.endswith("DecoderLayer") and id(inner) not in self.layer_of:
-                    index = len(self.layers)
-                    self.layers[id(inner)] = index
-                    for _, part in inner.named_modules():
-                        self.layer_of[id(part)] = index
+            layers = [m for _, m in module.named_modules()
+                      if type(m).__name__.endswith("DecoderLayer") and id(m) not in self.layers]
+            for index, layer in enumerate(layers):  # counted in their model, in order
+                self.layers[id(layer)] = index
+                self.layer_of.update((id(part), index) for part in layer.modules())
+            self.seen.update(id(inner) for inner in module.modules())
             self.watch(module.parameters())
         index = self.layer_of.get(id(module))
         if index is None:
@@ -205,7 +204,7 @@ class Census(TorchDispatchMode):
         if self.modules:
             self.modules.pop()
         index = self.layers.get(id(module))
-        if (index == len(self.layers) - 1 and self.phase == "forward"
+        if (index is not None and index == max(self.layers.values()) and self.phase == "forward"
                 and torch._C._current_autograd_node() is None):
             self.phase = "loss"  # the head and the loss, after the last decoder layer
 
