@@ -320,7 +320,8 @@ def test_plan_table_renders_every_section():
     Console(file=out, width=100).print(p.to_table())
     text = out.getvalue()
     for needle in ("data parallel", "sequence parallel", "2 (ring: 1 ulysses x 2 ring)",
-                   "tokens per rank", "attention kernel", "optimizer state", "total"):
+                   "tokens per rank", "attention kernel", "optimizer state", "total",
+                   "the step's moments"):
         assert needle in text
 
 
