@@ -231,7 +231,7 @@ _RECORDS = (
     Family("granitemoehybrid", mixes_tokens=True, lean_norms=True, spent_qkv=True),
     Family("hunyuan_v1_dense", lean_norms=True, spent_qkv=True),
     Family("jamba", mixes_tokens=True, lean_norms=True, spent_qkv=True),
-    Family("kimi_linear", mixes_tokens=True, lean_norms=True, spent_qkv=True),
+    Family("kimi_linear", mixes_tokens=True, lean_norms=True),
     Family("lara_mini", mixes_tokens=True),
     Family("lfm2", mixes_tokens=True, lean_norms=True, spent_qkv=True),
     Family("lfm2_moe", mixes_tokens=True, lean_norms=True, spent_qkv=True),
