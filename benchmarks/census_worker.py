@@ -17,7 +17,15 @@ alike.
 With `--account`, after every operator the rank also reads its resident set (/proc/self/statm)
 and glibc's allocator statistics (`mallinfo2`: bytes in use from the heap and from mmap,
 bytes freed but kept in the heap), and keeps them at the resident set's highest point beside
-the census there: what the resident peak is made of (`account` in the JSON).
+the census there: what the resident peak is made of (`account` in the JSON). The census then
+counts every storage, with no size floor, each of one kind (KINDS): hooks on the parameters
+and the optimizer say which are weights, gradients and optimizer state; of the rest, integer
+storages are the data side and float ones activations (with a token dimension) or other
+floats. It also follows the step's phases (forward, the loss after the last decoder layer,
+the backward of the loss and head, each decoder layer's backward with its recompute, the
+gradient sum and clipping, the optimizer update) and keeps, per step and phase, the moment of
+the highest resident set and the moment of the most tensor bytes, each split into those
+kinds and the allocator's parts (`phases` in the JSON).
 """
 
 from __future__ import annotations
