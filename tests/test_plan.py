@@ -444,14 +444,15 @@ def test_memory_activations_scale_with_tokens_per_rank():
 
 def test_memory_fused_loss_holds_one_block_of_logits():
     """A plain head's loss is fused: one 64 MiB float32 block of logits (+ its bf16 source),
-    the head's float32 weight gradient and the hidden states' gradient, never the shard's
-    [tokens, vocab] logits (8192 local tokens here)."""
+    the head's float32 weight gradient and three hidden-size tensors (the decoder's output,
+    the final norm's, their gradient), never the shard's [tokens, vocab] logits (8192 local
+    tokens here)."""
     vocab, hidden, tokens = LLAMA3_8B.vocab_size, LLAMA3_8B.hidden_size, 8192
     block = 64 * 2**20 // (4 * vocab)
     fused = _memory()
-    assert fused.logits == block * vocab * 6 + 4 * vocab * hidden + tokens * hidden * 2
+    assert fused.logits == block * vocab * 6 + 4 * vocab * hidden + 3 * tokens * hidden * 2
     chunked = _memory(chunked_loss=True, loss_chunk_size=1024)
-    assert chunked.logits == 1024 * vocab * 6 + 4 * vocab * hidden + tokens * hidden * 2
+    assert chunked.logits == 1024 * vocab * 6 + 4 * vocab * hidden + 3 * tokens * hidden * 2
     # A LoRA run trains no head weight: no head gradient.
     lora = _memory(adapter="lora", lora_target_modules=["q_proj"])
     assert lora.logits == fused.logits - 4 * vocab * hidden

@@ -58,6 +58,9 @@ RESIDUAL_GRAD_TENSORS = 2
 # Logits bytes per token per vocab entry: the logits in the compute dtype, their float32 copy
 # for cross-entropy (the log-softmax kept for backward), and the float32 gradient in backward.
 LOGITS_FP32_COPIES = 2
+# The fused loss's hidden-size tensors of the shard: the decoder's last output and its final
+# norm's output (both saved for backward) and the gradient the loss accumulates for them.
+LOSS_HIDDEN_TENSORS = 3
 # Ring buffers: gathered K and V, double-buffered (4 tensors), plus dK and dV partials
 # before the reduce-scatter in backward (2 tensors).
 RING_KV_TENSORS = 6
@@ -265,7 +268,7 @@ def _logits_bytes(config: Config, shape: ModelShape, local_tokens: int) -> int:
                  else max(1, FUSED_LOSS_BLOCK_BYTES // (4 * shape.vocab_size)))
         logits = min(local_tokens, block) * shape.vocab_size * (4 + (b if b != 4 else 0))
         head_grad = 4 * shape.vocab_size * shape.hidden_size if config.lora.adapter is None else 0
-        return logits + head_grad + local_tokens * shape.hidden_size * b
+        return logits + head_grad + LOSS_HIDDEN_TENSORS * local_tokens * shape.hidden_size * b
     memory = config.memory
     tokens = min(local_tokens, memory.loss_chunk_size) if memory.chunked_loss else local_tokens
     return tokens * shape.vocab_size * (b + 4 * LOGITS_FP32_COPIES)
