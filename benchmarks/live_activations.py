@@ -45,13 +45,22 @@ from common import ROOT, markdown_table, save_record
 from benchmarks import peers, reach
 
 TOOLS = ("longctx-ulysses", "longctx-ring", "alst-zero0")
-# The resident set's parts (`--account`), in the order they add up to it.
-PARTS = {"token_tensors": "tensors with a token dimension",
-         "other_tensors": "other tensors (weights, gradients, optimizer state)",
-         "untracked_in_use": "handed out by malloc beyond those (small storages, Python, "
-                             "buffers)",
+# The resident set's parts (`--account`), in the order they add up to it: the census's
+# storages of every size by kind (census_worker.py's KINDS), then what malloc holds beyond them.
+PARTS = {"weights": "weights",
+         "gradients": "gradients",
+         "optimizer_state": "optimizer state (AdamW's moments)",
+         "activations": "activations (float storages with a token dimension)",
+         "data_side": "data side (integer storages: the batch, the row's SP metadata)",
+         "other_floats": "other floats (no token dimension: MLP tiles, the head's gradient "
+                         "block, AdamW's temporaries)",
+         "untracked_in_use": "handed out by malloc beyond the tensors (Python objects, buffers)",
          "heap_free": "freed but kept by malloc",
          "outside_malloc": "outside malloc (code, interpreter arenas, stacks)"}
+# The step's moments of the memory estimate (`MemoryEstimate.moments`) and the census phases
+# each covers.
+MOMENTS = {"the loss": "loss", "a decoder layer's backward": "backward: layer",
+           "the optimizer update": "optimizer update"}
 CENSUS = ROOT / "benchmarks" / "census_worker.py"
 MiB = 2**20
 
@@ -102,16 +111,16 @@ def measure(tool: str, tokens: int, work: Path, model_dir: Path, configs: dict[s
         if t["per_token"]:
             made_by[f"{t['made_by']} {tuple(t['shape'])}"] += t["bytes"]
     per_rank = tokens // peers.SP
-    parts = None
+    parts = phases = None
     if account:  # the rank with the higher resident set, at its highest point
         a = max((r["account"] for r in ranks), key=lambda a: a["rss"])
-        handed_out = a["heap_in_use"] + a["mmap_in_use"]
-        parts = {"rss": a["rss"], "token_tensors": a["token_tensors"],
+        parts = {**{k: v for k, v in a.items() if k != "live"},
                  "other_tensors": a["tensors"] - a["token_tensors"],
-                 "untracked_in_use": handed_out - a["tensors"], "heap_free": a["heap_free"],
-                 "outside_malloc": a["rss"] - handed_out - a["heap_free"], "at": a["at"],
-                 "rss_high_water": a.get("rss_high_water"), "live": a.get("live", [])[:12]}
-    return {"account": parts, "token_bytes": top["token_bytes"],
+                 "live": a.get("live", [])[:12]}
+        # Each rank's moments of its last step (the steady one: AdamW's state held through it).
+        phases = [[{k: v for k, v in m.items() if k != "step"} for m in r["phases"]
+                   if m["step"] == r["steps"] - 1] for r in ranks]
+    return {"account": parts, "phases": phases, "token_bytes": top["token_bytes"],
             "all_bytes": top["all_bytes"], "at": top["at"],
             "bytes_per_token_per_rank": round(top["token_bytes"] / per_rank),
             "hidden_units": round(top["token_bytes"] / per_rank / (4 * peers.LLAMA["hidden_size"]),
@@ -133,26 +142,81 @@ def table(tokens: int, results: dict[str, dict]) -> str:
                            "in hidden-size float32 vectors", "vs ALST", "the peak is at"], rows)
 
 
-def account_table(by_length: dict[int, dict[str, dict]]) -> str:
-    """Each tool's resident slope, part by part (bytes per token per rank, a least-squares
-    line through the lengths), and the parts at the longest length."""
+def backward_account(result: dict) -> dict:
+    """The resident set's parts at the highest resident set during the decoder layers'
+    backward (the rank where it is highest): the moment that grows with the row."""
+    return max((m["rss_peak"] for phases in result["phases"] for m in phases
+                if m["phase"].startswith(MOMENTS["a decoder layer's backward"])),
+               key=lambda a: a["rss"])
+
+
+def moment_peaks(phases: list[dict]) -> dict[str, int]:
+    """One rank's most live tensor bytes in each of the step's moments and in the whole step."""
+    peaks = {name: max((m["tensor_peak"]["tensors"] for m in phases
+                        if m["phase"].startswith(prefix)), default=0)
+             for name, prefix in MOMENTS.items()}
+    return {**peaks, "the step": max(m["tensor_peak"]["tensors"] for m in phases)}
+
+
+def estimate_of(record: dict, tokens: int, tool: str):
+    """`longctx validate`'s estimate (a `MemoryEstimate`) of a recorded longctx run."""
+    from transformers import AutoConfig
+
+    from longctx_cli.config import config_from_dict
+    from longctx_cli.config.memory_estimate import estimate_memory
+    from longctx_cli.config.plan import layout_for
+    from longctx_cli.config.shape import ModelShape
+
+    mode = {"sequence_parallel_mode": "ulysses"} if tool == "longctx-ulysses" else record["ring"]
+    config = config_from_dict({
+        "model_config": record["model"], "dtype": "float32", "sequence_len": tokens,
+        "sample_packing": True, "sequence_parallel_degree": record["sp"],
+        "world_size": record["sp"], "micro_batch_size": 1, "gradient_accumulation_steps": 1,
+        "optimizer": "adamw_torch", **record["longctx_memory"], **mode})
+    shape = ModelShape.from_hf_config(AutoConfig.for_model(**record["model"]))
+    layout = layout_for(config, record["sp"], None)
+    return estimate_memory(config, shape, record["sp"], layout, host_is_device=True)[0]
+
+
+def account_table(record: dict) -> str:
+    """Each longctx tool's resident set at its layers' backward peak, part by part: bytes per
+    token per rank (a least-squares line through the lengths) and MiB at the longest."""
+    by_length = {int(n): r for n, r in record["results"].items()}
     longest = max(by_length)
     rows = []
     for tool in by_length[longest]:
-        def slope(key: str, tool: str = tool) -> float:
-            return reach.fit([(n // peers.SP, by_length[n][tool]["account"][key] / MiB)
-                              for n in sorted(by_length)])[1]
+        if not by_length[longest][tool].get("phases"):
+            continue  # a tool without the step's phases (not longctx)
+        at = {n: backward_account(by_length[n][tool]) for n in by_length}
+
+        def slope(key: str, at: dict = at) -> float:
+            return reach.fit([(n // record["sp"], at[n][key] / MiB) for n in sorted(at)])[1]
         rows.append([f"{tool}: resident set", f"{slope('rss'):,.0f}",
-                     f"{by_length[longest][tool]['account']['rss'] / MiB:,.1f}"])
-        for key, name in PARTS.items():
-            rows.append([f"  {name}", f"{slope(key):,.0f}",
-                         f"{by_length[longest][tool]['account'][key] / MiB:,.1f}"])
-        if all(by_length[n][tool]["account"].get("rss_high_water") for n in by_length):
-            rows.append([f"{tool}: high-water mark (inside operators too)",
-                         f"{slope('rss_high_water'):,.0f}",
-                         f"{by_length[longest][tool]['account']['rss_high_water'] / MiB:,.1f}"])
-    return markdown_table(["at the resident peak", "bytes per token per rank (slope)",
+                     f"{at[longest]['rss'] / MiB:,.1f}"])
+        for key, name in record["parts"].items():
+            rows.append([f"  {name}", f"{slope(key):,.0f}", f"{at[longest][key] / MiB:,.1f}"])
+    return markdown_table(["at the layers' backward peak", "bytes per token per rank (slope)",
                            f"MiB per rank at {longest // 1024}K"], rows, right=(1, 2))
+
+
+def moments_table(record: dict) -> str:
+    """Per length and longctx tool: each rank's most live tensor bytes in each of the step's
+    moments against the estimate's, and the estimate's peak over the measured peak."""
+    rows = []
+    for n, results in record["results"].items():
+        for tool, r in results.items():
+            if not r.get("phases"):
+                continue
+            estimate = estimate_of(record, int(n), tool)
+            planned = dict(estimate.moments())
+            for rank, phases in enumerate(r["phases"]):
+                peaks = moment_peaks(phases)
+                rows.append([f"{int(n) // 1024}K", tool, str(rank), *(
+                    f"{peaks[m] / MiB:,.1f} / {planned[m] / MiB:,.1f}" for m in MOMENTS),
+                    f"{estimate.total / peaks['the step']:.2f}x"])
+    return markdown_table(["row", "tool", "rank", *(f"{m}: measured / estimated MiB"
+                                                    for m in MOMENTS),
+                           "estimated peak / measured peak"], rows, right=(3, 4, 5, 6))
 
 
 def run_account(args, peer_python: Path | None) -> None:
@@ -173,8 +237,7 @@ def run_account(args, peer_python: Path | None) -> None:
         losses = [r["loss"] for r in by_length[tokens].values()]
         if max(losses) - min(losses) > 1e-4 * abs(losses[0]):
             raise SystemExit(f"the tools' losses differ at {tokens}: {losses}")
-    print(account_table(by_length))
-    save_record(args.stem + "-account", {
+    record = {
         "command": " ".join(["python", "benchmarks/live_activations.py", *sys.argv[1:]]),
         "lengths": args.lengths, "sp": peers.SP, "model": peers.LLAMA,
         "longctx_memory": reach.LONGCTX_MEMORY, "ring": reach.RING_MEMORY,
@@ -182,7 +245,10 @@ def run_account(args, peer_python: Path | None) -> None:
         "alst_mmap_threshold_mib": reach.THRESHOLD_MIB, "parts": PARTS,
         "results": {str(n): r for n, r in by_length.items()},
         "total_s": round(time.time() - begun),
-    })
+    }
+    print(account_table(record))
+    print(moments_table(record))
+    save_record(args.stem + "-account", record)
 
 
 def main() -> None:
@@ -202,7 +268,8 @@ def main() -> None:
     if args.table:
         record = json.loads(args.table.read_text())
         if "lengths" in record:
-            print(account_table({int(n): r for n, r in record["results"].items()}))
+            print(account_table(record))
+            print(moments_table(record))
         else:
             print(table(record["tokens"], record["results"]))
         return

@@ -92,7 +92,9 @@ def ensure_peer_venv() -> Path:
 def one_thread_env() -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("PYTHONPATH", None)
+    # This checkout first, so that every worker imports the code the caller runs (not an
+    # editable install of another checkout); the caller's own entries are dropped.
+    env["PYTHONPATH"] = str(ROOT)
     # Python's default: modules' bytecode cached after their first import. A sandbox that
     # turns it off makes every run compile whatever pip did not (an editable install's code).
     env.pop("PYTHONDONTWRITEBYTECODE", None)

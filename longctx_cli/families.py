@@ -114,6 +114,12 @@ class Family:
     # 2 x inner]` (gate, then up) and `down_proj` `[experts, inner, hidden]`
     # `llama4_linearized_experts` turns into one linear per expert (runtime/experts.py).
     fused_experts: str | None = None
+    # Its attention layer hands q, k and v to the attention function spent, each a projection
+    # of its own memory (parallel/attention.py `attention_inputs_spent` shows the first on
+    # the layer's source; tests/test_memory_account.py checks both on the built models): a
+    # Ulysses all-to-all writes the head layout over them, and the memory estimate counts no
+    # second copy. Off (a copy counted) for any other model type.
+    spent_qkv: bool = False
 
 
 _QWEN_VL = dict(positions="mrope", images_attend="causal", pixels="patches", tower="merged",
@@ -215,62 +221,62 @@ _RECORDS = (
         "and merges neither")),
     # An audio-language family: its text rows through its own class (longctx has no audio
     # inputs; `processor_type` takes image processors only).
-    Family("voxtral", trains_text=True, lean_norms=True),
+    Family("voxtral", trains_text=True, lean_norms=True, spent_qkv=True),
     # Text families, by model type.
-    Family("apertus", lean_norms=True),
-    Family("arcee", lean_norms=True),
-    Family("bamba", mixes_tokens=True, lean_norms=True),
+    Family("apertus", lean_norms=True, spent_qkv=True),
+    Family("arcee", lean_norms=True, spent_qkv=True),
+    Family("bamba", mixes_tokens=True, lean_norms=True, spent_qkv=True),
     Family("deepseek_v2", lean_norms=True),
     Family("deepseek_v3", lean_norms=True),
-    Family("exaone4", lean_norms=True),
-    Family("falcon_h1", mixes_tokens=True, lean_norms=True),
+    Family("exaone4", lean_norms=True, spent_qkv=True),
+    Family("falcon_h1", mixes_tokens=True, lean_norms=True, spent_qkv=True),
     Family("falcon_mamba", mixes_tokens=True, attention_free=True, lean_norms=True),
-    Family("glm4", lean_norms=True),
-    Family("glm4_moe", lean_norms=True),
+    Family("glm4", lean_norms=True, spent_qkv=True),
+    Family("glm4_moe", lean_norms=True, spent_qkv=True),
     Family("glm4_moe_lite", lean_norms=True),
-    Family("granite", lean_norms=True),
-    Family("granitemoehybrid", mixes_tokens=True, lean_norms=True),
-    Family("hunyuan_v1_dense", lean_norms=True),
-    Family("jamba", mixes_tokens=True, lean_norms=True),
+    Family("granite", lean_norms=True, spent_qkv=True),
+    Family("granitemoehybrid", mixes_tokens=True, lean_norms=True, spent_qkv=True),
+    Family("hunyuan_v1_dense", lean_norms=True, spent_qkv=True),
+    Family("jamba", mixes_tokens=True, lean_norms=True, spent_qkv=True),
     Family("kimi_linear", mixes_tokens=True, lean_norms=True),
     Family("lara_mini", mixes_tokens=True),
-    Family("lfm2", mixes_tokens=True, lean_norms=True),
-    Family("lfm2_moe", mixes_tokens=True, lean_norms=True),
+    Family("lfm2", mixes_tokens=True, lean_norms=True, spent_qkv=True),
+    Family("lfm2_moe", mixes_tokens=True, lean_norms=True, spent_qkv=True),
     Family("lfm3", mixes_tokens=True),
+    Family("llama", lean_norms=True, tensor_parallel=True, spent_qkv=True),
+    Family("llama4_text", fused_experts="Llama4TextExperts", spent_qkv=True),
     Family("mamba", mixes_tokens=True, attention_free=True, lean_norms=True),
     Family("mamba2", mixes_tokens=True, attention_free=True, lean_norms=True),
-    Family("llama", lean_norms=True, tensor_parallel=True),
-    Family("llama4_text", fused_experts="Llama4TextExperts"),
-    Family("mimo_v2_flash", lean_norms=True),
-    Family("minimax_m2", lean_norms=True),
-    Family("ministral", lean_norms=True),
-    Family("ministral3", lean_norms=True),
-    Family("mistral", lean_norms=True, tensor_parallel=True),
+    Family("mimo_v2_flash", lean_norms=True, spent_qkv=True),
+    Family("minimax_m2", lean_norms=True, spent_qkv=True),
+    Family("ministral", lean_norms=True, spent_qkv=True),
+    Family("ministral3", lean_norms=True, spent_qkv=True),
+    Family("mistral", lean_norms=True, tensor_parallel=True, spent_qkv=True),
     Family("mistral4", lean_norms=True),
-    Family("mixtral", lean_norms=True),
-    Family("nemotron_h", mixes_tokens=True),
-    Family("olmo_hybrid", mixes_tokens=True),
+    Family("mixtral", lean_norms=True, spent_qkv=True),
+    Family("nemotron_h", mixes_tokens=True, spent_qkv=True),
+    Family("olmo_hybrid", mixes_tokens=True, spent_qkv=True),
     Family("phi3", lean_norms=True),
-    Family("qwen2", lean_norms=True, tensor_parallel=True),
-    Family("qwen3", lean_norms=True, tensor_parallel=True),
-    Family("qwen3_5_moe_text", mixes_tokens=True),
-    Family("qwen3_5_text", mixes_tokens=True),
-    Family("qwen3_moe", lean_norms=True),
-    Family("qwen3_next", mixes_tokens=True),
+    Family("qwen2", lean_norms=True, tensor_parallel=True, spent_qkv=True),
+    Family("qwen3", lean_norms=True, tensor_parallel=True, spent_qkv=True),
+    Family("qwen3_5_moe_text", mixes_tokens=True, spent_qkv=True),
+    Family("qwen3_5_text", mixes_tokens=True, spent_qkv=True),
+    Family("qwen3_moe", lean_norms=True, spent_qkv=True),
+    Family("qwen3_next", mixes_tokens=True, spent_qkv=True),
     Family("rwkv", recurrence_refusal=(
         "its time mixing (`RwkvSelfAttention`: the WKV recurrence and a token shift) keeps its "
         "state in the model's own `state` list, not in transformers' cache interface through "
         "which longctx hands a rank the state at its first token, and longctx does not cover "
         "the layer, so no rank could continue a document another rank began")),
-    Family("seed_oss", lean_norms=True),
-    Family("smollm3", lean_norms=True),
+    Family("seed_oss", lean_norms=True, spent_qkv=True),
+    Family("smollm3", lean_norms=True, spent_qkv=True),
     Family("xlstm", recurrence_refusal=(
         "its mLSTM blocks take their (C, n, m) state as an argument and return the new one "
         "beside their output (the model threads them through its own xLSTMCache), outside "
         "transformers' cache interface through which longctx hands a rank the state at its "
         "first token, and longctx does not cover the block, so no rank could continue a "
         "document another rank began")),
-    Family("zamba2", mixes_tokens=True, lean_norms=True),
+    Family("zamba2", mixes_tokens=True, lean_norms=True, spent_qkv=True),
 )
 FAMILIES: dict[str, Family] = {f.model_type: f for f in _RECORDS}
 # The linear layers `llama4_linearized_experts` gives a fused experts module, one of each per
@@ -295,6 +301,7 @@ def vision_family(model_type: str) -> VisionFamily | None:
 HYBRID_MODEL_TYPES = frozenset(t for t, f in FAMILIES.items() if f.mixes_tokens)
 ATTENTION_FREE_MODEL_TYPES = frozenset(t for t, f in FAMILIES.items() if f.attention_free)
 LEAN_NORM_MODEL_TYPES = frozenset(t for t, f in FAMILIES.items() if f.lean_norms)
+SPENT_QKV_MODEL_TYPES = frozenset(t for t, f in FAMILIES.items() if f.spent_qkv)
 TP_FAMILIES = tuple(t for t, f in FAMILIES.items() if f.tensor_parallel)
 # Vision-language families whose forward runtime/vision.py rebuilds ...
 VISION_FAMILIES = tuple(t for t, f in FAMILIES.items() if f.vision and f.vision.rebuilt)

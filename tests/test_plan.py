@@ -320,7 +320,8 @@ def test_plan_table_renders_every_section():
     Console(file=out, width=100).print(p.to_table())
     text = out.getvalue()
     for needle in ("data parallel", "sequence parallel", "2 (ring: 1 ulysses x 2 ring)",
-                   "tokens per rank", "attention kernel", "optimizer state", "total"):
+                   "tokens per rank", "attention kernel", "optimizer state", "total",
+                   "the step's moments"):
         assert needle in text
 
 
@@ -386,8 +387,21 @@ def test_memory_full_finetune_bf16_adamw():
     n = LLAMA3_8B.parameter_count()
     assert (m.parameters, m.gradients, m.optimizer) == (2 * n, 2 * n, 4 * n)
     assert m.trainable_params == n
-    # logits + loss and the layer's backward are working sets of different moments
-    assert m.total == sum(v for _, v in m.parts()) - min(m.logits, m.recompute)
+    # The peak is the largest of three moments, each holding some of the parts: no
+    # gradients through the loss of a one-forward step, all but the untied input
+    # embedding's in a layer's backward, AdamW's foreach temporaries (one of every weight on
+    # a GPU) in the update.
+    static = m.parameters + m.optimizer
+    embedding = LLAMA3_8B.vocab_size * LLAMA3_8B.hidden_size * 2
+    assert (m.loss_gradients, m.late_gradients, m.update_temporaries) == (0, embedding, 2 * n)
+    assert dict(m.moments()) == {
+        "the loss": static + m.activations + m.logits,
+        "a decoder layer's backward": static + m.gradients - embedding + m.activations
+        + m.recompute + m.attention_buffers,
+        "the optimizer update": static + m.gradients + m.update_temporaries}
+    assert m.total == max(dict(m.moments()).values())
+    accumulating = _memory(gradient_accumulation_steps=2)
+    assert accumulating.loss_gradients == m.gradients
 
 
 def test_memory_sgd_has_no_optimizer_state():
@@ -430,14 +444,15 @@ def test_memory_activations_scale_with_tokens_per_rank():
 
 def test_memory_fused_loss_holds_one_block_of_logits():
     """A plain head's loss is fused: one 64 MiB float32 block of logits (+ its bf16 source),
-    the head's float32 weight gradient and the hidden states' gradient, never the shard's
-    [tokens, vocab] logits (8192 local tokens here)."""
+    the head's float32 weight gradient and three hidden-size tensors (the decoder's output,
+    the final norm's, their gradient), never the shard's [tokens, vocab] logits (8192 local
+    tokens here)."""
     vocab, hidden, tokens = LLAMA3_8B.vocab_size, LLAMA3_8B.hidden_size, 8192
     block = 64 * 2**20 // (4 * vocab)
     fused = _memory()
-    assert fused.logits == block * vocab * 6 + 4 * vocab * hidden + tokens * hidden * 2
+    assert fused.logits == block * vocab * 6 + 4 * vocab * hidden + 3 * tokens * hidden * 2
     chunked = _memory(chunked_loss=True, loss_chunk_size=1024)
-    assert chunked.logits == 1024 * vocab * 6 + 4 * vocab * hidden + tokens * hidden * 2
+    assert chunked.logits == 1024 * vocab * 6 + 4 * vocab * hidden + 3 * tokens * hidden * 2
     # A LoRA run trains no head weight: no head gradient.
     lora = _memory(adapter="lora", lora_target_modules=["q_proj"])
     assert lora.logits == fused.logits - 4 * vocab * hidden
@@ -464,11 +479,12 @@ def test_memory_ring_buffers_scale_with_heads_k_stride():
     assert _memory(sp=1, world=1).attention_buffers == 0
 
 
-def test_memory_checkpointing_counts_the_larger_of_logits_and_recompute():
+def test_memory_checkpointing_counts_logits_and_recompute_at_different_moments():
     m = _memory(gradient_checkpointing=True)
-    static = m.parameters + m.gradients + m.optimizer + m.attention_buffers
     assert m.recompute > 0
-    assert m.total == static + m.activations + max(m.logits, m.recompute)
+    moments = dict(m.moments())
+    assert moments["a decoder layer's backward"] - moments["the loss"] == (
+        m.gradients - m.late_gradients + m.recompute + m.attention_buffers - m.logits)
     # Kept: each layer's input, [tokens, hidden] per layer (8192 local tokens, bf16).
     assert m.activations == 32 * 4096 * 8192 * 2
 
@@ -513,7 +529,9 @@ def test_memory_lean_norm_is_not_applied_under_tp():
 def test_memory_offload_frees_device_memory_but_not_host_memory():
     gc = _memory(gradient_checkpointing=True)
     offload = _memory(gradient_checkpointing=True, activation_offloading=True)
-    assert offload.activations == 0 and offload.total < gc.total
+    backward = "a decoder layer's backward"  # the update's moment (the peak here) holds none
+    assert offload.activations == 0
+    assert dict(offload.moments())[backward] < dict(gc.moments())[backward]
     config = cfg(sequence_len=65536, sequence_parallel_degree=8, gradient_checkpointing=True,
                  activation_offloading=True)
     on_cpu, notes = _estimate(config, LLAMA3_8B, 8, host_is_device=True)
@@ -687,10 +705,16 @@ def test_plan_picks_the_fewest_head_chunks_under_the_target(sequence_len: int, c
 
 
 def test_head_chunks_shrink_the_planned_attention_buffers():
-    whole = plan(8, LLAMA3_8B, sequence_len=262144, bf16=True, ulysses_head_chunks=1,
-                 **ULYSSES8)
-    chunked = plan(8, LLAMA3_8B, sequence_len=262144, bf16=True, **ULYSSES8)
-    assert chunked.memory.attention_buffers < whole.memory.attention_buffers
+    # phi3 hands over v as a view of its fused projection: no spent q, k, v to write over.
+    fused_qkv = replace(LLAMA3_8B, model_type="phi3")
+    whole, chunked = (plan(8, fused_qkv, sequence_len=262144, bf16=True, **ULYSSES8,
+                           **chunks).memory for chunks in ({"ulysses_head_chunks": 1}, {}))
+    assert chunked.attention_buffers < whole.attention_buffers
+    # Llama's spent q, k and v take the unchunked all-to-all's head layout: only the
+    # attention output's is counted ([tokens per rank, heads, head dim], bf16).
+    spent = plan(8, LLAMA3_8B, sequence_len=262144, bf16=True, ulysses_head_chunks=1,
+                 **ULYSSES8).memory
+    assert spent.attention_buffers == 262144 // 8 * LLAMA3_8B.q_dim * 2
 
 
 def test_head_chunks_that_split_a_kv_group_are_refused_with_the_counts_that_fit():

@@ -22,11 +22,17 @@ LORA_BYTES = 4
 # ---- memory estimate --------------------------------------------------------------------
 #
 # Calibrated against benchmarks/train_step.py (CPU, fp32, peak resident set per rank over a
-# full step with AdamW's moments already allocated); docs/memory.md has the measurements.
-# The peak of a step is the static state (weights, gradients, optimizer moments, SP buffers)
-# plus what is saved for backward (`activations`) plus the larger of two working sets that
-# never coexist: the logits + loss of the shard (computed after the decoder, freed before
-# its backward) and, under gradient checkpointing, the one layer recomputed in backward.
+# full step with AdamW's moments already allocated) and benchmarks/live_activations.py
+# --account (every live storage per phase of a steady step); docs/memory.md has both.
+# A step's peak is the largest of three moments, each the static state (weights, optimizer
+# moments) plus what that moment holds:
+# - the loss: the layers' saved activations (under checkpointing each layer's input) and the
+#   logits + loss of the shard; gradients only when the step accumulates over micro-batches
+#   (a step's gradients are set to None after its update);
+# - a decoder layer's backward: the saved activations, the gradients made so far (all but an
+#   untied input embedding's, made after the layers), the layer recomputed in backward (under
+#   checkpointing) or its transient buffers, and the SP attention buffers;
+# - the optimizer update: weights, gradients, moments and the update's temporaries.
 
 # Saved activations per token of one decoder layer, in elements of the compute dtype:
 # 2 RMSNorm in/out pairs (4*hidden: a lean norm keeps its input, a plain one its normalized
@@ -52,6 +58,9 @@ RESIDUAL_GRAD_TENSORS = 2
 # Logits bytes per token per vocab entry: the logits in the compute dtype, their float32 copy
 # for cross-entropy (the log-softmax kept for backward), and the float32 gradient in backward.
 LOGITS_FP32_COPIES = 2
+# The fused loss's hidden-size tensors of the shard: the decoder's last output and its final
+# norm's output (both saved for backward) and the gradient the loss accumulates for them.
+LOSS_HIDDEN_TENSORS = 3
 # Ring buffers: gathered K and V, double-buffered (4 tensors), plus dK and dV partials
 # before the reduce-scatter in backward (2 tensors).
 RING_KV_TENSORS = 6
@@ -65,14 +74,20 @@ SCORE_TILE_TENSORS = 5
 # dq accumulator.
 P2P_KV_TENSORS = 6
 P2P_ACC_FP32_TENSORS = 4
+# torch's AdamW (`adamw`, `adamw_torch`) computes sqrt(exp_avg_sq) / bias correction as two
+# new tensors: one parameter at a time on a CPU (the for-loop path, both alive at once), for
+# every parameter at once on a GPU (the foreach path, its quotient written in place). The
+# fused AdamW makes none; other optimizers' temporaries are not counted.
+CPU_ADAMW_TEMPORARIES = 2
+GPU_ADAMW_TEMPORARIES = 1
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes per rank at peak, by part, so each part can be calibrated on its own.
 
-    `total` is not the plain sum: `logits` and `recompute` are working sets of different
-    moments of the step, and only the larger of them counts.
+    `total` is not the plain sum: it is the largest of the step's three moments
+    (`moments`), each of which holds only some of the parts.
     """
 
     parameters: int
@@ -91,6 +106,13 @@ class MemoryEstimate:
     # A vision-language model's tower: its weights and state, and its activations for a
     # row of only image tokens (config/sections/vision.py).
     vision_tower: int = 0
+    # The optimizer update's temporaries (see CPU_ADAMW_TEMPORARIES).
+    update_temporaries: int = 0
+    # Gradients alive through the loss: all of them when a step accumulates over more than
+    # one forward, none otherwise.
+    loss_gradients: int = 0
+    # Gradients made after the decoder layers' backward (an untied, trained input embedding's).
+    late_gradients: int = 0
 
     @property
     def rollout_total(self) -> int:
@@ -98,13 +120,24 @@ class MemoryEstimate:
         weights (the KV cache of one prompt shard on top, not counted)."""
         return self.parameters + self.gradients + self.optimizer + self.rollout_weights
 
+    def moments(self) -> list[tuple[str, int]]:
+        """The step's three moments and the bytes each holds (see the notes above)."""
+        static = self.parameters + self.optimizer + self.vision_tower
+        return [
+            ("the loss", static + self.loss_gradients + self.activations + self.logits),
+            ("a decoder layer's backward",
+             static + self.gradients - self.late_gradients + self.activations + self.recompute
+             + self.attention_buffers + self.score_tiles),
+            ("the optimizer update", static + self.gradients + self.update_temporaries),
+        ]
+
+    @property
+    def peak_moment(self) -> str:
+        return max(self.moments(), key=lambda m: m[1])[0]
+
     @property
     def total(self) -> int:
-        return (
-            self.parameters + self.gradients + self.optimizer + self.activations
-            + self.attention_buffers + self.score_tiles + max(self.logits, self.recompute)
-            + self.vision_tower
-        )
+        return max(bytes_ for _, bytes_ in self.moments())
 
     def parts(self) -> list[tuple[str, int]]:
         return [
@@ -116,6 +149,7 @@ class MemoryEstimate:
             ("layer recomputed in backward", self.recompute),
             ("SP attention buffers", self.attention_buffers),
             ("attention score tiles", self.score_tiles),
+            ("optimizer update temporaries", self.update_temporaries),
             *([("vision tower", self.vision_tower)] if self.vision_tower else []),
         ]
 
@@ -234,7 +268,7 @@ def _logits_bytes(config: Config, shape: ModelShape, local_tokens: int) -> int:
                  else max(1, FUSED_LOSS_BLOCK_BYTES // (4 * shape.vocab_size)))
         logits = min(local_tokens, block) * shape.vocab_size * (4 + (b if b != 4 else 0))
         head_grad = 4 * shape.vocab_size * shape.hidden_size if config.lora.adapter is None else 0
-        return logits + head_grad + local_tokens * shape.hidden_size * b
+        return logits + head_grad + LOSS_HIDDEN_TENSORS * local_tokens * shape.hidden_size * b
     memory = config.memory
     tokens = min(local_tokens, memory.loss_chunk_size) if memory.chunked_loss else local_tokens
     return tokens * shape.vocab_size * (b + 4 * LOGITS_FP32_COPIES)
@@ -283,6 +317,8 @@ def attention_buffer_bytes(
         # Head chunks: one chunk's q, k, v at a time; the output is whole (its token layout).
         chunks = layout.head_chunks if layout.kernel != "flash" else 1
         qkv = (shape.num_attention_heads + 2 * kv_eff) // chunks
+        if chunks == 1 and family(shape.model_type).spent_qkv:
+            qkv = 0  # written over the layer's spent q, k and v (`Family.spent_qkv`)
         total += local_tokens * shape.head_dim * (qkv + shape.num_attention_heads) * b
     # After the all-to-all a ring rank holds the Ulysses group's tokens for 1/ulysses heads.
     total += ring_buffer_bytes(
@@ -411,9 +447,20 @@ def estimate_memory(
     # rl: grpo with a KL term and no adapter to switch off: a frozen copy of the model.
     copies = 2 if config.objective.rl == "grpo" and config.trl.beta and (
         config.lora.adapter is None or config.lora.lora_model_dir) else 1
+    gradients = trainable * train_bytes // shard
+    # A step's gradients live through a loss only when a step runs more than one forward.
+    forwards = config.training.gradient_accumulation_steps * config.training.micro_batch_size
+    accumulating = forwards > 1 or config.objective.rl is not None
+    # An untied input embedding's gradient is made after every layer's backward.
+    late = (shape.vocab_size * shape.hidden_size * train_bytes // shard
+            if config.lora.adapter is None and not shape.tie_word_embeddings else 0)
     estimate = MemoryEstimate(
         parameters=copies * (param_bytes // shard + replicated) + gathered,
-        gradients=trainable * train_bytes // shard,
+        gradients=gradients,
+        loss_gradients=gradients if accumulating else 0,
+        late_gradients=late,
+        update_temporaries=update_temporary_bytes(config, shape, trainable, train_bytes,
+                                                  host_is_device) // shard,
         optimizer=int(moments * trainable * train_bytes * state_scale) // shard,
         activations=saved,
         logits=_logits_bytes(config, shape, local_tokens),
@@ -429,6 +476,23 @@ def estimate_memory(
         ),
     )
     return estimate, notes
+
+
+def update_temporary_bytes(config: Config, shape: ModelShape, trainable: int,
+                           train_bytes: int, host_is_device: bool) -> int:
+    """Bytes torch's AdamW allocates during its update beyond its state (see
+    CPU_ADAMW_TEMPORARIES): on a CPU two of the largest trained tensor, on a GPU one of
+    every trained weight. 0 for any other optimizer (the fused AdamW makes none)."""
+    if config.training.optimizer not in ("adamw", "adamw_torch"):
+        return 0
+    if not host_is_device:
+        return GPU_ADAMW_TEMPORARIES * trainable * train_bytes
+    linears = shape.linear_shapes().values()
+    if config.lora.adapter is not None:  # an adapter's A or B: r x the wider side
+        largest = config.lora.lora_r * max(max(a, o) for a, o in linears)
+    else:
+        largest = max(shape.vocab_size * shape.hidden_size, *(a * o for a, o in linears))
+    return CPU_ADAMW_TEMPORARIES * largest * train_bytes
 
 
 def quantized_weight_bytes(config: Config) -> tuple[float, float]:

@@ -187,7 +187,9 @@ class Plan:
                 *[(f"  with {f} instead", f"SP attention buffers {format_gib(v)}")
                   for f, v in self.attention_buffers_by_ring
                   if (f == "varlen_llama3") != (lay.ring_attn_func == "varlen_llama3")],
-                ("total", f"[bold]{format_gib(mem.total)}[/]"),
+                ("total", f"[bold]{format_gib(mem.total)}[/] at {mem.peak_moment}"),
+                ("  the step's moments", ", ".join(f"{name} {format_gib(value)}"
+                                                   for name, value in mem.moments())),
                 *([("rollouts", f"{format_gib(mem.rollout_total)}: the full weights gathered "
                                 f"once per rollout (+{format_gib(mem.rollout_weights)}); "
                                 "trl.ds3_gather_for_generation: false gathers a layer per "

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
+
 
 @dataclass(frozen=True)
 class AttentionFeatures:
@@ -20,7 +22,9 @@ class AttentionFeatures:
     forward over the document alone does. Kernels never see it: :func:`.attention.sp_attention`
     turns chunk boundaries into segment starts (:func:`.sharding.chunked_meta`).
     ``spent``: the caller reads q, k and v no more after the call, so a strategy may write
-    over them (:func:`.attention.attention_features` says when).
+    over them (:func:`.attention.longctx_attention_forward` says when; autograd's version
+    counter still guards any saved use): Ulysses writes its exchange and gradients there,
+    the llama3 ring its gradients (:func:`writable_inputs`).
     """
 
     scale: float
@@ -36,6 +40,21 @@ class AttentionFeatures:
             raise ValueError(f"attention softcap must be positive, got {self.softcap}")
         if self.chunk is not None and self.chunk < 1:
             raise ValueError(f"attention chunk must be at least 1 token, got {self.chunk}")
+
+
+def owns_dense_storage(x: torch.Tensor) -> bool:
+    """Whether ``[L, H, D]`` ``x`` is the whole of its storage, token- or heads-major."""
+    dense = x.is_contiguous() or x.transpose(0, 1).is_contiguous()
+    return dense and x.untyped_storage().nbytes() == x.numel() * x.element_size()
+
+
+def writable_inputs(feats: AttentionFeatures, *tensors: torch.Tensor) -> bool:
+    """Whether a strategy's backward may write gradients over ``tensors``' own memory: the
+    caller handed them over spent, no two share memory, and each is the whole of its
+    storage (a view into a larger tensor may have other readers)."""
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    return (feats.spent and len(storages) == len(tensors)
+            and all(owns_dense_storage(t) for t in tensors))
 
 
 def as_features(features: AttentionFeatures | float) -> AttentionFeatures:

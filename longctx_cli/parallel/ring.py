@@ -8,21 +8,26 @@ document (:mod:`.torch_kernel`, on the state's resolved kernel). Only local tens
 for backward.
 
 Backward re-gathers K,V per head group, computes dq locally and dK,dV for the whole row,
-then reduce-scatters dK,dV back to their owners.
+then reduce-scatters dK,dV back to their owners. Gathered rows are put in order in place
+(:func:`.sharding.to_global_order_`), and each group's gathered K,V and whole-row dK,dV are
+freed before the next group's; when the caller hands q, k, v over spent
+(:func:`.features.writable_inputs`), dq, dk, dv are written over them, a group's heads after
+they were last read. The peak of the layer's backward then holds no second copy of the
+local q, k, v beside their gradients.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .features import AttentionFeatures, as_features
+from .features import AttentionFeatures, as_features, writable_inputs
 from .lse_merge import out_like, sink_grad
 from .sharding import (
     SPMeta,
     all_gather_tensor,
     reduce_scatter_sum,
-    to_global_order,
-    to_rank_order,
+    to_global_order_,
+    to_rank_order_,
 )
 from .torch_kernel import doc_causal_backward, doc_causal_forward
 
@@ -46,16 +51,23 @@ class _Gather:
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
         for h in self.handles:
             h.wait()
-        return to_global_order(self.k, self.meta), to_global_order(self.v, self.meta)
+        # The buffers are this gather's own: put in global order where they lie.
+        return to_global_order_(self.k, self.meta), to_global_order_(self.v, self.meta)
 
 
-def _reduce_scatter(full: torch.Tensor, meta: SPMeta) -> torch.Tensor:
+def _reduce_scatter_into(dest: torch.Tensor, full: torch.Tensor, meta: SPMeta) -> None:
+    """Sum ``full`` (whole-row, global order; rearranged in place) over the SP group into
+    this rank's ``dest``."""
     if meta.ctx.layout.sp == 1:
-        return full
-    src = to_rank_order(full, meta).contiguous()
-    out = src.new_empty((src.shape[0] // meta.ctx.layout.sp, *src.shape[1:]))
+        dest.copy_(full)
+        return
+    src = to_rank_order_(full, meta).contiguous()  # a copy only if the kernel's is strided
+    if dest.is_contiguous():  # straight into the gradient (one KV head of a heads-major k)
+        reduce_scatter_sum(dest, src, group=meta.ctx.sp_group)
+        return
+    out = src.new_empty(dest.shape)
     reduce_scatter_sum(out, src, group=meta.ctx.sp_group)
-    return out
+    dest.copy_(out)
 
 
 def _head_groups(q: torch.Tensor, k: torch.Tensor, stride: int) -> list[tuple[slice, slice]]:
@@ -90,6 +102,7 @@ class RingAttention(torch.autograd.Function):
             )
             out[:, qh] = o
             lse[qh] = lo
+            del kf, vf, o, lo  # this group's gathered K,V go before the next group's land
         # Local tensors only: full-length K,V are re-gathered in backward.
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.meta, ctx.feats, ctx.groups = meta, feats, groups
@@ -100,7 +113,12 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         meta, groups = ctx.meta, ctx.groups
         dout = dout.contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if writable_inputs(ctx.feats, q, k, v):
+            # Spent: a group's q, k, v heads are read (k, v gathered: the next group's gather
+            # reads other heads) before its gradients are written over them.
+            dq, dk, dv = q.detach(), k.detach(), v.detach()
+        else:
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         pending = _Gather(k[:, groups[0][1]], v[:, groups[0][1]], meta)
         for i, (qh, kh) in enumerate(groups):
             kf, vf = pending.wait()
@@ -111,9 +129,13 @@ class RingAttention(torch.autograd.Function):
                 dout[:, qh], q[:, qh], kf, vf, out[:, qh], lse[qh], meta.segments, ctx.feats,
                 kernel=meta.ctx.kernel,
             )
+            del kf, vf  # read no more: freed before the reduce-scatter's buffers
             dq[:, qh] = dqi
-            dk[:, kh] = _reduce_scatter(dkf, meta)
-            dv[:, kh] = _reduce_scatter(dvf, meta)
+            del dqi
+            _reduce_scatter_into(dk[:, kh], dkf, meta)
+            del dkf
+            _reduce_scatter_into(dv[:, kh], dvf, meta)
+            del dvf  # the next group starts with none of this one's whole-row tensors
         # This rank's tokens' share; the trainer sums parameter gradients over ranks.
         dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
         return dq, dk, dv, dsinks, None, None

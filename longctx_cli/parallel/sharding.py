@@ -187,6 +187,48 @@ def to_rank_order(full: torch.Tensor, meta: SPMeta) -> torch.Tensor:
     return torch.cat([chunks[j] for j in zigzag_order(n)])
 
 
+def permute_chunks_(x: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """``x`` cut into ``len(order)`` equal chunks along dim 0, rearranged in place so that
+    chunk ``j`` becomes the old chunk ``order[j]``; the scratch is one chunk per cycle of the
+    permutation, not a copy of ``x``. Returns ``x``."""
+    chunks = x.chunk(len(order))
+    done = [False] * len(order)
+    for start in range(len(order)):
+        if done[start] or order[start] == start:
+            continue
+        spare = chunks[start].clone()  # the cycle's first chunk, overwritten first
+        j = start
+        while order[j] != start:  # every chunk is read before it is written
+            done[j] = True
+            chunks[j].copy_(chunks[order[j]])
+            j = order[j]
+        done[j] = True
+        chunks[j].copy_(spare)
+        del spare
+    return x
+
+
+def to_global_order_(gathered: torch.Tensor, meta: SPMeta) -> torch.Tensor:
+    """:func:`to_global_order` over ``gathered``'s own memory (contiguous and zigzag rows; a
+    stripe row is returned as a copy). ``gathered`` must have no other reader."""
+    n = meta.ctx.layout.sp
+    if meta.ctx.layout.sharding == "stripe" and n > 1:
+        return to_global_order(gathered, meta)
+    if meta.ctx.layout.sharding == "zigzag" and n > 1:
+        permute_chunks_(gathered, zigzag_positions(n))
+    return gathered
+
+
+def to_rank_order_(full: torch.Tensor, meta: SPMeta) -> torch.Tensor:
+    """:func:`to_rank_order` over ``full``'s own memory, as :func:`to_global_order_`."""
+    n = meta.ctx.layout.sp
+    if meta.ctx.layout.sharding == "stripe" and n > 1:
+        return to_rank_order(full, meta)
+    if meta.ctx.layout.sharding == "zigzag" and n > 1:
+        permute_chunks_(full, zigzag_order(n))
+    return full
+
+
 def document_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
     """Segment boundaries of a 1-D row: a segment starts at 0 and wherever the positions do
     not go on by one (a restart at 0, or a branch, see `document_prefixes`)."""

@@ -35,7 +35,13 @@ from torch.distributed import ProcessGroup
 from longctx_cli.layout import head_chunk_counts
 
 from .block_geometry import full_row_segments
-from .features import AttentionFeatures, Segment, as_features
+from .features import (
+    AttentionFeatures,
+    Segment,
+    as_features,
+    owns_dense_storage,
+    writable_inputs,
+)
 from .lse_merge import sink_grad
 from .ring_flash import equal_head_dims, flash_window, refuse_flash_sinks
 from .sharding import SPMeta, local_ranges
@@ -211,12 +217,6 @@ def _head_view(x: torch.Tensor, ex: Exchange, heads_major: bool) -> torch.Tensor
     return x.reshape(n * length, heads // n, dim)
 
 
-def owns_dense_storage(x: torch.Tensor) -> bool:
-    """Whether ``[L, H, D]`` ``x`` is the whole of its storage, token- or heads-major."""
-    dense = x.is_contiguous() or x.transpose(0, 1).is_contiguous()
-    return dense and x.untyped_storage().nbytes() == x.numel() * x.element_size()
-
-
 class _SeqToHeadsInPlace(torch.autograd.Function):
     """:func:`_seq_to_heads` written over the input's own memory (see :func:`seq_to_heads`)."""
 
@@ -373,8 +373,7 @@ class _HeadChunkedUlysses(torch.autograd.Function):
             lses.append(lse)
         ctx.save_for_backward(q, k, v, out, sinks, *lses)
         # Spent inputs of their own memory take their gradients in place, chunk by chunk.
-        ctx.in_place = feats.spent and _apart(q, k, v) and all(
-            owns_dense_storage(t) for t in (q, k, v))
+        ctx.in_place = writable_inputs(feats, q, k, v)
         ctx.ex, ctx.segments, ctx.feats, ctx.kernel = ex, segments, feats, kernel
         ctx.slices, ctx.copies, ctx.rank = slices, copies, rank
         return out
@@ -414,11 +413,6 @@ def _local_sink_slice(heads: slice, size: int, rank: int) -> slice:
 
 def _local_sinks(sinks: torch.Tensor, heads: slice, size: int, rank: int) -> torch.Tensor:
     return sinks[_local_sink_slice(heads, size, rank)]
-
-
-def _apart(*tensors: torch.Tensor) -> bool:
-    """No two of the tensors share memory."""
-    return len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors)
 
 
 def ulysses_attention(
