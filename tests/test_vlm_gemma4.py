@@ -25,6 +25,8 @@ loss within TOL.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -52,6 +54,7 @@ RINGS = (dict(mode="ring"), dict(mode="ring", layout="zigzag"),
 ULYSSES = dict(mode="ulysses")
 
 
+@functools.cache  # the same in every layout a process checks (callers only read it)
 def _own(name: str, dtype: torch.dtype) -> tuple[float, dict[str, torch.Tensor]]:
     """The model's own training of the row's documents in `dtype`: loss and gradients."""
     model = tiny_vlm(name, "eager").to(dtype)

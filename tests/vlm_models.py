@@ -172,14 +172,16 @@ def _config(family: str):
         from transformers import Gemma4Config
 
         # Four layers (sliding, full, sliding, full), the full ones wider (its per-layer
-        # config) with keys as values, the last two reusing the first two's keys and values,
-        # and per-layer input embeddings that cover the image token's id.
+        # config) with keys as values, the last reusing the second's keys and values (one
+        # shared layer only: the third's keys read the second's image outputs, so whether a
+        # full layer's images attend both ways shows in the loss), and per-layer input
+        # embeddings that cover the image token's id (placeholders must embed as pad).
         return Gemma4Config(
             text_config={**text, "head_dim": 8, "num_hidden_layers": 4,
                          "layer_types": ["sliding_attention", "full_attention"] * 2,
                          "sliding_window": GEMMA3_WINDOW,
                          "per_layer_config": {"1": {"head_dim": 16}, "3": {"head_dim": 16}},
-                         "attention_k_eq_v": True, "num_kv_shared_layers": 2,
+                         "attention_k_eq_v": True, "num_kv_shared_layers": 1,
                          "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB,
                          "use_bidirectional_attention": GEMMA4[family]},
             vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
