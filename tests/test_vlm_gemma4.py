@@ -47,10 +47,10 @@ from tests.vlm_models import GEMMA4_POOL, image_row, own_vlm_step, tiny_vlm
 TOL = 2e-5
 NOISE_FACTOR = 3.0
 NOISE_CAP = 2e-4
-# The sp-2 layouts: the llama3 ring on contiguous and zigzag slices, the default P2P stripe
-# ring, and Ulysses.
-RINGS = (dict(mode="ring"), dict(mode="ring", layout="zigzag"),
-         dict(mode="ring", layout="stripe"))
+# The sp-2 rings: the default P2P stripe ring and the llama3 ring on zigzag slices run by
+# default, the llama3 ring on contiguous slices with -m slow.
+RINGS = (dict(mode="ring", layout="stripe"), dict(mode="ring", layout="zigzag"))
+SLOW_RINGS = (dict(mode="ring"),)
 ULYSSES = dict(mode="ulysses")
 
 
@@ -131,24 +131,36 @@ def test_sp1_equals_the_models_own_training(name: str) -> None:
     check({name: compare(name, sp_state(sp=1, kernel="torch"))})
 
 
-def _worker(rank: int, world: int) -> dict[str, dict]:
+def _worker(rank: int, world: int, rings: tuple[dict, ...], ulysses: bool
+            ) -> dict[str, dict]:
     out = {f"gemma4_causal {spec}": compare("gemma4_causal", sp_state(
-        sp=world, kernel="torch", **spec)) for spec in (*RINGS, ULYSSES)}
-    out["gemma4 ulysses"] = compare("gemma4", sp_state(sp=world, kernel="torch", **ULYSSES))
-    for spec in RINGS:  # the sliding layers' both-ways images: refused, not trained causal
+        sp=world, kernel="torch", **spec)) for spec in (*rings, *[ULYSSES] * ulysses)}
+    if ulysses:
+        out["gemma4 ulysses"] = compare("gemma4", sp_state(sp=world, kernel="torch",
+                                                           **ULYSSES))
+    for spec in rings:  # the sliding layers' both-ways images: refused, not trained causal
         out[f"gemma4 {spec}"] = {"refused": _refused("gemma4", sp_state(
             sp=world, kernel="torch", **spec))}
     return out
 
 
-def test_sp2_every_layout_equals_the_models_own_training_or_is_refused() -> None:
-    ranks = run_distributed(_worker, 2, timeout_s=300)
+def _check_sp2(rings: tuple[dict, ...], ulysses: bool) -> None:
+    ranks = run_distributed(_worker, 2, rings, ulysses, timeout_s=300)
     for results in ranks:
         check(results)
     names = [n for n, r in ranks[0].items() if "refused" not in r]
-    assert len(names) == 5, ranks[0]
+    assert len(names) == len(rings) + 2 * ulysses, ranks[0]
     for name in names:  # a shard boundary cuts an image in every layout
         assert any(r[name]["cut_image"] for r in ranks), (name, ranks)
+
+
+def test_sp2_ulysses_and_rings_equal_the_models_own_training_or_are_refused() -> None:
+    _check_sp2(RINGS, ulysses=True)
+
+
+@pytest.mark.slow  # the llama3 ring on contiguous slices (the default run checks two rings)
+def test_sp2_contiguous_ring_equals_the_models_own_training_or_is_refused() -> None:
+    _check_sp2(SLOW_RINGS, ulysses=False)
 
 
 def _worker4(rank: int, world: int) -> dict[str, dict]:
