@@ -206,8 +206,8 @@ _RECORDS = (
         "Gemma 4 unified has no vision tower: it embeds each image's raw patches with their "
         "2-D position ids (`image_position_ids`) straight into the text model, whose image "
         "tokens attend both ways (`use_bidirectional_attention: vision`): the VLM path "
-        "computes neither (its both-ways images are Gemma 3's, from a tower's pooled "
-        "features)")),
+        "merges a tower's features only (Gemma 4's tower is rebuilt; these raw patch "
+        "embeddings are not)")),
     Family("gemma3n", vision_refusal=(
         "Gemma 3n's vision tower is a timm MobileNetV5 backbone and it also takes audio "
         "(`input_features`, its audio tower); the VLM path rebuilds neither tower, and longctx "
