@@ -58,6 +58,8 @@ ULYSSES = dict(mode="ulysses")
 def _own(name: str, dtype: torch.dtype) -> tuple[float, dict[str, torch.Tensor]]:
     """The model's own training of the row's documents in `dtype`: loss and gradients."""
     model = tiny_vlm(name, "eager").to(dtype)
+    if dtype == torch.float64:  # torch's grouped matmul takes no float64: experts one by one
+        model.set_experts_implementation("eager")
     docs = [(ids, labels, None if m is None else VisionInputs(
         m.pixel_values.to(dtype), patch_positions=m.patch_positions))
         for ids, labels, m in image_row(name)[4]]
@@ -126,41 +128,41 @@ def test_gemma4_is_rebuilt_and_its_config_picks_how_images_attend() -> None:
     assert VisionTower.of(both).merge == both.vision_config.pooling_kernel_size
 
 
-@pytest.mark.parametrize("name", ["gemma4", "gemma4_causal"])
+@pytest.mark.parametrize("name", ["gemma4", "gemma4_causal", "gemma4_moe"])
 def test_sp1_equals_the_models_own_training(name: str) -> None:
     check({name: compare(name, sp_state(sp=1, kernel="torch"))})
 
 
-def _worker(rank: int, world: int, rings: tuple[dict, ...], ulysses: bool
-            ) -> dict[str, dict]:
-    out = {f"gemma4_causal {spec}": compare("gemma4_causal", sp_state(
-        sp=world, kernel="torch", **spec)) for spec in (*rings, *[ULYSSES] * ulysses)}
-    if ulysses:
-        out["gemma4 ulysses"] = compare("gemma4", sp_state(sp=world, kernel="torch",
-                                                           **ULYSSES))
-    for spec in rings:  # the sliding layers' both-ways images: refused, not trained causal
+def _worker(rank: int, world: int, exact: tuple[tuple[str, dict], ...],
+            refused: tuple[dict, ...]) -> dict[str, dict]:
+    """`exact`: (model, layout) pairs compared with the model's own training; `refused`: the
+    layouts that must refuse `gemma4`'s both-ways images rather than train causal ones."""
+    out = {f"{name} {spec}": compare(name, sp_state(sp=world, kernel="torch", **spec))
+           for name, spec in exact}
+    for spec in refused:
         out[f"gemma4 {spec}"] = {"refused": _refused("gemma4", sp_state(
             sp=world, kernel="torch", **spec))}
     return out
 
 
-def _check_sp2(rings: tuple[dict, ...], ulysses: bool) -> None:
-    ranks = run_distributed(_worker, 2, rings, ulysses, timeout_s=300)
+def _check_sp2(exact: tuple[tuple[str, dict], ...], refused: tuple[dict, ...]) -> None:
+    ranks = run_distributed(_worker, 2, exact, refused, timeout_s=300)
     for results in ranks:
         check(results)
-    names = [n for n, r in ranks[0].items() if "refused" not in r]
-    assert len(names) == len(rings) + 2 * ulysses, ranks[0]
-    for name in names:  # a shard boundary cuts an image in every layout
-        assert any(r[name]["cut_image"] for r in ranks), (name, ranks)
+    assert len(ranks[0]) == len(exact) + len(refused), ranks[0]
+    for name, spec in exact:  # a shard boundary cuts an image in every layout
+        assert any(r[f"{name} {spec}"]["cut_image"] for r in ranks), (name, spec, ranks)
 
 
 def test_sp2_ulysses_and_rings_equal_the_models_own_training_or_are_refused() -> None:
-    _check_sp2(RINGS, ulysses=True)
+    _check_sp2((*[("gemma4_causal", spec) for spec in (*RINGS, ULYSSES)],
+                ("gemma4", ULYSSES)), refused=RINGS)
 
 
-@pytest.mark.slow  # the llama3 ring on contiguous slices (the default run checks two rings)
-def test_sp2_contiguous_ring_equals_the_models_own_training_or_is_refused() -> None:
-    _check_sp2(SLOW_RINGS, ulysses=False)
+@pytest.mark.slow  # the default run checks two rings, Ulysses, and the MoE at sp 1
+def test_sp2_contiguous_ring_and_the_moe_under_ulysses() -> None:
+    _check_sp2((*[("gemma4_causal", spec) for spec in SLOW_RINGS], ("gemma4_moe", ULYSSES)),
+               refused=SLOW_RINGS)
 
 
 def _worker4(rank: int, world: int) -> dict[str, dict]:

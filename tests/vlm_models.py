@@ -47,8 +47,13 @@ TILED_FAMILIES = tuple(TILED)
 # Gemma 4: each image its own (h, w) patches with their (x, y), padded to the row's most, 2 x 2
 # of them pooled into a token; its sliding layers see 6 tokens back, fewer than its first
 # image holds. `gemma4` sets `use_bidirectional_attention: vision` (its images attend both
-# ways on the sliding layers), `gemma4_causal` leaves it unset (causal images).
-GEMMA4 = {"gemma4": "vision", "gemma4_causal": None}
+# ways on the sliding layers), `gemma4_causal` leaves it unset (causal images); `gemma4_moe`
+# is Gemma 4 26B-A4B's shape: experts beside each dense MLP, no per-layer inputs.
+GEMMA4 = {"gemma4": {"use_bidirectional_attention": "vision"},
+          "gemma4_causal": {"use_bidirectional_attention": None},
+          "gemma4_moe": {"use_bidirectional_attention": "vision", "enable_moe_block": True,
+                         "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32,
+                         "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0}}
 GEMMA4_POOL = 2
 # 37 + 9 + 10 = 56 tokens: the first image is tokens 13-28, so the contiguous halves'
 # boundary (28) and the zigzag ring's first rank change (14) both fall inside it.
@@ -183,7 +188,7 @@ def _config(family: str):
                          "per_layer_config": {"1": {"head_dim": 16}, "3": {"head_dim": 16}},
                          "attention_k_eq_v": True, "num_kv_shared_layers": 1,
                          "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB,
-                         "use_bidirectional_attention": GEMMA4[family]},
+                         **GEMMA4[family]},
             vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                num_attention_heads=2, num_key_value_heads=2, head_dim=16,
                                patch_size=PATCH, pooling_kernel_size=GEMMA4_POOL,
