@@ -9,15 +9,21 @@ model's own pieces so that each rank computes only its slice:
    never attend across images, so this is exact; SmolVLM's and InternVL's tiles are the
    images here, each a tower input of its own), and the features are all-gathered.
    The gather's backward sums the gradients over the group, so each rank's tower
-   receives the gradient of the features it produced.
+   receives the gradient of the features it produced. (Gemma 4's tower takes each image's
+   own patches with their (x, y), padded to the row's most: padding is masked out.)
 2. **Merge.** A rank embeds its own tokens and writes into the image-placeholder slots the
    features of exactly those image tokens. An image cut by a shard boundary gives each
-   side its own tokens' features. A shard without images writes nothing.
+   side its own tokens' features. A shard without images writes nothing. Gemma 4 embeds
+   the placeholders as the pad token first, as its own forward does (its per-layer input
+   embeddings read that token there).
 3. **Positions.** Rotary positions come from the model's own rule, per document of the
    whole row (`get_rope_index` for 3-D mRoPE), then are sliced like the tokens. Document
    boundaries come from the text positions, never from the 3-D ones.
 4. **Deepstack** (Qwen3-VL): the tower's intermediate features are gathered the same way
    and handed to the language model with this shard's visual-token mask.
+5. **Both-ways images** (Gemma 3 on every layer; Gemma 4 with `use_bidirectional_attention:
+   vision` on its sliding-window layers only): the row's image runs go on `sp_meta`, which
+   only Ulysses computes (parallel/attention.py).
 
 The language model then runs with the SP attention on `sp_meta`, as a text model does.
 """
