@@ -197,7 +197,9 @@ _RECORDS = (
     # image only), pooled by position; its images attend both ways on sliding layers only.
     Family("gemma4", vision=VisionFamily(
         "Gemma 4", positions="text", images_attend="sliding_both_ways", pixels="positioned",
-        tower="position_pooled", modules=("vision_tower", "embed_vision"), prepared=False,
+        tower="position_pooled", modules=("vision_tower", "embed_vision"),
+        processor_marker="Gemma4", image_only_processor="Gemma4Processor",
+        image_markers=(),  # its begin/end of image: the tokenizer's `boi_token`, `eoi_token`
         placeholders_as_pad=True, video_refusal=(
             "Gemma 4's video frames go through `get_video_features` with their own position "
             "ids and frame counts, which the VLM path does not pass"))),
