@@ -120,7 +120,7 @@ def test_gemma4_is_rebuilt_and_its_config_picks_how_images_attend() -> None:
     record = family("gemma4")
     assert "gemma4" in VISION_FAMILIES and "gemma4" in BIDIRECTIONAL_IMAGE_FAMILIES
     assert record.vision_refusal is None and record.vision.pixels == "positioned"
-    assert not record.vision.prepared  # its processor's rows are not built yet
+    assert record.vision.prepared  # its processor's rows: tests/test_vlm_gemma4_data.py
     both = AutoConfig.for_model("gemma4", vision_config={},
                                 text_config={"use_bidirectional_attention": "vision"})
     assert image_attention(both) == "sliding_both_ways"
@@ -217,8 +217,14 @@ def test_a_ring_with_both_ways_images_is_refused_naming_ulysses(mode: str) -> No
     assert "ulysses" in e.value.fix and "\n" not in text
 
 
-def test_its_processor_rows_are_refused_until_longctx_builds_them() -> None:
-    with pytest.raises(UserError) as e:
-        _plan(_both_ways(), world=2, sp=2, sequence_parallel_mode="ulysses",
-              processor_type="AutoProcessor")
-    assert e.value.where == "processor_type" and "gemma4" in str(e.value), str(e.value)
+def test_its_processor_rows_train_under_ulysses_and_its_videos_stay_refused() -> None:
+    """`processor_type` is accepted for Gemma 4 (its rows are built, see
+    tests/test_vlm_gemma4_data.py): the plan shows its both-ways images on the sliding
+    layers; the rings stay refused (above) and so do videos (the data side's refusal,
+    tests/test_vlm_gemma4_data.py)."""
+    from tests.test_vlm_plan import _rows
+
+    rows = _rows(_plan(_both_ways(), world=2, sp=2, sequence_parallel_mode="ulysses",
+                       processor_type="AutoProcessor"))
+    assert "sliding-window layers" in rows["image attention"], rows
+    assert family("gemma4").vision.video_refusal
