@@ -165,7 +165,7 @@ def test_markers_and_soft_tokens_are_never_targets(vp, tmp_path, images):
                    for k in ("boi_token", "eoi_token", "image_token"))
 
 
-def test_a_video_is_refused_with_gemma4s_reason(vp, tmp_path, images):
+def test_videos_and_audio_are_refused(vp, tmp_path, images):
     frames = [str(make_image(tmp_path / "img", f"v{i}.png", (32, 32), 10 + i))
               for i in range(2)]
     record = {"messages": [
@@ -173,4 +173,7 @@ def test_a_video_is_refused_with_gemma4s_reason(vp, tmp_path, images):
                                      {"type": "text", "text": "Describe this image."}]},
         {"role": "assistant", "content": "A cat."}]}
     with pytest.raises(UserError, match="Gemma 4's video frames"):
+        vision.encode_vision_record(record, vp, WHERE, base_dir=Path(tmp_path))
+    record["messages"][0]["content"][0] = {"type": "audio", "path": "a.wav"}  # nor audio
+    with pytest.raises(UserError, match="unknown part type 'audio'"):
         vision.encode_vision_record(record, vp, WHERE, base_dir=Path(tmp_path))
