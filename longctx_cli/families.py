@@ -15,14 +15,19 @@ from typing import Literal
 # the model's `get_rope_index` over each document's image grids; `text` the 1-D text ones.
 Positions = Literal["mrope", "text"]
 # How its image tokens attend: `causal` as text; `both_ways` within each image (a
-# bidirectional block inside the causal mask); `prefix` the image and the prompt after it both
-# ways (a prefix LM, which longctx does not compute).
-ImageAttention = Literal["causal", "both_ways", "prefix"]
+# bidirectional block inside the causal mask); `sliding_both_ways` so on its sliding-window
+# layers only, causally on the others, where the text config sets
+# `use_bidirectional_attention: vision` (Gemma 4; causally everywhere otherwise: see
+# `image_attention`); `prefix` the image and the prompt after it both ways (a prefix LM,
+# which longctx does not compute).
+ImageAttention = Literal["causal", "both_ways", "sliding_both_ways", "prefix"]
 # The tower's input, as its processor lays pixels out: `patches` rows of patches with a
 # `[t, h, w]` grid per item (videos too); `images` whole images `[images, C, H, W]`, all of
 # the tower's one size; `sized` whole images each at its own size, zero-padded to the row's
-# largest, with their `image_sizes` `[images, 2]` (height, width: Pixtral).
-Pixels = Literal["patches", "images", "sized"]
+# largest, with their `image_sizes` `[images, 2]` (height, width: Pixtral); `positioned` each
+# image's patches as rows `[images, patches, patch_dim]` padded to the row's most, with each
+# patch's (x, y) in `image_position_ids` `[images, patches, 2]`, (-1, -1) on padding (Gemma 4).
+Pixels = Literal["patches", "images", "sized", "positioned"]
 # How the tower turns patches into image tokens, which is how the probe shrinks it: `merged`
 # a patch tower of `depth` blocks whose merger joins patches (Qwen-VL); `pooled` a fixed-size
 # tower pooled to `mm_tokens_per_image` tokens (Gemma 3); `per_patch` a fixed-size tower with
@@ -30,8 +35,9 @@ Pixels = Literal["patches", "images", "sized"]
 # whose projector merges `spatial_merge_size`**2 patches per token (Pixtral, Mistral 3);
 # `shuffled` a fixed-size tower over each image's tiles (a thumbnail among them), each tile
 # its own tower input, whose connector pixel-shuffles `scale` x `scale` patches into one
-# token (SmolVLM, InternVL).
-Tower = Literal["merged", "pooled", "per_patch", "sized", "shuffled"]
+# token (SmolVLM, InternVL); `position_pooled` a patch tower of any image size whose pooler
+# averages `pooling_kernel_size`**2 patches per token by their (x, y) (Gemma 4).
+Tower = Literal["merged", "pooled", "per_patch", "sized", "shuffled", "position_pooled"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,9 @@ class VisionFamily:
     # `get_image_features` takes the tiles as one sample, `[1, tiles, C, H, W]` (SmolVLM,
     # which drops all-zero tiles as batch padding), not `[tiles, C, H, W]`.
     tiles_as_sample: bool = False
+    # Its forward embeds the placeholders as the text pad token before writing the features
+    # over them (Gemma 4: its per-layer input embeddings read that token's row there).
+    placeholders_as_pad: bool = False
 
     @property
     def rebuilt(self) -> bool:
@@ -196,20 +205,23 @@ _RECORDS = (
     Family("mistral3", trains_text=True, lean_norms=True, vision=VisionFamily(
         "Mistral 3", positions="text", images_attend="causal", pixels="sized", tower="sized",
         modules=("vision_tower", "multi_modal_projector"))),
+    # Gemma 4: a tower over each image's own patches (2-D positions, attending within the
+    # image only), pooled by position; its images attend both ways on sliding layers only.
+    Family("gemma4", vision=VisionFamily(
+        "Gemma 4", positions="text", images_attend="sliding_both_ways", pixels="positioned",
+        tower="position_pooled", modules=("vision_tower", "embed_vision"),
+        processor_marker="Gemma4", image_only_processor="Gemma4Processor",
+        image_markers=(),  # its begin/end of image: the tokenizer's `boi_token`, `eoi_token`
+        placeholders_as_pad=True, video_refusal=(
+            "Gemma 4's video frames go through `get_video_features` with their own position "
+            "ids and frame counts, which the VLM path does not pass"))),
     # Vision-language families runtime/vision.py does not rebuild, each with the reason.
-    Family("gemma4", vision_refusal=(
-        "Gemma 4's image tokens attend both ways on its sliding-window layers only and "
-        "causally on its full-attention layers (`use_bidirectional_attention: vision`), and "
-        "its tower takes each image as a variable-length run of patches with 2-D position ids "
-        "(`image_position_ids`), pooled to a count that depends on the image: the VLM path "
-        "computes neither (its both-ways images are Gemma 3's, on every layer, from whole "
-        "fixed-size images)")),
     Family("gemma4_unified", vision_refusal=(
         "Gemma 4 unified has no vision tower: it embeds each image's raw patches with their "
         "2-D position ids (`image_position_ids`) straight into the text model, whose image "
         "tokens attend both ways (`use_bidirectional_attention: vision`): the VLM path "
-        "computes neither (its both-ways images are Gemma 3's, from a tower's pooled "
-        "features)")),
+        "merges a tower's features only (Gemma 4's tower is rebuilt; these raw patch "
+        "embeddings are not)")),
     Family("gemma3n", vision_refusal=(
         "Gemma 3n's vision tower is a timm MobileNetV5 backbone and it also takes audio "
         "(`input_features`, its audio tower); the VLM path rebuilds neither tower, and longctx "
@@ -310,8 +322,24 @@ PREPARED_FAMILIES = tuple(t for t in VISION_FAMILIES if FAMILIES[t].vision.prepa
 # ... and those whose image tokens attend to each other both ways. Only Ulysses computes it:
 # after its all-to-all a rank holds the whole row for some heads, while a ring's ranks each
 # hold a part of every document's keys.
+# (Gemma 4's on its sliding layers, where its config asks for it: `image_attention`.)
 BIDIRECTIONAL_IMAGE_FAMILIES = tuple(
-    t for t in VISION_FAMILIES if FAMILIES[t].vision.images_attend == "both_ways")
+    t for t in VISION_FAMILIES
+    if FAMILIES[t].vision.images_attend in ("both_ways", "sliding_both_ways"))
+
+
+def image_attention(hf_config: object) -> ImageAttention | None:
+    """How the image tokens of a model of this config attend (None: not a rebuilt VLM):
+    its family's rule, where Gemma 4's both-ways images are its text config's choice
+    (`use_bidirectional_attention: vision`; causal otherwise)."""
+    record = vision_family(str(getattr(hf_config, "model_type", "")))
+    if record is None or record.images_attend != "sliding_both_ways":
+        return None if record is None else record.images_attend
+    text = getattr(hf_config, "text_config", None) or hf_config
+    both = getattr(text, "use_bidirectional_attention", None) == "vision"
+    return "sliding_both_ways" if both else "causal"
+
+
 # Every family's tower and projector attribute names (what `freeze_mm_modules` freezes).
 VISION_MODULE_NAMES = tuple(dict.fromkeys(
     name for f in FAMILIES.values() if f.vision for name in f.vision.modules))

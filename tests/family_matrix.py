@@ -838,10 +838,16 @@ REFUSED_FAMILIES = (
      "their towers, feature merge "
      "and positions are not rebuilt under sequence parallelism; their text models train "
      "where transformers has a causal LM of their own"),
-    ("Gemma 4's images (`gemma4`)", "its image tokens attend both ways on sliding-window "
-     "layers only, and its tower takes variable-length patch runs with 2-D position ids: "
-     "the VLM path computes neither (its text, and its default config without towers, are "
-     "exact)"),
+    ("Gemma 4's both-ways images (`gemma4`) under a ring or hybrid, and its videos",
+     "with `use_bidirectional_attention: vision` its image tokens attend both ways on its "
+     "sliding-window layers, which a ring's ranks (each holding part of every document's "
+     "keys) do not compute: refused, with the fix `sequence_parallel_mode: ulysses`. Its "
+     "forward with images is exact at sp 1 and under Ulysses, and with causal images (the "
+     "setting unset) under the rings too (tests/test_vlm_gemma4.py); its processor's rows "
+     "are its own (tests/test_vlm_gemma4_data.py) and `longctx train` on them equals its "
+     "own training (tests/test_vlm_train.py). Its videos (their own position ids and frame "
+     "counts) and audio are refused. Its text, and its default config without towers, are "
+     "exact"),
     ("Gemma 4 unified's images (`gemma4_unified`)", "no vision tower: raw patches with 2-D "
      "position ids are embedded straight into the text model, whose image tokens attend both "
      "ways; the VLM path computes neither (its text, and its default config, are exact)"),

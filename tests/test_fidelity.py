@@ -399,6 +399,29 @@ def test_mistral3_vision_probe_passes_with_images_of_their_own_size() -> None:
     assert result.gradients_checked > 40  # the tower's and the patch merger's among them
 
 
+@pytest.mark.parametrize("bidirectional", ["vision", None])
+def test_gemma4_vision_probe_passes_with_positioned_patches(bidirectional: str | None) -> None:
+    """Gemma 4's defaults with its tower, shrunk to two blocks pooled 2 x 2: the probe's row
+    of three images of their own patch grids (`image_position_ids`), with its images both
+    ways on the sliding layers or causal, through longctx at sp 1 equals
+    Gemma4ForConditionalGeneration's own training."""
+    from transformers.models.gemma4 import configuration_gemma4 as g4
+
+    from longctx_cli.checks.fidelity import shrink_vision_config
+
+    config = AutoConfig.for_model(
+        "gemma4", vision_config=g4.Gemma4VisionConfig().to_dict(),
+        text_config={"use_bidirectional_attention": bidirectional})
+    tiny = shrink_vision_config(config)
+    assert tiny.vision_config.num_hidden_layers == 2 and tiny.vision_config.hidden_size == 32
+    assert tiny.vision_config.pooling_kernel_size == 2
+    assert tiny.image_token_id < tiny.text_config.vocab_size
+    result = run_probe(config, images=True)
+    assert result.summary().startswith("passed") and "images" in result.summary(), result
+    assert result.loss_rel_error < 1e-5, result
+    assert result.gradients_checked > 20  # the tower's among them
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
 def test_qwen3_5_vision_probe_passes_on_its_defaults(model_type: str) -> None:
     # Its delta-nets run per document inside the VLM path too; their float32 chunked scan

@@ -89,7 +89,6 @@ def test_paligemma_is_refused_as_a_prefix_lm() -> None:
 
 
 @pytest.mark.parametrize("model_type, why", [
-    ("gemma4", "sliding-window layers only"),
     ("llama4", "into tiles plus a global view"),
     ("gemma3n", "longctx has no audio inputs"),
     ("gemma4_unified", "has no vision tower: it embeds each image's raw patches"),
@@ -98,7 +97,7 @@ def test_vlm_families_not_rebuilt_are_refused_with_their_own_reason(model_type, 
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
-    if config.vision_config is None:  # Gemma 4's defaults have no tower: give it its own
+    if config.vision_config is None:  # Gemma 4 unified's defaults have no tower part
         config = AutoConfig.for_model(model_type, vision_config={})
     with pytest.raises(UserError) as e:
         _plan(config, processor_type="AutoProcessor")

@@ -1,11 +1,11 @@
 """`longctx train` on image-bearing chats equals the model's own Hugging Face training.
 
-A tiny Qwen2.5-VL, Qwen3-VL, LLaVA or Gemma 3 and an offline processor (tests/vlm_fixtures.py); a
-dozen records of one to three images each, packed into rows. `longctx train` at sp 2 runs
-three optimizer steps; the reference trains a copy of the same initial model on the rows
-`longctx train` read, each document through the model's own `forward(pixel_values=...,
-labels=)`. The per-step losses and the final weights must agree, and `final/` must load as
-the model's own class with its processor.
+A tiny Qwen2.5-VL, Qwen3-VL, LLaVA, Gemma 3 or Gemma 4 and an offline processor
+(tests/vlm_fixtures.py); a dozen records of one to three images each, packed into rows.
+`longctx train` at sp 2 runs three optimizer steps; the reference trains a copy of the same
+initial model on the rows `longctx train` read, each document through the model's own
+`forward(pixel_values=..., labels=)`. The per-step losses and the final weights must agree,
+and `final/` must load as the model's own class with its processor.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from tests.train_helpers import run_longctx
 from tests.vlm_fixtures import (
     QWEN2_5_VL,
     write_tiny_gemma3_processor,
+    write_tiny_gemma4_processor,
     write_tiny_llava_processor,
     write_tiny_qwen_vl_processor,
 )
@@ -99,9 +100,27 @@ def _gemma3() -> dict:
     return config
 
 
+def _gemma4() -> dict:
+    """tests/vlm_models.py's tiny Gemma 4 (sliding and wider full layers, a KV-shared one,
+    per-layer inputs, images both ways on the sliding layers) at the fixture processor's
+    2-pixel patches pooled 2 x 2, with its tokenizer's image token ids and room for its
+    vocabulary (and its images' patch positions, up to 22 along a side)."""
+    from tests.vlm_models import _config
+
+    config = json.loads(_config("gemma4").to_json_string(use_diff=True))
+    config.pop("transformers_version", None)
+    config.update(image_token_id=GEMMA4_IMAGE_ID, boi_token_id=5, eoi_token_id=6)
+    config["vision_config"].update(patch_size=2, pooling_kernel_size=2,
+                                   position_embedding_size=32)
+    config["text_config"].update(vocab_size=448, vocab_size_per_layer_input=448,
+                                 bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    return config
+
+
 VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")  # their records hold a video too
 LLAVA_IMAGE_ID = 3  # the LLaVA fixture tokenizer's <image>
 GEMMA3_IMAGE_ID = 7  # the Gemma 3 fixture tokenizer's <image_soft_token>
+GEMMA4_IMAGE_ID = 7  # the Gemma 4 fixture tokenizer's <|image|>
 # Fixed-size images: per family the image token id, the side, and the tokens per image.
 FLAT_IMAGES = {"llava": (LLAVA_IMAGE_ID, 16, 16), "gemma3": (GEMMA3_IMAGE_ID, 32, 16)}
 # Per family: the model, and its processor's patch size and class (tests/vlm_fixtures.py).
@@ -109,7 +128,8 @@ FAMILIES = {"qwen2_5_vl": (QWEN2_5_VL, 14, "Qwen2_5_VLProcessor"),
             "qwen3_vl": (QWEN3_VL, 16, "Qwen3VLProcessor"),
             "qwen3_5": (QWEN3_5, 16, "Qwen3VLProcessor"),
             "llava": (_llava(), 4, "LlavaProcessor"),
-            "gemma3": (_gemma3(), 4, "Gemma3Processor")}
+            "gemma3": (_gemma3(), 4, "Gemma3Processor"),
+            "gemma4": (_gemma4(), 2, "Gemma4Processor")}
 
 
 def _setup(tmp: Path, family: str) -> Path:
@@ -120,6 +140,8 @@ def _setup(tmp: Path, family: str) -> Path:
         write_tiny_llava_processor(tmp / "processor", FLAT_IMAGES["llava"][1], patch)
     elif family == "gemma3":
         write_tiny_gemma3_processor(tmp / "processor", *FLAT_IMAGES["gemma3"][1:])
+    elif family == "gemma4":
+        write_tiny_gemma4_processor(tmp / "processor", patch)
     else:
         write_tiny_qwen_vl_processor(tmp / "processor", patch, processor_class)
     gen = torch.Generator().manual_seed(0)
@@ -169,6 +191,8 @@ def _documents(row: dict, family: str) -> list[tuple[torch.Tensor, torch.Tensor,
     """A cached row's documents, each with the model's own image and video inputs."""
     if family in FLAT_IMAGES:
         return _flat_documents(row, family)
+    if family == "gemma4":
+        return _positioned_documents(row)
     ids, pos, labels = (torch.tensor(row[k]) for k in ("input_ids", "position_ids", "labels"))
     pixels = torch.tensor(row["pixel_values"]).view(-1, row["pixel_dim"])
     grids = torch.tensor(row["image_grid_thw"], dtype=torch.long).view(-1, 3)
@@ -238,6 +262,40 @@ def _flat_documents(row: dict, family: str) -> list[tuple[torch.Tensor, torch.Te
     return docs
 
 
+def _positioned_documents(row: dict) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
+    """A cached Gemma 4 row's documents with the model's own inputs: each image's patches
+    (grid `(-1, h, w)`, row-major) padded to the document's most, their (x, y) as
+    `image_position_ids` ((-1, -1) on padding), and `mm_token_type_ids`, which make its
+    image tokens attend both ways on the sliding layers."""
+    ids, pos, labels = (torch.tensor(row[k]) for k in ("input_ids", "position_ids", "labels"))
+    pixels = torch.tensor(row["pixel_values"]).view(-1, row["pixel_dim"])
+    grids = [tuple(g) for g in row["image_grid_thw"]]
+    assert all(t == -1 for t, _, _ in grids)
+    patches = list(pixels.split([h * w for _, h, w in grids])) if grids else []
+    starts = [*(pos == 0).nonzero().flatten().tolist(), len(ids)]
+    docs, image = [], 0
+    for a, b in itertools.pairwise(starts):
+        types = (ids[a:b] == GEMMA4_IMAGE_ID).long()
+        count = int((types.diff(prepend=types.new_zeros(1)) == 1).sum())  # its image runs
+        kwargs: dict = {}
+        if count:
+            own = range(image, image + count)
+            most = max(len(patches[i]) for i in own)
+            rows, xy = [], []
+            for i in own:
+                _, h, w = grids[i]
+                y, x = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+                mine = torch.stack([x.flatten(), y.flatten()], -1)
+                rows.append(torch.nn.functional.pad(patches[i], (0, 0, 0, most - h * w)))
+                xy.append(torch.cat([mine, mine.new_full((most - h * w, 2), -1)]))
+            kwargs = {"pixel_values": torch.stack(rows), "image_position_ids": torch.stack(xy),
+                      "mm_token_type_ids": types[None]}
+        docs.append((ids[a:b], labels[a:b], kwargs))
+        image += count
+    assert image == len(grids)
+    return docs
+
+
 def _reference(config_path: Path, family: str) -> dict[str, Any]:
     """The model's own training on the rows `longctx train` read at each step."""
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -267,6 +325,8 @@ def _reference(config_path: Path, family: str) -> dict[str, Any]:
             images += len(kwargs.get("image_grid_thw", kwargs.get("pixel_values", ())))
             if family == "gemma3" and "pixel_values" in kwargs:  # its image tokens both ways
                 runs += int((kwargs["token_type_ids"].diff() == 1).sum())
+            if family == "gemma4" and "pixel_values" in kwargs:  # both ways on sliding layers
+                runs += len(kwargs["pixel_values"])
             videos += len(kwargs.get("video_grid_thw", ()))
             loss = model(input_ids=ids[None], labels=lab[None], **kwargs).loss * (n / sum(targets))
             loss.backward()
@@ -277,7 +337,8 @@ def _reference(config_path: Path, family: str) -> dict[str, Any]:
         losses.append(total)
     assert images >= 3  # the steps trained on images, not only text
     assert videos >= 1 or family not in VIDEO_FAMILIES, videos  # and on a video
-    assert runs >= 3 or family != "gemma3", runs  # and on Gemma 3's bidirectional images
+    # ... and on Gemma 3's (Gemma 4's) both-ways images
+    assert runs >= 3 or family not in ("gemma3", "gemma4"), runs
     weights = {k: v.detach().double().numpy() for k, v in model.named_parameters()}
     return {"losses": losses, "weights": weights}
 
@@ -309,7 +370,8 @@ LAYOUTS = {
                                             ("qwen3_vl", "ring_sp2"),
                                             ("qwen3_5", "ring_sp2"),
                                             ("llava", "ring_sp2"),
-                                            ("gemma3", "ulysses_sp2_fsdp")])
+                                            ("gemma3", "ulysses_sp2_fsdp"),
+                                            ("gemma4", "ulysses_sp2_fsdp")])
 def test_train_at_sp2_equals_the_models_own_training(trained_on: Any, family: str,
                                                      layout: str) -> None:
     from transformers import AutoModelForImageTextToText
@@ -328,7 +390,8 @@ def test_train_at_sp2_equals_the_models_own_training(trained_on: Any, family: st
                                      "qwen3_vl": "Qwen3VLForConditionalGeneration",
                                      "qwen3_5": "Qwen3_5ForConditionalGeneration",
                                      "llava": "LlavaForConditionalGeneration",
-                                     "gemma3": "Gemma3ForConditionalGeneration"}[family]
+                                     "gemma3": "Gemma3ForConditionalGeneration",
+                                     "gemma4": "Gemma4ForConditionalGeneration"}[family]
     run = {"losses": losses, "weights": {k: v.detach().double().numpy()
                                          for k, v in loaded.named_parameters()}}
     assert len(losses) == STEPS

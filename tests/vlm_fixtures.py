@@ -184,6 +184,39 @@ def write_tiny_gemma3_processor(folder: str | Path, image_side: int = 32,
     return folder
 
 
+# ---- Gemma 4 -------------------------------------------------------------------------------
+
+# Gemma 4's image and audio tokens, as its tokenizer names them (its processor reads all six:
+# the template writes `image_token`, the processor puts `boi_token`/`eoi_token` around its run).
+GEMMA4_MEDIA_TOKENS = {"boi_token": "<|image>", "eoi_token": "<image|>",
+                       "image_token": "<|image|>", "boa_token": "<|audio>",
+                       "eoa_token": "<audio|>", "audio_token": "<|audio|>"}
+# Gemma 3's template shape with Gemma 4's image placeholder.
+GEMMA4_TEMPLATE = GEMMA3_TEMPLATE.replace("<start_of_image>", "<|image|>")
+
+
+def write_tiny_gemma4_processor(folder: str | Path, patch_size: int = 2, pooling: int = 2,
+                                max_soft_tokens: int = 70) -> Path:
+    """A Gemma 4 processor's files in `folder`, offline: its PIL image processor (each image
+    resized, aspect kept, to at most `max_soft_tokens` pooled tokens of `pooling` x `pooling`
+    patches of `patch_size` pixels), a byte-level tokenizer with Gemma's turn tokens and its
+    media tokens. Without torchvision `load_processor` builds it as an image-only
+    `Gemma4Processor` (its own needs a video processor)."""
+    from transformers import Gemma4ImageProcessorPil
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = EXAMPLE.train_tokenizer(
+        CORPUS * 20, 400, GEMMA3_SPECIALS, tuple(GEMMA4_MEDIA_TOKENS.values()),
+        pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+        extra_special_tokens=dict(GEMMA4_MEDIA_TOKENS))
+    images = Gemma4ImageProcessorPil(patch_size=patch_size, pooling_kernel_size=pooling,
+                                     max_soft_tokens=max_soft_tokens)
+    EXAMPLE.save_processor(folder, tokenizer, images, GEMMA4_TEMPLATE, "Gemma4Processor",
+                           "Gemma4ImageProcessor", image_seq_length=max_soft_tokens)
+    return folder
+
+
 # ---- records and the processors' own encodings, shared by the data tests -------------------
 
 

@@ -44,6 +44,20 @@ SIZED_DOCUMENTS = (
 # that at sp 2 the middle of the row falls inside a tile of the first image.
 TILED = {"smolvlm": (24, 9), "internvl": (24, 9)}
 TILED_FAMILIES = tuple(TILED)
+# Gemma 4: each image its own (h, w) patches with their (x, y), padded to the row's most, 2 x 2
+# of them pooled into a token; its sliding layers see 6 tokens back, fewer than its first
+# image holds. `gemma4` sets `use_bidirectional_attention: vision` (its images attend both
+# ways on the sliding layers), `gemma4_causal` leaves it unset (causal images); `gemma4_moe`
+# is Gemma 4 26B-A4B's shape: experts beside each dense MLP, no per-layer inputs.
+GEMMA4 = {"gemma4": {"use_bidirectional_attention": "vision"},
+          "gemma4_causal": {"use_bidirectional_attention": None},
+          "gemma4_moe": {"use_bidirectional_attention": "vision", "enable_moe_block": True,
+                         "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32,
+                         "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0}}
+GEMMA4_POOL = 2
+# 37 + 9 + 10 = 56 tokens: the first image is tokens 13-28, so the contiguous halves'
+# boundary (28) and the zigzag ring's first rank change (14) both fall inside it.
+GEMMA4_DOCUMENTS = ((12, (1, 8, 8), 2, (1, 2, 2), 2), (9,), (3, (1, 4, 2), 3))
 
 
 def _config(family: str):
@@ -159,6 +173,28 @@ def _config(family: str):
                                              image_size=side, patch_size=PATCH),
             mm_tokens_per_image=tokens, image_token_index=IMAGE_ID,
             boi_token_index=START_ID, eoi_token_index=END_ID)
+    if family in GEMMA4:
+        from transformers import Gemma4Config
+
+        # Four layers (sliding, full, sliding, full), the full ones wider (its per-layer
+        # config) with keys as values, the last reusing the second's keys and values (one
+        # shared layer only: the third's keys read the second's image outputs, so whether a
+        # full layer's images attend both ways shows in the loss), and per-layer input
+        # embeddings that cover the image token's id (placeholders must embed as pad).
+        return Gemma4Config(
+            text_config={**text, "head_dim": 8, "num_hidden_layers": 4,
+                         "layer_types": ["sliding_attention", "full_attention"] * 2,
+                         "sliding_window": GEMMA3_WINDOW,
+                         "per_layer_config": {"1": {"head_dim": 16}, "3": {"head_dim": 16}},
+                         "attention_k_eq_v": True, "num_kv_shared_layers": 1,
+                         "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB,
+                         **GEMMA4[family]},
+            vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                               patch_size=PATCH, pooling_kernel_size=GEMMA4_POOL,
+                               position_embedding_size=16, initializer_range=0.2),
+            image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, boi_token_id=START_ID,
+            eoi_token_id=END_ID, audio_token_id=194, boa_token_id=195, eoa_token_index=196)
     if family == "mistral3":
         from transformers import Mistral3Config
 
@@ -224,6 +260,8 @@ def _image(family: str, grid: tuple[int, int, int], gen: torch.Generator
     if family in FLAT:
         side, tokens = FLAT[family]
         return torch.randn(1, 3, side, side, generator=gen), tokens
+    if family in GEMMA4:  # [1, h * w, patch_dim] patches in rows, (x, y) kept by _inputs
+        return torch.rand(1, h * w, 3 * PATCH * PATCH, generator=gen), h * w // GEMMA4_POOL**2
     rows = t * h * w
     frames = 1 if family in SQUARE_PATCHES else TEMPORAL  # PaddleOCR-VL: one-frame patches
     return torch.randn(rows, 3 * frames * PATCH * PATCH, generator=gen), rows // MERGE**2
@@ -259,8 +297,8 @@ def image_row(family: str, seed: int = 0, specs: tuple | None = None):
     ids, pos, labels, pixels, grids, kinds, docs = [], [], [], [], [], [], []
     video = QWEN3_VL_VIDEO_DOCUMENT if family in TIMESTAMPED else VIDEO_DOCUMENT
     if specs is None:
-        specs = SIZED_DOCUMENTS if family in SIZED else (
-            DOCUMENTS + ((video,) if family in VIDEO_FAMILIES else ()))
+        specs = (SIZED_DOCUMENTS if family in SIZED else GEMMA4_DOCUMENTS if family in GEMMA4
+                 else DOCUMENTS + ((video,) if family in VIDEO_FAMILIES else ()))
     for spec in specs:
         d_ids, d_labels, d_pixels, d_grids, d_kinds = [], [], [], [], []
         for part in spec:
@@ -312,6 +350,15 @@ def _inputs(pixels: list[torch.Tensor], grids: list, kinds: list[int],
             [[p.shape[-2], p.shape[-1]] for p in pixels]))
     if family in FLAT or family in TILED:
         return VisionInputs(torch.cat(pixels))
+    if family in GEMMA4:  # padded to the most patches, (-1, -1) the padding's (x, y)
+        most = max(p.shape[1] for p in pixels)
+        rows, xy = [], []
+        for p, (_, h, w) in zip(pixels, grids, strict=True):
+            rows.append(torch.nn.functional.pad(p, (0, 0, 0, most - p.shape[1])))
+            y, x = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+            own = torch.stack([x.flatten(), y.flatten()], -1)
+            xy.append(torch.cat([own, own.new_full((most - h * w, 2), -1)])[None])
+        return VisionInputs(torch.cat(rows), patch_positions=torch.cat(xy))
     videos = kinds.count(VIDEO)
     return VisionInputs(torch.cat(pixels), torch.tensor(grids), tuple(kinds),
                         torch.full((videos,), SECONDS_PER_GRID) if videos else None)
@@ -326,7 +373,11 @@ def own_vlm_step(model: torch.nn.Module, docs) -> float:
         kwargs = {}
         if model.config.model_type == "gemma3":  # what makes its image tokens bidirectional
             kwargs["token_type_ids"] = (ids == IMAGE_ID).long()[None]
-        if media is not None and media.image_sizes is not None:
+        if media is not None and media.patch_positions is not None:  # Gemma 4
+            kwargs.update(pixel_values=media.pixel_values,
+                          image_position_ids=media.patch_positions,
+                          mm_token_type_ids=(ids == IMAGE_ID).long()[None])
+        elif media is not None and media.image_sizes is not None:
             kwargs.update(pixel_values=media.pixel_values, image_sizes=media.image_sizes)
         elif media is not None and media.image_grid_thw is None:
             kwargs["pixel_values"] = media.pixel_values

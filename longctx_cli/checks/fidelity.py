@@ -971,6 +971,11 @@ def _shrink_tower(tiny: Any, vision: Any, text: Any) -> None:
         vision.num_hidden_layers, vision.num_attention_heads = 2, 2
         vision.hidden_size, vision.head_dim = 32, 16
         vision.intermediate_size = PROBE_INTERMEDIATE
+    elif tower == "position_pooled":  # Gemma 4: two blocks 32 wide, 2 x 2 patches pooled
+        vision.num_hidden_layers, vision.hidden_size = 2, 32
+        vision.num_attention_heads = vision.num_key_value_heads = 2
+        vision.head_dim, vision.intermediate_size = 16, PROBE_INTERMEDIATE
+        vision.pooling_kernel_size = 2  # the probe's grids are 4 x 4, 2 x 4 and 4 x 2
     elif tower == "pooled":  # Gemma 3: 4 x 4 patches pooled to 2 x 2
         vision.num_hidden_layers = 2
         vision.image_size = 4 * vision.patch_size
@@ -1046,7 +1051,8 @@ def _vision_row(tiny: Any) -> tuple[Any, ...]:
     end = getattr(tiny, "vision_end_token_id", getattr(tiny, "eoi_token_index", None))
     sized = _tower(tiny) == "sized"  # each image (1, h, w) patches at its own size
     tiled = _tower(tiny) == "shuffled"
-    flat = _tower(tiny) not in ("merged", "sized")
+    positioned = _tower(tiny) == "position_pooled"  # each image's h * w patches, (x, y)
+    flat = _tower(tiny) not in ("merged", "sized", "position_pooled")
     ids, labels, pos, docs, all_pixels, all_grids = [], [], [], [], [], []
     for spec in _VISION_DOCUMENTS:
         d_ids, d_pixels, d_grids = [], [], []
@@ -1054,7 +1060,12 @@ def _vision_row(tiny: Any) -> tuple[Any, ...]:
             if isinstance(part, int):
                 d_ids += torch.randint(8, image_id - 8, (part,), generator=gen).tolist()
                 continue
-            if sized:
+            if positioned:
+                _, h, w = part
+                d_pixels.append(torch.rand(h * w, patch_width(vision), generator=gen))
+                d_grids.append(part)
+                count = h * w // vision.pooling_kernel_size**2
+            elif sized:
                 _, h, w = part
                 d_pixels.append(torch.randn(1, 3, h * vision.patch_size, w * vision.patch_size,
                                             generator=gen))
@@ -1077,21 +1088,27 @@ def _vision_row(tiny: Any) -> tuple[Any, ...]:
             d_ids += [x for x in (end,) if x is not None]
         d = torch.tensor(d_ids)
         d_labels = torch.where(d >= image_id - 5, IGNORE_INDEX, d)
-        images = (_probe_inputs(d_pixels, d_grids, flat, sized) if d_pixels else None)
+        images = (_probe_inputs(d_pixels, d_grids, flat, sized, positioned) if d_pixels else None)
         docs.append((d, d_labels, images))
         ids.append(d)
         labels.append(d_labels)
         pos.append(torch.arange(len(d)))
         all_pixels += d_pixels
         all_grids += d_grids
-    images = _probe_inputs(all_pixels, all_grids, flat, sized)
+    images = _probe_inputs(all_pixels, all_grids, flat, sized, positioned)
     return torch.cat(ids), torch.cat(pos), torch.cat(labels), images, docs
 
 
-def _probe_inputs(pixels: list[torch.Tensor], grids: list, flat: bool, sized: bool) -> Any:
+def _probe_inputs(pixels: list[torch.Tensor], grids: list, flat: bool, sized: bool,
+                  positioned: bool = False) -> Any:
     """The tower's inputs of some probe images: patch rows with their grids, whole images,
-    or (`sized`) images of their own sizes zero-padded to the largest, with `image_sizes`."""
+    or (`sized`) images of their own sizes zero-padded to the largest, with `image_sizes`;
+    positioned patches (Gemma 4) as the rows read them back (runtime/batches.py)."""
+    from longctx_cli.runtime.batches import media_inputs
     from longctx_cli.runtime.vision import VisionInputs
+
+    if positioned:  # stored as the grid (-1, h, w), read back padded with their (x, y)
+        return media_inputs(torch.cat(pixels), [(-1, h, w) for _, h, w in grids], [], [])
 
     if sized:
         top, side = max(p.shape[-2] for p in pixels), max(p.shape[-1] for p in pixels)
@@ -1121,6 +1138,9 @@ def _own_vision_training(model: Any, docs: list, image_id: int) -> float:
                 kwargs["pixel_values"] = images.pixel_values[None]
             if images.image_grid_thw is not None:
                 kwargs.update(image_grid_thw=images.image_grid_thw,
+                              mm_token_type_ids=(ids == image_id).long()[None])
+            if images.patch_positions is not None:  # Gemma 4: each patch's (x, y)
+                kwargs.update(image_position_ids=images.patch_positions,
                               mm_token_type_ids=(ids == image_id).long()[None])
         if vision_family(model.config.model_type).images_attend == "both_ways":  # Gemma 3
             kwargs["token_type_ids"] = (ids == image_id).long()[None]

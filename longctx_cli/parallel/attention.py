@@ -22,7 +22,7 @@ from .decode import DecodeMeta, decode_attention
 from .features import AttentionFeatures, as_features
 from .mesh import ParallelState
 from .ring import ring_attention
-from .sharding import SPMeta, chunked_meta
+from .sharding import SPMeta, causal_meta, chunked_meta
 
 ATTN_IMPLEMENTATION = "longctx_sp"
 
@@ -98,6 +98,8 @@ def sp_attention(
         raise ValueError(
             f"attention sinks must be one per query head ({q.shape[1]}), got {tuple(sinks.shape)}"
         )
+    if meta.bidirectional and meta.bidirectional_sliding_only and feats.window is None:
+        meta = causal_meta(meta)  # Gemma 4's full-attention layers: its images causal
     if meta.bidirectional:  # image runs: only Ulysses holds whole rows (one rank does too)
         if ctx.layout.sp > 1 and ctx.layout.mode != "ulysses":
             raise NotImplementedError(

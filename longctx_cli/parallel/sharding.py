@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
@@ -52,6 +52,9 @@ class SPMeta:
     # causal mask (Gemma 3's image tokens, see runtime/vision.py); empty for most rows.
     # Only Ulysses computes them: after its all-to-all a rank holds the whole row.
     bidirectional: tuple[tuple[int, int], ...] = ()
+    # Those runs attend both ways on sliding-window layers only, causally on the others
+    # (Gemma 4's `use_bidirectional_attention: vision`): see `causal_meta`.
+    bidirectional_sliding_only: bool = False
     # Values derived from this row, built once and read by every layer (see `derived`).
     _derived: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
     attention_calls: int = 0  # incremented by the transformers entry point
@@ -358,6 +361,17 @@ def chunked_meta(meta: SPMeta, chunk: int) -> SPMeta:
     strategy and kernel that honours document boundaries honours chunks too.
     """
     return meta.derived(_new_chunked_meta, chunk)
+
+
+def causal_meta(meta: SPMeta) -> SPMeta:
+    """``meta`` without its both-ways image runs: what a layer whose images attend causally
+    sees (Gemma 4's full-attention layers). Built once per row."""
+    return meta.derived(_new_causal_meta)
+
+
+def _new_causal_meta(meta: SPMeta) -> SPMeta:
+    return replace(meta, bidirectional=(), bidirectional_sliding_only=False, _derived={},
+                   attention_calls=0, token_mixer_calls=0)
 
 
 def _new_chunked_meta(meta: SPMeta, chunk: int) -> SPMeta:

@@ -80,7 +80,23 @@ def media_inputs(pixels: torch.Tensor, grids: list, kinds: list[int] | tuple[int
     each, `[images, C, H, W]` as LLaVA's tower takes them; or of H*W rows of C channels each
     (Pixtral's, any size), zero-padded to the largest with their `image_sizes`, as its image
     processor pads a batch. (One row per image and H*W rows per image differ for any image
-    of more than one pixel.)"""
+    of more than one pixel.) Where the grids are `(-1, h, w)`, each image's h*w patches
+    (Gemma 4's), `[images, patches, patch_dim]` zero-padded to the most, with each patch's
+    (x, y), (-1, -1) on padding, as its image processor pads them to its budget."""
+    if all(g[0] == -1 for g in grids):
+        sizes = [(int(g[1]), int(g[2])) for g in grids]
+        counts = [h * w for h, w in sizes]
+        if pixels.shape[0] != sum(counts):
+            raise ValueError(f"{pixels.shape[0]} patch rows are not the {sum(counts)} of "
+                             f"positioned images {sizes}")
+        most = max(counts)
+        padded = pixels.new_zeros(len(sizes), most, pixels.shape[1])
+        where = torch.full((len(sizes), most, 2), -1, dtype=torch.long)
+        for i, (rows, (h, w)) in enumerate(zip(pixels.split(counts), sizes, strict=True)):
+            ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+            padded[i, :h * w] = rows
+            where[i, :h * w] = torch.stack([xs, ys], -1).reshape(-1, 2)  # patch i: (i%w, i//w)
+        return VisionInputs(padded, patch_positions=where)
     if all(g[0] == 0 for g in grids):
         _, height, width = grids[0]
         if pixels.shape[0] == len(grids) and all(tuple(g) == tuple(grids[0]) for g in grids):

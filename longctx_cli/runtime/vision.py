@@ -9,15 +9,21 @@ model's own pieces so that each rank computes only its slice:
    never attend across images, so this is exact; SmolVLM's and InternVL's tiles are the
    images here, each a tower input of its own), and the features are all-gathered.
    The gather's backward sums the gradients over the group, so each rank's tower
-   receives the gradient of the features it produced.
+   receives the gradient of the features it produced. (Gemma 4's tower takes each image's
+   own patches with their (x, y), padded to the row's most: padding is masked out.)
 2. **Merge.** A rank embeds its own tokens and writes into the image-placeholder slots the
    features of exactly those image tokens. An image cut by a shard boundary gives each
-   side its own tokens' features. A shard without images writes nothing.
+   side its own tokens' features. A shard without images writes nothing. Gemma 4 embeds
+   the placeholders as the pad token first, as its own forward does (its per-layer input
+   embeddings read that token there).
 3. **Positions.** Rotary positions come from the model's own rule, per document of the
    whole row (`get_rope_index` for 3-D mRoPE), then are sliced like the tokens. Document
    boundaries come from the text positions, never from the 3-D ones.
 4. **Deepstack** (Qwen3-VL): the tower's intermediate features are gathered the same way
    and handed to the language model with this shard's visual-token mask.
+5. **Both-ways images** (Gemma 3 on every layer; Gemma 4 with `use_bidirectional_attention:
+   vision` on its sliding-window layers only): the row's image runs go on `sp_meta`, which
+   only Ulysses computes (parallel/attention.py).
 
 The language model then runs with the SP attention on `sp_meta`, as a text model does.
 """
@@ -35,7 +41,12 @@ from torch import nn
 from longctx_cli.config.sections.vision import refuse_unless_rebuilt
 from longctx_cli.data.vision.documents import IMAGE, VIDEO
 from longctx_cli.errors import UserError
-from longctx_cli.families import VISION_MODULE_NAMES, VisionFamily, vision_family
+from longctx_cli.families import (
+    VISION_MODULE_NAMES,
+    VisionFamily,
+    image_attention,
+    vision_family,
+)
 from longctx_cli.parallel.mesh import ParallelState
 from longctx_cli.parallel.sharding import (
     ShardedBatch,
@@ -57,7 +68,9 @@ class VisionInputs:
     (IMAGE or VIDEO; None: all images), `seconds_per_grid` each video's time per temporal
     patch; for fixed-size towers (LLaVA) `[images, C, H, W]`; for towers of any image size
     (Pixtral) `[images, C, H, W]` zero-padded to the largest, with `image_sizes` `[images, 2]`
-    each image's own (height, width) in pixels.
+    each image's own (height, width) in pixels; for towers of positioned patches (Gemma 4)
+    `[images, patches, patch_dim]` padded to the most, with `patch_positions`
+    `[images, patches, 2]` each patch's (x, y), (-1, -1) on padding.
     """
 
     pixel_values: torch.Tensor
@@ -65,6 +78,7 @@ class VisionInputs:
     kinds: tuple[int, ...] | None = None
     seconds_per_grid: torch.Tensor | None = None
     image_sizes: torch.Tensor | None = None
+    patch_positions: torch.Tensor | None = None
 
     @property
     def num_images(self) -> int:
@@ -83,6 +97,8 @@ class VisionInputs:
             return [int(n) for n in self.image_grid_thw.prod(-1).tolist()]
         if self.image_sizes is not None:
             return [int(n) for n in self.image_sizes.prod(-1).tolist()]
+        if self.patch_positions is not None:  # its patches that are not padding
+            return [int(n) for n in (self.patch_positions[..., 0] >= 0).sum(-1).tolist()]
         return [1] * self.num_images
 
     def to(self, device: torch.device) -> VisionInputs:
@@ -90,7 +106,8 @@ class VisionInputs:
             return None if t is None else t.to(device)
 
         return VisionInputs(self.pixel_values.to(device), moved(self.image_grid_thw),
-                            self.kinds, moved(self.seconds_per_grid), moved(self.image_sizes))
+                            self.kinds, moved(self.seconds_per_grid), moved(self.image_sizes),
+                            moved(self.patch_positions))
 
     def subset(self, first: int, last: int) -> VisionInputs:
         """Items `[first, last)` only."""
@@ -99,6 +116,9 @@ class VisionInputs:
             height, width = (int(x) for x in sizes.amax(0).tolist()) if len(sizes) else (0, 0)
             return VisionInputs(self.pixel_values[first:last, :, :height, :width],
                                 image_sizes=sizes)
+        if self.patch_positions is not None:  # the row's padded patch count kept: the
+            return VisionInputs(self.pixel_values[first:last],  # pooler's slots depend on it
+                                patch_positions=self.patch_positions[first:last])
         if self.image_grid_thw is None:
             return VisionInputs(self.pixel_values[first:last])
         counts, kinds = self.patches_per_image(), self.kind_of()
@@ -283,6 +303,10 @@ class VisionLanguageForward:
         """Features `[tokens, hidden]` of `media` in row order, and the deepstack levels."""
         if self.family.pixels == "sized":  # Pixtral: each image at its own size
             return self._encode_sized(media), []
+        if self.family.pixels == "positioned":  # Gemma 4: patches with their (x, y)
+            out = self.inner.get_image_features(media.pixel_values, media.patch_positions,
+                                                return_dict=True)
+            return torch.cat(out.pooler_output), []
         if self.family.pixels == "images":
             config = self.model.config
             # LLaVA picks a tower layer and drops its class token; Gemma 3 pools the last.
@@ -408,9 +432,11 @@ class VisionLanguageForward:
         end = batch.sp_meta.cu_host[1]
         self.decode_offset = int(full_positions[:, :end].max()) + 1 - end
         meta = batch.sp_meta
-        if self.family.images_attend == "both_ways":
+        attend = image_attention(self.model.config)
+        if attend in ("both_ways", "sliding_both_ways"):
             # The row's image runs, read from its whole ids: only this class knows them.
             meta.bidirectional = image_runs(types, meta.cu_host)
+            meta.bidirectional_sliding_only = attend == "sliding_both_ways"
         state = meta.ctx
         local_ids = batch.input_ids.reshape(-1)
         local_index = slice_sequence(torch.arange(full_ids.numel(), device=device), state)
@@ -473,7 +499,9 @@ class VisionLanguageForward:
         embedding = self.language_model.get_input_embeddings()
         hook = None
         if features is not None:
-            if self.image_token_id >= embedding.num_embeddings:  # a placeholder past the
+            if self.family.placeholders_as_pad:  # as the model's own forward embeds them
+                local_ids = torch.where(visual, int(self.config.pad_token_id), local_ids)
+            elif self.image_token_id >= embedding.num_embeddings:  # a placeholder past the
                 local_ids = torch.where(visual, 0, local_ids)  # vocabulary (as the model does)
             mask = visual[None, :, None]
             hook = embedding.register_forward_hook(
@@ -511,6 +539,12 @@ class VisionLanguageForward:
         """The smallest input the tower takes: one merged patch of zeros (one blank image
         for fixed-size towers)."""
         vision = self.model.config.vision_config
+        if self.family.pixels == "positioned":  # one pooled token: k x k patches at (x, y)
+            side = int(vision.pooling_kernel_size)
+            grid = torch.arange(side, device=device)
+            xy = torch.stack(torch.meshgrid(grid, grid, indexing="xy"), -1).reshape(1, -1, 2)
+            return VisionInputs(torch.zeros(1, side * side, patch_width(vision), device=device),
+                                patch_positions=xy)
         if self.family.pixels == "patches":
             merge = vision.spatial_merge_size
             width = patch_width(vision)

@@ -19,7 +19,12 @@ from longctx_cli.config.sections.base import Section
 from longctx_cli.config.shape import is_vision_language
 from longctx_cli.config.units import DTYPE_BYTES, format_count, format_gib
 from longctx_cli.errors import UserError
-from longctx_cli.families import PREPARED_FAMILIES, VISION_FAMILIES, vision_family
+from longctx_cli.families import (
+    PREPARED_FAMILIES,
+    VISION_FAMILIES,
+    image_attention,
+    vision_family,
+)
 from longctx_cli.families import family as family_record
 from longctx_cli.layout import Layout
 
@@ -105,9 +110,10 @@ def shuffle_scale(hf_config: Any) -> int:
 
 
 def images_attend_both_ways(vision: VisionSection, hf_config: Any) -> bool:
-    """A run whose image tokens attend to each other both ways (Gemma 3 with images)."""
-    family = vision_family(str(getattr(hf_config, "model_type", "")))
-    return vision.trains_images and family is not None and family.images_attend == "both_ways"
+    """A run whose image tokens attend to each other both ways in some layers (Gemma 3 with
+    images; Gemma 4 with images and `use_bidirectional_attention: vision`)."""
+    return vision.trains_images and image_attention(hf_config) in ("both_ways",
+                                                                   "sliding_both_ways")
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,7 @@ class VisionTower:
     hidden: int
     intermediate: int
     merge: int  # patches per image token along each side (1: one token per patch)
+    images_attend: str | None = None  # how its image tokens attend (`image_attention`)
 
     @classmethod
     def of(cls, hf_config: Any) -> VisionTower | None:
@@ -138,11 +145,13 @@ class VisionTower:
             merge = max(1, side // math.isqrt(int(hf_config.mm_tokens_per_image)))
         elif family is not None and family.tower == "shuffled":  # SmolVLM, InternVL
             merge = shuffle_scale(hf_config)
+        elif family is not None and family.tower == "position_pooled":  # Gemma 4
+            merge = int(vision.pooling_kernel_size)
         return cls(
             model_type=model_type,
             layers=int(layers), hidden=int(hidden),
             intermediate=int(getattr(vision, "intermediate_size", 4 * hidden) or 4 * hidden),
-            merge=merge,
+            merge=merge, images_attend=image_attention(hf_config),
         )
 
     @property
@@ -249,11 +258,13 @@ def check_vision(vision: VisionSection, hf_config: Any, layout: Layout, streamed
             "the merge of its features are not split over a TP group.",
             where="tensor_parallel_size", fix="use `tensor_parallel_size: 1`.")
     if images_attend_both_ways(vision, hf_config) and layout.sp > 1 and layout.mode != "ulysses":
+        where = (" on its sliding-window layers (`use_bidirectional_attention: vision` in its "
+                 "text config)" if tower.images_attend == "sliding_both_ways" else "")
         raise UserError(
             f"model type `{tower.model_type}` lets the tokens of one image attend to each other "
-            f"in both directions. `sequence_parallel_mode: {layout.mode}` runs a ring, whose "
-            "ranks each hold part of every document's keys and compute causal segments "
-            "only, so it would train a different model.",
+            f"in both directions{where}. `sequence_parallel_mode: {layout.mode}` runs a "
+            "ring, whose ranks each hold part of every document's keys and compute causal "
+            "segments only, so it would train a different model.",
             where="sequence_parallel_mode",
             fix="set `sequence_parallel_mode: ulysses`: after its all-to-all each rank holds "
             "the whole row for some heads and applies the model's own mask.")
@@ -284,10 +295,14 @@ def plan_rows(tower: VisionTower, run: TowerRun, layout: Layout) -> list[tuple[s
             if vision_family(tower.model_type).tower == "shuffled" else "whole images")
     split = (f"{unit}, one run of the row's {unit.split()[1]} per rank of each SP group of "
              f"{layout.sp}; features all-gathered" if layout.sp > 1 else unit)
-    attention = ([("image attention", "both ways within each image, the model's own mask: "
-                   "Ulysses attends over the whole row per head; a fused kernel takes each "
-                   "image as one block, except in sliding-window layers (the tiled path)")]
-                 if vision_family(tower.model_type).images_attend == "both_ways" else [])
+    both_ways = tower.images_attend in ("both_ways", "sliding_both_ways")
+    layers = ("its sliding-window layers (causal in the others)"
+              if tower.images_attend == "sliding_both_ways" else "every layer")
+    attention = ([("image attention", f"both ways within each image on {layers}, the "
+                   "model's own mask: Ulysses attends over the whole row per head; a fused "
+                   "kernel takes each image as one block, except in sliding-window layers "
+                   "(the tiled path)")]
+                 if both_ways else [])
     return [
         *attention,
         ("vision tower", f"{tower.layers} layers, hidden {tower.hidden}, "

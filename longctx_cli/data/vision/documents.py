@@ -125,7 +125,9 @@ def vision_row(members: Sequence[VisionDocument]) -> VisionRow:
 # (`pixel_values`, `pixel_dim` wide), one [t, h, w] grid per image/video in row order, the
 # kind of each (1 image, 2 video) and each video's seconds per temporal patch. A whole-image
 # processor's image (LLaVA, Gemma 3) is one row of C*H*W values with the grid (0, H, W): no
-# patch grid has t = 0, so the trainer reads these back as `[images, C, H, W]`. Which tokens
+# patch grid has t = 0, so the trainer reads these back as `[images, C, H, W]`. A positioned
+# image (Gemma 4) is its h*w patch rows, row-major, with the grid (-1, h, w): the trainer pads
+# them to the row's most and rebuilds each patch's (x, y) from the grid. Which tokens
 # are vision tokens is not stored: it is `input_ids == image/video feature token id`, exactly
 # what `mm_token_type_ids` was computed from.
 

@@ -103,6 +103,12 @@ class VisionProcessor:
         return "image_sizes" in getattr(self.image_processor, "model_input_names", ())
 
     @property
+    def positioned(self) -> bool:
+        """True for image processors that give each image's patches with their (x, y) in
+        `image_position_ids`, padded to a fixed patch budget (Gemma 4's)."""
+        return "image_position_ids" in getattr(self.image_processor, "model_input_names", ())
+
+    @property
     def marker_tokens(self) -> tuple[str, ...]:
         """The tokens the processor writes around or between an image's feature tokens
         (never targets): the family's image markers (Qwen-VL's vision start and end, GLM's
@@ -195,7 +201,8 @@ def load_processor(
         raise UserError(f"{path} holds no image processor, so it is not a vision-language "
                         "model's processor.",
                         fix="use the folder of a vision-language model (Qwen2-VL, Qwen2.5-VL, "
-                        "Qwen3-VL, LLaVA, Gemma 3, Mistral 3, GLM-4.6V, SmolVLM, InternVL) "
+                        "Qwen3-VL, LLaVA, Gemma 3, Gemma 4, Mistral 3, GLM-4.6V, SmolVLM, "
+                        "InternVL) "
                         "whose preprocessor_config.json and tokenizer files are there.")
     return VisionProcessor(processor, size, resample, _video_size(folder, processor))
 
@@ -266,7 +273,8 @@ def _image_only_processor(folder: Path) -> Any:
     own = {name for c in cls.__mro__[:2] for name in inspect.signature(c.__init__).parameters}
     extra = {k: v for k, v in settings.items()
              if k in own and k not in ("image_processor", "tokenizer", "video_processor",
-                                       "chat_template", "self", "kwargs")}
+                                       "feature_extractor", "chat_template", "self",
+                                       "kwargs")}
     return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
                **extra)
 
@@ -274,7 +282,8 @@ def _image_only_processor(folder: Path) -> Any:
 @functools.cache
 def image_only_processor_class(base: str = "Qwen2_5_VLProcessor") -> Any:
     """transformers' processor class `base` (Qwen2.5-VL's, Qwen3-VL's, which places video
-    frames by timestamps, GLM-4.6V's, SmolVLM's or InternVL's) with no video processor
+    frames by timestamps, GLM-4.6V's, SmolVLM's, InternVL's or Gemma 4's, which also takes
+    no audio feature extractor here) with no video processor
     attribute (built on first use, so that importing this module does not import
     transformers' models).
 
@@ -315,6 +324,32 @@ def image_only_processor_class(base: str = "Qwen2_5_VLProcessor") -> Any:
                                                           **kwargs)
 
         return ImageOnlySmolVLMProcessor
+
+    if base == "Gemma4Processor":
+        class ImageOnlyGemma4Processor(parent):
+            image_only_base = base
+
+            def __init__(self, image_processor: Any = None, tokenizer: Any = None,
+                         chat_template: str | None = None, image_seq_length: int = 280,
+                         audio_seq_length: int = 750, audio_ms_per_token: int = 40,
+                         **kwargs: Any):
+                # Gemma4Processor's own attributes, as its __init__ sets them; that __init__
+                # also takes an audio feature extractor and a video processor (torchvision).
+                self.image_seq_length = image_seq_length
+                self.image_token_id = tokenizer.image_token_id
+                self.boi_token, self.eoi_token = tokenizer.boi_token, tokenizer.eoi_token
+                self.image_token = tokenizer.image_token
+                tokenizer.add_special_tokens({"additional_special_tokens": ["<|video|>"]})
+                self.video_token = "<|video|>"  # as its own adds it (videos are refused)
+                self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+                self.audio_seq_length = audio_seq_length
+                self.audio_ms_per_token = audio_ms_per_token
+                for name in ("audio_token_id", "audio_token", "boa_token", "eoa_token"):
+                    setattr(self, name, getattr(tokenizer, name, None))
+                ProcessorMixin.__init__(self, image_processor, tokenizer,
+                                        chat_template=chat_template, **kwargs)
+
+        return ImageOnlyGemma4Processor
 
     class ImageOnlyProcessor(parent):
         image_only_base = base
@@ -387,6 +422,8 @@ def as_vision_processor(processor: Any) -> VisionProcessor:
 def _patch_dim(vp: VisionProcessor) -> int:
     if vp.sized:  # one row per pixel, its channels (images of any size)
         return int(vp.image_shape[0])
+    if vp.positioned:  # one row per patch (Gemma 4's)
+        return 3 * int(vp.image_processor.patch_size) ** 2
     if not vp.patched:  # one row per whole image
         return int(np.prod(vp.image_shape))
     ip = vp.image_processor
@@ -396,7 +433,8 @@ def _patch_dim(vp: VisionProcessor) -> int:
 def patch_dim(processor: Any) -> int:
     """Width of one row of pixel_values: a patch (3 * temporal_patch_size * patch_size**2) for
     the Qwen-VL processors, a whole image (C * H * W) for LLaVA's and Gemma 3's, one pixel's
-    channels (C) for Pixtral's, whose images each keep their own size."""
+    channels (C) for Pixtral's, whose images each keep their own size, a patch
+    (3 * patch_size**2) for Gemma 4's."""
     return _patch_dim(as_vision_processor(processor))
 
 

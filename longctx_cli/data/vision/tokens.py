@@ -43,7 +43,9 @@ def _image_pixels(vp: VisionProcessor, image: PILImage.Image, where: str) -> _En
     `(0, H, W)`; the 0 says "a whole image, not a patch grid" (runtime/batches.py reads it
     back as one). Pixtral's keep each image at its own size: one is stored as H*W rows of
     its C channels (pixel by pixel, row-major), with grid `(0, H, W)`, so images of any size
-    share a row.
+    share a row. Gemma 4's give each image's patches padded to a fixed budget, with their
+    (x, y): one is stored as its own patches only, with grid `(-1, h, w)` (see
+    `_positioned_patches`).
     """
     out = vp.image_processor(images=[image], return_tensors="np", **vp.images_kwargs)
     pixels = np.asarray(out["pixel_values"], dtype=np.float32)
@@ -56,7 +58,10 @@ def _image_pixels(vp: VisionProcessor, image: PILImage.Image, where: str) -> _En
             "zeros); the rows hold whole tiles of one size only.", where=where,
             fix="keep the processor's `do_image_splitting` / `max_image_size` settings, "
             "which cut every image into whole tiles.")
-    if vp.sized:
+    if vp.positioned:
+        pixels, grids = _positioned_patches(pixels[0], np.asarray(out["image_position_ids"])[0],
+                                            where)
+    elif vp.sized:
         height, width = (int(x) for x in np.asarray(out["image_sizes"])[0])
         channels = pixels.shape[1]
         grids = [(0, height, width)]
@@ -89,6 +94,27 @@ def _image_pixels(vp: VisionProcessor, image: PILImage.Image, where: str) -> _En
         merge = int(vp.image_processor.merge_size) ** 2
         replacement = vp.image_token * (int(np.prod(grids[0])) // merge)
     return _Encoded(np.ascontiguousarray(pixels), grids, replacement)  # type: ignore[arg-type]
+
+
+def _positioned_patches(patches: np.ndarray, positions: np.ndarray, where: str
+                        ) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """One image's patches `[budget, patch_dim]` and their (x, y) `[budget, 2]` ((-1, -1) on
+    padding), as Gemma 4's image processor gives them, stored as its real patches and the
+    grid `(-1, h, w)`: the -1 says "patches in row-major order, patch i at (x, y) =
+    (i % w, i // w)" (runtime/batches.py rebuilds the positions and the padding from it)."""
+    real = positions[:, 0] >= 0
+    count = int(real.sum())
+    height = int(positions[:count, 1].max()) + 1 if count else 0
+    width = int(positions[:count, 0].max()) + 1 if count else 0
+    ys, xs = np.divmod(np.arange(count), max(width, 1))
+    if (count == 0 or not real[:count].all() or real[count:].any() or height * width != count
+            or not np.array_equal(positions[:count], np.stack([xs, ys], -1))):
+        raise UserError(  # the rows keep the grid only: the positions must be its own
+            "the image processor gave this image's patches positions that are not one "
+            "row-major grid followed by padding; the rows rebuild each patch's (x, y) from "
+            "its grid.", where=where,
+            fix="use Gemma 4's own image processor (Gemma4ImageProcessor) unchanged.")
+    return patches[:count], [(-1, height, width)]
 
 
 def video_pixels(vp: VisionProcessor, frames: list[PILImage.Image]
