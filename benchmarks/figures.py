@@ -365,6 +365,38 @@ def live_table() -> str:
     return _wrap("live-activations", table(record["tokens"], record["results"]))
 
 
+ACCOUNT = "live-activations-account-2026-12-03.json"
+RING_BACKWARD = "live-activations-ring72-{when}-{tokens}-2026-12-03.json"
+
+
+def memory_account() -> str:
+    from benchmarks.live_activations import account_table
+
+    return _wrap("memory-account", account_table(_json(ACCOUNT)))
+
+
+def memory_moments() -> str:
+    from benchmarks.live_activations import moments_table
+
+    return _wrap("memory-moments", moments_table(_json(ACCOUNT)))
+
+
+def ring_backward() -> str:
+    """The llama3 ring's live per-token peak before and after its backward wrote over its
+    inputs, beside Ulysses' (one record per length and side)."""
+    def cell(result: dict) -> str:
+        return f"{result['bytes_per_token_per_rank']:,} ({result['token_bytes'] / 2**20:,.1f} MiB)"
+
+    rows = []
+    for tokens in (8192, 16384, 32768):
+        before, after = (_json(RING_BACKWARD.format(when=when, tokens=tokens))["results"]
+                         for when in ("before", "after"))
+        rows.append([f"{tokens // 1024}K", cell(before["longctx-ring"]),
+                     cell(after["longctx-ring"]), cell(after["longctx-ulysses"])])
+    return _wrap("ring-backward", markdown_table(
+        ["row", "ring before", "ring after", "Ulysses (unchanged)"], rows, right=(1, 2, 3)))
+
+
 def peers_rows(name: str, stem: str) -> Callable[[], str]:
     def render() -> str:
         from benchmarks.peers import table
@@ -612,6 +644,9 @@ BLOCKS = [
     Block("docs/results.md", "peers-32k", peers_rows("peers-32k", "peers-32k-2026-11-27.json")),
     Block("docs/results.md", "reach", reach_table),
     Block("docs/results.md", "live-activations", live_table),
+    Block("docs/memory.md", "memory-account", memory_account),
+    Block("docs/memory.md", "memory-moments", memory_moments),
+    Block("docs/memory.md", "ring-backward", ring_backward),
     Block("docs/eval.md", "example-ruler", example_ruler),
     Block("docs/parallelism.md", "hybrid-bench", hybrid_bench),
     Block("docs/parallelism.md", "balance", balance_table),

@@ -160,6 +160,7 @@ def trained(tmp_path_factory, documents) -> tuple[Path, Path]:
     return config, tmp / "run" / "final"
 
 
+@pytest.mark.slow  # generate under SP = one process: test_generate.py, by default
 def test_generate_of_an_sp2_run_on_one_and_two_ranks(tmp_path, trained):
     config, final = trained
     prompt = tmp_path / "prompt.txt"
@@ -176,6 +177,7 @@ def test_generate_of_an_sp2_run_on_one_and_two_ranks(tmp_path, trained):
     assert tokens["1"] == tokens["2"] == hf_greedy(final, PROMPT, NEW)
 
 
+@pytest.mark.slow  # eval at sp 2 = sp 1: test_eval_parity.py, by default
 def test_eval_of_an_sp2_run_on_one_and_two_ranks(tmp_path, trained):
     config, final = trained
     results = {}

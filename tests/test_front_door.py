@@ -288,8 +288,10 @@ NOT_MEASURED = {
     "docs/eval.md": {"0%", "50%", "100%"},  # the heatmap's colour scale, a depth
     "docs/families.md": {"3x"},  # the fidelity probe's allowance
     "docs/gpu.md": {"80GB", "80 GB"},  # the card's memory
-    "docs/memory.md": {"64 MiB", "1 MiB", "32 MiB", "1 GiB", "10%"},  # constants of the code
-    # and of glibc, the fit's margin
+    "docs/memory.md": {"64 MiB", "1 MiB", "32 MiB", "1 GiB", "10%",  # constants of the code
+                       # and of glibc, the fit's margin; the estimate test's bounds; the
+                       # issue's reach targets against ALST
+                       "0.9-1.15x", "0.85-1.2x", "0.67x", "0.5x"},
     "docs/parallelism.md": {"0.75x", "3x", "8/2", "8/4"},  # a bound, an allowance, GQA ratios
     "docs/reliability.md": {"600 s", "60 s", "0.5 s", "10 s", "300 s", "2 s", "30 MB"},
     "docs/results.md": {"64 MiB", "1 MiB"},  # the fused loss's block, the mmap threshold
