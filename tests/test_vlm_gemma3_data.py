@@ -7,7 +7,6 @@ forward (each image's soft tokens match its features). The processor is a tiny o
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ from tests.vlm_fixtures import (
     GEMMA3_IMAGE_TOKENS,
     assert_generation_prompt_is_the_processors,
     conversation,
+    user_turn_trained,
     write_tiny_gemma3_processor,
 )
 from tests.vlm_fixtures import hf_chat as hf
@@ -83,14 +83,9 @@ def test_a_generation_prompt_equals_the_hf_processor(vp, tmp_path, images):
 
 
 def test_markers_and_soft_tokens_are_never_targets(vp, tmp_path, images):
-    doc = vision.encode_vision_record(conversation(), vp, WHERE, base_dir=tmp_path)
-    targets = [t for t, lab in zip(doc.input_ids, doc.labels, strict=True) if lab != IGN]
-    assert vp.tokenizer.decode(targets) == "A red square.<end_of_turn>A cat.<end_of_turn>"
-    trained_user = copy.deepcopy(conversation())
-    trained_user["messages"][0]["training"] = True
-    doc = vision.encode_vision_record(trained_user, vp, WHERE, base_dir=tmp_path)
+    doc = user_turn_trained(vp, tmp_path, WHERE,
+                            "A red square.<end_of_turn>A cat.<end_of_turn>")
     trained = vp.tokenizer.decode([lab for lab in doc.labels if lab != IGN])
-    assert "Describe this image." in trained
     assert not any(token in trained for token in GEMMA3_IMAGE_TOKENS.values())
 
 

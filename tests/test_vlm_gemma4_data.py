@@ -9,7 +9,6 @@ image-only `Gemma4Processor`. The model side under SP is tests/test_vlm_gemma4.p
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ from tests.vlm_fixtures import (
     GEMMA4_MEDIA_TOKENS,
     conversation,
     make_image,
+    user_turn_trained,
     write_tiny_gemma4_processor,
 )
 from tests.vlm_fixtures import hf_chat as hf
@@ -153,14 +153,9 @@ def test_a_generation_prompt_equals_the_hf_processor(vp, tmp_path, images):
 
 
 def test_markers_and_soft_tokens_are_never_targets(vp, tmp_path, images):
-    doc = vision.encode_vision_record(conversation(), vp, WHERE, base_dir=tmp_path)
-    targets = [t for t, lab in zip(doc.input_ids, doc.labels, strict=True) if lab != IGN]
-    assert vp.tokenizer.decode(targets) == "A red square.<end_of_turn>A cat.<end_of_turn>"
-    trained_user = copy.deepcopy(conversation())
-    trained_user["messages"][0]["training"] = True
-    doc = vision.encode_vision_record(trained_user, vp, WHERE, base_dir=tmp_path)
+    doc = user_turn_trained(vp, tmp_path, WHERE,
+                            "A red square.<end_of_turn>A cat.<end_of_turn>")
     trained = vp.tokenizer.decode([lab for lab in doc.labels if lab != IGN])
-    assert "Describe this image." in trained
     assert not any(GEMMA4_MEDIA_TOKENS[k] in trained
                    for k in ("boi_token", "eoi_token", "image_token"))
 

@@ -21,6 +21,7 @@ from tests.vlm_fixtures import (
     assert_generation_prompt_is_the_processors,
     conversation,
     make_image,
+    user_turn_trained,
     write_tiny_llava_processor,
 )
 from tests.vlm_fixtures import hf_chat as hf
@@ -88,16 +89,9 @@ def test_a_generation_prompt_equals_the_hf_processor(vp, tmp_path, images):
 
 
 def test_labels_train_the_answers_never_an_image_token(vp, tmp_path, images):
-    doc = vision.encode_vision_record(conversation(), vp, WHERE, base_dir=tmp_path)
-    targets = [t for t, lab in zip(doc.input_ids, doc.labels, strict=True) if lab != IGN]
-    assert vp.tokenizer.decode(targets) == " A red square.</s> A cat.</s>"
-    trained_user = copy.deepcopy(conversation())
-    trained_user["messages"][0]["training"] = True
-    doc = vision.encode_vision_record(trained_user, vp, WHERE, base_dir=tmp_path)
+    doc = user_turn_trained(vp, tmp_path, WHERE, " A red square.</s> A cat.</s>")
     assert all(lab == IGN for lab, ty in zip(doc.labels, doc.mm_token_type_ids, strict=True)
                if ty)
-    assert "Describe this image." in vp.tokenizer.decode([lab for lab in doc.labels
-                                                          if lab != IGN])
 
 
 def test_an_images_column_fills_llava_markers(vp, tmp_path, images):

@@ -13,7 +13,6 @@ processor's module, which defines the same helper. The processor's own code (`__
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from tests.vlm_fixtures import (
     PIXTRAL_TEMPLATE,
     conversation,
     make_image,
+    user_turn_trained,
     write_tiny_pixtral_processor,
 )
 from tests.vlm_fixtures import hf_chat as hf
@@ -101,17 +101,10 @@ def test_encoding_equals_the_hf_processor(vp, tmp_path, images):
 
 
 def test_labels_train_the_answers_never_an_image_token(vp, tmp_path, images):
-    doc = vision.encode_vision_record(conversation(), vp, WHERE, base_dir=tmp_path)
-    targets = [t for t, lab in zip(doc.input_ids, doc.labels, strict=True) if lab != IGN]
-    assert vp.tokenizer.decode(targets) == "A red square.</s>A cat.</s>"
-    trained_user = copy.deepcopy(conversation())
-    trained_user["messages"][0]["training"] = True
-    doc = vision.encode_vision_record(trained_user, vp, WHERE, base_dir=tmp_path)
+    doc = user_turn_trained(vp, tmp_path, WHERE, "A red square.</s>A cat.</s>")
     markers = {vp.tokenizer.convert_tokens_to_ids(t)
                for t in ("[IMG]", "[IMG_BREAK]", "[IMG_END]")}
     assert not markers & {lab for lab in doc.labels if lab != IGN}
-    assert "Describe this image." in vp.tokenizer.decode([lab for lab in doc.labels
-                                                          if lab != IGN])
 
 
 def test_packed_rows_give_the_trainer_the_processors_pixels_and_sizes(vp, tmp_path, images):

@@ -262,6 +262,27 @@ def hf_chat(vp, messages: list, base: Path, **kwargs):
                                             return_tensors="np", **kwargs)
 
 
+def user_turn_trained(vp, base: Path, where: str, answers: str):
+    """`conversation()` (images under `base`) trains exactly its assistant turns, which decode
+    to `answers`; with its user turn marked `training` the user's text is trained too. Returns
+    that second record, for the family's own check that no image token is a target."""
+    import copy
+
+    from longctx_cli.constants import IGNORE_INDEX
+    from longctx_cli.data import vision
+
+    doc = vision.encode_vision_record(conversation(), vp, where, base_dir=base)
+    targets = [t for t, lab in zip(doc.input_ids, doc.labels, strict=True)
+               if lab != IGNORE_INDEX]
+    assert vp.tokenizer.decode(targets) == answers
+    record = copy.deepcopy(conversation())
+    record["messages"][0]["training"] = True
+    doc = vision.encode_vision_record(record, vp, where, base_dir=base)
+    trained = vp.tokenizer.decode([lab for lab in doc.labels if lab != IGNORE_INDEX])
+    assert "Describe this image." in trained
+    return doc
+
+
 def assert_generation_prompt_is_the_processors(vp, base: Path, where: str) -> None:
     """longctx's generation prompt of the first turn of `conversation()` (images under `base`)
     has the ids and pixels of the processor's own `apply_chat_template` with
