@@ -128,6 +128,7 @@ def reason_group(reason: str) -> str:
         ("mix tokens outside attention", "layers that mix tokens outside attention (not "
          "covered)"),
         ("has no attention heads", "no attention layers (recurrent / state-space)"),
+        ("names no attention heads longctx can read", "no attention heads longctx can read"),
         ("is an encoder-decoder model", "an encoder-decoder model"),
         ("uses sparse attention", "sparse attention (an indexer's top-k keys)"),
         ("prefix LM", "a prefix LM (image and prompt attend both ways)"),
@@ -194,8 +195,12 @@ def main() -> None:
     if args.update and args.types:
         newest = sorted(RESULTS.glob("family-sweep-*.json"))[-1]
         record = json.loads(newest.read_text())
-        rerun = {**record.get("rerun", {}),
-                 **{t: time.strftime("%Y-%m-%d") for t in args.types}}
+        import transformers
+
+        when = time.strftime("%Y-%m-%d")  # a rerun under another transformers names it
+        if transformers.__version__ != record["transformers"]:
+            when += f" (transformers {transformers.__version__})"
+        rerun = {**record.get("rerun", {}), **{t: when for t in args.types}}
         write_results(newest, {**record, "results": results, "summary": text, "rerun": rerun})
         print(f"updated {shown(newest)}")
     elif not args.types:

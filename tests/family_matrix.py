@@ -886,11 +886,12 @@ def _sweep_section() -> list[str]:
 
 
 def _rerun_text(rerun: dict[str, str]) -> str:
-    """`--update`'s reruns of single model types into the saved sweep, by date."""
+    """`--update`'s reruns of single model types into the saved sweep (after a mend, or new
+    in a later transformers), by date."""
     by_date: dict[str, list[str]] = {}
     for model_type, date in sorted(rerun.items()):
         by_date.setdefault(date, []).append(f"`{model_type}`")
-    return "".join(f"; rerun {date} after a mend: {', '.join(types)}"
+    return "".join(f"; rerun {date}: {', '.join(types)}"
                    for date, types in sorted(by_date.items()))
 
 

@@ -143,11 +143,13 @@ class ModelShape:
                 "are).")
         elif not heads or not all(heads):
             raise UserError(
-                f"model type `{model_type}` has no attention heads (no `num_attention_heads` "
-                f"in the {source}): its layers are recurrences or state-space scans only. "
-                "longctx splits a sequence over ranks for attention and for the token mixers "
-                "of the hybrid families docs/families.md lists, so it cannot train this "
-                "model exactly.", where="base_model",
+                f"model type `{model_type}` names no attention heads longctx can read (no "
+                f"`num_attention_heads` in the {source} or its text part): its layers are "
+                "recurrences, or a structure of sub-models longctx does not read (e.g. an "
+                "action or diffusion expert beside a language model). longctx splits a "
+                "sequence over ranks for attention and for the token mixers of the hybrid "
+                "families docs/families.md lists, so it cannot train this model exactly.",
+                where="base_model",
                 fix="train it without sequence parallelism (plain Hugging Face training), or "
                 "pick a family docs/families.md lists as exact.")
         if not hidden:

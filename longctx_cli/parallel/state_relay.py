@@ -119,6 +119,9 @@ class StateCache:
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0  # no per-token states kept for speculative decoding (transformers >= 5.25)
+
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int = 0,
                           conv_kernel_size: int | None = None, **kwargs: Any) -> torch.Tensor:
         full = conv_states if self.conv_in is None else torch.cat(
