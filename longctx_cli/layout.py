@@ -123,6 +123,16 @@ def head_split(q_heads: int, kv_heads: int, size: int) -> HeadSplit:
     return HeadSplit(tuple(q_counts), (1,) * size, tuple(index))
 
 
+def largest_share(q_heads: int, kv_heads: int, size: int) -> tuple[int, int]:
+    """The most query heads and KV heads one rank of a Ulysses group of ``size`` holds (what
+    its memory is sized by); heads the group cannot split count as an even share."""
+    try:
+        split = head_split(q_heads, kv_heads, size)
+    except ValueError:
+        return max(1, q_heads // size), max(1, kv_heads // size)
+    return max(split.q_counts), max(split.kv_counts)
+
+
 def head_chunk_counts(q_heads: int, kv_heads: int, size: int) -> list[int]:
     """The head-chunk counts a Ulysses group of ``size`` can run on these heads: each chunk
     holds whole KV-head groups and splits over the group (:func:`head_split`), and no rank

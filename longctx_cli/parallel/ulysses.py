@@ -307,15 +307,6 @@ def heads_to_seq(y: torch.Tensor, ex: Exchange, counts: tuple[int, ...] | None =
     return _HeadsToSeq.apply(y, ex, counts)
 
 
-def kv_replication(q_heads: int, kv_heads: int, size: int) -> int:
-    """How many copies of each KV head the all-to-all sends at most (1: none replicated).
-
-    Raises ``ValueError`` for head counts the group cannot split (:func:`head_split`).
-    """
-    index = head_split(q_heads, kv_heads, size).kv_index
-    return max(index.count(j) for j in set(index))
-
-
 def replicate_kv(x: torch.Tensor, split: HeadSplit) -> torch.Tensor:
     """``[L, H_kv, D]`` with every KV head repeated for the ranks it goes to (``split.kv_index``
     order); autograd sums the replicas' gradients back."""
