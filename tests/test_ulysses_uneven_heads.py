@@ -5,7 +5,8 @@ query heads), by an all-to-all with split sizes. Checked here, at 2 gloo ranks: 
 is the same permutation of the elements (bit for bit); attention, forward and every input's
 gradient, equals the dense float64 reference (packed rows, windows, softcap, sinks, spent
 inputs, head chunks); a tiny Llama's loss and every parameter gradient equal the model's own
-Hugging Face computation with ``labels=`` on each document; and at 4 ranks, the replicated
+Hugging Face computation with ``labels=`` on each document, and so does what `longctx train`
+runs over 3 optimizer steps (the family matrix's harness); and at 4 ranks, the replicated
 split of 9 / 3 (2, 1, 3, 3) and hybrid 2 x 2.
 """
 
@@ -181,3 +182,30 @@ def test_uneven_heads_llama_equals_its_own_hugging_face_loss_and_gradients() -> 
         for name, e in errors.items():
             assert e["params"] == 2 * 9 + 3, (name, e)  # every parameter compared
             assert e["loss"] < TOL and e["grads"] < TOL, (name, e)
+
+
+def training_worker(rank: int, world_size: int) -> dict[str, dict]:
+    """What `longctx train` runs (the plan's rules, the fidelity probe, the trainer's step,
+    3 optimizer steps of packed rows with accumulation) against the model's own training."""
+    from tests.family_matrix import Family, compare, longctx_training, reference_training
+
+    smollm2_heads = Family("llama 9q3kv", "llama", fields={
+        "hidden_size": 72, "head_dim": 8, "num_attention_heads": 9, "num_key_value_heads": 3})
+    reference = reference_training(smollm2_heads)
+    ulysses = {"sequence_parallel_degree": 2, "sequence_parallel_mode": "ulysses"}
+    runs = {name: longctx_training(smollm2_heads, settings)
+            for name, settings in (("ulysses sp2", ulysses),
+                                   ("ulysses sp2, 3 head chunks",
+                                    {**ulysses, "ulysses_head_chunks": 3}))}
+    # The final weights come back on rank 0.
+    return {name: compare(run, reference) for name, run in runs.items()} if rank == 0 else {}
+
+
+def test_uneven_heads_train_as_the_models_own_training() -> None:
+    from tests.family_matrix import LOSS_TOL, WEIGHT_TOL
+
+    results = run_distributed(training_worker, 2, timeout_s=240)[0]
+    assert len(results) == 2
+    for name, got in results.items():
+        assert "refused" not in got, (name, got)
+        assert got["loss"] < LOSS_TOL and got["weights"] < WEIGHT_TOL, (name, got)
