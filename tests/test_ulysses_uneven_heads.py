@@ -85,6 +85,28 @@ def test_uneven_heads_attention_matches_the_dense_reference() -> None:
         assert all(exact.values()), [k for k, ok in exact.items() if not ok]
 
 
+def flash_worker(rank: int, world_size: int) -> tuple[dict[str, dict], bool]:
+    """The flash kernel's Ulysses (flash-attn's varlen call on the whole row, here its
+    PyTorch stand-in) on the uneven heads, whole and in 3 head chunks."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "flash_attn_standin"))  # this process only
+    errors: dict[str, dict] = {}
+    for chunks in (1, 3):
+        ctx = sp_state(sp=2, mode="ulysses", layout="contiguous", kernel="flash",
+                       head_chunks=chunks)
+        for i, (hq, hkv) in enumerate(UNEVEN):
+            errors[f"chunks{chunks}/{hq}q{hkv}kv"] = run_case(ctx, DOCS, hq, hkv, i, 7, 1.5)
+    return errors, "flash_attn" in sys.modules  # the stand-in ran
+
+
+def test_uneven_heads_on_the_flash_kernel() -> None:
+    for errors, called in run_distributed(flash_worker, 2, timeout_s=240):
+        assert called and len(errors) == 2 * len(UNEVEN)
+        assert_all_close(errors)
+
+
 def four_rank_worker(rank: int, world_size: int) -> dict[str, dict]:
     """9 / 3 at sp 4 (KV head 0 replicated to two ranks: 2, 1, 3, 3 query heads), 6 / 6 at
     sp 4 (2, 2, 1, 1) and 9 / 3 in hybrid 2 x 2 (6 and 3 heads, each ring on its share)."""
