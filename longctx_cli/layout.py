@@ -88,7 +88,7 @@ class HeadSplit:
         return max(self.q_counts) * len(self.q_counts) / sum(self.q_counts)
 
     def describe(self) -> str:
-        """``"6, 3 (KV heads 2, 1; the largest 1.33x the mean)"``, for the plan."""
+        """``"6, 3 query heads per rank (KV heads 2, 1); the largest 1.33x the mean"``."""
         kv = ", ".join(map(str, self.kv_counts))
         replicas = ", replicated" if self.replicated else ""
         return (f"{', '.join(map(str, self.q_counts))} query heads per rank (KV heads {kv}"

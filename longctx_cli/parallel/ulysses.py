@@ -1,9 +1,9 @@
 """Ulysses (all-to-all) sequence parallelism.
 
 Each rank of a group of ``N`` holds ``[local_tokens, H, D]``. An all-to-all trades tokens for
-heads: afterwards every rank holds the whole group's tokens for its share of the heads, attends over
-them with ordinary document-causal attention (no communication inside attention), and a
-second all-to-all gives every rank its own tokens back for all heads.
+heads: afterwards every rank holds the whole group's tokens for its share of the heads,
+attends over them with ordinary document-causal attention (no communication inside
+attention), and a second all-to-all gives every rank its own tokens back for all heads.
 
 The gathered tokens are put in ascending global order. For a plain Ulysses group that is
 the whole row in true order (zigzag chunks are reordered); for a Ulysses group inside a
