@@ -20,6 +20,8 @@ The world is the mesh ``dp_replicate x dp_shard x ring x ulysses x tp``, ``tp`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
+from math import gcd
 from typing import Literal, get_args
 
 # The allowed values of the layout's config keys: the schema's types, and (as tuples) what
@@ -54,13 +56,94 @@ def divisors(n: int) -> str:
     return ", ".join(ds[:-1]) + f" or {ds[-1]}" if len(ds) > 1 else ds[0]
 
 
+@dataclass(frozen=True)
+class HeadSplit:
+    """How a Ulysses group splits one layer's heads: group rank ``j`` holds ``q_counts[j]``
+    consecutive query heads and ``kv_counts[j]`` KV heads, the next ones of ``kv_index``
+    (the KV heads sent, in rank order; a repeated index is a replica)."""
+
+    q_counts: tuple[int, ...]
+    kv_counts: tuple[int, ...]
+    kv_index: tuple[int, ...]
+
+    @property
+    def even(self) -> bool:
+        return len(set(self.q_counts)) == 1 and len(set(self.kv_counts)) == 1
+
+    @property
+    def replicated(self) -> bool:
+        return len(self.kv_index) > len(set(self.kv_index))
+
+    def q_start(self, rank: int) -> int:
+        return sum(self.q_counts[:rank])
+
+    def q_slice(self, rank: int) -> slice:
+        """The query heads group rank ``rank`` holds."""
+        start = self.q_start(rank)
+        return slice(start, start + self.q_counts[rank])
+
+    @property
+    def imbalance(self) -> float:
+        """The largest rank's query heads over the mean."""
+        return max(self.q_counts) * len(self.q_counts) / sum(self.q_counts)
+
+    def describe(self) -> str:
+        """``"6, 3 query heads per rank (KV heads 2, 1); the largest 1.33x the mean"``."""
+        kv = ", ".join(map(str, self.kv_counts))
+        replicas = ", replicated" if self.replicated else ""
+        return (f"{', '.join(map(str, self.q_counts))} query heads per rank (KV heads {kv}"
+                f"{replicas}); the largest {self.imbalance:.2f}x the mean")
+
+
+@cache
+def head_split(q_heads: int, kv_heads: int, size: int) -> HeadSplit:
+    """The split of ``q_heads`` query heads over ``kv_heads`` KV heads onto a Ulysses group.
+
+    Whole KV-head groups: a KV head travels with all its query heads, and the KV heads are
+    dealt out as evenly as they go (the first ranks get one more). With fewer KV heads than
+    ranks each rank gets one KV head, replicated, and a share of its query heads (KV head
+    ``j`` goes to ``size // kv_heads`` ranks, one more for the first ``size % kv_heads``).
+    Even head counts give the even split. Raises ``ValueError`` when a rank would get no
+    query head (fewer query heads than ranks) or the heads are not GQA groups.
+    """
+    if kv_heads < 1 or q_heads % kv_heads:
+        raise ValueError(f"query heads {q_heads} must be a multiple of key/value heads {kv_heads}")
+    if q_heads < size:
+        raise ValueError(f"Ulysses cannot give each of its {size} ranks one of the {q_heads} "
+                         "attention heads")
+    group = q_heads // kv_heads
+    if kv_heads >= size:
+        kv_counts = tuple(kv_heads // size + (j < kv_heads % size) for j in range(size))
+        return HeadSplit(tuple(n * group for n in kv_counts), kv_counts, tuple(range(kv_heads)))
+    q_counts, index = [], []
+    for j in range(kv_heads):
+        copies = size // kv_heads + (j < size % kv_heads)  # at most `group`: q_heads >= size
+        q_counts += [group // copies + (c < group % copies) for c in range(copies)]
+        index += [j] * copies
+    return HeadSplit(tuple(q_counts), (1,) * size, tuple(index))
+
+
+def largest_share(q_heads: int, kv_heads: int, size: int) -> tuple[int, int]:
+    """The most query heads and KV heads one rank of a Ulysses group of ``size`` holds (what
+    its memory is sized by); heads the group cannot split count as an even share."""
+    try:
+        split = head_split(q_heads, kv_heads, size)
+    except ValueError:
+        return max(1, q_heads // size), max(1, kv_heads // size)
+    return max(split.q_counts), max(split.kv_counts)
+
+
 def head_chunk_counts(q_heads: int, kv_heads: int, size: int) -> list[int]:
     """The head-chunk counts a Ulysses group of ``size`` can run on these heads: each chunk
-    holds whole KV-head groups, its query heads split evenly over the group, and its KV
-    heads and the group divide one another (KV heads replicated up to the group size)."""
+    holds whole KV-head groups and splits over the group (:func:`head_split`), and no rank
+    holds more query heads over all the chunks than the unchunked split gives it."""
+    try:
+        most = max(head_split(q_heads, kv_heads, size).q_counts)
+    except ValueError:
+        return []
     return [c for c in range(1, kv_heads + 1)
-            if not q_heads % c and not kv_heads % c and not q_heads // c % size
-            and (not kv_heads // c % size or not size % (kv_heads // c))]
+            if not q_heads % c and not kv_heads % c and q_heads // c >= size
+            and c * max(head_split(q_heads // c, kv_heads // c, size).q_counts) <= most]
 
 
 def ring_sharding(ring_attn_func: str, sharding: str | None) -> str:
@@ -421,43 +504,36 @@ class Layout:
         ring's ``heads_k_stride``."""
         u = self.ulysses
         key = key or ("ulysses_degree" if self.mode == "hybrid" else "sequence_parallel_degree")
-        if u > 1 and heads % u:
+        if u > 1 and heads < u:
             raise LayoutError(
                 key,
-                f"`{key}` = {u}: the model's num_attention_heads = {heads} is not divisible "
-                f"by the Ulysses group size {u}; all-to-all gives each rank heads/{u} whole "
-                "heads.",
-                f"use a Ulysses size dividing {heads} ({divisors(heads)}), or "
-                "`sequence_parallel_mode: ring`.",
+                f"`{key}` = {u}: the model's num_attention_heads = {heads} is fewer than the "
+                f"Ulysses group size {u}; after the all-to-all every rank attends with at "
+                "least one whole head.",
+                f"use a Ulysses size of at most {heads}, or `sequence_parallel_mode: ring`.",
             )
-        if u > 1 and kv_heads % u and u % kv_heads:
-            raise LayoutError(
-                key,
-                f"`{key}` = {u}: the model's num_key_value_heads = {kv_heads} can neither be "
-                f"split evenly over {u} ranks nor replicated to them ({u} is not a multiple "
-                f"of {kv_heads}).",
-                f"use a Ulysses size that divides {kv_heads} or is a multiple of it, or "
-                "`sequence_parallel_mode: ring`.",
-            )
+        if heads % kv_heads:
+            return  # not GQA groups: the model's own rule (its config) refuses them
         counts = head_chunk_counts(heads, kv_heads, u)
         if self.head_chunks > 1 and self.head_chunks not in counts:
             raise LayoutError(
                 "ulysses_head_chunks",
                 f"`ulysses_head_chunks` = {self.head_chunks} cannot cut {heads} heads with "
-                f"{kv_heads} KV heads into chunks of whole KV-head groups that split evenly "
-                f"over the Ulysses group of {u}.",
+                f"{kv_heads} KV heads into chunks of whole KV-head groups that split over the "
+                f"Ulysses group of {u} with no rank holding more heads than unchunked.",
                 f"use one of {', '.join(map(str, counts))}, or leave it out (the plan picks).",
             )
         if self.ring > 1:
-            ring_kv = max(1, kv_heads // u)  # KV heads each rank holds once Ulysses has run
-            if ring_kv % self.heads_k_stride:
+            held = sorted(set(head_split(heads, kv_heads, u).kv_counts))  # KV heads per rank
+            if any(n % self.heads_k_stride for n in held):
                 where = f"num_key_value_heads = {kv_heads}" + (
-                    f" ({ring_kv} per rank after the all-to-all)" if u > 1 else "")
+                    f" ({' or '.join(map(str, held))} per rank after the all-to-all)"
+                    if u > 1 else "")
                 raise LayoutError(
                     "heads_k_stride",
                     f"`heads_k_stride` = {self.heads_k_stride} does not divide the model's "
                     f"{where}: the ring gathers K,V in chunks of that many heads.",
-                    f"set `heads_k_stride` to {divisors(ring_kv)}.",
+                    f"set `heads_k_stride` to {divisors(gcd(*held))}.",
                 )
 
     def ring_part(self, heads_k_stride: int) -> Layout:

@@ -15,6 +15,7 @@ from longctx_cli.config.memory_estimate import estimate_memory, lora_parameter_c
 from longctx_cli.config.model_shape import read_model_config
 from longctx_cli.config.plan import Plan, build_plan, layout_for
 from longctx_cli.config.shape import ModelShape
+from longctx_cli.config.units import DTYPE_BYTES
 from longctx_cli.config.world import Platform, resolve_world, resolve_world_size
 from longctx_cli.errors import UserError
 
@@ -118,15 +119,16 @@ def test_rule_heads_k_stride_ignored_without_a_ring():
     assert p.layout.ring == 1
 
 
-def test_rule_ulysses_heads_divisible():
-    shape = replace(SMALL, num_attention_heads=6, num_key_value_heads=2)
+def test_rule_ulysses_needs_a_head_per_rank():
+    shape = replace(SMALL, num_attention_heads=3, num_key_value_heads=3)
     msg = rule_error(shape=shape, sequence_parallel_degree=4, sequence_parallel_mode="ulysses")
     assert "`sequence_parallel_degree` = 4" in msg
-    assert "num_attention_heads = 6 is not divisible by the Ulysses group size 4" in msg
+    assert "num_attention_heads = 3 is fewer than the Ulysses group size 4" in msg
+    assert "use a Ulysses size of at most 3" in msg
 
 
-def test_rule_ulysses_heads_divisible_names_ulysses_degree_in_hybrid():
-    shape = replace(SMALL, num_attention_heads=6, num_key_value_heads=2)
+def test_rule_ulysses_head_per_rank_names_ulysses_degree_in_hybrid():
+    shape = replace(SMALL, num_attention_heads=2, num_key_value_heads=2)
     msg = rule_error(
         world=8, shape=shape, sequence_parallel_degree=8, sequence_parallel_mode="hybrid",
         ulysses_degree=4,
@@ -134,11 +136,61 @@ def test_rule_ulysses_heads_divisible_names_ulysses_degree_in_hybrid():
     assert "`ulysses_degree` = 4" in msg
 
 
-def test_rule_ulysses_kv_heads_split_or_replicated():
-    shape = replace(SMALL, num_attention_heads=12, num_key_value_heads=3)
-    msg = rule_error(shape=shape, sequence_parallel_degree=4, sequence_parallel_mode="ulysses")
-    assert "`sequence_parallel_degree` = 4" in msg
-    assert "num_key_value_heads = 3 can neither be split" in msg
+SMOLLM2 = replace(SMALL, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+
+
+def plan_text(p: Plan) -> str:
+    console = Console(file=io.StringIO(), width=200)
+    console.print(p.to_table())
+    return " ".join(console.file.getvalue().replace("│", " ").split())  # words only
+
+
+@pytest.mark.parametrize(
+    ("sp", "mode", "extra", "shares"),
+    [(2, "ulysses", {}, "6, 3 query heads per rank (KV heads 2, 1)"),
+     (4, "ulysses", {}, "2, 1, 3, 3 query heads per rank (KV heads 1, 1, 1, 1, replicated)"),
+     (4, "hybrid", {"ulysses_degree": 2}, "6, 3 query heads per rank (KV heads 2, 1)")],
+)
+def test_rule_ulysses_splits_uneven_heads_by_kv_groups(sp, mode, extra, shares):
+    """SmolLM2's 9 heads / 3 KV heads over 2 or 4 Ulysses ranks: accepted, and the plan
+    shows each rank's heads and how far the largest is above the mean."""
+    p = plan(world=sp, shape=SMOLLM2, sequence_parallel_degree=sp, sequence_parallel_mode=mode,
+             **extra)
+    text = plan_text(p)
+    assert f"ulysses heads {shares}; the largest 1.33x the mean" in text
+    assert any("do not divide evenly" in n for n in p.notes)
+    even = plan(world=sp, sequence_parallel_degree=sp, sequence_parallel_mode=mode, **extra)
+    assert "ulysses heads" not in plan_text(even)  # 8 heads / 2 KV heads split evenly
+
+
+def test_uneven_ulysses_memory_follows_the_largest_rank():
+    """The all-to-all buffers are sized by the rank with the most heads: of 9 heads / 3 KV
+    heads over 2 ranks, 6 query and 2 KV heads for the group's tokens (not written over the
+    spent q, k, v, which an uneven head layout does not fit), plus the output's 9 heads."""
+    p = plan(world=2, shape=SMOLLM2, sequence_parallel_degree=2,
+             sequence_parallel_mode="ulysses", ulysses_head_chunks=1)
+    local_tokens, b = 4096 // 2, DTYPE_BYTES[p.dtype]
+    head_layout = 2 * (6 + 2 * 2)  # the group's tokens (2 x local) for one rank's heads
+    assert p.memory.attention_buffers == local_tokens * 64 * (head_layout + 9) * b
+
+
+def test_rule_ulysses_head_chunks_keep_the_split():
+    msg = rule_error(world=2, shape=SMOLLM2, sequence_parallel_degree=2,
+                     sequence_parallel_mode="ulysses", ulysses_head_chunks=2)
+    assert "`ulysses_head_chunks` = 2 cannot cut 9 heads with 3 KV heads" in msg
+    assert "use one of 1, 3" in msg
+    p = plan(world=2, shape=SMOLLM2, sequence_parallel_degree=2,
+             sequence_parallel_mode="ulysses", ulysses_head_chunks=3)
+    assert p.layout.head_chunks == 3
+    assert "3 (2 heads per rank at a time" in plan_text(p)
+
+
+def test_rule_hybrid_heads_k_stride_divides_every_ranks_kv_heads():
+    msg = rule_error(world=4, shape=SMOLLM2, sequence_parallel_degree=4,
+                     sequence_parallel_mode="hybrid", ulysses_degree=2, heads_k_stride=2,
+                     ring_attn_func="varlen_llama3")
+    assert "num_key_value_heads = 3 (1 or 2 per rank after the all-to-all)" in msg
+    assert "set `heads_k_stride` to 1" in msg
 
 
 def test_rule_ulysses_replicates_fewer_kv_heads():

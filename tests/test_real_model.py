@@ -122,6 +122,12 @@ LAYOUTS = {
     "varlen_llama3_sp2": (2, {"sequence_parallel_degree": 2, "ring_attn_func": "varlen_llama3",
                               "sp_sharding": "zigzag"}),
     "ulysses_sp3": (3, {"sequence_parallel_degree": 3, "sequence_parallel_mode": "ulysses"}),
+    # 9 heads / 3 KV heads over 2 ranks: 6 and 3 query heads (whole KV-head groups).
+    "ulysses_sp2_uneven": (2, {"sequence_parallel_degree": 2,
+                               "sequence_parallel_mode": "ulysses"}),
+    # Over 4 ranks: KV head 0 replicated to two of them, 2, 1, 3, 3 query heads.
+    "ulysses_sp4_uneven": (4, {"sequence_parallel_degree": 4,
+                               "sequence_parallel_mode": "ulysses"}),
 }
 
 

@@ -18,7 +18,7 @@ from longctx_cli.parallel.ulysses import (
     build_exchange,
     exchange_chunks,
     head_chunk_counts,
-    kv_replication,
+    head_split,
     seq_to_heads,
     usable_head_chunks,
 )
@@ -106,7 +106,8 @@ def test_head_chunked_ulysses_matches_single_process() -> None:
 @pytest.mark.parametrize(
     ("hq", "hkv", "size", "counts"),
     [(4, 4, 2, [1, 2]), (8, 2, 2, [1, 2]), (8, 2, 4, [1, 2]), (32, 8, 8, [1, 2, 4]),
-     (28, 4, 4, [1]), (28, 4, 2, [1, 2]), (16, 16, 4, [1, 2, 4]), (8, 1, 4, [1])],
+     (28, 4, 4, [1]), (28, 4, 2, [1, 2]), (16, 16, 4, [1, 2, 4]), (8, 1, 4, [1]),
+     (9, 3, 2, [1, 3]), (5, 5, 2, [1]), (12, 3, 4, [1, 3]), (3, 3, 4, [])],
 )
 def test_head_chunk_counts_keep_kv_groups_whole(hq: int, hkv: int, size: int,
                                                 counts: list[int]) -> None:
@@ -120,27 +121,35 @@ def test_a_layer_with_other_heads_runs_the_nearest_count_its_heads_allow() -> No
 
 
 @pytest.mark.parametrize(
-    ("hq", "hkv", "size", "copies"),
-    [(8, 8, 4, 1), (8, 2, 4, 2), (8, 1, 4, 4), (16, 4, 2, 1), (32, 8, 16, 2)],
+    ("hq", "hkv", "size", "q_counts", "kv_index"),
+    [(8, 8, 4, (2, 2, 2, 2), tuple(range(8))), (8, 2, 4, (2, 2, 2, 2), (0, 0, 1, 1)),
+     (8, 1, 4, (2, 2, 2, 2), (0, 0, 0, 0)), (16, 4, 2, (8, 8), (0, 1, 2, 3)),
+     (9, 3, 2, (6, 3), (0, 1, 2)), (9, 3, 4, (2, 1, 3, 3), (0, 0, 1, 2)),
+     (5, 5, 2, (3, 2), tuple(range(5))), (3, 1, 2, (2, 1), (0, 0))],
 )
-def test_kv_replication_gives_whole_heads(hq: int, hkv: int, size: int, copies: int) -> None:
-    assert kv_replication(hq, hkv, size) == copies
-    assert (hkv * copies) % size == 0
+def test_head_split_keeps_kv_groups_whole(hq: int, hkv: int, size: int,
+                                          q_counts: tuple[int, ...],
+                                          kv_index: tuple[int, ...]) -> None:
+    """Each rank's query heads use only the KV heads it receives (GQA: query head h uses
+    KV head h // (hq / hkv)), and every rank holds at least one head."""
+    split = head_split(hq, hkv, size)
+    assert split.q_counts == q_counts and split.kv_index == kv_index
+    group, first_kv = hq // hkv, 0
+    for rank in range(size):
+        mine = range(hq)[split.q_slice(rank)]
+        sent = kv_index[first_kv : first_kv + split.kv_counts[rank]]
+        assert len(mine) >= 1 and sorted({h // group for h in mine}) == list(sent)
+        first_kv += split.kv_counts[rank]
 
 
 @pytest.mark.parametrize(
     ("hq", "hkv", "size", "message"),
-    [
-        (6, 6, 4, "divisible by its group size 4"),
-        (12, 3, 2, "cannot split 3 key/value heads over a group of 2"),
-        (8, 3, 4, "multiple of key/value heads"),
-    ],
+    [(3, 3, 4, "give each of its 4 ranks one of the 3"), (8, 3, 4, "multiple of key/value heads")],
 )
-def test_kv_replication_refuses_impossible_splits(
-    hq: int, hkv: int, size: int, message: str
-) -> None:
+def test_head_split_refuses_a_rank_without_heads(hq: int, hkv: int, size: int,
+                                                 message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        kv_replication(hq, hkv, size)
+        head_split(hq, hkv, size)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -47,16 +47,26 @@ def test_sp_that_does_not_divide_the_ranks_offers_only_degrees_that_pass() -> No
     assert validate(TINY, "--nproc-per-node", "4")[0] == 0  # the launch offered
 
 
-def test_ulysses_degrees_offered_fit_the_kv_heads_too() -> None:
+def test_ulysses_degrees_offered_give_every_rank_a_head() -> None:
+    args = ("--nproc-per-node", "16", "--sequence-parallel-mode", "ulysses")
+    code, out = validate(TINY, *args, "--sequence-parallel-degree", "16")
+    assert code == 2, out
+    assert "num_attention_heads = 8 is fewer than the Ulysses group size 16" in out
+    values = offered(out, "sequence_parallel_degree")
+    assert values == ["1", "2", "4", "8"], out
+    for sp in values:
+        code, taken = validate(TINY, *args, "--sequence-parallel-degree", sp)
+        assert code == 0, taken
+
+
+def test_uneven_ulysses_heads_validate_and_show_their_split() -> None:
+    """Qwen2.5-7B's 28 heads / 4 KV heads over 16 Ulysses ranks: a replicated KV head's 7
+    query heads split 2, 2, 2, 1 over its 4 ranks."""
     args = ("--sequence-parallel-mode", "ulysses", "--ulysses-degree", "null")
     code, out = validate(QWEN, *args)
-    assert code == 2, out
-    assert "num_attention_heads = 28 is not divisible by the Ulysses group size 16" in out
-    values = offered(out, "sequence_parallel_degree")
-    assert values == ["1", "2", "4"], out  # 7 and 14 divide the 28 heads, not the 4 KV heads
-    for sp in values:
-        code, taken = validate(QWEN, *args, "--sequence-parallel-degree", sp)
-        assert code == 0, taken
+    assert code == 0, out
+    assert "ulysses heads │ 2, 2, 2, 1, 2, 2, 2, 1," in out
+    assert "the largest 1.14x the mean" in out
 
 
 def test_a_kernel_refused_offers_only_kernels_that_run_here_and_on_the_target() -> None:

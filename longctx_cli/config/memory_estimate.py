@@ -14,7 +14,7 @@ from longctx_cli.config.units import DTYPE_BYTES, format_gib
 from longctx_cli.constants import FUSED_LOSS_BLOCK_BYTES, LOGIT_TRANSFORM_KEYS
 from longctx_cli.families import family
 from longctx_cli.kernel_choice import TILE
-from longctx_cli.layout import Layout
+from longctx_cli.layout import Layout, largest_share
 
 # peft keeps LoRA weights in float32 even on a bf16/fp16 base (autocast_adapter_dtype).
 LORA_BYTES = 4
@@ -290,12 +290,11 @@ def ring_buffer_bytes(
     """
     if ring == 1:
         return 0
-    kv = max(1, shape.num_key_value_heads // ulysses)
+    q_heads, kv = largest_share(shape.num_attention_heads, shape.num_key_value_heads, ulysses)
     d = shape.head_dim
     if ring_attn_func == "varlen_llama3":
         stride = min(heads_k_stride, kv)
         return RING_KV_TENSORS * stride * d * ring_tokens * ring * dtype_bytes
-    q_heads = shape.num_attention_heads // ulysses
     kv_bytes = P2P_KV_TENSORS * kv * d * ring_tokens * dtype_bytes
     return kv_bytes + (P2P_ACC_FP32_TENSORS * kv + q_heads) * d * ring_tokens * 4
 
@@ -311,13 +310,20 @@ def attention_buffer_bytes(
     b = DTYPE_BYTES[config.model.dtype]
     total = 0
     if ulysses > 1:
-        # All-to-all outputs: q, k, v in and the attention output back; KV heads are
-        # replicated up to `ulysses` when there are fewer of them.
-        kv_eff = max(shape.num_key_value_heads, ulysses)
-        # Head chunks: one chunk's q, k, v at a time; the output is whole (its token layout).
+        # All-to-all outputs: q, k, v in and the attention output back, sized by the rank
+        # holding the most heads (an uneven split); KV heads are replicated up to `ulysses`
+        # when there are fewer of them. Head chunks: one chunk's q, k, v at a time; the
+        # output is whole (its token layout).
+        hq, hkv = shape.num_attention_heads, shape.num_key_value_heads
         chunks = layout.head_chunks if layout.kernel != "flash" else 1
-        qkv = (shape.num_attention_heads + 2 * kv_eff) // chunks
-        if chunks == 1 and family(shape.model_type).spent_qkv:
+        q_most, kv_most = largest_share(hq, hkv, ulysses)
+        even = q_most * ulysses == hq
+        if even:
+            qkv = (hq + 2 * max(hkv, ulysses)) // chunks
+        else:  # one chunk's split: its largest rank's heads, for the group's tokens
+            q_most, kv_most = largest_share(hq // chunks, max(1, hkv // chunks), ulysses)
+            qkv = (q_most + 2 * kv_most) * ulysses
+        if chunks == 1 and even and family(shape.model_type).spent_qkv:
             qkv = 0  # written over the layer's spent q, k and v (`Family.spent_qkv`)
         total += local_tokens * shape.head_dim * (qkv + shape.num_attention_heads) * b
     # After the all-to-all a ring rank holds the Ulysses group's tokens for 1/ulysses heads.
@@ -332,12 +338,12 @@ def _score_tile_bytes(shape: ModelShape, layout: Layout, local_tokens: int) -> i
     """Live score tiles of the tiled matmul path (see SCORE_TILE_TENSORS)."""
     hq, hkv = shape.num_attention_heads, shape.num_key_value_heads
     sp, ulysses = layout.sp, layout.ulysses
+    q_most, kv_most = largest_share(hq, hkv, ulysses)  # the rank holding the most heads
     if layout.mode != "ulysses":  # ring (also at sp 1) and hybrid's ring:
         # one call per head group of heads_k_stride KV heads
-        kv_here = max(1, hkv // ulysses)
-        heads = min(layout.heads_k_stride, kv_here) * max(1, hq // hkv)
+        heads = min(layout.heads_k_stride, kv_most) * max(1, hq // hkv)
     else:  # the whole row for the heads this rank holds
-        heads = max(1, hq // ulysses)
+        heads = q_most
     rows = min(TILE, local_tokens * ulysses)
     keys = min(TILE, local_tokens * sp)
     return SCORE_TILE_TENSORS * heads * rows * keys * 4

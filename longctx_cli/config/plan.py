@@ -49,6 +49,7 @@ from longctx_cli.config.sections.parallel import (
     ring_notes,
     tp_layout_rows,
     tp_notes,
+    ulysses_split,
 )
 from longctx_cli.config.sections.training import optimizer_rows, stop_rows
 from longctx_cli.config.sections.vision import (
@@ -61,7 +62,14 @@ from longctx_cli.config.shape import ModelShape
 from longctx_cli.config.units import DTYPE_BYTES, format_count, format_gib
 from longctx_cli.config.world import Platform, resolve_world
 from longctx_cli.errors import UserError
-from longctx_cli.layout import CONCRETE_KERNELS, MODES, SHARDINGS, Layout, ring_reason
+from longctx_cli.layout import (
+    CONCRETE_KERNELS,
+    MODES,
+    SHARDINGS,
+    Layout,
+    largest_share,
+    ring_reason,
+)
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -106,7 +114,9 @@ class Plan:
         lay, m = self.layout, self.model
         if lay.mode != "ulysses" or lay.sp == 1:
             return []
-        heads = m.num_attention_heads // lay.tp // lay.sp // lay.head_chunks
+        local = m.num_attention_heads // lay.tp // lay.head_chunks
+        heads = largest_share(local, max(1, m.num_key_value_heads // lay.tp // lay.head_chunks),
+                              lay.sp)[0]
         chunk = self.micro_batch_tokens * max(1, heads) * m.head_dim * DTYPE_BYTES.get(
             self.dtype, 4)
         flash = ("; flash-attn keeps every chunk's for its backward" if lay.kernel == "flash"
@@ -114,6 +124,11 @@ class Plan:
         return [("ulysses head chunks", f"{lay.head_chunks} ({heads} head"
                  f"{'s' if heads != 1 else ''} per rank at a time; {format_gib(chunk)} per "
                  f"head-layout tensor{flash})")]
+
+    def _head_split_rows(self) -> list[tuple[str, str]]:
+        """Ulysses over heads that do not divide its group: each rank's share."""
+        split = ulysses_split(self.model, self.layout)
+        return [] if split is None or split.even else [("ulysses heads", split.describe())]
 
     def to_table(self) -> Table:
         """The plan as a rich Table (what `longctx validate` prints)."""
@@ -157,6 +172,7 @@ class Plan:
                 ("world size", f"{self.world_size} ({self.world_source})"),
                 ("data parallel", str(lay.dp)),
                 ("sequence parallel", f"{lay.sp} ({lay.mode}: {split})"),
+                *self._head_split_rows(),
                 *tp_layout_rows(lay.dp, lay.sp, lay.tp,
                                       self.tokens_per_rank_per_forward),
                 ("ring_attn_func", lay.ring_attn_func if lay.ring > 1 else "-"),

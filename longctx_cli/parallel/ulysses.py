@@ -1,9 +1,9 @@
 """Ulysses (all-to-all) sequence parallelism.
 
 Each rank of a group of ``N`` holds ``[local_tokens, H, D]``. An all-to-all trades tokens for
-heads: afterwards every rank holds the whole group's tokens for ``H / N`` heads, attends over
-them with ordinary document-causal attention (no communication inside attention), and a
-second all-to-all gives every rank its own tokens back for all heads.
+heads: afterwards every rank holds the whole group's tokens for its share of the heads,
+attends over them with ordinary document-causal attention (no communication inside
+attention), and a second all-to-all gives every rank its own tokens back for all heads.
 
 The gathered tokens are put in ascending global order. For a plain Ulysses group that is
 the whole row in true order (zigzag chunks are reordered); for a Ulysses group inside a
@@ -12,8 +12,12 @@ hybrid SP group it is the group's share of the row, which :mod:`.ulysses_ring` f
 Both all-to-alls are linear maps that are each other's transpose, so each one's backward
 is the other one's forward: gradients are exact.
 
-GQA: when the group is larger than the number of KV heads, every KV head is replicated so
-that each rank receives one whole KV head; autograd sums the replicas' gradients back.
+Shares (:func:`~longctx_cli.layout.head_split`): ``H / N`` heads each when the heads divide;
+otherwise whole KV-head groups, dealt out as evenly as they go (9 heads over 3 KV heads at
+``N`` = 2: 6 and 3), by an all-to-all with split sizes. GQA: when the group is larger than the
+number of KV heads, every KV head is replicated so that each rank receives one whole KV head
+and a share of its query heads; autograd sums the replicas' gradients back. Every rank holds
+at least one query head.
 
 Head chunks (``Layout.head_chunks`` > 1): the heads are cut into chunks of whole KV-head
 groups and the all-to-all, attention and the return all-to-all run one chunk at a time,
@@ -32,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from longctx_cli.layout import head_chunk_counts
+from longctx_cli.layout import HeadSplit, head_chunk_counts, head_split
 
 from .block_geometry import full_row_segments
 from .features import (
@@ -59,6 +63,7 @@ class Exchange:
 
     group: ProcessGroup | None
     size: int
+    member: int  # this rank's index in the group
     piece_len: int
     order: tuple[int, ...]
     starts: tuple[int, ...]
@@ -91,6 +96,7 @@ def _new_exchange(meta: SPMeta, group: ProcessGroup | None, size: int) -> Exchan
     return Exchange(
         group=group,
         size=size,
+        member=ctx.sp_rank - first,
         piece_len=lengths.pop(),
         order=order,
         starts=tuple(pieces[i][0] for i in order),
@@ -142,69 +148,108 @@ def _segments(ex: Exchange, length: int, a: int, b: int) -> list[tuple[int, int,
     return found
 
 
-def _seq_to_heads(x: torch.Tensor, ex: Exchange, chunks: int | None = None) -> torch.Tensor:
-    """``[L, H, D]`` (own tokens, all heads) -> ``[size*L, H/size, D]`` (group tokens)."""
+def _even(heads: int, n: int) -> tuple[int, ...]:
+    return (heads // n,) * n
+
+
+def _seq_to_heads(x: torch.Tensor, ex: Exchange, chunks: int | None = None,
+                  counts: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``[L, H, D]`` (own tokens, all heads) -> ``[size*L, counts[member], D]`` (group tokens).
+
+    ``counts``: the consecutive heads each group rank keeps (``None``: ``H / size`` each)."""
     n = ex.size
     length, heads, dim = x.shape
+    counts = counts or _even(heads, n)
+    mine = counts[ex.member]
+    even = len(set(counts)) == 1
     # Block j of what is sent holds head slice j, which is what group rank j keeps.
-    by_rank = x.reshape(length, n, heads // n, dim)
-    out = x.new_empty(n * length, heads // n, dim)
+    by_rank = x.reshape(length, n, mine, dim) if even else None
+    out = x.new_empty(n * length, mine, dim)
     bounds = _chunk_bounds(length, chunks or exchange_chunks(x))
     for a, b in bounds:
-        send = by_rank[a:b].transpose(0, 1).contiguous()
+        if by_rank is not None:
+            send, splits = by_rank[a:b].transpose(0, 1).contiguous(), None
+        else:
+            send, splits = _uneven_blocks(x[a:b], counts)
         if len(bounds) == 1 and ex.identity:  # the received blocks are already the layout
-            dist.all_to_all_single(out.view(n, length, heads // n, dim), send, group=ex.group)
+            dist.all_to_all_single(out.view(n, length, mine, dim), send,
+                                   input_split_sizes=splits, group=ex.group)
             break
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=ex.group)
+        recv = x.new_empty(n, b - a, mine, dim)
+        dist.all_to_all_single(recv, send, input_split_sizes=splits, group=ex.group)
         for rank, lo, hi, start in _segments(ex, length, a, b):
             out[start : start + hi - lo] = recv[rank, lo:hi]
         del send, recv
     return out
 
 
-def _heads_to_seq(y: torch.Tensor, ex: Exchange, chunks: int | None = None) -> torch.Tensor:
+def _uneven_blocks(x: torch.Tensor, counts: tuple[int, ...]) -> tuple[torch.Tensor, list[int]]:
+    """``[T, H, D]`` as one flat buffer of blocks ``[T, counts[j], D]``, and the blocks' sizes."""
+    tokens, _, dim = x.shape
+    splits = [tokens * c * dim for c in counts]
+    flat = x.new_empty(sum(splits))
+    start = 0
+    for block, c in zip(flat.split(splits), counts, strict=True):
+        block.view(tokens, c, dim).copy_(x[:, start : start + c])
+        start += c
+    return flat, splits
+
+
+def _heads_to_seq(y: torch.Tensor, ex: Exchange, chunks: int | None = None,
+                  counts: tuple[int, ...] | None = None) -> torch.Tensor:
     """Inverse of :func:`_seq_to_heads`."""
     n = ex.size
-    total, heads, dim = y.shape
+    total, mine, dim = y.shape
     length = total // n
-    out = y.new_empty(length, n, heads, dim)
+    counts = counts or (mine,) * n
+    heads = sum(counts)
+    even = len(set(counts)) == 1
+    out = y.new_empty(length, heads, dim)
     bounds = _chunk_bounds(length, chunks or exchange_chunks(y))
     for a, b in bounds:
         if len(bounds) == 1 and ex.identity and y.is_contiguous():
-            send = y.view(n, length, heads, dim)  # already in blocks by destination
+            send = y.view(n, length, mine, dim)  # already in blocks by destination
         else:
-            send = y.new_empty(n, b - a, heads, dim)
+            send = y.new_empty(n, b - a, mine, dim)
             for rank, lo, hi, start in _segments(ex, length, a, b):
                 send[rank, lo:hi] = y[start : start + hi - lo]
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=ex.group)
-        # recv[j] is this rank's tokens for group rank j's heads: put heads back in order.
-        out[a:b] = recv.transpose(0, 1)
+        if even:
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=ex.group)
+            # recv[j] is this rank's tokens for group rank j's heads: put heads back in order.
+            out.view(length, n, mine, dim)[a:b] = recv.transpose(0, 1)
+        else:
+            splits = [(b - a) * c * dim for c in counts]
+            recv = y.new_empty(sum(splits))
+            dist.all_to_all_single(recv, send, output_split_sizes=splits, group=ex.group)
+            start = 0
+            for block, c in zip(recv.split(splits), counts, strict=True):
+                out[a:b, start : start + c] = block.view(b - a, c, dim)
+                start += c
         del send, recv
-    return out.view(length, n * heads, dim)
+    return out
 
 
 class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ex):  # type: ignore[override]
-        ctx.ex = ex
-        return _seq_to_heads(x, ex)
+    def forward(ctx, x, ex, counts):  # type: ignore[override]
+        ctx.ex, ctx.counts = ex, counts
+        return _seq_to_heads(x, ex, counts=counts)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return _heads_to_seq(grad, ctx.ex), None
+        return _heads_to_seq(grad, ctx.ex, counts=ctx.counts), None, None
 
 
 class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, ex):  # type: ignore[override]
-        ctx.ex = ex
-        return _heads_to_seq(y, ex)
+    def forward(ctx, y, ex, counts):  # type: ignore[override]
+        ctx.ex, ctx.counts = ex, counts
+        return _heads_to_seq(y, ex, counts=counts)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return _seq_to_heads(grad, ctx.ex), None
+        return _seq_to_heads(grad, ctx.ex, counts=ctx.counts), None, None
 
 
 def _head_view(x: torch.Tensor, ex: Exchange, heads_major: bool) -> torch.Tensor:
@@ -233,75 +278,72 @@ class _SeqToHeadsInPlace(torch.autograd.Function):
         return _heads_to_seq(_head_view(grad, ctx.ex, ctx.heads_major), ctx.ex), None
 
 
-def seq_to_heads(x: torch.Tensor, ex: Exchange, spent: bool = False) -> torch.Tensor:
+def seq_to_heads(x: torch.Tensor, ex: Exchange, spent: bool = False,
+                 counts: tuple[int, ...] | None = None) -> torch.Tensor:
     """Differentiable ``[L, H, D] -> [size*L, H/size, D]``, tokens in ascending global order.
 
+    ``counts``: the heads each group rank keeps, when they differ (:class:`HeadSplit`).
     ``spent``: the caller reads ``x`` no more, so when ``x`` is the whole of its storage the
     head layout is written over it (autograd's version counter still guards any saved use).
     In a layer of a Hugging Face model the frame keeps q, k and v alive until the layer
     returns; written over, they are not held twice through attention and the output
-    projection, which is where the layer's memory peaks.
+    projection, which is where the layer's memory peaks. Only an even split fits there.
     """
     if ex.size == 1:
         return x
-    if spent and owns_dense_storage(x):
+    if counts is not None and len(set(counts)) == 1:
+        counts = None
+    if spent and counts is None and owns_dense_storage(x):
         heads_major = not x.is_contiguous()
         return _head_view(_SeqToHeadsInPlace.apply(x, ex), ex, heads_major)
-    return _SeqToHeads.apply(x, ex)
+    return _SeqToHeads.apply(x, ex, counts)
 
 
-def heads_to_seq(y: torch.Tensor, ex: Exchange) -> torch.Tensor:
-    """Differentiable inverse of :func:`seq_to_heads`."""
+def heads_to_seq(y: torch.Tensor, ex: Exchange, counts: tuple[int, ...] | None = None
+                 ) -> torch.Tensor:
+    """Differentiable inverse of :func:`seq_to_heads` (``counts`` as there)."""
     if ex.size == 1:
         return y
-    return _HeadsToSeq.apply(y, ex)
+    return _HeadsToSeq.apply(y, ex, counts)
 
 
-def kv_replication(q_heads: int, kv_heads: int, size: int) -> int:
-    """How many copies of each KV head the all-to-all needs so every rank gets whole heads.
-
-    Raises ``ValueError`` for head counts the group cannot split.
-    """
-    if q_heads % kv_heads != 0:
-        raise ValueError(f"query heads {q_heads} must be a multiple of key/value heads {kv_heads}")
-    if q_heads % size != 0:
-        raise ValueError(
-            f"Ulysses needs the {q_heads} attention heads to be divisible by its group size {size}"
-        )
-    if kv_heads % size == 0:
-        return 1
-    if size % kv_heads == 0:
-        return size // kv_heads
-    raise ValueError(
-        f"Ulysses cannot split {kv_heads} key/value heads over a group of {size}: one of the two "
-        "must divide the other"
-    )
+def replicate_kv(x: torch.Tensor, split: HeadSplit) -> torch.Tensor:
+    """``[L, H_kv, D]`` with every KV head repeated for the ranks it goes to (``split.kv_index``
+    order); autograd sums the replicas' gradients back."""
+    if not split.replicated:
+        return x
+    if split.even:
+        return x.repeat_interleave(len(split.kv_index) // x.shape[1], dim=1)
+    return x.index_select(1, torch.tensor(split.kv_index, device=x.device))
 
 
 def heads_to_ranks(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ex: Exchange, spent: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """All-to-all q, k, v to the head layout, replicating KV heads when there are too few.
+    """All-to-all q, k, v to the head layout by :func:`head_split`, replicating KV heads when
+    there are fewer than ranks.
 
-    Replica ``c`` of KV head ``j`` sits at index ``j*copies + c``, so the rank that receives it
-    also receives exactly the query heads of KV head ``j`` (query head ``h`` uses KV head
-    ``h // (H / H_kv)``); ``repeat_interleave`` sums the replicas' gradients in backward.
+    Group rank ``j`` receives consecutive query heads and exactly the KV heads they use
+    (query head ``h`` uses KV head ``h // (H / H_kv)``); with replicas, KV head ``j``'s copies
+    sit next to each other in ``split.kv_index`` order, one per rank that holds its queries.
     ``spent`` as in :func:`seq_to_heads`, for three tensors of their own memory.
     """
-    copies = kv_replication(q.shape[1], k.shape[1], ex.size)
-    if copies > 1:
-        k = k.repeat_interleave(copies, dim=1)
-        v = v.repeat_interleave(copies, dim=1)
+    split = head_split(q.shape[1], k.shape[1], ex.size)
+    k, v = replicate_kv(k, split), replicate_kv(v, split)
     storages = {t.untyped_storage().data_ptr() for t in (q, k, v)}
     spent = spent and len(storages) == 3
-    return tuple(seq_to_heads(t, ex, spent) for t in (q, k, v))  # type: ignore[return-value]
+    return (seq_to_heads(q, ex, spent, split.q_counts),
+            seq_to_heads(k, ex, spent, split.kv_counts),
+            seq_to_heads(v, ex, spent, split.kv_counts))
 
 
-def local_head_slice(heads: int, ex: Exchange, meta: SPMeta) -> slice:
-    """Query heads this rank holds after :func:`seq_to_heads`: group rank ``j`` keeps slice j."""
-    per_rank = heads // ex.size
-    j = meta.ctx.sp_rank % ex.size  # all-to-all groups are consecutive SP ranks (see mesh.py)
-    return slice(j * per_rank, (j + 1) * per_rank)
+def _q_counts(q: torch.Tensor, k: torch.Tensor, ex: Exchange) -> tuple[int, ...]:
+    return head_split(q.shape[1], k.shape[1], ex.size).q_counts
+
+
+def local_head_slice(q_heads: int, kv_heads: int, ex: Exchange) -> slice:
+    """Query heads this rank holds after :func:`heads_to_ranks`."""
+    return head_split(q_heads, kv_heads, ex.size).q_slice(ex.member)
 
 
 def _flash_full_row(
@@ -344,13 +386,27 @@ def _chunk_slices(q_heads: int, kv_heads: int, chunks: int) -> list[tuple[slice,
     return [(slice(c * hq, (c + 1) * hq), slice(c * hk, (c + 1) * hk)) for c in range(chunks)]
 
 
-def _chunk_to_heads(x: torch.Tensor, heads: slice, copies: int, ex: Exchange) -> torch.Tensor:
-    """Heads ``heads`` of ``[L, H, D]`` ``x``, KV heads repeated ``copies`` times, in the head
-    layout (not differentiable: :class:`_HeadChunkedUlysses` writes its own backward)."""
+def _chunk_to_heads(x: torch.Tensor, heads: slice, split: HeadSplit, ex: Exchange,
+                    kv: bool) -> torch.Tensor:
+    """Heads ``heads`` of ``[L, H, D]`` ``x`` in the head layout of the chunk's ``split``
+    (``kv``: KV heads, replicated as it says; not differentiable: :class:`_HeadChunkedUlysses`
+    writes its own backward)."""
     part = x[:, heads]
-    if copies > 1:
-        part = part.repeat_interleave(copies, dim=1)
-    return _seq_to_heads(part.contiguous(), ex)
+    if kv:
+        part = replicate_kv(part, split)
+    counts = split.kv_counts if kv else split.q_counts
+    return _seq_to_heads(part.contiguous(), ex, counts=counts)
+
+
+def _kv_grad_back(grad: torch.Tensor, split: HeadSplit, ex: Exchange) -> torch.Tensor:
+    """A chunk's KV-head gradient back in the token layout, the replicas' gradients summed
+    (as the backward of :func:`replicate_kv` sums them)."""
+    back = _heads_to_seq(grad, ex, counts=split.kv_counts)  # [L, sent KV heads, D]
+    if not split.replicated:
+        return back
+    kv = len(set(split.kv_index))
+    index = torch.tensor(split.kv_index, device=back.device)
+    return back.new_zeros(back.shape[0], kv, back.shape[2]).index_add_(1, index, back)
 
 
 class _HeadChunkedUlysses(torch.autograd.Function):
@@ -358,61 +414,54 @@ class _HeadChunkedUlysses(torch.autograd.Function):
     layout (which the layer holds anyway) and the chunks' log-sum-exps."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, ex, rank, segments, feats, kernel, chunks):  # type: ignore[override]
-        copies = kv_replication(q.shape[1] // chunks, k.shape[1] // chunks, ex.size)
+    def forward(ctx, q, k, v, sinks, ex, segments, feats, kernel, chunks):  # type: ignore[override]
+        split = head_split(q.shape[1] // chunks, k.shape[1] // chunks, ex.size)
         slices = _chunk_slices(q.shape[1], k.shape[1], chunks)
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
         lses = []
         for qs, ks in slices:
-            qh = _chunk_to_heads(q, qs, 1, ex)
-            kh, vh = (_chunk_to_heads(t, ks, copies, ex) for t in (k, v))
-            local = None if sinks is None else _local_sinks(sinks, qs, ex.size, rank)
+            qh = _chunk_to_heads(q, qs, split, ex, kv=False)
+            kh, vh = (_chunk_to_heads(t, ks, split, ex, kv=True) for t in (k, v))
+            local = None if sinks is None else sinks[_local_sink_slice(qs, split, ex)]
             oh, lse = doc_causal_forward(qh, kh, vh, segments, feats, local, kernel)
             del qh, kh, vh
-            out[:, qs] = _heads_to_seq(oh, ex)
+            out[:, qs] = _heads_to_seq(oh, ex, counts=split.q_counts)
             lses.append(lse)
         ctx.save_for_backward(q, k, v, out, sinks, *lses)
         # Spent inputs of their own memory take their gradients in place, chunk by chunk.
         ctx.in_place = writable_inputs(feats, q, k, v)
         ctx.ex, ctx.segments, ctx.feats, ctx.kernel = ex, segments, feats, kernel
-        ctx.slices, ctx.copies, ctx.rank = slices, copies, rank
+        ctx.slices, ctx.split = slices, split
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, sinks, *lses = ctx.saved_tensors
-        ex, copies = ctx.ex, ctx.copies
+        ex, split = ctx.ex, ctx.split
         if ctx.in_place:  # a chunk's heads are read before they are written
             dq, dk, dv = q.detach(), k.detach(), v.detach()
         else:
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dsinks = None if sinks is None else torch.zeros_like(sinks)
         for (qs, ks), lse in zip(ctx.slices, lses, strict=True):
-            qh, oh, doh = (_chunk_to_heads(t, qs, 1, ex) for t in (q, out, dout))
-            kh, vh = (_chunk_to_heads(t, ks, copies, ex) for t in (k, v))
+            qh, oh, doh = (_chunk_to_heads(t, qs, split, ex, kv=False) for t in (q, out, dout))
+            kh, vh = (_chunk_to_heads(t, ks, split, ex, kv=True) for t in (k, v))
             dqh, dkh, dvh = doc_causal_backward(doh, qh, kh, vh, oh, lse, ctx.segments,
                                                 ctx.feats, ctx.kernel)
             if dsinks is not None:
-                local = _local_sinks(sinks, qs, ex.size, ctx.rank)
-                dsinks[_local_sink_slice(qs, ex.size, ctx.rank)] = sink_grad(doh, oh, lse, local)
+                mine = _local_sink_slice(qs, split, ex)
+                dsinks[mine] = sink_grad(doh, oh, lse, sinks[mine])
             del qh, kh, vh, oh, doh
-            dq[:, qs] = _heads_to_seq(dqh, ex)
-            for grad, whole in ((dkh, dk), (dvh, dv)):
-                back = _heads_to_seq(grad, ex)  # [L, kv heads * copies, D]
-                if copies > 1:  # the replicas' gradients summed, as repeat_interleave's are
-                    back = back.unflatten(1, (-1, copies)).sum(2)
-                whole[:, ks] = back
-        return dq, dk, dv, dsinks, None, None, None, None, None, None
+            dq[:, qs] = _heads_to_seq(dqh, ex, counts=split.q_counts)
+            dk[:, ks] = _kv_grad_back(dkh, split, ex)
+            dv[:, ks] = _kv_grad_back(dvh, split, ex)
+        return dq, dk, dv, dsinks, None, None, None, None, None
 
 
-def _local_sink_slice(heads: slice, size: int, rank: int) -> slice:
-    per_rank = (heads.stop - heads.start) // size
-    start = heads.start + rank * per_rank
-    return slice(start, start + per_rank)
-
-
-def _local_sinks(sinks: torch.Tensor, heads: slice, size: int, rank: int) -> torch.Tensor:
-    return sinks[_local_sink_slice(heads, size, rank)]
+def _local_sink_slice(heads: slice, split: HeadSplit, ex: Exchange) -> slice:
+    """The query heads of chunk ``heads`` this rank holds."""
+    mine = split.q_slice(ex.member)
+    return slice(heads.start + mine.start, heads.start + mine.stop)
 
 
 def ulysses_attention(
@@ -434,14 +483,14 @@ def ulysses_attention(
     ex = build_exchange(meta, ctx.sp_group, ctx.layout.sp)
     chunks = usable_head_chunks(ctx.layout.head_chunks, q.shape[1], k.shape[1], ex.size)
     if chunks > 1:
-        rank = ctx.sp_rank % ex.size  # all-to-all groups are consecutive SP ranks
-        return _HeadChunkedUlysses.apply(q, k, v, sinks, ex, rank, meta.derived(_row_segments),
+        return _HeadChunkedUlysses.apply(q, k, v, sinks, ex, meta.derived(_row_segments),
                                          feats, ctx.kernel, chunks)
     qh, kh, vh = heads_to_ranks(q, k, v, ex, feats.spent)
-    local_sinks = None if sinks is None else sinks[local_head_slice(q.shape[1], ex, meta)]
+    mine = local_head_slice(q.shape[1], k.shape[1], ex)
+    local_sinks = None if sinks is None else sinks[mine]
     out = DocCausalAttention.apply(qh, kh, vh, local_sinks, meta.derived(_row_segments), feats,
                                    ctx.kernel)
-    return heads_to_seq(out, ex)
+    return heads_to_seq(out, ex, _q_counts(q, k, ex))
 
 
 def flash_ulysses_attention(
@@ -464,10 +513,12 @@ def flash_ulysses_attention(
     chunks = usable_head_chunks(ctx.layout.head_chunks, q.shape[1], k.shape[1], ex.size)
     if chunks == 1:
         qh, kh, vh = heads_to_ranks(q, k, v, ex, feats.spent)
-        return heads_to_seq(_flash_full_row(qh, kh, vh, meta, feats), ex)
+        return heads_to_seq(_flash_full_row(qh, kh, vh, meta, feats), ex, _q_counts(q, k, ex))
     outs = []  # flash-attn keeps each chunk's head layout for that chunk's backward
     for qs, ks in _chunk_slices(q.shape[1], k.shape[1], chunks):
-        qh, kh, vh = heads_to_ranks(q[:, qs], k[:, ks], v[:, ks], ex)
-        outs.append(heads_to_seq(_flash_full_row(qh, kh, vh, meta, feats), ex))
+        parts = q[:, qs], k[:, ks], v[:, ks]
+        qh, kh, vh = heads_to_ranks(*parts, ex)
+        outs.append(heads_to_seq(_flash_full_row(qh, kh, vh, meta, feats), ex,
+                                 _q_counts(*parts[:2], ex)))
         del qh, kh, vh
     return torch.cat(outs, dim=1)

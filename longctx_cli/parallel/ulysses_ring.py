@@ -4,7 +4,8 @@ The SP group of size ``N`` is ``R = N / U`` Ulysses groups of ``U`` consecutive 
 ``u`` of every Ulysses group belongs to ring ``u`` (see :mod:`.mesh`). SP rank ``s`` is
 member ``u = s % U`` of Ulysses group ``g = s // U``.
 
-After the Ulysses all-to-all, rank ``(g, u)`` holds heads ``[u*H/U, (u+1)*H/U)`` for every
+After the Ulysses all-to-all, rank ``(g, u)`` holds head slice ``u`` (``[u*H/U, (u+1)*H/U)``,
+or member ``u``'s share of an uneven split, :func:`~longctx_cli.layout.head_split`) for every
 token of Ulysses group ``g``, sorted by global position. That token set is exactly what
 rank ``g`` of an ``R``-rank SP group with the *same layout* would own:
 
@@ -27,9 +28,11 @@ from math import gcd
 
 import torch
 
+from longctx_cli.layout import head_split
+
 from .features import AttentionFeatures, as_features
 from .sharding import SPMeta, local_ranges, segments_for
-from .ulysses import build_exchange, heads_to_ranks, heads_to_seq, local_head_slice
+from .ulysses import build_exchange, heads_to_ranks, heads_to_seq
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -91,7 +94,8 @@ def hybrid_attention(
     """Exact document-causal attention of this rank's tokens, Ulysses x ring.
 
     q: ``[local_tokens, H, D]``, k/v: ``[local_tokens, H_kv, D]``; returns ``[local_tokens, H, D]``.
-    Needs ``H % U == 0`` and ``H_kv`` and ``U`` dividing one another. ``sinks`` ``[H]`` optional.
+    Needs ``H >= U`` (the heads may split unevenly, by whole KV-head groups). ``sinks`` ``[H]``
+    optional.
     """
     ctx = meta.ctx
     u = ctx.layout.ulysses
@@ -99,7 +103,9 @@ def hybrid_attention(
     ex = build_exchange(meta, ctx.ulysses_group, u)
     feats = as_features(features)
     qh, kh, vh = heads_to_ranks(q, k, v, ex, feats.spent)
-    local_sinks = None if sinks is None else sinks[local_head_slice(q.shape[1], ex, meta)]
-    # `ring`: the ring strategy the layout picked (``attention.ring_strategy``).
+    split = head_split(q.shape[1], k.shape[1], u)
+    local_sinks = None if sinks is None else sinks[split.q_slice(ex.member)]
+    # `ring`: the ring strategy the layout picked (``attention.ring_strategy``); every member
+    # of this rank's ring holds the same heads (the same member of its Ulysses group).
     out = ring(qh, kh, vh, ring_meta(meta, kh.shape[1]), feats, local_sinks)
-    return heads_to_seq(out, ex)
+    return heads_to_seq(out, ex, split.q_counts)

@@ -21,6 +21,7 @@ from longctx_cli.families import TP_FAMILIES, family
 from longctx_cli.kernel_choice import KernelError, KernelRequest, Platform, choose_kernel
 from longctx_cli.layout import (
     P2P_SHARDING,
+    HeadSplit,
     Layout,
     LayoutError,
     Mode,
@@ -31,6 +32,8 @@ from longctx_cli.layout import (
     default_ring,
     divisors,
     head_chunk_counts,
+    head_split,
+    largest_share,
     ulysses_degree_for,
 )
 
@@ -271,9 +274,11 @@ def head_chunks_for(parallel: ParallelSection, sp: int, tp: int, kernel: str,
     fitting = set.intersection(*(set(head_chunk_counts(h, kv, sp)) for h, kv, _ in layers))
     if not fitting:
         return 1  # check_heads refuses these heads with its own reason
-    per_chunk = sequence_len * max(h for h, _, _ in layers) // sp * local.head_dim * (
-        DTYPE_BYTES.get(dtype, 4))
-    small = [c for c in sorted(fitting) if per_chunk // c <= HEAD_CHUNK_TARGET_BYTES]
+    def chunk_bytes(c: int) -> int:  # one chunk's head layout on the rank with most heads
+        most = max(largest_share(h // c, kv // c, sp)[0] for h, kv, _ in layers)
+        return sequence_len * most * local.head_dim * DTYPE_BYTES.get(dtype, 4)
+
+    small = [c for c in sorted(fitting) if chunk_bytes(c) <= HEAD_CHUNK_TARGET_BYTES]
     return small[0] if small else max(fitting)
 
 
@@ -485,7 +490,29 @@ def ring_notes(parallel: ParallelSection, shape: ModelShape, layout: Layout) -> 
         notes.append(
             f"KV heads ({shape.num_key_value_heads}) are replicated to {ulysses} Ulysses ranks."
         )
+    split = ulysses_split(shape, layout)
+    if split is not None and not split.even:
+        notes.append(
+            f"the {sum(split.q_counts)} heads do not divide evenly over the Ulysses group of "
+            f"{ulysses} (whole KV-head groups, or shares of a replicated KV head's queries): "
+            f"the rank with the most ({max(split.q_counts)}) sets the step's attention time "
+            "and memory. A Ulysses size dividing the heads and dividing, or divided by, the KV "
+            "heads balances them.")
     return notes
+
+
+def ulysses_split(shape: ModelShape, layout: Layout) -> HeadSplit | None:
+    """How the Ulysses group splits the heads one TP rank holds (the layer with the most
+    heads, where they differ); None without a Ulysses group or heads it can split."""
+    if layout.ulysses == 1 or shape.attention_free:
+        return None
+    local = tp_local_shape(shape, layout.tp)
+    layers = local.layer_heads or ((local.num_attention_heads, local.num_key_value_heads, 0),)
+    heads, kv, _ = max(layers)
+    try:
+        return head_split(heads, kv, layout.ulysses)
+    except ValueError:
+        return None
 
 
 # ---- tensor parallelism (TP-sp) -------------------------------------------------------------
