@@ -1,0 +1,194 @@
+"""Attention dropout in training, as the model's own attention applies it (Seed-OSS: 0.1).
+
+The reference is the model's own SDPA attention, which on CPU draws its dropout mask on the
+math path: one Bernoulli draw over ``[1, heads, T, T]`` per layer. longctx draws the same
+tensor for a one-document row (sp 1, and every rank of a Ulysses group, which keeps its own
+heads), so under the same seed the training forward and every gradient agree with the
+model's. Packed rows draw per document: there the rate is checked against the law of the
+output (mean and variance over seeds), which fails with no dropout or another rate.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from longctx_cli.parallel import (
+    AttentionFeatures,
+    gather_sequence,
+    register_sp_attention,
+    shard_batch,
+    slice_sequence,
+    sp_attention,
+)
+from longctx_cli.parallel.sharding import IGNORE_INDEX
+from tests.attention_cases import DIM, doc_lengths_to_positions, make_inputs
+from tests.distributed import run_distributed
+from tests.layouts import sp_state
+
+P = 0.1
+TOL = 1e-5
+TOKENS = 48  # one document: no padding at sp 2
+PACKED = [10, 27, 5, 22]  # 64 tokens
+
+
+def tiny_seed_oss(attn: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, SeedOssConfig
+
+    cfg = SeedOssConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, max_position_embeddings=256, attention_dropout=P,
+                        residual_dropout=0.0)  # only attention dropout draws
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).float()
+
+
+def one_document() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, 128, (TOKENS,), generator=torch.Generator().manual_seed(1))
+    return ids, torch.arange(TOKENS)
+
+
+def model_run(train: bool, seed: int) -> tuple[torch.Tensor, dict]:
+    """The model's own SDPA forward and backward on one document (sum of token CE)."""
+    model = tiny_seed_oss("sdpa").train(train)
+    ids, pos = one_document()
+    torch.manual_seed(seed)
+    logits = model(ids[None], position_ids=pos[None]).logits[0]
+    F.cross_entropy(logits[:-1], ids[1:], reduction="sum").backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def longctx_run(ctx, train: bool, seed: int) -> tuple[torch.Tensor, dict]:
+    """The same through longctx_sp on ``ctx``: gathered logits, SP-summed gradients."""
+    model = tiny_seed_oss(register_sp_attention()).train(train)
+    ids, pos = one_document()
+    labels = ids.clone()
+    labels[0] = IGNORE_INDEX
+    batch = shard_batch(ids, pos, labels, ctx)
+    torch.manual_seed(seed)
+    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                   sp_meta=batch.sp_meta).logits[0]
+    F.cross_entropy(logits, batch.shift_labels[0], ignore_index=IGNORE_INDEX,
+                    reduction="sum").backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        if ctx.layout.sp > 1:
+            dist.all_reduce(g, group=ctx.sp_group)  # each rank holds its tokens' share
+        grads[name] = g
+    return gather_sequence(logits.detach(), ctx)[:TOKENS], grads
+
+
+def errors(ctx, train: bool, seed: int) -> dict[str, float]:
+    logits, grads = longctx_run(ctx, train, seed)
+    ref_logits, ref_grads = model_run(train, seed)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm())
+
+    eval_logits, _ = model_run(False, seed)
+    return {"logits": rel(logits, ref_logits),
+            "grads": max(rel(grads[n], ref_grads[n]) for n in ref_grads),
+            "dropped": rel(ref_logits, eval_logits)}  # training differs from eval at all
+
+
+def check(result: dict[str, float], train: bool) -> None:
+    assert result["logits"] < TOL and result["grads"] < TOL, result
+    if train:
+        assert result["dropped"] > 1e-3, result  # the model did drop (the test has teeth)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_sp1_matches_the_model_with_and_without_dropout(train: bool) -> None:
+    check(errors(sp_state(sp=1, kernel="torch"), train, seed=7), train)
+
+
+def test_sp1_training_draws_a_new_mask_per_seed() -> None:
+    ctx = sp_state(sp=1, kernel="torch")
+    a, _ = longctx_run(ctx, True, seed=1)
+    b, _ = longctx_run(ctx, True, seed=2)
+    assert float((a - b).norm() / a.norm()) > 1e-3
+
+
+def _ulysses_worker(rank: int, world: int) -> dict[str, dict]:
+    ctx = sp_state(sp=world, mode="ulysses", kernel="torch")
+    return {"eval": errors(ctx, False, seed=7), "train": errors(ctx, True, seed=7),
+            "law": law_errors(ctx)}
+
+
+# ---- the law of the output over seeds (packed rows draw one mask per document) ----------
+
+SEEDS = 300
+
+
+def law_errors(ctx) -> dict[str, float]:
+    """Over SEEDS draws of packed rows, with dropout P: the mean output against the undropped
+    one, and the variance against ``p / (1 - p) * sum_j P_ij^2 v_j^2``, in standard errors."""
+    lengths, hq, hkv = PACKED, 4, 2
+    pos, _, q, k, v, _ = make_inputs(lengths, hq, hkv, ctx.layout.sp, seed=3)
+    ids = torch.zeros_like(pos)
+    meta = shard_batch(ids, doc_lengths_to_positions(lengths), ids, ctx).sp_meta
+    local = [slice_sequence(x, ctx) for x in (q, k, v)]
+    feats = AttentionFeatures(scale=DIM**-0.5)
+    with torch.no_grad():
+        plain = gather_sequence(sp_attention(*local, meta, feats), ctx)
+        dropped = torch.stack([
+            gather_sequence(_seeded(s, *local, meta, AttentionFeatures(DIM**-0.5, dropout=P)),
+                            ctx) for s in range(SEEDS)])
+    probs = _probabilities(q, k, pos)  # [H, T, T]
+    vv = v.repeat_interleave(hq // hkv, 1).transpose(0, 1)  # [H, T, D]
+    variance = (P / (1 - P) * torch.matmul(probs**2, vv**2)).transpose(0, 1)  # [T, H, D]
+    mean_err = (dropped.mean(0) - plain) / (variance / SEEDS).sqrt().clamp_min(1e-12)
+    var_ratio = dropped.var(0).sum() / variance.sum()
+    return {"mean_z": float(mean_err.abs().mean()), "var_ratio": float(var_ratio)}
+
+
+def _seeded(seed: int, q, k, v, meta, feats) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return sp_attention(q, k, v, meta, feats)
+
+
+def _probabilities(q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    doc = torch.cumsum((pos == 0).long(), 0)
+    t = pos.numel()
+    allowed = (doc[:, None] == doc[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * DIM**-0.5
+    return s.masked_fill(~allowed, float("-inf")).softmax(-1)
+
+
+def check_law(result: dict[str, float]) -> None:
+    # |z| of an unbiased mean averages sqrt(2 / pi) ~ 0.8; the variance of SEEDS draws is
+    # within a few percent of its expectation. p = 0 gives ratio 0, 2p about 2.2.
+    assert result["mean_z"] < 1.0, result
+    assert 0.85 < result["var_ratio"] < 1.15, result
+
+
+def test_sp1_packed_rows_drop_at_the_model_rate() -> None:
+    check_law(law_errors(sp_state(sp=1, kernel="torch")))
+
+
+def test_ulysses_sp2_matches_the_model_and_drops_at_its_rate() -> None:
+    for result in run_distributed(_ulysses_worker, 2, timeout_s=240):
+        check(result["eval"], train=False)
+        check(result["train"], train=True)
+        check_law(result["law"])
+
+
+def _ring_worker(rank: int, world: int) -> str:
+    ctx = sp_state(sp=world, kernel="torch")
+    pos = torch.arange(16)
+    meta = shard_batch(torch.zeros_like(pos), pos, torch.zeros_like(pos), ctx).sp_meta
+    q = torch.randn(8, 2, DIM)
+    try:
+        sp_attention(q, q, q, meta, AttentionFeatures(DIM**-0.5, dropout=P))
+    except NotImplementedError as err:
+        return str(err)
+    return "ran"
+
+
+def test_a_ring_refuses_dropout_on_the_ranks() -> None:
+    for message in run_distributed(_ring_worker, 2, timeout_s=120):
+        assert "needs whole rows of attention probabilities" in message
