@@ -10,6 +10,9 @@ output (mean and variance over seeds), which fails with no dropout or another ra
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,12 +27,13 @@ from longctx_cli.parallel import (
     sp_attention,
 )
 from longctx_cli.parallel.sharding import IGNORE_INDEX
-from tests.attention_cases import DIM, doc_lengths_to_positions, make_inputs
+from tests.attention_cases import DIM, doc_lengths_to_positions, make_inputs, rel_err
 from tests.distributed import run_distributed
 from tests.layouts import sp_state
 
 P = 0.1
 TOL = 1e-5
+STANDIN = str(Path(__file__).parent / "flash_attn_standin")
 TOKENS = 48  # one document: no padding at sp 2
 PACKED = [10, 27, 5, 22]  # 64 tokens
 
@@ -175,6 +179,72 @@ def test_ulysses_sp2_matches_the_model_and_drops_at_its_rate() -> None:
         check(result["eval"], train=False)
         check(result["train"], train=True)
         check_law(result["law"])
+
+
+# ---- the fused kernels, on their CPU stand-ins (the CUDA ops cannot run here) -------------
+
+def _flash_worker(rank: int, world: int) -> dict[str, float]:
+    sys.path.insert(0, STANDIN)  # this process only: flash-attn 2's stand-in
+    import flash_attn  # noqa: F401  (the stand-in, or the test fails here)
+
+    return errors(sp_state(sp=1, kernel="flash"), True, seed=7)
+
+
+def test_flash_kernel_passes_the_dropout_to_flash_attn_as_the_model_does() -> None:
+    """flash-attn's stand-in draws the SDPA math path's mask: the model's run, bit for bit."""
+    (result,) = run_distributed(_flash_worker, 1, timeout_s=120)
+    check(result, train=True)
+
+
+@pytest.fixture
+def torch_flash_standin():
+    from longctx_cli.parallel.torch_flash import use_flash_ops
+    from tests import torch_flash_standin as standin
+
+    previous = use_flash_ops(standin.OPS)
+    yield standin
+    use_flash_ops(previous)
+
+
+def test_torch_flash_kernel_drops_in_the_op_and_its_backward_redraws_the_mask(
+        torch_flash_standin) -> None:
+    standin = torch_flash_standin
+    ctx = sp_state(sp=1, kernel="torch_flash")
+    lengths, hq, hkv = PACKED, 4, 2
+    pos, _, q, k, v, dout = make_inputs(lengths, hq, hkv, 1, seed=5)
+    ids = torch.zeros_like(pos)
+    meta = shard_batch(ids, pos, ids, ctx).sp_meta
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    calls = dict(standin.CALLS)
+    torch.manual_seed(11)
+    out = sp_attention(*leaves, meta, AttentionFeatures(DIM**-0.5, dropout=P))
+    out.backward(dout)
+    assert standin.CALLS["forward"] > calls["forward"]  # the op ran, not the math path
+    assert standin.CALLS["backward"] > calls["backward"]
+    torch.manual_seed(11)  # the op's seed, then each document's mask from it (the stand-in's)
+    seed = int(torch.randint(0, 2**62, ()))
+    full = [x.double().requires_grad_() for x in (q, k, v)]
+    probs = _probabilities(full[0], full[1], pos)
+    bounds = torch.cumsum(torch.tensor([0, *lengths]), 0).tolist()
+    kept = torch.zeros_like(probs)
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        kept[:, a:b, a:b] = standin.keep_mask(seed, i, hq, b - a, b - a, P)
+    vv = full[2].repeat_interleave(hq // hkv, 1).transpose(0, 1)
+    want = torch.matmul(probs * kept / (1 - P), vv).transpose(0, 1)
+    want.backward(dout.double())
+    for a, b in zip((out, *(t.grad for t in leaves)), (want, *(t.grad for t in full)),
+                    strict=True):
+        assert rel_err(a.detach(), b.detach()) < TOL
+    assert rel_err(out.detach(), _undropped(q, k, v, pos)) > 1e-2  # it did drop
+
+
+def test_torch_flash_kernel_drops_at_the_model_rate(torch_flash_standin) -> None:
+    check_law(law_errors(sp_state(sp=1, kernel="torch_flash")))
+
+
+def _undropped(q, k, v, pos) -> torch.Tensor:
+    vv = v.repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(0, 1)
+    return torch.matmul(_probabilities(q, k, pos), vv).transpose(0, 1)
 
 
 def _ring_worker(rank: int, world: int) -> str:

@@ -15,10 +15,14 @@ is the ranks' own guard.
 What computes it:
 
 * the ``flash`` kernel at sp 1: flash-attn 2's varlen function with ``dropout_p``, as the
-  model's ``flash_attention_2`` calls it (rows it takes; others as below);
-* everything else: the scores of one segment at a time (``[heads, queries, keys]`` in
-  float32), softmax, and the keep mask drawn from the default generator for *all* the
-  layer's heads at once, of which a rank keeps its own heads' (:func:`_segment`). Every rank
+  model's ``flash_attention_2`` calls it; the ``torch_flash`` kernel at sp 1: PyTorch's
+  flash op with its ``dropout_p`` (as the model's SDPA runs it on CUDA), each call's philox
+  seed and offset kept for its backward (rows without sinks or image runs; others below);
+* everything else (the ``torch``, ``cudnn`` and ``fa4`` kernels, and every kernel under
+  Ulysses at sp > 1, whose ranks would draw the same philox masks for their heads): the
+  scores of one segment at a time (``[heads, queries, keys]`` in float32), softmax, and the
+  keep mask drawn from the default generator for *all* the layer's heads at once, of which
+  a rank keeps its own heads' (:func:`_segment`). Every rank
   of a Ulysses group draws the same mask, so no two heads share one, and a one-document row
   at sp 1 draws exactly the mask the model's SDPA math path draws. Backward is autograd's;
   gradient checkpointing restores the generator before its recompute, so it redraws the same
@@ -32,8 +36,10 @@ import torch
 
 from .block_geometry import full_row_segments
 from .features import AttentionFeatures, Segment
+from .kernel import TORCH_FLASH_OPS, fused_for
 from .sharding import SPMeta
 from .tiled import visible
+from .torch_flash import varlen_backward, varlen_dropout_forward
 
 WHOLE_ROWS = "sp 1, or sequence_parallel_mode ulysses"
 
@@ -67,11 +73,15 @@ def dropout_attention(
             "attention dropout with shared pair prompts (`prefix_sharing`): the model draws "
             "its prompt's dropout once per answer, a shared prompt once")
     if ctx.layout.sp == 1:
-        if ctx.kernel.flash_attn and sinks is None and not meta.bidirectional:
+        plain = sinks is None and not meta.bidirectional  # what the fused kernels take
+        if ctx.kernel.flash_attn and plain:
             from .ring_flash import equal_head_dims, flash_single
 
             q, k, v, v_dim = equal_head_dims(q, k, v)
             return flash_single(q, k, v, meta, feats)[..., :v_dim]
+        if plain and fused_for(ctx.kernel, q, feats, v) is TORCH_FLASH_OPS:
+            segments = full_row_segments(meta.cu_host)
+            return FlashOpDropout.apply(q, k, v, segments, feats)
         return whole_row_attention(q, k, v, meta, feats, sinks, slice(0, q.shape[1]),
                                    q.shape[1])
     from .ulysses import build_exchange, heads_to_ranks, heads_to_seq, local_head_slice
@@ -82,6 +92,26 @@ def dropout_attention(
     local_sinks = None if sinks is None else sinks[heads]
     return heads_to_seq(whole_row_attention(qh, kh, vh, meta, feats, local_sinks, heads,
                                             q.shape[1]), ex)
+
+
+class FlashOpDropout(torch.autograd.Function):
+    """The ``torch_flash`` kernel's op over a whole row with its own dropout: each call's
+    philox seed and offset go to its backward, which redraws the same mask."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, segments, feats):  # type: ignore[override]
+        out, lse, states = varlen_dropout_forward(q, k, v, segments, feats, feats.dropout)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.segments, ctx.feats, ctx.states = segments, feats, states
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        feats = ctx.feats
+        dq, dk, dv = varlen_backward(dout.contiguous(), q, k, v, out, lse, ctx.segments,
+                                     feats, dropout=feats.dropout, rng_states=ctx.states)
+        return dq, dk, dv, None, None
 
 
 def whole_row_attention(
