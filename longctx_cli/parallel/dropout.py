@@ -68,6 +68,10 @@ def dropout_attention(
             f"attention dropout (p={feats.dropout:g}) needs whole rows of attention "
             f"probabilities on a rank ({WHOLE_ROWS}); sequence_parallel_mode "
             f"{ctx.layout.mode} at sp {ctx.layout.sp} splits them across ranks")
+    if ctx.layout.tp > 1:
+        raise NotImplementedError(
+            f"attention dropout (p={feats.dropout:g}) with tensor parallelism: every TP rank "
+            "draws its heads' masks from the same random state, so heads would share masks")
     if meta.prefixes:
         raise NotImplementedError(
             "attention dropout with shared pair prompts (`prefix_sharing`): the model draws "
