@@ -170,7 +170,9 @@ def _segment(
     p = feats.dropout
     # The model draws on its probabilities' shape and dtype: all heads, query's dtype.
     kept = torch.empty(total_heads, rows, keys, dtype=q.dtype, device=q.device)
-    kept = kept.bernoulli_(1 - p)[heads]
+    kept = kept.bernoulli_(1 - p)
+    if (heads.start, heads.stop) != (0, total_heads):
+        kept = kept[heads].clone()  # autograd keeps this rank's heads only, not the draw
     out = torch.matmul(probs * kept / (1 - p), vs)
     return out.transpose(0, 1).to(v.dtype)
 
