@@ -324,3 +324,38 @@ def test_without_dropout_zeroes_the_rates_layers_keep_as_numbers() -> None:
         runs.append(model(ids[None], position_ids=pos[None]).logits)
     assert torch.equal(*runs)
     assert all(layer.self_attn.attention_dropout == 0.0 for layer in model.model.layers)
+
+
+# ---- evaluation during training runs the model in eval mode, as Hugging Face's does -----
+
+def _eval_worker(rank: int, world: int) -> dict[str, Any]:
+    from datasets import Dataset
+
+    from longctx_cli.config import config_from_dict
+    from longctx_cli.runtime.model import decoder_and_head
+    from longctx_cli.train.evaluation import Evaluator
+
+    model = tiny_seed_oss(register_sp_attention()).train()
+    ids, pos = one_document()
+    labels = ids.clone()
+    labels[0] = IGNORE_INDEX
+    rows = Dataset.from_list([{"input_ids": ids.tolist(), "position_ids": pos.tolist(),
+                               "labels": labels.tolist()}])
+    config = config_from_dict({"model_config": {"model_type": "seed_oss"}, "tokenizer": "byte",
+                               "dtype": "float32", "eval_steps": 1, "val_set_size": 0.1})
+    evaluator = Evaluator(config, sp_state(sp=1, kernel="torch"), model, None, rows, 0, None,
+                          1, 1)
+    losses = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        losses.append(evaluator.maybe_eval(0))
+    reference, _ = model_run(False, 0)  # the model's own eval forward
+    return {"losses": losses, "want": F.cross_entropy(reference[:-1], ids[1:]).item(),
+            "training": model.training and decoder_and_head(model)[0].training}
+
+
+def test_the_eval_loss_during_training_applies_no_dropout() -> None:
+    (result,) = run_distributed(_eval_worker, 1, timeout_s=120)
+    (a, b), want = result["losses"], result["want"]
+    assert a == b and abs(a - want) < 1e-5 * want, result
+    assert result["training"]  # training goes on with its dropout
