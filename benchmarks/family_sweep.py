@@ -132,8 +132,8 @@ def reason_group(reason: str) -> str:
         ("is an encoder-decoder model", "an encoder-decoder model"),
         ("uses sparse attention", "sparse attention (an indexer's top-k keys)"),
         ("prefix LM", "a prefix LM (image and prompt attend both ways)"),
-        ("dropout to the attention probabilities", "attention dropout (the fix names the "
-         "override)"),
+        ("drops attention probabilities of whole rows", "attention dropout under a ring "
+         "(the fix names Ulysses or the override)"),
         ("output_router_logits", "router auxiliary loss (the fix names the override)"),
         ("does not dispatch through transformers' AttentionInterface", "attention outside "
          "transformers' AttentionInterface"),

@@ -68,6 +68,8 @@ class Family:
     # `overrides_of_model_config` that validate asks for, and why (the features column)
     settings: dict[str, Any] = field(default_factory=dict)
     note: str = ""
+    # the config keys under which validate refuses the row without its settings
+    refused_with: dict[str, Any] = field(default_factory=dict)
 
     def config(self, **overrides: Any) -> dict[str, Any]:
         return {"model_type": self.model_type, **BASE, **self.fields, **overrides}
@@ -354,12 +356,14 @@ FAMILIES = [
                     mlp_layer_types=["dense", "sparse"], attention_value_scale=0.707),
            {"per-layer sliding window": {"layer_types": ALL_FULL}},
            always_on=("value head dim 4", "MoE")),
-    # Attention dropout: SP attention applies none, so validate refuses the model and names
-    # the override; both trainings run with it.
+    # Attention dropout: sp 1 and Ulysses apply it (tests/test_attention_dropout.py); a ring
+    # cannot, so validate refuses the model there and names the override, which both
+    # trainings here use (two trainings draw different masks).
     Family("llama (attention_dropout 0.1)", "llama", {"attention_dropout": 0.1},
            settings={"overrides_of_model_config": {"attention_dropout": 0.0}},
-           note="attention dropout 0.1: `validate` refuses it in one paragraph naming the "
-                "override; trained with it"),
+           note="attention dropout 0.1: sp 1 and Ulysses train with it as the model does; "
+                "a ring sp2 is refused in one paragraph naming the override, which these "
+                "trainings use", refused_with={"sequence_parallel_degree": 2}),
     # (Last: new rows keep the earlier rows' rotating columns.) No attention layer at all:
     # Mamba2 (its scan passes its state from rank to rank) and
     # Mamba / Falcon-Mamba (their selective scan takes no starting state: every rank reruns

@@ -106,16 +106,17 @@ def test_validate_refuses_a_row_without_its_settings(family: str) -> None:
     from longctx_cli.errors import UserError
 
     row = next(f for f in fm.FAMILIES if f.name == family)
-    bare = fm.make_config(row).model_copy(update=dict.fromkeys(row.settings))
+    bare = fm.make_config(row, row.refused_with).model_copy(update=dict.fromkeys(row.settings))
+    world = row.refused_with.get("sequence_parallel_degree", 1)
     with pytest.raises(UserError) as err:
-        build_plan(bare, 1, read_model_config(bare), platform=Platform(cuda=False,
-                                                                       ring_flash_attn=False))
+        build_plan(bare, world, read_model_config(bare),
+                   platform=Platform(cuda=False, ring_flash_attn=False))
     message = str(err.value)
     assert "\n" not in message and "Fix:" in message
     for key, value in row.settings.items():
         assert fm._settings_text({key: value}).strip("`") in message, message
-    with_settings = fm.make_config(row)
-    build_plan(with_settings, 1, read_model_config(with_settings),
+    with_settings = fm.make_config(row, row.refused_with)
+    build_plan(with_settings, world, read_model_config(with_settings),
                platform=Platform(cuda=False, ring_flash_attn=False))
 
 

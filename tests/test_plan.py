@@ -641,24 +641,66 @@ def test_offload_without_checkpointing_is_noted():
                    plan(activation_offloading=True, gradient_checkpointing=True).notes)
 
 
-def test_attention_dropout_is_refused_and_overrides_of_model_config_turn_it_off():
-    seed_oss_like = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-                     "num_hidden_layers": 2, "num_attention_heads": 4,
-                     "num_key_value_heads": 2, "vocab_size": 128, "attention_dropout": 0.1}
-    config = cfg(model_config=seed_oss_like, tokenizer="byte")
+SEED_OSS_LIKE = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "vocab_size": 128, "attention_dropout": 0.1}
+
+
+def test_attention_dropout_is_applied_at_sp1_and_by_ulysses():
+    config = cfg(model_config=SEED_OSS_LIKE, tokenizer="byte")
+    notes = build_plan(config, 1, read_model_config(config), platform=CPU).notes
+    assert any(n.startswith("attention dropout (attention_dropout = 0.1) in training, as the "
+                            "model applies it") for n in notes), notes
+    ulysses = cfg(model_config=SEED_OSS_LIKE, tokenizer="byte", sequence_parallel_degree=2,
+                  sequence_parallel_mode="ulysses")
+    assert build_plan(ulysses, 2, read_model_config(ulysses), platform=CPU).layout.sp == 2
+    gpu = Platform(cuda=True, ring_flash_attn=False, capability=(9, 0))
+    fused = cfg(model_config=SEED_OSS_LIKE, tokenizer="byte", dtype="bfloat16",
+                attention_kernel="torch_flash")
+    notes = build_plan(fused, 1, read_model_config(fused), platform=gpu).notes
+    assert any("PyTorch's flash op's dropout_p" in n for n in notes), notes
+
+
+def test_attention_dropout_is_refused_on_a_ring_and_overrides_of_model_config_turn_it_off():
+    config = cfg(model_config=SEED_OSS_LIKE, tokenizer="byte", sequence_parallel_degree=2)
     with pytest.raises(UserError) as exc:
-        build_plan(config, 1, read_model_config(config), platform=CPU)
+        build_plan(config, 2, read_model_config(config), platform=CPU)
     msg = str(exc.value)
-    assert msg.startswith("overrides_of_model_config: the model's attention_dropout = 0.1")
-    assert "Fix: add `overrides_of_model_config: {attention_dropout: 0.0}`" in msg
-    fixed = cfg(model_config=seed_oss_like, tokenizer="byte",
+    assert msg.startswith("sequence_parallel_mode: `sequence_parallel_mode: ring` at sp 2 "
+                          "cannot apply the model's attention_dropout = 0.1"), msg
+    assert "`overrides_of_model_config: {attention_dropout: 0.0}`" in msg
+    assert "Fix: set `sequence_parallel_mode: ulysses`." in msg
+    hybrid = cfg(model_config=SEED_OSS_LIKE, tokenizer="byte", sequence_parallel_degree=4,
+                 sequence_parallel_mode="hybrid", ulysses_degree=2)
+    with pytest.raises(UserError, match="`sequence_parallel_mode: hybrid` at sp 4"):
+        build_plan(hybrid, 4, read_model_config(hybrid), platform=CPU)
+    fixed = cfg(model_config=SEED_OSS_LIKE, tokenizer="byte", sequence_parallel_degree=2,
                 overrides_of_model_config={"attention_dropout": 0.0})
     shape = read_model_config(fixed)
     assert shape.config_value("attention_dropout") == 0.0
-    assert build_plan(fixed, 1, shape, platform=CPU).layout.kernel == "torch"
+    plan_fixed = build_plan(fixed, 2, shape, platform=CPU)
+    assert not any("attention dropout" in n for n in plan_fixed.notes)
     from longctx_cli.runtime.model import model_config_of
 
     assert model_config_of(fixed).attention_dropout == 0.0  # what the ranks build
+
+
+def test_attention_dropout_is_refused_with_tp_and_prefix_sharing():
+    config = cfg(model_config=SEED_OSS_LIKE, tokenizer="byte", tensor_parallel_size=2)
+    with pytest.raises(UserError) as exc:
+        build_plan(config, 2, read_model_config(config), platform=CPU)
+    assert str(exc.value).startswith("tensor_parallel_size: `tensor_parallel_size` = 2 cannot "
+                                     "apply the model's attention_dropout = 0.1")
+    from longctx_cli.config.sections.model import check_attention_dropout
+
+    plain = cfg(model_config=SEED_OSS_LIKE, tokenizer="byte")
+    layout = build_plan(plain, 1, read_model_config(plain), platform=CPU).layout
+    shape = read_model_config(plain)
+    assert isinstance(shape, ModelShape)
+    with pytest.raises(UserError) as exc:
+        check_attention_dropout(shape, layout, prefix_sharing=True)
+    assert str(exc.value).startswith("prefix_sharing: `prefix_sharing: true` cannot run with "
+                                     "the model's attention_dropout = 0.1")
 
 
 def test_router_aux_loss_is_refused_and_overrides_of_model_config_turn_it_off():

@@ -11,7 +11,11 @@ Same signatures and conventions as the CUDA ops, for their varlen form (the one 
 * the log-sum-exp is ``[Hq, total_q]`` float32; a row that sees no key gets output 0 and
   log-sum-exp ``+inf`` (flash-attn's convention);
 * backward takes ``out`` and ``logsumexp`` as given (the merged ones, in our use) and computes
-  ``P = exp(S - lse)``, ``dS = P * (dO V^T - rowsum(dO * out))``, as the CUDA kernel does.
+  ``P = exp(S - lse)``, ``dS = P * (dO V^T - rowsum(dO * out))``, as the CUDA kernel does;
+* ``dropout_p > 0``: the forward draws a seed from the default generator and returns it as
+  its philox seed; each sequence's keep mask ``[Hq, Lq, Lk]`` comes from a generator of that
+  seed (:func:`keep_mask`), so the backward given the seed redraws it, as the CUDA op's
+  philox does. The output is ``(P * keep / (1 - p)) V`` and the log-sum-exp the undropped one.
 
 The kernel's contract checks (dtypes, int32 offsets, shapes, unit last stride) are asserted
 so that a call the real op would reject fails here too. ``CALLS`` counts calls, so a test can
@@ -28,7 +32,7 @@ CALLS = {"forward": 0, "backward": 0}
 
 
 def _check_common(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p) -> None:
-    assert dropout_p == 0.0, "the kernel never asks for dropout"
+    assert 0.0 <= dropout_p < 1.0
     assert query.dim() == 3 and key.dim() == 3 and value.dim() == 3, "varlen: [tokens, H, D]"
     assert query.dtype == key.dtype == value.dtype
     assert query.shape[-1] == key.shape[-1] == value.shape[-1]
@@ -75,6 +79,12 @@ def _pairs(cum_seq_q, cum_seq_k):
     return [(bq[i], bq[i + 1], bk[i], bk[i + 1]) for i in range(len(bq) - 1)]
 
 
+def keep_mask(seed: int, index: int, heads: int, lq: int, lk: int, p: float) -> torch.Tensor:
+    """The kept entries (1.0 or 0.0, float64) of sequence ``index`` of a call of ``seed``."""
+    gen = torch.Generator().manual_seed(seed + index)
+    return torch.empty(heads, lq, lk, dtype=torch.float64).bernoulli_(1 - p, generator=gen)
+
+
 def flash_attention_forward(
     query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
     return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None,
@@ -89,7 +99,8 @@ def flash_attention_forward(
     groups = query.shape[1] // key.shape[1]
     out = torch.zeros_like(query)
     lse = torch.full((query.shape[1], query.shape[0]), float("inf"), dtype=torch.float32)
-    for qa, qb, ka, kb in _pairs(cum_seq_q, cum_seq_k):
+    seed = int(torch.randint(0, 2**62, ())) if dropout_p else 0
+    for index, (qa, qb, ka, kb) in enumerate(_pairs(cum_seq_q, cum_seq_k)):
         if qb == qa:
             continue
         k = key[ka:kb].repeat_interleave(groups, 1)
@@ -98,8 +109,13 @@ def flash_attention_forward(
         row_lse = torch.logsumexp(s, -1)  # -inf where a row sees nothing
         seen = row_lse.isfinite()
         p = torch.exp(s - torch.where(seen, row_lse, 0.0)[..., None])
+        if dropout_p:
+            p = p * keep_mask(seed, index, *p.shape, dropout_p) / (1 - dropout_p)
         out[qa:qb] = torch.einsum("hqk,khd->qhd", p, v).to(query.dtype)
         lse[:, qa:qb] = torch.where(seen, row_lse, float("inf")).float()
+    if dropout_p:
+        return (out, lse, torch.tensor(seed), torch.tensor(0),
+                torch.empty(0, dtype=query.dtype))
     rng = torch.zeros(2, dtype=torch.uint64)
     return out, lse, rng, torch.empty(0, dtype=torch.uint64), torch.empty(0, dtype=query.dtype)
 
@@ -123,7 +139,7 @@ def flash_attention_backward(
     dq = torch.zeros(query.shape, dtype=torch.float64)
     dk = torch.zeros(key.shape[0], hq, key.shape[2], dtype=torch.float64)
     dv = torch.zeros_like(dk)
-    for qa, qb, ka, kb in _pairs(cum_seq_q, cum_seq_k):
+    for index, (qa, qb, ka, kb) in enumerate(_pairs(cum_seq_q, cum_seq_k)):
         if qb == qa:
             continue
         k = key[ka:kb].repeat_interleave(groups, 1).double()
@@ -133,8 +149,10 @@ def flash_attention_backward(
         row_lse = logsumexp[:, qa:qb].double()
         p = torch.exp(s - torch.where(row_lse.isfinite(), row_lse, 0.0)[..., None])
         p = torch.where(row_lse.isfinite()[..., None], p, 0.0)
-        dv[ka:kb] += torch.einsum("hqk,qhd->khd", p, do)
-        dp = torch.einsum("qhd,khd->hqk", do, v)
+        kept = (keep_mask(int(rng_state), index, *p.shape, dropout_p) / (1 - dropout_p)
+                if dropout_p else 1.0)  # the forward's mask, from its seed
+        dv[ka:kb] += torch.einsum("hqk,qhd->khd", p * kept, do)
+        dp = torch.einsum("qhd,khd->hqk", do, v) * kept
         delta = (do * o).sum(-1).transpose(0, 1)[..., None]  # [H, Lq, 1]
         ds = p * (dp - delta) * scale
         dq[qa:qb] += torch.einsum("hqk,khd->qhd", ds, k)

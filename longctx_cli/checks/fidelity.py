@@ -643,11 +643,16 @@ def _build(tiny: Any, attn: str, trust_remote_code: bool) -> Any:
 
 
 def without_dropout(model: Any) -> Any:
-    """`model` with every dropout layer at p = 0: the probe judges the computation, and two
-    training forwards draw different masks (Phi-3's and GPT-2's residual dropout)."""
+    """`model` with every dropout at p = 0: the probe judges the computation, and two
+    training forwards draw different masks (Phi-3's and GPT-2's residual dropout layers; the
+    rates layers keep as numbers: Seed-OSS's `attention_dropout`, passed to the attention
+    function in training, and its `residual_dropout`)."""
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd):
             module.p = 0.0
+        for name, value in vars(module).items():
+            if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
+                setattr(module, name, 0.0)
     return model
 
 

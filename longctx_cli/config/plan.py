@@ -30,6 +30,7 @@ from longctx_cli.config.sections.grpo import (
 )
 from longctx_cli.config.sections.memory import memory_notes
 from longctx_cli.config.sections.model import (
+    attention_dropout_notes,
     check_attention_dropout,
     check_linearized_experts,
     check_query_position_scaling,
@@ -304,7 +305,6 @@ def build_plan(
     model, data, training, parallel = config.model, config.data, config.training, config.parallel
     check_without_model(config, world_size, world_source)
     check_tp_model(parallel.tensor_parallel_size, shape)
-    check_attention_dropout(shape)
     check_sparse_attention(shape)
     check_router_aux_loss(shape)
     check_linearized_experts(model.llama4_linearized_experts, shape,
@@ -348,6 +348,7 @@ def build_plan(
         )
         on_gpus = bare + ("" if full == bare else f" ({full} with flash-attn installed)")
     check_heads(layout, shape)  # SP works on the heads TP left on the rank
+    check_attention_dropout(shape, layout, config.objective.prefix_sharing)
     check_query_position_scaling(shape, layout, data.sequence_len, training.micro_batch_size,
                                  data.sample_packing)
     check_prefix_sharing(config.objective, shape)
@@ -383,6 +384,8 @@ def build_plan(
     notes += parallel_notes(layout, nproc_per_node)
     notes += memory_notes(config.memory)
     notes += ring_notes(parallel, shape, layout)
+    notes += attention_dropout_notes(shape, layout, data.sequence_len, shape.attention_sinks
+                                     or images_attend_both_ways(config.vision, shape.hf_config))
     notes += estimate_notes
     if config.objective.rl == "grpo":
         notes += rollout_decoding_note(config.trl, shape)

@@ -100,14 +100,18 @@ def sp_attention(
         )
     if meta.bidirectional and meta.bidirectional_sliding_only and feats.window is None:
         meta = causal_meta(meta)  # Gemma 4's full-attention layers: its images causal
-    if meta.bidirectional:  # image runs: only Ulysses holds whole rows (one rank does too)
+    if feats.dropout:  # training with attention dropout: whole rows only (see .dropout)
+        from .dropout import dropout_attention
+
+        strategy: AttentionStrategy = dropout_attention
+    elif meta.bidirectional:  # image runs: only Ulysses holds whole rows (one rank does too)
         if ctx.layout.sp > 1 and ctx.layout.mode != "ulysses":
             raise NotImplementedError(
                 "image tokens that attend to each other both ways need sequence_parallel_mode "
                 f"ulysses; {ctx.layout.mode} splits each document's keys across ranks")
         from .ulysses import ulysses_attention
 
-        strategy: AttentionStrategy = ulysses_attention
+        strategy = ulysses_attention
     else:
         strategy = strategy_for(ctx)
     if feats.chunk is not None:  # chunked local attention: chunk starts are segment starts
@@ -237,8 +241,8 @@ def longctx_attention_forward(
     """transformers attention signature.
 
     q/k/v ``[1, heads, S, dim]`` -> ``([1, S, heads, dim], None)``. Honours the layer's
-    ``scaling``, ``sliding_window``, ``softcap`` and ``s_aux`` (sinks); refuses other
-    arguments that would change the math.
+    ``scaling``, ``dropout`` (:mod:`.dropout`), ``sliding_window``, ``softcap`` and ``s_aux``
+    (sinks); refuses other arguments that would change the math.
     """
     meta = kwargs.get("sp_meta")
     if isinstance(meta, DecodeMeta):  # one new token after an SP prefill (KV cache kept)
@@ -259,6 +263,8 @@ def longctx_attention_forward(
     if attention_mask is not None:
         raise ValueError("SP attention builds document masks itself; attention_mask must be None")
     feats, sinks = attention_features(module, scaling, kwargs)
+    if dropout:  # the layer's attention dropout (transformers passes 0 in eval)
+        feats = replace(feats, dropout=float(dropout))
     if torch.is_grad_enabled() and attention_inputs_spent(type(module)) and _apart(
             query, key, value):
         feats = replace(feats, spent=True)  # training: no KV cache keeps them either

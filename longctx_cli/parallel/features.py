@@ -25,6 +25,8 @@ class AttentionFeatures:
     over them (:func:`.attention.longctx_attention_forward` says when; autograd's version
     counter still guards any saved use): Ulysses writes its exchange and gradients there,
     the llama3 ring its gradients (:func:`writable_inputs`).
+    ``dropout``: the probability with which the layer drops each attention probability in
+    training (transformers passes 0 in eval); only :mod:`.dropout`'s whole-row paths apply it.
     """
 
     scale: float
@@ -32,8 +34,11 @@ class AttentionFeatures:
     softcap: float | None = None
     chunk: int | None = None
     spent: bool = False
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"attention dropout must be in [0, 1), got {self.dropout}")
         if self.window is not None and self.window < 1:
             raise ValueError(f"sliding window must be at least 1 token, got {self.window}")
         if self.softcap is not None and not self.softcap > 0:

@@ -111,7 +111,7 @@ def flash_ring_attention(
     refuse_flash_sinks(sinks)
     q, k, v, v_dim = equal_head_dims(q, k, v)
     if ctx.layout.sp == 1:
-        return _flash_single(q, k, v, meta, feats)[..., :v_dim]
+        return flash_single(q, k, v, meta, feats)[..., :v_dim]
     if feats.softcap is not None:
         raise NotImplementedError(
             f"attention logit softcapping (softcap={feats.softcap}) is not supported by "
@@ -144,16 +144,17 @@ def flash_ring_attention(
     return out[..., :v_dim]
 
 
-def _flash_single(
+def flash_single(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SPMeta, feats: AttentionFeatures
 ) -> torch.Tensor:
-    """sp == 1: no ring, plain flash-attn varlen over the row's documents."""
+    """sp == 1: no ring, plain flash-attn varlen over the row's documents, with the layer's
+    attention dropout in training (``feats.dropout``, as ``flash_attention_2`` passes it)."""
     from flash_attn import flash_attn_varlen_func
 
     # Once per row, not per layer (`int` syncs the GPU).
     cu, max_len = meta.derived(_row_cu_seqlens, q.device)
     return flash_attn_varlen_func(
-        q, k, v, cu, cu, max_len, max_len, dropout_p=0.0, softmax_scale=feats.scale,
+        q, k, v, cu, cu, max_len, max_len, dropout_p=feats.dropout, softmax_scale=feats.scale,
         causal=True, window_size=flash_window(feats), softcap=feats.softcap or 0.0,
     )
 

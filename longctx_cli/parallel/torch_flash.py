@@ -191,21 +191,38 @@ def varlen_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``out [Lq, Hq, D]`` and ``lse [Hq, Lq]`` (float32) of every segment, one op call per run
     (``ops``: as in :func:`flash_applies`)."""
+    out, lse, _ = varlen_dropout_forward(q, k, v, segments, feats, 0.0, ops)
+    return out, lse
+
+
+def varlen_dropout_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: Sequence[Segment],
+    feats: AttentionFeatures,
+    dropout: float,
+    ops: FlashOps | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[torch.Tensor, torch.Tensor], ...]]:
+    """:func:`varlen_forward` with the op's own dropout of probability ``dropout``; also
+    returns each call's philox seed and offset, which its backward needs to redraw the mask
+    (:func:`varlen_backward`'s ``rng_states``)."""
     ops = ops or _ops
     runs = _runs(tuple(segments))
     causal, left, right = _mask_args(feats)
     d, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
-    results = []
+    results, states = [], []
     for run in runs:
         cu_q, cu_k = _device_cu(run.cu_q, q.device), _device_cu(run.cu_k, q.device)
-        out, lse, *_ = ops.forward(
+        out, lse, seed, offset, *_ = ops.forward(
             _dense(q[run.q0 : run.q1], d), _dense(k[run.k0 : run.k1], d),
-            _dense(v[run.k0 : run.k1], d), cu_q, cu_k, run.max_q, run.max_k, 0.0, causal,
+            _dense(v[run.k0 : run.k1], d), cu_q, cu_k, run.max_q, run.max_k, dropout, causal,
             False, scale=feats.scale, window_size_left=left, window_size_right=right,
         )
         results.append((run, out[..., :dv], lse))
+        states.append((seed, offset))
     if len(results) == 1 and (results[0][0].q0, results[0][0].q1) == (0, q.shape[0]):
-        return results[0][1], results[0][2].float()  # the op's own tensors, no copy
+        return results[0][1], results[0][2].float(), tuple(states)  # the op's own tensors
     # Rows no segment covers stay zero (there are none in practice); v's head dim.
     out = torch.zeros((*q.shape[:-1], dv), dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32,
@@ -213,7 +230,7 @@ def varlen_forward(
     for run, o, lo in results:
         out[run.q0 : run.q1] = o
         lse[:, run.q0 : run.q1] = lo
-    return out, lse
+    return out, lse, tuple(states)
 
 
 def block_forward(
@@ -260,13 +277,17 @@ def varlen_backward(
     segments: Sequence[Segment],
     feats: AttentionFeatures,
     ops: FlashOps | None = None,
+    dropout: float = 0.0,
+    rng_states: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients given the rows' merged ``out``/``lse``: ``dq`` like q, ``dk``/``dv`` like k/v."""
+    """Gradients given the rows' merged ``out``/``lse``: ``dq`` like q, ``dk``/``dv`` like k/v.
+    ``dropout``, ``rng_states``: those of :func:`varlen_dropout_forward`'s calls."""
     ops = ops or _ops
     runs = _runs(tuple(segments))
     causal, left, right = _mask_args(feats)
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout 0: never read
     unused = torch.empty(0, device=q.device)
+    states = list(rng_states) if dropout else [(rng, unused)] * len(runs)
     single = len(runs) == 1 and (runs[0].q0, runs[0].q1, runs[0].k0, runs[0].k1) == (
         0, q.shape[0], 0, k.shape[0])
     if not single:
@@ -274,14 +295,14 @@ def varlen_backward(
         # as the ring's reduce-scatter adds ranks' partials: no extra float32 buffer).
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     d, dqk, dvd = max(q.shape[-1], v.shape[-1]), q.shape[-1], v.shape[-1]
-    for run in runs:
+    for run, (seed, offset) in zip(runs, states, strict=True):
         rows, keys = slice(run.q0, run.q1), slice(run.k0, run.k1)
         dq1, dk1, dv1 = ops.backward(
             _dense(dout[rows], d), _dense(q[rows], d), _dense(k[keys], d),
             _dense(v[keys], d), _dense(out[rows], d), lse[:, rows].contiguous(),
             _device_cu(run.cu_q, q.device), _device_cu(run.cu_k, q.device), run.max_q,
-            run.max_k, 0.0, causal, rng, unused, scale=feats.scale, window_size_left=left,
-            window_size_right=right,
+            run.max_k, dropout, causal, seed, offset, scale=feats.scale,
+            window_size_left=left, window_size_right=right,
         )
         dq1, dk1, dv1 = dq1[..., :dqk], dk1[..., :dqk], dv1[..., :dvd]
         if single:

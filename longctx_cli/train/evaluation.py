@@ -4,7 +4,9 @@ held-out pairs), and the `reduce_lr_on_plateau` schedule that steps on it."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -78,6 +80,19 @@ def evaluate_pairs(model: torch.nn.Module, rows, config: Config, state: Parallel
     return loss, {f"eval_{k}": v / pairs for k, v in totals.items()} if pairs else {}
 
 
+@contextlib.contextmanager
+def evaluation_mode(model: torch.nn.Module) -> Iterator[None]:
+    """`model` in eval mode (no attention or residual dropout), each module's own mode
+    restored after (a frozen tower may stay in eval)."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
 class Evaluator:
     """Evaluates every `eval_interval` steps when the run has eval rows (`val_set_size`)."""
 
@@ -97,12 +112,14 @@ class Evaluator:
         self.metrics = {}
         if not self.every or self.rows is None or (step + 1) % self.every:
             return None
-        if self.preference is not None:
-            eval_loss, self.metrics = evaluate_pairs(self.model, self.rows, self.config,
-                                                     self.state, self.pad_id, self.preference)
-        else:
-            eval_loss = evaluate_loss(self.decoder, self.lm_head, self.rows, self.config,
-                                      self.state, self.pad_id)
+        with evaluation_mode(self.model):  # as Hugging Face evaluates: no dropout
+            if self.preference is not None:
+                eval_loss, self.metrics = evaluate_pairs(self.model, self.rows, self.config,
+                                                         self.state, self.pad_id,
+                                                         self.preference)
+            else:
+                eval_loss = evaluate_loss(self.decoder, self.lm_head, self.rows, self.config,
+                                          self.state, self.pad_id)
         if is_plateau(self.config):
             self.scheduler.step(eval_loss)
         return eval_loss

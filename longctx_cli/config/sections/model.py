@@ -238,20 +238,72 @@ ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dr
                           "attn_dropout")
 
 
-def check_attention_dropout(shape: ModelShape) -> None:
-    """SP attention computes no dropout on the attention probabilities: a model whose config
-    asks for it is refused, never trained as another model."""
+def attention_dropout(shape: ModelShape) -> tuple[str, float] | None:
+    """The key and value of the model's dropout on attention probabilities, None without."""
     for key in ATTENTION_DROPOUT_KEYS:
         p = shape.config_value(key)
         if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
-            raise UserError(
-                f"the model's {key} = {p:g}: longctx's sequence-parallel attention applies no "
-                "dropout to the attention probabilities, so it would train a different model "
-                "than the one you load.",
-                where="overrides_of_model_config",
-                fix=f"add `overrides_of_model_config: {{{key}: 0.0}}` to train without "
-                "attention dropout (as long-context fine-tunes usually do).",
-            )
+            return key, float(p)
+    return None
+
+
+def check_attention_dropout(shape: ModelShape, layout: Layout,
+                            prefix_sharing: bool = False) -> None:
+    """Attention dropout acts on whole rows of probabilities: longctx applies it where a rank
+    holds every key of its queries (sp 1, Ulysses; `parallel/dropout.py`) and refuses the
+    layouts and options under which it would train another model."""
+    found = attention_dropout(shape)
+    if found is None:
+        return
+    key, p = found
+    off = f"`overrides_of_model_config: {{{key}: 0.0}}`"
+    if layout.sp > 1 and layout.mode != "ulysses":
+        raise UserError(
+            f"`sequence_parallel_mode: {layout.mode}` at sp {layout.sp} cannot apply the "
+            f"model's {key} = {p:g}: dropout drops attention probabilities of whole rows, and "
+            f"{layout.mode} splits each row's keys across ranks, each rank merging its "
+            "blocks' softmax; so it would train a different model than the one you load. "
+            "Ulysses holds whole rows of its heads on each rank and applies it as the model "
+            f"does; or train without attention dropout: {off}.",
+            where="sequence_parallel_mode", key="sequence_parallel_mode",
+            fix="set `sequence_parallel_mode: ulysses`.")
+    if layout.tp > 1:
+        raise UserError(
+            f"`tensor_parallel_size` = {layout.tp} cannot apply the model's {key} = {p:g}: "
+            "every TP rank draws its heads' dropout masks from the same random state, so "
+            "heads on different ranks would share masks, which the model never does.",
+            where="tensor_parallel_size",
+            fix=f"set `tensor_parallel_size: 1` (sequence_parallel_mode ulysses splits the "
+            f"heads and applies the dropout), or add {off}.")
+    if prefix_sharing:
+        raise UserError(
+            f"`prefix_sharing: true` cannot run with the model's {key} = {p:g}: the model "
+            "draws its prompt's attention dropout once per answer, a shared prompt is "
+            "computed, and dropped, once.", where="prefix_sharing",
+            fix=f"set `prefix_sharing: false`, or add {off}.")
+
+
+def attention_dropout_notes(shape: ModelShape, layout: Layout, sequence_len: int,
+                            sinks_or_images: bool) -> list[str]:
+    """What applies the model's attention dropout in training, and what it holds where the
+    scores of a document are kept whole (every path but flash-attn's and PyTorch's op)."""
+    found = attention_dropout(shape)
+    if found is None:
+        return []
+    key, p = found
+    fused = {"flash": "flash-attn 2's dropout_p", "torch_flash": "PyTorch's flash op's "
+             "dropout_p"}.get(layout.kernel)
+    if fused and layout.sp == 1 and not sinks_or_images and attention_softcap(shape) is None:
+        return [f"attention dropout ({key} = {p:g}) in training, as the model applies it: "
+                f"{fused}; none in eval."]
+    heads = shape.num_attention_heads // (layout.tp * layout.sp)
+    scores = heads * sequence_len**2 * 12  # fp32 probabilities and product, the mask
+    return [f"attention dropout ({key} = {p:g}) in training, as the model applies it: each "
+            f"document's {heads} heads' scores are held whole (about "
+            f"{scores / 2**30:.2f} GiB per layer for a {sequence_len}-token document, not "
+            "in the estimate above); none in eval."
+            + ("" if layout.kernel in ("flash", "torch_flash") else
+               " attention_kernel flash or torch_flash at sp 1 drops inside the kernel.")]
 
 
 def check_linearized_experts(enabled: bool, shape: ModelShape, load_in_8bit: bool,

@@ -15,8 +15,11 @@ from __future__ import annotations
 import torch
 
 
-def _dense(q, k, v, scale: float, causal: bool, window=(-1, -1), softcap: float = 0.0):
-    """One sequence: q ``[Lq, Hq, D]``, k/v ``[Lk, Hk, D]`` -> (out, lse ``[Hq, Lq]``)."""
+def _dense(q, k, v, scale: float, causal: bool, window=(-1, -1), softcap: float = 0.0,
+           dropout_p: float = 0.0):
+    """One sequence: q ``[Lq, Hq, D]``, k/v ``[Lk, Hk, D]`` -> (out, lse ``[Hq, Lq]``).
+    ``dropout_p``: the probabilities are dropped with a mask drawn from the default generator
+    (flash-attn draws the same law from its philox state)."""
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1).float()
     v = v.repeat_interleave(groups, dim=1).float()
@@ -36,7 +39,10 @@ def _dense(q, k, v, scale: float, causal: bool, window=(-1, -1), softcap: float 
     if not allowed.all():
         scores = scores.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.einsum("hqk,khd->qhd", torch.exp(scores - lse[..., None]), v)
+    probs = torch.exp(scores - lse[..., None])
+    if dropout_p:
+        probs = probs * torch.empty_like(probs).bernoulli_(1 - dropout_p) / (1 - dropout_p)
+    out = torch.einsum("hqk,khd->qhd", probs, v)
     return out.to(q.dtype), lse
 
 
@@ -249,12 +255,14 @@ def flash_attn_varlen_func(
     return_attn_probs=False,
     block_table=None,
 ):
-    """The public varlen entry point; differentiable through autograd of the dense math."""
-    assert dropout_p == 0 and alibi_slopes is None and not return_attn_probs
+    """The public varlen entry point; differentiable through autograd of the dense math
+    (dropout too: its mask is kept for backward)."""
+    assert alibi_slopes is None and not return_attn_probs
     _check_head_dims(q, k, v)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     outs = [
-        _dense(q[qa:qb], k[ka:kb], v[ka:kb], scale, causal, tuple(window_size), softcap)[0]
+        _dense(q[qa:qb], k[ka:kb], v[ka:kb], scale, causal, tuple(window_size), softcap,
+               dropout_p)[0]
         for qa, qb, ka, kb in _pairs(cu_seqlens_q, cu_seqlens_k)
         if qb > qa
     ]
