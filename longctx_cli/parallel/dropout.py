@@ -88,14 +88,17 @@ def dropout_attention(
             return FlashOpDropout.apply(q, k, v, segments, feats)
         return whole_row_attention(q, k, v, meta, feats, sinks, slice(0, q.shape[1]),
                                    q.shape[1])
-    from .ulysses import build_exchange, heads_to_ranks, heads_to_seq, local_head_slice
+    from longctx_cli.layout import head_split
+
+    from .ulysses import build_exchange, heads_to_ranks, heads_to_seq
 
     ex = build_exchange(meta, ctx.sp_group, ctx.layout.sp)
+    split = head_split(q.shape[1], k.shape[1], ex.size)  # even or not, by KV-head groups
     qh, kh, vh = heads_to_ranks(q, k, v, ex, feats.spent)  # head chunks: one chunk, all heads
-    heads = local_head_slice(q.shape[1], ex, meta)
+    heads = split.q_slice(ex.member)
     local_sinks = None if sinks is None else sinks[heads]
     return heads_to_seq(whole_row_attention(qh, kh, vh, meta, feats, local_sinks, heads,
-                                            q.shape[1]), ex)
+                                            q.shape[1]), ex, split.q_counts)
 
 
 class FlashOpDropout(torch.autograd.Function):
