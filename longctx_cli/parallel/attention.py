@@ -400,6 +400,13 @@ class RefusedMask:
     def __getitem__(self, index: Any) -> Any:
         raise ValueError(self.__dict__["reason"])
 
+    def _refuse(self, *args: Any) -> Any:
+        raise ValueError(self.__dict__["reason"])
+
+    # A layer that adds the mask to its scores itself (RoFormer): the same refusal.
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
+    __truediv__ = __rtruediv__ = __bool__ = _refuse
+
 
 def register_sp_attention() -> str:
     """Register ``longctx_sp`` with transformers; returns the implementation name. Idempotent."""
