@@ -1,0 +1,105 @@
+"""Mllama (Llama 3.2 Vision) with images under SP equals its own Hugging Face training.
+
+Its images are not merged into the tokens: each is one <|image|> token, and the text model's
+cross-attention layers attend from the text tokens to the tower's states of the document's
+images (every tile's patches), with the mask its processor writes. One packed row of three
+documents (`tests/vlm_models.py` MLLAMA_DOCUMENTS): text before the first image (rows that
+see no tile), an image whose rows cross the sp 2 boundary, a document without images (its
+own forward skips the cross-attention layer), and two images in a row. The loss and every
+gradient (self- and cross-attention layers, their gates, projector, tower) equal each
+document's own `MllamaForConditionalGeneration(pixel_values=, aspect_ratio_ids=,
+aspect_ratio_mask=, cross_attention_mask=, labels=)`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longctx_cli.families import VISION_FAMILIES, family, image_attention
+from tests.distributed import run_distributed
+from tests.layouts import sp_state
+from tests.test_vlm_runtime import TOL, _compare
+
+SPECS = (dict(mode="ulysses"), dict(mode="ring"), dict(mode="ring", layout="zigzag"),
+         dict(mode="ring", ring_attn_func="batch_ring"))
+
+
+def _check(results: dict[str, dict]) -> None:
+    for name, r in results.items():
+        assert r["loss"] < TOL and r["grad"] < TOL, (name, r)
+        assert r["calls"] == 2, (name, r)  # the two self-attention layers, through SP
+        assert r["cross_grad"] > 0 and r["gate_grad"] > 0, (name, r)  # cross attention trains
+
+
+def _mllama(state) -> dict:
+    from tests.vlm_models import _config, image_row, own_vlm_step, tiny_vlm
+
+    out = _compare("mllama", state)
+    model = tiny_vlm("mllama", "eager")
+    own_vlm_step(model, image_row("mllama")[4])
+    cross = model.model.language_model.layers[1]
+    out["cross_grad"] = float(cross.cross_attn.k_proj.weight.grad.norm())
+    out["gate_grad"] = float(cross.cross_attn_attn_gate.grad.abs())
+    assert _config("mllama").text_config.cross_attention_layers == [1]
+    return out
+
+
+def test_mllama_is_rebuilt_with_cross_attended_tiles() -> None:
+    record = family("mllama")
+    assert "mllama" in VISION_FAMILIES and record.vision_refusal is None
+    assert record.vision.pixels == "tiled" and record.vision.images_attend == "cross"
+    from tests.vlm_models import _config
+
+    assert image_attention(_config("mllama")) == "cross"
+
+
+def test_sp1_equals_the_models_own_training() -> None:
+    _check({"mllama sp1": _mllama(sp_state(sp=1, kernel="torch"))})
+
+
+def _worker(rank: int, world: int) -> dict[str, dict]:
+    return {f"mllama sp{world} {spec}": _mllama(sp_state(sp=world, kernel="torch", **spec))
+            for spec in SPECS}
+
+
+def test_sp2_ulysses_and_rings_equal_the_models_own_training() -> None:
+    for results in run_distributed(_worker, 2, timeout_s=240):
+        _check(results)
+        assert len(results) == len(SPECS)
+
+
+def _worker4(rank: int, world: int) -> dict[str, dict]:
+    state = sp_state(sp=4, kernel="torch", mode="hybrid", ulysses_degree=2)
+    return {"mllama sp4 hybrid": _mllama(state)}
+
+
+@pytest.mark.slow  # four ranks: one encodes no image (a blank tower call)
+def test_sp4_hybrid_equals_the_models_own_training() -> None:
+    for results in run_distributed(_worker4, 4, timeout_s=300):
+        _check(results)
+
+
+def test_cross_attention_never_goes_through_the_causal_sp_attention() -> None:
+    """The cross-attention layer's call reaches parallel/cross_attention.py with its image
+    keys (not a causal strategy), and outside the rebuilt forward (no image context on the
+    metadata) it is refused instead of attending as self-attention would."""
+    from longctx_cli.parallel.attention import longctx_attention_forward
+    from longctx_cli.parallel.sharding import shard_batch
+    from tests.vlm_models import tiny_vlm
+
+    model = tiny_vlm("mllama", "eager")
+    layer = model.model.language_model.layers[1].cross_attn
+    state = sp_state(sp=1, kernel="torch")
+    meta = shard_batch(torch.arange(8), torch.arange(8), torch.arange(8), state).sp_meta
+    q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 20, 16)
+    mask = torch.ones(1, 1, 8, 20, dtype=torch.bool)
+    with pytest.raises(ValueError, match="image context"):
+        longctx_attention_forward(layer, q, k, k, mask, sp_meta=meta)
+    meta.cross_rows = torch.tensor([1.0] * 4 + [0.0] * 4)
+    out, _ = longctx_attention_forward(layer, q, k, k, mask, sp_meta=meta)
+    assert meta.attention_calls == 0  # not counted as SP attention
+    ref = torch.softmax(q @ k.repeat_interleave(2, 1).transpose(-1, -2) * layer.scaling, -1)
+    ref = (ref @ k.repeat_interleave(2, 1)).transpose(1, 2)
+    torch.testing.assert_close(out[:, :4], ref[:, :4], rtol=1e-5, atol=1e-6)
+    assert float(out[:, 4:].abs().max()) == 0
