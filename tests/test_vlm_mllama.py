@@ -103,3 +103,72 @@ def test_cross_attention_never_goes_through_the_causal_sp_attention() -> None:
     ref = (ref @ k.repeat_interleave(2, 1)).transpose(1, 2)
     torch.testing.assert_close(out[:, :4], ref[:, :4], rtol=1e-5, atol=1e-6)
     assert float(out[:, 4:].abs().max()) == 0
+
+
+# ---- `longctx validate` on Axolotl's Llama 3.2 Vision example -------------------------------
+
+# examples/llama-3-vision/lora-11b.yaml of Axolotl, its model a tiny Llama 3.2 Vision config
+# (the hub model is not read here) and its dataset a local file, over sp 2.
+AXOLOTL_EXAMPLE = """\
+processor_type: AutoProcessor
+skip_prepare_dataset: true
+remove_unused_columns: false
+sample_packing: false
+chat_template: llama3_2_vision
+datasets:
+  - path: {data}
+    type: chat_template
+val_set_size: 0.0
+output_dir: {out}
+adapter: lora
+sequence_len: 8192
+pad_to_sequence_len: false
+lora_r: 32
+lora_alpha: 16
+lora_dropout: 0.05
+gradient_accumulation_steps: 4
+micro_batch_size: 1
+num_epochs: 1
+optimizer: adamw_bnb_8bit
+lr_scheduler: cosine
+learning_rate: 0.0002
+bf16: true
+tf32: true
+gradient_checkpointing: true
+logging_steps: 1
+attn_implementation: sdpa
+warmup_ratio: 0.1
+weight_decay: 0.0
+sequence_parallel_degree: 2
+"""
+# Its LoRA targets: the text model's self- and cross-attention projections and MLPs.
+TARGETS = (r"model.language_model.layers.[\d]+.(mlp|cross_attn|self_attn)."
+           r"(up|down|gate|q|k|v|o)_proj")
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_validate_says_axolotls_example_is_valid(tmp_path, mode: str) -> None:
+    import json
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from longctx_cli.cli import app
+    from tests.vlm_fixtures import make_image, write_tiny_mllama_processor
+    from tests.vlm_models import _config
+
+    data = tmp_path / "chats.jsonl"  # llava-instruct-mix-vsft's layout: an `images` column
+    make_image(tmp_path, "img/a.png", (40, 24), 0)
+    data.write_text(json.dumps({"images": ["img/a.png"], "messages": [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]}) + "\n")
+    config = yaml.safe_load(AXOLOTL_EXAMPLE.format(data=data, out=tmp_path / "out"))
+    config.update(model_config=_config("mllama").to_dict(), sequence_parallel_mode=mode,
+                  lora_target_modules=TARGETS,
+                  processor_path=str(write_tiny_mllama_processor(tmp_path / "processor")))
+    path = tmp_path / "lora-11b.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = CliRunner().invoke(app, ["validate", str(path), "--nproc-per-node", "2"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "valid" in text and "fidelity probe" in text.lower(), text

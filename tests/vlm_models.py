@@ -249,15 +249,15 @@ def _config(family: str):
     raise ValueError(family)
 
 
-def tiny_vlm(family: str, attn: str) -> torch.nn.Module:
+def tiny_vlm(family: str, attn: str, config=None) -> torch.nn.Module:
     """The family's `...ForConditionalGeneration`, float32, seeded; `attn`: the language
-    model's attention (the tower keeps sdpa)."""
+    model's attention (the tower keeps sdpa); `config`: another than `_config(family)`."""
     from transformers import AutoModelForImageTextToText
 
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(
-        _config(family), attn_implementation={"text_config": attn, "vision_config": "sdpa",
-                                              "": attn},
+        config or _config(family), attn_implementation={"text_config": attn,
+                                                        "vision_config": "sdpa", "": attn},
         dtype=torch.float32)
     if family == "gemma3":  # its projection starts at zero, which would hide the tower
         with torch.no_grad():

@@ -109,6 +109,12 @@ class VisionProcessor:
         return "image_position_ids" in getattr(self.image_processor, "model_input_names", ())
 
     @property
+    def tiled(self) -> bool:
+        """True for image processors that cut each image into tiles padded to a fixed count,
+        with its `aspect_ratio_ids` and `aspect_ratio_mask` (Mllama's)."""
+        return "aspect_ratio_ids" in getattr(self.image_processor, "model_input_names", ())
+
+    @property
     def marker_tokens(self) -> tuple[str, ...]:
         """The tokens the processor writes around or between an image's feature tokens
         (never targets): the family's image markers (Qwen-VL's vision start and end, GLM's
