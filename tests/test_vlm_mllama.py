@@ -105,6 +105,68 @@ def test_cross_attention_never_goes_through_the_causal_sp_attention() -> None:
     assert float(out[:, 4:].abs().max()) == 0
 
 
+# ---- the run's own build: LoRA on the self- and cross-attention layers ----------------------
+
+
+def _lora_compare(state) -> dict:
+    """The run's own model (`adapter: lora` with the Axolotl example's regex targets: every
+    projection of the text model's layers, its cross attention's too) against peft's LoRA on
+    the model's own forward, each document of the row."""
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+
+    from longctx_cli.config import config_from_dict
+    from longctx_cli.constants import IGNORE_INDEX
+    from longctx_cli.runtime.loss import lm_loss_sum
+    from longctx_cli.runtime.model import build_model, decoder_and_head
+    from tests.vlm_models import _config, image_row, own_vlm_step, tiny_vlm
+
+    config = config_from_dict({
+        "model_config": _config("mllama").to_dict(), "seed": 0, "dtype": "float32",
+        "sequence_len": 64, "adapter": "lora", "lora_r": 4, "lora_alpha": 8,
+        "lora_target_modules": TARGETS, "processor_type": "AutoProcessor",
+        "datasets": [{"path": "unused.jsonl", "type": "chat_template"}],
+        "sequence_parallel_degree": state.layout.sp})
+    ours = build_model(config, state)
+    with torch.no_grad():  # the reference's gates (tiny_vlm opens them; build_model does not)
+        reference = tiny_vlm("mllama", "eager")
+        for name, p in ours.named_parameters():
+            if name.endswith(("gate", "gate_attn", "gate_ffn")):
+                p.copy_(dict(reference.named_parameters())[name.replace("base_model.model.", "")])
+    decoder, head = decoder_and_head(ours, images=True)
+    ids, pos, labels, images, docs = image_row("mllama")
+    batch = decoder.shard(ids, pos, labels, images, state)
+    count = sum(int((d_labels[1:] != IGNORE_INDEX).sum()) for _, d_labels, _ in docs)
+    (lm_loss_sum(head, decoder.hidden_states(batch), batch.shift_labels) / count).backward()
+    reference = get_peft_model(reference, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
+                                                     task_type="CAUSAL_LM"))
+    reference.load_state_dict(ours.state_dict())
+    own_vlm_step(reference, docs)
+    trained = {n: p for n, p in ours.named_parameters() if p.requires_grad}
+    ref = dict(reference.named_parameters())
+    assert trained.keys() == {n for n, p in ref.items() if p.requires_grad}
+    errors = {}
+    for name, p in trained.items():
+        g = p.grad.clone()
+        if state.layout.sp > 1:
+            dist.all_reduce(g, group=state.sp_group)
+        errors[name] = float((g - ref[name].grad).norm()) / max(float(ref[name].grad.norm()),
+                                                                1e-8)
+    cross_b = [n for n in trained if "cross_attn" in n and "lora_B" in n]
+    return {"grad": max(errors.values()), "cross_lora_b": len(cross_b),
+            "cross_b_norm": min(float(ref[n].grad.norm()) for n in cross_b)}
+
+
+def _lora_worker(rank: int, world: int) -> dict:
+    return _lora_compare(sp_state(sp=world, kernel="torch", mode="ulysses"))
+
+
+@pytest.mark.slow  # ~30 s on two ranks; LoRA with the VLM path runs by default elsewhere
+def test_lora_on_self_and_cross_attention_equals_peft_on_the_models_own_training() -> None:
+    for r in run_distributed(_lora_worker, 2, timeout_s=240):
+        assert r["grad"] < TOL and r["cross_lora_b"] == 4 and r["cross_b_norm"] > 0, r
+
+
 # ---- `longctx validate` on Axolotl's Llama 3.2 Vision example -------------------------------
 
 # examples/llama-3-vision/lora-11b.yaml of Axolotl, its model a tiny Llama 3.2 Vision config
