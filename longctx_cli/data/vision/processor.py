@@ -208,6 +208,7 @@ def load_processor(
                         "model's processor.",
                         fix="use the folder of a vision-language model (Qwen2-VL, Qwen2.5-VL, "
                         "Qwen3-VL, LLaVA, Gemma 3, Gemma 4, Mistral 3, GLM-4.6V, SmolVLM, "
+                        "Llama 3.2 Vision, "
                         "InternVL) "
                         "whose preprocessor_config.json and tokenizer files are there.")
     return VisionProcessor(processor, size, resample, _video_size(folder, processor))
