@@ -61,6 +61,36 @@ def test_sp1_equals_the_models_own_training() -> None:
     assert float(cross.cross_attn_attn_gate.grad.abs()) > 0
 
 
+def test_checkpointed_layers_recompute_the_cross_attention_exactly() -> None:
+    """With activation checkpointing (Axolotl's example sets `gradient_checkpointing`), the
+    cross-attention layer runs again in backward and finds the row's image context still on
+    the metadata: the gradients stay the model's own."""
+    from longctx_cli.constants import IGNORE_INDEX
+    from longctx_cli.parallel.attention import register_sp_attention
+    from longctx_cli.runtime.head import model_head
+    from longctx_cli.runtime.loss import lm_loss_sum
+    from longctx_cli.runtime.model import enable_checkpointing
+    from longctx_cli.runtime.vision import VisionLanguageForward
+    from tests.test_vlm_runtime import _reference
+    from tests.vlm_models import image_row, tiny_vlm
+
+    model = tiny_vlm("mllama", register_sp_attention())
+    enable_checkpointing(model, {"use_reentrant": False})
+    vlm = VisionLanguageForward(model)
+    ids, pos, labels, images, docs = image_row("mllama")
+    batch = vlm.shard(ids, pos, labels, images, sp_state(sp=1, kernel="torch"))
+    count = sum(int((d_labels[1:] != IGNORE_INDEX).sum()) for _, d_labels, _ in docs)
+    head = model_head(model.get_output_embeddings(), model.config)
+    loss = lm_loss_sum(head, vlm.hidden_states(batch), batch.shift_labels) / count
+    loss.backward()
+    ref_loss, ref_grads = _reference("mllama")
+    assert abs(float(loss) - ref_loss) / ref_loss < TOL
+    floor = 1e-4 * max(float(g.norm()) for g in ref_grads.values())
+    for name, p in model.named_parameters():
+        err = float((p.grad - ref_grads[name]).norm()) / max(float(ref_grads[name].norm()), floor)
+        assert err < TOL, (name, err)
+
+
 def _worker(rank: int, world: int, specs: tuple[dict, ...]) -> dict[str, dict]:
     return {f"mllama sp{world} {spec}": _mllama(sp_state(sp=world, kernel="torch", **spec))
             for spec in specs}

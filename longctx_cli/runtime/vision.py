@@ -581,15 +581,12 @@ class VisionLanguageForward:
         patches = states.shape[1] // allowed.shape[-1]
         mask = allowed.repeat_interleave(patches, dim=-1).reshape(1, 1, allowed.shape[0], -1)
         dtype = self.language_model.get_input_embeddings().weight.dtype
-        meta.cross_rows = keep.to(dtype)
-        try:
-            hidden = self.language_model(
-                input_ids=batch.input_ids.reshape(1, -1), position_ids=batch.position_ids,
-                sp_meta=meta, cross_attention_states=states, cross_attention_mask=mask,
-                full_text_row_masked_out_mask=seen.to(dtype)[None, None, :, None],
-                use_cache=False).last_hidden_state
-        finally:
-            meta.cross_rows = None
+        meta.cross_rows = keep.to(dtype)  # kept: checkpointed layers recompute in backward
+        hidden = self.language_model(
+            input_ids=batch.input_ids.reshape(1, -1), position_ids=batch.position_ids,
+            sp_meta=meta, cross_attention_states=states, cross_attention_mask=mask,
+            full_text_row_masked_out_mask=seen.to(dtype)[None, None, :, None],
+            use_cache=False).last_hidden_state
         if not meta.went_through_sp:
             raise UserError(
                 "the language model's attention layers did not call the sequence-parallel "
