@@ -145,6 +145,46 @@ def test_cross_attention_never_goes_through_the_causal_sp_attention() -> None:
     assert float(out[:, 4:].abs().max()) == 0
 
 
+# ---- data-parallel ranks whose rows differ in images ----------------------------------------
+
+
+def _dp_worker(rank: int, world: int) -> dict:
+    """FSDP2 over 2 ranks: rank 0's row holds images, rank 1's is the text-only document.
+    Both call the tower and the cross-attention layer (rank 1 on a blank image, its output
+    zeroed), so FSDP2's collective gathers of their weights match: no hang."""
+    from longctx_cli.config import config_from_dict
+    from longctx_cli.constants import IGNORE_INDEX
+    from longctx_cli.layout import Layout
+    from longctx_cli.parallel.mesh import build_parallel_state
+    from longctx_cli.runtime.loss import lm_loss_sum
+    from longctx_cli.runtime.model import build_model, decoder_and_head
+    from tests.vlm_models import _config, image_row
+
+    state = build_parallel_state(Layout(dp_replicate=1, dp_shard=2, fsdp=True, kernel="torch"))
+    config = config_from_dict({
+        "model_config": _config("mllama").to_dict(), "seed": 0, "dtype": "float32",
+        "sequence_len": 128, "fsdp": True, "processor_type": "AutoProcessor",
+        "datasets": [{"path": "unused.jsonl", "type": "chat_template"}]})
+    model = build_model(config, state)
+    decoder, head = decoder_and_head(model, images=True)
+    ids, pos, labels, images, docs = image_row("mllama")
+    if rank == 1:
+        ids, labels, _ = docs[1]
+        pos, images = torch.arange(len(ids)), None
+    batch = decoder.shard(ids, pos, labels, images, state)
+    hidden = decoder.hidden_states(batch)
+    (lm_loss_sum(head, hidden, batch.shift_labels) / 50).backward()
+    cross = [p for n, p in model.named_parameters() if "cross_attn" in n]
+    return {"grads": all(p.grad is not None for p in cross),
+            "targets": int((batch.shift_labels != IGNORE_INDEX).sum())}
+
+
+@pytest.mark.slow  # ~16 s: FSDP2 over two ranks
+def test_fsdp_ranks_with_and_without_images_run_the_same_layers() -> None:
+    ranks = run_distributed(_dp_worker, 2, timeout_s=240)  # a hang fails by the timeout
+    assert all(r["grads"] and r["targets"] > 0 for r in ranks), ranks
+
+
 # ---- the run's own build: LoRA on the self- and cross-attention layers ----------------------
 
 
