@@ -25,6 +25,11 @@ model's own pieces so that each rank computes only its slice:
    vision` on its sliding-window layers only): the row's image runs go on `sp_meta`, which
    only Ulysses computes (parallel/attention.py).
 
+6. **Cross-attended images** (Mllama): nothing is merged. The gathered tower states are the
+   keys of the text model's cross-attention layers on every rank, with each document's
+   processor mask rows of the rank's own tokens (`cross_attention_rows`);
+   parallel/cross_attention.py computes those layers locally.
+
 The language model then runs with the SP attention on `sp_meta`, as a text model does.
 """
 
@@ -568,7 +573,7 @@ class VisionLanguageForward:
                     "records.")
             states, _ = self.encode(self._blank(device))
             local = meta.local_len
-            allowed = torch.ones(local, 1, states.shape[1] // self._tiles(), dtype=torch.bool,
+            allowed = torch.ones(local, 1, self._tiles(), dtype=torch.bool,
                                  device=device)  # output zeroed: any key will do
             seen = keep = torch.zeros(local, dtype=torch.bool, device=device)
         else:
@@ -578,7 +583,7 @@ class VisionLanguageForward:
                                         self.image_token_id)
             index = slice_sequence(torch.arange(full_ids.numel(), device=device), meta.ctx)
             allowed, seen, keep = (t[index] for t in full)
-        patches = states.shape[1] // allowed.shape[-1]
+        patches = states.shape[1] // allowed.shape[-1]  # per tile, its class token too
         mask = allowed.repeat_interleave(patches, dim=-1).reshape(1, 1, allowed.shape[0], -1)
         dtype = self.language_model.get_input_embeddings().weight.dtype
         meta.cross_rows = keep.to(dtype)  # kept: checkpointed layers recompute in backward
