@@ -62,7 +62,7 @@ GEMMA4_DOCUMENTS = ((12, (1, 8, 8), 2, (1, 2, 2), 2), (9,), (3, (1, 4, 2), 3))
 # pixels, 2 x 2 patches and a class token each) the keys of the text model's cross-attention
 # layer (its second of three). An image is `("tiles", n)`. The first document's text before
 # its first image sees no tile (the model's zeroed mask: it attends to all of them), its
-# second image's rows run past the middle of the row (the sp 2 boundary, 33); the second
+# second image's rows run past the middle of the row (the sp 2 boundary, 31); the second
 # document has no image (its own forward skips the cross-attention layer); the third holds
 # two images in a row (both seen from the first's token on, as its processor groups them).
 MLLAMA_TILES, MLLAMA_SIDE = 4, 8
