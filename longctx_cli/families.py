@@ -26,8 +26,10 @@ ImageAttention = Literal["causal", "both_ways", "sliding_both_ways", "prefix"]
 # the tower's one size; `sized` whole images each at its own size, zero-padded to the row's
 # largest, with their `image_sizes` `[images, 2]` (height, width: Pixtral); `positioned` each
 # image's patches as rows `[images, patches, patch_dim]` padded to the row's most, with each
-# patch's (x, y) in `image_position_ids` `[images, patches, 2]`, (-1, -1) on padding (Gemma 4).
-Pixels = Literal["patches", "images", "sized", "positioned"]
+# patch's (x, y) in `image_position_ids` `[images, patches, 2]`, (-1, -1) on padding (Gemma 4);
+# `tiled` each image's tiles padded to the processor's `max_image_tiles`, `[images, tiles, C,
+# H, W]`, with its `aspect_ratio_ids` `[images]` and `aspect_ratio_mask` `[images, tiles]`.
+Pixels = Literal["patches", "images", "sized", "positioned", "tiled"]
 # How the tower turns patches into image tokens, which is how the probe shrinks it: `merged`
 # a patch tower of `depth` blocks whose merger joins patches (Qwen-VL); `pooled` a fixed-size
 # tower pooled to `mm_tokens_per_image` tokens (Gemma 3); `per_patch` a fixed-size tower with
@@ -36,8 +38,11 @@ Pixels = Literal["patches", "images", "sized", "positioned"]
 # `shuffled` a fixed-size tower over each image's tiles (a thumbnail among them), each tile
 # its own tower input, whose connector pixel-shuffles `scale` x `scale` patches into one
 # token (SmolVLM, InternVL); `position_pooled` a patch tower of any image size whose pooler
-# averages `pooling_kernel_size`**2 patches per token by their (x, y) (Gemma 4).
-Tower = Literal["merged", "pooled", "per_patch", "sized", "shuffled", "position_pooled"]
+# averages `pooling_kernel_size`**2 patches per token by their (x, y) (Gemma 4);
+# `cross_attended` a fixed-size tower over each image's tiles, whose every patch of every tile
+# (its class token too) is a key of the text model's cross-attention layers (Mllama).
+Tower = Literal["merged", "pooled", "per_patch", "sized", "shuffled", "position_pooled",
+                "cross_attended"]
 
 
 @dataclass(frozen=True)
@@ -215,6 +220,12 @@ _RECORDS = (
         placeholders_as_pad=True, video_refusal=(
             "Gemma 4's video frames go through `get_video_features` with their own position "
             "ids and frame counts, which the VLM path does not pass"))),
+    # Llama 3.2 Vision: one `<|image|>` token per image and no features merged; its text
+    # model's cross-attention layers read the tower's states (runtime/vision.py).
+    Family("mllama", vision=VisionFamily(
+        "Llama 3.2 Vision", positions="text", images_attend="cross", pixels="tiled",
+        tower="cross_attended", modules=("vision_model", "multi_modal_projector"),
+        processor_marker="Mllama", image_markers=())),
     # Vision-language families runtime/vision.py does not rebuild, each with the reason.
     Family("gemma4_unified", vision_refusal=(
         "Gemma 4 unified has no vision tower: it embeds each image's raw patches with their "

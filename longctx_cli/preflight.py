@@ -371,13 +371,18 @@ def meta_model(config: Config) -> Any:
     """The model built on the meta device from its config (no weights), or None."""
     import torch
 
-    from longctx_cli.config.shape import causal_lm_class
+    from longctx_cli.config.shape import causal_lm_class, is_vision_language
 
     hf = _hf_config(config)
     if hf is None:
         return None
     try:
         with torch.device("meta"):
+            if is_vision_language(hf, config.vision.trains_images):  # the class training
+                from transformers import AutoModelForImageTextToText  # builds for images
+
+                return AutoModelForImageTextToText.from_config(
+                    hf, trust_remote_code=config.model.trust_remote_code)
             return causal_lm_class(hf).from_config(
                 hf, trust_remote_code=config.model.trust_remote_code)
     except Exception:  # noqa: BLE001 - a model transformers cannot skeletonise: not our check

@@ -728,7 +728,8 @@ def render() -> str:
         "gist; `fidelity_probe: false` is then the way to train it, unverified.",
         "",
         "Vision-language models (Qwen2/2.5/3-VL, LLaVA, Gemma 3, Mistral 3, GLM-4.6V, "
-        "PaddleOCR-VL, SmolVLM, InternVL with images) have their own table\nand tests: "
+        "PaddleOCR-VL, SmolVLM, InternVL, Llama 3.2 Vision with images) have their own "
+        "table\nand tests: "
         "[docs/vlm.md](vlm.md#families).",
         "",
         "Hybrid models, whose decoder layers also mix tokens outside attention, are in the "

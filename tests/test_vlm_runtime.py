@@ -88,7 +88,7 @@ def _compare(family: str, state, specs: tuple | None = None) -> dict[str, float]
               for n, g in ref_grads.items()}
     worst = max(errors, key=errors.get)
     err = errors[worst]
-    tower = [n for n in ref_grads if "visual" in n or "vision_tower" in n]
+    tower = [n for n in ref_grads if "visual" in n or "vision_tower" in n or "vision_model" in n]
     return {"loss": abs(loss - ref_loss) / ref_loss, "grad": err, "worst": worst,
             "calls": calls, "tower_grad": max(float(ref_grads[n].norm()) for n in tower),
             **facts}

@@ -217,6 +217,36 @@ def write_tiny_gemma4_processor(folder: str | Path, patch_size: int = 2, pooling
     return folder
 
 
+# ---- Llama 3.2 Vision (Mllama) --------------------------------------------------------------
+
+MLLAMA_SPECIALS = ("<|finetune_right_pad_id|>", "<|begin_of_text|>", "<|end_of_text|>",
+                   "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>")
+MLLAMA_IMAGE_TOKEN = "<|image|>"
+
+
+def write_tiny_mllama_processor(folder: str | Path, tile: int = 8, tiles: int = 4) -> Path:
+    """A Llama 3.2 Vision processor's files in `folder`, offline: its PIL image processor
+    (each image resized to fit a canvas of at most `tiles` tiles of `tile` pixels, padded,
+    cut into tiles, padded to `tiles` of them), a byte-level tokenizer with Llama 3's turn
+    tokens and `<|image|>`, and longctx's `llama3_2_vision` chat template.
+    `AutoProcessor.from_pretrained(folder)` loads it as a `MllamaProcessor`."""
+    from transformers import MllamaImageProcessorPil
+
+    from longctx_cli.data.chat_templates import TEMPLATES
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = EXAMPLE.train_tokenizer(
+        CORPUS * 20, 400, MLLAMA_SPECIALS, (MLLAMA_IMAGE_TOKEN,),
+        pad_token="<|finetune_right_pad_id|>", bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>")
+    images = MllamaImageProcessorPil(size={"height": tile, "width": tile},
+                                     max_image_tiles=tiles)
+    EXAMPLE.save_processor(folder, tokenizer, images, TEMPLATES["llama3_2_vision"],
+                           "MllamaProcessor", "MllamaImageProcessor")
+    return folder
+
+
 # ---- records and the processors' own encodings, shared by the data tests -------------------
 
 

@@ -58,6 +58,17 @@ GEMMA4_POOL = 2
 # 37 + 9 + 10 = 56 tokens: the first image is tokens 13-28, so the contiguous halves'
 # boundary (28) and the zigzag ring's first rank change (14) both fall inside it.
 GEMMA4_DOCUMENTS = ((12, (1, 8, 8), 2, (1, 2, 2), 2), (9,), (3, (1, 4, 2), 3))
+# Mllama (Llama 3.2 Vision): one <|image|> token per image, its tiles (of 4 at most, 8 x 8
+# pixels, 2 x 2 patches and a class token each) the keys of the text model's cross-attention
+# layer (its second of three). An image is `("tiles", n)`. The first document's text before
+# its first image sees no tile (the model's zeroed mask: it attends to all of them), its
+# second image's rows run past the middle of the row (the sp 2 boundary, 31); the second
+# document has no image (its own forward skips the cross-attention layer); the third holds
+# two images in a row (both seen from the first's token on, as its processor groups them).
+MLLAMA_TILES, MLLAMA_SIDE = 4, 8
+MLLAMA_DOCUMENTS = ((5, ("tiles", 2), 20, ("tiles", 1), 8), (12,),
+                    (3, ("tiles", 3), ("tiles", 4), 10))
+MLLAMA_RATIOS = {1: 1, 2: 2, 3: 3, 4: 6}  # tiles -> id of (1, 1), (1, 2), (1, 3), (2, 2)
 
 
 def _config(family: str):
@@ -224,23 +235,40 @@ def _config(family: str):
                                                image_size=side, patch_size=PATCH),
             text_config=Qwen2Config(**text), downsample_ratio=0.5, image_token_id=IMAGE_ID,
             image_seq_length=TILED[family][1])
+    if family == "mllama":
+        from transformers import MllamaConfig
+
+        return MllamaConfig(
+            vision_config=dict(hidden_size=16, num_hidden_layers=2, num_global_layers=1,
+                               attention_heads=2, intermediate_size=32, vision_output_dim=48,
+                               image_size=MLLAMA_SIDE, patch_size=PATCH,
+                               max_num_tiles=MLLAMA_TILES, intermediate_layers_indices=[0, 1],
+                               initializer_range=0.2),
+            text_config={**text, "num_hidden_layers": 3, "cross_attention_layers": [1]},
+            image_token_index=IMAGE_ID)
     raise ValueError(family)
 
 
-def tiny_vlm(family: str, attn: str) -> torch.nn.Module:
+def tiny_vlm(family: str, attn: str, config=None) -> torch.nn.Module:
     """The family's `...ForConditionalGeneration`, float32, seeded; `attn`: the language
-    model's attention (the tower keeps sdpa)."""
+    model's attention (the tower keeps sdpa); `config`: another than `_config(family)`."""
     from transformers import AutoModelForImageTextToText
 
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(
-        _config(family), attn_implementation={"text_config": attn, "vision_config": "sdpa",
-                                              "": attn},
+        config or _config(family), attn_implementation={"text_config": attn,
+                                                        "vision_config": "sdpa", "": attn},
         dtype=torch.float32)
     if family == "gemma3":  # its projection starts at zero, which would hide the tower
         with torch.no_grad():
             weight = model.model.multi_modal_projector.mm_input_projection_weight
             weight.normal_(0, 0.2, generator=torch.Generator().manual_seed(1))
+    if family == "mllama":  # its gates start at zero, which would hide the cross attention
+        with torch.no_grad():  # and the tower's tile and position embeddings
+            gen = torch.Generator().manual_seed(1)
+            for name, p in model.named_parameters():
+                if name.endswith("gate") or name.endswith(("gate_attn", "gate_ffn")):
+                    p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
     return model.train()
 
 
@@ -293,6 +321,8 @@ def image_row(family: str, seed: int = 0, specs: tuple | None = None):
     """`(input_ids, position_ids, labels, media, documents)` of one packed row (of `specs`,
     laid out as DOCUMENTS is; by default DOCUMENTS and the family's video document);
     `documents`: per document its ids, labels and media, for the reference."""
+    if family == "mllama":
+        return _mllama_row(seed, specs or MLLAMA_DOCUMENTS)
     gen = torch.Generator().manual_seed(seed)
     ids, pos, labels, pixels, grids, kinds, docs = [], [], [], [], [], [], []
     video = QWEN3_VL_VIDEO_DOCUMENT if family in TIMESTAMPED else VIDEO_DOCUMENT
@@ -337,6 +367,57 @@ def image_row(family: str, seed: int = 0, specs: tuple | None = None):
     return (torch.tensor(ids), torch.tensor(pos), torch.tensor(labels), media, docs)
 
 
+def _mllama_row(seed: int, specs: tuple):
+    """`image_row` of Mllama: each image one <|image|> token and its tiles, padded to
+    MLLAMA_TILES with zeros (as its processor pads them), with their aspect ratio ids and
+    masks."""
+    gen = torch.Generator().manual_seed(seed)
+    ids, pos, labels, tiles, docs = [], [], [], [], []
+    for spec in specs:
+        d_ids, d_labels, d_tiles = [], [], []
+        for part in spec:
+            if isinstance(part, int):
+                run = torch.randint(3, IMAGE_ID - 10, (part,), generator=gen).tolist()
+                d_ids, d_labels = d_ids + run, d_labels + run
+                continue
+            d_tiles.append(part[1])
+            d_ids.append(IMAGE_ID)
+            d_labels.append(IGNORE_INDEX)
+        pixels = torch.zeros(len(d_tiles), MLLAMA_TILES, 3, MLLAMA_SIDE, MLLAMA_SIDE)
+        for i, n in enumerate(d_tiles):
+            pixels[i, :n] = torch.randn(n, 3, MLLAMA_SIDE, MLLAMA_SIDE, generator=gen)
+        media = _mllama_inputs(pixels, d_tiles) if d_tiles else None
+        docs.append((torch.tensor(d_ids), torch.tensor(d_labels), media))
+        ids, labels, tiles = ids + d_ids, labels + d_labels, tiles + d_tiles
+        pos += list(range(len(d_ids)))
+    media = _mllama_inputs(torch.cat([m.pixel_values for _, _, m in docs if m is not None]),
+                           tiles)
+    return torch.tensor(ids), torch.tensor(pos), torch.tensor(labels), media, docs
+
+
+def _mllama_inputs(pixels: torch.Tensor, tiles: list[int]) -> VisionInputs:
+    mask = torch.zeros(len(tiles), MLLAMA_TILES, dtype=torch.long)
+    for i, n in enumerate(tiles):
+        mask[i, :n] = 1
+    return VisionInputs(pixels, aspect_ratio_ids=torch.tensor([MLLAMA_RATIOS[n] for n in tiles]),
+                        tile_mask=mask)
+
+
+def mllama_cross_mask(ids: torch.Tensor, tile_mask: torch.Tensor) -> torch.Tensor:
+    """A document's `cross_attention_mask` `[1, T, images, tiles]` by the rule its processor
+    documents: from an image's token on, up to the next image token that does not follow it
+    at once (else to the end), that image's own tiles."""
+    at = (ids == IMAGE_ID).nonzero().flatten().tolist()
+    mask = torch.zeros(1, len(ids), len(at), MLLAMA_TILES, dtype=torch.long)
+    for j, start in enumerate(at):
+        k = j
+        while k + 1 < len(at) and at[k + 1] == at[k] + 1:  # the image tokens right after it
+            k += 1
+        end = at[k + 1] if k + 1 < len(at) else len(ids)
+        mask[0, start:end, j] = tile_mask[j]
+    return mask
+
+
 def _inputs(pixels: list[torch.Tensor], grids: list, kinds: list[int],
             family: str) -> VisionInputs | None:
     if not pixels:
@@ -373,7 +454,12 @@ def own_vlm_step(model: torch.nn.Module, docs) -> float:
         kwargs = {}
         if model.config.model_type == "gemma3":  # what makes its image tokens bidirectional
             kwargs["token_type_ids"] = (ids == IMAGE_ID).long()[None]
-        if media is not None and media.patch_positions is not None:  # Gemma 4
+        if media is not None and media.tile_mask is not None:  # Mllama: tiles, cross-attended
+            kwargs.update(pixel_values=media.pixel_values[None],
+                          aspect_ratio_ids=media.aspect_ratio_ids[None],
+                          aspect_ratio_mask=media.tile_mask[None],
+                          cross_attention_mask=mllama_cross_mask(ids, media.tile_mask))
+        elif media is not None and media.patch_positions is not None:  # Gemma 4
             kwargs.update(pixel_values=media.pixel_values,
                           image_position_ids=media.patch_positions,
                           mm_token_type_ids=(ids == IMAGE_ID).long()[None])

@@ -981,6 +981,13 @@ def _shrink_tower(tiny: Any, vision: Any, text: Any) -> None:
         vision.num_attention_heads = vision.num_key_value_heads = 2
         vision.head_dim, vision.intermediate_size = 16, PROBE_INTERMEDIATE
         vision.pooling_kernel_size = 2  # the probe's grids are 4 x 4, 2 x 4 and 4 x 2
+    elif tower == "cross_attended":  # Mllama: tiles of 2 x 2 patches; one cross layer
+        vision.num_hidden_layers, vision.num_global_layers = 2, 1
+        vision.hidden_size, vision.attention_heads = 32, 2
+        vision.intermediate_size, vision.intermediate_layers_indices = PROBE_INTERMEDIATE, [0, 1]
+        vision.vision_output_dim = 3 * vision.hidden_size  # the last state and two layers'
+        vision.image_size = 2 * vision.patch_size
+        text.num_hidden_layers, text.cross_attention_layers = 3, [1]
     elif tower == "pooled":  # Gemma 3: 4 x 4 patches pooled to 2 x 2
         vision.num_hidden_layers = 2
         vision.image_size = 4 * vision.patch_size
@@ -1057,13 +1064,23 @@ def _vision_row(tiny: Any) -> tuple[Any, ...]:
     sized = _tower(tiny) == "sized"  # each image (1, h, w) patches at its own size
     tiled = _tower(tiny) == "shuffled"
     positioned = _tower(tiny) == "position_pooled"  # each image's h * w patches, (x, y)
-    flat = _tower(tiny) not in ("merged", "sized", "position_pooled")
+    cross = _tower(tiny) == "cross_attended"  # one token per image, its tiles apart
+    flat = _tower(tiny) not in ("merged", "sized", "position_pooled", "cross_attended")
     ids, labels, pos, docs, all_pixels, all_grids = [], [], [], [], [], []
     for spec in _VISION_DOCUMENTS:
         d_ids, d_pixels, d_grids = [], [], []
         for part in spec:
             if isinstance(part, int):
                 d_ids += torch.randint(8, image_id - 8, (part,), generator=gen).tolist()
+                continue
+            if cross:  # 2 or 3 tiles, zero-padded to the tower's tile count
+                tiles = part[1] * part[2] // 8 + 1
+                side, most = int(vision.image_size), int(vision.max_num_tiles)
+                pixels = torch.zeros(1, most, 3, side, side)
+                pixels[0, :tiles] = torch.randn(tiles, 3, side, side, generator=gen)
+                d_pixels.append(pixels)
+                d_grids.append(tiles)
+                d_ids.append(image_id)
                 continue
             if positioned:
                 _, h, w = part
@@ -1093,15 +1110,32 @@ def _vision_row(tiny: Any) -> tuple[Any, ...]:
             d_ids += [x for x in (end,) if x is not None]
         d = torch.tensor(d_ids)
         d_labels = torch.where(d >= image_id - 5, IGNORE_INDEX, d)
-        images = (_probe_inputs(d_pixels, d_grids, flat, sized, positioned) if d_pixels else None)
+        images = ((_tiled_inputs(d_pixels, d_grids, vision) if cross else
+                   _probe_inputs(d_pixels, d_grids, flat, sized, positioned))
+                  if d_pixels else None)
         docs.append((d, d_labels, images))
         ids.append(d)
         labels.append(d_labels)
         pos.append(torch.arange(len(d)))
         all_pixels += d_pixels
         all_grids += d_grids
-    images = _probe_inputs(all_pixels, all_grids, flat, sized, positioned)
+    images = (_tiled_inputs(all_pixels, all_grids, vision) if cross else
+              _probe_inputs(all_pixels, all_grids, flat, sized, positioned))
     return torch.cat(ids), torch.cat(pos), torch.cat(labels), images, docs
+
+
+def _tiled_inputs(pixels: list[torch.Tensor], tiles: list[int], vision: Any) -> Any:
+    """Mllama's tower inputs: each image's tiles `[images, tiles, C, H, W]`, the aspect ratio
+    `(1, tiles)` of each (its id: its index among the supported ones, plus 1) and its tiles'
+    mask."""
+    from longctx_cli.runtime.vision import VisionInputs
+
+    ratios = [list(r) for r in vision.supported_aspect_ratios]
+    mask = torch.zeros(len(tiles), int(vision.max_num_tiles), dtype=torch.long)
+    for i, n in enumerate(tiles):
+        mask[i, :n] = 1
+    return VisionInputs(torch.cat(pixels), aspect_ratio_ids=torch.tensor(
+        [ratios.index([1, n]) + 1 for n in tiles]), tile_mask=mask)
 
 
 def _probe_inputs(pixels: list[torch.Tensor], grids: list, flat: bool, sized: bool,
@@ -1130,7 +1164,21 @@ def _own_vision_training(model: Any, docs: list, image_id: int) -> float:
     total = 0.0
     for (ids, lab, images), n in zip(docs, counts, strict=True):
         kwargs: dict[str, Any] = {}
-        if images is not None:
+        if images is not None and images.tile_mask is not None:  # Mllama: its processor's
+            from transformers.models.mllama.processing_mllama import (  # cross-attention mask
+                convert_sparse_cross_attention_mask_to_dense,
+                get_cross_attention_token_mask,
+            )
+
+            tiles = images.tile_mask.shape[1]
+            mask = convert_sparse_cross_attention_mask_to_dense(
+                [get_cross_attention_token_mask(ids.tolist(), image_id)],
+                [images.tile_mask.sum(-1).tolist()], tiles, len(ids))
+            kwargs.update(pixel_values=images.pixel_values[None],
+                          aspect_ratio_ids=images.aspect_ratio_ids[None],
+                          aspect_ratio_mask=images.tile_mask[None],
+                          cross_attention_mask=torch.from_numpy(mask))
+        elif images is not None:
             kwargs["pixel_values"] = images.pixel_values
             family = vision_family(model.config.model_type)
             if images.image_sizes is not None:  # Pixtral: each image at its own size
@@ -1198,6 +1246,11 @@ def _build_vision(tiny: Any, attn: str) -> Any:
     if hasattr(projector, "mm_input_projection_weight"):  # Gemma 3's starts at zero, which
         with torch.no_grad():  # would leave the tower without a gradient to compare
             projector.mm_input_projection_weight.normal_(0, 0.2)
+    if _tower(tiny) == "cross_attended":  # Mllama's gates start at zero, which would hide
+        with torch.no_grad():  # its cross attention and the tower's tile embeddings
+            for name, p in model.named_parameters():
+                if name.endswith(("gate", "gate_attn", "gate_ffn")):
+                    p.uniform_(0.5, 1.5)
     return without_dropout(model)
 
 
@@ -1264,7 +1317,8 @@ def run_vision_probe(model_config: Any) -> Any:
     return ProbeResult(
         model_type=model_type, layers=int(tiny.text_config.num_hidden_layers),
         features=(f"images: tower split by {'tiles' if _tower(tiny) == 'shuffled' else 'images'}"
-                  ", merged, then sharded",),
+                  + (", cross-attended by each rank's tokens" if _tower(tiny) == "cross_attended"
+                     else ", merged, then sharded"),),
         loss_rel_error=loss_err, worst_gradient=worst,
         worst_gradient_rel_error=errors[worst], gradients_checked=len(errors),
         seconds=time.perf_counter() - started, own_noise=noise,

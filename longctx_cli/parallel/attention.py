@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .cross_attention import cross_attention, is_cross_attention
 from .decode import DecodeMeta, decode_attention
 from .features import AttentionFeatures, as_features
 from .mesh import ParallelState
@@ -245,6 +246,12 @@ def longctx_attention_forward(
     (sinks); refuses other arguments that would change the math.
     """
     meta = kwargs.get("sp_meta")
+    if is_cross_attention(module):  # Mllama's: text queries, image keys, local to the rank
+        if isinstance(meta, DecodeMeta):
+            raise ValueError("decoding after images is not supported for cross-attention "
+                             "layers (Mllama): their cached image keys are not kept")
+        scale = scaling if scaling is not None else module.scaling
+        return cross_attention(query, key, value, attention_mask, float(scale), meta), None
     if isinstance(meta, DecodeMeta):  # one new token after an SP prefill (KV cache kept)
         feats, sinks = attention_features(module, scaling, kwargs)
         out = decode_attention(query[:, :, -1], key.transpose(1, 2), value.transpose(1, 2),

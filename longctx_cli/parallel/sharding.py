@@ -55,6 +55,10 @@ class SPMeta:
     # Those runs attend both ways on sliding-window layers only, causally on the others
     # (Gemma 4's `use_bidirectional_attention: vision`): see `causal_meta`.
     bidirectional_sliding_only: bool = False
+    # Mllama's cross-attention layers (parallel/cross_attention.py): `[local_tokens]` 1 where
+    # the token's document holds images, 0 where the model's own forward of that document
+    # skips those layers (a document without images). None: the row has no cross attention.
+    cross_rows: torch.Tensor | None = None
     # Values derived from this row, built once and read by every layer (see `derived`).
     _derived: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
     attention_calls: int = 0  # incremented by the transformers entry point

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -82,7 +83,18 @@ def media_inputs(pixels: torch.Tensor, grids: list, kinds: list[int] | tuple[int
     processor pads a batch. (One row per image and H*W rows per image differ for any image
     of more than one pixel.) Where the grids are `(-1, h, w)`, each image's h*w patches
     (Gemma 4's), `[images, patches, patch_dim]` zero-padded to the most, with each patch's
-    (x, y), (-1, -1) on padding, as its image processor pads them to its budget."""
+    (x, y), (-1, -1) on padding, as its image processor pads them to its budget. Where they
+    are `(-2, aspect ratio id, tiles)`, each image's square tiles padded to one count
+    (Mllama's), `[images, tiles, 3, H, W]` with their aspect ratio ids and tile masks."""
+    if all(g[0] == -2 for g in grids):  # Mllama: each image's padded tiles, square
+        tiles = pixels.shape[0] // len(grids)
+        side = math.isqrt(pixels.shape[1] // 3)
+        mask = torch.zeros(len(grids), tiles, dtype=torch.long)
+        for i, g in enumerate(grids):
+            mask[i, :int(g[2])] = 1
+        return VisionInputs(pixels.view(len(grids), tiles, 3, side, side),
+                            aspect_ratio_ids=torch.tensor([int(g[1]) for g in grids]),
+                            tile_mask=mask)
     if all(g[0] == -1 for g in grids):
         sizes = [(int(g[1]), int(g[2])) for g in grids]
         counts = [h * w for h, w in sizes]

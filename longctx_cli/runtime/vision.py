@@ -25,6 +25,11 @@ model's own pieces so that each rank computes only its slice:
    vision` on its sliding-window layers only): the row's image runs go on `sp_meta`, which
    only Ulysses computes (parallel/attention.py).
 
+6. **Cross-attended images** (Mllama): nothing is merged. The gathered tower states are the
+   keys of the text model's cross-attention layers on every rank, with each document's
+   processor mask rows of the rank's own tokens (`cross_attention_rows`);
+   parallel/cross_attention.py computes those layers locally.
+
 The language model then runs with the SP attention on `sp_meta`, as a text model does.
 """
 
@@ -70,7 +75,10 @@ class VisionInputs:
     (Pixtral) `[images, C, H, W]` zero-padded to the largest, with `image_sizes` `[images, 2]`
     each image's own (height, width) in pixels; for towers of positioned patches (Gemma 4)
     `[images, patches, patch_dim]` padded to the most, with `patch_positions`
-    `[images, patches, 2]` each patch's (x, y), (-1, -1) on padding.
+    `[images, patches, 2]` each patch's (x, y), (-1, -1) on padding; for tiled towers whose
+    states are cross-attended (Mllama) `[images, tiles, C, H, W]` padded to the processor's
+    tile count, with `aspect_ratio_ids` `[images]` and `tile_mask` `[images, tiles]` (its
+    `aspect_ratio_mask`: 1 on each image's own tiles).
     """
 
     pixel_values: torch.Tensor
@@ -79,6 +87,8 @@ class VisionInputs:
     seconds_per_grid: torch.Tensor | None = None
     image_sizes: torch.Tensor | None = None
     patch_positions: torch.Tensor | None = None
+    aspect_ratio_ids: torch.Tensor | None = None
+    tile_mask: torch.Tensor | None = None
 
     @property
     def num_images(self) -> int:
@@ -107,7 +117,8 @@ class VisionInputs:
 
         return VisionInputs(self.pixel_values.to(device), moved(self.image_grid_thw),
                             self.kinds, moved(self.seconds_per_grid), moved(self.image_sizes),
-                            moved(self.patch_positions))
+                            moved(self.patch_positions), moved(self.aspect_ratio_ids),
+                            moved(self.tile_mask))
 
     def subset(self, first: int, last: int) -> VisionInputs:
         """Items `[first, last)` only."""
@@ -119,6 +130,10 @@ class VisionInputs:
         if self.patch_positions is not None:  # the row's padded patch count kept: the
             return VisionInputs(self.pixel_values[first:last],  # pooler's slots depend on it
                                 patch_positions=self.patch_positions[first:last])
+        if self.tile_mask is not None:  # Mllama: each image's tiles with their layout
+            return VisionInputs(self.pixel_values[first:last],
+                                aspect_ratio_ids=self.aspect_ratio_ids[first:last],
+                                tile_mask=self.tile_mask[first:last])
         if self.image_grid_thw is None:
             return VisionInputs(self.pixel_values[first:last])
         counts, kinds = self.patches_per_image(), self.kind_of()
@@ -183,6 +198,62 @@ def image_runs(types: torch.Tensor, cu_host: tuple[int, ...]) -> tuple[tuple[int
     starts = (image & ~before).nonzero().flatten().tolist()
     ends = (image & ~after).nonzero().flatten().add(1).tolist()
     return tuple(zip(starts, ends, strict=True))
+
+
+def cross_attention_rows(input_ids: torch.Tensor, cu_host: tuple[int, ...],
+                         tile_mask: torch.Tensor, image_token_id: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mllama's cross-attention mask of a whole row, as its own forward of each document
+    alone computes it: `(allowed [T, images, tiles], seen [T], keep [T])`, bool.
+
+    Per document, the mask its processor writes (transformers' own
+    `get_cross_attention_token_mask` and `convert_sparse_cross_attention_mask_to_dense`: from
+    an image's `<|image|>` token on, the image's own tiles), over the document's own images.
+    `seen`: the token attends to some tile (the model's `full_text_row_masked_out_mask`). A
+    token that sees none attends to every tile of its document's images, padding tiles too,
+    as the model's mask, zeroed on such rows, lets it. `keep`: the document has images (the
+    model's forward of a document without any skips its cross-attention layers).
+    """
+    from transformers.models.mllama.processing_mllama import (
+        convert_sparse_cross_attention_mask_to_dense,
+        get_cross_attention_token_mask,
+    )
+
+    images, tiles = tile_mask.shape
+    total = input_ids.numel()
+    allowed = torch.zeros(total, images, tiles, dtype=torch.bool)
+    keep = torch.zeros(total, dtype=torch.bool)
+    seen = torch.zeros(total, dtype=torch.bool)
+    ids = input_ids.tolist()
+    first = 0
+    for start, end in itertools.pairwise(cu_host):
+        doc = ids[start:end]
+        count = doc.count(image_token_id)
+        if not count:
+            continue
+        if first + count > images:
+            raise UserError(
+                f"the row's documents hold more <|image|> tokens than its {images} images.",
+                where="datasets", fix="prepare the data again with this model's processor "
+                "(one <|image|> token per image).")
+        own = tile_mask[first:first + count].sum(-1).tolist()
+        dense = convert_sparse_cross_attention_mask_to_dense(
+            [get_cross_attention_token_mask(doc, image_token_id)], [own], tiles, len(doc))
+        rows = torch.from_numpy(dense[0]).bool()
+        blind = ~rows.flatten(1).any(-1)
+        seen[start:end] = ~blind
+        rows[blind] = True  # the model's zeroed mask: every tile of the document's images
+        allowed[start:end, first:first + count] = rows
+        keep[start:end] = True
+        first += count
+    if first != images:
+        raise UserError(
+            f"the row holds {images} images but {first} <|image|> tokens.", where="datasets",
+            fix="prepare the data again with this model's processor (one <|image|> token per "
+            "image).")
+    allowed[~keep] = True  # no softmax over nothing: their output is zeroed (`keep`)
+    device = input_ids.device
+    return allowed.to(device), seen.to(device), keep.to(device)
 
 
 def _items_of_runs(grids: torch.Tensor, runs: int) -> int:
@@ -303,6 +374,13 @@ class VisionLanguageForward:
         """Features `[tokens, hidden]` of `media` in row order, and the deepstack levels."""
         if self.family.pixels == "sized":  # Pixtral: each image at its own size
             return self._encode_sized(media), []
+        if self.family.pixels == "tiled":  # Mllama: each image's tiles, cross-attended
+            out = self.inner.vision_model(
+                pixel_values=media.pixel_values[None],
+                aspect_ratio_ids=media.aspect_ratio_ids[None],
+                aspect_ratio_mask=media.tile_mask[None]).last_hidden_state
+            states = self.inner.multi_modal_projector(out)  # [1, images, tiles, patches, h]
+            return states.reshape(media.num_images, -1, states.shape[-1]), []
         if self.family.pixels == "positioned":  # Gemma 4: patches with their (x, y)
             out = self.inner.get_image_features(media.pixel_values, media.patch_positions,
                                                 return_dict=True)
@@ -410,6 +488,9 @@ class VisionLanguageForward:
 
         A batch without a vision part (a text-only row) runs on its own slice alone.
         """
+        if self.family.images_attend == "cross" and (cache is None or (
+                batch.vision is not None and batch.vision.images is not None)):
+            return self._cross_attended(batch, cache)
         if batch.vision is None:
             return self._text_only(batch, cache)
         row = batch.vision
@@ -465,6 +546,63 @@ class VisionLanguageForward:
         hidden = self._language_model(local_ids, local_positions, meta, kwargs, visual, merged,
                                       cache)
         return hidden if zero is None else hidden + zero
+
+    def _cross_attended(self, batch: ShardedBatch, cache: Any = None) -> torch.Tensor:
+        """Mllama: this rank's tokens through the text model, whose cross-attention layers
+        attend from them to the tower states of the whole row's images (all-gathered after
+        the tower ran on each rank's run of images), with the mask rows of this rank's
+        tokens (`cross_attention_rows`). A row without images runs those layers on a blank
+        image with every token's output zeroed (its own forward skips them; every rank
+        still calls them, as FSDP2 gathers their weights collectively)."""
+        if cache is not None:
+            raise UserError(
+                f"decoding after images with {self.family.name}: its cross-attention layers' "
+                "image keys are not kept in longctx's KV cache.", where="datasets",
+                fix="evaluate or generate on text prompts, or with transformers' own `generate`.")
+        meta, device = batch.sp_meta, batch.input_ids.device
+        self.decode_offset = 0
+        row = batch.vision
+        images = row.images if row is not None else None
+        full_ids = row.input_ids.to(device) if row is not None else batch.input_ids.reshape(-1)
+        n_tokens = int((full_ids == self.image_token_id).sum())
+        if images is None or not images.num_images:
+            if n_tokens and row is not None:
+                raise UserError(
+                    f"the row holds {n_tokens} image tokens but no images.", where="datasets",
+                    fix="keep each record's images with it, and keep <|image|> out of text "
+                    "records.")
+            states, _ = self.encode(self._blank(device))
+            local = meta.local_len
+            allowed = torch.ones(local, 1, self._tiles(), dtype=torch.bool,
+                                 device=device)  # output zeroed: any key will do
+            seen = keep = torch.zeros(local, dtype=torch.bool, device=device)
+        else:
+            images = images.to(device)
+            states, _ = self._encode_split(images, meta.ctx)
+            full = cross_attention_rows(full_ids, meta.cu_host, images.tile_mask,
+                                        self.image_token_id)
+            index = slice_sequence(torch.arange(full_ids.numel(), device=device), meta.ctx)
+            allowed, seen, keep = (t[index] for t in full)
+        patches = states.shape[1] // allowed.shape[-1]  # per tile, its class token too
+        mask = allowed.repeat_interleave(patches, dim=-1).reshape(1, 1, allowed.shape[0], -1)
+        dtype = self.language_model.get_input_embeddings().weight.dtype
+        meta.cross_rows = keep.to(dtype)  # kept: checkpointed layers recompute in backward
+        hidden = self.language_model(
+            input_ids=batch.input_ids.reshape(1, -1), position_ids=batch.position_ids,
+            sp_meta=meta, cross_attention_states=states, cross_attention_mask=mask,
+            full_text_row_masked_out_mask=seen.to(dtype)[None, None, :, None],
+            use_cache=False).last_hidden_state
+        if not meta.went_through_sp:
+            raise UserError(
+                "the language model's attention layers did not call the sequence-parallel "
+                "attention, so each rank would attend only to its own slice.",
+                where="base_model", fix="use a VLM whose language model dispatches through "
+                "transformers' AttentionInterface.")
+        return hidden.reshape(-1, hidden.shape[-1])
+
+    def _tiles(self) -> int:
+        """Tiles per image of a tiled tower's input (Mllama's `max_num_tiles`)."""
+        return int(self.model.config.vision_config.max_num_tiles)
 
     def _refuse_videos(self, media: VisionInputs | None) -> None:
         """A video in a row of a family whose videos longctx does not train: the reason."""
@@ -551,6 +689,13 @@ class VisionLanguageForward:
             return VisionInputs(torch.zeros(merge * merge, width, device=device),
                                 torch.tensor([[1, merge, merge]], device=device))
         dtype = next(getattr(self.inner, self.family.modules[0]).parameters()).dtype
+        if self.family.pixels == "tiled":  # one image of one tile (aspect ratio 1 x 1)
+            side, tiles = int(vision.image_size), self._tiles()
+            mask = torch.zeros(1, tiles, dtype=torch.long, device=device)
+            mask[:, 0] = 1
+            return VisionInputs(torch.zeros(1, tiles, 3, side, side, device=device, dtype=dtype),
+                                aspect_ratio_ids=torch.ones(1, dtype=torch.long, device=device),
+                                tile_mask=mask)
         if self.family.pixels == "sized":  # one merged token: merge x merge patches
             side = vision.patch_size * int(self.model.config.spatial_merge_size)
             return VisionInputs(torch.zeros(1, 3, side, side, device=device, dtype=dtype),

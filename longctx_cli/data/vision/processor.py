@@ -109,6 +109,12 @@ class VisionProcessor:
         return "image_position_ids" in getattr(self.image_processor, "model_input_names", ())
 
     @property
+    def tiled(self) -> bool:
+        """True for image processors that cut each image into tiles padded to a fixed count,
+        with its `aspect_ratio_ids` and `aspect_ratio_mask` (Mllama's)."""
+        return "aspect_ratio_ids" in getattr(self.image_processor, "model_input_names", ())
+
+    @property
     def marker_tokens(self) -> tuple[str, ...]:
         """The tokens the processor writes around or between an image's feature tokens
         (never targets): the family's image markers (Qwen-VL's vision start and end, GLM's
@@ -202,6 +208,7 @@ def load_processor(
                         "model's processor.",
                         fix="use the folder of a vision-language model (Qwen2-VL, Qwen2.5-VL, "
                         "Qwen3-VL, LLaVA, Gemma 3, Gemma 4, Mistral 3, GLM-4.6V, SmolVLM, "
+                        "Llama 3.2 Vision, "
                         "InternVL) "
                         "whose preprocessor_config.json and tokenizer files are there.")
     return VisionProcessor(processor, size, resample, _video_size(folder, processor))

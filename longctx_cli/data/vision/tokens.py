@@ -45,7 +45,9 @@ def _image_pixels(vp: VisionProcessor, image: PILImage.Image, where: str) -> _En
     its C channels (pixel by pixel, row-major), with grid `(0, H, W)`, so images of any size
     share a row. Gemma 4's give each image's patches padded to a fixed budget, with their
     (x, y): one is stored as its own patches only, with grid `(-1, h, w)` (see
-    `_positioned_patches`).
+    `_positioned_patches`). Mllama's cut each image into tiles padded to a fixed count: one is
+    stored as that many rows of C*H*W values (its tiles, then zero tiles), with grid `(-2,
+    aspect ratio id, own tiles)`.
     """
     out = vp.image_processor(images=[image], return_tensors="np", **vp.images_kwargs)
     pixels = np.asarray(out["pixel_values"], dtype=np.float32)
@@ -58,7 +60,12 @@ def _image_pixels(vp: VisionProcessor, image: PILImage.Image, where: str) -> _En
             "zeros); the rows hold whole tiles of one size only.", where=where,
             fix="keep the processor's `do_image_splitting` / `max_image_size` settings, "
             "which cut every image into whole tiles.")
-    if vp.positioned:
+    if vp.tiled:  # [1, 1, tiles, C, H, W]: the padded tiles as rows, grid (-2, id, own)
+        ratio = int(np.asarray(out["aspect_ratio_ids"]).reshape(-1)[0])
+        own = int(np.asarray(out["aspect_ratio_mask"]).reshape(-1).sum())
+        pixels = pixels.reshape(pixels.shape[2], -1)
+        grids = [(-2, ratio, own)]
+    elif vp.positioned:
         pixels, grids = _positioned_patches(pixels[0], np.asarray(out["image_position_ids"])[0],
                                             where)
     elif vp.sized:
