@@ -14,16 +14,20 @@ import pytest
 import torch
 
 
-def _saved_key_bytes(dtype: torch.dtype, lora_dropout: float | None) -> tuple[int, int, int]:
+def _saved_key_bytes(dtype: torch.dtype, lora_dropout: float | None, frozen: bool
+                     ) -> tuple[int, int, int]:
     """(bytes saved inside the language model with a dimension of the row's keys, that key
     count, the row's tokens), one forward at sp 1; `lora_dropout`: LoRA on k_proj and v_proj
-    (None: no adapter)."""
+    (None: no adapter); `frozen`: the tower and projector are (`freeze_mm_modules`)."""
     from longctx_cli.parallel.attention import register_sp_attention
     from longctx_cli.runtime.vision import VisionLanguageForward
     from tests.layouts import sp_state
     from tests.vlm_models import image_row, tiny_vlm
 
     model = tiny_vlm("mllama", register_sp_attention()).to(dtype)
+    if frozen:
+        for name in ("vision_model", "multi_modal_projector"):
+            model.model.get_submodule(name).requires_grad_(False)
     if lora_dropout is not None:
         from peft import LoraConfig, get_peft_model
 
@@ -55,22 +59,24 @@ def _saved_key_bytes(dtype: torch.dtype, lora_dropout: float | None) -> tuple[in
     return sum(storages.values()), keys, ids.numel()
 
 
-@pytest.mark.parametrize("dtype, lora_dropout", [
-    (torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, 0.0),
-    (torch.float32, 0.1), (torch.bfloat16, 0.1),
+@pytest.mark.parametrize("dtype, lora_dropout, frozen", [
+    (torch.float32, None, False), (torch.bfloat16, None, False), (torch.bfloat16, None, True),
+    (torch.bfloat16, 0.0, True), (torch.float32, 0.0, True), (torch.float32, 0.1, True),
+    (torch.bfloat16, 0.1, True),
 ])
-def test_the_estimate_counts_what_the_cross_attention_keeps(dtype, lora_dropout) -> None:
+def test_the_estimate_counts_what_the_cross_attention_keeps(dtype, lora_dropout, frozen
+                                                             ) -> None:
     from longctx_cli.config.sections.vision import CrossAttendedImages, TowerRun
     from tests.layouts import layout_of
     from tests.vlm_models import _config, image_row
 
-    measured, keys, tokens = _saved_key_bytes(dtype, lora_dropout)
+    measured, keys, tokens = _saved_key_bytes(dtype, lora_dropout, frozen)
     config = _config("mllama")
     cross = CrossAttendedImages.of(config)
     images = image_row("mllama")[3].num_images
     assert cross.keys_per_image * images == keys
     lora = lora_dropout is not None
-    run = TowerRun(dtype=str(dtype).removeprefix("torch."), frozen=lora,
+    run = TowerRun(dtype=str(dtype).removeprefix("torch."), frozen=frozen,
                    adapter="lora" if lora else None, row_tokens=tokens, checkpointed=False,
                    images_per_row=images,
                    adapted_kv=(lora, lora),

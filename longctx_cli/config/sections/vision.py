@@ -446,9 +446,11 @@ def cross_rows(cross: CrossAttendedImages, run: TowerRun, layout: Layout, tiles:
     images = run.images_per_row
     count = (f"{images} image{'s' if images != 1 else ''} per row"
              + (" (assumed: set `images_per_row`)" if assumed else " (`images_per_row`)"))
-    layers = ("the boolean mask, one layer's keys, values and mask rebuilt in backward"
-              if run.checkpointed else f"keys, values and mask of {cross.layers} layers")
+    layers = (f"their boolean mask; each of the {cross.layers} layers rebuilds its keys, "
+              "values and mask in its backward" if run.checkpointed else
+              f"keys, values and mask of {cross.layers} layers")
+    held = (f"states {format_gib(states)}" if states else
+            "states freed after the forward (nothing that trains keeps them)")
     return [("image states", f"{count} x {tiles} tiles x {cross.keys_per_image // tiles:,} "
-             f"patches, on every rank: states {format_gib(states)}, kept for the "
-             f"cross-attention layers {format_gib(kept)} ({layers}), "
-             f"{format_gib(backward)} more in backward")]
+             f"patches, on every rank: {held}, kept by the cross-attention layers "
+             f"{format_gib(kept)} ({layers}); {format_gib(backward)} more in backward")]
