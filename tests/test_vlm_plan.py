@@ -214,3 +214,77 @@ def test_gemma3_images_on_a_gpu_count_the_tiled_path() -> None:
                           platform=Platform(cuda=True, ring_flash_attn=False)).memory.score_tiles
 
     assert tiles(processor_type="AutoProcessor") > 0 and tiles() == 0
+
+
+def _mllama_plan(**overrides):
+    from transformers import MllamaConfig
+
+    settings = {"adapter": "lora", "lora_r": 32, "lora_dropout": 0.05, "bf16": True,
+                "sequence_len": 8192, "gradient_checkpointing": True,
+                # Axolotl's examples/llama-3-vision/lora-11b.yaml
+                "lora_target_modules": r"model.language_model.layers.[\d]+.(mlp|cross_attn|"
+                r"self_attn).(up|down|gate|q|k|v|o)_proj", **overrides}
+    return _plan(MllamaConfig(), processor_type="AutoProcessor", **settings)
+
+
+def test_mllama_plan_counts_every_ranks_image_states() -> None:
+    from rich.console import Console
+
+    plan = _mllama_plan()
+    console = Console(record=True, width=300)
+    console.print(plan.to_table())
+    text = console.export_text()
+    assert "cross-attended images" in text and "more in their backward" in text
+    rows = _rows(plan)
+    # 448 / 14 = 32 patches a side, + the class token, for each of 4 tiles: the tower's
+    # patches are one image's on each of the 2 ranks' runs (rounded up), not a token's each.
+    assert "x 4 tiles x 1,025 patches, on every rank" in rows["image states"]
+    assert "(assumed: set `images_per_row`)" in rows["image states"]
+    assert "for 1 image per row (4,100 patches per rank)" in rows["tower memory"]
+    memory = plan.memory
+    assert memory.cross_images > 0 and memory.cross_images_backward > 0
+    moments = dict(memory.moments())
+    without = dict(replace(memory, cross_images=0, cross_images_backward=0).moments())
+    assert moments["the loss"] - without["the loss"] == memory.cross_images
+    assert moments["the optimizer update"] == without["the optimizer update"]  # freed by then
+    four = _mllama_plan(images_per_row=4).memory
+    assert four.cross_images == 4 * memory.cross_images  # every image's keys on every rank
+    assert four.total > memory.total
+    assert "(`images_per_row`)" in _rows(_mllama_plan(images_per_row=4))["image states"]
+
+
+def test_mllama_plan_follows_what_autograd_keeps() -> None:
+    # Without checkpointing the 8 cross-attention layers keep their keys, values and masks;
+    # a full fine-tune keeps the states (k_proj's input) and, training the tower, their
+    # gradient in backward.
+    plain = _mllama_plan(gradient_checkpointing=False).memory
+    checkpointed = _mllama_plan().memory
+    assert plain.cross_images > 8 * checkpointed.cross_images
+    assert plain.cross_images_backward == 0  # nothing recomputed, the tower frozen (LoRA)
+    full = _mllama_plan(adapter=None, gradient_checkpointing=False).memory
+    frozen = _mllama_plan(adapter=None, gradient_checkpointing=False,
+                          freeze_mm_modules=True).memory
+    assert full.cross_images_backward > 0 and frozen.cross_images_backward == 0
+
+
+@pytest.mark.parametrize("targets, adapted", [
+    (r"model.language_model.layers.[\d]+.(mlp|cross_attn|self_attn).(up|down|gate|q|k|v|o)"
+     "_proj", (True, True)),
+    (r"model.language_model.layers.[\d]+.self_attn.(q|k|v|o)_proj", (False, False)),
+    (["q_proj", "v_proj"], (False, True)), (["cross_attn.k_proj"], (True, False)),
+    ("all-linear", (True, True)),
+])
+def test_mllama_lora_targets_are_matched_as_peft_does(targets, adapted) -> None:
+    from transformers import MllamaConfig
+
+    from longctx_cli.config.sections.vision import CrossAttendedImages
+
+    assert CrossAttendedImages.of(MllamaConfig()).adapted_kv(targets) == adapted
+
+
+@pytest.mark.parametrize("processor", [True, False])
+def test_images_per_row_is_refused_where_it_changes_nothing(processor: bool) -> None:
+    extra = {"processor_type": "AutoProcessor"} if processor else {}
+    with pytest.raises(UserError) as e:
+        _plan(_config("qwen2_5_vl"), images_per_row=2, **extra)
+    assert e.value.where == "images_per_row"

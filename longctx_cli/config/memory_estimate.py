@@ -106,6 +106,11 @@ class MemoryEstimate:
     # A vision-language model's tower: its weights and state, and its activations for a
     # row of only image tokens (config/sections/vision.py).
     vision_tower: int = 0
+    # A cross-attended tower's (Mllama): the row's image states every rank holds and what the
+    # cross-attention layers keep of them, through the loss and the backward; and what that
+    # backward adds (config/sections/vision.py `CrossAttendedImages`).
+    cross_images: int = 0
+    cross_images_backward: int = 0
     # The optimizer update's temporaries (see CPU_ADAMW_TEMPORARIES).
     update_temporaries: int = 0
     # Gradients alive through the loss: all of them when a step accumulates over more than
@@ -124,10 +129,12 @@ class MemoryEstimate:
         """The step's three moments and the bytes each holds (see the notes above)."""
         static = self.parameters + self.optimizer + self.vision_tower
         return [
-            ("the loss", static + self.loss_gradients + self.activations + self.logits),
+            ("the loss", static + self.loss_gradients + self.activations + self.logits
+             + self.cross_images),
             ("a decoder layer's backward",
              static + self.gradients - self.late_gradients + self.activations + self.recompute
-             + self.attention_buffers + self.score_tiles),
+             + self.attention_buffers + self.score_tiles + self.cross_images
+             + self.cross_images_backward),
             ("the optimizer update", static + self.gradients + self.update_temporaries),
         ]
 
@@ -151,6 +158,9 @@ class MemoryEstimate:
             ("attention score tiles", self.score_tiles),
             ("optimizer update temporaries", self.update_temporaries),
             *([("vision tower", self.vision_tower)] if self.vision_tower else []),
+            *([("cross-attended images", self.cross_images),
+               ("  more in their backward", self.cross_images_backward)]
+              if self.cross_images else []),
         ]
 
 

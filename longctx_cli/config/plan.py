@@ -54,8 +54,10 @@ from longctx_cli.config.sections.parallel import (
 )
 from longctx_cli.config.sections.training import optimizer_rows, stop_rows
 from longctx_cli.config.sections.vision import (
+    CrossAttendedImages,
     TowerRun,
     check_vision,
+    cross_rows,
     images_attend_both_ways,
 )
 from longctx_cli.config.sections.vision import plan_rows as vision_plan_rows
@@ -364,11 +366,25 @@ def build_plan(
                          model_type=shape.model_type)
     vision_rows: tuple[tuple[str, str], ...] = ()
     if tower is not None:
+        cross = CrossAttendedImages.of(shape.hf_config)
+        lora = config.lora
+        adapted = (cross.adapted_kv(lora.lora_target_modules)
+                   if cross is not None and lora.adapter is not None else (False, False))
         run = TowerRun(dtype=model.dtype, frozen=config.vision.freeze_mm_modules,
-                       adapter=config.lora.adapter, row_tokens=config.row_tokens,
-                       checkpointed=config.memory.gradient_checkpointing)
+                       adapter=lora.adapter, row_tokens=config.row_tokens,
+                       checkpointed=config.memory.gradient_checkpointing,
+                       images_per_row=config.vision.images_per_row or 1,
+                       adapted_kv=adapted,
+                       lora_r=lora.lora_r, lora_dropout=bool(lora.lora_dropout))
         memory = replace(memory, vision_tower=sum(tower.memory(run, layout)))
         vision_rows = tuple(vision_plan_rows(tower, run, layout))
+        if cross is not None:
+            states, kept, backward = cross.memory(run, layout)
+            memory = replace(memory, cross_images=states + kept,
+                             cross_images_backward=backward)
+            tiles = int(shape.hf_config.vision_config.max_num_tiles)
+            vision_rows += tuple(cross_rows(cross, run, layout, tiles,
+                                            config.vision.images_per_row is None))
 
     dp = layout.dp
     row_tokens = config.row_tokens

@@ -10,6 +10,7 @@ rough bound for a row made only of image tokens (the most tower work a row can h
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -52,6 +53,13 @@ class VisionSection(Section):
     )
     image_resize_algorithm: Literal["bilinear", "bicubic", "lanczos"] = Field(
         "bilinear", description="The resampling filter `image_size` resizes with.",
+    )
+    images_per_row: int | None = Field(
+        None, ge=1,
+        description="Llama 3.2 Vision: the most images one row holds, for `validate`'s memory "
+        "estimate (every rank holds every image's states; each image is one token, so the "
+        "row's length does not bound them). `longctx preprocess` prints the most in a row. "
+        "Unset: one.",
     )
     freeze_mm_modules: bool = Field(
         False,
@@ -97,7 +105,12 @@ class TowerRun:
     adapter: str | None
     row_tokens: int
     checkpointed: bool  # gradient_checkpointing
-
+    images_per_row: int = 1  # a cross-attended tower's (`images_per_row`)
+    # LoRA on the cross-attention layers' k_proj and v_proj (each adapted or not), its rank
+    # and whether its dropout is on.
+    adapted_kv: tuple[bool, bool] = (False, False)
+    lora_r: int = 0
+    lora_dropout: bool = False
 
 
 def shuffle_scale(hf_config: Any) -> int:
@@ -126,6 +139,9 @@ class VisionTower:
     intermediate: int
     merge: int  # patches per image token along each side (1: one token per patch)
     images_attend: str | None = None  # how its image tokens attend (`image_attention`)
+    # A cross-attended tower's patches per image, its tiles' and their class tokens; 0 where
+    # an image's patches are bounded by its tokens.
+    patches_per_image: int = 0
 
     @classmethod
     def of(cls, hf_config: Any) -> VisionTower | None:
@@ -147,11 +163,15 @@ class VisionTower:
             merge = shuffle_scale(hf_config)
         elif family is not None and family.tower == "position_pooled":  # Gemma 4
             merge = int(vision.pooling_kernel_size)
+        per_image = 0
+        if family is not None and family.tower == "cross_attended":  # Mllama
+            layers += int(vision.num_global_layers)  # its global encoder after the local one
+            per_image = CrossAttendedImages.of(hf_config).keys_per_image
         return cls(
             model_type=model_type,
             layers=int(layers), hidden=int(hidden),
             intermediate=int(getattr(vision, "intermediate_size", 4 * hidden) or 4 * hidden),
-            merge=merge, images_attend=image_attention(hf_config),
+            merge=merge, images_attend=image_attention(hf_config), patches_per_image=per_image,
         )
 
     @property
@@ -159,8 +179,11 @@ class VisionTower:
         """Attention (4 h^2) and a gated MLP (3 h i) per layer: a rough count."""
         return self.layers * (4 * self.hidden**2 + 3 * self.hidden * self.intermediate)
 
-    def patches_per_rank(self, row_tokens: int, sp: int) -> int:
-        """Patches a rank encodes when the whole row is image tokens."""
+    def patches_per_rank(self, row_tokens: int, sp: int, images: int = 1) -> int:
+        """Patches a rank encodes when the whole row is image tokens; a cross-attended
+        tower's, of its run of the row's `images` (whole images per rank)."""
+        if self.patches_per_image:
+            return -(-images // sp) * self.patches_per_image
         return -(-row_tokens * self.merge**2 // sp)
 
     def activation_bytes(self, patches: int, dtype_bytes: int, frozen: bool = False,
@@ -182,8 +205,99 @@ class VisionTower:
         weights = self.parameters * (b + (b + ADAM_BYTES_PER_WEIGHT if trained else 0))
         if layout.fsdp:
             weights //= layout.dp_shard * layout.sp
-        patches = self.patches_per_rank(run.row_tokens, layout.sp)
+        patches = self.patches_per_rank(run.row_tokens, layout.sp, run.images_per_row)
         return weights, self.activation_bytes(patches, b, run.frozen, run.checkpointed)
+
+
+@dataclass(frozen=True)
+class CrossAttendedImages:
+    """Mllama: what each rank holds of the row's images for the text model's cross-attention
+    layers (runtime/vision.py `_cross_attended`, parallel/cross_attention.py).
+
+    Every rank holds the projected tower states of every image of the row, `keys` =
+    images x tiles x (patches + class token), each of the text model's hidden size (the input
+    k_proj and v_proj keep). Each cross-attention layer keeps, per key, k_norm's input (below
+    float32 its float32 upcast) and output, the keys and values SDPA takes (expanded to the
+    query heads under GQA), and the mask SDPA turns from booleans into the compute dtype,
+    [local tokens, keys]. LoRA on k_proj or v_proj keeps its float32 input (below float32, or
+    after dropout) and lora_A's output. Checkpointed layers keep none of that but the boolean
+    mask (their input), and rebuild one layer's in backward. Measured by
+    tests/test_vlm_mllama_memory.py.
+    """
+
+    keys_per_image: int
+    layers: int  # cross-attention layers
+    hidden: int  # the text model's
+    kv_dim: int
+    q_dim: int
+    kv_heads: int
+    first_layer: int = 0  # the first cross-attention layer's index (its module's name)
+
+    @classmethod
+    def of(cls, hf_config: Any) -> CrossAttendedImages | None:
+        """Those of `hf_config`, or None when its tower is not cross-attended."""
+        family = vision_family(str(getattr(hf_config, "model_type", "")))
+        if family is None or family.tower != "cross_attended":
+            return None
+        vision, text = hf_config.vision_config, hf_config.text_config
+        side = int(vision.image_size) // int(vision.patch_size)
+        heads, kv_heads = int(text.num_attention_heads), int(text.num_key_value_heads)
+        head_dim = int(text.hidden_size) // heads  # as the cross-attention layer takes it
+        layers = list(text.cross_attention_layers or ())
+        return cls(keys_per_image=int(vision.max_num_tiles) * (side * side + 1),
+                   layers=len(layers), hidden=int(text.hidden_size),
+                   kv_dim=kv_heads * head_dim, q_dim=heads * head_dim, kv_heads=kv_heads,
+                   first_layer=int(layers[0]) if layers else 0)
+
+    def layer_bytes_per_key(self, run: TowerRun) -> int:
+        """Bytes one cross-attention layer keeps for backward per image key, its mask's
+        column aside: what autograd saves depends on what trains."""
+        b = DTYPE_BYTES[run.dtype]
+        text_trains = run.adapter is None  # the layer's own weights, k_norm's too
+        total = 2 * max(self.q_dim, self.kv_dim) * b  # the keys and values SDPA takes
+        if text_trains or run.adapted_kv[0]:  # the keys need a gradient
+            total += self.kv_dim * 4 + self.kv_heads * 4  # k_norm's float32 input, rsqrt
+        if text_trains:
+            total += self.kv_dim * b  # k_norm's output, for its weight's gradient
+        # lora_A's float32 input, a new tensor below float32 or after dropout (whose mask
+        # is not kept: the states need no gradient under an adapter), and its output.
+        copy = 4 if b != 4 or run.lora_dropout else 0
+        return total + sum(adapted * (self.hidden * copy + run.lora_r * 4)
+                           for adapted in run.adapted_kv)
+
+    def memory(self, run: TowerRun, layout: Layout) -> tuple[int, int, int]:
+        """Bytes per rank: (the states, what the cross-attention layers keep of them, both
+        through the loss and the backward; what the backward adds: a recomputed layer's and
+        the states' gradient when the tower trains).
+
+        The states outlive the forward when k_proj and v_proj save them (their weights
+        train; float32 LoRA without dropout saves them as its input too) or when the layers
+        are checkpointed (their input, for the recomputation)."""
+        b = DTYPE_BYTES[run.dtype]
+        keys = run.images_per_row * self.keys_per_image
+        local = -(-run.row_tokens // layout.sp)
+        text_trains = run.adapter is None
+        saved = text_trains or run.checkpointed or (
+            any(run.adapted_kv) and b == 4 and not run.lora_dropout)
+        states = keys * self.hidden * b
+        mask = local * keys * b  # SDPA's, in the compute dtype
+        layer = keys * self.layer_bytes_per_key(run) + mask
+        kept = local * keys if run.checkpointed else self.layers * layer  # bool mask: 1 byte
+        tower_trains = text_trains and not run.frozen  # the states' gradient
+        backward = (layer if run.checkpointed else 0) + (states if tower_trains else 0)
+        return states if saved else 0, kept, backward
+
+    def adapted_kv(self, targets: list[str] | str | None) -> tuple[bool, bool]:
+        """Whether `lora_target_modules` adapts a cross-attention layer's k_proj and its
+        v_proj, matched as peft does (a string in full as a regex, a list by name suffix)."""
+        def adapted(name: str) -> bool:
+            if targets == "all-linear":
+                return True
+            if isinstance(targets, str):
+                return re.fullmatch(targets, name) is not None
+            return any(name == t or name.endswith(f".{t}") for t in targets or ())
+        layer = f"model.language_model.layers.{self.first_layer}.cross_attn"
+        return adapted(f"{layer}.k_proj"), adapted(f"{layer}.v_proj")
 
 
 def refuse_unless_rebuilt(model_config: Any) -> None:
@@ -219,7 +333,8 @@ def check_vision(vision: VisionSection, hf_config: Any, layout: Layout, streamed
     if not vision.processor_type:
         # What only the processor reads would be ignored without it.
         given = [key for key, unset in (("processor_path", None), ("image_size", None),
-                                        ("image_resize_algorithm", "bilinear"))
+                                        ("image_resize_algorithm", "bilinear"),
+                                        ("images_per_row", None))
                  if getattr(vision, key) != unset]
         if given:
             raise UserError(
@@ -252,6 +367,12 @@ def check_vision(vision: VisionSection, hf_config: Any, layout: Layout, streamed
         return None
     refuse_unless_rebuilt(hf_config)  # before reading a tower longctx has no rules for
     tower = VisionTower.of(hf_config)
+    if vision.images_per_row is not None and not tower.patches_per_image:
+        raise UserError(
+            f"`images_per_row` sizes the images of a cross-attended tower (Llama 3.2 Vision); "
+            f"model type `{tower.model_type}` merges its images into the row's tokens, so the "
+            "row's length already bounds them and the key would change nothing.",
+            where="images_per_row", fix="remove `images_per_row`.")
     if layout.tp > 1:
         raise UserError(
             "vision-language models do not run under tensor parallelism here: the tower and "
@@ -303,12 +424,33 @@ def plan_rows(tower: VisionTower, run: TowerRun, layout: Layout) -> list[tuple[s
                    "kernel takes each image as one block, except in sliding-window layers "
                    "(the tiled path)")]
                  if both_ways else [])
+    images = run.images_per_row
+    row = (f"{images} image{'s' if images != 1 else ''} per row" if tower.patches_per_image
+           else "a row of only image tokens")
     return [
         *attention,
         ("vision tower", f"{tower.layers} layers, hidden {tower.hidden}, "
                          f"~{format_count(tower.parameters)} parameters, {trains}"),
         ("tower splits by", split),
         ("tower memory", f"{format_gib(weights + saved)} per rank at most: weights and state "
-                         f"{format_gib(weights)}, activations {format_gib(saved)} for a row of "
-                         f"only image tokens ({patches:,} patches per rank)"),
+                         f"{format_gib(weights)}, activations {format_gib(saved)} for {row} "
+                         f"({patches:,} patches per rank)"),
     ]
+
+
+def cross_rows(cross: CrossAttendedImages, run: TowerRun, layout: Layout, tiles: int,
+               assumed: bool) -> list[tuple[str, str]]:
+    """The plan's row about the images every rank holds for cross attention (Mllama);
+    `assumed`: `images_per_row` is unset."""
+    states, kept, backward = cross.memory(run, layout)
+    images = run.images_per_row
+    count = (f"{images} image{'s' if images != 1 else ''} per row"
+             + (" (assumed: set `images_per_row`)" if assumed else " (`images_per_row`)"))
+    layers = (f"their boolean mask; each of the {cross.layers} layers rebuilds its keys, "
+              "values and mask in its backward" if run.checkpointed else
+              f"keys, values and mask of {cross.layers} layers")
+    held = (f"states {format_gib(states)}" if states else
+            "states freed after the forward (nothing that trains keeps them)")
+    return [("image states", f"{count} x {tiles} tiles x {cross.keys_per_image // tiles:,} "
+             f"patches, on every rank: {held}, kept by the cross-attention layers "
+             f"{format_gib(kept)} ({layers}); {format_gib(backward)} more in backward")]
