@@ -153,7 +153,7 @@ FAMILIES = [
            always_on=("latent attention (q/k head dim 16, v head dim 8)", "MoE")),
     # Chunks of WINDOW tokens from each document's start on the RoPE layer, a NoPE layer with
     # full attention (the NoPE layers' temperature tuning starts at floor_scale 8192 tokens:
-    # validate refuses rows that reach it).
+    # tests/test_temperature_tuning.py checks it on rows that reach it).
     Family("llama4_text", "llama4_text",
            {"head_dim": 8, "attention_chunk_size": WINDOW, "no_rope_layers": [1, 0],
             "num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 64},
@@ -796,9 +796,11 @@ def render() -> str:
         "model's own forward over one document does; longctx cuts the row's segments at chunk "
         "starts, so every strategy and kernel computes it. Its NoPE layers' attention "
         "temperature tuning depends on the token's index in the forward's input and starts at "
-        "`floor_scale` (8192) tokens, beyond the matrix's rows: `validate` refuses a run whose "
-        "rows or documents reach it (`sequence_len` and tokens per rank below `floor_scale`, "
-        "or `overrides_of_model_config: {attn_temperature_tuning: false}`).",
+        "`floor_scale` (8192) tokens, beyond the matrix's rows. The SP attention applies the "
+        "scale of each token's index in its dataset row (the packed row; each row of a "
+        "micro-batch), as the model's own training does: `tests/test_temperature_tuning.py` "
+        "checks it on rows past a small `floor_scale`. Objectives that split a dataset row "
+        "into several (`rl`, `reward_model`) are refused once a row reaches `floor_scale`.",
         "",
         "Multi-head latent attention (DeepSeek: q/k head dim `qk_nope_head_dim + "
         "qk_rope_head_dim`, values `v_head_dim`): the strategies carry each head dim as it is; "

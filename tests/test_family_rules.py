@@ -3,9 +3,10 @@ and multi-head latent attention (DeepSeek V3), beyond the family matrix's exactn
 
 * A chunk size is read per layer from the config the model itself reads (`layer_types`);
   a config whose chunked layers cannot be told is refused, never trained as plain causal.
-* Llama 4's NoPE layers scale queries by the token's index in the forward's input: where
-  that differs from the model's own forward (indices or positions reaching `floor_scale`
-  under SP, packing or concatenated rows), validate and the ranks refuse.
+* Llama 4's NoPE layers scale queries by the token's index in the forward's input: the SP
+  attention puts back each token's index in its dataset row (tests/test_temperature_tuning.py
+  shows it exact); where longctx does not know the model's own rows (pairs, groups) and an
+  index reaches `floor_scale`, validate and the ranks refuse.
 * Flash kernels pad latent attention's value head dim (validate says so) and size their
   head-dim limit on the padded dim; a P2P ring's flash-attn functions cannot take chunks.
 """
@@ -71,20 +72,22 @@ def test_a_chunked_model_keeps_flash_attn_s_p2p_rings_off() -> None:
 # ---- Llama 4's NoPE temperature tuning -----------------------------------------------------
 
 
-def test_temperature_tuning_is_refused_where_the_index_is_not_the_position() -> None:
+def test_temperature_tuning_is_refused_where_the_rows_are_not_known() -> None:
+    pairs = {"rl": "dpo", "datasets": [{"path": "x.jsonl", "type": "chatml.intel"}]}
     with pytest.raises(UserError) as err:
-        _plan(LLAMA4, world=2, sequence_len=16384, sequence_parallel_degree=2)
+        _plan(LLAMA4, world=2, sequence_len=16384, sequence_parallel_degree=2, **pairs)
     message = str(err.value)
     assert message.startswith("sequence_len: the model's NoPE layers scale queries")
-    assert "floor_scale = 8192" in message and "\n" not in message
+    assert "floor_scale = 8192" in message and "`rl: dpo` splits" in message
     assert "overrides_of_model_config: {attn_temperature_tuning: false}" in message
-    # Below floor_scale every scale is 1; one unpacked document per row at sp 1 is exact;
-    # without temperature tuning nothing depends on the index.
-    _plan(LLAMA4, world=2, sequence_len=8190, sequence_parallel_degree=2)
-    _plan(LLAMA4, sequence_len=16384, sample_packing=False)
-    with pytest.raises(UserError):
-        _plan(LLAMA4, sequence_len=16384)  # packed: documents start mid-row
-    _plan(LLAMA4, world=2, sequence_len=16384, sequence_parallel_degree=2,
+    assert "\n" not in message
+    # Causal-LM rows: each dataset row is one of the model's own rows, at any sp, packed or
+    # not, micro-batches of several rows; below floor_scale every scale is 1; without
+    # temperature tuning nothing depends on the index.
+    _plan(LLAMA4, world=2, sequence_len=16384, sequence_parallel_degree=2, micro_batch_size=2)
+    _plan(LLAMA4, sequence_len=16384)
+    _plan(LLAMA4, world=2, sequence_len=8190, sequence_parallel_degree=2, **pairs)
+    _plan(LLAMA4, world=2, sequence_len=16384, sequence_parallel_degree=2, **pairs,
           overrides_of_model_config={"attn_temperature_tuning": False})
 
 
@@ -97,7 +100,7 @@ def test_the_ranks_refuse_temperature_tuning_where_it_differs() -> None:
     from longctx_cli.runtime.model import sp_hidden_states
 
     pos = torch.cat([torch.arange(n) for n in (10, 30, 24)])  # packed, 64 tokens
-    batch = shard_batch(pos, pos, pos, ParallelState())
+    batch = shard_batch(pos, pos, pos, ParallelState())  # its rows not given: unknown
     for floor, refused in ((16, True), (8192, False)):
         config = AutoConfig.for_model(**LLAMA4, floor_scale=floor)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=(

@@ -352,7 +352,7 @@ def build_plan(
     check_heads(layout, shape)  # SP works on the heads TP left on the rank
     check_attention_dropout(shape, layout, config.objective.prefix_sharing)
     check_query_position_scaling(shape, layout, data.sequence_len, training.micro_batch_size,
-                                 data.sample_packing)
+                                 config.objective.splits_rows)
     check_prefix_sharing(config.objective, shape)
     sp = layout.sp
     tiled = tiled_scores_run(layout.kernel, platform.cuda, shape, layout.p2p and layout.ring > 1,

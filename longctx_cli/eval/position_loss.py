@@ -108,7 +108,7 @@ def position_loss(
     for index in tqdm(mine, desc=f"position loss {label}".strip(), unit="row",
                       disable=None if show_progress else True, dynamic_ncols=True):
         # The row with its images, if it has any (a text row is sharded as before).
-        batch = row_batch(rows, index, state, pad_id)
+        batch = row_batch(rows, index, state, pad_id, whole_rows=True)  # causal-LM rows
         hidden = sp_hidden_states(decoder, batch, where="--checkpoint")
         labels = batch.shift_labels.reshape(-1)
         valid = labels != IGNORE_INDEX

@@ -166,7 +166,6 @@ def attention_features(module: torch.nn.Module, scaling: float | None, kwargs: d
     sinks = kwargs.get("s_aux")
     if sinks is not None and not isinstance(sinks, torch.Tensor):
         raise ValueError(f"s_aux (attention sinks) must be a tensor, got {type(sinks).__name__}")
-    _check_position_scaling(module, kwargs.get("sp_meta"))
     feats = AttentionFeatures(
         scale=float(scale),
         window=None if window is None else int(window),
@@ -201,32 +200,66 @@ def layer_chunk(module: torch.nn.Module) -> int | None:
     return int(chunk) if types[index] == "chunked_attention" else None
 
 
-def _check_position_scaling(module: torch.nn.Module, meta: Any) -> None:
-    """Refuse query scaling by the position in the forward's input where it is active.
+def temperature_scale(index: torch.Tensor, floor_scale: int, attn_scale: float) -> torch.Tensor:
+    """Llama 4's NoPE-layer query scale of each token index, as the module computes it
+    (float32): ``log1p(floor((i + 1) / floor_scale)) * attn_scale + 1``."""
+    return torch.log1p(torch.floor((index.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+
+
+def true_index(meta: SPMeta) -> torch.Tensor:
+    """``[local_tokens]`` each local token's index in its input row of the model's own
+    training (``meta.row_starts``), from its global index (zigzag included)."""
+    index = torch.cat([torch.arange(a, b) for a, b in meta.local_ranges])
+    starts = torch.tensor(meta.row_starts)
+    return index - starts[torch.searchsorted(starts, index, right=True) - 1]
+
+
+def _rescale(meta: SPMeta, floor: int, attn_scale: float, local_len: int,
+             device: torch.device) -> torch.Tensor | None:
+    """``[local_tokens]`` true scale / the module's scale (of ``arange(local_len)``), float32;
+    None where they are equal everywhere. Built once per row."""
+    local = torch.arange(local_len)
+    ratio = temperature_scale(true_index(meta), floor, attn_scale) / temperature_scale(
+        local, floor, attn_scale)
+    return None if bool((ratio == 1).all()) else ratio.to(device)
+
+
+def true_temperature(module: torch.nn.Module, query: torch.Tensor, meta: SPMeta
+                     ) -> torch.Tensor:
+    """``query`` ``[1, heads, S, dim]`` with the scale of each token's true index.
 
     Llama 4's NoPE layers (``attn_temperature_tuning``) scale queries by
-    ``log1p(floor((i + 1) / floor_scale))`` of ``i = arange(input length)``: under SP that is
-    the index in this rank's slice (and in a packed row, not the document position), so it
-    differs from the model's own forward once an index reaches ``floor_scale - 1``. Below
-    that every scale is 1 on both sides. ``validate`` refuses such runs before they start
-    (``config.sections.model.check_query_position_scaling``); this is the ranks' own guard.
+    :func:`temperature_scale` of ``i = arange(input length)``: under SP that is the index in
+    this rank's slice. The true index is the token's index in its row of the model's own
+    training (``SPMeta.row_starts``); the module's scale is divided out and the true one
+    applied, in float32 (equal to the model's own forward within 2 float32 roundings; in
+    bf16 the module's cast adds one bf16 rounding). Where the rows are unknown, refuses once
+    an index or document reaches ``floor_scale - 1`` (below that every scale is 1).
     """
     if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
-        return
+        return query
     floor = getattr(module, "floor_scale", None)
-    if not isinstance(meta, SPMeta) or not floor:
-        return
-    if meta.ctx.layout.sp == 1 and len(meta.cu_host) == 2:
-        return  # one document from index 0: the index is the position
-    if max(meta.local_len, meta.max_seqlen) >= floor:
-        raise ValueError(
-            f"{type(module).__name__} scales NoPE-layer queries by the token's index in the "
-            f"forward's input (attn_temperature_tuning, floor_scale={floor}); with "
-            f"{meta.local_len} tokens per rank and documents of up to {meta.max_seqlen} "
-            "tokens that index is not the token's position under sequence parallelism, so "
-            "the model would train differently. Keep rows per rank and documents shorter "
-            "than floor_scale, or set attn_temperature_tuning to false."
-        )
+    if not floor:
+        return query
+    if meta.row_starts is None and meta.ctx.layout.sp == 1 and len(meta.cu_host) == 2:
+        return query  # one document from index 0: the module's index is the token's
+    if meta.row_starts is None:
+        if max(meta.local_len, meta.max_seqlen) >= floor:
+            raise ValueError(
+                f"{type(module).__name__} scales NoPE-layer queries by the token's index in "
+                f"the forward's input (attn_temperature_tuning, floor_scale={floor}); with "
+                f"{meta.local_len} tokens per rank and documents of up to {meta.max_seqlen} "
+                "tokens, and rows of the model's own training longctx does not know here "
+                "(preference pairs, KTO, GRPO, reward models), that index is not the "
+                "token's, so the model would train differently. Keep rows per rank and "
+                "documents shorter than floor_scale, or set attn_temperature_tuning to false."
+            )
+        return query
+    ratio = meta.derived(_rescale, int(floor), float(module.attn_scale), query.shape[2],
+                         query.device)
+    if ratio is None:
+        return query
+    return (query.float() * ratio[:, None]).to(query.dtype)
 
 
 def longctx_attention_forward(
@@ -270,6 +303,7 @@ def longctx_attention_forward(
     if attention_mask is not None:
         raise ValueError("SP attention builds document masks itself; attention_mask must be None")
     feats, sinks = attention_features(module, scaling, kwargs)
+    query = true_temperature(module, query, meta)  # Llama 4's NoPE layers
     if dropout:  # the layer's attention dropout (transformers passes 0 in eval)
         feats = replace(feats, dropout=float(dropout))
     if torch.is_grad_enabled() and attention_inputs_spent(type(module)) and _apart(

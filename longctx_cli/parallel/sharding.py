@@ -59,6 +59,10 @@ class SPMeta:
     # the token's document holds images, 0 where the model's own forward of that document
     # skips those layers (a document without images). None: the row has no cross attention.
     cross_rows: torch.Tensor | None = None
+    # Global start of each input row of the model's own training that this row concatenates
+    # (a micro-batch's dataset rows, runtime/batches.py): where an index "in the forward's
+    # input" counts from (Llama 4's temperature tuning). None: longctx does not know them.
+    row_starts: tuple[int, ...] | None = None
     # Values derived from this row, built once and read by every layer (see `derived`).
     _derived: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
     attention_calls: int = 0  # incremented by the transformers entry point
@@ -302,9 +306,11 @@ def shard_batch(
     ctx: ParallelState,
     pad_token_id: int = 0,
     next_tokens: bool = False,
+    row_starts: tuple[int, ...] | None = None,
 ) -> ShardedBatch:
     """Pad, shift labels globally and slice one packed row for this rank (see module doc);
-    `next_tokens`: also every token's successor in its document, shifted the same way."""
+    `next_tokens`: also every token's successor in its document, shifted the same way;
+    `row_starts`: where each of the model's own input rows starts in it (`SPMeta`)."""
     input_ids, position_ids, labels = (t.reshape(-1) for t in (input_ids, position_ids, labels))
     if not input_ids.numel() == position_ids.numel() == labels.numel():
         raise ValueError("input_ids, position_ids and labels must have the same length")
@@ -329,6 +335,7 @@ def shard_batch(
         segments=segments_for(cu_host, ranges, prefixes),
         cu_host=cu_host,
         prefixes=prefixes,
+        row_starts=row_starts,
     )
     batch = ShardedBatch(
         input_ids=slice_sequence(input_ids, ctx).unsqueeze(0),

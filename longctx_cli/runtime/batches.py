@@ -127,12 +127,20 @@ def media_inputs(pixels: torch.Tensor, grids: list, kinds: list[int] | tuple[int
                         torch.tensor(seconds, dtype=torch.float32) if seconds else None)
 
 
-def sharded_rows(rows: Rows | Dataset, state: ParallelState, pad_id: int, next_tokens: bool = False
-                 ) -> ShardedBatch:
+def sharded_rows(rows: Rows | Dataset, state: ParallelState, pad_id: int, next_tokens: bool = False,
+                 whole_rows: bool = False) -> ShardedBatch:
     """Collated `rows` as this rank's slice; a vision-language row also carries its whole
-    row's ids, text positions and images (runtime/vision.py)."""
-    ids, positions, labels = collate(rows)
-    sharded = shard_batch(ids, positions, labels, state, pad_id, next_tokens=next_tokens)
+    row's ids, text positions and images (runtime/vision.py). `whole_rows`: each row is one
+    input row of the model's own training (`ObjectiveSection.whole_rows`), so its start is
+    recorded (`SPMeta.row_starts`)."""
+    listed = list(rows)  # read once
+    ids, positions, labels = collate(listed)
+    starts = None
+    if whole_rows:
+        ends = torch.tensor([len(row["input_ids"]) for row in listed]).cumsum(0).tolist()
+        starts = (0, *ends[:-1])
+    sharded = shard_batch(ids, positions, labels, state, pad_id, next_tokens=next_tokens,
+                          row_starts=starts)
     if "pixel_values" in rows.column_names:
         sharded = with_vision(sharded, ids, positions, collate_images(rows), pad_id)
     return sharded
@@ -146,16 +154,17 @@ def micro_batches(rows, indices: list[int], config: Config, state: ParallelState
     batches = []
     for i in range(ga):
         chosen = mine[i * mbs : (i + 1) * mbs]
-        sharded = sharded_rows(rows.select(chosen), state, pad_id, config.objective.rl == "orpo")
+        sharded = sharded_rows(rows.select(chosen), state, pad_id, config.objective.rl == "orpo",
+                               config.objective.whole_rows)
         batches.append(to_device(replace(sharded, rows=tuple(chosen)), state.device))
     return batches
 
 
 def row_batch(rows, index: int, state: ParallelState, pad_id: int,
-              next_tokens: bool = False) -> ShardedBatch:
+              next_tokens: bool = False, whole_rows: bool = False) -> ShardedBatch:
     """Row `index` alone, sharded for this rank and on its device (evaluation, reference
-    passes): `rows` records which row it is."""
-    sharded = sharded_rows(rows.select([index]), state, pad_id, next_tokens)
+    passes): `rows` records which row it is. `whole_rows`: as `sharded_rows`."""
+    sharded = sharded_rows(rows.select([index]), state, pad_id, next_tokens, whole_rows)
     return to_device(replace(sharded, rows=(index,)), state.device)
 
 

@@ -42,7 +42,7 @@ def evaluate_loss(decoder: torch.nn.Module, lm_head: torch.nn.Module, rows, conf
     """Token-weighted eval loss over all ranks; every rank runs the same number of forwards."""
     loss_sum, count = 0.0, 0
     for index, real in rank_rows(len(rows), state):
-        batch = row_batch(rows, index, state, pad_id)
+        batch = row_batch(rows, index, state, pad_id, whole_rows=config.objective.whole_rows)
         if not real:  # keep collectives in step, contribute nothing
             batch.shift_labels.fill_(IGNORE_INDEX)
         loss_sum += forward_loss_sum(decoder, lm_head, batch, config, state).item()

@@ -426,14 +426,16 @@ def check_sparse_attention(shape: ModelShape) -> None:
 
 
 def check_query_position_scaling(shape: ModelShape, layout: Layout, sequence_len: int,
-                                 micro_batch_size: int, packed: bool) -> None:
+                                 micro_batch_size: int, split_by: str | None) -> None:
     """Llama 4's attention temperature tuning scales its NoPE layers' queries by
     ``log1p(floor((i + 1) / floor_scale)) * attn_scale + 1`` of ``i = arange(input length)``,
-    the token's index in the forward's input. Under SP (and in packed or concatenated rows) a
-    rank's input is its slice, so ``i`` is not the token's position in its document, and the
-    scale differs from the model's own forward as soon as an index or a position reaches
-    ``floor_scale - 1``; below that every scale is 1. One document per row at sp 1 is exact."""
-    if not shape.config_value("attn_temperature_tuning"):
+    the token's index in the forward's input. Under SP a rank's input is its slice; the SP
+    attention puts back the scale of each token's index in its row of the model's own
+    training (``parallel.attention.true_temperature``), which it knows where each dataset
+    row is one such row (the causal-LM loss). `split_by` names the objective that splits a
+    dataset row into rows longctx does not track (pairs, KTO examples, GRPO groups): it is
+    refused once an index reaches ``floor_scale - 1`` (below that every scale is 1)."""
+    if split_by is None or not shape.config_value("attn_temperature_tuning"):
         return
     floor = shape.config_value("floor_scale")
     no_rope = shape.config_value("no_rope_layers")  # no_rope_layers[i] = 1: layer i has RoPE
@@ -442,19 +444,18 @@ def check_query_position_scaling(shape: ModelShape, layout: Layout, sequence_len
     per_rank = -(-micro_batch_size * sequence_len // layout.sp)
     if max(per_rank, sequence_len) < floor:
         return
-    if layout.sp == 1 and micro_batch_size == 1 and not packed:
-        return  # every row is one document from index 0: the index is the position
     raise UserError(
         f"the model's NoPE layers scale queries by the token's index in the forward's input "
         f"(attn_temperature_tuning, floor_scale = {floor}), and with sequence_len "
-        f"{sequence_len} and {per_rank} tokens per rank that index reaches "
-        f"floor_scale: under sequence parallelism, packing or concatenated micro-batch rows "
-        "it is the index in a rank's slice of a row, not the token's position in its "
-        "document, so longctx would train a different model than the one you load.",
+        f"{sequence_len} and {per_rank} tokens per rank that index reaches floor_scale: "
+        "longctx puts back each token's index in its row of the model's own training for "
+        f"the causal-LM loss, but `{split_by}` splits each dataset row into rows there "
+        "(a pair's or a group's sequences) that longctx does not track, so it would train "
+        "a different model than the one you load.",
         where="sequence_len",
-        fix=f"keep sequence_len and the tokens per rank below {floor}, or add "
-        "`overrides_of_model_config: {attn_temperature_tuning: false}` to train the model "
-        "without temperature tuning.",
+        fix=f"with `{split_by}`, keep sequence_len and the tokens per rank below {floor}, "
+        "or add `overrides_of_model_config: {attn_temperature_tuning: false}` to train "
+        "the model without temperature tuning.",
     )
 
 

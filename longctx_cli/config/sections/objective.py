@@ -125,6 +125,20 @@ class ObjectiveSection(Section):
         return self.rl is not None and self.rl not in ("kto", "grpo")
 
     @property
+    def whole_rows(self) -> bool:
+        """Each dataset row is one input row of the model's own training (the causal-LM
+        loss); pairs, KTO examples and GRPO groups are split into several rows there."""
+        return self.splits_rows is None
+
+    @property
+    def splits_rows(self) -> str | None:
+        """The setting that splits a dataset row into several rows of the model's own
+        training (``rl: dpo``, ``reward_model: true``); None for the causal-LM loss."""
+        if self.rl is not None:
+            return f"rl: {self.rl}"
+        return "reward_model: true" if self.reward_model else None
+
+    @property
     def preference_beta(self) -> float:
         """beta of the preference loss: `rl_beta` (or ORPO's `orpo_alpha`), else TRL's 0.1."""
         given = self.orpo_alpha if self.orpo_alpha is not None else self.rl_beta
