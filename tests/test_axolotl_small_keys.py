@@ -168,6 +168,7 @@ def _hub_snapshot(repo, commit: str, hidden: int, template: str) -> None:
     tok.save_pretrained(folder)
 
 
+@pytest.mark.slow
 def test_revision_of_model_loads_that_revision_of_model_config_and_tokenizer(tmp_path) -> None:
     import json
     import os
@@ -379,6 +380,7 @@ def test_embeddings_size_rules_of_axolotl_and_the_adapter_rule() -> None:
             "base_model.model.lm_head.modules_to_save.default.weight"} <= trained
 
 
+@pytest.mark.slow
 def test_merge_lora_resizes_the_adapters_base_as_training_did(tmp_path) -> None:
     import json
 
@@ -435,6 +437,7 @@ def _tp_rows_worker(rank: int, world_size: int, keys: dict[str, Any]) -> str:
     return f"rows {model.get_input_embeddings().weight.full_tensor().shape[0]}"
 
 
+@pytest.mark.slow
 def test_added_tokens_under_tensor_parallelism_need_rows_tp_divides() -> None:
     from tests.distributed import run_distributed
 

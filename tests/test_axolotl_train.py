@@ -79,6 +79,7 @@ def test_issue_example_trains_at_sp4_with_a_tiny_model_override(tmp_path):
     assert saved["sequence_parallel_degree"] == 4  # the file itself is unchanged
 
 
+@pytest.mark.slow
 def test_wandb_offline_cadence_and_8bit_optimizer(tmp_path, data_file):
     """wandb (the real library, offline) gets the run; fractional save/eval steps, warmup_ratio
     and a bitsandbytes optimizer act."""
@@ -107,6 +108,7 @@ def test_wandb_offline_cadence_and_8bit_optimizer(tmp_path, data_file):
     assert b"final" in records  # wandb_log_model: end -> the final model as an artifact
 
 
+@pytest.mark.slow
 def test_loss_watchdog_stops_the_run(tmp_path, data_file):
     path = write_config(tmp_path, "dog", data_file, max_steps=5,
                         loss_watchdog_threshold=0.01, loss_watchdog_patience=2)

@@ -217,6 +217,7 @@ def test_preprocess_builds_then_reuses_the_cache(tmp_path):
 # ---- subprocess (the console entry point) ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_subprocess_validate_ok():
     result = longctx("validate", "examples/tiny_passkey.yaml", "--nproc-per-node", "4")
     assert result.returncode == 0, result.stderr

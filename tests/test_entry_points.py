@@ -200,6 +200,7 @@ def test_eval_of_an_sp2_run_on_one_and_two_ranks(tmp_path, trained):
             assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
 
 
+@pytest.mark.slow
 def test_eval_without_held_out_rows_runs_what_it_can(tmp_path, trained):
     config, final = trained
     out = tmp_path / "eval"
@@ -229,6 +230,7 @@ def _foreign_lines(result: subprocess.CompletedProcess) -> list[str]:
             and not any(re.fullmatch(p, line.strip()) for p in LONGCTX_LINES)]
 
 
+@pytest.mark.slow
 def test_a_lora_run_of_a_saved_model_prints_only_longctx_lines(tmp_path, documents):
     """A LoRA run with gradient checkpointing of a model loaded from a folder (the path a
     pretrained model takes): no third-party warning, bar or kernel message on any rank."""

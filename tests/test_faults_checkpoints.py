@@ -73,6 +73,7 @@ def _truncate(path: Path) -> None:
         fh.truncate(size // 2)
 
 
+@pytest.mark.slow
 def test_damaged_latest_checkpoint_is_skipped_and_resume_matches(straight):
     path, data, reference = straight
     run = path / "damaged"
@@ -108,6 +109,7 @@ def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(straight, tmp_pa
         resolve_resume("auto", run)
 
 
+@pytest.mark.slow
 def test_eval_refuses_a_truncated_final_model(straight, tmp_path):
     path, data, reference = straight
     final = tmp_path / "final"

@@ -92,6 +92,7 @@ def _sharded_step_worker(rank: int, world: int, path: str) -> dict:
             "grads_differ": [n for n in grads[0] if not torch.equal(grads[0][n], grads[1][n])]}
 
 
+@pytest.mark.slow
 def test_sharded_4bit_layers_compute_bit_for_bit(tmp_path):
     """Both ranks hold half of every packed weight; the step's loss and every LoRA gradient
     equal the unsharded model's exactly (both ranks see the same row, and FSDP2's average of

@@ -62,6 +62,7 @@ def test_generate_under_sp_equals_single_process_generate(tmp_path, model_dir, l
     assert "prompt: " in result.stderr
 
 
+@pytest.mark.slow
 def test_generate_refuses_a_prompt_beyond_sequence_len(tmp_path, model_dir):
     config = tmp_path / "c.yaml"
     config.write_text(json.dumps({"base_model": str(model_dir), "tokenizer": "byte",
@@ -74,6 +75,7 @@ def test_generate_refuses_a_prompt_beyond_sequence_len(tmp_path, model_dir):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_generate_reads_the_prompt_from_the_command_line(tmp_path, model_dir):
     """`--prompt TEXT` is tokenized like the file's text (here 100 bytes: past the row), and
     giving both --prompt and --prompt-file is refused."""

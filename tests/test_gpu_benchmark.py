@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_dry_run(tmp_path: Path) -> None:
     out = tmp_path / "gpu-dry.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

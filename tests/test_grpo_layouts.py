@@ -65,6 +65,7 @@ def reference(tmp_path_factory) -> tuple[Path, Path]:
     return tmp_path, data
 
 
+@pytest.mark.slow
 def test_reference_run_is_a_real_check(reference):
     """What the layout tests compare against: groups that decode different numbers of
     tokens, a batch reused across steps (rewards logged every SPLIT steps, the later step's
@@ -97,6 +98,7 @@ def lockstep(reference) -> Path:
     return tmp_path / "dp2-sp2-fsdp-lockstep"
 
 
+@pytest.mark.slow
 def test_fsdp_weights_gathered_once_at_dp2(reference):
     tmp_path, data = reference
     train(layout_config(tmp_path, "dp2-fsdp-gathered", data, fsdp=True), 2)

@@ -90,6 +90,7 @@ def prompts(tmp_path: Path) -> Path:
     return write_prompts(tmp_path / "prompts.jsonl")
 
 
+@pytest.mark.slow
 def test_grpo_sp2_trains_as_sp1(tmp_path, prompts):
     """Two generation batches (num_iterations 2: rollout-time log-probabilities kept), the KL
     to the adapter-off reference, two micro-batches a step: the run over 2 ranks (each prompt
