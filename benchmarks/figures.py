@@ -339,16 +339,21 @@ def rollout_speed() -> str:
     ]))
 
 
-PEERS_EXCHANGE = "peers-ulysses-exchange-2026-11-27.json"
-
-
-def peers_exchange() -> str:
+def peers_run(name: str, *files: str) -> Callable[[], str]:
+    """A block of saved peers.py runs of the same rows: each run's table, its command,
+    machine and date (several files: the same command on different days)."""
     from benchmarks.peers import table
 
-    data = _json(PEERS_EXCHANGE)
-    return _wrap("peers-ulysses-exchange", f"{table(data['results'])}\n\n`{data['command']}`, "
-                 f"{data['machine']}, {data['date']} (`benchmarks/results/{PEERS_EXCHANGE}`); "
-                 "the limit is plain HF's time per step over the 2 ranks.")
+    def render() -> str:
+        parts = []
+        for file in files:
+            data = _json(file)
+            parts.append(f"{table(data['results'])}\n\n`{data['command']}`, {data['machine']}, "
+                         f"{data['date']}, {data['total_s'] / 60:.0f} min "
+                         f"(`benchmarks/results/{file}`).")
+        return _wrap(name, "\n\n".join(parts) + "\n\nThe limit is plain HF's time per step "
+                     "over the 2 ranks.")
+    return render
 
 
 def reach_table() -> str:
@@ -639,7 +644,10 @@ BLOCKS = [
     Block("README.md", "peers", peers_table),
     Block("docs/results.md", "quickstart-run", quickstart_run),
     Block("docs/results.md", "example-results", example_results),
-    Block("docs/results.md", "peers-ulysses-exchange", peers_exchange),
+    Block("docs/results.md", "peers-ulysses-exchange",
+          peers_run("peers-ulysses-exchange", "peers-ulysses-exchange-2026-11-27.json")),
+    Block("docs/results.md", "peers-quiet",
+          peers_run("peers-quiet", "peers-quiet-2026-12-04.json", "peers-quiet2-2026-12-04.json")),
     Block("docs/results.md", "peers-8k", peers_rows("peers-8k", "peers-2026-11-26.json")),
     Block("docs/results.md", "peers-32k", peers_rows("peers-32k", "peers-32k-2026-11-27.json")),
     Block("docs/results.md", "reach", reach_table),

@@ -95,6 +95,11 @@ ForwardNprocOpt = Annotated[
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
+def path_option(flag: str, help: str) -> Any:
+    """A folder or file option with no default shown (`--checkpoint`, `--output`, ...)."""
+    return typer.Option(flag, help=help, show_default=False)
+
+
 def overrides_help(example: str) -> str:
     """The help paragraph on config overrides, with an example that suits the command."""
     return ("\n\nAny top-level config key can be overridden after CONFIG, e.g. "
@@ -369,12 +374,11 @@ def eval_(
     config: ConfigArg,
     checkpoint: Annotated[
         Path,
-        typer.Option("--checkpoint", help="Checkpoint folder to evaluate.", show_default=False),
+        path_option("--checkpoint", "Checkpoint folder to evaluate."),
     ],
     compare: Annotated[
         Path | None,
-        typer.Option("--compare", help="A second checkpoint to evaluate side by side.",
-                     show_default=False),
+        path_option("--compare", "A second checkpoint to evaluate side by side."),
     ] = None,
     nproc_per_node: ForwardNprocOpt = None,
 ) -> None:
@@ -412,18 +416,15 @@ def generate(
     config: ConfigArg,
     checkpoint: Annotated[
         Path,
-        typer.Option("--checkpoint", help="final/, checkpoint-<step>/ or merged/ folder.",
-                     show_default=False),
+        path_option("--checkpoint", "final/, checkpoint-<step>/ or merged/ folder."),
     ],
     prompt_file: Annotated[
         Path | None,
-        typer.Option("--prompt-file", help="UTF-8 text file with the prompt (default: stdin).",
-                     show_default=False),
+        path_option("--prompt-file", "UTF-8 text file with the prompt (default: stdin)."),
     ] = None,
     prompt: Annotated[
         str | None,
-        typer.Option("--prompt", help="The prompt itself (instead of --prompt-file or stdin).",
-                     show_default=False),
+        path_option("--prompt", "The prompt itself (instead of --prompt-file or stdin)."),
     ] = None,
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", min=1, help="Most tokens to generate.")
@@ -454,13 +455,11 @@ def merge_lora(
     config: ConfigArg,
     checkpoint: Annotated[
         Path,
-        typer.Option("--checkpoint", help="The run's final/ folder (an adapter).",
-                     show_default=False),
+        path_option("--checkpoint", "The run's final/ folder (an adapter)."),
     ],
     output: Annotated[
         Path | None,
-        typer.Option("--output", help="Where to write it (default: <output_dir>/merged).",
-                     show_default=False),
+        path_option("--output", "Where to write it (default: <output_dir>/merged)."),
     ] = None,
 ) -> None:
     """Write base + adapter, in the config's dtype, with tokenizer and generation config."""

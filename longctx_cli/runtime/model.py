@@ -19,6 +19,7 @@ from transformers import (
 
 from longctx_cli.config import Config
 from longctx_cli.config.model_shape import read_model_config
+from longctx_cli.config.sections.parallel import FsdpConfig
 from longctx_cli.config.sections.training import unfrozen_pattern
 from longctx_cli.config.shape import causal_lm_class, fused_expert_names, is_vision_language
 from longctx_cli.errors import UserError
@@ -465,22 +466,16 @@ def apply_fsdp(model: nn.Module, mesh, config: Config | None = None) -> None:
 
 
 @contextlib.contextmanager
-def fsdp_weights_gathered(model: nn.Module) -> Iterator[None]:
+def fsdp_weights_gathered(model: nn.Module, fsdp_config: FsdpConfig | None) -> Iterator[None]:
     """Every FSDP2-sharded weight of `model` gathered once, for the duration (rollouts):
     forwards inside issue no FSDP collective, so data-parallel groups may run different
-    numbers of them. Each module's resharding after forward is restored on exit as it was
-    (FSDP2 keeps it per parameter group, with no public getter: read there). A model
-    without FSDP2 is left as it is."""
+    numbers of them. On exit each module reshards after forward again as `apply_fsdp`
+    sharded it with `fsdp_config` (without one, FSDP2's default: every module but the
+    root). A model without FSDP2 is left as it is."""
     from torch.distributed.fsdp import FSDPModule
 
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if isinstance(model, FSDPModule):  # the root settles its own resharding at its first forward
-        model._get_fsdp_state()._lazy_init()
-    saved = []
     for module in modules:
-        fsdp_state = module._get_fsdp_state()
-        saved.append((fsdp_state, fsdp_state._auto_reshard_after_forward,
-                      [(g, g.post_forward_mesh_info) for g in fsdp_state._fsdp_param_groups]))
         module.set_reshard_after_forward(False, recurse=False)
         module.unshard()  # the same all-gathers on every rank, in the same order
     try:
@@ -488,10 +483,9 @@ def fsdp_weights_gathered(model: nn.Module) -> Iterator[None]:
     finally:
         for module in modules:
             module.reshard()
-        for fsdp_state, auto, groups in saved:  # what was there, not what a run usually sets
-            fsdp_state._auto_reshard_after_forward = auto
-            for group, mesh_info in groups:
-                group.post_forward_mesh_info = mesh_info
+            again = (fsdp_config.reshard_after_forward if fsdp_config is not None
+                     else module is not model)  # FSDP2's default keeps the root's gathered
+            module.set_reshard_after_forward(again, recurse=False)
 
 
 def keep_4bit_state_on_modules(model: nn.Module) -> int:

@@ -226,7 +226,7 @@ class Grpo:
         gather = use_fsdp and self.trl.ds3_gather_for_generation
         self.model.eval()  # no dropout, and a KV cache even with gradient checkpointing
         samples: list[list[list[int]]] = []
-        with fsdp_weights_gathered(self.model) if gather else (
+        with fsdp_weights_gathered(self.model, config.parallel.fsdp_config) if gather else (
                 contextlib.nullcontext()):
             for k, record in enumerate(records):
                 generator = None
