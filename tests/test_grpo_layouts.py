@@ -17,7 +17,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from tests.distributed import run_distributed
 from tests.test_grpo_train import REWARDS, assert_same_grpo_run, grpo_config, write_prompts
 from tests.train_helpers import TINY_LLAMA, read_metrics, train
 
@@ -299,3 +301,60 @@ def test_half_precision_side_passes_run_under_the_updates_autocast(reference):
     tmp_path, data = reference
     assert first_clip_ratio(tmp_path, "fp16", data, dtype="float16", trl=EXACT_RATIO,
                             **FULL) == 0.0
+
+
+# ---- the rollout's one gather, and what it leaves behind (FSDP2's public API) -------------
+
+def _resharding_worker(rank: int, world: int, reshard: bool | None) -> dict[str, list[bool]]:
+    """Which FSDP2 modules hold gathered (plain) weights after a forward: before a rollout's
+    gather, inside it, and after it. FSDP2 registers the sharded DTensors again after a
+    forward only where the module reshards after forward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from longctx_cli.config import Config
+    from longctx_cli.runtime.model import apply_fsdp, fsdp_weights_gathered
+
+    fields = {} if reshard is None else {"fsdp": True,
+                                          "fsdp_config": {"reshard_after_forward": reshard}}
+    config = Config.model_validate({"model_config": TINY_LLAMA, "tokenizer": "byte",
+                                    "datasets": [{"type": "passkey"}], **fields})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**{
+        k: v for k, v in TINY_LLAMA.items() if k != "model_type"}))
+    apply_fsdp(model, init_device_mesh("cpu", (world,)), config if fields else None)
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    ids = torch.arange(16)[None]
+
+    def managed(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+        """The weights `module`'s own FSDP group holds (none of a nested group's)."""
+        nested = {id(p) for m in module.modules() if m is not module and m in modules
+                  for p in m.parameters()}
+        return [p for p in module.parameters() if id(p) not in nested]
+
+    def gathered_after_forward() -> list[bool]:
+        with torch.no_grad():
+            model(input_ids=ids)
+        return [not any(isinstance(p, DTensor) for p in managed(m)) for m in groups]
+
+    groups = [m for m in modules if managed(m)]  # the root of a causal LM holds none
+
+    before = gathered_after_forward()
+    with fsdp_weights_gathered(model, config.parallel.fsdp_config):
+        inside = gathered_after_forward()
+    return {"before": before, "inside": inside, "after": gathered_after_forward(),
+            "root": [m is model for m in groups]}
+
+
+@pytest.mark.parametrize("reshard", [None, True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["default", "zero3", "zero2"])
+def test_a_rollouts_gather_restores_each_modules_resharding(reshard):
+    for result in run_distributed(_resharding_worker, 2, reshard, timeout_s=180):
+        assert all(result["inside"]), result  # every weight stays gathered for the rollout
+        assert result["after"] == result["before"], result  # and is resharded as it was
+        if reshard is None:  # FSDP2's default: all but the root reshard after forward
+            assert result["before"] == result["root"], result
+        else:
+            assert result["before"] == [not reshard] * len(result["root"]), result
