@@ -552,10 +552,11 @@ def recheck_fix(
                 legal.setdefault(key, []).append(value)
     offers = [f"`{key}` to {_or(['null' if v is None else str(v) for v in values])}"
               for key, values in legal.items()]
+    ranks = f"{world} rank{'s' if world != 1 else ''}"
     fix = (f"set {'; or '.join(offers)} (each checked against every rule for this config on "
-           f"{world} ranks)" if offers else
+           f"{ranks})" if offers else
            f"no other value of {_or([f'`{k}`' for k in keys])} passes every rule for this "
-           f"config on {world} ranks")
+           f"config on {ranks}")
     group = config.parallel.sequence_parallel_degree * config.parallel.tensor_parallel_size
     launch = -(-world // group) * group  # the next world this config's groups fill
     if launch != world and _passes(config, launch, "launched", shape, None, assume_gpu):
