@@ -156,7 +156,7 @@ def gpu_file(name: str, stem: str) -> Callable[[], str]:
 # ---- README: the Quickstart's time, the comparison with ALST --------------------------------
 
 # The README shows every machine the Quickstart was timed on (same seed, different CPUs).
-QUICKSTART = ("quickstart-2026-11-28.json", "quickstart-2026-11-28-amd.json")
+QUICKSTART = ("quickstart-2026-11-28.json", "quickstart-2026-12-04-amd.json")
 PEERS = ("peers-startup-2026-11-27.json", "reach-2026-11-27.json",
          "live-activations-lean-2026-11-27.json")
 
