@@ -95,8 +95,8 @@ ForwardNprocOpt = Annotated[
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
-def path_option(flag: str, help: str) -> Any:
-    """A folder or file option with no default shown (`--checkpoint`, `--output`, ...)."""
+def no_default_shown(flag: str, help: str) -> Any:
+    """An option whose help shows no default (`--checkpoint`, `--output`, `--prompt`, ...)."""
     return typer.Option(flag, help=help, show_default=False)
 
 
@@ -374,11 +374,11 @@ def eval_(
     config: ConfigArg,
     checkpoint: Annotated[
         Path,
-        path_option("--checkpoint", "Checkpoint folder to evaluate."),
+        no_default_shown("--checkpoint", "Checkpoint folder to evaluate."),
     ],
     compare: Annotated[
         Path | None,
-        path_option("--compare", "A second checkpoint to evaluate side by side."),
+        no_default_shown("--compare", "A second checkpoint to evaluate side by side."),
     ] = None,
     nproc_per_node: ForwardNprocOpt = None,
 ) -> None:
@@ -416,15 +416,15 @@ def generate(
     config: ConfigArg,
     checkpoint: Annotated[
         Path,
-        path_option("--checkpoint", "final/, checkpoint-<step>/ or merged/ folder."),
+        no_default_shown("--checkpoint", "final/, checkpoint-<step>/ or merged/ folder."),
     ],
     prompt_file: Annotated[
         Path | None,
-        path_option("--prompt-file", "UTF-8 text file with the prompt (default: stdin)."),
+        no_default_shown("--prompt-file", "UTF-8 text file with the prompt (default: stdin)."),
     ] = None,
     prompt: Annotated[
         str | None,
-        path_option("--prompt", "The prompt itself (instead of --prompt-file or stdin)."),
+        no_default_shown("--prompt", "The prompt itself (instead of --prompt-file or stdin)."),
     ] = None,
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", min=1, help="Most tokens to generate.")
@@ -455,11 +455,11 @@ def merge_lora(
     config: ConfigArg,
     checkpoint: Annotated[
         Path,
-        path_option("--checkpoint", "The run's final/ folder (an adapter)."),
+        no_default_shown("--checkpoint", "The run's final/ folder (an adapter)."),
     ],
     output: Annotated[
         Path | None,
-        path_option("--output", "Where to write it (default: <output_dir>/merged)."),
+        no_default_shown("--output", "Where to write it (default: <output_dir>/merged)."),
     ] = None,
 ) -> None:
     """Write base + adapter, in the config's dtype, with tokenizer and generation config."""

@@ -424,13 +424,11 @@ def apply_fsdp(model: nn.Module, mesh, config: Config | None = None) -> None:
     (`fsdp_config`: reshard_after_forward, offload_params)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    options: dict = {}
     fc = config.parallel.fsdp_config if config is not None else None
-    if fc is not None:
-        options["reshard_after_forward"] = fc.reshard_after_forward
-        if fc.offload_params and torch.cuda.is_available():
-            # On a CPU run the parameters already live in host memory.
-            options["offload_policy"] = CPUOffloadPolicy()
+    options: dict = {"reshard_after_forward": reshards_after_forward(fc, root=False)}
+    if fc is not None and fc.offload_params and torch.cuda.is_available():
+        # On a CPU run the parameters already live in host memory.
+        options["offload_policy"] = CPUOffloadPolicy()
 
     base = unwrap(model)
     keep_4bit_state_on_modules(base)
@@ -462,7 +460,15 @@ def apply_fsdp(model: nn.Module, mesh, config: Config | None = None) -> None:
                 fully_shard(block, mesh=mesh, **options)
             fully_shard(module, mesh=mesh, **options)
     fully_shard(decoder, mesh=mesh, **options)
-    fully_shard(model, mesh=mesh, **options)
+    root = {**options, "reshard_after_forward": reshards_after_forward(fc, root=True)}
+    fully_shard(model, mesh=mesh, **root)
+
+
+def reshards_after_forward(fsdp_config: FsdpConfig | None, root: bool) -> bool:
+    """Whether an FSDP2 module frees its gathered weights after forward: `fsdp_config`'s
+    choice, else FSDP2's own default (every module but the root, whose weights backward
+    needs first)."""
+    return fsdp_config.reshard_after_forward if fsdp_config is not None else not root
 
 
 @contextlib.contextmanager
@@ -470,8 +476,7 @@ def fsdp_weights_gathered(model: nn.Module, fsdp_config: FsdpConfig | None) -> I
     """Every FSDP2-sharded weight of `model` gathered once, for the duration (rollouts):
     forwards inside issue no FSDP collective, so data-parallel groups may run different
     numbers of them. On exit each module reshards after forward again as `apply_fsdp`
-    sharded it with `fsdp_config` (without one, FSDP2's default: every module but the
-    root). A model without FSDP2 is left as it is."""
+    sharded it with `fsdp_config`. A model without FSDP2 is left as it is."""
     from torch.distributed.fsdp import FSDPModule
 
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -483,9 +488,8 @@ def fsdp_weights_gathered(model: nn.Module, fsdp_config: FsdpConfig | None) -> I
     finally:
         for module in modules:
             module.reshard()
-            again = (fsdp_config.reshard_after_forward if fsdp_config is not None
-                     else module is not model)  # FSDP2's default keeps the root's gathered
-            module.set_reshard_after_forward(again, recurse=False)
+            module.set_reshard_after_forward(
+                reshards_after_forward(fsdp_config, root=module is model), recurse=False)
 
 
 def keep_4bit_state_on_modules(model: nn.Module) -> int:
