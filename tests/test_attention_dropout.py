@@ -39,11 +39,12 @@ TOKENS = 48  # one document: no padding at sp 2
 PACKED = [10, 27, 5, 22]  # 64 tokens
 
 
-def tiny_seed_oss(attn: str) -> torch.nn.Module:
+def tiny_seed_oss(attn: str, heads: tuple[int, int] = (4, 2)) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, SeedOssConfig
 
     cfg = SeedOssConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        num_hidden_layers=2, num_attention_heads=heads[0],
+                        num_key_value_heads=heads[1],
                         head_dim=16, max_position_embeddings=256, attention_dropout=P,
                         residual_dropout=0.0)  # only attention dropout draws
     torch.manual_seed(0)
@@ -55,9 +56,9 @@ def one_document() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.arange(TOKENS)
 
 
-def model_run(train: bool, seed: int) -> tuple[torch.Tensor, dict]:
+def model_run(train: bool, seed: int, heads: tuple[int, int] = (4, 2)) -> tuple[torch.Tensor, dict]:
     """The model's own SDPA forward and backward on one document (sum of token CE)."""
-    model = tiny_seed_oss("sdpa").train(train)
+    model = tiny_seed_oss("sdpa", heads).train(train)
     ids, pos = one_document()
     torch.manual_seed(seed)
     logits = model(ids[None], position_ids=pos[None]).logits[0]
@@ -65,11 +66,11 @@ def model_run(train: bool, seed: int) -> tuple[torch.Tensor, dict]:
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def longctx_run(ctx, train: bool, seed: int, checkpointing: bool = False
-                ) -> tuple[torch.Tensor, dict]:
+def longctx_run(ctx, train: bool, seed: int, checkpointing: bool = False,
+                heads: tuple[int, int] = (4, 2)) -> tuple[torch.Tensor, dict]:
     """The same through longctx_sp on ``ctx``: gathered logits, SP-summed gradients
     (``checkpointing``: each layer recomputed in backward, which must redraw its mask)."""
-    model = tiny_seed_oss(register_sp_attention())
+    model = tiny_seed_oss(register_sp_attention(), heads)
     if checkpointing:
         model.gradient_checkpointing_enable()
     model.train(train)
@@ -91,14 +92,15 @@ def longctx_run(ctx, train: bool, seed: int, checkpointing: bool = False
     return gather_sequence(logits.detach(), ctx)[:TOKENS], grads
 
 
-def errors(ctx, train: bool, seed: int, checkpointing: bool = False) -> dict[str, float]:
-    logits, grads = longctx_run(ctx, train, seed, checkpointing)
-    ref_logits, ref_grads = model_run(train, seed)
+def errors(ctx, train: bool, seed: int, checkpointing: bool = False,
+           heads: tuple[int, int] = (4, 2)) -> dict[str, float]:
+    logits, grads = longctx_run(ctx, train, seed, checkpointing, heads)
+    ref_logits, ref_grads = model_run(train, seed, heads)
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a - b).norm() / b.norm())
 
-    eval_logits, _ = model_run(False, seed)
+    eval_logits, _ = model_run(False, seed, heads)
     return {"logits": rel(logits, ref_logits),
             "grads": max(rel(grads[n], ref_grads[n]) for n in ref_grads),
             "dropped": rel(ref_logits, eval_logits)}  # training differs from eval at all
@@ -211,6 +213,16 @@ def test_ulysses_sp2_draws_the_masks_of_sp1_and_drops_at_the_model_rate() -> Non
     for result in run_distributed(_ulysses_attention_worker, 2, timeout_s=240):
         assert result["same"] < TOL and result["dropped"] > 1e-2, result
         check_law(result["law"])
+
+
+def _uneven_model_worker(rank: int, world: int) -> dict[str, float]:
+    return errors(sp_state(sp=world, mode="ulysses", kernel="torch"), True, seed=7, heads=(6, 3))
+
+
+def test_ulysses_sp2_with_uneven_heads_trains_as_the_models_own_sdpa() -> None:
+    # The model's own forward and gradients under the same seed, its 6 heads split 4 and 2.
+    for result in run_distributed(_uneven_model_worker, 2, timeout_s=240):
+        check(result, train=True)
 
 
 def test_ulysses_sp2_with_uneven_heads_draws_the_masks_of_sp1() -> None:
